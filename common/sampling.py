@@ -1,0 +1,90 @@
+"""Per-request sampling parameters, shared by the engine, the wire protocol and the gateway.
+
+Pure Python: validation happens here, once, at every boundary that builds one (`validate()`
+raises ValueError naming the offending field).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_ITEMS = 16
+MAX_STOP_LEN = 256
+MAX_TOKENS_LIMIT = 1 << 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    temperature 0 means greedy. `seed` makes a request's samples reproducible whatever else
+    shares its batch. `logprobs` = k returns the top-k log-probabilities of each sampled token
+    (None = off). `stop` strings are matched on text by the tokenizer service; the engine itself
+    stops on `stop_token_ids`, EOS (unless `ignore_eos`) and `max_tokens`.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> "SamplingParams":
+        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
+        _check(_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
+        _check(_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "top_k", "must be -1 (off) or >= 1")
+        _check(_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed", "must be a non-negative 63-bit integer")
+        _check(_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]")
+        _check(_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        _check(_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        _check(isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= MAX_TOKENS_LIMIT, "max_tokens", "must be an integer >= 1")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]")
+        _check(len(self.stop_token_ids) <= MAX_STOP_ITEMS and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", f"must be at most {MAX_STOP_ITEMS} non-negative token ids")
+        _check(len(self.stop) <= MAX_STOP_ITEMS and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in self.stop), "stop", f"must be at most {MAX_STOP_ITEMS} non-empty strings of at most {MAX_STOP_LEN} characters")
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS), "logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        return self
+
+    def to_dict(self) -> dict:
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SamplingParams":
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown sampling field(s): {sorted(unknown)}")
+        values = dict(data)
+        for name in ("stop_token_ids", "stop"):
+            if name in values:
+                if not isinstance(values[name], (list, tuple)):
+                    raise ValueError(f"{name}: must be a list")
+                values[name] = tuple(values[name])
+        return cls(**values).validate()
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
+
+
+def _check(ok: bool, name: str, why: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {why}")
