@@ -1,0 +1,148 @@
+"""Attention over paged KV memory for one flat batch (the CPU/torch path).
+
+Per layer the pool is `kv[page, 2, slot, kv_head, head_dim]` (DESIGN.md §3). Viewed flat as
+`[page * 2 * page_size + (0 | page_size) + slot, kv_head, head_dim]`, the K of the token in slot
+`o` of page `p` is row `p*2*S + o` and its V is `page_size` rows further. All gather indices are
+computed once per step (`AttentionMetadata.build`) and reused by every layer.
+
+Batch order: the scheduler puts decodes (one query token each) first; they are attended in one
+batched SDPA call over their gathered, padded contexts. Prefill chunks follow, one SDPA call each,
+causal inside the chunk and attending to the sequence's earlier pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSlice:
+    query_start: int
+    query_len: int
+    key_index: torch.Tensor  # [L] flat K rows of the sequence's whole context
+    mask: torch.Tensor | None  # [q_len, L] bool, None when the chunk is the whole context
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's queries and keys are, for one step."""
+
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: page * page_size + offset
+    query_start_loc: torch.Tensor  # [S+1] int32
+    seq_lens: torch.Tensor  # [S] int32, context length after this step
+    block_tables: torch.Tensor  # [S, max_pages] int32, 0-padded
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int  # the first num_decodes sequences have query length 1
+    page_size: int
+    # CPU path: flat row indices, computed once per step
+    write_index: torch.Tensor | None = None  # [T] K rows to write
+    decode_key_index: torch.Tensor | None = None  # [num_decodes, L]
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, L] bool
+    prefills: list[PrefillSlice] | None = None
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        page_size: int,
+        device: torch.device,
+        for_cpu: bool,
+    ) -> "AttentionMetadata":
+        num_decodes = 0
+        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        max_pages = max(len(t) for t in block_tables)
+        table = torch.zeros(len(block_tables), max_pages, dtype=torch.int32)
+        for i, t in enumerate(block_tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        positions = torch.cat(
+            [torch.arange(s - q, s, dtype=torch.int64) for q, s in zip(query_lens, seq_lens)]
+        )
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+        pages = table[seq_of_token, positions // page_size].to(torch.int64)
+        slot_mapping = pages * page_size + positions % page_size
+        md = cls(
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=table,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            num_decodes=num_decodes,
+            page_size=page_size,
+        )
+        if for_cpu:
+            md._build_cpu_indices(query_lens, seq_lens, pages)
+        return md.to(device)
+
+    def _build_cpu_indices(self, query_lens: list[int], seq_lens: list[int], token_pages: torch.Tensor) -> None:
+        size = self.page_size
+        self.write_index = token_pages * 2 * size + self.positions % size
+        table = self.block_tables.to(torch.int64)
+        if self.num_decodes:
+            lens = self.seq_lens[: self.num_decodes].to(torch.int64)
+            pos = torch.arange(int(lens.max()), dtype=torch.int64)
+            page = table[: self.num_decodes, pos // size]
+            self.decode_key_index = page * 2 * size + pos % size
+            self.decode_mask = (pos[None, :] < lens[:, None])[:, None, None, :]
+        self.prefills = []
+        for s in range(self.num_decodes, len(query_lens)):
+            q, length = query_lens[s], seq_lens[s]
+            pos = torch.arange(length, dtype=torch.int64)
+            key_index = table[s, pos // size] * 2 * size + pos % size
+            mask = None
+            if length != q:  # attends to earlier pages: causal with an offset
+                mask = pos[None, :] <= (length - q + torch.arange(q))[:, None]
+            start = int(self.query_start_loc[s])
+            self.prefills.append(PrefillSlice(start, q, key_index, mask))
+
+    def to(self, device: torch.device) -> "AttentionMetadata":
+        if device.type == "cpu":
+            return self
+        for name in ("positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+            setattr(self, name, getattr(self, name).to(device, non_blocking=True))
+        return self
+
+
+def write_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata) -> None:
+    flat = kv_layer.view(-1, *kv_layer.shape[-2:])
+    flat.index_copy_(0, md.write_index, k)
+    flat.index_copy_(0, md.write_index + md.page_size, v)
+
+
+def paged_attention_torch(
+    q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """q: [T, H, D]; kv_layer: [P, 2, S, KVH, D] with this step's K/V already written."""
+    num_kv_heads, head_dim = kv_layer.shape[-2:]
+    flat = kv_layer.view(-1, num_kv_heads, head_dim)
+    out = torch.empty_like(q)
+    group = q.shape[1] // num_kv_heads
+    nd = md.num_decodes
+    if nd:
+        # queries of one KV head's group ride as a query length: no K/V expansion needed
+        qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
+        kd = flat[md.decode_key_index].transpose(1, 2)  # [nd, KVH, L, D]
+        vd = flat[md.decode_key_index + md.page_size].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md.decode_mask, scale=scale)
+        out[:nd] = o.reshape(nd, -1, head_dim)
+    for p in md.prefills:
+        qp = q[p.query_start : p.query_start + p.query_len].transpose(0, 1).unsqueeze(0)
+        kp = flat[p.key_index].transpose(0, 1).unsqueeze(0)
+        vp = flat[p.key_index + md.page_size].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=group > 1
+        )
+        out[p.query_start : p.query_start + p.query_len] = o[0].transpose(0, 1)
+    return out

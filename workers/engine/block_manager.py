@@ -1,0 +1,222 @@
+"""Paged KV memory bookkeeping: which page holds what, who shares it, what may be evicted.
+
+Pure Python (no torch): the model runner owns the tensors, this owns the page ids.
+
+    page ids:   0 | 1 2 3 ... num_pages-1
+                ^ null page: padding in block tables, never handed out
+
+    a page is in exactly one of three places:
+      free        unreferenced, holds nothing reusable         (deque, FIFO)
+      evictable   unreferenced, holds a full hashed prefix page (LRU, oldest first)
+      in use      ref_count >= 1                                (shared when > 1)
+
+Prefix cache: a full page is keyed by a hash chained over the parent page's hash and its own
+token ids, so equal keys mean equal whole prefixes; a hit also compares the token ids.
+Copy-on-write: `fork` shares every page of a block table; the first write into a shared page
+makes the writer move to a private copy (`ensure_writable` returns the copy to perform).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+NULL_PAGE = 0
+
+
+class OutOfPages(RuntimeError):
+    """No free or evictable page is left."""
+
+
+@dataclass
+class Page:
+    page_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+def chain_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    return hash((parent_hash, tuple(token_ids)))
+
+
+@dataclass
+class BlockManager:
+    """Allocates, shares, caches and frees fixed-size KV pages."""
+
+    num_pages: int
+    page_size: int
+    enable_prefix_caching: bool = True
+    pages: list[Page] = field(init=False)
+    free: deque[int] = field(init=False)
+    evictable: OrderedDict[int, None] = field(init=False)
+    hash_to_page: dict[int, int] = field(init=False)
+    prefix_hits: int = field(default=0, init=False)
+    prefix_queries: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.num_pages < 2:
+            raise ValueError("num_pages: need at least 2 (page 0 is the null page)")
+        self.pages = [Page(i) for i in range(self.num_pages)]
+        self.free = deque(range(1, self.num_pages))
+        self.evictable = OrderedDict()
+        self.hash_to_page = {}
+
+    # ---- capacity -------------------------------------------------------------------------
+    @property
+    def num_usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages an allocation can take now (free + evictable)."""
+        return len(self.free) + len(self.evictable)
+
+    @property
+    def num_used_pages(self) -> int:
+        return self.num_usable_pages - self.num_free_pages
+
+    def pages_needed(self, block_table: Sequence[int], num_tokens: int) -> int:
+        """New pages a table needs to hold `num_tokens` tokens."""
+        return max(0, -(-num_tokens // self.page_size) - len(block_table))
+
+    # ---- allocation -----------------------------------------------------------------------
+    def _take_page(self) -> int:
+        if self.free:
+            page_id = self.free.popleft()
+        elif self.evictable:
+            page_id, _ = self.evictable.popitem(last=False)
+            page = self.pages[page_id]
+            if self.hash_to_page.get(page.hash) == page_id:
+                del self.hash_to_page[page.hash]
+            page.hash = None
+            page.token_ids = None
+        else:
+            raise OutOfPages("KV cache is full")
+        self.pages[page_id].ref_count = 1
+        return page_id
+
+    def grow(self, block_table: list[int], num_tokens: int) -> None:
+        """Append pages to `block_table` (in place) so it holds `num_tokens` tokens."""
+        needed = self.pages_needed(block_table, num_tokens)
+        if needed > self.num_free_pages:
+            raise OutOfPages(f"need {needed} pages, {self.num_free_pages} free")
+        for _ in range(needed):
+            block_table.append(self._take_page())
+
+    def _acquire(self, page_id: int) -> None:
+        page = self.pages[page_id]
+        if page.ref_count == 0:
+            self.evictable.pop(page_id, None)
+        page.ref_count += 1
+
+    def _release(self, page_id: int) -> None:
+        page = self.pages[page_id]
+        page.ref_count -= 1
+        if page.ref_count > 0:
+            return
+        if page.hash is not None and self.hash_to_page.get(page.hash) == page_id:
+            self.evictable[page_id] = None  # most recently used at the end
+        else:
+            page.hash = None
+            page.token_ids = None
+            self.free.append(page_id)
+
+    def free_table(self, block_table: list[int]) -> None:
+        """Drop one reference to every page of a table (in reverse, so a prefix's tail is
+        evicted before its head) and empty the table."""
+        for page_id in reversed(block_table):
+            self._release(page_id)
+        block_table.clear()
+
+    # ---- sharing --------------------------------------------------------------------------
+    def fork(self, block_table: Sequence[int]) -> list[int]:
+        """A new table sharing every page of `block_table` (copy-on-write)."""
+        for page_id in block_table:
+            self._acquire(page_id)
+        return list(block_table)
+
+    def ensure_writable(self, block_table: list[int], position: int) -> tuple[int, int] | None:
+        """Before writing the token at `position`: if its page is shared, move this table to a
+        private copy and return (src_page, dst_page) for the runner to copy; else None."""
+        index = position // self.page_size
+        page_id = block_table[index]
+        if self.pages[page_id].ref_count == 1:
+            return None
+        new_id = self._take_page()
+        self._release(page_id)
+        block_table[index] = new_id
+        return page_id, new_id
+
+    # ---- prefix cache ---------------------------------------------------------------------
+    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Cached pages holding the longest prefix of `token_ids` made of full pages, leaving at
+        least one token uncached (its logits are needed). Takes a reference on each hit."""
+        if not self.enable_prefix_caching:
+            return []
+        max_pages = (len(token_ids) - 1) // self.page_size
+        hits: list[int] = []
+        parent: int | None = None
+        self.prefix_queries += max_pages
+        for i in range(max_pages):
+            chunk = tuple(token_ids[i * self.page_size : (i + 1) * self.page_size])
+            key = chain_hash(parent, chunk)
+            page_id = self.hash_to_page.get(key)
+            if page_id is None or self.pages[page_id].token_ids != chunk:
+                break
+            hits.append(page_id)
+            parent = key
+        for page_id in hits:
+            self._acquire(page_id)
+        self.prefix_hits += len(hits)
+        return hits
+
+    def cache_full_pages(
+        self, block_table: Sequence[int], token_ids: Sequence[int], num_cached_pages: int, num_computed: int
+    ) -> int:
+        """Publish pages that became full (all `num_computed` tokens written) to the prefix cache.
+        `num_cached_pages` pages at the front are already published; returns the new count."""
+        if not self.enable_prefix_caching:
+            return num_cached_pages
+        full = min(num_computed // self.page_size, len(block_table))
+        parent = self.pages[block_table[num_cached_pages - 1]].hash if num_cached_pages else None
+        for i in range(num_cached_pages, full):
+            chunk = tuple(token_ids[i * self.page_size : (i + 1) * self.page_size])
+            key = chain_hash(parent, chunk)
+            page = self.pages[block_table[i]]
+            if key not in self.hash_to_page:
+                self.hash_to_page[key] = page.page_id
+            if page.hash is None:
+                page.hash, page.token_ids = key, chunk
+            parent = key
+        return max(full, num_cached_pages)
+
+    # ---- checks ---------------------------------------------------------------------------
+    def check_invariants(self, live_tables: Iterable[Sequence[int]] | None = None) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent. With `live_tables`, also
+        check that reference counts equal the number of tables holding each page."""
+        free, evictable = set(self.free), set(self.evictable)
+        assert len(free) == len(self.free), "a page is twice in the free list"
+        assert not (free & evictable), "a page is both free and evictable"
+        assert NULL_PAGE not in free and NULL_PAGE not in evictable, "null page in a pool"
+        for page in self.pages[1:]:
+            in_pool = page.page_id in free or page.page_id in evictable
+            assert (page.ref_count == 0) == in_pool, f"page {page.page_id}: ref {page.ref_count}, pooled {in_pool}"
+            assert page.ref_count >= 0
+            if page.page_id in free:
+                assert page.hash is None, f"free page {page.page_id} still hashed"
+            if page.page_id in evictable:
+                assert self.hash_to_page.get(page.hash) == page.page_id, f"evictable page {page.page_id} unreachable"
+        for key, page_id in self.hash_to_page.items():
+            assert self.pages[page_id].hash == key, f"hash map points at page {page_id} with another hash"
+        if live_tables is not None:
+            counts: dict[int, int] = {}
+            for table in live_tables:
+                for page_id in table:
+                    assert page_id != NULL_PAGE, "null page in a live table"
+                    counts[page_id] = counts.get(page_id, 0) + 1
+            for page in self.pages[1:]:
+                assert page.ref_count == counts.get(page.page_id, 0), (
+                    f"page {page.page_id}: ref {page.ref_count} but {counts.get(page.page_id, 0)} tables"
+                )

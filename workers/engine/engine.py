@@ -1,0 +1,329 @@
+"""The engine: `step()` = schedule → execute → update, over paged KV memory.
+
+Usable as a library:
+
+    engine = Engine(EngineConfig())
+    [result] = engine.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
+
+or incrementally with `add_request` / `step` / `abort`, which is what a worker process drives.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence as Seq
+
+import torch
+
+from common.model_files import resolve_model_path
+from common.sampling import SamplingParams
+from workers.engine.block_manager import BlockManager
+from workers.engine.config import EngineConfig
+from workers.engine.model_runner import ModelRunner
+from workers.engine.sampler import SampleRow, sample
+from workers.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from workers.engine.sequence import Sequence, TokenLogprobs
+from workers.engine.stats import EngineStats
+from workers.model.llama import LlamaForCausalLM
+from workers.model.loader import load_model
+
+DEFAULT_CPU_KV_GB = 2.0
+MAX_DEFAULT_MODEL_LEN = 8192
+
+
+@dataclass
+class SeqOutput:
+    """What one choice of a request produced since the last step."""
+
+    index: int
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    outputs: list[SeqOutput]
+    finished: bool
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class CompletionResult:
+    """A finished request, as `generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[list[int]]  # one list per choice
+    texts: list[str]
+    finish_reasons: list[str]
+    logprobs: list[list[TokenLogprobs]]
+
+
+@dataclass
+class _Request:
+    request_id: str
+    params: SamplingParams
+    seqs: list[Sequence]
+    num_prompt_tokens: int
+    finished_sent: set[int] = field(default_factory=set)
+
+
+class Engine:
+    """One model, one KV pool, one local scheduler."""
+
+    def __init__(self, config: EngineConfig = EngineConfig(), model: LlamaForCausalLM | None = None, tokenizer=None):
+        self.config = config
+        self.device = config.resolve_device()
+        self.model_path: Path | None = None
+        if model is None:
+            self.model_path = resolve_model_path(config.model)
+            model = load_model(self.model_path, config.resolve_dtype(self.device), self.device)
+        self.model_config = model.config
+        self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
+        self.max_model_len = min(
+            config.max_model_len or MAX_DEFAULT_MODEL_LEN, self.model_config.max_position_embeddings
+        )
+        num_pages = config.num_pages or self._pages_from_budget(model)
+        self.blocks = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_prefill_chunk=config.max_prefill_chunk,
+                max_num_partial_prefills=config.max_num_partial_prefills,
+            ),
+            self.blocks,
+        )
+        self.runner = ModelRunner(model, num_pages, config.page_size, self.device)
+        self.eos_token_ids = frozenset(
+            self.tokenizer.eos_token_ids if self.tokenizer is not None else [self.model_config.eos_token_id]
+        ) - {None}
+        self.requests: dict[str, _Request] = {}
+        self.generators: dict[int, torch.Generator] = {}
+        self.default_generator = torch.Generator().manual_seed(config.seed)
+        self.stats = EngineStats()
+
+    # ---- set-up ---------------------------------------------------------------------------
+    def _load_tokenizer(self):
+        if self.model_path is None:
+            return None
+        from common.tokenizer import Tokenizer
+
+        return Tokenizer.from_path(self.model_path)
+
+    def _pages_from_budget(self, model: LlamaForCausalLM) -> int:
+        cfg = self.model_config
+        dtype_bytes = model.embed_tokens.weight.element_size()
+        page_bytes = cfg.kv_bytes_per_token(dtype_bytes, model.tp.world_size) * self.config.page_size
+        if self.config.kv_cache_memory_gb is not None:
+            budget = self.config.kv_cache_memory_gb * 2**30
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = 0.9 * free
+        else:
+            budget = DEFAULT_CPU_KV_GB * 2**30
+        return max(2, int(budget // page_bytes))
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams) -> None:
+        """Queue a request. Raises ValueError naming the field if anything is invalid."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id: must be a non-empty string")
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params: must be a SamplingParams")
+        params.validate()
+        token_ids = self._prompt_ids(prompt)
+        vocab = self.model_config.vocab_size
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise ValueError(f"stop_token_ids: token id {t} outside vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens leave no room in the context length {self.max_model_len}"
+            )
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds the context length {self.max_model_len}"
+            )
+        seq = Sequence(request_id, 0, token_ids, len(token_ids), params, pending_forks=params.n - 1)
+        self._make_generator(seq)
+        self.requests[request_id] = _Request(request_id, params, [seq], len(token_ids))
+        self.scheduler.add(seq)
+
+    def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt: text needs a tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt: token id {t!r} outside vocabulary [0, {vocab})")
+        return ids
+
+    def _make_generator(self, seq: Sequence) -> None:
+        gen = self._new_generator(seq.sampling, seq.index)
+        if gen is not None:
+            self.generators[seq.seq_id] = gen
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its pages. Returns False if it was unknown or already done."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq, "abort")
+            self.generators.pop(seq.seq_id, None)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        started = time.perf_counter()
+        logits = self.runner.execute(plan)
+        touched = self._update(plan, logits)
+        self.stats.record_step(plan, self.scheduler, self.blocks, time.perf_counter() - started)
+        return self._outputs(touched)
+
+    def _update(self, plan: StepPlan, logits: torch.Tensor) -> list[_Request]:
+        rows: list[SampleRow] = []
+        logit_index: list[int] = []
+        owners: list[tuple[Sequence, int, torch.Generator | None]] = []  # (sequence, fork k, generator)
+        row = -1
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            seq.num_computed += chunk.num_tokens
+            seq.num_cached_pages = self.blocks.cache_full_pages(
+                seq.block_table, seq.token_ids, seq.num_cached_pages, seq.num_computed
+            )
+            if not chunk.samples:
+                continue
+            # n > 1: the prompt ran once; its last logits row is sampled once per choice
+            row += 1
+            for k in range(seq.pending_forks + 1):
+                gen = self.generators.get(seq.seq_id) if k == 0 else self._new_generator(seq.sampling, seq.index + k)
+                rows.append(self._sample_row(seq, gen))
+                logit_index.append(row)
+                owners.append((seq, k, gen))
+            seq.pending_forks = 0
+        touched: dict[str, _Request] = {}
+        if not rows:
+            return []
+        results = sample(logits[logit_index], rows, self.default_generator)
+        for (seq, k, gen), (token, lp) in zip(owners, results):
+            target = seq if k == 0 else self._fork(seq, k, gen)
+            target.append_token(token, lp)
+            self._check_stop(target)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        return list(touched.values())
+
+    def _new_generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        return torch.Generator().manual_seed((params.seed + index) % 2**63)
+
+    def _sample_row(self, seq: Sequence, generator: torch.Generator | None) -> SampleRow:
+        p = seq.sampling
+        banned: tuple[int, ...] = ()
+        if seq.num_output_tokens < p.min_tokens:
+            banned = tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))))
+        return SampleRow(p, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, generator, banned)
+
+    def _fork(self, parent: Sequence, k: int, generator: torch.Generator | None) -> Sequence:
+        """A sibling sharing every page of `parent` (copy-on-write); it diverges from here."""
+        child = Sequence(
+            parent.request_id,
+            parent.index + k,
+            list(parent.token_ids),
+            parent.num_prompt_tokens,
+            parent.sampling,
+            arrival_time=parent.arrival_time,
+            block_table=self.blocks.fork(parent.block_table),
+            num_computed=parent.num_computed,
+            num_cached_pages=parent.num_cached_pages,
+            num_prefix_hit_tokens=parent.num_prefix_hit_tokens,
+        )
+        if generator is not None:
+            self.generators[child.seq_id] = generator
+        self.requests[parent.request_id].seqs.append(child)
+        self.scheduler.add_running(child)
+        return child
+
+    def _check_stop(self, seq: Sequence) -> None:
+        token = seq.token_ids[-1]
+        p = seq.sampling
+        reason = None
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _outputs(self, touched: list[_Request]) -> list[RequestOutput]:
+        outputs = []
+        for req in touched:
+            seq_outputs = []
+            for seq in req.seqs:
+                ids, lps = seq.take_new_tokens()
+                if ids or (seq.finished and seq.index not in req.finished_sent):
+                    seq_outputs.append(SeqOutput(seq.index, ids, lps, seq.finish_reason))
+                    if seq.finished:
+                        req.finished_sent.add(seq.index)
+            finished = len(req.seqs) == req.params.n and all(s.finished for s in req.seqs)
+            if finished:
+                self.requests.pop(req.request_id, None)
+                for seq in req.seqs:
+                    self.generators.pop(seq.seq_id, None)
+            cached = req.seqs[0].num_prefix_hit_tokens
+            outputs.append(RequestOutput(req.request_id, seq_outputs, finished, req.num_prompt_tokens, cached))
+        return outputs
+
+    # ---- offline --------------------------------------------------------------------------
+    def generate(
+        self, prompts: Seq[str | Seq[int]], sampling_params: SamplingParams | Seq[SamplingParams]
+    ) -> list[CompletionResult]:
+        """Run prompts to completion together; results in prompt order."""
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, params in zip(ids, prompts, sampling_params):
+            self.add_request(rid, prompt, params)
+        collected: dict[str, dict[int, tuple[list[int], list[TokenLogprobs], str | None]]] = {r: {} for r in ids}
+        prompt_ids = {rid: list(self.requests[rid].seqs[0].token_ids) for rid in ids}
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                for so in out.outputs:
+                    toks, lps, _ = collected[out.request_id].get(so.index, ([], [], None))
+                    collected[out.request_id][so.index] = (toks + so.new_token_ids, lps + so.logprobs, so.finish_reason)
+                if out.finished:
+                    pending.discard(out.request_id)
+        results = []
+        for rid in ids:
+            choices = [collected[rid][i] for i in sorted(collected[rid])]
+            texts = [self.tokenizer.decode(c[0]) if self.tokenizer else "" for c in choices]
+            results.append(
+                CompletionResult(rid, prompt_ids[rid], [c[0] for c in choices], texts, [c[2] for c in choices], [c[1] for c in choices])
+            )
+        return results

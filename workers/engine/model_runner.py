@@ -1,0 +1,96 @@
+"""Runs one step plan through the model: builds the flat batch, owns the KV pool tensor.
+
+It decides nothing: which tokens run is the scheduler's call, what to do with logits is the
+engine's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.engine.attention import AttentionMetadata, paged_attention_torch, write_kv_torch
+from workers.engine.scheduler import StepPlan
+from workers.model.llama import ForwardContext, LlamaForCausalLM
+
+
+class TorchAttentionBackend:
+    """The CPU path: gather pages with index ops, attend with torch SDPA."""
+
+    builds_cpu_indices = True
+
+    def write_kv(self, k, v, kv_layer, md):
+        write_kv_torch(k, v, kv_layer, md)
+
+    def attend(self, q, kv_layer, md, scale):
+        return paged_attention_torch(q, kv_layer, md, scale)
+
+
+class TritonAttentionBackend:
+    """The GPU path: the Triton kernels of `kernels/` read pages through block tables."""
+
+    builds_cpu_indices = False
+
+    def __init__(self) -> None:
+        import kernels
+
+        self.kernels = kernels
+
+    def write_kv(self, k, v, kv_layer, md):
+        self.kernels.write_kv(k, v, kv_layer, md.slot_mapping)
+
+    def attend(self, q, kv_layer, md, scale):
+        return self.kernels.paged_attention(
+            q, kv_layer, md.block_tables, md.seq_lens, md.query_start_loc, scale, md.max_query_len, md.max_seq_len
+        )
+
+
+def make_attention_backend(device: torch.device):
+    return TritonAttentionBackend() if device.type == "cuda" else TorchAttentionBackend()
+
+
+class ModelRunner:
+    """Holds the model and the KV pool `[layers, pages, 2, page_size, kv_heads, head_dim]`."""
+
+    def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int, device: torch.device):
+        cfg = model.config
+        self.model = model
+        self.device = device
+        self.page_size = page_size
+        self.dtype = model.embed_tokens.weight.dtype
+        kv_heads = cfg.num_kv_heads // model.tp.world_size
+        self.kv_cache = torch.zeros(
+            cfg.num_layers, num_pages, 2, page_size, kv_heads, cfg.head_dim, dtype=self.dtype, device=device
+        )
+        self.backend = make_attention_backend(device)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page across all layers."""
+        return self.kv_cache[:, 0].numel() * self.kv_cache.element_size()
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Run the plan; return fp32 logits for each chunk that samples, in plan order."""
+        for src, dst in plan.page_copies:
+            self.kv_cache[:, dst].copy_(self.kv_cache[:, src])
+        token_ids: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        logit_rows: list[int] = []
+        for chunk in plan.chunks:
+            token_ids.extend(chunk.seq.token_ids[chunk.start : chunk.start + chunk.num_tokens])
+            query_lens.append(chunk.num_tokens)
+            seq_lens.append(chunk.start + chunk.num_tokens)
+            if chunk.samples:
+                logit_rows.append(len(token_ids) - 1)
+        md = AttentionMetadata.build(
+            query_lens,
+            seq_lens,
+            [c.seq.block_table for c in plan.chunks],
+            self.page_size,
+            self.device,
+            for_cpu=self.backend.builds_cpu_indices,
+        )
+        ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        rows = torch.tensor(logit_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        ctx = ForwardContext(self.kv_cache, md, self.backend)
+        return self.model(ids, ctx, rows).cpu()

@@ -1,0 +1,98 @@
+"""Turn each row of logits into a token under that row's own sampling parameters.
+
+Order: raw log-probabilities (reported to clients) → penalties → min_tokens masking → greedy or
+temperature → top-k / top-p / min-p → an exponential race (argmax of p / E, E ~ Exp(1)), which
+samples from p and lets each seeded row draw from its own generator, so its tokens do not depend
+on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.sampling import SamplingParams
+from workers.engine.sequence import TokenLogprobs
+
+
+@dataclass
+class SampleRow:
+    """Everything the sampler needs to know about one row of logits."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    generator: torch.Generator | None
+    banned_ids: tuple[int, ...] = ()  # EOS/stop ids while min_tokens is not reached
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator) -> list[tuple[int, TokenLogprobs | None]]:
+    """logits: [R, V] fp32 (modified in place). Returns (token, logprobs or None) per row."""
+    raw_logprobs = None
+    if any(r.params.logprobs is not None for r in rows):
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+    _apply_penalties(logits, rows)
+    for i, r in enumerate(rows):
+        if r.banned_ids:
+            logits[i, list(r.banned_ids)] = float("-inf")
+    tokens = torch.empty(len(rows), dtype=torch.int64)
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    if greedy:
+        tokens[greedy] = logits[greedy].argmax(dim=-1)
+    random = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if random:
+        tokens[random] = _sample_random(logits[random], [rows[i] for i in random], default_generator)
+    token_list = tokens.tolist()
+    results: list[tuple[int, TokenLogprobs | None]] = []
+    for i, (r, tok) in enumerate(zip(rows, token_list)):
+        lp = None
+        if raw_logprobs is not None and r.params.logprobs is not None:
+            k = r.params.logprobs
+            top = raw_logprobs[i].topk(k) if k else None
+            lp = TokenLogprobs(
+                token_id=tok,
+                logprob=float(raw_logprobs[i, tok]),
+                top_ids=top.indices.tolist() if top is not None else [],
+                top_logprobs=top.values.tolist() if top is not None else [],
+            )
+        results.append((tok, lp))
+    return results
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.int64)
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and r.output_ids:
+            counts = torch.bincount(torch.tensor(r.output_ids, dtype=torch.int64), minlength=logits.shape[1]).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator) -> torch.Tensor:
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype).unsqueeze(1)
+    logits = logits / temps
+    top_ks = [r.params.top_k for r in rows]
+    top_ps = [r.params.top_p for r in rows]
+    vocab = logits.shape[1]
+    if any(k != -1 and k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab).unsqueeze(0)
+        k = torch.tensor([k if k != -1 else vocab for k in top_ks]).unsqueeze(1)
+        drop = ranks >= k
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+        drop |= before > torch.tensor(top_ps, dtype=probs.dtype).unsqueeze(1)
+        drop[:, 0] = False  # always keep the most likely token
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    min_ps = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype).unsqueeze(1)
+    if bool((min_ps > 0).any()):
+        probs = probs.masked_fill(probs < min_ps * probs.max(dim=-1, keepdim=True).values, 0.0)
+    noise = torch.empty_like(probs)
+    for i, r in enumerate(rows):
+        noise[i].exponential_(generator=r.generator or default_generator)
+    return (probs / noise).argmax(dim=-1)

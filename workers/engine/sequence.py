@@ -1,0 +1,92 @@
+"""A sequence: one stream of tokens being generated, and the request that owns its siblings."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from common.sampling import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probability of a sampled token and the top alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Tokens, KV pages and progress of one generated stream.
+
+    `num_computed` tokens have their K/V in `block_table`'s pages; the rest of `token_ids` still
+    has to run through the model. A sequence needs a sampled token when every known token is
+    computed; decoding then means one new token per step.
+    """
+
+    request_id: str
+    index: int  # choice index within the request (n > 1)
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SeqStatus = SeqStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached_pages: int = 0  # leading pages published to the prefix cache
+    num_prefix_hit_tokens: int = 0
+    finish_reason: str | None = None
+    pending_forks: int = 0  # siblings still to be forked off after the prompt (n > 1)
+    new_token_ids: list[int] = field(default_factory=list)  # sampled since the last output
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than one token still to compute: a prompt (or a recompute after preemption)."""
+        return self.num_uncomputed > 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        self.token_ids.append(token_id)
+        self.new_token_ids.append(token_id)
+        if logprobs is not None:
+            self.new_logprobs.append(logprobs)
+
+    def take_new_tokens(self) -> tuple[list[int], list[TokenLogprobs]]:
+        ids, lps = self.new_token_ids, self.new_logprobs
+        self.new_token_ids, self.new_logprobs = [], []
+        return ids, lps

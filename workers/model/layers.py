@@ -1,0 +1,150 @@
+"""Tensor-parallel building blocks (Megatron-style), written so the collective is visible.
+
+    ColumnParallelLinear: W split by output rows; each rank computes its slice; no communication.
+    RowParallelLinear:    W split by input columns; each rank computes a partial sum; all-reduce.
+
+A column-parallel projection followed by a row-parallel one (attention: qkv -> o; MLP:
+gate_up -> down) needs exactly one all-reduce per block. With world size 1 the all-reduce is a
+no-op and the code path is the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Which shard of the weights and KV heads this process holds."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            torch.distributed.all_reduce(x)
+        return x
+
+    def shard(self, size: int, name: str) -> tuple[int, int]:
+        if size % self.world_size:
+            raise ValueError(f"{name}={size} is not divisible by tensor-parallel size {self.world_size}")
+        part = size // self.world_size
+        return self.rank * part, part
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b) for this rank's slice of W's rows. `output_sizes` lists fused sub-matrices
+    (q, k, v or gate, up): each is sharded on its own and the shards are concatenated."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: ParallelContext):
+        super().__init__()
+        self.tp = tp
+        self.output_sizes = output_sizes
+        self.local_sizes = [tp.shard(size, "output")[1] for size in output_sizes]
+        self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)), requires_grad=False) if bias else None
+
+    def load_part(self, part: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's shard of full sub-matrix `part` into place."""
+        start, size = self.tp.shard(self.output_sizes[part], "output")
+        offset = sum(self.local_sizes[:part])
+        self.weight.data[offset : offset + size].copy_(weight[start : start + size])
+        if bias is not None:
+            self.bias.data[offset : offset + size].copy_(bias[start : start + size])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_local W_local^T): the input arrives sharded by the column-parallel layer."""
+
+    def __init__(self, in_features: int, out_features: int, tp: ParallelContext):
+        super().__init__()
+        self.tp = tp
+        self.in_start, local_in = tp.shard(in_features, "input")
+        self.weight = nn.Parameter(torch.empty(out_features, local_in), requires_grad=False)
+
+    def load(self, weight: torch.Tensor) -> None:
+        self.weight.data.copy_(weight[:, self.in_start : self.in_start + self.weight.shape[1]])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(F.linear(x, self.weight))
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding; replicated on every rank (the vocabulary of small models is cheap)."""
+
+    def __init__(self, vocab_size: int, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with the residual add fused in: (x, residual) -> (norm(x + residual), x + residual).
+    Statistics in fp32, the scale applied after casting back, as Hugging Face's Llama does."""
+
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype), x
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE in the rotate-half layout, with optional Llama-3 frequency scaling."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if scaling:
+            inv_freq = _llama3_scale(inv_freq, scaling)
+        t = torch.arange(max_positions, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_pos, head_dim/2]
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, KVH, D], positions: [T]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        cos = torch.cat((cos, cos), dim=-1).to(q.dtype)
+        sin = torch.cat((sin, sin), dim=-1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    import math
+
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
