@@ -1,0 +1,261 @@
+"""Typed asyncio ZeroMQ sockets; the only module that imports zmq.
+
+    Router  bind,    ROUTER_MANDATORY   recv() -> (identity, msg)   send(identity, msg)
+    Dealer  connect, fixed identity     recv() -> msg               send(msg)
+    Push    connect (or bind)                                       send(msg)
+    Pull    bind (or connect)           recv() -> msg
+
+Request channels are ROUTER/DEALER, streams PUSH/PULL; never PUB/SUB. Each receive loop
+decodes with `common.protocol.decode`; a malformed message is logged, counted in `dropped` and
+skipped, so `recv()` only ever returns valid messages. Messages with tensor frames (KV pages)
+are received with `recv_with_frames()`, which also returns those frames without copying them.
+
+Sends use `copy=False`: frames of 64 KiB and more (KV pages) go to ZeroMQ without a copy, so a
+caller must not modify a tensor it sent until the peer acknowledged it (KVPagesAck).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from common.protocol import Message, ProtocolError, decode, encode
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class SocketOptions:
+    """Limits every socket sets explicitly instead of inheriting libzmq's defaults.
+
+    hwm: messages queued per peer in each direction (SNDHWM and RCVHWM). At the limit a send
+      waits (backpressure) rather than queueing without bound.
+    max_msg_bytes: MAXMSGSIZE, checked by libzmq per frame on receive; a peer that sends a
+      larger frame is disconnected before its bytes are buffered.
+    linger_ms: how long close() may keep unsent messages to flush them.
+    """
+
+    hwm: int
+    max_msg_bytes: int
+    linger_ms: int
+
+
+# Control messages are small and many: a deep queue, a 64 MiB frame bound (a prompt of
+# MAX_STR_LEN characters fits), and up to 1 s on close to flush the last replies.
+CONTROL = SocketOptions(hwm=10_000, max_msg_bytes=64 << 20, linger_ms=1_000)
+# KV transfers are few and large (one frame = one layer's pages): a shallow queue bounds the
+# memory held in flight, and nothing lingers on close (the receiver's transfer deadline covers
+# a lost transfer; flushing gigabytes would only delay shutdown).
+KV = SocketOptions(hwm=8, max_msg_bytes=2 << 30, linger_ms=0)
+
+
+class UnknownPeer(ConnectionError):
+    """A Router send to an identity that is not connected (ROUTER_MANDATORY)."""
+
+
+# --------------------------------------------------------------------------- addresses
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+_HOST = re.compile(r"[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]")
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]")
+MAX_IPC_PATH = 107  # sun_path holds 108 bytes including the terminating NUL
+
+
+def ipc_address(run_dir: str, name: str) -> str:
+    """`ipc://<run_dir>/<name>` for processes on one machine; checks the socket path length."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"ipc socket name {name!r}: use letters, digits, '_', '.', '-'")
+    return validate_address(f"ipc://{os.path.join(run_dir, name)}")
+
+
+def tcp_address(host: str, port: int) -> str:
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return validate_address(f"tcp://{host}:{port}")
+
+
+def validate_address(address: str, *, allow_wildcard: bool = False) -> str:
+    """Accept `ipc://PATH` or `tcp://HOST:PORT`; a wildcard host (`*`, 0.0.0.0, [::]) only
+    with allow_wildcard. Returns the address unchanged; raises ValueError saying what is wrong."""
+    if address.startswith("ipc://"):
+        path = address[len("ipc://"):]
+        if not path or "\0" in path:
+            raise ValueError(f"{address!r}: empty or invalid ipc path")
+        if len(path.encode()) > MAX_IPC_PATH:
+            raise ValueError(f"{address!r}: ipc path longer than {MAX_IPC_PATH} bytes; use a shorter run dir")
+        return address
+    if address.startswith("tcp://"):
+        host, sep, port = address[len("tcp://"):].rpartition(":")
+        if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"{address!r}: expected tcp://HOST:PORT with a port in 1..65535")
+        if host in _WILDCARD_HOSTS:
+            if not allow_wildcard:
+                raise ValueError(f"{address!r}: binds every interface; configure one host (or allow the wildcard explicitly)")
+        elif not _HOST.fullmatch(host):
+            raise ValueError(f"{address!r}: invalid host {host!r}")
+        return address
+    raise ValueError(f"{address!r}: expected ipc://PATH or tcp://HOST:PORT")
+
+
+# --------------------------------------------------------------------------- sockets
+
+
+class _Socket:
+    """One zmq.asyncio socket with the options set, bound or connected, that decodes on receive."""
+
+    def __init__(self, kind: int, address: str, *, bind: bool, options: SocketOptions,
+                 allow_wildcard: bool = False, identity: bytes | None = None,
+                 context: zmq.asyncio.Context | None = None):
+        validate_address(address, allow_wildcard=allow_wildcard and bind)
+        self.options = options
+        self.dropped = 0  # malformed messages skipped
+        self._sock = (context or zmq.asyncio.Context.instance()).socket(kind)
+        try:
+            self._sock.setsockopt(zmq.LINGER, options.linger_ms)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, options.max_msg_bytes)
+            self._sock.setsockopt(zmq.SNDHWM, options.hwm)
+            self._sock.setsockopt(zmq.RCVHWM, options.hwm)
+            if kind == zmq.ROUTER:
+                self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                # A worker restarted under the same id takes its identity over from the dead one.
+                self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            if identity is not None:
+                self._sock.setsockopt(zmq.ROUTING_ID, identity)
+            if bind:
+                self._sock.bind(address)
+            else:
+                self._sock.connect(address)
+        except zmq.ZMQError as e:
+            self._sock.close(linger=0)
+            raise OSError(f"cannot {'bind' if bind else 'connect'} {address}: {e}") from e
+        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT) if bind else address
+
+    async def _send(self, frames: Sequence[object]) -> None:
+        await self._sock.send_multipart(frames, copy=False)
+
+    async def _recv(self, routed: bool, want_frames: bool) -> tuple[bytes | None, Message, list]:
+        """Next valid message: (identity or None, message, tensor frames)."""
+        while True:
+            frames = await self._sock.recv_multipart(copy=False)
+            identity = frames[0].bytes if routed else None
+            body = frames[1:] if routed else frames
+            try:
+                msg = decode(body)
+            except ProtocolError as e:
+                self._drop(identity, str(e))
+                continue
+            tensor_frames = [f.buffer for f in body[2:]]
+            if tensor_frames and not want_frames:
+                self._drop(identity, f"{type(msg).__name__} carries tensor frames: use recv_with_frames()")
+                continue
+            return identity, msg, tensor_frames
+
+    def _drop(self, identity: bytes | None, error: str) -> None:
+        self.dropped += 1
+        log.warning("dropped malformed message", socket=type(self).__name__, address=self.address,
+                    peer=identity, error=error)
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+
+class Router(_Socket):
+    """Binds; serves many DEALER peers addressed by their identity. Sending to an identity
+    that is not connected raises UnknownPeer instead of dropping silently."""
+
+    def __init__(self, address: str, *, options: SocketOptions = CONTROL, allow_wildcard: bool = False,
+                 context: zmq.asyncio.Context | None = None):
+        super().__init__(zmq.ROUTER, address, bind=True, options=options,
+                         allow_wildcard=allow_wildcard, context=context)
+
+    async def recv(self) -> tuple[bytes, Message]:
+        identity, msg, _ = await self._recv(routed=True, want_frames=False)
+        return identity, msg
+
+    async def recv_with_frames(self) -> tuple[bytes, Message, list[memoryview]]:
+        return await self._recv(routed=True, want_frames=True)
+
+    async def send(self, identity: bytes, msg: Message) -> None:
+        await self.send_frames(identity, encode(msg))
+
+    async def send_frames(self, identity: bytes, frames: Sequence[object]) -> None:
+        """Send pre-encoded frames (e.g. from encode_tensor_frames)."""
+        try:
+            await self._send([identity, *frames])
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                raise UnknownPeer(f"{self.address}: no connected peer with identity {identity!r}") from None
+            raise
+
+
+class Dealer(_Socket):
+    """Connects to a Router under a fixed identity (the worker or service id)."""
+
+    def __init__(self, address: str, identity: str, *, options: SocketOptions = CONTROL,
+                 context: zmq.asyncio.Context | None = None):
+        raw = identity.encode()
+        if not 1 <= len(raw) <= 255 or raw[0] == 0:
+            raise ValueError(f"identity {identity!r}: 1 to 255 bytes, not starting with NUL")
+        self.identity = raw
+        super().__init__(zmq.DEALER, address, bind=False, options=options, identity=raw, context=context)
+
+    async def recv(self) -> Message:
+        return (await self._recv(routed=False, want_frames=False))[1]
+
+    async def recv_with_frames(self) -> tuple[Message, list[memoryview]]:
+        _, msg, frames = await self._recv(routed=False, want_frames=True)
+        return msg, frames
+
+    async def send(self, msg: Message) -> None:
+        await self._send(encode(msg))
+
+    async def send_frames(self, frames: Sequence[object]) -> None:
+        await self._send(frames)
+
+
+class Push(_Socket):
+    """One-way stream sender; connects by default (the receiver binds)."""
+
+    def __init__(self, address: str, *, bind: bool = False, options: SocketOptions = CONTROL,
+                 allow_wildcard: bool = False, context: zmq.asyncio.Context | None = None):
+        super().__init__(zmq.PUSH, address, bind=bind, options=options,
+                         allow_wildcard=allow_wildcard, context=context)
+
+    async def send(self, msg: Message) -> None:
+        await self._send(encode(msg))
+
+    async def send_frames(self, frames: Sequence[object]) -> None:
+        await self._send(frames)
+
+
+class Pull(_Socket):
+    """One-way stream receiver; binds by default (many pushers fan in)."""
+
+    def __init__(self, address: str, *, bind: bool = True, options: SocketOptions = CONTROL,
+                 allow_wildcard: bool = False, context: zmq.asyncio.Context | None = None):
+        super().__init__(zmq.PULL, address, bind=bind, options=options,
+                         allow_wildcard=allow_wildcard, context=context)
+
+    async def recv(self) -> Message:
+        return (await self._recv(routed=False, want_frames=False))[1]
+
+    async def recv_with_frames(self) -> tuple[Message, list[memoryview]]:
+        _, msg, frames = await self._recv(routed=False, want_frames=True)
+        return msg, frames

@@ -1,0 +1,301 @@
+"""Wire codec: exact round trips, rejection of every malformed shape, fuzzing, tensor frames."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import subprocess
+import sys
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from common import protocol as p
+from common.protocol import (
+    AbortRequest, DecodeTask, GenerateRequest, GenerateTask, Heartbeat, KVPagesAck, KVPagesHeader,
+    PrefillTask, ProtocolError, Ready, Registered, RegisterWorker, RequestDone, RequestFailed,
+    ScheduleRequest, TextDelta, TextDeltaBatch, TokenDelta, TokenDeltaBatch, TokenLogprob,
+    decode, decode_tensor_frames, encode, encode_tensor_frames,
+)
+from common.sampling import SamplingParams
+
+SP = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=40, seed=7, max_tokens=32,
+                    stop_token_ids=(2, 3), stop=("\n\n",), logprobs=2)
+LP = TokenLogprob(token_id=11, logprob=-0.25, top_ids=[11, 12], top_logprobs=[-0.25, -1.5])
+TEXT_DELTA = TextDelta("r1", 1, "héllo ✓", [11, 12], [LP, LP], "stop", 5, 2)
+TOKEN_DELTA = TokenDelta("r1", 0, [11], [LP], None, 5)
+HEADER = KVPagesHeader("r1", 0, 40, 0, 2, 3, "bfloat16", [2, 16, 2, 8], 0, [11], False, [0, 1, 2])
+
+SAMPLES = [
+    GenerateRequest("r1", "smollm", "Hi", None, None, SP, True, "ipc:///tmp/gw", 1712.5, False),
+    GenerateRequest("r2", "smollm", None, [1, 2, 3], None, SamplingParams(), False, "gw-0", 0.0, True),
+    GenerateRequest("r3", "smollm", None, None, [{"role": "user", "content": "Hi"}], SP, True, "gw", 1.0, False),
+    TEXT_DELTA,
+    TextDelta("r1", 0, "", [], None, None, 5, 0),
+    TextDeltaBatch([TEXT_DELTA, TEXT_DELTA]),
+    TextDeltaBatch([]),
+    RequestFailed("r1", 400, "invalid_request_error", "prompt too long", "prompt", None),
+    RequestFailed("r1", 503, "server_error", "no workers", None, "overloaded"),
+    AbortRequest("r1", "client disconnected"),
+    ScheduleRequest("r1", [1, 2, 3], SP, "tok-0", 12.25),
+    PrefillTask("r1", [1, 2, 3], SP, "tok-0", "d0", "tcp://10.0.0.2:7001"),
+    DecodeTask("r1", [1, 2, 3], SP, "tok-0", "p0"),
+    GenerateTask("r1", [1, 2, 3], SP, "tok-0"),
+    RegisterWorker("p0", "prefill", "smollm", 16, 1000, "tcp://10.0.0.1:7000", 64),
+    Registered("p0"),
+    Heartbeat("p0", 3, 1, 900, 1000, 100, 99.5),
+    RequestDone("p0", "r1", "finished"),
+    TOKEN_DELTA,
+    TokenDeltaBatch("d0", [TOKEN_DELTA, TokenDelta("r2", 1, [5, 6], None, "length", 3)]),
+    HEADER,
+    KVPagesAck("r1", True, None),
+    KVPagesAck("r1", False, "out of pages"),
+    Ready("worker", "p0"),
+]
+
+
+def frames_of(msg) -> list:
+    """encode(), plus empty tensor frames where the message declares some."""
+    frames = encode(msg)
+    return frames + [b""] * msg.num_frames if isinstance(msg, KVPagesHeader) else frames
+
+
+def body_of(msg) -> list:
+    return msgpack.unpackb(encode(msg)[1])
+
+
+def with_fields(msg, **changes) -> list:
+    """Frames of `msg` whose field map is edited raw (None deletes a field)."""
+    version, fields = body_of(msg)
+    for name, value in changes.items():
+        if value is _DELETE:
+            del fields[name]
+        else:
+            fields[name] = value
+    return [p.TAGS[type(msg)], msgpack.packb([version, fields])]
+
+
+_DELETE = object()
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+def test_samples_cover_every_message_type():
+    assert {type(m) for m in SAMPLES} == set(p.MESSAGE_CLASSES)
+    assert set(p.MESSAGE_TYPES.values()) == set(p.MESSAGE_CLASSES)
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip_is_exact(msg):
+    frames = frames_of(msg)
+    assert frames[0] == type(msg).__name__.encode()
+    out = decode(frames)
+    assert type(out) is type(msg)
+    assert out == msg
+
+
+def test_decode_accepts_memoryviews_and_converts_int_to_float():
+    frames = with_fields(Heartbeat("w", 0, 0, 0, 0, 0, 1.0), time=3)
+    out = decode([memoryview(f) for f in frames])
+    assert out.time == 3.0 and type(out.time) is float
+
+
+# --------------------------------------------------------------------------- malformed input
+
+GOOD = encode(Ready("worker", "p0"))
+
+MALFORMED = {
+    "no frames": [],
+    "one frame": GOOD[:1],
+    "unknown tag": [b"Nope", GOOD[1]],
+    "tag of another type": [b"Registered", GOOD[1]],
+    "huge tag": [b"R" * 1000, GOOD[1]],
+    "frame not a buffer": [GOOD[0], 12],
+    "wrong version": [GOOD[0], msgpack.packb([p.PROTOCOL_VERSION + 1, {"service": "w", "name": "n"}])],
+    "bool version": [GOOD[0], msgpack.packb([True, {"service": "w", "name": "n"}])],
+    "body not a list": [GOOD[0], msgpack.packb({"service": "w", "name": "n"})],
+    "body of three": [GOOD[0], msgpack.packb([p.PROTOCOL_VERSION, {}, 1])],
+    "fields not a map": [GOOD[0], msgpack.packb([p.PROTOCOL_VERSION, ["w", "n"]])],
+    "garbage body": [GOOD[0], b"\xc1\xc1\xc1"],
+    "empty body": [GOOD[0], b""],
+    "truncated body": [GOOD[0], GOOD[1][:-1]],
+    "trailing bytes": [GOOD[0], GOOD[1] + b"\x00"],
+    "extra frame": [*GOOD, b"x"],
+    "bin value": [GOOD[0], msgpack.packb([p.PROTOCOL_VERSION, {"service": b"w", "name": "n"}], use_bin_type=True)],
+    "invalid utf-8": [GOOD[0], GOOD[1].replace(b"worker", b"\xff\xfe\xfd\xfc\xfb\xfa")],
+    "int map key": [GOOD[0], msgpack.packb([p.PROTOCOL_VERSION, {1: "w", "name": "n"}])],
+    "missing field": with_fields(Ready("w", "n"), name=_DELETE),
+    "unexpected field": with_fields(Ready("w", "n"), extra=1),
+    "str for int": with_fields(Registered("w"), worker_id=5),
+    "bool for int": with_fields(RegisterWorker("p0", "mixed", "m", 16, 10, "e", 4), page_size=True),
+    "float for int": with_fields(RegisterWorker("p0", "mixed", "m", 16, 10, "e", 4), num_pages=1.5),
+    "int for bool": with_fields(KVPagesAck("r", True, None), ok=1),
+    "bool for float": with_fields(Heartbeat("w", 0, 0, 0, 0, 0, 1.0), time=False),
+    "None for str": with_fields(AbortRequest("r", "x"), reason=None),
+    "str for optional str": with_fields(KVPagesAck("r", False, None), error=3),
+    "token id not int": with_fields(GenerateTask("r", [1], SP, "t"), prompt_token_ids=[1, "2"]),
+    "negative token id": with_fields(GenerateTask("r", [1], SP, "t"), prompt_token_ids=[1, -2]),
+    "token id too big": with_fields(GenerateTask("r", [1], SP, "t"), prompt_token_ids=[1 << 40]),
+    "token ids not a list": with_fields(GenerateTask("r", [1], SP, "t"), prompt_token_ids={"a": 1}),
+    "oversize token ids": with_fields(GenerateTask("r", [1], SP, "t"), prompt_token_ids=[0] * (p.MAX_TOKEN_IDS + 1)),
+    "sampling not a map": with_fields(GenerateTask("r", [1], SP, "t"), sampling=[1]),
+    "invalid sampling": with_fields(GenerateTask("r", [1], SP, "t"), sampling={"temperature": -1.0}),
+    "unknown sampling key": with_fields(GenerateTask("r", [1], SP, "t"), sampling={"temp": 1.0}),
+    "sampling wrong type": with_fields(GenerateTask("r", [1], SP, "t"), sampling={"stop": "x"}),
+    "nested wrong type": with_fields(TokenDeltaBatch("w", [TOKEN_DELTA]), deltas=[{**body_of(TOKEN_DELTA)[1], "index": "0"}]),
+    "nested not a map": with_fields(TokenDeltaBatch("w", [TOKEN_DELTA]), deltas=[[1, 2]]),
+    "nested missing field": with_fields(TextDeltaBatch([TEXT_DELTA]), deltas=[{"request_id": "r"}]),
+    "chat message not str": with_fields(SAMPLES[2], messages=[{"role": 1}]),
+    "logprob lengths differ": with_fields(TOKEN_DELTA, logprobs=[{"token_id": 1, "logprob": 0.0, "top_ids": [1], "top_logprobs": []}]),
+    "two prompts": with_fields(SAMPLES[0], prompt_token_ids=[1]),
+    "no prompt": with_fields(SAMPLES[0], prompt_text=None),
+    "bad worker role": with_fields(RegisterWorker("p0", "mixed", "m", 16, 10, "e", 4), role="boss"),
+    "kv pages != page ids": with_fields(HEADER, num_pages=2) + [b""] * 2,
+    "kv unknown dtype": with_fields(HEADER, dtype="complex64") + [b""] * 2,
+    "kv layer range reversed": with_fields(HEADER, layer_start=3, layer_end=1),
+    "kv missing tensor frames": encode(HEADER),
+    "kv one tensor frame too many": encode(HEADER) + [b""] * 3,
+}
+
+
+@pytest.mark.parametrize("frames", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_raises_protocol_error(frames):
+    with pytest.raises(ProtocolError):
+        decode(frames)
+
+
+@pytest.mark.parametrize("limit, field_value, msg", [
+    ("MAX_LIST_LEN", {"deltas": [body_of(TOKEN_DELTA)[1]] * 5}, TokenDeltaBatch("w", [])),
+    ("MAX_STR_LEN", {"reason": "x" * 5}, AbortRequest("r", "")),
+    ("MAX_DICT_LEN", {"messages": [{str(i): "v" for i in range(5)}]}, SAMPLES[2]),
+])
+def test_size_bounds(monkeypatch, limit, field_value, msg):
+    monkeypatch.setattr(p, limit, 4)
+    with pytest.raises(ProtocolError, match="more than 4|longer than 4"):
+        decode(with_fields(msg, **field_value))
+
+
+def test_error_names_the_field_path():
+    bad = with_fields(TokenDeltaBatch("w", [TOKEN_DELTA]), deltas=[body_of(TOKEN_DELTA)[1], {**body_of(TOKEN_DELTA)[1], "token_ids": ["x"]}])
+    with pytest.raises(ProtocolError, match=r"TokenDeltaBatch\.deltas\[1\]\.token_ids: expected integers"):
+        decode(bad)
+
+
+def test_fuzz_only_protocol_error():
+    rng = random.Random(1234)
+    valid = [frames_of(m) for m in SAMPLES]
+    values = [None, True, 0, -1, 1 << 62, 1.5, float("nan"), "", "x" * 3, [], [1, "a"], {}, {"a": 1}, [[[]]], b"b"]
+    accepted = 0
+    for _ in range(4000):
+        frames = [bytes(f) for f in rng.choice(valid)]
+        kind = rng.randrange(4)
+        if kind == 0:  # random bytes as the body
+            frames[1] = rng.randbytes(rng.randrange(64))
+        elif kind == 1:  # flip, cut or grow the body
+            body = bytearray(frames[1])
+            for _ in range(rng.randrange(1, 4)):
+                i = rng.randrange(len(body))
+                body[i] = rng.randrange(256)
+            frames[1] = bytes(body[: rng.randrange(len(body) + 1)]) if rng.random() < 0.3 else bytes(body)
+        elif kind == 2:  # a well-formed body with one field replaced by a random value
+            version, fields = msgpack.unpackb(frames[1])
+            fields[rng.choice(list(fields))] = rng.choice(values)
+            frames[1] = msgpack.packb([version, fields], use_bin_type=True)
+        else:  # frames added or removed
+            frames = frames[: rng.randrange(len(frames) + 1)] + [rng.randbytes(3)] * rng.randrange(3)
+        try:
+            decode(frames)
+            accepted += 1
+        except ProtocolError:
+            pass
+    assert accepted < 4000  # the mutations were mostly rejected, and nothing else was raised
+
+
+def test_protocol_does_not_import_torch_or_zmq():
+    code = "import sys, common.protocol; assert 'torch' not in sys.modules and 'zmq' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------- tensor frames
+
+
+def address_of(buffer) -> int:
+    return np.frombuffer(buffer, dtype=np.uint8).__array_interface__["data"][0]
+
+
+def kv_tensors(dtype: torch.dtype, layers: int = 2, pages: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(pages, 2, 16, 2, 8, generator=g).to(dtype) for _ in range(layers)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_tensor_frames_round_trip(dtype):
+    header = dataclasses.replace(HEADER, dtype=str(dtype).removeprefix("torch."))
+    tensors = kv_tensors(dtype)
+    frames = encode_tensor_frames(header, tensors)
+    assert len(frames) == 2 + 2
+    received = [bytes(f) for f in frames]  # what a socket hands over
+    got_header = decode(received)
+    assert got_header.checksum != 0 and got_header == dataclasses.replace(header, checksum=got_header.checksum)
+    out = decode_tensor_frames(got_header, received[2:])
+    for a, b in zip(tensors, out, strict=True):
+        assert b.dtype == dtype and b.shape == a.shape and torch.equal(a, b)
+
+
+def test_tensor_frames_send_contiguous_cpu_tensors_without_copy():
+    tensors = kv_tensors(torch.bfloat16)
+    frames = encode_tensor_frames(HEADER, tensors)
+    assert [address_of(f) for f in frames[2:]] == [t.data_ptr() for t in tensors]
+
+
+def test_decoded_tensors_share_the_frame_memory():
+    frames = encode_tensor_frames(dataclasses.replace(HEADER, dtype="float16"), kv_tensors(torch.float16))
+    received = [bytearray(f) for f in frames[2:]]  # writable, like a zmq frame
+    out = decode_tensor_frames(decode(frames), received)
+    assert out[0].data_ptr() == address_of(received[0])
+    received[0][0:2] = b"\x00\x3c"  # fp16 1.0 written into the frame shows up in the tensor
+    assert out[0].flatten()[0].item() == 1.0
+
+
+def test_misaligned_frame_is_copied_and_still_correct():
+    tensors = kv_tensors(torch.float32)
+    frames = encode_tensor_frames(dataclasses.replace(HEADER, dtype="float32"), tensors)
+    shifted = [memoryview(bytearray(b"x") + bytes(f))[1:] for f in frames[2:]]
+    out = decode_tensor_frames(decode(frames), shifted)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, out))
+
+
+def test_tensor_frames_strided_and_empty():
+    strided = [t.transpose(0, 1).contiguous().transpose(0, 1) for t in kv_tensors(torch.float32)]
+    header = dataclasses.replace(HEADER, dtype="float32")
+    out = decode_tensor_frames(decode(f := encode_tensor_frames(header, strided)), f[2:])
+    assert all(torch.equal(a, b) for a, b in zip(strided, out))
+    empty = dataclasses.replace(HEADER, num_pages=0, page_indices=[], dtype="float32")
+    frames = encode_tensor_frames(empty, kv_tensors(torch.float32, pages=0))
+    assert [t.shape[0] for t in decode_tensor_frames(decode(frames), frames[2:])] == [0, 0]
+
+
+def test_tensor_frames_reject_bad_checksum_size_count_and_dtype():
+    frames = encode_tensor_frames(HEADER, kv_tensors(torch.bfloat16))
+    header, tensor_frames = decode(frames), [bytes(f) for f in frames[2:]]
+    flipped = bytearray(tensor_frames[1])
+    flipped[100] ^= 1
+    with pytest.raises(ProtocolError, match="checksum"):
+        decode_tensor_frames(header, [tensor_frames[0], bytes(flipped)])
+    with pytest.raises(ProtocolError, match="bytes"):
+        decode_tensor_frames(header, [tensor_frames[0], tensor_frames[1][:-2]])
+    with pytest.raises(ProtocolError, match="frames declared"):
+        decode_tensor_frames(header, tensor_frames[:1])
+    with pytest.raises(ProtocolError, match="bytes"):  # header claims fp32 for bf16 bytes
+        decode_tensor_frames(dataclasses.replace(header, dtype="float32"), tensor_frames)
+    with pytest.raises(ProtocolError, match="bytes"):  # header claims another page shape
+        decode_tensor_frames(dataclasses.replace(header, page_shape=[2, 16, 2, 4]), tensor_frames)
+    with pytest.raises(ValueError, match="header says"):
+        encode_tensor_frames(HEADER, kv_tensors(torch.float16))
+    with pytest.raises(ValueError, match="header says"):
+        encode_tensor_frames(HEADER, kv_tensors(torch.bfloat16, pages=2))
+    with pytest.raises(ValueError, match="2 layers declared"):
+        encode_tensor_frames(HEADER, kv_tensors(torch.bfloat16, layers=1))

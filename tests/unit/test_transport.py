@@ -1,0 +1,173 @@
+"""Typed sockets over real ZeroMQ (ipc:// in a tmp dir and tcp:// on loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from common import transport as t
+from common.protocol import (
+    AbortRequest, Heartbeat, KVPagesAck, KVPagesHeader, Ready, Registered, RegisterWorker,
+    TokenDelta, TokenDeltaBatch, decode_tensor_frames, encode, encode_tensor_frames,
+)
+
+TIMEOUT_S = 5.0
+
+
+def address_of(buffer) -> int:
+    return np.frombuffer(buffer, dtype=np.uint8).__array_interface__["data"][0]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(params=["ipc", "tcp"])
+def address(request, tmp_path):
+    if request.param == "ipc":
+        return t.ipc_address(str(tmp_path), "sock")
+    return t.tcp_address("127.0.0.1", free_tcp_port())
+
+
+def test_router_dealer_request_reply(address):
+    async def main():
+        with t.Router(address) as router, t.Dealer(address, "p0") as p0, t.Dealer(address, "d0") as d0:
+            await p0.send(RegisterWorker("p0", "prefill", "m", 16, 100, "tcp://10.0.0.1:7000", 8))
+            await d0.send(RegisterWorker("d0", "decode", "m", 16, 100, "tcp://10.0.0.2:7000", 8))
+            seen = {}
+            for _ in range(2):
+                identity, msg = await router.recv()
+                seen[identity] = msg
+                await router.send(identity, Registered(msg.worker_id))
+            assert {k: v.role for k, v in seen.items()} == {b"p0": "prefill", b"d0": "decode"}
+            assert await p0.recv() == Registered("p0")
+            assert await d0.recv() == Registered("d0")
+    run(main())
+
+
+def test_push_pull_stream_in_order(address):
+    async def main():
+        with t.Pull(address) as pull, t.Push(address) as push:
+            sent = [TokenDeltaBatch("w0", [TokenDelta(f"r{i}", 0, [i], None, None, 3)]) for i in range(100)]
+            for msg in sent:
+                await push.send(msg)
+            assert [await pull.recv() for _ in sent] == sent
+    run(main())
+
+
+def test_push_may_bind_and_pull_connect(address):
+    async def main():
+        with t.Push(address, bind=True) as push, t.Pull(address, bind=False) as pull:
+            await push.send(AbortRequest("r1", "client gone"))
+            assert await pull.recv() == AbortRequest("r1", "client gone")
+    run(main())
+
+
+@pytest.mark.parametrize("garbage", [
+    [b"not a message"],
+    [b"Ready", b"\xc1"],
+    [b"Nope", encode(Ready("a", "b"))[1]],
+    [*encode(Ready("a", "b")), b"extra"],
+])
+def test_malformed_frames_are_dropped_and_the_next_message_arrives(garbage, tmp_path):
+    routed, stream = t.ipc_address(str(tmp_path), "routed"), t.ipc_address(str(tmp_path), "stream")
+
+    async def main():
+        with t.Router(routed) as router, t.Dealer(routed, "w") as dealer, t.Pull(stream) as pull, t.Push(stream) as push:
+            await dealer.send_frames(garbage)
+            await dealer.send(Ready("worker", "w"))
+            assert await router.recv() == (b"w", Ready("worker", "w"))
+            assert router.dropped == 1
+            await push.send_frames(garbage)
+            await push.send(Ready("worker", "w"))
+            assert await pull.recv() == Ready("worker", "w")
+            assert pull.dropped == 1
+    run(main())
+
+
+def test_router_send_to_unknown_identity_raises():
+    async def main(address):
+        with t.Router(address) as router:
+            with pytest.raises(t.UnknownPeer, match="ghost"):
+                await router.send(b"ghost", Registered("ghost"))
+    run(main(t.tcp_address("127.0.0.1", free_tcp_port())))
+
+
+def test_kv_pages_travel_intact_without_copy_on_receive(address):
+    header = KVPagesHeader("r1", 0, 40, 0, 3, 2, "bfloat16", [2, 16, 2, 64], 0, [7], True, [0, 1])
+    pages = [torch.randn(2, 2, 16, 2, 64).to(torch.bfloat16) for _ in range(3)]  # 64 KiB a layer
+
+    async def main():
+        with t.Router(address, options=t.KV) as decode_side, t.Dealer(address, "p0", options=t.KV) as prefill_side:
+            await prefill_side.send_frames(encode_tensor_frames(header, pages))
+            identity, got, frames = await decode_side.recv_with_frames()
+            assert got == dataclasses.replace(header, checksum=got.checksum)
+            received = decode_tensor_frames(got, frames)
+            assert all(torch.equal(a, b) for a, b in zip(pages, received, strict=True))
+            assert [r.data_ptr() for r in received] == [address_of(f) for f in frames]  # no copy
+            await decode_side.send(identity, KVPagesAck("r1", True, None))
+            assert await prefill_side.recv() == KVPagesAck("r1", True, None)
+    run(main())
+
+
+def test_tensor_message_on_plain_recv_is_dropped():
+    header = KVPagesHeader("r1", 0, 16, 0, 1, 1, "float32", [4], 0, [], True, [0])
+
+    async def main(address):
+        with t.Pull(address, options=t.KV) as pull, t.Push(address, options=t.KV) as push:
+            await push.send_frames(encode_tensor_frames(header, [torch.ones(1, 4)]))
+            await push.send(Heartbeat("w", 0, 0, 1, 1, 0, 1.0))
+            assert await pull.recv() == Heartbeat("w", 0, 0, 1, 1, 0, 1.0)
+            assert pull.dropped == 1
+    run(main(t.tcp_address("127.0.0.1", free_tcp_port())))
+
+
+def test_every_socket_sets_its_limits():
+    async def main(address):
+        with t.Router(address, options=t.KV) as router, t.Dealer(address, "x") as dealer:
+            for sock, opts in ((router, t.KV), (dealer, t.CONTROL)):
+                z = sock._sock
+                assert (z.getsockopt(t.zmq.LINGER), z.getsockopt(t.zmq.MAXMSGSIZE)) == (opts.linger_ms, opts.max_msg_bytes)
+                assert z.getsockopt(t.zmq.SNDHWM) == z.getsockopt(t.zmq.RCVHWM) == opts.hwm
+    run(main(t.tcp_address("127.0.0.1", free_tcp_port())))
+
+
+def test_address_validation(tmp_path):
+    assert t.validate_address("tcp://127.0.0.1:5555") == "tcp://127.0.0.1:5555"
+    assert t.validate_address("tcp://scheduler:5555") == "tcp://scheduler:5555"
+    assert t.tcp_address("::1", 5555) == "tcp://[::1]:5555"
+    assert t.validate_address("tcp://*:5555", allow_wildcard=True) == "tcp://*:5555"
+    assert t.ipc_address(str(tmp_path), "sched") == f"ipc://{tmp_path}/sched"
+    for bad in ["tcp://*:5555", "tcp://0.0.0.0:5555", "tcp://[::]:1", "tcp://host", "tcp://host:0",
+                "tcp://host:99999", "tcp://ho st:1", "udp://h:1", "ipc://", "inproc://x", "h:1"]:
+        with pytest.raises(ValueError):
+            t.validate_address(bad)
+    with pytest.raises(ValueError, match="shorter run dir"):
+        t.ipc_address("/" + "d" * 120, "x")
+    with pytest.raises(ValueError, match="letters"):
+        t.ipc_address(str(tmp_path), "../escape")
+    with pytest.raises(ValueError, match="every interface"):
+        t.Router("tcp://0.0.0.0:5555")
+    with pytest.raises(ValueError, match="identity"):
+        t.Dealer("tcp://127.0.0.1:5555", "")
+
+
+def test_bind_conflict_is_a_clear_error():
+    address = t.tcp_address("127.0.0.1", free_tcp_port())
+
+    async def main():
+        with t.Router(address):
+            with pytest.raises(OSError, match="cannot bind"):
+                t.Pull(address)
+    run(main())
