@@ -22,10 +22,11 @@ TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 # (query_lens, seq_lens): decode of a 1-token context, decode mid-page, fresh prefill, a chunk
 # continuing 41 keys of earlier context, decode ending exactly on a page boundary, a chunk that
-# crosses several tiles and ends mid-page.
-MIXED = ([1, 1, 20, 9, 1, 17], [1, 37, 20, 50, 64, 83])
+# crosses several tiles and ends mid-page, a decode and a chunk whose first query sits one and
+# two keys before a 64-key tile boundary (where the unmasked/masked tile split is decided).
+MIXED = ([1, 1, 20, 9, 1, 17, 1, 12], [1, 37, 20, 50, 64, 83, 63, 74])
 # Decodes plus short speculative-style queries: all fit one query block per sequence.
-DECODES = ([1, 3, 1, 2, 1], [1, 15, 16, 17, 130])
+DECODES = ([1, 3, 1, 2, 1, 1], [1, 15, 16, 17, 130, 63])
 
 
 def run_and_compare(batch, dtype, **kwargs):

@@ -110,7 +110,8 @@ class Engine:
 
     # ---- set-up ---------------------------------------------------------------------------
     def _load_tokenizer(self):
-        if self.model_path is None:
+        """The model's tokenizer; a folder without tokenizer files serves token ids only."""
+        if self.model_path is None or (self.model_path.is_dir() and not (self.model_path / "tokenizer.json").exists()):
             return None
         from common.tokenizer import Tokenizer
 

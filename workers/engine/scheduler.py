@@ -102,7 +102,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_decodes(plan, budget)
         budget = self._schedule_running_prefills(plan, budget)
-        self._admit_waiting(plan, budget)
+        if not plan.preempted:  # memory is short: admitting now would just thrash
+            self._admit_waiting(plan, budget)
         return plan
 
     def _schedule_decodes(self, plan: StepPlan, budget: int) -> int:

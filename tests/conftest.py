@@ -1,0 +1,7 @@
+"""Shared test set-up: keep torch to the machine's cores and quiet."""
+
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

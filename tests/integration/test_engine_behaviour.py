@@ -1,0 +1,125 @@
+"""Engine behaviour on the real model: memory use, sharing, seeds, bad input, abort."""
+
+import random
+
+import pytest
+
+from common.sampling import SamplingParams
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+
+pytestmark = pytest.mark.slow
+
+
+def live_tables(engine):
+    return [s.block_table for s in engine.scheduler.live_sequences]
+
+
+def test_kv_utilization_of_a_mixed_length_run_is_at_least_95_percent():
+    engine = Engine(EngineConfig(dtype="bfloat16", max_num_batched_tokens=256, num_pages=2048, enable_prefix_caching=False))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 40000) for _ in range(rng.randint(100, 400))] for _ in range(12)]
+    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=rng.randint(8, 40)) for _ in prompts]
+    engine.generate(prompts, params)
+    assert engine.stats.steps > 40
+    assert engine.stats.mean_kv_utilization >= 0.95
+    assert engine.blocks.num_used_pages == 0
+
+
+def test_parallel_samples_share_the_prompt_pages(engine_fp32):
+    prompt = list(range(1000, 1000 + 70))  # 4 full pages + 6 tokens in a shared partial page
+    engine_fp32.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True))
+    used_before = engine_fp32.blocks.num_used_pages
+    while not any(len(s.token_ids) > len(prompt) for s in engine_fp32.requests["n4"].seqs):
+        engine_fp32.step()
+    seqs = engine_fp32.requests["n4"].seqs
+    assert len(seqs) == 4
+    assert len({tuple(s.block_table) for s in seqs}) == 1  # all four share the same 5 pages
+    assert engine_fp32.blocks.num_used_pages - used_before == 5
+    engine_fp32.blocks.check_invariants(live_tables(engine_fp32))
+    engine_fp32.step()  # each writes its first token into the shared partial page: copy-on-write
+    tables = [s.block_table for s in seqs]
+    assert len({t[:4] for t in map(tuple, tables)}) == 1  # full pages still shared
+    assert len({t[4] for t in tables}) == 4  # the partial page now private to each
+    engine_fp32.blocks.check_invariants(live_tables(engine_fp32))
+    outputs = {}
+    while engine_fp32.has_unfinished():
+        for out in engine_fp32.step():
+            for so in out.outputs:
+                outputs.setdefault(so.index, []).extend(so.new_token_ids)
+    assert sorted(outputs) == [0, 1, 2, 3]
+    assert engine_fp32.blocks.num_used_pages == 0
+
+
+def test_a_seeded_request_samples_the_same_tokens_whatever_its_batch(engine_fp32):
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True)
+    prompt = list(range(500, 540))
+    [alone] = engine_fp32.generate([prompt], seeded)
+    others = [list(range(2000 + 7 * i, 2030 + 9 * i)) for i in range(5)]
+    results = engine_fp32.generate(others[:2] + [prompt] + others[2:], [SamplingParams(temperature=1.0, max_tokens=25)] * 2 + [seeded] + [SamplingParams(temperature=1.0, max_tokens=25)] * 3)
+    assert results[2].token_ids == alone.token_ids
+    [again] = engine_fp32.generate([prompt], seeded)
+    assert again.token_ids == alone.token_ids
+
+
+def test_stop_tokens_min_tokens_and_max_tokens(engine_fp32):
+    prompt = list(range(300, 330))
+    [free] = engine_fp32.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    stop_at = free.token_ids[0][4]
+    first = free.token_ids[0].index(stop_at)
+    [stopped] = engine_fp32.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=(stop_at,)))
+    assert stopped.token_ids[0] == free.token_ids[0][: first + 1] and stopped.finish_reasons == ["stop"]
+    [held] = engine_fp32.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=(stop_at,), min_tokens=first + 2))
+    assert stop_at not in held.token_ids[0][: first + 2]
+    assert len(free.token_ids[0]) == 12 and free.finish_reasons == ["length"]
+
+
+@pytest.mark.parametrize(
+    "prompt, params, field",
+    [
+        ("", SamplingParams(), "prompt"),
+        ([], SamplingParams(), "prompt"),
+        ([5, 49152], SamplingParams(), "prompt"),
+        ([-1], SamplingParams(), "prompt"),
+        ([1] * 1024, SamplingParams(), "prompt"),
+        ([1] * 1000, SamplingParams(max_tokens=100), "max_tokens"),
+        ([1, 2], SamplingParams(temperature=-0.5), "temperature"),
+        ([1, 2], SamplingParams(top_p=1.5), "top_p"),
+        ([1, 2], SamplingParams(stop_token_ids=(10**6,)), "stop_token_ids"),
+    ],
+)
+def test_bad_input_is_a_value_error_naming_the_field_and_the_engine_keeps_serving(engine_fp32, prompt, params, field):
+    engine_fp32.add_request("good", [1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    engine_fp32.step()
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        engine_fp32.add_request("bad", prompt, params)
+    assert "bad" not in engine_fp32.requests
+    done = False
+    while not done:
+        done = any(o.finished for o in engine_fp32.step())
+    assert engine_fp32.blocks.num_used_pages == 0
+    engine_fp32.blocks.check_invariants([])
+
+
+def test_abort_frees_pages_mid_generation(engine_fp32):
+    engine_fp32.add_request("a", list(range(100, 180)), SamplingParams(max_tokens=50, ignore_eos=True))
+    engine_fp32.add_request("b", list(range(200, 230)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    for _ in range(4):
+        engine_fp32.step()
+    assert engine_fp32.abort("a") and not engine_fp32.abort("a")
+    outs = []
+    while engine_fp32.has_unfinished():
+        outs += engine_fp32.step()
+    assert all(o.request_id == "b" for o in outs)
+    assert engine_fp32.blocks.num_used_pages == 0
+    engine_fp32.blocks.check_invariants([])
+
+
+def test_prefix_cache_reuses_pages_of_an_earlier_prompt(engine_fp32):
+    shared = list(range(5000, 5000 + 64))
+    engine_fp32.generate([shared + [7, 8, 9]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    engine_fp32.add_request("again", shared + [10, 11], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    outs = []
+    while engine_fp32.has_unfinished():
+        outs += engine_fp32.step()
+    assert outs[-1].num_cached_tokens == 64

@@ -1,0 +1,94 @@
+"""The engine against Hugging Face transformers on the same weights (fp32)."""
+
+import json
+
+import pytest
+import torch
+
+from common.sampling import SamplingParams
+from tests.integration.conftest import hf_greedy
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+
+TEXT = (
+    "The history of computing is a story of layers: transistors became gates, gates became "
+    "processors, and processors learned to run programs that write other programs. "
+)
+
+
+def mixed_prompts(tokenizer) -> list[list[int]]:
+    """8 prompts from 4 to ~300 tokens, chat-formatted and raw."""
+    prompts = []
+    for i, repeats in enumerate([0, 1, 2, 3, 5, 7, 9, 11]):
+        if i % 2:
+            text = f"Question {i}: " + TEXT * repeats + "Summarise that."
+            rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+            ids = tokenizer.encode(rendered, add_special_tokens=False)
+        else:
+            ids = tokenizer.encode(f"Note {i}. " + TEXT * repeats)
+        prompts.append(list(ids))
+    return prompts
+
+
+@pytest.mark.slow
+def test_greedy_64_tokens_match_hf_with_chunks_and_decodes_mixed(engine_fp32, hf_model, hf_tokenizer):
+    prompts = mixed_prompts(hf_tokenizer)
+    assert len({len(p) for p in prompts}) == 8 and max(len(p) for p in prompts) > 200
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    results = engine_fp32.generate(prompts, params)
+    assert engine_fp32.stats.prefill_tokens > 0 and engine_fp32.stats.decode_tokens > 0
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids[0] == hf_greedy(hf_model, prompt, 64)
+        assert result.finish_reasons == ["length"]
+    engine_fp32.blocks.check_invariants([])
+
+
+@pytest.mark.slow
+def test_logprobs_agree_with_hf_logits_within_fp32_tolerance(engine_fp32, hf_model, hf_tokenizer):
+    prompt = mixed_prompts(hf_tokenizer)[5]
+    [result] = engine_fp32.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5))
+    full = torch.tensor([prompt + result.token_ids[0]])
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(full).logits[0].float(), dim=-1)
+    for i, lp in enumerate(result.logprobs[0]):
+        row = ref[len(prompt) - 1 + i]
+        assert lp.token_id == int(row.argmax())
+        assert abs(lp.logprob - float(row[lp.token_id])) < 2e-3
+        top = row.topk(5)
+        assert lp.top_ids == top.indices.tolist()
+        assert max(abs(a - b) for a, b in zip(lp.top_logprobs, top.values.tolist())) < 2e-3
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+    """A tiny random Qwen2-style model (QKV bias, untied head) written as safetensors."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, initializer_range=0.3, rope_theta=10000.0,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # make biases non-zero so they are tested
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.3)
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    model.save_pretrained(folder, safe_serialization=True)
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    return folder, model
+
+
+@pytest.mark.slow
+def test_tiny_qwen2_safetensors_matches_hf(tiny_qwen2):
+    folder, hf = tiny_qwen2
+    engine = Engine(EngineConfig(model=str(folder), dtype="float32", max_num_batched_tokens=32, max_prefill_chunk=32, num_pages=256))
+    assert engine.model_config.architecture == "qwen2" and engine.model_config.attention_bias
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in (3, 17, 40, 64, 90, 5, 33, 120)]
+    results = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids[0] == hf_greedy(hf, prompt, 64)
+    engine.blocks.check_invariants([])

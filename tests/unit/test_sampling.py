@@ -1,0 +1,94 @@
+"""SamplingParams validation and the sampler's per-row behaviour."""
+
+import pytest
+import torch
+
+from common.sampling import SamplingParams
+from workers.engine.sampler import SampleRow, sample
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"min_p": 2}, "min_p"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"seed": -1}, "seed"),
+        ({"stop": ("",)}, "stop"),
+    ],
+)
+def test_out_of_range_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        SamplingParams(**kwargs).validate()
+
+
+def test_round_trip_through_dict():
+    p = SamplingParams(n=2, temperature=0.5, stop=("x",), stop_token_ids=(3,), seed=4, logprobs=2)
+    assert SamplingParams.from_dict(p.to_dict()) == p
+    with pytest.raises(ValueError, match="unknown"):
+        SamplingParams.from_dict({"bogus": 1})
+
+
+def rows(params, n=1, gen=None):
+    return [SampleRow(params, [1, 2], [], gen) for _ in range(n)]
+
+
+def test_greedy_and_top_k_1_pick_the_argmax():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    expected = logits.argmax(-1).tolist()
+    got = sample(logits.clone(), rows(SamplingParams(temperature=0), 3), torch.Generator())
+    assert [t for t, _ in got] == expected
+    got = sample(logits.clone(), rows(SamplingParams(temperature=1.0, top_k=1), 3), torch.Generator())
+    assert [t for t, _ in got] == expected
+
+
+def test_seeded_row_does_not_depend_on_its_batch():
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(1))
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    alone = sample(logits[2:3].clone(), [SampleRow(seeded, [], [], torch.Generator().manual_seed(42))], torch.Generator())
+    batch_rows = rows(SamplingParams(temperature=1.0), 4)
+    batch_rows[2] = SampleRow(seeded, [], [], torch.Generator().manual_seed(42))
+    together = sample(logits.clone(), batch_rows, torch.Generator().manual_seed(7))
+    assert together[2][0] == alone[0][0]
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    picks = {sample(logits.clone(), rows(SamplingParams(top_p=0.7)), torch.Generator().manual_seed(s))[0][0] for s in range(200)}
+    assert picks == {0, 1}
+
+
+def test_min_p_drops_tokens_below_the_fraction_of_the_best():
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]]))
+    picks = {sample(logits.clone(), rows(SamplingParams(min_p=0.4)), torch.Generator().manual_seed(s))[0][0] for s in range(200)}
+    assert picks == {0, 1}
+
+
+def test_banned_ids_and_penalties_change_the_greedy_choice():
+    logits = torch.tensor([[5.0, 4.0, 1.0]])
+    [(tok, _)] = sample(logits.clone(), [SampleRow(SamplingParams(temperature=0), [], [], None, banned_ids=(0,))], torch.Generator())
+    assert tok == 1
+    freq = SamplingParams(temperature=0, frequency_penalty=2.0)
+    [(tok, _)] = sample(logits.clone(), [SampleRow(freq, [], [0], None)], torch.Generator())
+    assert tok == 1  # 5 - 2*1 = 3 < 4
+    rep = SamplingParams(temperature=0, repetition_penalty=2.0)
+    [(tok, _)] = sample(logits.clone(), [SampleRow(rep, [0], [], None)], torch.Generator())
+    assert tok == 1  # 5 / 2 = 2.5 < 4
+
+
+def test_logprobs_are_the_raw_log_softmax():
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    [(tok, lp)] = sample(logits.clone(), rows(SamplingParams(temperature=0, logprobs=2)), torch.Generator())
+    ref = torch.log_softmax(logits, -1)[0]
+    assert tok == 0 and lp.top_ids == [0, 1]
+    assert lp.logprob == pytest.approx(float(ref[0]))
+    assert lp.top_logprobs == pytest.approx(ref[:2].tolist())

@@ -1,0 +1,93 @@
+"""Local scheduler: token budget, decodes first, chunking, preemption by recompute."""
+
+from common.sampling import SamplingParams
+from workers.engine.block_manager import BlockManager
+from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.engine.sequence import Sequence, SeqStatus
+
+
+def make_seq(n: int, rid: str) -> Sequence:
+    return Sequence(rid, 0, list(range(1, n + 1)), n, SamplingParams(temperature=0, max_tokens=100))
+
+
+def run_plan(plan, next_token=7):
+    """What the engine does after the runner: advance computed tokens, sample at the end."""
+    for c in plan.chunks:
+        c.seq.num_computed += c.num_tokens
+        if c.samples:
+            c.seq.append_token(next_token, None)
+
+
+def test_prompt_is_chunked_to_the_budget_and_decodes_go_first():
+    bm = BlockManager(100, 4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_prefill_chunk=8), bm)
+    short, long = make_seq(3, "short"), make_seq(20, "long")
+    s.add(short)
+    s.add(long)
+    plan = s.schedule()
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in plan.chunks] == [("short", 0, 3), ("long", 0, 5)]
+    run_plan(plan)
+    plan = s.schedule()  # short decodes (1 token) first, long continues with the rest of the budget
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in plan.chunks] == [("short", 3, 1), ("long", 5, 7)]
+    assert plan.num_decodes == 1
+    assert not plan.chunks[1].samples
+    run_plan(plan)
+    plan = s.schedule()
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in plan.chunks] == [("short", 4, 1), ("long", 12, 7)]
+    run_plan(plan)
+    plan = s.schedule()
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in plan.chunks] == [("short", 5, 1), ("long", 19, 1)]
+    assert plan.chunks[1].samples  # the prompt's last token: sample the first output token
+    bm.check_invariants([x.block_table for x in s.live_sequences])
+
+
+def test_out_of_pages_preempts_the_newest_and_recomputes_it_later():
+    bm = BlockManager(4, 4)  # 3 usable pages
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_prefill_chunk=64), bm)
+    a, b = make_seq(4, "a"), make_seq(4, "b")
+    s.add(a)
+    s.add(b)
+    run_plan(s.schedule())  # both prompts: 1 page each, then one token each appended
+    assert bm.num_free_pages == 1
+    plan = s.schedule()  # both need a new page for position 4; only one is free
+    assert [c.seq.request_id for c in plan.chunks] == ["a"]
+    assert plan.preempted == [b] and b.status is SeqStatus.WAITING
+    assert b.num_computed == 0 and b.block_table == [] and b.token_ids == [1, 2, 3, 4, 7]
+    bm.check_invariants([x.block_table for x in s.live_sequences])
+    run_plan(plan)
+    s.finish(a, "stop")
+    plan = s.schedule()  # b comes back and recomputes prompt + the token it had
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in plan.chunks] == [("b", 0, 5)]
+    assert plan.chunks[0].samples
+    bm.check_invariants([x.block_table for x in s.live_sequences])
+
+
+def test_admission_respects_max_num_seqs_and_partial_prefill_cap():
+    bm = BlockManager(100, 4)
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100, max_prefill_chunk=100), bm)
+    for i in range(3):
+        s.add(make_seq(5, f"r{i}"))
+    plan = s.schedule()
+    assert [c.seq.request_id for c in plan.chunks] == ["r0", "r1"]
+    assert [x.request_id for x in s.waiting] == ["r2"]
+    s2 = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_prefill_chunk=4, max_num_partial_prefills=1), BlockManager(100, 4))
+    for i in range(2):
+        s2.add(make_seq(10, f"p{i}"))
+    plan = s2.schedule()  # p0 is mid-prefill: p1 waits although budget remains
+    assert [(c.seq.request_id, c.num_tokens) for c in plan.chunks] == [("p0", 4)]
+
+
+def test_prefix_cache_hit_skips_computed_pages():
+    bm = BlockManager(100, 4)
+    s = Scheduler(SchedulerConfig(), bm)
+    first = make_seq(10, "first")
+    s.add(first)
+    plan = s.schedule()
+    run_plan(plan)
+    first.num_cached_pages = bm.cache_full_pages(first.block_table, first.token_ids, 0, first.num_computed)
+    s.finish(first, "stop")
+    second = make_seq(10, "second")
+    s.add(second)
+    plan = s.schedule()
+    assert [(c.start, c.num_tokens) for c in plan.chunks] == [(8, 2)]
+    assert second.num_prefix_hit_tokens == 8
