@@ -17,6 +17,7 @@ from common.protocol import (
     AbortRequest, DecodeTask, GenerateRequest, GenerateTask, Heartbeat, KVPagesAck, KVPagesHeader,
     PrefillTask, ProtocolError, Ready, Registered, RegisterWorker, RequestDone, RequestFailed,
     ScheduleRequest, TextDelta, TextDeltaBatch, TokenDelta, TokenDeltaBatch, TokenLogprob,
+    ClusterStatus, StatusRequest, WorkerStatus,
     decode, decode_tensor_frames, encode, encode_tensor_frames,
 )
 from common.sampling import SamplingParams
@@ -45,7 +46,7 @@ SAMPLES = [
     GenerateTask("r1", [1, 2, 3], SP, "tok-0"),
     RegisterWorker("p0", "prefill", "smollm", 16, 1000, "tcp://10.0.0.1:7000", 64),
     Registered("p0"),
-    Heartbeat("p0", 3, 1, 900, 1000, 100, 99.5),
+    Heartbeat("p0", 3, 1, 900, 1000, 100, 99.5, 4096, 0),
     RequestDone("p0", "r1", "finished"),
     TOKEN_DELTA,
     TokenDeltaBatch("d0", [TOKEN_DELTA, TokenDelta("r2", 1, [5, 6], None, "length", 3)]),
@@ -53,6 +54,8 @@ SAMPLES = [
     KVPagesAck("r1", True, None),
     KVPagesAck("r1", False, "out of pages"),
     Ready("worker", "p0"),
+    StatusRequest("gw-1"),
+    ClusterStatus(True, [WorkerStatus("d0", "decode", True, 2, 0, 10, 100, 0, 8192)], 3),
 ]
 
 
@@ -98,7 +101,7 @@ def test_round_trip_is_exact(msg):
 
 
 def test_decode_accepts_memoryviews_and_converts_int_to_float():
-    frames = with_fields(Heartbeat("w", 0, 0, 0, 0, 0, 1.0), time=3)
+    frames = with_fields(Heartbeat("w", 0, 0, 0, 0, 0, 1.0, 0, 0), time=3)
     out = decode([memoryview(f) for f in frames])
     assert out.time == 3.0 and type(out.time) is float
 
@@ -133,7 +136,7 @@ MALFORMED = {
     "bool for int": with_fields(RegisterWorker("p0", "mixed", "m", 16, 10, "e", 4), page_size=True),
     "float for int": with_fields(RegisterWorker("p0", "mixed", "m", 16, 10, "e", 4), num_pages=1.5),
     "int for bool": with_fields(KVPagesAck("r", True, None), ok=1),
-    "bool for float": with_fields(Heartbeat("w", 0, 0, 0, 0, 0, 1.0), time=False),
+    "bool for float": with_fields(Heartbeat("w", 0, 0, 0, 0, 0, 1.0, 0, 0), time=False),
     "None for str": with_fields(AbortRequest("r", "x"), reason=None),
     "str for optional str": with_fields(KVPagesAck("r", False, None), error=3),
     "token id not int": with_fields(GenerateTask("r", [1], SP, "t"), prompt_token_ids=[1, "2"]),

@@ -127,8 +127,8 @@ def test_tensor_message_on_plain_recv_is_dropped():
     async def main(address):
         with t.Pull(address, options=t.KV) as pull, t.Push(address, options=t.KV) as push:
             await push.send_frames(encode_tensor_frames(header, [torch.ones(1, 4)]))
-            await push.send(Heartbeat("w", 0, 0, 1, 1, 0, 1.0))
-            assert await pull.recv() == Heartbeat("w", 0, 0, 1, 1, 0, 1.0)
+            await push.send(Heartbeat("w", 0, 0, 1, 1, 0, 1.0, 0, 0))
+            assert await pull.recv() == Heartbeat("w", 0, 0, 1, 1, 0, 1.0, 0, 0)
             assert pull.dropped == 1
     run(main(t.tcp_address("127.0.0.1", free_tcp_port())))
 
