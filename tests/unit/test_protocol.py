@@ -55,6 +55,7 @@ SAMPLES = [
     KVPagesAck("r1", False, "out of pages"),
     Ready("worker", "p0"),
     StatusRequest("gw-1"),
+    WorkerStatus("p0", "prefill", False, 0, 0, 0, 100, 8192, 0),
     ClusterStatus(True, [WorkerStatus("d0", "decode", True, 2, 0, 10, 100, 0, 8192)], 3),
 ]
 
