@@ -1,0 +1,30 @@
+"""Command-line flags with `PAGEMESH_*` environment variables as defaults.
+
+Every service builds its frozen config from its flags once, at start; a flag `--max-queue`
+defaults to `$PAGEMESH_MAX_QUEUE` when that is set (what compose files use), else to the code's
+default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+
+def env_name(flag: str) -> str:
+    return "PAGEMESH_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def add(parser: argparse.ArgumentParser, flag: str, default: Any = None, **kwargs) -> None:
+    """`parser.add_argument(flag, ...)` whose default comes from the environment when set."""
+    raw = os.environ.get(env_name(flag))
+    kind = kwargs.get("type")
+    if raw is not None:
+        if kwargs.get("action") == "store_true":
+            default = raw.lower() in ("1", "true", "yes", "on")
+        else:
+            default = kind(raw) if kind else raw
+    help_text = kwargs.pop("help", "")
+    kwargs["help"] = f"{help_text} [env {env_name(flag)}]".strip()
+    parser.add_argument(flag, default=default, **kwargs)
