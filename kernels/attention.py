@@ -66,6 +66,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 
 @triton.jit
 def _dot(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ b with an fp32 accumulator; IEEE keeps fp32 inputs out of TF32."""
     if UPCAST:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
@@ -83,8 +84,8 @@ def _attend_tiles(
     bt_row_ptr,  # [max_pages] this sequence's block-table row
     tile_lo, tile_hi, kv_end, qk_scale,
     kv_head_off, stride_kv_kind, stride_kv_page, stride_kv_slot,
-    PAGE_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    MASKED: tl.constexpr, UPCAST_DOT: tl.constexpr, IEEE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, UPCAST_DOT: tl.constexpr, IEEE_DOT: tl.constexpr,
 ):
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -103,7 +104,8 @@ def _attend_tiles(
             k = tl.load(k_ptrs, mask=key_ok[None, :], other=0.0)
         else:
             k = tl.load(k_ptrs)
-        s = _dot(q, k, None, UPCAST_DOT, IEEE_DOT) * qk_scale  # [M, TILE_N]
+        s = _dot(q, k, tl.zeros([BLOCK_M, TILE_N], tl.float32), UPCAST_DOT, IEEE_DOT)
+        s = s * qk_scale  # [M, TILE_N], log2 units
         if MASKED:
             visible = (key_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
             s = tl.where(visible, s, float("-inf"))
@@ -214,13 +216,13 @@ def _paged_attention_kernel(
         acc, m_i, l_i, q, q_pos, kv_ptr, bt_row_ptr,
         tile_lo, tl.minimum(tile_hi, num_full), kv_end, qk_scale,
         kv_head_off, stride_kv_kind, stride_kv_page, stride_kv_slot,
-        PAGE_SIZE, TILE_N, HEAD_DIM, False, UPCAST_DOT, IEEE_DOT,
+        BLOCK_M, PAGE_SIZE, TILE_N, HEAD_DIM, False, UPCAST_DOT, IEEE_DOT,
     )
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, q_pos, kv_ptr, bt_row_ptr,
         tl.maximum(tile_lo, num_full), tile_hi, kv_end, qk_scale,
         kv_head_off, stride_kv_kind, stride_kv_page, stride_kv_slot,
-        PAGE_SIZE, TILE_N, HEAD_DIM, True, UPCAST_DOT, IEEE_DOT,
+        BLOCK_M, PAGE_SIZE, TILE_N, HEAD_DIM, True, UPCAST_DOT, IEEE_DOT,
     )
 
     out_off = (q_start + tok).to(tl.int64) * stride_o_tok + head.to(tl.int64) * stride_o_head

@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# GPU check: kernel tests at full shapes, kernel benchmarks, and (if present) the engine bench,
+# written to docs/perf/gpu.md. One command, run from anywhere, finishes in under 8 minutes on
+# one H200; needs torch, triton, pytest (no pip install, no network, no zmq/structlog/gguf).
+#
+#   PAGEMESH_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_check.sh [--quick]
+#
+# PAGEMESH_COMMIT names the commit where the copy on the GPU machine has no .git.
+# Exit status: 0 when every step passed, 1 otherwise (the report is written either way).
+
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+unset TRITON_INTERPRET
+PY=${PYTHON:-python}
+command -v "$PY" >/dev/null || PY=python3
+
+BUDGET_S=${GPU_CHECK_BUDGET_S:-460}  # stay under 8 minutes with margin for start-up
+QUICK=""
+[[ "${1:-}" == "--quick" ]] && QUICK="--quick"
+REPORT=${GPU_CHECK_REPORT:-docs/perf/gpu.md}
+LOGS=$(mktemp -d)
+status=0
+
+remaining() { echo $((BUDGET_S - SECONDS)); }
+cap() { local r; r=$(remaining); ((r < $1)) && echo "$r" || echo "$1"; }
+
+commit=$(git rev-parse --short=12 HEAD 2>/dev/null || echo "${PAGEMESH_COMMIT:-unknown}")
+if git diff --quiet HEAD -- 2>/dev/null; then dirty=""; else dirty=" (plus uncommitted changes)"; fi
+[[ "$commit" == "${PAGEMESH_COMMIT:-unknown}" ]] && dirty=""
+gpu=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null \
+      | head -n1)
+[[ -z "$gpu" ]] && gpu=$("$PY" -c "import torch; print(torch.cuda.get_device_name())" \
+                         2>/dev/null || echo "none visible")
+versions=$("$PY" -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}')" 2>&1)
+
+mkdir -p "$(dirname "$REPORT")"
+{
+  echo "# GPU check"
+  echo
+  echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo "- GPU: $gpu"
+  echo "- commit: \`$commit\`$dirty"
+  echo "- software: $versions"
+  echo "- command: \`bash scripts/gpu_check.sh $QUICK\`"
+  echo
+  echo "## Tests"
+  echo
+} >"$REPORT"
+
+summarize() {  # name, log, exit code
+  local line
+  line=$(grep -E "^(=+ )?[0-9]+ (passed|failed|error|skipped)|no tests ran" "$2" | tail -n1)
+  [[ -z "$line" ]] && line="(no pytest summary; exit $3)"
+  if (($3 == 0)); then echo "- $1: PASS — ${line//=/}"; else
+    echo "- $1: **FAIL (exit $3)** — ${line//=/}"
+    echo
+    echo '  <details><summary>last lines</summary>'
+    echo
+    echo '  ```'
+    tail -n 60 "$2" | sed 's/^/  /'
+    echo '  ```'
+    echo '  </details>'
+  fi
+}
+
+if ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  echo "**No CUDA device: nothing run.** (CPU kernel tests: \`pytest tests/kernels\`.)" >>"$REPORT"
+  echo "[gpu_check] no CUDA device; wrote $REPORT" >&2
+  exit 1
+fi
+
+# 1. Tests, the two suites side by side (their Triton compiles use separate CPU cores).
+t=$(cap 240)
+echo "[gpu_check] tests (limit ${t}s)"
+timeout -k 10 "$t" "$PY" -m pytest -q -p no:cacheprovider --noconftest tests/kernels \
+  >"$LOGS/kernels.log" 2>&1 &
+kernels_pid=$!
+timeout -k 10 "$t" "$PY" -m pytest -q -p no:cacheprovider --noconftest -m gpu tests/gpu \
+  >"$LOGS/gpu.log" 2>&1 &
+gpu_pid=$!
+wait "$kernels_pid"; kernels_rc=$?
+wait "$gpu_pid"; gpu_rc=$?
+((kernels_rc || gpu_rc)) && status=1
+{
+  summarize "tests/kernels (compiled, no interpreter)" "$LOGS/kernels.log" "$kernels_rc"
+  summarize "tests/gpu (-m gpu)" "$LOGS/gpu.log" "$gpu_rc"
+  echo
+} >>"$REPORT"
+
+# 2. Kernel benchmarks (alone on the GPU).
+t=$(cap 200)
+((t < 120)) && QUICK="--quick"
+echo "[gpu_check] kernel bench (limit ${t}s) $QUICK"
+echo "## Kernel benchmarks" >>"$REPORT"
+echo >>"$REPORT"
+timeout -k 10 "$t" "$PY" bench/kernel_bench.py $QUICK >"$LOGS/bench.md" 2>"$LOGS/bench.err"
+bench_rc=$?
+cat "$LOGS/bench.md" >>"$REPORT"
+if ((bench_rc)); then
+  status=1
+  { echo; echo "**kernel_bench failed (exit $bench_rc):**"; echo; echo '```'
+    tail -n 40 "$LOGS/bench.err"; echo '```'; } >>"$REPORT"
+fi
+echo >>"$REPORT"
+
+# 3. Engine benchmark, written by the engine's owner; it prints markdown.
+if [[ -f bench/gpu_engine.py ]]; then
+  t=$(($(remaining) - 5))
+  echo "[gpu_check] engine bench (limit ${t}s)"
+  echo "## Engine (bench/gpu_engine.py)" >>"$REPORT"
+  echo >>"$REPORT"
+  if ((t < 30)); then
+    echo "_skipped: only ${t}s of the time budget left_" >>"$REPORT"
+  else
+    timeout -k 10 "$t" "$PY" bench/gpu_engine.py >"$LOGS/engine.md" 2>"$LOGS/engine.err"
+    engine_rc=$?
+    cat "$LOGS/engine.md" >>"$REPORT"
+    if ((engine_rc)); then
+      status=1
+      { echo; echo "**gpu_engine.py failed (exit $engine_rc):**"; echo; echo '```'
+        tail -n 40 "$LOGS/engine.err"; echo '```'; } >>"$REPORT"
+    fi
+  fi
+fi
+
+echo >>"$REPORT"
+echo "_gpu_check finished in ${SECONDS}s, exit status $status._" >>"$REPORT"
+echo "[gpu_check] wrote $REPORT in ${SECONDS}s (exit $status)"
+rm -rf "$LOGS"
+exit "$status"
