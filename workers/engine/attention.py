@@ -41,8 +41,8 @@ class AttentionMetadata:
     page_size: int
     # CPU path: flat row indices, computed once per step
     write_index: torch.Tensor | None = None  # [T] K rows to write
-    decode_key_index: torch.Tensor | None = None  # [num_decodes, L]
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, L] bool
+    decode_pages: torch.Tensor | None = None  # [num_decodes, max_pages] page ids (0-padded)
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_pages * page_size] bool
     prefills: list[PrefillSlice] | None = None
 
     @classmethod
@@ -92,9 +92,9 @@ class AttentionMetadata:
         table = self.block_tables.to(torch.int64)
         if self.num_decodes:
             lens = self.seq_lens[: self.num_decodes].to(torch.int64)
-            pos = torch.arange(int(lens.max()), dtype=torch.int64)
-            page = table[: self.num_decodes, pos // size]
-            self.decode_key_index = page * 2 * size + pos % size
+            num_pages = -(-int(lens.max()) // size)
+            self.decode_pages = table[: self.num_decodes, :num_pages]
+            pos = torch.arange(num_pages * size, dtype=torch.int64)
             self.decode_mask = (pos[None, :] < lens[:, None])[:, None, None, :]
         self.prefills = []
         for s in range(self.num_decodes, len(query_lens)):
@@ -131,10 +131,14 @@ def paged_attention_torch(
     group = q.shape[1] // num_kv_heads
     nd = md.num_decodes
     if nd:
-        # queries of one KV head's group ride as a query length: no K/V expansion needed
+        # whole pages are gathered (one memcpy each), padding masked; the queries of one KV
+        # head's group ride as a query length, so K/V need no expansion for GQA
         qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
-        kd = flat[md.decode_key_index].transpose(1, 2)  # [nd, KVH, L, D]
-        vd = flat[md.decode_key_index + md.page_size].transpose(1, 2)
+        # embedding() is torch's fastest row gather on CPU (a memcpy per page)
+        pages = F.embedding(md.decode_pages, kv_layer.view(kv_layer.shape[0], -1))
+        pages = pages.view(nd, -1, *kv_layer.shape[1:])  # [nd, max_pages, 2, S, KVH, D]
+        kd = pages[:, :, 0].reshape(nd, -1, num_kv_heads, head_dim).transpose(1, 2)  # [nd, KVH, L, D]
+        vd = pages[:, :, 1].reshape(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md.decode_mask, scale=scale)
         out[:nd] = o.reshape(nd, -1, head_dim)
     for p in md.prefills:

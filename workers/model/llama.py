@@ -22,6 +22,7 @@ from workers.model.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabEmbedding,
+    apply_rotary,
     silu_and_mul,
 )
 
@@ -39,6 +40,8 @@ class ForwardContext:
     kv_cache: torch.Tensor  # [layers, pages, 2, page_size, kv_heads, head_dim]
     metadata: AttentionMetadata
     backend: AttentionBackend
+    rope_cos: torch.Tensor | None = None  # [T, 1, head_dim], filled by the model per step
+    rope_sin: torch.Tensor | None = None
 
 
 class LlamaAttention(nn.Module):
@@ -53,13 +56,13 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.attention_bias, tp)
         self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, tp)
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(ctx.metadata.positions, q, k)
+        q, k = apply_rotary(q, k, ctx.rope_cos, ctx.rope_sin)
         kv_layer = ctx.kv_cache[self.layer_index]
         ctx.backend.write_kv(k, v, kv_layer, ctx.metadata)
         out = ctx.backend.attend(q, kv_layer, ctx.metadata, self.scale)
@@ -85,9 +88,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, tp)
 
-    def forward(self, x, residual, rotary, ctx):
+    def forward(self, x, residual, ctx):
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rotary, ctx)
+        x = self.self_attn(x, ctx)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -108,8 +111,9 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, logit_rows: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        ctx.rope_cos, ctx.rope_sin = self.rotary.cos_sin(ctx.metadata.positions, x.dtype)
         for layer in self.layers:
-            x, residual = layer(x, residual, self.rotary, ctx)
+            x, residual = layer(x, residual, ctx)
         x, _ = self.norm(x, residual)
         return torch.nn.functional.linear(x[logit_rows], self.lm_head.weight).float()
 

@@ -1,0 +1,46 @@
+"""`pagemesh <command>`: one entry for every process kind and tool.
+
+    pagemesh up          the whole mesh on this machine (gateway, tokenizer, scheduler, workers)
+    pagemesh gateway     one process of a kind (what compose runs) ...
+    pagemesh tokenizer
+    pagemesh scheduler
+    pagemesh worker --role prefill|decode|mixed
+    pagemesh generate    offline: run prompts through one in-process engine and print them
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "up": ("services.launcher", "the whole mesh on this machine"),
+    "gateway": ("gateway.main", "the OpenAI-compatible HTTP gateway"),
+    "tokenizer": ("services.tokenizer.main", "the tokenizer service"),
+    "scheduler": ("services.scheduler.main", "the scheduler (registry, placement)"),
+    "worker": ("workers.main", "an LLM worker: --role prefill|decode|mixed"),
+    "generate": ("workers.engine.generate_cli", "offline generation through one engine"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: pagemesh <command> [flags]   (pagemesh <command> --help for its flags)", ""]
+    lines += [f"  {name:<10} {what}" for name, (_, what) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"pagemesh: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        raise SystemExit(2)
+    module = importlib.import_module(COMMANDS[name][0])
+    module.main(rest)
+
+
+if __name__ == "__main__":
+    main()
