@@ -45,12 +45,15 @@ class AttentionConfig:
 
 def choose_config(max_query_len: int, group_pad: int, dtype: torch.dtype) -> AttentionConfig:
     """Decode-like batches get 16 rows (the smallest MMA tile); anything with prefill chunks gets
-    64 rows, one warpgroup's MMA, which also keeps the decodes mixed into it memory-bound."""
-    tile_n = 32 if dtype == torch.float32 else 64
+    64 rows, one warpgroup's MMA, which also keeps the decodes mixed into it memory-bound.
+    fp32 (no tensor cores with IEEE products) takes smaller tiles so it does not spill."""
+    wide = dtype != torch.float32
+    tile_n = 64 if wide else 32
     decode_rows = max(16, group_pad)
     if max_query_len * group_pad <= decode_rows:
         return AttentionConfig(block_m=decode_rows, tile_n=tile_n, num_warps=4, num_stages=3)
-    return AttentionConfig(block_m=max(64, group_pad), tile_n=tile_n, num_warps=4, num_stages=2)
+    prefill_rows = max(64 if wide else 32, group_pad)
+    return AttentionConfig(block_m=prefill_rows, tile_n=tile_n, num_warps=4, num_stages=2)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
