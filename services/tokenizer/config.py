@@ -1,0 +1,62 @@
+"""The tokenizer service's configuration, built once from flags (and PAGEMESH_* variables)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from common import cli_args
+from common.model_files import resolve_model_path
+
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """address: Router bind for gateways; output_address: Pull bind for workers' token batches
+    (the `reply_to` of every ScheduleRequest); scheduler_address: where the Dealer connects."""
+
+    model: Path
+    address: str
+    output_address: str
+    scheduler_address: str
+    max_model_len: int
+    name: str
+    ready_address: str | None
+    log_level: str
+
+
+def parse_args(argv: list[str]) -> TokenizerConfig:
+    parser = argparse.ArgumentParser(prog="pagemesh tokenizer", description="tokenizer service")
+    cli_args.add(parser, "--model", None, help="GGUF file or HF folder (default: the embedded model)")
+    cli_args.add(parser, "--address", help="Router bind address for gateways")
+    cli_args.add(parser, "--output-address", help="Pull bind address for workers' tokens")
+    cli_args.add(parser, "--scheduler-address", help="scheduler Router address")
+    cli_args.add(parser, "--max-model-len", None, type=int,
+                 help=f"context length (default: the model's, capped at {DEFAULT_MAX_MODEL_LEN_CAP})")
+    cli_args.add(parser, "--name", f"tokenizer-{socket.gethostname()}-{os.getpid()}",
+                 help="replica name (also its Dealer identity at the scheduler)")
+    cli_args.add(parser, "--ready-address", None, help="push Ready here once serving")
+    cli_args.add(parser, "--log-level", "INFO", help="DEBUG, INFO, WARNING or ERROR")
+    args = parser.parse_args(argv)
+    for flag in ("address", "output_address", "scheduler_address"):  # no defaults: flag or env
+        if getattr(args, flag) is None:
+            parser.error(f"--{flag.replace('_', '-')} is required")
+    model = resolve_model_path(args.model)
+    max_model_len = args.max_model_len
+    if max_model_len is None:
+        max_model_len = min(_model_context_length(model), DEFAULT_MAX_MODEL_LEN_CAP)
+    if max_model_len < 2:
+        parser.error("--max-model-len must be at least 2")
+    return TokenizerConfig(model=model, address=args.address, output_address=args.output_address,
+                           scheduler_address=args.scheduler_address, max_model_len=max_model_len,
+                           name=args.name, ready_address=args.ready_address, log_level=args.log_level)
+
+
+def _model_context_length(model: Path) -> int:
+    from workers.model.loader import read_model_config  # imports torch: only when needed
+
+    return read_model_config(model).max_position_embeddings

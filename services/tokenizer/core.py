@@ -1,0 +1,174 @@
+"""The tokenizer service without sockets: admit requests, turn token batches into text.
+
+    GenerateRequest ──admit()──▶ ScheduleRequest (to the scheduler) | RequestFailed (to the gateway)
+    TokenDeltaBatch ──on_tokens()──▶ one TextDeltaBatch per gateway + AbortRequests (stop strings)
+    RequestFailed / AbortRequest ──▶ the request's state is dropped
+
+State per request: one IncrementalDetokenizer per choice. A choice is finished when a stop string
+matched or its worker reported a finish_reason; the request's state goes when every choice is
+finished. If stop strings finished choices the worker is still generating, the request is aborted
+at the scheduler (aborts are per request, so only once every choice is done).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import jinja2
+
+from common.messages import (
+    AbortRequest, GenerateRequest, RequestFailed, ScheduleRequest, TextDelta, TextDeltaBatch,
+    TokenDeltaBatch,
+)
+from common.tokenizer import IncrementalDetokenizer, Tokenizer
+from services.tokenizer import MAX_TOKENS_FROM_CONTEXT
+
+
+@dataclass
+class _Choice:
+    detokenizer: IncrementalDetokenizer
+    completion_tokens: int = 0
+    finished: bool = False  # no more text goes out for this choice
+    worker_finished: bool = False  # the worker said it stopped generating it
+
+
+@dataclass
+class _Request:
+    reply_to: str
+    prompt_tokens: int
+    choices: list[_Choice]
+
+
+@dataclass(frozen=True)
+class TokenOutputs:
+    """What one TokenDeltaBatch produced: text for each gateway (by reply_to address) and the
+    requests to abort at the scheduler."""
+
+    batches: dict[str, TextDeltaBatch] = field(default_factory=dict)
+    aborts: list[AbortRequest] = field(default_factory=list)
+
+
+class TokenizerCore:
+    """Request state of one tokenizer replica. `reply_to` is this replica's output address, where
+    workers push token batches."""
+
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, reply_to: str):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.reply_to = reply_to
+        self._requests: dict[str, _Request] = {}
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    # ---- requests in
+
+    def admit(self, request: GenerateRequest) -> ScheduleRequest | RequestFailed:
+        """Tokenize and check a request; on success keep its state and return what to schedule."""
+        field_name = "messages" if request.messages is not None else "prompt"
+        try:
+            prompt_ids = self._prompt_ids(request)
+        except ValueError as e:
+            return _invalid(request.request_id, str(e), _param_of(str(e), field_name))
+        except jinja2.TemplateError as e:  # the chat template refused the conversation
+            return _invalid(request.request_id, f"messages: {e}", "messages")
+        if not prompt_ids:
+            return _invalid(request.request_id, f"{field_name}: the prompt is empty", field_name)
+        if request.request_id in self._requests:
+            return _invalid(request.request_id, "request_id: already in progress", None)
+
+        sampling = request.sampling
+        prompt_len, limit = len(prompt_ids), self.max_model_len
+        if sampling.max_tokens == MAX_TOKENS_FROM_CONTEXT:
+            if prompt_len >= limit:
+                return self._too_long(request.request_id, field_name, prompt_len, None)
+            room = limit - prompt_len
+            sampling = dataclasses.replace(sampling, max_tokens=room, min_tokens=min(sampling.min_tokens, room))
+        elif prompt_len + sampling.max_tokens > limit:
+            return self._too_long(request.request_id, field_name, prompt_len, sampling.max_tokens)
+
+        choices = [_Choice(IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=sampling.stop,
+                                                  include_stop_str_in_output=request.include_stop_str_in_output))
+                   for _ in range(sampling.n)]
+        self._requests[request.request_id] = _Request(request.reply_to, prompt_len, choices)
+        return ScheduleRequest(request.request_id, prompt_ids, sampling, self.reply_to, request.arrival_time)
+
+    def _prompt_ids(self, request: GenerateRequest) -> list[int]:
+        if request.prompt_text is not None:
+            return self.tokenizer.encode(request.prompt_text)
+        if request.prompt_token_ids is not None:
+            self.tokenizer.check_ids(request.prompt_token_ids, "prompt")
+            return list(request.prompt_token_ids)
+        return self.tokenizer.encode_chat(request.messages)
+
+    def _too_long(self, request_id: str, field_name: str, prompt_len: int, max_tokens: int | None) -> RequestFailed:
+        where = "messages" if field_name == "messages" else "prompt"
+        head = f"This model's maximum context length is {self.max_model_len} tokens. However, "
+        if max_tokens is None:
+            message = (f"{head}your {where} resulted in {prompt_len} tokens. "
+                       f"Please reduce the length of the {where}.")
+        else:
+            message = (f"{head}you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
+                       f"{where}, {max_tokens} in the completion). Please reduce the length of the "
+                       f"{where} or completion.")
+        return RequestFailed(request_id, 400, "invalid_request_error", message, field_name, "context_length_exceeded")
+
+    # ---- tokens in
+
+    def on_tokens(self, batch: TokenDeltaBatch) -> TokenOutputs:
+        """Detokenize a worker's batch. Deltas of unknown requests (late tokens after a stop or
+        an abort) are ignored."""
+        out = TokenOutputs()
+        by_gateway: dict[str, list[TextDelta]] = {}
+        for delta in batch.deltas:
+            request = self._requests.get(delta.request_id)
+            if request is None or not 0 <= delta.index < len(request.choices):
+                continue
+            choice = request.choices[delta.index]
+            if delta.finish_reason is not None:
+                choice.worker_finished = True
+            if choice.finished:
+                continue
+            text, stop = choice.detokenizer.add(delta.token_ids)
+            choice.completion_tokens += len(delta.token_ids)
+            finish_reason = None
+            if stop is not None:
+                finish_reason = "stop"
+            elif delta.finish_reason is not None:
+                text += choice.detokenizer.flush()
+                finish_reason = delta.finish_reason
+            choice.finished = finish_reason is not None
+            by_gateway.setdefault(request.reply_to, []).append(TextDelta(
+                delta.request_id, delta.index, text, delta.token_ids, delta.logprobs, finish_reason,
+                request.prompt_tokens, choice.completion_tokens))
+            if choice.finished and all(c.finished for c in request.choices):
+                del self._requests[delta.request_id]
+                if not all(c.worker_finished for c in request.choices):
+                    out.aborts.append(AbortRequest(delta.request_id, "stop string"))
+        out.batches.update((address, TextDeltaBatch(deltas)) for address, deltas in by_gateway.items())
+        return out
+
+    # ---- ends from elsewhere
+
+    def on_failed(self, failed: RequestFailed) -> str | None:
+        """The scheduler refused the request: drop it; return the gateway to tell (None if unknown)."""
+        request = self._requests.pop(failed.request_id, None)
+        return None if request is None else request.reply_to
+
+    def on_abort(self, request_id: str) -> bool:
+        """The gateway gave up on the request (client gone): drop it; True if it was known."""
+        return self._requests.pop(request_id, None) is not None
+
+
+def _param_of(message: str, default: str) -> str:
+    """`"messages[0].role: required"` -> `"messages[0].role"`: errors name their field first."""
+    head, sep, _ = message.partition(":")
+    return head if sep and head and " " not in head else default
+
+
+def _invalid(request_id: str, message: str, param: str | None) -> RequestFailed:
+    return RequestFailed(request_id, 400, "invalid_request_error", message, param, None)

@@ -1,0 +1,221 @@
+"""The tokenizer service's logic (TokenizerCore) with the default model's real tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from common.messages import (
+    AbortRequest, GenerateRequest, RequestFailed, ScheduleRequest, TextDelta, TokenDelta,
+    TokenDeltaBatch, TokenLogprob,
+)
+from common.model_files import default_model_path
+from common.sampling import SamplingParams
+from common.tokenizer import Tokenizer
+from services.tokenizer import MAX_TOKENS_FROM_CONTEXT
+from services.tokenizer.core import TokenizerCore
+
+TOKENIZER = Tokenizer.from_path(default_model_path())
+OUTPUT = "ipc:///tmp/tok-out"
+GATEWAY_A, GATEWAY_B = "ipc:///tmp/gw-a", "ipc:///tmp/gw-b"
+
+
+def request(request_id="r1", *, text=None, ids=None, messages=None, reply_to=GATEWAY_A,
+            include_stop=False, **sampling) -> GenerateRequest:
+    if text is None and ids is None and messages is None:
+        text = "Hello"
+    return GenerateRequest(request_id, "m", text, ids, messages, SamplingParams(**sampling).validate(),
+                           True, reply_to, 1000.0, include_stop)
+
+
+def core(max_model_len: int = 64) -> TokenizerCore:
+    return TokenizerCore(TOKENIZER, max_model_len, reply_to=OUTPUT)
+
+
+def tokens(request_id, index, ids, finish=None, logprobs=None) -> TokenDelta:
+    return TokenDelta(request_id, index, list(ids), logprobs, finish, 0)
+
+
+def feed(c: TokenizerCore, *deltas: TokenDelta):
+    return c.on_tokens(TokenDeltaBatch("w0", list(deltas)))
+
+
+def ids_of(text: str) -> list[int]:
+    return TOKENIZER.encode(text, add_special_tokens=False)
+
+
+# ---- admission
+
+
+def test_prompt_text_is_encoded_and_scheduled_with_own_reply_address():
+    c = core()
+    out = c.admit(request(text="Hello world", max_tokens=5, stop=("x",)))
+    assert out == ScheduleRequest("r1", TOKENIZER.encode("Hello world"),
+                                  SamplingParams(max_tokens=5, stop=("x",)), OUTPUT, 1000.0)
+    assert "r1" in c and len(c) == 1
+
+
+def test_token_ids_and_messages_are_used_as_given():
+    c = core()
+    assert c.admit(request("a", ids=[1, 2, 3])).prompt_token_ids == [1, 2, 3]
+    messages = [{"role": "user", "content": "hi"}]
+    assert c.admit(request("b", messages=messages)).prompt_token_ids == TOKENIZER.encode_chat(messages)
+
+
+@pytest.mark.parametrize("kwargs, param, message", [
+    (dict(text=""), "prompt", "prompt: the prompt is empty"),
+    (dict(ids=[]), "prompt", "prompt: the prompt is empty"),
+    (dict(ids=[5, 49152]), "prompt", "prompt: token id 49152 outside vocabulary [0, 49152)"),
+    (dict(messages=[]), "messages", "messages: must be a non-empty list of message objects"),
+    (dict(messages=[{"role": "", "content": "x"}]), "messages[0].role",
+     "messages[0].role: required, must be a non-empty string"),
+])
+def test_bad_prompts_fail_with_400_naming_the_field(kwargs, param, message):
+    c = core()
+    assert c.admit(request(**kwargs)) == RequestFailed("r1", 400, "invalid_request_error", message, param, None)
+    assert len(c) == 0
+
+
+def test_context_length_exceeded_message_for_prompt_and_messages():
+    c = core(max_model_len=10)
+    assert c.admit(request(ids=[1] * 5, max_tokens=6)) == RequestFailed(
+        "r1", 400, "invalid_request_error",
+        "This model's maximum context length is 10 tokens. However, you requested 11 tokens "
+        "(5 in the prompt, 6 in the completion). Please reduce the length of the prompt or completion.",
+        "prompt", "context_length_exceeded")
+    chat = [{"role": "user", "content": "hi"}]
+    n = len(TOKENIZER.encode_chat(chat))
+    failed = c.admit(request(messages=chat, max_tokens=MAX_TOKENS_FROM_CONTEXT))
+    assert (failed.status, failed.param, failed.code) == (400, "messages", "context_length_exceeded")
+    assert failed.message == (f"This model's maximum context length is 10 tokens. However, your messages "
+                              f"resulted in {n} tokens. Please reduce the length of the messages.")
+    assert len(c) == 0
+
+
+def test_exactly_full_context_is_accepted():
+    assert isinstance(core(max_model_len=10).admit(request(ids=[1] * 5, max_tokens=5)), ScheduleRequest)
+
+
+def test_max_tokens_from_context_becomes_the_room_left():
+    out = core(max_model_len=10).admit(request(ids=[1] * 4, max_tokens=MAX_TOKENS_FROM_CONTEXT, min_tokens=8))
+    assert (out.sampling.max_tokens, out.sampling.min_tokens) == (6, 6)
+
+
+def test_duplicate_request_id_is_refused_and_the_first_kept():
+    c = core()
+    c.admit(request())
+    assert c.admit(request()).message == "request_id: already in progress"
+    assert len(c) == 1
+
+
+# ---- tokens -> text
+
+
+def test_text_streams_and_finish_flushes():
+    c = core()
+    c.admit(request(text="Hi"))
+    ids = ids_of(" Hello there")
+    out = feed(c, tokens("r1", 0, ids[:1]))
+    assert out.aborts == []
+    assert out.batches[GATEWAY_A].deltas == [TextDelta("r1", 0, " Hello", ids[:1], None, None, 1, 1)]
+    out = feed(c, tokens("r1", 0, ids[1:], finish="length"))
+    assert out.batches[GATEWAY_A].deltas == [TextDelta("r1", 0, " there", ids[1:], None, "length", 1, len(ids))]
+    assert out.aborts == [] and len(c) == 0
+
+
+def test_stop_string_across_deltas_cuts_text_and_aborts_the_request():
+    c = core()
+    c.admit(request(text="Hi", stop=("world",), max_tokens=50))
+    ids = ids_of(" Hello world and more")  # " Hello", " world", ...
+    texts, finishes = [], []
+    for token in ids:
+        out = feed(c, tokens("r1", 0, [token]))
+        texts += [d.text for d in out.batches[GATEWAY_A].deltas]
+        finishes += [d.finish_reason for d in out.batches[GATEWAY_A].deltas]
+        if out.aborts:
+            assert out.aborts == [AbortRequest("r1", "stop string")]
+            break
+    assert "".join(texts) == " Hello "
+    assert finishes[-1] == "stop" and finishes[:-1] == [None] * (len(finishes) - 1)
+    assert len(c) == 0
+    assert feed(c, tokens("r1", 0, ids[-1:])).batches == {}  # late tokens: ignored
+
+
+def test_stop_string_split_inside_a_token_is_held_then_released():
+    c = core()
+    c.admit(request(text="Hi", stop=("world!",), include_stop=True))
+    ids = ids_of(" Hello world")
+    out = feed(c, tokens("r1", 0, ids))
+    held = out.batches[GATEWAY_A].deltas[0]
+    assert held.text == " Hello " and held.finish_reason is None  # "world" may start "world!"
+    out = feed(c, tokens("r1", 0, [], finish="length"))
+    assert out.batches[GATEWAY_A].deltas[0].text == "world"
+    assert out.batches[GATEWAY_A].deltas[0].finish_reason == "length"
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string():
+    c = core()
+    c.admit(request(text="Hi", stop=("world",), include_stop=True))
+    out = feed(c, tokens("r1", 0, ids_of(" Hello world and")))
+    assert [(d.text, d.finish_reason) for d in out.batches[GATEWAY_A].deltas] == [(" Hello world", "stop")]
+
+
+def test_n_choices_finish_separately_and_abort_only_when_all_are_done():
+    c = core()
+    c.admit(request(text="Hi", n=2, stop=("STOP",), max_tokens=50))
+    out = feed(c, tokens("r1", 0, ids_of(" a STOP")), tokens("r1", 1, ids_of(" b")))
+    assert [(d.index, d.text, d.finish_reason) for d in out.batches[GATEWAY_A].deltas] == [(0, " a ", "stop"), (1, " b", None)]
+    assert out.aborts == [] and "r1" in c
+    out = feed(c, tokens("r1", 0, ids_of(" more")), tokens("r1", 1, ids_of(" c"), finish="length"))
+    assert [(d.index, d.text, d.finish_reason, d.completion_tokens) for d in out.batches[GATEWAY_A].deltas] == [
+        (1, " c", "length", 2)]
+    # choice 0 is still running on the worker: the request is aborted
+    assert out.aborts == [AbortRequest("r1", "stop string")] and len(c) == 0
+
+
+def test_no_abort_when_the_worker_finished_every_choice():
+    c = core()
+    c.admit(request(text="Hi", n=2, stop=("STOP",)))
+    out = feed(c, tokens("r1", 0, ids_of(" a STOP")))
+    assert out.aborts == []
+    out = feed(c, tokens("r1", 0, [2], finish="stop"), tokens("r1", 1, ids_of(" b"), finish="length"))
+    assert [d.index for d in out.batches[GATEWAY_A].deltas] == [1]
+    assert out.aborts == [] and len(c) == 0
+
+
+def test_one_batch_per_gateway_and_unknown_deltas_ignored():
+    c = core()
+    c.admit(request("a", reply_to=GATEWAY_A))
+    c.admit(request("b", reply_to=GATEWAY_B))
+    c.admit(request("c", reply_to=GATEWAY_A))
+    x = ids_of(" x")
+    out = feed(c, tokens("a", 0, x), tokens("ghost", 0, x), tokens("b", 0, x), tokens("c", 0, x),
+               tokens("a", 5, x), tokens("b", 0, x))
+    assert {gw: [(d.request_id, d.completion_tokens) for d in batch.deltas] for gw, batch in out.batches.items()} == {
+        GATEWAY_A: [("a", 1), ("c", 1)], GATEWAY_B: [("b", 1), ("b", 2)]}
+
+
+def test_logprobs_and_counts_pass_through():
+    c = core()
+    c.admit(request(ids=[1, 2, 3], logprobs=1))
+    lp = [TokenLogprob(5, -0.5, [5], [-0.5]), TokenLogprob(6, -1.5, [7], [-0.25])]
+    delta = feed(c, tokens("r1", 0, [5, 6], logprobs=lp)).batches[GATEWAY_A].deltas[0]
+    assert (delta.logprobs, delta.prompt_tokens, delta.completion_tokens, delta.token_ids) == (lp, 3, 2, [5, 6])
+
+
+def test_failure_and_abort_drop_the_state():
+    c = core()
+    c.admit(request("a", reply_to=GATEWAY_B))
+    c.admit(request("b"))
+    failed = RequestFailed("a", 503, "service_unavailable", "no capacity", None, "no_capacity")
+    assert c.on_failed(failed) == GATEWAY_B and c.on_failed(failed) is None
+    assert c.on_abort("b") is True and c.on_abort("b") is False
+    assert len(c) == 0
+
+
+def test_sampling_is_forwarded_unchanged():
+    sampling = dict(n=3, temperature=0.5, top_p=0.9, top_k=4, seed=7, max_tokens=9, stop_token_ids=(4,),
+                    ignore_eos=True, logprobs=2)
+    out = core().admit(request(ids=[1], **sampling))
+    assert out.sampling == dataclasses.replace(SamplingParams(), **sampling)
