@@ -1,0 +1,149 @@
+"""The tokenizer process: one asyncio task per socket around `TokenizerCore`.
+
+    gateways ──GenerateRequest / AbortRequest──▶ Router ─┐
+    workers  ──TokenDeltaBatch────────────────▶ Pull   ─┼─ TokenizerCore ─▶ Dealer ──▶ scheduler
+    scheduler ──RequestFailed──────────────────▶ Dealer ─┘        │
+                                                                   └──▶ Push per gateway (reply_to)
+
+Replies to each gateway go through their own bounded queue and sender task, so a gateway that
+is gone stalls (and eventually loses) only its own replies, never the other gateways' streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import structlog
+import uvloop
+
+from common.logging import configure_logging
+from common.messages import (
+    AbortRequest, GenerateRequest, Ready, RequestFailed, ScheduleRequest, TokenDeltaBatch,
+)
+from common.tokenizer import Tokenizer
+from common.transport import Dealer, Pull, Push, Router
+from services.tokenizer.config import TokenizerConfig, parse_args
+from services.tokenizer.core import TokenizerCore
+
+log = structlog.get_logger()
+
+REPLY_QUEUE_SIZE = 10_000  # messages waiting for one gateway before new ones are dropped
+
+
+def main(argv: list[str]) -> None:
+    config = parse_args(argv)
+    configure_logging("tokenizer", config.name, config.log_level)
+    uvloop.run(_run_until_signalled(run(config)))
+
+
+async def _run_until_signalled(coro) -> None:
+    task = asyncio.ensure_future(coro)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        await task
+    except asyncio.CancelledError:
+        log.info("stopped")
+
+
+async def run(config: TokenizerConfig) -> None:
+    tokenizer = Tokenizer.from_path(config.model)
+    with Router(config.address) as frontend, Pull(config.output_address) as tokens, \
+            Dealer(config.scheduler_address, config.name) as scheduler:
+        core = TokenizerCore(tokenizer, config.max_model_len, reply_to=tokens.address)
+        gateways = GatewayReplies()
+        try:
+            log.info("serving", address=frontend.address, output_address=tokens.address,
+                     scheduler=config.scheduler_address, model=str(config.model),
+                     max_model_len=config.max_model_len)
+            if config.ready_address:
+                with Push(config.ready_address) as ready:
+                    await ready.send(Ready("tokenizer", config.name))
+            await asyncio.gather(
+                _serve_gateways(frontend, core, scheduler, gateways),
+                _serve_tokens(tokens, core, scheduler, gateways),
+                _serve_scheduler(scheduler, core, gateways),
+            )
+        finally:
+            await gateways.close()
+
+
+async def _serve_gateways(frontend: Router, core: TokenizerCore, scheduler: Dealer,
+                          gateways: GatewayReplies) -> None:
+    while True:
+        _, msg = await frontend.recv()
+        if isinstance(msg, GenerateRequest):
+            result = core.admit(msg)
+            if isinstance(result, ScheduleRequest):
+                await scheduler.send(result)
+            else:
+                log.info("request refused", request_id=msg.request_id, status=result.status, error=result.message)
+                gateways.send(msg.reply_to, result)
+        elif isinstance(msg, AbortRequest):
+            # Forwarded after our ScheduleRequest on the same socket, so the scheduler cannot
+            # see the abort before the request (the gateway's own abort may overtake it).
+            if core.on_abort(msg.request_id):
+                await scheduler.send(msg)
+        else:
+            log.warning("unexpected message from a gateway", type=type(msg).__name__)
+
+
+async def _serve_tokens(tokens: Pull, core: TokenizerCore, scheduler: Dealer, gateways: GatewayReplies) -> None:
+    while True:
+        msg = await tokens.recv()
+        if not isinstance(msg, TokenDeltaBatch):
+            log.warning("unexpected message on the token stream", type=type(msg).__name__)
+            continue
+        out = core.on_tokens(msg)
+        for address, batch in out.batches.items():
+            gateways.send(address, batch)
+        for abort in out.aborts:
+            await scheduler.send(abort)
+
+
+async def _serve_scheduler(scheduler: Dealer, core: TokenizerCore, gateways: GatewayReplies) -> None:
+    while True:
+        msg = await scheduler.recv()
+        if isinstance(msg, RequestFailed):
+            reply_to = core.on_failed(msg)
+            if reply_to is not None:
+                gateways.send(reply_to, msg)
+        else:
+            log.warning("unexpected message from the scheduler", type=type(msg).__name__)
+
+
+class GatewayReplies:
+    """A Push socket, a bounded queue and a sender task per gateway reply address."""
+
+    def __init__(self, queue_size: int = REPLY_QUEUE_SIZE):
+        self._queue_size = queue_size
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    def send(self, address: str, msg) -> None:
+        queue = self._queues.get(address)
+        if queue is None:
+            try:
+                push = Push(address)
+            except (OSError, ValueError) as e:
+                log.warning("cannot reach gateway", reply_to=address, error=str(e))
+                return
+            queue = self._queues[address] = asyncio.Queue(self._queue_size)
+            self._tasks[address] = asyncio.create_task(_drain(push, queue))
+        try:
+            queue.put_nowait(msg)
+        except asyncio.QueueFull:
+            log.warning("gateway not reading; reply dropped", reply_to=address, type=type(msg).__name__)
+
+    async def close(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+
+async def _drain(push: Push, queue: asyncio.Queue) -> None:
+    with push:
+        while True:
+            await push.send(await queue.get())

@@ -1,0 +1,100 @@
+"""The tokenizer process's loop over real sockets: a fake gateway, scheduler and worker around it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from common import transport as t
+from common.messages import (
+    AbortRequest, GenerateRequest, Ready, RequestFailed, ScheduleRequest, TextDeltaBatch, TokenDelta,
+    TokenDeltaBatch,
+)
+from common.model_files import default_model_path
+from common.sampling import SamplingParams
+from common.tokenizer import Tokenizer
+from services.tokenizer.config import TokenizerConfig, parse_args
+from services.tokenizer.main import run
+
+TIMEOUT_S = 10.0
+TOKENIZER = Tokenizer.from_path(default_model_path())
+
+
+def config(tmp_path, **overrides) -> TokenizerConfig:
+    a = lambda name: t.ipc_address(str(tmp_path), name)  # noqa: E731
+    values = dict(model=default_model_path(), address=a("tok"), output_address=a("tok-out"),
+                  scheduler_address=a("sched"), max_model_len=64, name="tok0", ready_address=a("ready"),
+                  log_level="INFO")
+    return TokenizerConfig(**{**values, **overrides})
+
+
+def generate(request_id: str, reply_to: str, **sampling) -> GenerateRequest:
+    return GenerateRequest(request_id, "m", "Hi", None, None, SamplingParams(**sampling), True, reply_to, 1.0, False)
+
+
+@contextlib.asynccontextmanager
+async def mesh(cfg: TokenizerConfig, reply_address: str):
+    """Fake scheduler (Router), gateway (Dealer + Pull) and launcher (Pull), then the service."""
+    with t.Router(cfg.scheduler_address) as scheduler, t.Pull(cfg.ready_address) as ready, \
+            t.Pull(reply_address) as replies, t.Dealer(cfg.address, "gw0") as gateway:
+        service = asyncio.create_task(run(cfg))
+        try:
+            assert await asyncio.wait_for(ready.recv(), TIMEOUT_S) == Ready("tokenizer", "tok0")
+            yield scheduler, gateway, replies
+        finally:
+            service.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await service
+
+
+def test_request_tokens_text_stop_abort_and_503_over_sockets(tmp_path):
+    cfg = config(tmp_path)
+    reply_address = t.ipc_address(str(tmp_path), "gw-replies")
+
+    async def main():
+        async with mesh(cfg, reply_address) as (scheduler, gateway, replies):
+            # request -> ScheduleRequest with the service's output address as reply_to
+            await gateway.send(generate("r1", reply_address, stop=("world",)))
+            identity, scheduled = await scheduler.recv()
+            assert identity == b"tok0"
+            assert scheduled == ScheduleRequest("r1", TOKENIZER.encode("Hi"), SamplingParams(stop=("world",)),
+                                                cfg.output_address, 1.0)
+            # a worker streams tokens; the stop string ends the request and aborts it
+            with t.Push(scheduled.reply_to) as worker:
+                ids = TOKENIZER.encode(" Hello world", add_special_tokens=False)
+                await worker.send(TokenDeltaBatch("w0", [TokenDelta("r1", 0, ids, None, None, 2)]))
+                batch = await replies.recv()
+                assert isinstance(batch, TextDeltaBatch)
+                assert [(d.text, d.finish_reason, d.completion_tokens) for d in batch.deltas] == [(" Hello ", "stop", 2)]
+                assert await scheduler.recv() == (b"tok0", AbortRequest("r1", "stop string"))
+
+            # the scheduler refuses a request: the gateway gets the failure
+            await gateway.send(generate("r2", reply_address))
+            identity, _ = await scheduler.recv()
+            failed = RequestFailed("r2", 503, "service_unavailable", "no capacity", None, "no_capacity")
+            await scheduler.send(identity, failed)
+            assert await replies.recv() == failed
+
+            # too long for the context: refused without reaching the scheduler
+            await gateway.send(generate("r3", reply_address, max_tokens=64))
+            refused = await replies.recv()
+            assert (refused.request_id, refused.code) == ("r3", "context_length_exceeded")
+
+            # a gateway abort of a known request is forwarded (after its ScheduleRequest)
+            await gateway.send(generate("r4", reply_address))
+            await gateway.send(AbortRequest("r4", "client disconnected"))
+            assert (await scheduler.recv())[1].request_id == "r4"
+            assert await scheduler.recv() == (b"tok0", AbortRequest("r4", "client disconnected"))
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+
+
+def test_flags_and_env_build_the_config(monkeypatch):
+    monkeypatch.setenv("PAGEMESH_SCHEDULER_ADDRESS", "tcp://127.0.0.1:5001")
+    cfg = parse_args(["--address", "tcp://127.0.0.1:5002", "--output-address", "tcp://127.0.0.1:5003",
+                      "--name", "tok7"])
+    assert (cfg.scheduler_address, cfg.address, cfg.output_address, cfg.name) == (
+        "tcp://127.0.0.1:5001", "tcp://127.0.0.1:5002", "tcp://127.0.0.1:5003", "tok7")
+    assert cfg.model == default_model_path()
+    assert cfg.max_model_len == 8192  # SmolLM2's context length is 8192, also the cap
+    assert parse_args(["--address", "a", "--output-address", "b", "--max-model-len", "100"]).max_model_len == 100
