@@ -1,4 +1,5 @@
-"""Paged attention for a flat batch mixing prefill chunks and decodes, in one launch.
+"""Paged attention for a flat batch mixing prefill chunks and decodes: one attention launch
+(plus a small reduction launch when split-KV is on).
 
 Work split: one program per (query block, kv head[, kv split]). A query block is BLOCK_Q
 consecutive new tokens of one sequence times the QPK query heads that share the kv head, so the

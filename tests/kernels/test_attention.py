@@ -4,6 +4,10 @@ Shapes are small so the CPU interpreter stays fast; tests/gpu repeats the checks
 Tolerances (output magnitudes are O(1)): fp32 atol=rtol=1e-4; fp16 atol=rtol=3e-3 (a few fp16
 ulps: P is rounded to fp16 before P@V); bf16 atol=rtol=2e-2 (a few bf16 ulps). The pool is
 poisoned with NaN outside the live context, so a read past the context shows up as NaN.
+
+Under the interpreter, bf16 operands are upcast to fp32 before `tl.dot` (the interpreter
+multiplies bf16 bit patterns, triton#11584), so the bf16 tensor-core path itself is exercised
+only when this suite runs on a GPU (scripts/gpu_check.sh).
 """
 
 import math
