@@ -1,0 +1,283 @@
+"""OpenAI request bodies -> a checked `ParsedRequest` (and from it a GenerateRequest).
+
+Every problem raises `ApiError` (400 `invalid_request_error`, `param` = the field). Types are
+checked strictly (a bool is not an integer, a float is not an integer, NaN never parses), every
+list is bounded before it is copied, and range checks are left to `SamplingParams.validate()`,
+the one place that knows them. Fields this gateway does not know are ignored; fields it knows
+but cannot honour (echo, suffix, tools, logit_bias, structured output) are refused rather than
+silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from common.messages import MAX_ID, GenerateRequest
+from common.protocol import MAX_TOKEN_IDS
+from common.sampling import MAX_STOP_ITEMS, SamplingParams
+from gateway.errors import ApiError, from_value_error, invalid
+from services.tokenizer import MAX_TOKENS_FROM_CONTEXT
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 256
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A checked completion or chat request. `logprobs` is the number of alternatives per token
+    (0 = the sampled token's logprob only), None when logprobs are off."""
+
+    kind: str  # "completion" | "chat"
+    model: str | None
+    prompt_text: str | None
+    prompt_token_ids: list[int] | None
+    messages: list[dict[str, str]] | None
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+    include_stop_str_in_output: bool
+
+    def to_generate_request(self, request_id: str, model: str, reply_to: str, arrival_time: float) -> GenerateRequest:
+        return GenerateRequest(request_id, model, self.prompt_text, self.prompt_token_ids, self.messages,
+                               self.sampling, self.stream, reply_to, arrival_time, self.include_stop_str_in_output)
+
+
+def parse_json(raw: bytes) -> dict:
+    """The body as a JSON object; malformed JSON (or NaN/Infinity) -> 400."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise invalid(f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    return body
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_completion(body: dict) -> ParsedRequest:
+    f = _Fields(body)
+    _refuse_unsupported(body)
+    if f.bool("echo", False):
+        raise invalid("echo: not supported", "echo")
+    if f.optional("suffix", str):
+        raise invalid("suffix: not supported", "suffix")
+    prompt_text, prompt_ids = _prompt(body.get("prompt"))
+    logprobs = f.int("logprobs", None)
+    max_tokens = _max_tokens(f, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+    sampling = _sampling(f, max_tokens, logprobs, {})
+    best_of = f.int("best_of", None)
+    if best_of is not None and best_of != sampling.n:
+        raise invalid("best_of: only best_of equal to n is supported", "best_of")
+    return _parsed(f, "completion", prompt_text, prompt_ids, None, sampling, logprobs)
+
+
+def parse_chat(body: dict) -> ParsedRequest:
+    f = _Fields(body)
+    _refuse_unsupported(body)
+    if body.get("tools") or body.get("functions"):
+        raise invalid("tools: tool and function calling are not supported", "tools")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise invalid('response_format: only {"type": "text"} is supported', "response_format")
+    messages = _messages(body.get("messages"))
+    logprobs = None
+    top_logprobs = f.int("top_logprobs", None)
+    if f.bool("logprobs", False):
+        logprobs = 0 if top_logprobs is None else top_logprobs
+    elif top_logprobs is not None:
+        raise invalid("top_logprobs: requires logprobs to be true", "top_logprobs")
+    limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _max_tokens(f, limit_field, MAX_TOKENS_FROM_CONTEXT)
+    sampling = _sampling(f, max_tokens, logprobs, {"max_tokens": limit_field, "logprobs": "top_logprobs"})
+    return _parsed(f, "chat", None, None, messages, sampling, logprobs)
+
+
+def check_model(parsed: ParsedRequest, accepted: tuple[str, ...]) -> None:
+    """404 unless the request names one of the served model's names (or none)."""
+    if parsed.model is not None and parsed.model not in accepted:
+        raise ApiError(404, f"The model `{parsed.model}` does not exist.", "invalid_request_error",
+                       "model", "model_not_found")
+
+
+# --------------------------------------------------------------------------- parts
+
+
+def _refuse_unsupported(body: dict) -> None:
+    if body.get("logit_bias"):
+        raise invalid("logit_bias: not supported", "logit_bias")
+
+
+def _parsed(f: _Fields, kind: str, prompt_text, prompt_ids, messages, sampling, logprobs) -> ParsedRequest:
+    stream = f.bool("stream", False)
+    options = f.optional("stream_options", dict)
+    if options is not None and not stream:
+        raise invalid("stream_options: only allowed when stream is true", "stream_options")
+    include_usage = _Fields(options or {}, "stream_options.").bool("include_usage", False)
+    return ParsedRequest(kind, f.optional("model", str), prompt_text, prompt_ids, messages, sampling,
+                         stream, include_usage, logprobs, f.bool("include_stop_str_in_output", False))
+
+
+def _max_tokens(f: _Fields, name: str, default: int) -> int:
+    value = f.int(name, None)
+    if value is None:
+        return default
+    if not 1 <= value < MAX_TOKENS_FROM_CONTEXT:
+        raise invalid(f"{name}: must be an integer in [1, {MAX_TOKENS_FROM_CONTEXT - 1}]", name)
+    return value
+
+
+def _sampling(f: _Fields, max_tokens: int, logprobs: int | None, rename: dict[str, str]) -> SamplingParams:
+    defaults = SamplingParams()
+    try:
+        return SamplingParams(
+            n=f.int("n", defaults.n),
+            temperature=f.number("temperature", defaults.temperature),
+            top_p=f.number("top_p", defaults.top_p),
+            top_k=f.int("top_k", defaults.top_k),
+            min_p=f.number("min_p", defaults.min_p),
+            seed=f.int("seed", None),
+            repetition_penalty=f.number("repetition_penalty", defaults.repetition_penalty),
+            presence_penalty=f.number("presence_penalty", defaults.presence_penalty),
+            frequency_penalty=f.number("frequency_penalty", defaults.frequency_penalty),
+            max_tokens=max_tokens,
+            min_tokens=f.int("min_tokens", defaults.min_tokens),
+            stop_token_ids=tuple(f.int_list("stop_token_ids", MAX_STOP_ITEMS)),
+            stop=tuple(_stop(f.body.get("stop"))),
+            ignore_eos=f.bool("ignore_eos", False),
+            logprobs=logprobs,
+        ).validate()
+    except ValueError as e:
+        raise from_value_error(e, rename) from None
+
+
+def _stop(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and len(value) <= MAX_STOP_ITEMS and all(isinstance(s, str) for s in value):
+        return value
+    raise invalid(f"stop: must be a string or a list of at most {MAX_STOP_ITEMS} strings", "stop")
+
+
+def _prompt(value: Any) -> tuple[str | None, list[int] | None]:
+    """A string, a list of token ids, or a list holding one of those; never a batch."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        return value, None
+    if isinstance(value, list):
+        if not value:
+            raise invalid("prompt: must not be empty", "prompt")
+        if all(isinstance(x, (str, list)) for x in value):
+            raise invalid("prompt: batched prompts are not supported; send one prompt per request", "prompt")
+        return None, _token_ids(value, "prompt", MAX_TOKEN_IDS)
+    if value is None:
+        raise invalid("prompt: required", "prompt")
+    raise invalid("prompt: must be a string or a list of token ids", "prompt")
+
+
+def _token_ids(value: list, name: str, limit: int) -> list[int]:
+    if len(value) > limit:
+        raise invalid(f"{name}: at most {limit} token ids", name)
+    if not all(type(x) is int and 0 <= x <= MAX_ID for x in value):
+        raise invalid(f"{name}: token ids must be integers in [0, {MAX_ID}]", name)
+    return list(value)
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    """Role and content strings (text parts joined by newlines); `name` kept when given."""
+    if not isinstance(value, list) or not value:
+        raise invalid("messages: required, a non-empty list of messages", "messages")
+    if len(value) > MAX_MESSAGES:
+        raise invalid(f"messages: at most {MAX_MESSAGES} messages", "messages")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise invalid(f"{where}: must be an object with role and content", where)
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise invalid(f"{where}.role: required, a non-empty string", f"{where}.role")
+        plain = {"role": role, "content": _content(message.get("content"), f"{where}.content")}
+        name = message.get("name")
+        if isinstance(name, str):
+            plain["name"] = name
+        out.append(plain)
+    return out
+
+
+def _content(value: Any, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and len(value) <= MAX_CONTENT_PARTS:
+        texts = []
+        for part in value:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise invalid(f"{where}: only text content parts are supported", where)
+            texts.append(part["text"])
+        return "\n".join(texts)
+    if value is None:
+        raise invalid(f"{where}: required", where)
+    raise invalid(f"{where}: must be a string or a list of at most {MAX_CONTENT_PARTS} text parts", where)
+
+
+class _Fields:
+    """Typed reads of optional fields of one JSON object; null means "use the default"."""
+
+    def __init__(self, body: dict, prefix: str = ""):
+        self.body, self.prefix = body, prefix
+
+    def _bad(self, name: str, what: str) -> ApiError:
+        return invalid(f"{self.prefix}{name}: must be {what}", f"{self.prefix}{name}")
+
+    def optional(self, name: str, kind: type):
+        value = self.body.get(name)
+        if value is not None and not isinstance(value, kind):
+            raise self._bad(name, _KIND_NAMES[kind])
+        return value
+
+    def int(self, name: str, default: int | None) -> int | None:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if type(value) is not int:
+            raise self._bad(name, "an integer")
+        return value
+
+    def number(self, name: str, default: float) -> float:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if type(value) not in (int, float):
+            raise self._bad(name, "a number")
+        try:
+            return float(value)
+        except OverflowError:
+            raise self._bad(name, "a finite number") from None
+
+    def bool(self, name: str, default: bool) -> bool:
+        value = self.body.get(name)
+        if value is None:
+            return default
+        if type(value) is not bool:
+            raise self._bad(name, "a boolean")
+        return value
+
+    def int_list(self, name: str, limit: int) -> list[int]:
+        value = self.body.get(name)
+        if value is None:
+            return []
+        if not isinstance(value, list) or len(value) > limit:
+            raise self._bad(name, f"a list of at most {limit} token ids")
+        return _token_ids(value, name, limit)
+
+
+_KIND_NAMES = {str: "a string", dict: "an object"}

@@ -1,0 +1,220 @@
+"""OpenAI request bodies -> ParsedRequest, and every refusal's exact status, type and param."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.messages import GenerateRequest
+from common.sampling import SamplingParams
+from gateway.errors import ApiError
+from gateway.parsing import check_model, parse_chat, parse_completion, parse_json
+from services.tokenizer import MAX_TOKENS_FROM_CONTEXT
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def completion(**fields) -> dict:
+    return {"model": "m", "prompt": "Hello", **fields}
+
+
+def chat(**fields) -> dict:
+    return {"model": "m", "messages": CHAT, **fields}
+
+
+def refusal(parse, body) -> tuple:
+    with pytest.raises(ApiError) as info:
+        parse(body)
+    e = info.value
+    return e.status, e.type, e.param
+
+
+# ---- accepted
+
+
+def test_minimal_completion_defaults():
+    p = parse_completion({"prompt": "Hello"})
+    assert (p.kind, p.model, p.prompt_text, p.prompt_token_ids, p.messages) == ("completion", None, "Hello", None, None)
+    assert p.sampling == SamplingParams(max_tokens=16)
+    assert (p.stream, p.include_usage, p.logprobs, p.include_stop_str_in_output) == (False, False, None, False)
+
+
+def test_every_sampling_field_is_read():
+    p = parse_completion(completion(
+        n=2, temperature=0, top_p=0.5, top_k=3, min_p=0.1, seed=42, repetition_penalty=1.1,
+        presence_penalty=0.5, frequency_penalty=-0.5, max_tokens=7, min_tokens=2, stop_token_ids=[5, 6],
+        stop=["a", "b"], ignore_eos=True, logprobs=3, user="ignored", unknown_extra={"x": 1},
+        include_stop_str_in_output=True, stream=True, stream_options={"include_usage": True}, best_of=2))
+    assert p.sampling == SamplingParams(n=2, temperature=0.0, top_p=0.5, top_k=3, min_p=0.1, seed=42,
+                                        repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=-0.5,
+                                        max_tokens=7, min_tokens=2, stop_token_ids=(5, 6), stop=("a", "b"),
+                                        ignore_eos=True, logprobs=3)
+    assert (p.stream, p.include_usage, p.logprobs, p.include_stop_str_in_output) == (True, True, 3, True)
+
+
+@pytest.mark.parametrize("prompt, text, ids", [
+    ("x", "x", None),
+    (["x"], "x", None),
+    ([1, 2, 3], None, [1, 2, 3]),
+    ([[1, 2, 3]], None, [1, 2, 3]),
+    ("", "", None),  # empty prompts are the tokenizer's to refuse (it knows whether BOS is added)
+])
+def test_prompt_forms(prompt, text, ids):
+    p = parse_completion(completion(prompt=prompt))
+    assert (p.prompt_text, p.prompt_token_ids) == (text, ids)
+
+
+def test_single_string_stop_and_nulls_mean_defaults():
+    p = parse_completion(completion(stop="\n", temperature=None, n=None, max_tokens=None, logprobs=None))
+    assert p.sampling == SamplingParams(stop=("\n",), max_tokens=16)
+
+
+def test_chat_defaults_to_the_context_and_reads_max_completion_tokens_first():
+    assert parse_chat(chat()).sampling.max_tokens == MAX_TOKENS_FROM_CONTEXT
+    assert parse_chat(chat(max_tokens=5)).sampling.max_tokens == 5
+    assert parse_chat(chat(max_tokens=5, max_completion_tokens=9)).sampling.max_tokens == 9
+
+
+def test_chat_content_parts_are_joined_and_extra_keys_dropped():
+    p = parse_chat(chat(messages=[
+        {"role": "system", "content": "be brief", "name": "boss", "extra": 1},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]))
+    assert p.messages == [{"role": "system", "content": "be brief", "name": "boss"},
+                          {"role": "user", "content": "a\nb"}]
+
+
+@pytest.mark.parametrize("fields, logprobs", [
+    ({}, None), ({"logprobs": False}, None), ({"logprobs": True}, 0), ({"logprobs": True, "top_logprobs": 5}, 5),
+])
+def test_chat_logprobs(fields, logprobs):
+    p = parse_chat(chat(**fields))
+    assert p.logprobs == p.sampling.logprobs == logprobs
+
+
+def test_response_format_text_is_accepted():
+    assert parse_chat(chat(response_format={"type": "text"})).kind == "chat"
+
+
+def test_to_generate_request():
+    p = parse_chat(chat(stream=True, include_stop_str_in_output=True))
+    assert p.to_generate_request("cmpl-1", "served", "ipc:///r", 12.5) == GenerateRequest(
+        "cmpl-1", "served", None, None, CHAT, p.sampling, True, "ipc:///r", 12.5, True)
+
+
+# ---- refused
+
+
+BAD_COMPLETIONS = [
+    (completion(prompt=None), "prompt"),
+    ({"model": "m"}, "prompt"),
+    (completion(prompt=5), "prompt"),
+    (completion(prompt=[]), "prompt"),
+    (completion(prompt=["a", "b"]), "prompt"),
+    (completion(prompt=[[1], [2]]), "prompt"),
+    (completion(prompt=[1, -1]), "prompt"),
+    (completion(prompt=[1, True]), "prompt"),
+    (completion(prompt=[1, 2.0]), "prompt"),
+    (completion(prompt=[1 << 31]), "prompt"),
+    (completion(n=0), "n"),
+    (completion(n=17), "n"),
+    (completion(n=True), "n"),
+    (completion(n=2.0), "n"),
+    (completion(temperature="hot"), "temperature"),
+    (completion(temperature=-1), "temperature"),
+    (completion(temperature=10**400), "temperature"),
+    (completion(top_p=0), "top_p"),
+    (completion(top_k=0), "top_k"),
+    (completion(min_p=2), "min_p"),
+    (completion(seed=-1), "seed"),
+    (completion(seed=1 << 70), "seed"),
+    (completion(presence_penalty=3), "presence_penalty"),
+    (completion(frequency_penalty=-3), "frequency_penalty"),
+    (completion(repetition_penalty=0), "repetition_penalty"),
+    (completion(max_tokens=0), "max_tokens"),
+    (completion(max_tokens=MAX_TOKENS_FROM_CONTEXT), "max_tokens"),
+    (completion(max_tokens="5"), "max_tokens"),
+    (completion(min_tokens=20, max_tokens=10), "min_tokens"),
+    (completion(stop=["x"] * 17), "stop"),
+    (completion(stop=[""]), "stop"),
+    (completion(stop=["x" * 257]), "stop"),
+    (completion(stop=[1]), "stop"),
+    (completion(stop={"a": 1}), "stop"),
+    (completion(stop_token_ids=[1] * 17), "stop_token_ids"),
+    (completion(stop_token_ids=[-1]), "stop_token_ids"),
+    (completion(logprobs=21), "logprobs"),
+    (completion(logprobs=True), "logprobs"),
+    (completion(ignore_eos="yes"), "ignore_eos"),
+    (completion(stream="yes"), "stream"),
+    (completion(stream_options={"include_usage": True}), "stream_options"),
+    (completion(stream=True, stream_options=[]), "stream_options"),
+    (completion(stream=True, stream_options={"include_usage": 1}), "stream_options.include_usage"),
+    (completion(include_stop_str_in_output=1), "include_stop_str_in_output"),
+    (completion(model=5), "model"),
+    (completion(echo=True), "echo"),
+    (completion(suffix="x"), "suffix"),
+    (completion(best_of=3), "best_of"),
+    (completion(logit_bias={"1": 5}), "logit_bias"),
+]
+
+
+@pytest.mark.parametrize("body, param", BAD_COMPLETIONS, ids=[p for _, p in BAD_COMPLETIONS])
+def test_bad_completion_fields_are_400_naming_the_field(body, param):
+    assert refusal(parse_completion, body) == (400, "invalid_request_error", param)
+
+
+BAD_CHATS = [
+    ({"model": "m"}, "messages"),
+    (chat(messages=[]), "messages"),
+    (chat(messages="hi"), "messages"),
+    (chat(messages=[CHAT[0]] * 4097), "messages"),
+    (chat(messages=["hi"]), "messages[0]"),
+    (chat(messages=[{"content": "x"}]), "messages[0].role"),
+    (chat(messages=[{"role": 1, "content": "x"}]), "messages[0].role"),
+    (chat(messages=[CHAT[0], {"role": "user"}]), "messages[1].content"),
+    (chat(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
+    (chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), "messages[0].content"),
+    (chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}] * 257}]), "messages[0].content"),
+    (chat(logprobs=1), "logprobs"),
+    (chat(top_logprobs=2), "top_logprobs"),
+    (chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (chat(max_completion_tokens=0), "max_completion_tokens"),
+    (chat(max_tokens=0), "max_tokens"),
+    (chat(max_completion_tokens=10, min_tokens=11), "min_tokens"),
+    (chat(tools=[{"type": "function"}]), "tools"),
+    (chat(response_format={"type": "json_object"}), "response_format"),
+]
+
+
+@pytest.mark.parametrize("body, param", BAD_CHATS, ids=[p for _, p in BAD_CHATS])
+def test_bad_chat_fields_are_400_naming_the_field(body, param):
+    assert refusal(parse_chat, body) == (400, "invalid_request_error", param)
+
+
+def test_error_message_starts_with_the_field():
+    with pytest.raises(ApiError) as info:
+        parse_chat(chat(max_completion_tokens=10, min_tokens=11))
+    assert info.value.message == "min_tokens: must be in [0, max_tokens]"
+    with pytest.raises(ApiError) as info:
+        parse_chat(chat(logprobs=True, top_logprobs=21))
+    assert info.value.message == "top_logprobs: must be in [0, 20]"
+    with pytest.raises(ApiError) as info:
+        parse_completion(completion(prompt=["a", "b"]))
+    assert info.value.message == "prompt: batched prompts are not supported; send one prompt per request"
+
+
+@pytest.mark.parametrize("raw", [b"{", b"[1]", b"null", b'{"a": NaN}', b'{"a": Infinity}', b"\xff", b""])
+def test_malformed_json_is_400(raw):
+    with pytest.raises(ApiError) as info:
+        parse_json(raw)
+    assert (info.value.status, info.value.type, info.value.param) == (400, "invalid_request_error", None)
+
+
+def test_unknown_model_is_404_model_not_found():
+    names = ("SmolLM2", "/models/smol.gguf")
+    for name in (None, "SmolLM2", "/models/smol.gguf"):
+        check_model(parse_completion(completion(model=name)), names)
+    with pytest.raises(ApiError) as info:
+        check_model(parse_completion(completion(model="gpt-4")), names)
+    assert info.value.body() == {"error": {"message": "The model `gpt-4` does not exist.",
+                                           "type": "invalid_request_error", "param": "model",
+                                           "code": "model_not_found"}}
+    assert info.value.status == 404
