@@ -61,3 +61,59 @@ def cpu_has_fast_bf16() -> bool:
     except OSError:
         return False
     return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def add_engine_arguments(parser) -> None:
+    """The engine's flags (shared by `pagemesh worker` and `pagemesh up`)."""
+    from common.cli_args import add
+
+    add(parser, "--model", None, help="GGUF file or HF folder (default: embedded SmolLM2-135M-Instruct)")
+    add(parser, "--dtype", "auto", choices=["auto", *DTYPES], help="weights, activations and KV dtype")
+    add(parser, "--device", "auto", choices=["auto", "cpu", "cuda"])
+    add(parser, "--page-size", 16, type=int, help="tokens per KV page")
+    add(parser, "--num-pages", None, type=int, help="KV pool size in pages (overrides --kv-cache-gb)")
+    add(parser, "--kv-cache-gb", None, type=float, help="KV pool memory (default 2 on CPU, 90%% of free on GPU)")
+    add(parser, "--max-model-len", None, type=int, help="context length (default: the model's, at most 8192)")
+    add(parser, "--max-num-seqs", 64, type=int, help="sequences running at once")
+    add(parser, "--max-num-batched-tokens", 512, type=int, help="token budget of one step")
+    add(parser, "--max-prefill-chunk", 512, type=int, help="largest prompt chunk in one step")
+    add(parser, "--max-num-partial-prefills", 4, type=int, help="prompts prefilled at once")
+    add(parser, "--no-prefix-caching", False, action="store_true", help="turn the prefix cache off")
+    add(parser, "--seed", 0, type=int, help="seed of unseeded sampling")
+
+
+ENGINE_FLAGS = (
+    "model", "dtype", "device", "page_size", "num_pages", "kv_cache_gb", "max_model_len", "max_num_seqs",
+    "max_num_batched_tokens", "max_prefill_chunk", "max_num_partial_prefills", "no_prefix_caching", "seed",
+)
+
+
+def engine_config_from_args(args) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        kv_cache_memory_gb=args.kv_cache_gb,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_prefill_chunk=args.max_prefill_chunk,
+        max_num_partial_prefills=args.max_num_partial_prefills,
+        enable_prefix_caching=not args.no_prefix_caching,
+        seed=args.seed,
+    )
+
+
+def engine_args_to_argv(args) -> list[str]:
+    """The same engine flags, as a command line for a child process."""
+    argv: list[str] = []
+    for name in ENGINE_FLAGS:
+        value = getattr(args, name)
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv += [flag] if value else []
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv

@@ -71,6 +71,17 @@ class _Request:
     seqs: list[Sequence]
     num_prompt_tokens: int
     finished_sent: set[int] = field(default_factory=set)
+    prefill_only: bool = False  # disaggregated prefill: keep the pages after the first token
+
+
+@dataclass
+class PrefillResult:
+    """A prefill-only request whose first tokens are sampled; its pages wait to be sent."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    block_table: list[int]  # the prompt's pages (shared by every choice)
+    first_token_ids: list[int]  # one per choice, in choice order
 
 
 class Engine:
@@ -107,6 +118,7 @@ class Engine:
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator().manual_seed(config.seed)
         self.stats = EngineStats()
+        self.prefilled: dict[str, PrefillResult] = {}  # prefill-only requests awaiting transfer
 
     # ---- set-up ---------------------------------------------------------------------------
     def _load_tokenizer(self):
@@ -131,8 +143,9 @@ class Engine:
         return max(2, int(budget // page_bytes))
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams) -> None:
-        """Queue a request. Raises ValueError naming the field if anything is invalid."""
+    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams, prefill_only: bool = False) -> None:
+        """Queue a request. Raises ValueError naming the field if anything is invalid.
+        `prefill_only`: stop after the first token(s) and hold the pages (see `take_prefilled`)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
         if request_id in self.requests:
@@ -156,7 +169,7 @@ class Engine:
             )
         seq = Sequence(request_id, 0, token_ids, len(token_ids), params, pending_forks=params.n - 1)
         self._make_generator(seq)
-        self.requests[request_id] = _Request(request_id, params, [seq], len(token_ids))
+        self.requests[request_id] = _Request(request_id, params, [seq], len(token_ids), prefill_only=prefill_only)
         self.scheduler.add(seq)
 
     def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
@@ -183,6 +196,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its pages. Returns False if it was unknown or already done."""
+        self.release_prefilled(request_id)
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
@@ -236,7 +250,73 @@ class Engine:
             target.append_token(token, lp)
             self._check_stop(target)
             touched[seq.request_id] = self.requests[seq.request_id]
+        for req in touched.values():
+            if req.prefill_only:
+                self._hold_prefilled(req)
         return list(touched.values())
+
+    def _hold_prefilled(self, req: _Request) -> None:
+        """Prefill-only: every choice has its first token. Unless all already stopped, keep the
+        prompt's pages for the transfer and take the choices out of scheduling."""
+        if all(s.finished for s in req.seqs):
+            return
+        first = req.seqs[0]
+        table = self.blocks.fork(first.block_table[: -(-req.num_prompt_tokens // self.blocks.page_size)])
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq, "prefilled")
+        self.prefilled[req.request_id] = PrefillResult(
+            req.request_id, first.token_ids[: req.num_prompt_tokens], table, [s.token_ids[-1] for s in sorted(req.seqs, key=lambda s: s.index)]
+        )
+
+    def take_prefilled(self, request_id: str) -> PrefillResult | None:
+        return self.prefilled.get(request_id)
+
+    def release_prefilled(self, request_id: str) -> None:
+        """The transfer is over (acknowledged, failed or timed out): free the held pages."""
+        held = self.prefilled.pop(request_id, None)
+        if held is not None:
+            self.blocks.free_table(held.block_table)
+
+    def import_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        first_token_ids: list[int],
+        write_pages,
+    ) -> None:
+        """Decode side: continue a request prefilled elsewhere. Allocates the prompt's pages,
+        calls `write_pages(block_table)` to fill them, and starts every choice whose first
+        token did not already end it. Raises OutOfPages if the pool cannot hold the prompt."""
+        params.validate()
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        prompt = self._prompt_ids(prompt_token_ids)
+        table: list[int] = []
+        self.blocks.grow(table, len(prompt))
+        try:
+            write_pages(table)
+        except Exception:
+            self.blocks.free_table(table)
+            raise
+        req = _Request(request_id, params, [], len(prompt))
+        self.requests[request_id] = req
+        for index, token in enumerate(first_token_ids):
+            seq = Sequence(request_id, index, prompt + [token], len(prompt), params, block_table=self.blocks.fork(table), num_computed=len(prompt))
+            gen = self._new_generator(params, index)
+            if gen is not None:  # the prefill worker drew the first token from this stream
+                torch.empty(self.model_config.vocab_size).exponential_(generator=gen)
+                self.generators[seq.seq_id] = gen
+            req.seqs.append(seq)
+            req.finished_sent.add(index)  # the prefill worker reported the first token
+            self._check_stop(seq)
+            if not seq.finished:
+                req.finished_sent.discard(index)
+                self.scheduler.add_running(seq)
+        self.blocks.free_table(table)
+        if all(s.finished for s in req.seqs):
+            self.requests.pop(request_id)
 
     def _new_generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.seed is None:
@@ -288,7 +368,8 @@ class Engine:
             for seq in req.seqs:
                 ids, lps = seq.take_new_tokens()
                 if ids or (seq.finished and seq.index not in req.finished_sent):
-                    seq_outputs.append(SeqOutput(seq.index, ids, lps, seq.finish_reason))
+                    reason = None if seq.finish_reason == "prefilled" else seq.finish_reason
+                    seq_outputs.append(SeqOutput(seq.index, ids, lps, reason))
                     if seq.finished:
                         req.finished_sent.add(seq.index)
             finished = len(req.seqs) == req.params.n and all(s.finished for s in req.seqs)

@@ -1,0 +1,159 @@
+"""`pagemesh up`: the whole mesh on one machine.
+
+Starts the scheduler, a tokenizer, the workers and the gateway as separate processes talking
+over ipc:// sockets in a run folder, waits until each reports READY, prints the URL, and stops
+them all on Ctrl-C / SIGTERM, or as soon as one of them dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from common.cli_args import add
+from common.messages import Ready
+from common.transport import Pull, ipc_address
+from workers.engine.config import add_engine_arguments, engine_args_to_argv
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pagemesh up", description=__doc__)
+    add(parser, "--host", "127.0.0.1", help="HTTP listen host of the gateway")
+    add(parser, "--port", 8000, type=int, help="HTTP port of the gateway")
+    add(parser, "--prefill", None, type=int, help="prefill workers (default 1, or 0 with --mixed)")
+    add(parser, "--decode", None, type=int, help="decode workers (default 1, or 0 with --mixed)")
+    add(parser, "--mixed", 0, type=int, help="mixed workers (prefill and decode in one engine)")
+    add(parser, "--run-dir", None, help="folder for ipc sockets (default: a new temporary folder)")
+    add(parser, "--ready-timeout", 300.0, type=float, help="seconds to wait for every process")
+    add(parser, "--threads-per-worker", None, type=int, help="torch threads per worker (default: cores / workers)")
+    add(parser, "--transfer-timeout", 30.0, type=float)
+    add(parser, "--heartbeat-timeout", 3.0, type=float)
+    add(parser, "--max-queue", 256, type=int)
+    add_engine_arguments(parser)
+    args = parser.parse_args(argv)
+    mixed_only = args.mixed > 0
+    args.prefill = args.prefill if args.prefill is not None else (0 if mixed_only else 1)
+    args.decode = args.decode if args.decode is not None else (0 if mixed_only else 1)
+    if (args.prefill > 0) != (args.decode > 0):
+        parser.error("--prefill and --decode go together (or use --mixed)")
+    if args.prefill + args.decode + args.mixed == 0:
+        parser.error("no workers: give --prefill/--decode or --mixed")
+    return args
+
+
+def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
+    """(name, pagemesh argv) for every process, in start order."""
+    ready = ipc_address(run_dir, "ready")
+    sched = ipc_address(run_dir, "scheduler")
+    tok, tok_out = ipc_address(run_dir, "tokenizer"), ipc_address(run_dir, "tokenizer-out")
+    model = ["--model", args.model] if args.model else []
+    common = ["--ready-address", ready]
+    engine = engine_args_to_argv(args)
+    workers = args.prefill + args.decode + args.mixed
+    threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
+    procs = [
+        ("scheduler", ["scheduler", "--address", sched, "--heartbeat-timeout", str(args.heartbeat_timeout),
+                       "--max-queue", str(args.max_queue), *common]),
+        ("tokenizer", ["tokenizer", "--address", tok, "--output-address", tok_out, "--scheduler-address", sched,
+                       "--name", "tokenizer-0", *model, *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []), *common]),
+    ]
+    for role, count in (("prefill", args.prefill), ("decode", args.decode), ("mixed", args.mixed)):
+        for i in range(count):
+            name = f"{role}-{i}"
+            kv = ["--kv-address", ipc_address(run_dir, f"kv-{name}")] if role == "decode" else []
+            procs.append((name, ["worker", "--role", role, "--worker-id", name, "--scheduler-address", sched,
+                                 "--threads", str(threads), "--transfer-timeout", str(args.transfer_timeout), *kv, *engine, *common]))
+    procs.append(("gateway", ["gateway", "--host", args.host, "--port", str(args.port), "--tokenizer-address", tok,
+                              "--scheduler-address", sched, "--reply-address", ipc_address(run_dir, "gateway-0"),
+                              "--name", "gateway-0", *model, *common]))
+    return procs
+
+
+class Mesh:
+    """The child processes of one `pagemesh up`."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.run_dir = args.run_dir or tempfile.mkdtemp(prefix="pagemesh-")
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.children: dict[str, subprocess.Popen] = {}
+
+    async def start(self) -> None:
+        with Pull(ipc_address(self.run_dir, "ready")) as ready:
+            for name, argv in plan(self.args, self.run_dir):
+                self.children[name] = subprocess.Popen([sys.executable, "-m", "services.cli", *argv])
+            waiting = set(self.children)
+            deadline = time.monotonic() + self.args.ready_timeout
+            while waiting:
+                self._check_alive()
+                try:
+                    msg = await asyncio.wait_for(ready.recv(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"not ready after {self.args.ready_timeout:.0f}s: {sorted(waiting)}")
+                    continue
+                if isinstance(msg, Ready):
+                    waiting.discard(msg.name if msg.name in waiting else msg.service)
+
+    def _check_alive(self) -> None:
+        for name, proc in self.children.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode}")
+
+    async def watch(self) -> None:
+        while True:
+            self._check_alive()
+            await asyncio.sleep(0.5)
+
+    def stop(self) -> None:
+        for proc in self.children.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self.children.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def main(argv: list[str]) -> None:
+    args = parse(argv)
+    mesh = Mesh(args)
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def lifetime() -> int:
+        starting = asyncio.ensure_future(mesh.start())
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([starting, stopped], return_when=asyncio.FIRST_COMPLETED)
+        if stopped.done():
+            starting.cancel()
+            return 0
+        starting.result()  # raises if a process failed to start
+        workers = f"{args.prefill} prefill + {args.decode} decode" if args.prefill else f"{args.mixed} mixed"
+        print(f"pagemesh is up: http://{args.host}:{args.port}/v1  ({workers} worker(s); Ctrl-C stops)", flush=True)
+        watching = asyncio.ensure_future(mesh.watch())
+        await asyncio.wait([watching, stopped], return_when=asyncio.FIRST_COMPLETED)
+        if watching.done():
+            watching.result()
+        return 0
+
+    code = 1
+    try:
+        code = loop.run_until_complete(lifetime())
+    except RuntimeError as e:
+        print(f"pagemesh up: {e}", file=sys.stderr, flush=True)
+    finally:
+        mesh.stop()
+        loop.close()
+    raise SystemExit(code)

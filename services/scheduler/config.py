@@ -1,0 +1,13 @@
+"""Scheduler process configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    address: str  # Router bind: tokenizers, gateways and workers connect here
+    ready_address: str | None = None
+    heartbeat_timeout: float = 3.0  # a worker silent this long leaves placement
+    max_queue: int = 256  # requests waiting for a worker; more are refused with 503

@@ -1,0 +1,207 @@
+"""The scheduler process: worker registry, admission, placement, the prefill→decode handoff's
+bookkeeping, and failure handling. One Router serves tokenizers, gateways and workers.
+
+    ScheduleRequest ──▶ admit (queue bound) ──▶ place ──▶ PrefillTask → P, DecodeTask → D
+                                                     └──▶ GenerateTask → mixed worker
+    RequestDone / worker death / AbortRequest ──▶ forget, tell the other holders, fail if needed
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import structlog
+
+from common.messages import (
+    AbortRequest, ClusterStatus, DecodeTask, GenerateTask, Heartbeat, PrefillTask, Ready, Registered,
+    RegisterWorker, RequestDone, RequestFailed, ScheduleRequest, StatusRequest, WorkerStatus,
+)
+from common.transport import Push, Router, UnknownPeer
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.placement import place
+from services.scheduler.registry import Registry, WorkerInfo
+
+log = structlog.get_logger()
+
+# RequestDone reasons that end a request with an error for the client
+FAILURES = {"kv_rejected": "the decode worker refused the KV pages", "kv_timeout": "the KV handoff timed out"}
+
+
+@dataclass
+class Placed:
+    """A request on workers: who asked (tokenizer identity) and which workers hold it."""
+
+    request: ScheduleRequest
+    origin: bytes
+    holders: set[str]
+    prefill: str | None
+
+
+class SchedulerService:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.router = Router(config.address, allow_wildcard=True)
+        self.registry = Registry(config.heartbeat_timeout)
+        self.queue: deque[tuple[bytes, ScheduleRequest]] = deque()
+        self.placed: dict[str, Placed] = {}
+        self.log = log.bind(service="scheduler")
+
+    async def run(self) -> None:
+        if self.config.ready_address:
+            with Push(self.config.ready_address) as ready:
+                await ready.send(Ready("scheduler", "scheduler"))
+        self.log.info("scheduler ready", address=self.config.address)
+        await asyncio.gather(self._receive_loop(), self._expiry_loop())
+
+    def close(self) -> None:
+        self.router.close()
+
+    # ---- dispatch -------------------------------------------------------------------------
+    async def _receive_loop(self) -> None:
+        handlers = {
+            RegisterWorker: self._on_register,
+            Heartbeat: self._on_heartbeat,
+            ScheduleRequest: self._on_schedule,
+            RequestDone: self._on_done,
+            AbortRequest: self._on_abort,
+            StatusRequest: self._on_status,
+        }
+        while True:
+            identity, msg = await self.router.recv()
+            handler = handlers.get(type(msg))
+            if handler is None:
+                self.log.warning("unexpected message", type=type(msg).__name__)
+                continue
+            try:
+                await handler(identity, msg)
+            except UnknownPeer as e:  # the peer went away between messages
+                self.log.warning("peer gone", error=str(e))
+
+    async def _send(self, identity: bytes | str, msg) -> None:
+        if isinstance(identity, str):
+            identity = identity.encode()
+        try:
+            await self.router.send(identity, msg)
+        except UnknownPeer:
+            self.log.warning("cannot reach peer", peer=identity.decode(errors="replace"), type=type(msg).__name__)
+
+    async def _on_register(self, identity: bytes, msg: RegisterWorker) -> None:
+        info = WorkerInfo(
+            msg.worker_id, msg.role, msg.model, msg.page_size, msg.num_pages, msg.kv_endpoint, msg.max_running,
+            last_seen=time.monotonic(), free_pages=msg.num_pages,
+        )
+        self.registry.register(info)
+        self.log.info("worker registered", worker=msg.worker_id, role=msg.role, pages=msg.num_pages)
+        await self._send(identity, Registered(msg.worker_id))
+        await self._drain()
+
+    async def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
+        known = self.registry.heartbeat(
+            msg.worker_id, time.monotonic(), msg.running, msg.waiting, msg.used_pages, msg.free_pages,
+            msg.kv_bytes_sent, msg.kv_bytes_received,
+        )
+        if known:
+            await self._drain()
+
+    async def _on_schedule(self, identity: bytes, msg: ScheduleRequest) -> None:
+        now = time.monotonic()
+        alive = {r: self.registry.alive(r, now) for r in ("prefill", "decode", "mixed")}
+        if not (alive["mixed"] or (alive["prefill"] and alive["decode"])):
+            return await self._reject(identity, msg.request_id, "no workers are available")
+        if len(self.queue) >= self.config.max_queue:
+            return await self._reject(identity, msg.request_id, "the request queue is full")
+        self.queue.append((identity, msg))
+        await self._drain()
+
+    async def _reject(self, identity: bytes, request_id: str, why: str) -> None:
+        self.log.info("request rejected", request_id=request_id, reason=why)
+        await self._send(identity, RequestFailed(request_id, 503, "server_error", f"Service unavailable: {why}; retry later.", None, "overloaded"))
+
+    async def _drain(self) -> None:
+        """Place queued requests, oldest first, while some worker can take them."""
+        now = time.monotonic()
+        while self.queue:
+            origin, req = self.queue[0]
+            placement = place(
+                self.registry.alive("prefill", now), self.registry.alive("decode", now),
+                self.registry.alive("mixed", now), len(req.prompt_token_ids),
+            )
+            if placement is None:
+                return
+            self.queue.popleft()
+            worker = placement.worker
+            if placement.prefill is None:
+                holders = {worker.worker_id}
+                await self._send(worker.worker_id, GenerateTask(req.request_id, req.prompt_token_ids, req.sampling, req.reply_to))
+            else:
+                p = placement.prefill
+                holders = {p.worker_id, worker.worker_id}
+                await self._send(worker.worker_id, DecodeTask(req.request_id, req.prompt_token_ids, req.sampling, req.reply_to, p.worker_id))
+                await self._send(p.worker_id, PrefillTask(req.request_id, req.prompt_token_ids, req.sampling, req.reply_to, worker.worker_id, worker.kv_endpoint))
+            for wid in holders:
+                self.registry.workers[wid].requests.add(req.request_id)
+            self.placed[req.request_id] = Placed(req, origin, holders, placement.prefill.worker_id if placement.prefill else None)
+
+    # ---- endings --------------------------------------------------------------------------
+    async def _on_done(self, identity: bytes, msg: RequestDone) -> None:
+        placed = self.placed.get(msg.request_id)
+        self._release(msg.worker_id, msg.request_id)
+        if placed is None:
+            return
+        placed.holders.discard(msg.worker_id)
+        if msg.reason in FAILURES or msg.reason.startswith("rejected"):
+            await self._fail(placed, FAILURES.get(msg.reason, msg.reason))
+        elif msg.reason == "finished" and msg.worker_id == placed.prefill:
+            await self._abort_holders(placed, "finished at the first token")  # no handoff needed
+        if not placed.holders:
+            self.placed.pop(msg.request_id, None)
+        await self._drain()
+
+    async def _on_abort(self, identity: bytes, msg: AbortRequest) -> None:
+        self.queue = deque((o, r) for o, r in self.queue if r.request_id != msg.request_id)
+        placed = self.placed.get(msg.request_id)
+        if placed is not None:
+            await self._abort_holders(placed, msg.reason)
+
+    async def _abort_holders(self, placed: Placed, reason: str) -> None:
+        rid = placed.request.request_id
+        for wid in list(placed.holders):
+            await self._send(wid, AbortRequest(rid, reason))
+            self._release(wid, rid)
+        self.placed.pop(rid, None)
+
+    async def _fail(self, placed: Placed, why: str) -> None:
+        rid = placed.request.request_id
+        await self._send(placed.origin, RequestFailed(rid, 503, "server_error", f"Request failed: {why}; retry later.", None, "worker_failure"))
+        await self._abort_holders(placed, why)
+
+    def _release(self, worker_id: str, request_id: str) -> None:
+        info = self.registry.workers.get(worker_id)
+        if info is not None:
+            info.requests.discard(request_id)
+
+    async def _expiry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_timeout / 4)
+            for dead in self.registry.expire(time.monotonic()):
+                self.log.warning("worker lost", worker=dead.worker_id, requests=len(dead.requests))
+                for rid in list(dead.requests):
+                    placed = self.placed.get(rid)
+                    if placed is not None:
+                        placed.holders.discard(dead.worker_id)
+                        await self._fail(placed, f"worker {dead.worker_id} stopped responding")
+
+    # ---- status ---------------------------------------------------------------------------
+    async def _on_status(self, identity: bytes, msg: StatusRequest) -> None:
+        now = time.monotonic()
+        workers = [
+            WorkerStatus(w.worker_id, w.role, self.registry.is_alive(w, now), w.running, w.waiting, w.used_pages,
+                         w.total_pages, w.kv_bytes_sent, w.kv_bytes_received)
+            for w in self.registry.workers.values()
+        ]
+        alive = {w.role for w in workers if w.alive}
+        ready = "mixed" in alive or {"prefill", "decode"} <= alive
+        await self._send(identity, ClusterStatus(ready, workers, len(self.queue)))

@@ -1,0 +1,59 @@
+"""Moving a request's KV pages between workers: pack on the prefill side, check and write on the
+decode side. The wire format is `KVPagesHeader` + one tensor frame per layer (common.protocol).
+
+    prefill pool kv[L, P, 2, S, H, D] --index_select(pages)--> [L, n, 2, S, H, D] --frames-->
+    decode pool  kv[L, P', 2, S, H, D] <--copy into its own freshly allocated pages--
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.messages import KVPagesHeader
+from workers.engine.engine import PrefillResult
+
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def pack_pages(kv_cache: torch.Tensor, result: PrefillResult) -> tuple[KVPagesHeader, list[torch.Tensor]]:
+    """One contiguous CPU tensor per layer holding the request's prompt pages, and the header."""
+    index = torch.tensor(result.block_table, dtype=torch.int64, device=kv_cache.device)
+    pages = kv_cache.index_select(1, index).cpu()  # [L, n, 2, S, H, D], one copy
+    header = KVPagesHeader(
+        request_id=result.request_id,
+        seq_index=0,
+        num_tokens=len(result.prompt_token_ids),
+        layer_start=0,
+        layer_end=kv_cache.shape[0],
+        num_pages=len(result.block_table),
+        dtype=DTYPE_NAMES[kv_cache.dtype],
+        page_shape=list(kv_cache.shape[2:]),
+        checksum=0,  # filled in by encode_tensor_frames
+        first_token_ids=list(result.first_token_ids),
+        last=True,
+        page_indices=list(range(len(result.block_table))),
+    )
+    return header, list(pages.unbind(0))
+
+
+def check_header(header: KVPagesHeader, kv_cache: torch.Tensor, prompt_len: int) -> None:
+    """Raise ValueError unless the pages fit this worker's pool exactly."""
+    layers, _, *page_shape = kv_cache.shape
+    page_size = page_shape[1]
+    if (header.layer_start, header.layer_end) != (0, layers):
+        raise ValueError(f"kv: layers [{header.layer_start}, {header.layer_end}) but the model has {layers}")
+    if header.page_shape != page_shape:
+        raise ValueError(f"kv: page shape {header.page_shape}, this pool's is {page_shape}")
+    if header.dtype != DTYPE_NAMES[kv_cache.dtype]:
+        raise ValueError(f"kv: dtype {header.dtype}, this pool's is {DTYPE_NAMES[kv_cache.dtype]}")
+    if header.num_tokens != prompt_len or header.num_pages != -(-prompt_len // page_size):
+        raise ValueError(f"kv: {header.num_pages} pages for {header.num_tokens} tokens, the prompt has {prompt_len}")
+    if header.page_indices != list(range(header.num_pages)):
+        raise ValueError("kv: partial transfers are not accepted")
+
+
+def write_pages(kv_cache: torch.Tensor, block_table: list[int], layers: list[torch.Tensor]) -> None:
+    """Copy received pages into the pool at `block_table` (one copy per layer)."""
+    index = torch.tensor(block_table, dtype=torch.int64, device=kv_cache.device)
+    for layer, pages in enumerate(layers):
+        kv_cache[layer].index_copy_(0, index, pages.to(kv_cache.device, non_blocking=True))

@@ -1,0 +1,303 @@
+"""The worker process: one engine behind the mesh's sockets.
+
+    scheduler ──PrefillTask/DecodeTask/GenerateTask/AbortRequest──▶ [control loop] ─┐
+    prefill worker ──KVPagesHeader+frames──▶ [kv loop] (decode role) ───────────────┤ inbox
+                                                                                     ▼
+    [engine loop]  apply inbox → engine.step() in the compute thread → publish:
+        TokenDeltaBatch per destination (one message per step), RequestDone to the scheduler,
+        and (prefill role) the KV pages of each prefilled request to its decode worker.
+    [heartbeat loop] load report every interval, also while a step runs.
+
+Only the engine loop touches the engine, and only between steps; the other loops queue work
+in the inbox, so the asyncio loop keeps serving sockets while a step computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import structlog
+
+from common import protocol as p
+from common.messages import (
+    AbortRequest, DecodeTask, GenerateTask, Heartbeat, KVPagesAck, KVPagesHeader, PrefillTask,
+    Ready, Registered, RegisterWorker, RequestDone, TokenDelta, TokenDeltaBatch, TokenLogprob,
+)
+from common.model_files import served_model_name
+from common.transport import KV, Dealer, Push, Router
+from workers.config import WorkerConfig
+from workers.engine.engine import Engine, RequestOutput
+from workers.kv_transfer import check_header, pack_pages, write_pages
+
+log = structlog.get_logger()
+
+
+@dataclass
+class _Incoming:
+    """Decode role: the two halves of a handoff, which may arrive in either order."""
+
+    task: DecodeTask | None = None
+    header: KVPagesHeader | None = None
+    frames: list | None = None
+    sender: bytes | None = None
+    deadline: float = 0.0
+
+
+@dataclass
+class _Outgoing:
+    """Prefill role: pages sent, waiting for the decode worker's acknowledgement."""
+
+    frames: list  # kept alive until acknowledged: zero-copy frames point into them
+    deadline: float
+    sent_at: float = field(default_factory=time.monotonic)
+
+
+class WorkerService:
+    def __init__(self, config: WorkerConfig, engine: Engine):
+        self.config = config
+        self.engine = engine
+        self.role = config.role
+        self.compute = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.scheduler = Dealer(config.scheduler_address, config.worker_id)
+        self.kv_in = Router(config.kv_address, options=KV, allow_wildcard=True) if self.role == "decode" else None
+        self.kv_out: dict[str, Dealer] = {}
+        self.pushes: dict[str, Push] = {}
+        self.reply_to: dict[str, str] = {}
+        self.incoming: dict[str, _Incoming] = {}
+        self.outgoing: dict[str, _Outgoing] = {}
+        self.outgoing_endpoints: dict[str, str] = {}  # prefill role: request -> decode KV endpoint
+        self.inbox: list[Callable[[], None]] = []
+        self.wake = asyncio.Event()
+        self.kv_bytes_sent = 0
+        self.kv_bytes_received = 0
+        self.log = log.bind(worker=config.worker_id, role=self.role)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def run(self) -> None:
+        await self._register()
+        tasks = [self._control_loop(), self._heartbeat_loop(), self._engine_loop(), self._deadline_loop()]
+        if self.kv_in is not None:
+            tasks.append(self._kv_loop())
+        if self.config.ready_address:
+            with Push(self.config.ready_address) as ready:
+                await ready.send(Ready("worker", self.config.worker_id))
+        self.log.info("worker ready", kv=self.config.kv_advertise, pages=self.engine.blocks.num_usable_pages)
+        await asyncio.gather(*tasks)
+
+    async def _register(self) -> None:
+        cfg, blocks = self.config, self.engine.blocks
+        path = self.engine.model_path
+        msg = RegisterWorker(
+            cfg.worker_id, self.role, served_model_name(path) if path else "custom", blocks.page_size,
+            blocks.num_usable_pages, cfg.kv_advertise or "", self.engine.config.max_num_seqs,
+        )
+        while True:  # the scheduler may start after us: register until it answers
+            await self.scheduler.send(msg)
+            try:
+                reply = await asyncio.wait_for(self.scheduler.recv(), timeout=1.0)
+            except asyncio.TimeoutError:
+                continue
+            if isinstance(reply, Registered):
+                return
+
+    def close(self) -> None:
+        for sock in [self.scheduler, self.kv_in, *self.kv_out.values(), *self.pushes.values()]:
+            if sock is not None:
+                sock.close()
+        self.compute.shutdown(wait=False)
+
+    def _post(self, command: Callable[[], None]) -> None:
+        self.inbox.append(command)
+        self.wake.set()
+
+    # ---- receiving ------------------------------------------------------------------------
+    async def _control_loop(self) -> None:
+        while True:
+            msg = await self.scheduler.recv()
+            if isinstance(msg, GenerateTask):
+                self._post(lambda m=msg: self._start(m.request_id, m.prompt_token_ids, m.sampling, m.reply_to, False))
+            elif isinstance(msg, PrefillTask):
+                self._post(lambda m=msg: self._start(m.request_id, m.prompt_token_ids, m.sampling, m.reply_to, True, m.decode_kv_endpoint))
+            elif isinstance(msg, DecodeTask):
+                entry = self.incoming.setdefault(msg.request_id, _Incoming())
+                entry.task, entry.deadline = msg, time.monotonic() + self.config.transfer_timeout
+                self._post(lambda rid=msg.request_id: self._maybe_import(rid))
+            elif isinstance(msg, AbortRequest):
+                self._post(lambda rid=msg.request_id: self._abort(rid))
+            elif isinstance(msg, Registered):
+                pass
+            else:
+                self.log.warning("unexpected message", type=type(msg).__name__)
+
+    async def _kv_loop(self) -> None:
+        while True:
+            sender, msg, frames = await self.kv_in.recv_with_frames()
+            if not isinstance(msg, KVPagesHeader):
+                continue
+            entry = self.incoming.setdefault(msg.request_id, _Incoming())
+            entry.header, entry.frames, entry.sender = msg, frames, sender
+            entry.deadline = max(entry.deadline, time.monotonic() + self.config.transfer_timeout)
+            self.kv_bytes_received += sum(memoryview(f).nbytes for f in frames)
+            self._post(lambda rid=msg.request_id: self._maybe_import(rid))
+
+    async def _ack_loop(self, endpoint: str, dealer: Dealer) -> None:
+        while True:
+            msg = await dealer.recv()
+            if isinstance(msg, KVPagesAck):
+                self._post(lambda m=msg: self._acknowledged(m))
+
+    # ---- commands (engine loop, between steps) -------------------------------------------
+    def _start(self, request_id, prompt_ids, sampling, reply_to, prefill_only, kv_endpoint=None) -> None:
+        try:
+            self.engine.add_request(request_id, prompt_ids, sampling, prefill_only=prefill_only)
+        except ValueError as e:
+            self.log.warning("request refused", request_id=request_id, error=str(e))
+            self._done(request_id, f"rejected: {e}")
+            self._send_final(request_id, reply_to, sampling.n, "abort")
+            return
+        self.reply_to[request_id] = reply_to
+        if kv_endpoint:
+            self.outgoing_endpoints[request_id] = kv_endpoint
+
+    def _maybe_import(self, request_id: str) -> None:
+        entry = self.incoming.get(request_id)
+        if entry is None or entry.task is None or entry.header is None:
+            return
+        del self.incoming[request_id]
+        task, header = entry.task, entry.header
+        error = None
+        try:
+            check_header(header, self.engine.runner.kv_cache, len(task.prompt_token_ids))
+            layers = p.decode_tensor_frames(header, entry.frames)
+            self.engine.import_prefilled(
+                request_id, list(task.prompt_token_ids), task.sampling, list(header.first_token_ids),
+                lambda table: write_pages(self.engine.runner.kv_cache, table, layers),
+            )
+            self.reply_to[request_id] = task.reply_to
+            if request_id not in self.engine.requests:  # every choice ended on its first token
+                self._forget(request_id, "finished")
+        except Exception as e:  # a bad transfer must not take the worker down
+            error = f"{type(e).__name__}: {e}"
+            self.log.warning("kv import failed", request_id=request_id, error=error)
+            self._done(request_id, "kv_rejected")
+        asyncio.ensure_future(self.kv_in.send(entry.sender, KVPagesAck(request_id, error is None, error)))
+
+    def _acknowledged(self, ack: KVPagesAck) -> None:
+        out = self.outgoing.pop(ack.request_id, None)
+        if out is None:
+            return
+        self.engine.release_prefilled(ack.request_id)
+        self._forget(ack.request_id, "handed_off" if ack.ok else "kv_rejected")
+        if not ack.ok:
+            self.log.warning("decode worker refused pages", request_id=ack.request_id, error=ack.error)
+
+    def _abort(self, request_id: str) -> None:
+        reply_to = self.reply_to.get(request_id)
+        n = self.engine.requests[request_id].params.n if request_id in self.engine.requests else 1
+        known = self.engine.abort(request_id)
+        self.outgoing.pop(request_id, None)
+        self.incoming.pop(request_id, None)
+        if known and reply_to:
+            self._send_final(request_id, reply_to, n, "abort")
+        self._forget(request_id, None)
+
+    def _forget(self, request_id: str, reason: str | None) -> None:
+        self.reply_to.pop(request_id, None)
+        self.outgoing_endpoints.pop(request_id, None)
+        if reason is not None:
+            self._done(request_id, reason)
+
+    def _done(self, request_id: str, reason: str) -> None:
+        asyncio.ensure_future(self.scheduler.send(RequestDone(self.config.worker_id, request_id, reason)))
+
+    def _send_final(self, request_id: str, reply_to: str, n: int, reason: str) -> None:
+        deltas = [TokenDelta(request_id, i, [], None, reason, 0) for i in range(n)]
+        asyncio.ensure_future(self._push(reply_to).send(TokenDeltaBatch(self.config.worker_id, deltas)))
+
+    # ---- the engine loop ------------------------------------------------------------------
+    async def _engine_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            while self.inbox:
+                self.inbox.pop(0)()
+            if not self.engine.scheduler.has_work():
+                self.wake.clear()
+                if not self.inbox:
+                    await self.wake.wait()
+                continue
+            outputs = await loop.run_in_executor(self.compute, self.engine.step)
+            await self._publish(outputs)
+
+    async def _publish(self, outputs: list[RequestOutput]) -> None:
+        batches: dict[str, list[TokenDelta]] = {}
+        for out in outputs:
+            reply_to = self.reply_to.get(out.request_id)
+            if reply_to is None:
+                continue
+            for so in out.outputs:
+                lps = [TokenLogprob(lp.token_id, lp.logprob, lp.top_ids, lp.top_logprobs) for lp in so.logprobs] or None
+                batches.setdefault(reply_to, []).append(
+                    TokenDelta(out.request_id, so.index, so.new_token_ids, lps, so.finish_reason, out.num_prompt_tokens)
+                )
+        for reply_to, deltas in batches.items():  # one message per step per destination
+            await self._push(reply_to).send(TokenDeltaBatch(self.config.worker_id, deltas))
+        for out in outputs:
+            if out.finished:
+                if self.engine.take_prefilled(out.request_id) is not None:
+                    await self._send_pages(out.request_id)
+                else:
+                    self._forget(out.request_id, "finished")
+
+    async def _send_pages(self, request_id: str) -> None:
+        result = self.engine.take_prefilled(request_id)
+        endpoint = self.outgoing_endpoints.get(request_id)
+        header, layers = pack_pages(self.engine.runner.kv_cache, result)
+        frames = p.encode_tensor_frames(header, layers)
+        dealer = self.kv_out.get(endpoint)
+        if dealer is None:
+            dealer = self.kv_out[endpoint] = Dealer(endpoint, self.config.worker_id, options=KV)
+            asyncio.ensure_future(self._ack_loop(endpoint, dealer))
+        self.outgoing[request_id] = _Outgoing(frames, time.monotonic() + self.config.transfer_timeout)
+        await dealer.send_frames(frames)
+        self.kv_bytes_sent += sum(t.numel() * t.element_size() for t in layers)
+
+    def _push(self, address: str) -> Push:
+        push = self.pushes.get(address)
+        if push is None:
+            push = self.pushes[address] = Push(address)
+        return push
+
+    # ---- timers ---------------------------------------------------------------------------
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            blocks, sched = self.engine.blocks, self.engine.scheduler
+            await self.scheduler.send(
+                Heartbeat(
+                    self.config.worker_id, len(sched.running), len(sched.waiting), blocks.num_free_pages,
+                    blocks.num_usable_pages, blocks.num_used_pages, time.time(), self.kv_bytes_sent, self.kv_bytes_received,
+                )
+            )
+            await asyncio.sleep(self.config.heartbeat_interval)
+
+    async def _deadline_loop(self) -> None:
+        """Transfers that were not acknowledged, and handoff halves whose partner never came,
+        give their pages back after `transfer_timeout`."""
+        while True:
+            await asyncio.sleep(min(1.0, self.config.transfer_timeout / 4))
+            now = time.monotonic()
+            for rid in [r for r, o in self.outgoing.items() if o.deadline < now]:
+                self._post(lambda r=rid: self._expire_outgoing(r))
+            for rid in [r for r, i in self.incoming.items() if i.deadline < now]:
+                self.incoming.pop(rid, None)
+                self.log.warning("handoff expired", request_id=rid)
+                self._done(rid, "kv_timeout")
+
+    def _expire_outgoing(self, request_id: str) -> None:
+        if self.outgoing.pop(request_id, None) is not None:
+            self.engine.release_prefilled(request_id)
+            self.log.warning("kv transfer timed out", request_id=request_id)
+            self._forget(request_id, "kv_timeout")
