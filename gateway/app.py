@@ -1,0 +1,245 @@
+"""The aiohttp application: routes, the error middleware and the request handlers.
+
+The handlers stay thin: parsing is `gateway.parsing`, bodies and chunks `gateway.responses`,
+metrics `gateway.metrics`, sockets `gateway.mesh`. Life of a generation request:
+
+    read body (<= max_body_bytes) -> parse -> check model -> open reply queue -> submit
+    -> await the first reply (a RequestFailed here becomes the HTTP error status, also for streams)
+    -> JSON body when all choices finish, or SSE chunks as deltas arrive, then `data: [DONE]`
+    finally: if the request did not end (client gone, timeout, error) -> abort it in the mesh
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+from aiohttp import web
+
+from common.messages import RequestFailed, TextDelta
+from common.tokenizer import Tokenizer
+from gateway.config import GatewayConfig
+from gateway.errors import ApiError, from_request_failed, http_error, internal
+from gateway.mesh import MeshClient, Reply
+from gateway.metrics import GatewayMetrics, RequestTimer
+from gateway.parsing import ParsedRequest, check_model, parse_chat, parse_completion, parse_json
+from gateway.responses import SSE_DONE, ResponseBuilder, sse_event, to_json
+
+log = structlog.get_logger()
+
+STATUS_TIMEOUT_S = 1.0
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class RequestEnded(Exception):
+    """The mesh ended the request with an error (a RequestFailed); nothing to abort."""
+
+    def __init__(self, error: ApiError):
+        super().__init__(error.message)
+        self.error = error
+
+
+@dataclass
+class _Call:
+    """One generation request in flight."""
+
+    request_id: str
+    queue: asyncio.Queue[Reply]
+    deadline: float
+    builder: ResponseBuilder
+    timer: RequestTimer
+    ended: bool = False
+
+
+class Gateway:
+    """Handlers over one MeshClient; `app()` builds the aiohttp application."""
+
+    def __init__(self, config: GatewayConfig, mesh: MeshClient, tokenizer: Tokenizer, metrics: GatewayMetrics):
+        self.config, self.mesh, self.tokenizer, self.metrics = config, mesh, tokenizer, metrics
+        self.started = int(time.time())
+
+    def app(self) -> web.Application:
+        limit = self.config.max_body_bytes
+        app = web.Application(client_max_size=limit, middlewares=[_error_middleware(limit)])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics_text)
+        return app
+
+    # ---- generation
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_completion)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_chat)
+
+    async def _generate(self, request: web.Request, parse: Callable[[dict], ParsedRequest]) -> web.StreamResponse:
+        arrival = time.monotonic()
+        if request.content_length is not None and request.content_length > self.config.max_body_bytes:
+            raise _too_large(self.config.max_body_bytes)
+        parsed = parse(parse_json(await request.read()))
+        check_model(parsed, self.config.model_names)
+
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        builder = ResponseBuilder(kind=parsed.kind, request_id=request_id, model=self.config.served_model,
+                                  created=int(time.time()), n=parsed.sampling.n, logprobs=parsed.logprobs,
+                                  include_usage=parsed.include_usage, token_text=self.tokenizer.token_text)
+        call = _Call(request_id, self.mesh.open(request_id), arrival + self.config.request_timeout,
+                     builder, self.metrics.request(arrival))
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            abort_reason = "gateway error"
+            try:
+                await self.mesh.submit(parsed.to_generate_request(
+                    request_id, self.config.served_model, self.mesh.reply_to, time.time()))
+                first = await self._next(call)  # errors before any output keep their HTTP status
+                if parsed.stream:
+                    return await self._stream(request, call, first)
+                reply = first
+                while not self._apply(call, reply):
+                    reply = await self._next(call)
+                log.info("request done", kind=parsed.kind, completion_tokens=builder.completion_tokens,
+                         seconds=round(time.monotonic() - arrival, 4))
+                return web.Response(body=to_json(builder.response()), content_type="application/json")
+            except RequestEnded as e:
+                raise e.error from None
+            except (asyncio.CancelledError, ConnectionResetError):
+                abort_reason = "client disconnected"
+                raise
+            except ApiError as e:
+                abort_reason = e.code or e.message
+                raise
+            finally:
+                if not call.ended:
+                    log.info("aborting request", reason=abort_reason)
+                    self.mesh.abort(request_id, abort_reason)
+                self.mesh.discard(request_id)
+
+    async def _next(self, call: _Call) -> tuple[float, list[TextDelta]]:
+        remaining = call.deadline - time.monotonic()
+        try:
+            now, item = await asyncio.wait_for(call.queue.get(), max(remaining, 0.0))
+        except asyncio.TimeoutError:
+            raise ApiError(504, f"request timed out after {self.config.request_timeout:g} s",
+                           "server_error", None, "timeout") from None
+        if isinstance(item, RequestFailed):
+            call.ended = True
+            log.info("request failed", status=item.status, error=item.message)
+            raise RequestEnded(from_request_failed(item))
+        return now, item
+
+    def _apply(self, call: _Call, reply: tuple[float, list[TextDelta]]) -> bool:
+        """Feed one reply to the builder and the timer; True once every choice has finished."""
+        now, deltas = reply
+        for delta in deltas:
+            call.timer.on_delta(delta, now)
+            call.builder.add(delta)
+        if call.builder.finished:
+            call.ended = True
+            call.timer.on_finished(now)
+        return call.ended
+
+    async def _stream(self, request: web.Request, call: _Call, first: tuple[float, list[TextDelta]]) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        builder = call.builder
+        out = bytearray(b"".join(sse_event(chunk) for chunk in builder.first_chunks()))
+        now, deltas = first
+        try:
+            while True:
+                for delta in deltas:
+                    call.timer.on_delta(delta, now)
+                    chunk = builder.add(delta)
+                    if chunk is not None:
+                        out += sse_event(chunk)
+                if builder.finished:
+                    call.ended = True
+                    call.timer.on_finished(now)
+                    break
+                if out:
+                    await response.write(bytes(out))
+                    out.clear()
+                now, deltas = await self._next(call)
+            if builder.include_usage:
+                out += sse_event(builder.usage_chunk())
+        except (RequestEnded, ApiError) as e:  # after the headers: report in the stream
+            error = e.error if isinstance(e, RequestEnded) else e
+            out += sse_event(error.body())
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:  # the status line is sent: end the stream with an error event
+            log.exception("unhandled error in stream")
+            out += sse_event(internal().body())
+        out += SSE_DONE
+        await response.write(bytes(out))
+        await response.write_eof()
+        log.info("request done", stream=True, completion_tokens=builder.completion_tokens,
+                 ended=call.ended)
+        return response
+
+    # ---- other endpoints
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        if request.match_info["model"] not in self.config.model_names:
+            raise ApiError(404, f"The model `{request.match_info['model']}` does not exist.",
+                           "invalid_request_error", "model", "model_not_found")
+        return web.json_response(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.config.served_model, "object": "model", "created": self.started, "owned_by": "pagemesh"}
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def ready(self, request: web.Request) -> web.Response:
+        status = await self.mesh.status(STATUS_TIMEOUT_S)
+        if status is None:
+            raise ApiError(503, "the scheduler did not answer", "service_unavailable", None, "not_ready")
+        if not status.ready:
+            raise ApiError(503, "the mesh has no workers ready", "service_unavailable", None, "not_ready")
+        return web.json_response({"ready": True, "workers": len(status.workers), "queued": status.queued})
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        self.metrics.update_cluster(await self.mesh.status(STATUS_TIMEOUT_S))
+        return web.Response(body=self.metrics.render().encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"request body larger than {limit} bytes", "invalid_request_error", None, "request_too_large")
+
+
+def _error_middleware(max_body_bytes: int):
+    @web.middleware
+    async def errors(request: web.Request, handler) -> web.StreamResponse:
+        """Every error leaves as OpenAI's `{"error": {...}}` with its status; never a traceback."""
+        try:
+            return await handler(request)
+        except ApiError as e:
+            error = e
+        except web.HTTPRequestEntityTooLarge:
+            error = _too_large(max_body_bytes)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            error = http_error(e.status, f"{request.method} {request.path}: {e.reason}")
+            if "Allow" in e.headers:
+                error.headers["Allow"] = e.headers["Allow"]
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            log.exception("unhandled error", path=request.path)
+            error = internal()
+        return web.Response(status=error.status, body=to_json(error.body()), content_type="application/json",
+                            headers=error.headers)
+    return errors

@@ -1,0 +1,71 @@
+"""The gateway's configuration, built once from flags (and PAGEMESH_* variables)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from common import cli_args
+from common.model_files import resolve_model_path, served_model_name
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """host/port: the HTTP listener. tokenizer_address and scheduler_address: Routers this
+    gateway's Dealers connect to; reply_address: its Pull bind, where text and errors come back.
+    model_names: the names a request's `model` may use (served name first, then the path)."""
+
+    host: str
+    port: int
+    tokenizer_address: str
+    scheduler_address: str
+    reply_address: str
+    model: Path
+    model_names: tuple[str, ...]
+    max_body_bytes: int
+    request_timeout: float
+    name: str
+    ready_address: str | None
+    log_level: str
+
+    @property
+    def served_model(self) -> str:
+        return self.model_names[0]
+
+
+def parse_args(argv: list[str]) -> GatewayConfig:
+    parser = argparse.ArgumentParser(prog="pagemesh gateway", description="OpenAI-compatible HTTP gateway")
+    cli_args.add(parser, "--host", "127.0.0.1", help="HTTP listen host")
+    cli_args.add(parser, "--port", 8000, type=int, help="HTTP listen port (0: any free port)")
+    cli_args.add(parser, "--tokenizer-address", help="tokenizer Router address")
+    cli_args.add(parser, "--scheduler-address", help="scheduler Router address (aborts, status)")
+    cli_args.add(parser, "--reply-address", help="Pull bind address for replies from tokenizers")
+    cli_args.add(parser, "--model", None, help="GGUF file or HF folder (default: the embedded model)")
+    cli_args.add(parser, "--max-body-bytes", DEFAULT_MAX_BODY_BYTES, type=int, help="larger bodies get 413")
+    cli_args.add(parser, "--request-timeout", 600.0, type=float, help="seconds a request may take in all")
+    cli_args.add(parser, "--name", f"gateway-{socket.gethostname()}-{os.getpid()}",
+                 help="replica name (also its Dealer identity)")
+    cli_args.add(parser, "--ready-address", None, help="push Ready here once serving")
+    cli_args.add(parser, "--log-level", "INFO", help="DEBUG, INFO, WARNING or ERROR")
+    args = parser.parse_args(argv)
+    for flag in ("tokenizer_address", "scheduler_address", "reply_address"):  # no defaults: flag or env
+        if getattr(args, flag) is None:
+            parser.error(f"--{flag.replace('_', '-')} is required")
+    if not 0 <= args.port <= 65535:
+        parser.error("--port must be in 0..65535")
+    if args.max_body_bytes < 1024:
+        parser.error("--max-body-bytes must be at least 1024")
+    if not args.request_timeout > 0:
+        parser.error("--request-timeout must be positive")
+    model = resolve_model_path(args.model)
+    names = dict.fromkeys([served_model_name(model), str(model)] + ([args.model] if args.model else []))
+    return GatewayConfig(host=args.host, port=args.port, tokenizer_address=args.tokenizer_address,
+                         scheduler_address=args.scheduler_address, reply_address=args.reply_address,
+                         model=model, model_names=tuple(names), max_body_bytes=args.max_body_bytes,
+                         request_timeout=args.request_timeout, name=args.name,
+                         ready_address=args.ready_address, log_level=args.log_level)

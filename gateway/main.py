@@ -1,0 +1,63 @@
+"""The gateway process: aiohttp on uvloop in front of the mesh.
+
+    python -c "from gateway.main import main; main(['--tokenizer-address', ..., ...])"
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import structlog
+import uvloop
+from aiohttp import web
+
+from common.logging import configure_logging
+from common.messages import Ready
+from common.tokenizer import Tokenizer
+from common.transport import Push
+from gateway.app import Gateway
+from gateway.config import GatewayConfig, parse_args
+from gateway.mesh import MeshClient
+from gateway.metrics import GatewayMetrics
+
+log = structlog.get_logger()
+
+
+def main(argv: list[str]) -> None:
+    config = parse_args(argv)
+    configure_logging("gateway", config.name, config.log_level)
+    uvloop.run(_run_until_signalled(run(config)))
+
+
+async def _run_until_signalled(coro) -> None:
+    task = asyncio.ensure_future(coro)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        await task
+    except asyncio.CancelledError:
+        log.info("stopped")
+
+
+async def run(config: GatewayConfig) -> None:
+    """Serve until cancelled."""
+    tokenizer = Tokenizer.from_path(config.model)  # logprob token texts
+    mesh = MeshClient(config.tokenizer_address, config.scheduler_address, config.reply_address, config.name)
+    runner = web.AppRunner(Gateway(config, mesh, tokenizer, GatewayMetrics()).app(),
+                           handler_cancellation=True, access_log=None)
+    try:
+        mesh.start()
+        await runner.setup()
+        await web.TCPSite(runner, config.host, config.port).start()
+        log.info("serving", http=[f"{host}:{port}" for host, port, *_ in runner.addresses],
+                 model=config.served_model, tokenizer=config.tokenizer_address,
+                 scheduler=config.scheduler_address, reply_to=mesh.reply_to)
+        if config.ready_address:
+            with Push(config.ready_address) as ready:
+                await ready.send(Ready("gateway", config.name))
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+        await mesh.close()

@@ -1,0 +1,125 @@
+"""The gateway's side of the mesh: its three sockets and the routing of replies to requests.
+
+    submit()  GenerateRequest ──Dealer──▶ tokenizer
+    abort()   AbortRequest    ──Dealer──▶ scheduler, and ──Dealer──▶ tokenizer (drops its state)
+    status()  StatusRequest   ──Dealer──▶ scheduler ──ClusterStatus──▶ back on the same Dealer
+    replies   TextDeltaBatch / RequestFailed ──▶ Pull (reply_to) ──▶ the request's asyncio.Queue
+
+A background task per receiving socket does the routing; a request's queue holds
+`(arrival time, list[TextDelta] | RequestFailed)` items, one per incoming batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from common.messages import (
+    AbortRequest, ClusterStatus, GenerateRequest, RequestFailed, StatusRequest, TextDelta, TextDeltaBatch,
+)
+from common.transport import Dealer, Pull
+
+log = structlog.get_logger()
+
+Reply = tuple[float, "list[TextDelta] | RequestFailed"]
+
+
+class MeshClient:
+    """Sockets and per-request reply queues of one gateway. Call `start()` inside the event loop."""
+
+    def __init__(self, tokenizer_address: str, scheduler_address: str, reply_address: str, identity: str):
+        self.identity = identity
+        self._tokenizer = Dealer(tokenizer_address, identity)
+        self._scheduler = Dealer(scheduler_address, identity)
+        self._replies = Pull(reply_address)
+        self.reply_to = self._replies.address
+        self._queues: dict[str, asyncio.Queue[Reply]] = {}
+        self._status_waiter: asyncio.Future[ClusterStatus] | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    def start(self) -> None:
+        for loop in (self._route_replies(), self._route_status()):
+            self._spawn(loop)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for sock in (self._tokenizer, self._scheduler, self._replies):
+            sock.close()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- requests
+
+    def open(self, request_id: str) -> asyncio.Queue[Reply]:
+        """Register a request before submitting it, so no reply can arrive unrouted."""
+        queue = self._queues[request_id] = asyncio.Queue()
+        return queue
+
+    def discard(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    async def submit(self, request: GenerateRequest) -> None:
+        await self._tokenizer.send(request)
+
+    def abort(self, request_id: str, reason: str) -> None:
+        """Stop the request everywhere and forget it. Does not wait, so a handler being cancelled
+        (client gone) can call it from `finally`."""
+        self.discard(request_id)
+        self._spawn(self._send_abort(AbortRequest(request_id, reason)))
+
+    async def _send_abort(self, abort: AbortRequest) -> None:
+        await self._scheduler.send(abort)
+        await self._tokenizer.send(abort)
+
+    async def _route_replies(self) -> None:
+        while True:
+            msg = await self._replies.recv()
+            now = time.monotonic()
+            if isinstance(msg, TextDeltaBatch):
+                by_request: dict[str, list[TextDelta]] = {}
+                for delta in msg.deltas:
+                    by_request.setdefault(delta.request_id, []).append(delta)
+                for request_id, deltas in by_request.items():
+                    self._deliver(request_id, (now, deltas))
+            elif isinstance(msg, RequestFailed):
+                self._deliver(msg.request_id, (now, msg))
+            else:
+                log.warning("unexpected message on the reply stream", type=type(msg).__name__)
+
+    def _deliver(self, request_id: str, reply: Reply) -> None:
+        queue = self._queues.get(request_id)
+        if queue is not None:  # else the request is gone (client left, timed out): drop it
+            queue.put_nowait(reply)
+
+    # ---- status
+
+    async def status(self, timeout: float = 1.0) -> ClusterStatus | None:
+        """The scheduler's ClusterStatus, or None if it did not answer within `timeout` seconds.
+        Concurrent callers share one query."""
+        waiter = self._status_waiter
+        if waiter is None or waiter.done():
+            waiter = self._status_waiter = asyncio.get_running_loop().create_future()
+            await self._scheduler.send(StatusRequest(self.identity))
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        except asyncio.TimeoutError:
+            if self._status_waiter is waiter:  # lost query: let the next caller ask again
+                self._status_waiter = None
+            return None
+
+    async def _route_status(self) -> None:
+        while True:
+            msg = await self._scheduler.recv()
+            if isinstance(msg, ClusterStatus):
+                waiter = self._status_waiter
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(msg)
+            else:
+                log.warning("unexpected message from the scheduler", type=type(msg).__name__)

@@ -1,0 +1,343 @@
+"""The gateway's HTTP app over real sockets, with a fake tokenizer and scheduler (real transport)
+on the other side; the official openai client talks to it where shapes matter."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from common import transport as t
+from common.messages import (
+    AbortRequest, ClusterStatus, GenerateRequest, RequestFailed, StatusRequest, TextDelta, TextDeltaBatch,
+    TokenLogprob, WorkerStatus,
+)
+from common.model_files import default_model_path
+from common.sampling import SamplingParams
+from common.tokenizer import Tokenizer
+from gateway import app as gateway_app
+from gateway.config import GatewayConfig
+from gateway.mesh import MeshClient
+from gateway.metrics import GatewayMetrics
+
+TIMEOUT_S = 10.0
+TOKENIZER = Tokenizer.from_path(default_model_path())
+MODEL = "smol"
+
+
+class FakeMesh:
+    """A tokenizer Router and a scheduler Router that tests drive by hand, plus the gateway's
+    app on a test server."""
+
+    def __init__(self, tokenizer: t.Router, scheduler: t.Router, client: TestClient):
+        self.tokenizer, self.scheduler, self.client = tokenizer, scheduler, client
+        self._pushes: dict[str, t.Push] = {}
+
+    async def next_request(self) -> GenerateRequest:
+        _, msg = await self.tokenizer.recv()
+        assert isinstance(msg, GenerateRequest)
+        return msg
+
+    async def reply(self, request: GenerateRequest, msg) -> None:
+        if request.reply_to not in self._pushes:
+            self._pushes[request.reply_to] = t.Push(request.reply_to)
+        await self._pushes[request.reply_to].send(msg)
+
+    async def answer(self, request: GenerateRequest, *texts: str, finish: str = "length") -> None:
+        """Reply with one TextDelta per text (one token each) and finish on the last."""
+        for i, text in enumerate(texts):
+            last = i == len(texts) - 1
+            for index in range(request.sampling.n):
+                await self.reply(request, TextDeltaBatch([TextDelta(
+                    request.request_id, index, text, [i + 10], None, finish if last else None, 4, i + 1)]))
+
+    def close(self) -> None:
+        for push in self._pushes.values():
+            push.close()
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(tmp_path: Path, **overrides):
+    a = lambda name: t.ipc_address(str(tmp_path), name)  # noqa: E731
+    values = dict(host="127.0.0.1", port=0, tokenizer_address=a("tok"), scheduler_address=a("sched"),
+                  reply_address=a("gw-replies"), model=default_model_path(),
+                  model_names=(MODEL, str(default_model_path())), max_body_bytes=4096, request_timeout=5.0,
+                  name="gw0", ready_address=None, log_level="INFO")
+    config = GatewayConfig(**{**values, **overrides})
+    with t.Router(config.tokenizer_address) as tokenizer, t.Router(config.scheduler_address) as scheduler:
+        mesh = MeshClient(config.tokenizer_address, config.scheduler_address, config.reply_address, config.name)
+        mesh.start()
+        server = TestServer(gateway_app.Gateway(config, mesh, TOKENIZER, GatewayMetrics()).app())
+        fake = None
+        try:
+            async with TestClient(server) as client:
+                fake = FakeMesh(tokenizer, scheduler, client)
+                yield fake
+        finally:
+            if fake is not None:
+                fake.close()
+            await mesh.close()
+
+
+def run(tmp_path, test, **overrides):
+    async def main():
+        async with running_gateway(tmp_path, **overrides) as fake:
+            await test(fake)
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+
+
+def sse_payloads(body: str) -> list:
+    assert body.endswith("\n\n")
+    events = body[:-2].split("\n\n")
+    assert all(e.startswith("data: ") for e in events)
+    return [e[6:] if e[6:] == "[DONE]" else json.loads(e[6:]) for e in events]
+
+
+# ---- generation
+
+
+def test_completion_round_trip(tmp_path):
+    async def test(fake: FakeMesh):
+        post = asyncio.create_task(fake.client.post("/v1/completions", json={
+            "model": MODEL, "prompt": "Hi", "max_tokens": 5, "stop": "x", "seed": 3}))
+        request = await fake.next_request()
+        assert request.request_id.startswith("cmpl-") and len(request.request_id) == 37
+        assert (request.model, request.prompt_text, request.stream) == (MODEL, "Hi", False)
+        assert request.sampling == SamplingParams(max_tokens=5, stop=("x",), seed=3)
+        await fake.answer(request, "Hello", " world")
+        response = await post
+        assert response.status == 200
+        body = await response.json()
+        assert body["id"] == request.request_id and isinstance(body["created"], int)
+        del body["id"], body["created"]
+        assert body == {"object": "text_completion", "model": MODEL,
+                        "choices": [{"index": 0, "text": "Hello world", "logprobs": None, "finish_reason": "length"}],
+                        "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}}
+    run(tmp_path, test)
+
+
+def test_streaming_chat_with_usage(tmp_path):
+    async def test(fake: FakeMesh):
+        post = asyncio.create_task(fake.client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "stream": True,
+            "stream_options": {"include_usage": True}}))
+        request = await fake.next_request()
+        assert request.messages == [{"role": "user", "content": "Hi"}]
+        await fake.answer(request, "Hel", "lo", finish="stop")
+        response = await post
+        assert (response.status, response.headers["Content-Type"]) == (200, "text/event-stream")
+        events = sse_payloads(await response.text())
+        assert events[-1] == "[DONE]"
+        chunks = events[:-1]
+        assert {c["id"] for c in chunks} == {"chat" + request.request_id}
+        assert [(c["choices"], c["usage"]) for c in chunks] == [
+            ([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], None),
+            ([{"index": 0, "delta": {"content": "Hel"}, "logprobs": None, "finish_reason": None}], None),
+            ([{"index": 0, "delta": {"content": "lo"}, "logprobs": None, "finish_reason": "stop"}], None),
+            ([], {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6})]
+    run(tmp_path, test)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_mesh_errors_before_output_keep_their_status(tmp_path, stream):
+    async def test(fake: FakeMesh):
+        post = asyncio.create_task(fake.client.post("/v1/completions", json={"prompt": "Hi", "stream": stream}))
+        request = await fake.next_request()
+        await fake.reply(request, RequestFailed(request.request_id, 503, "service_unavailable",
+                                                "no capacity: queue full", None, "no_capacity"))
+        response = await post
+        assert (response.status, response.headers["Retry-After"]) == (503, "1")
+        assert await response.json() == {"error": {"message": "no capacity: queue full", "type": "service_unavailable",
+                                                    "param": None, "code": "no_capacity"}}
+    run(tmp_path, test)
+
+
+def test_failure_mid_stream_is_an_error_event_then_done(tmp_path):
+    async def test(fake: FakeMesh):
+        post = asyncio.create_task(fake.client.post("/v1/completions", json={"prompt": "Hi", "stream": True}))
+        request = await fake.next_request()
+        await fake.reply(request, TextDeltaBatch([TextDelta(request.request_id, 0, "A", [5], None, None, 4, 1)]))
+        await fake.reply(request, RequestFailed(request.request_id, 500, "server_error", "worker died", None, None))
+        response = await post
+        events = sse_payloads(await response.text())
+        assert events[0]["choices"][0]["text"] == "A"
+        assert events[1:] == [{"error": {"message": "worker died", "type": "server_error", "param": None,
+                                         "code": None}}, "[DONE]"]
+    run(tmp_path, test)
+
+
+def test_client_disconnect_aborts_at_scheduler_and_tokenizer(tmp_path):
+    async def test(fake: FakeMesh):
+        async with aiohttp.ClientSession() as session:
+            pending = asyncio.create_task(session.post(fake.client.make_url("/v1/completions"),
+                                                       json={"prompt": "Hi", "stream": True, "max_tokens": 100}))
+            request = await fake.next_request()  # headers come with the first delta
+            await fake.reply(request, TextDeltaBatch([TextDelta(request.request_id, 0, "A", [5], None, None, 4, 1)]))
+            response = await pending
+            assert (await response.content.readuntil(b"\n\n")).startswith(b"data: ")
+            response.close()  # the client goes away mid-stream
+        abort = AbortRequest(request.request_id, "client disconnected")
+        assert await fake.scheduler.recv() == (b"gw0", abort)
+        assert await fake.tokenizer.recv() == (b"gw0", abort)
+    run(tmp_path, test)
+
+
+def test_client_leaving_before_any_output_aborts(tmp_path):
+    async def test(fake: FakeMesh):
+        async with aiohttp.ClientSession() as session:
+            pending = asyncio.create_task(session.post(fake.client.make_url("/v1/completions"), json={"prompt": "Hi"}))
+            request = await fake.next_request()
+            pending.cancel()  # the client closes the connection while the request is queued
+        assert await fake.scheduler.recv() == (b"gw0", AbortRequest(request.request_id, "client disconnected"))
+    run(tmp_path, test)
+
+
+def test_timeout_is_504_and_aborts(tmp_path):
+    async def test(fake: FakeMesh):
+        post = asyncio.create_task(fake.client.post("/v1/completions", json={"prompt": "Hi"}))
+        request = await fake.next_request()
+        response = await post
+        assert response.status == 504
+        assert (await response.json())["error"]["code"] == "timeout"
+        assert await fake.scheduler.recv() == (b"gw0", AbortRequest(request.request_id, "timeout"))
+    run(tmp_path, test, request_timeout=0.3)
+
+
+def test_logprobs_token_texts_come_from_the_tokenizer(tmp_path):
+    hello = TOKENIZER.encode("Hello", add_special_tokens=False)[0]
+
+    async def test(fake: FakeMesh):
+        post = asyncio.create_task(fake.client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 1}))
+        request = await fake.next_request()
+        assert request.sampling.logprobs == 1
+        await fake.reply(request, TextDeltaBatch([TextDelta(
+            request.request_id, 0, "Hello", [hello], [TokenLogprob(hello, -0.5, [hello], [-0.5])], "length", 4, 1)]))
+        body = await (await post).json()
+        entry = {"token": "Hello", "logprob": -0.5, "bytes": list(b"Hello")}
+        assert body["choices"][0]["logprobs"] == {"content": [{**entry, "top_logprobs": [entry]}]}
+    run(tmp_path, test)
+
+
+# ---- errors the gateway answers itself
+
+
+@pytest.mark.parametrize("method, path, body, status, error_type, param, code", [
+    ("POST", "/v1/completions", b"{nope", 400, "invalid_request_error", None, None),
+    ("POST", "/v1/completions", json.dumps({"prompt": "x", "n": 0}).encode(), 400, "invalid_request_error", "n", None),
+    ("POST", "/v1/completions", json.dumps({"prompt": "x", "model": "gpt-4"}).encode(), 404,
+     "invalid_request_error", "model", "model_not_found"),
+    ("POST", "/v1/completions", json.dumps({"prompt": "x" * 5000}).encode(), 413, "invalid_request_error", None,
+     "request_too_large"),
+    ("POST", "/v1/nothing", b"{}", 404, "not_found_error", None, "not_found"),
+    ("GET", "/v1/completions", b"", 405, "invalid_request_error", None, "method_not_allowed"),
+])
+def test_gateway_errors_are_openai_shaped(tmp_path, method, path, body, status, error_type, param, code):
+    async def test(fake: FakeMesh):
+        response = await fake.client.request(method, path, data=body)
+        assert response.status == status
+        error = (await response.json())["error"]
+        assert (error["type"], error["param"], error["code"]) == (error_type, param, code)
+        assert isinstance(error["message"], str) and "Traceback" not in error["message"]
+    run(tmp_path, test)
+
+
+def test_chunked_body_over_the_limit_is_413(tmp_path):
+    async def chunks():
+        for _ in range(10):
+            yield b" " * 1000
+
+    async def test(fake: FakeMesh):
+        response = await fake.client.post("/v1/completions", data=chunks())
+        assert response.status == 413
+    run(tmp_path, test)
+
+
+# ---- other endpoints
+
+
+def test_models_and_health(tmp_path):
+    async def test(fake: FakeMesh):
+        response = await fake.client.get("/v1/models")
+        body = await response.json()
+        assert body["object"] == "list" and [m["id"] for m in body["data"]] == [MODEL]
+        assert (await fake.client.get(f"/v1/models/{MODEL}")).status == 200
+        assert (await fake.client.get("/v1/models/other")).status == 404
+        assert (await fake.client.get("/health")).status == 200
+    run(tmp_path, test)
+
+
+STATUS = ClusterStatus(True, [WorkerStatus("w0", "mixed", True, 2, 1, 30, 120, 0, 0)], queued=0)
+
+
+async def answer_status(fake: FakeMesh, status: ClusterStatus) -> None:
+    identity, msg = await fake.scheduler.recv()
+    assert (identity, msg) == (b"gw0", StatusRequest("gw0"))
+    await fake.scheduler.send(identity, status)
+
+
+def test_ready_and_metrics_ask_the_scheduler(tmp_path, monkeypatch):
+    monkeypatch.setattr(gateway_app, "STATUS_TIMEOUT_S", 0.2)
+
+    async def test(fake: FakeMesh):
+        assert (await fake.client.get("/ready")).status == 503  # nobody answers
+        answering = asyncio.create_task(answer_status(fake, STATUS))
+        assert (await fake.client.get("/ready")).status == 200
+        await answering
+        answering = asyncio.create_task(answer_status(fake, ClusterStatus(False, [], 0)))
+        response = await fake.client.get("/ready")
+        assert response.status == 503 and (await response.json())["error"]["code"] == "not_ready"
+        await answering
+
+        answering = asyncio.create_task(answer_status(fake, STATUS))
+        response = await fake.client.get("/metrics")
+        await answering
+        assert response.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+        text = await response.text()
+        assert 'pagemesh_num_requests_running{worker="w0"} 2\n' in text
+        assert 'pagemesh_kv_cache_usage_ratio{worker="w0"} 0.25\n' in text
+    run(tmp_path, test)
+
+
+# ---- the official client
+
+
+async def auto_answer(fake: FakeMesh) -> None:
+    while True:
+        request = await fake.next_request()
+        await fake.answer(request, "Hello", " there", finish="stop")
+
+
+def test_official_openai_client(tmp_path):
+    async def test(fake: FakeMesh):
+        responder = asyncio.create_task(auto_answer(fake))
+        client = openai.AsyncOpenAI(base_url=str(fake.client.make_url("/v1")), api_key="none", max_retries=0)
+        try:
+            completion = await client.completions.create(model=MODEL, prompt="Hi", max_tokens=4)
+            assert completion.choices[0].text == "Hello there" and completion.usage.total_tokens == 6
+            chat = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2)
+            assert [c.message.content for c in chat.choices] == ["Hello there"] * 2
+            assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens == 4
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True,
+                stream_options={"include_usage": True})
+            pieces, usage = [], None
+            async for chunk in stream:
+                pieces += [c.delta.content or "" for c in chunk.choices]
+                usage = chunk.usage or usage
+            assert "".join(pieces) == "Hello there" and usage.prompt_tokens == 4
+            with pytest.raises(openai.NotFoundError):
+                await client.completions.create(model="gpt-4", prompt="Hi")
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.completions.create(model=MODEL, prompt="Hi", temperature=-1)
+            assert info.value.body["param"] == "temperature"
+        finally:
+            responder.cancel()
+            await client.close()
+    run(tmp_path, test)
