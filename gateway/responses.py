@@ -140,7 +140,9 @@ class ResponseBuilder:
         entries = []
         for lp in logprobs:
             text = self.token_text(lp.token_id)
+            # As OpenAI's legacy API: the k most likely tokens, plus the sampled one (up to k + 1).
             top = {self.token_text(i): _finite(v) for i, v in zip(lp.top_ids, lp.top_logprobs)}
+            top.setdefault(text, _finite(lp.logprob))
             entries.append((text, _finite(lp.logprob), top, choice.text_offset))
             choice.text_offset += len(text)
         return entries

@@ -201,7 +201,7 @@ def test_error_message_starts_with_the_field():
     assert info.value.message == "prompt: batched prompts are not supported; send one prompt per request"
 
 
-@pytest.mark.parametrize("raw", [b"{", b"[1]", b"null", b'{"a": NaN}', b'{"a": Infinity}', b"\xff", b""])
+@pytest.mark.parametrize("raw", [b"{", b"[1]", b"null", b'{"a": NaN}', b'{"a": Infinity}', b"\xff", b"", b"[" * 200_000])
 def test_malformed_json_is_400(raw):
     with pytest.raises(ApiError) as info:
         parse_json(raw)

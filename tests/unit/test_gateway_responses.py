@@ -65,18 +65,20 @@ def test_chat_response_and_chunks_with_usage():
 
 
 LOGPROBS = [TokenLogprob(1, -0.5, [1, 2], [-0.5, -1.0]), TokenLogprob(5, -math.inf, [], [])]
+LOGPROBS_TOP1 = [TokenLogprob(1, -0.5, [1], [-0.5]), TokenLogprob(5, -math.inf, [1], [-0.1])]
 
 
 def test_completion_logprobs_shape_with_running_text_offsets():
-    b = builder(logprobs=2)
-    first = b.add(delta("Heé", [1, 5], logprobs=LOGPROBS))
+    b = builder(logprobs=1)
+    first = b.add(delta("Heé", [1, 5], logprobs=LOGPROBS_TOP1))
+    # top_logprobs: the k most likely, plus the sampled token when it is not among them
     assert first["choices"][0]["logprobs"] == {
         "tokens": ["He", "é"], "token_logprobs": [-0.5, -9999.0],
-        "top_logprobs": [{"He": -0.5, "llo": -1.0}, {}], "text_offset": [0, 2]}
-    b.add(delta("llo", [2], "stop", completion_tokens=3, logprobs=[TokenLogprob(2, -0.25, [2], [-0.25])]))
+        "top_logprobs": [{"He": -0.5}, {"He": -0.1, "é": -9999.0}], "text_offset": [0, 2]}
+    b.add(delta("llo", [2], "stop", completion_tokens=3, logprobs=[TokenLogprob(2, -0.25, [], [])]))
     assert b.response()["choices"][0]["logprobs"] == {
         "tokens": ["He", "é", "llo"], "token_logprobs": [-0.5, -9999.0, -0.25],
-        "top_logprobs": [{"He": -0.5, "llo": -1.0}, {}, {"llo": -0.25}], "text_offset": [0, 2, 3]}
+        "top_logprobs": [{"He": -0.5}, {"He": -0.1, "é": -9999.0}, {"llo": -0.25}], "text_offset": [0, 2, 3]}
 
 
 def test_chat_logprobs_shape():
