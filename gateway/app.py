@@ -103,9 +103,9 @@ class Gateway:
                 first = await self._next(call)  # errors before any output keep their HTTP status
                 if parsed.stream:
                     return await self._stream(request, call, first)
-                reply = first
-                while not self._apply(call, reply):
-                    reply = await self._next(call)
+                self._apply(call, first)
+                while not call.ended:
+                    self._apply(call, await self._next(call))
                 log.info("request done", kind=parsed.kind, completion_tokens=builder.completion_tokens,
                          seconds=round(time.monotonic() - arrival, 4))
                 return web.Response(body=to_json(builder.response()), content_type="application/json")
@@ -136,38 +136,37 @@ class Gateway:
             raise RequestEnded(from_request_failed(item))
         return now, item
 
-    def _apply(self, call: _Call, reply: tuple[float, list[TextDelta]]) -> bool:
-        """Feed one reply to the builder and the timer; True once every choice has finished."""
+    def _apply(self, call: _Call, reply: tuple[float, list[TextDelta]]) -> list[dict]:
+        """Feed one reply to the builder and the timer; return its stream chunks. Sets
+        `call.ended` once every choice has finished."""
         now, deltas = reply
+        chunks = []
         for delta in deltas:
             call.timer.on_delta(delta, now)
-            call.builder.add(delta)
+            chunk = call.builder.add(delta)
+            if chunk is not None:
+                chunks.append(chunk)
         if call.builder.finished:
             call.ended = True
             call.timer.on_finished(now)
-        return call.ended
+        return chunks
 
     async def _stream(self, request: web.Request, call: _Call, first: tuple[float, list[TextDelta]]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         builder = call.builder
         out = bytearray(b"".join(sse_event(chunk) for chunk in builder.first_chunks()))
-        now, deltas = first
+        reply = first
         try:
             while True:
-                for delta in deltas:
-                    call.timer.on_delta(delta, now)
-                    chunk = builder.add(delta)
-                    if chunk is not None:
-                        out += sse_event(chunk)
-                if builder.finished:
-                    call.ended = True
-                    call.timer.on_finished(now)
+                for chunk in self._apply(call, reply):
+                    out += sse_event(chunk)
+                if call.ended:
                     break
                 if out:
                     await response.write(bytes(out))
                     out.clear()
-                now, deltas = await self._next(call)
+                reply = await self._next(call)
             if builder.include_usage:
                 out += sse_event(builder.usage_chunk())
         except (RequestEnded, ApiError) as e:  # after the headers: report in the stream
