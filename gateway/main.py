@@ -6,14 +6,13 @@
 from __future__ import annotations
 
 import asyncio
-import signal
 
 import structlog
-import uvloop
 from aiohttp import web
 
 from common.logging import configure_logging
 from common.messages import Ready
+from common.process import run_until_signalled
 from common.tokenizer import Tokenizer
 from common.transport import Push
 from gateway.app import Gateway
@@ -27,18 +26,7 @@ log = structlog.get_logger()
 def main(argv: list[str]) -> None:
     config = parse_args(argv)
     configure_logging("gateway", config.name, config.log_level)
-    uvloop.run(_run_until_signalled(run(config)))
-
-
-async def _run_until_signalled(coro) -> None:
-    task = asyncio.ensure_future(coro)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, task.cancel)
-    try:
-        await task
-    except asyncio.CancelledError:
-        log.info("stopped")
+    run_until_signalled(run(config))
 
 
 async def run(config: GatewayConfig) -> None:

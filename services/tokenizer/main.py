@@ -12,15 +12,14 @@ is gone stalls (and eventually loses) only its own replies, never the other gate
 from __future__ import annotations
 
 import asyncio
-import signal
 
 import structlog
-import uvloop
 
 from common.logging import configure_logging
 from common.messages import (
     AbortRequest, GenerateRequest, Ready, RequestFailed, ScheduleRequest, TokenDeltaBatch,
 )
+from common.process import run_until_signalled
 from common.tokenizer import Tokenizer
 from common.transport import Dealer, Pull, Push, Router
 from services.tokenizer.config import TokenizerConfig, parse_args
@@ -34,18 +33,7 @@ REPLY_QUEUE_SIZE = 10_000  # messages waiting for one gateway before new ones ar
 def main(argv: list[str]) -> None:
     config = parse_args(argv)
     configure_logging("tokenizer", config.name, config.log_level)
-    uvloop.run(_run_until_signalled(run(config)))
-
-
-async def _run_until_signalled(coro) -> None:
-    task = asyncio.ensure_future(coro)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, task.cancel)
-    try:
-        await task
-    except asyncio.CancelledError:
-        log.info("stopped")
+    run_until_signalled(run(config))
 
 
 async def run(config: TokenizerConfig) -> None:
