@@ -69,6 +69,7 @@ class TextDelta:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    queue_time_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +121,7 @@ class PrefillTask:
     reply_to: str
     decode_worker_id: str
     decode_kv_endpoint: str
+    queued_s: float = 0.0  # time the request waited in the scheduler
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +143,7 @@ class GenerateTask:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     reply_to: str
+    queued_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +183,7 @@ class Heartbeat:
     time: float
     kv_bytes_sent: int
     kv_bytes_received: int
+    requests_finished: int = 0  # requests that left this worker, ever
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +205,7 @@ class TokenDelta:
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None
     num_prompt_tokens: int
+    queue_time_s: float | None = None  # on a request's first delta: scheduler + engine queue time
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +297,7 @@ class WorkerStatus:
     total_pages: int
     kv_bytes_sent: int
     kv_bytes_received: int
+    requests_finished: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -147,8 +147,8 @@ class GatewayMetrics:
         self.e2e = Histogram(p + "e2e_request_latency_seconds",
                              "Time from arrival to the last token of a successful request.", E2E_BUCKETS)
         self.queue_time = Histogram(p + "request_queue_time_seconds",
-                                    "Time from arrival until the scheduler placed the request "
-                                    "(not observed until the mesh reports placement times).", LATENCY_BUCKETS)
+                                    "Time a request waited before its first step: in the scheduler's queue "
+                                    "plus in its worker's waiting queue.", LATENCY_BUCKETS)
         self.success = Counter(p + "request_success_total", "Choices finished, by finish reason.")
         self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens of requests that started generating.")
         self.generation_tokens = Counter(p + "generation_tokens_total", "Tokens generated.")
@@ -157,11 +157,12 @@ class GatewayMetrics:
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Used KV-cache pages / total pages, per worker.")
         self.kv_bytes = Counter(p + "kv_transfer_bytes_total", "KV-cache bytes sent by all workers.")
         self.scheduler_queued = Gauge(p + "scheduler_queued_requests", "Requests waiting in the scheduler.")
+        self.worker_requests = Counter(p + "worker_requests_total", "Requests each worker has finished (or handed off).")
 
     def all(self) -> list[_Metric]:
         return [self.ttft, self.itl, self.e2e, self.queue_time, self.success, self.prompt_tokens,
                 self.generation_tokens, self.running, self.waiting, self.kv_usage, self.kv_bytes,
-                self.scheduler_queued]
+                self.scheduler_queued, self.worker_requests]
 
     def render(self) -> str:
         return render(self.all())
@@ -179,6 +180,7 @@ class GatewayMetrics:
                                for i, w in by_worker.items()})
         self.kv_bytes.mirror({(): sum(w.kv_bytes_sent for w in workers)} if status is not None else {})
         self.scheduler_queued.replace({(): status.queued} if status is not None else {})
+        self.worker_requests.mirror({(("worker", i),): w.requests_finished for i, w in by_worker.items()})
 
 
 class RequestTimer:
@@ -191,6 +193,8 @@ class RequestTimer:
 
     def on_delta(self, delta: TextDelta, now: float) -> None:
         m = self.metrics
+        if delta.queue_time_s is not None:
+            m.queue_time.observe(delta.queue_time_s)
         if delta.token_ids:
             if self.first_token is None:
                 self.first_token = now

@@ -72,6 +72,8 @@ class WorkerService:
         self.outgoing_endpoints: dict[str, str] = {}  # prefill role: request -> decode KV endpoint
         self.inbox: list[Callable[[], None]] = []
         self.wake = asyncio.Event()
+        self.scheduler_queued: dict[str, float] = {}
+        self.requests_finished = 0
         self.kv_bytes_sent = 0
         self.kv_bytes_received = 0
         self.log = log.bind(worker=config.worker_id, role=self.role)
@@ -118,6 +120,8 @@ class WorkerService:
     async def _control_loop(self) -> None:
         while True:
             msg = await self.scheduler.recv()
+            if isinstance(msg, (GenerateTask, PrefillTask)):
+                self.scheduler_queued[msg.request_id] = msg.queued_s
             if isinstance(msg, GenerateTask):
                 self._post(lambda m=msg: self._start(m.request_id, m.prompt_token_ids, m.sampling, m.reply_to, False))
             elif isinstance(msg, PrefillTask):
@@ -207,11 +211,13 @@ class WorkerService:
 
     def _forget(self, request_id: str, reason: str | None) -> None:
         self.reply_to.pop(request_id, None)
+        self.scheduler_queued.pop(request_id, None)
         self.outgoing_endpoints.pop(request_id, None)
         if reason is not None:
             self._done(request_id, reason)
 
     def _done(self, request_id: str, reason: str) -> None:
+        self.requests_finished += 1
         asyncio.ensure_future(self.scheduler.send(RequestDone(self.config.worker_id, request_id, reason)))
 
     def _send_final(self, request_id: str, reply_to: str, n: int, reason: str) -> None:
@@ -238,11 +244,15 @@ class WorkerService:
             reply_to = self.reply_to.get(out.request_id)
             if reply_to is None:
                 continue
+            queue_time = None
+            if out.queue_time is not None:
+                queue_time = out.queue_time + self.scheduler_queued.pop(out.request_id, 0.0)
             for so in out.outputs:
                 lps = [TokenLogprob(lp.token_id, lp.logprob, lp.top_ids, lp.top_logprobs) for lp in so.logprobs] or None
                 batches.setdefault(reply_to, []).append(
-                    TokenDelta(out.request_id, so.index, so.new_token_ids, lps, so.finish_reason, out.num_prompt_tokens)
+                    TokenDelta(out.request_id, so.index, so.new_token_ids, lps, so.finish_reason, out.num_prompt_tokens, queue_time)
                 )
+                queue_time = None
         for reply_to, deltas in batches.items():  # one message per step per destination
             await self._push(reply_to).send(TokenDeltaBatch(self.config.worker_id, deltas))
         for out in outputs:
@@ -279,6 +289,7 @@ class WorkerService:
                 Heartbeat(
                     self.config.worker_id, len(sched.running), len(sched.waiting), blocks.num_free_pages,
                     blocks.num_usable_pages, blocks.num_used_pages, time.time(), self.kv_bytes_sent, self.kv_bytes_received,
+                    self.requests_finished,
                 )
             )
             await asyncio.sleep(self.config.heartbeat_interval)

@@ -23,6 +23,7 @@ class WorkerInfo:
     free_pages: int = 0
     kv_bytes_sent: int = 0
     kv_bytes_received: int = 0
+    requests_finished: int = 0
     requests: set[str] = field(default_factory=set)  # placed here and not yet done
 
     @property
@@ -44,13 +45,14 @@ class Registry:
             info.requests = old.requests
         self.workers[info.worker_id] = info
 
-    def heartbeat(self, worker_id: str, now: float, running: int, waiting: int, used: int, free: int, sent: int, received: int) -> bool:
+    def heartbeat(self, worker_id: str, now: float, running: int, waiting: int, used: int, free: int, sent: int, received: int, finished: int = 0) -> bool:
         info = self.workers.get(worker_id)
         if info is None:
             return False  # unknown: it must register (again)
         info.last_seen, info.running, info.waiting = now, running, waiting
         info.used_pages, info.free_pages = used, free
         info.kv_bytes_sent, info.kv_bytes_received = sent, received
+        info.requests_finished = finished
         return True
 
     def alive(self, role: str, now: float) -> list[WorkerInfo]:

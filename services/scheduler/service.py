@@ -46,6 +46,7 @@ class SchedulerService:
         self.router = Router(config.address, allow_wildcard=True)
         self.registry = Registry(config.heartbeat_timeout)
         self.queue: deque[tuple[bytes, ScheduleRequest]] = deque()
+        self.enqueued_at: dict[str, float] = {}
         self.placed: dict[str, Placed] = {}
         self.log = log.bind(service="scheduler")
 
@@ -101,7 +102,7 @@ class SchedulerService:
     async def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
         known = self.registry.heartbeat(
             msg.worker_id, time.monotonic(), msg.running, msg.waiting, msg.used_pages, msg.free_pages,
-            msg.kv_bytes_sent, msg.kv_bytes_received,
+            msg.kv_bytes_sent, msg.kv_bytes_received, msg.requests_finished,
         )
         if known:
             await self._drain()
@@ -114,6 +115,7 @@ class SchedulerService:
         if len(self.queue) >= self.config.max_queue:
             return await self._reject(identity, msg.request_id, "the request queue is full")
         self.queue.append((identity, msg))
+        self.enqueued_at[msg.request_id] = now
         await self._drain()
 
     async def _reject(self, identity: bytes, request_id: str, why: str) -> None:
@@ -132,15 +134,16 @@ class SchedulerService:
             if placement is None:
                 return
             self.queue.popleft()
+            queued = now - self.enqueued_at.pop(req.request_id, now)
             worker = placement.worker
             if placement.prefill is None:
                 holders = {worker.worker_id}
-                await self._send(worker.worker_id, GenerateTask(req.request_id, req.prompt_token_ids, req.sampling, req.reply_to))
+                await self._send(worker.worker_id, GenerateTask(req.request_id, req.prompt_token_ids, req.sampling, req.reply_to, queued))
             else:
                 p = placement.prefill
                 holders = {p.worker_id, worker.worker_id}
                 await self._send(worker.worker_id, DecodeTask(req.request_id, req.prompt_token_ids, req.sampling, req.reply_to, p.worker_id))
-                await self._send(p.worker_id, PrefillTask(req.request_id, req.prompt_token_ids, req.sampling, req.reply_to, worker.worker_id, worker.kv_endpoint))
+                await self._send(p.worker_id, PrefillTask(req.request_id, req.prompt_token_ids, req.sampling, req.reply_to, worker.worker_id, worker.kv_endpoint, queued))
             for wid in holders:
                 self.registry.workers[wid].requests.add(req.request_id)
             self.placed[req.request_id] = Placed(req, origin, holders, placement.prefill.worker_id if placement.prefill else None)
@@ -162,6 +165,7 @@ class SchedulerService:
 
     async def _on_abort(self, identity: bytes, msg: AbortRequest) -> None:
         self.queue = deque((o, r) for o, r in self.queue if r.request_id != msg.request_id)
+        self.enqueued_at.pop(msg.request_id, None)
         placed = self.placed.get(msg.request_id)
         if placed is not None:
             await self._abort_holders(placed, msg.reason)
@@ -199,7 +203,7 @@ class SchedulerService:
         now = time.monotonic()
         workers = [
             WorkerStatus(w.worker_id, w.role, self.registry.is_alive(w, now), w.running, w.waiting, w.used_pages,
-                         w.total_pages, w.kv_bytes_sent, w.kv_bytes_received)
+                         w.total_pages, w.kv_bytes_sent, w.kv_bytes_received, w.requests_finished)
             for w in self.registry.workers.values()
         ]
         alive = {w.role for w in workers if w.alive}

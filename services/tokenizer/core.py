@@ -144,7 +144,7 @@ class TokenizerCore:
             choice.finished = finish_reason is not None
             by_gateway.setdefault(request.reply_to, []).append(TextDelta(
                 delta.request_id, delta.index, text, delta.token_ids, delta.logprobs, finish_reason,
-                request.prompt_tokens, choice.completion_tokens))
+                request.prompt_tokens, choice.completion_tokens, delta.queue_time_s))
             if choice.finished and all(c.finished for c in request.choices):
                 del self._requests[delta.request_id]
                 if not all(c.worker_finished for c in request.choices):

@@ -28,6 +28,7 @@ class EngineConfig:
     max_num_partial_prefills: int = 4
     enable_prefix_caching: bool = True
     seed: int = 0
+    cuda_graphs: bool = True  # replay decode-only steps from CUDA graphs (CUDA only)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -80,11 +81,13 @@ def add_engine_arguments(parser) -> None:
     add(parser, "--max-num-partial-prefills", 4, type=int, help="prompts prefilled at once")
     add(parser, "--no-prefix-caching", False, action="store_true", help="turn the prefix cache off")
     add(parser, "--seed", 0, type=int, help="seed of unseeded sampling")
+    add(parser, "--no-cuda-graphs", False, action="store_true", help="run decode steps eagerly on CUDA")
 
 
 ENGINE_FLAGS = (
     "model", "dtype", "device", "page_size", "num_pages", "kv_cache_gb", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "max_prefill_chunk", "max_num_partial_prefills", "no_prefix_caching", "seed",
+    "no_cuda_graphs",
 )
 
 
@@ -103,6 +106,7 @@ def engine_config_from_args(args) -> EngineConfig:
         max_num_partial_prefills=args.max_num_partial_prefills,
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
+        cuda_graphs=not args.no_cuda_graphs,
     )
 
 

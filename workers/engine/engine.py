@@ -50,6 +50,7 @@ class RequestOutput:
     finished: bool
     num_prompt_tokens: int
     num_cached_tokens: int
+    queue_time: float | None = None  # on the request's first output: seconds it waited for a step
 
 
 @dataclass
@@ -72,6 +73,7 @@ class _Request:
     num_prompt_tokens: int
     finished_sent: set[int] = field(default_factory=set)
     prefill_only: bool = False  # disaggregated prefill: keep the pages after the first token
+    reported_queue_time: bool = False
 
 
 @dataclass
@@ -377,8 +379,11 @@ class Engine:
                 self.requests.pop(req.request_id, None)
                 for seq in req.seqs:
                     self.generators.pop(seq.seq_id, None)
-            cached = req.seqs[0].num_prefix_hit_tokens
-            outputs.append(RequestOutput(req.request_id, seq_outputs, finished, req.num_prompt_tokens, cached))
+            first = req.seqs[0]
+            queue_time = None
+            if not req.reported_queue_time and first.first_scheduled is not None:
+                queue_time, req.reported_queue_time = first.first_scheduled - first.arrival_time, True
+            outputs.append(RequestOutput(req.request_id, seq_outputs, finished, req.num_prompt_tokens, first.num_prefix_hit_tokens, queue_time))
         return outputs
 
     # ---- offline --------------------------------------------------------------------------

@@ -9,8 +9,12 @@ from __future__ import annotations
 import torch
 
 from workers.engine.attention import AttentionMetadata, paged_attention_torch, write_kv_torch
+from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.scheduler import StepPlan
 from workers.model.llama import ForwardContext, LlamaForCausalLM
+from workers.model.ops import ops_for
+
+DEFAULT_MAX_GRAPH_BATCH = 256
 
 
 class TorchAttentionBackend:
@@ -49,9 +53,25 @@ def make_attention_backend(device: torch.device):
 
 
 class ModelRunner:
-    """Holds the model and the KV pool `[layers, pages, 2, page_size, kv_heads, head_dim]`."""
+    """Holds the model and the KV pool `[layers, pages, 2, page_size, kv_heads, head_dim]`.
 
-    def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int, device: torch.device):
+    The device picks, once, the attention backend and the ops (torch on CPU, Triton on CUDA);
+    on CUDA with `cuda_graphs`, decode-only steps of up to `max_num_seqs` sequences replay CUDA
+    graphs (`DecodeGraphs`), everything else runs eagerly. `max_model_len` (default: the
+    model's) sizes the graphs' block tables and fixes their attention split count.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_pages: int,
+        page_size: int,
+        device: torch.device,
+        *,
+        cuda_graphs: bool = True,
+        max_num_seqs: int = DEFAULT_MAX_GRAPH_BATCH,
+        max_model_len: int | None = None,
+    ):
         cfg = model.config
         self.model = model
         self.device = device
@@ -62,6 +82,13 @@ class ModelRunner:
             cfg.num_layers, num_pages, 2, page_size, kv_heads, cfg.head_dim, dtype=self.dtype, device=device
         )
         self.backend = make_attention_backend(device)
+        self.ops = ops_for(device)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and device.type == "cuda":
+            self.graphs = DecodeGraphs(
+                model, self.kv_cache, self.backend, self.ops, page_size, max_num_seqs,
+                max_model_len or cfg.max_position_embeddings,
+            )
 
     @property
     def page_bytes(self) -> int:
@@ -82,15 +109,13 @@ class ModelRunner:
             seq_lens.append(chunk.start + chunk.num_tokens)
             if chunk.samples:
                 logit_rows.append(len(token_ids) - 1)
+        block_tables = [c.seq.block_table for c in plan.chunks]
+        if self.graphs is not None and self.graphs.can_run(query_lens, block_tables, len(logit_rows)):
+            return self.graphs.run(token_ids, seq_lens, block_tables).cpu()
         md = AttentionMetadata.build(
-            query_lens,
-            seq_lens,
-            [c.seq.block_table for c in plan.chunks],
-            self.page_size,
-            self.device,
-            for_cpu=self.backend.builds_cpu_indices,
+            query_lens, seq_lens, block_tables, self.page_size, self.device, for_cpu=self.backend.builds_cpu_indices
         )
         ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         rows = torch.tensor(logit_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        ctx = ForwardContext(self.kv_cache, md, self.backend)
+        ctx = ForwardContext(self.kv_cache, md, self.backend, self.ops)
         return self.model(ids, ctx, rows).cpu()

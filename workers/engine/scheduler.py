@@ -11,6 +11,7 @@ decodes instead of stalling them.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -156,6 +157,8 @@ class Scheduler:
             if n == 0:
                 break
             self.waiting.popleft()
+            if seq.first_scheduled is None:
+                seq.first_scheduled = time.monotonic()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self._reserve(seq, n, plan)

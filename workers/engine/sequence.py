@@ -54,6 +54,7 @@ class Sequence:
     new_token_ids: list[int] = field(default_factory=list)  # sampled since the last output
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_preemptions: int = 0
+    first_scheduled: float | None = None  # monotonic time of its first step
 
     @property
     def num_tokens(self) -> int:

@@ -89,28 +89,20 @@ class VocabEmbedding(nn.Module):
 
 class RMSNorm(nn.Module):
     """RMSNorm with the residual add fused in: (x, residual) -> (norm(x + residual), x + residual).
-    Statistics in fp32, the scale applied after casting back, as Hugging Face's Llama does."""
+    The math is the device's (`workers.model.ops`)."""
 
     def __init__(self, hidden: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            x = x + residual
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype), x
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ops) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE in the rotate-half layout, with optional Llama-3 frequency scaling."""
+    """RoPE tables in the rotate-half layout, with optional Llama-3 frequency scaling:
+    `cos_sin_cache[pos] = [cos(pos * f), sin(pos * f)]`, [max_pos, head_dim] fp32."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
@@ -119,24 +111,7 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3_scale(inv_freq, scaling)
         t = torch.arange(max_positions, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_pos, head_dim/2]
-        self.register_buffer("sin", freqs.sin(), persistent=False)
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token tables [T, 1, head_dim], computed once per step and shared by all layers."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((sin, sin), dim=-1).to(dtype)
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, H, D], k: [T, KVH, D]; cos, sin: [T, 1, D]."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
+        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

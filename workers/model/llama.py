@@ -22,9 +22,8 @@ from workers.model.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabEmbedding,
-    apply_rotary,
-    silu_and_mul,
 )
+from workers.model.ops import ModelOps
 
 
 class AttentionBackend(Protocol):
@@ -35,13 +34,14 @@ class AttentionBackend(Protocol):
 
 @dataclass
 class ForwardContext:
-    """What one forward pass reads besides the tokens: the KV pool and where things are in it."""
+    """What one forward pass reads besides the tokens: the KV pool and where things are in it,
+    and the device's attention backend and ops (chosen once by the model runner)."""
 
     kv_cache: torch.Tensor  # [layers, pages, 2, page_size, kv_heads, head_dim]
     metadata: AttentionMetadata
     backend: AttentionBackend
-    rope_cos: torch.Tensor | None = None  # [T, 1, head_dim], filled by the model per step
-    rope_sin: torch.Tensor | None = None
+    ops: ModelOps
+    rope: object = None  # ops.rope_tables(...) of this step, filled by the model
 
 
 class LlamaAttention(nn.Module):
@@ -62,7 +62,7 @@ class LlamaAttention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, ctx.rope_cos, ctx.rope_sin)
+        q, k = ctx.ops.rotary(q, k, ctx.rope)
         kv_layer = ctx.kv_cache[self.layer_index]
         ctx.backend.write_kv(k, v, kv_layer, ctx.metadata)
         out = ctx.backend.attend(q, kv_layer, ctx.metadata, self.scale)
@@ -76,8 +76,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, sizes, False, tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.down_proj(ctx.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -89,10 +89,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, tp)
 
     def forward(self, x, residual, ctx):
-        x, residual = self.input_layernorm(x, residual)
+        x, residual = self.input_layernorm(x, residual, ctx.ops)
         x = self.self_attn(x, ctx)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x, residual = self.post_attention_layernorm(x, residual, ctx.ops)
+        return self.mlp(x, ctx), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -111,10 +111,10 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, logit_rows: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        ctx.rope_cos, ctx.rope_sin = self.rotary.cos_sin(ctx.metadata.positions, x.dtype)
+        ctx.rope = ctx.ops.rope_tables(self.rotary.cos_sin_cache, ctx.metadata.positions, x.dtype)
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
-        x, _ = self.norm(x, residual)
+        x, _ = self.norm(x, residual, ctx.ops)
         return torch.nn.functional.linear(x[logit_rows], self.lm_head.weight).float()
 
     # ---- weights --------------------------------------------------------------------------

@@ -1,0 +1,155 @@
+"""The whole mesh as processes on loopback, driven by the official openai client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from common.model_files import DEFAULT_MODEL_NAME
+from common.sampling import SamplingParams
+from tests.integration.mesh import metrics, per_worker, running_mesh, wait_until
+
+pytestmark = pytest.mark.slow
+MODEL = DEFAULT_MODEL_NAME
+PROMPTS = [
+    "The three primary colours are",
+    "def fibonacci(n):",
+    "A short poem about the sea:\n",
+    "Paged attention stores the KV cache in",
+]
+CHATS = ["What is 2 + 2?", "Name a fruit that is yellow.", "Write one sentence about rain."]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    with running_mesh("--dtype", "float32") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(mesh):
+    return openai.OpenAI(base_url=mesh + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """What the engine alone produces for the same prompts (fp32, greedy)."""
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import Engine
+
+    engine = Engine(EngineConfig(dtype="float32", num_pages=512))
+    tok = engine.tokenizer
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    completions = engine.generate([tok.encode(p) for p in PROMPTS], params)
+    chats = engine.generate([tok.encode_chat([{"role": "user", "content": c}]) for c in CHATS], params)
+    return [r.texts[0] for r in completions], [r.texts[0] for r in chats]
+
+
+def stream_text(stream, chat: bool) -> str:
+    parts = []
+    for chunk in stream:
+        for choice in chunk.choices:
+            parts.append((choice.delta.content or "") if chat else choice.text)
+    return "".join(parts)
+
+
+def test_greedy_completions_and_chats_equal_the_offline_engine(client, offline):
+    completions, chats = offline
+    for prompt, expected in zip(PROMPTS, completions):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert r.choices[0].text == expected
+        assert r.usage.completion_tokens <= MAX_TOKENS
+        s = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        assert stream_text(s, chat=False) == expected
+    for content, expected in zip(CHATS, chats):
+        messages = [{"role": "user", "content": content}]
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        assert r.choices[0].message.content == expected
+        s = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        assert stream_text(s, chat=True) == expected
+
+
+def test_sixteen_concurrent_streams_all_complete(client, mesh):
+    def one(i: int) -> tuple[str, int]:
+        stream = client.completions.create(
+            model=MODEL, prompt=f"Story number {i}:", max_tokens=20, temperature=0.8, seed=i, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+        text, usage = "", None
+        for chunk in stream:
+            text += "".join(c.text for c in chunk.choices)
+            usage = chunk.usage or usage
+        return text, usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(16)))
+    assert [n for _, n in results] == [20] * 16
+    assert all(text for text, _ in results)
+    assert wait_until(lambda: all(v == 0 for v in per_worker(metrics(mesh), "pagemesh_kv_cache_usage_ratio").values()), 2.0)
+
+
+def test_a_dropped_stream_frees_its_pages_everywhere_within_a_second(client, mesh):
+    stream = client.completions.create(
+        model=MODEL, prompt="Count slowly: one, two,", max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    assert max(per_worker(metrics(mesh), "pagemesh_kv_cache_usage_ratio").values()) > 0
+    stream.close()
+    dropped = time.monotonic()
+    assert wait_until(lambda: all(v == 0 for v in per_worker(metrics(mesh), "pagemesh_kv_cache_usage_ratio").values()), 1.0)
+    assert time.monotonic() - dropped <= 1.0
+
+
+def post(mesh: str, path: str, body: bytes, content_type: str = "application/json") -> tuple[int, dict, dict]:
+    req = urllib.request.Request(mesh + path, data=body, headers={"content-type": content_type}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+@pytest.mark.parametrize(
+    "body, status, error_type, param, code",
+    [
+        (b"{not json", 400, "invalid_request_error", None, None),
+        (json.dumps({"model": MODEL, "prompt": "hi", "temperature": -1}).encode(), 400, "invalid_request_error", "temperature", None),
+        (json.dumps({"model": MODEL, "prompt": "hi", "n": 1000}).encode(), 400, "invalid_request_error", "n", None),
+        (json.dumps({"model": MODEL, "prompt": [1, 2, 10**7]}).encode(), 400, "invalid_request_error", "prompt", None),
+        (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "invalid_request_error", "prompt", None),
+        (json.dumps({"model": MODEL, "prompt": "word " * 9000}).encode(), 400, "invalid_request_error", None, "context_length_exceeded"),
+        (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 10**6}).encode(), 400, "invalid_request_error", None, None),
+        (json.dumps({"model": "no-such-model", "prompt": "hi"}).encode(), 404, "invalid_request_error", "model", "model_not_found"),
+        (json.dumps({"model": MODEL, "prompt": "x" * (5 << 20)}).encode(), 413, "invalid_request_error", None, None),
+    ],
+)
+def test_errors_have_the_openai_shape_and_the_mesh_keeps_serving(mesh, client, body, status, error_type, param, code):
+    got_status, _, payload = post(mesh, "/v1/completions", body)
+    assert got_status == status
+    assert set(payload) == {"error"}
+    error = payload["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == error_type and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    assert "Traceback" not in error["message"]
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_models_health_ready(mesh):
+    models = json.loads(urllib.request.urlopen(mesh + "/v1/models", timeout=10).read())
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert urllib.request.urlopen(mesh + "/health", timeout=10).status == 200
+    assert urllib.request.urlopen(mesh + "/ready", timeout=10).status == 200
