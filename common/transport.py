@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -102,6 +103,21 @@ def validate_address(address: str, *, allow_wildcard: bool = False) -> str:
     raise ValueError(f"{address!r}: expected ipc://PATH or tcp://HOST:PORT")
 
 
+def bindable(address: str) -> str:
+    """zmq binds to IPs and interface names, not DNS names: `tcp://gateway:5570` binds to the
+    address `gateway` resolves to, so one address string serves both ends (compose services
+    reach each other by name). Anything that does not resolve is left to zmq (e.g. `eth0`)."""
+    if not address.startswith("tcp://"):
+        return address
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    if host in _WILDCARD_HOSTS or host.startswith("[") or host.replace(".", "").isdigit():
+        return address
+    try:
+        return f"tcp://{socket.gethostbyname(host)}:{port}"
+    except OSError:
+        return address
+
+
 # --------------------------------------------------------------------------- sockets
 
 
@@ -127,7 +143,7 @@ class _Socket:
             if identity is not None:
                 self._sock.setsockopt(zmq.ROUTING_ID, identity)
             if bind:
-                self._sock.bind(address)
+                self._sock.bind(bindable(address))
             else:
                 self._sock.connect(address)
         except zmq.ZMQError as e:

@@ -1,0 +1,83 @@
+"""compose.yaml runs the same topology as `pagemesh up` (no Docker engine here: we parse it)."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.launcher import parse, plan
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
+SERVICES = COMPOSE["services"]
+
+
+def argv_of(service: dict) -> list[str]:
+    """The pagemesh argv a service runs, with the shell's $(hostname) filled in."""
+    command = service["command"]
+    if command[:2] == ["sh", "-c"]:
+        line = command[2].replace("$$(hostname)", "container1")
+        command = shlex.split(line.removeprefix("exec "))
+    assert command[0] == "pagemesh"
+    return command[1:]
+
+
+def kind_of(argv: list[str]) -> str:
+    return f"worker:{argv[argv.index('--role') + 1]}" if argv[0] == "worker" else argv[0]
+
+
+def test_services_are_the_process_kinds_of_pagemesh_up():
+    args = parse([])  # `pagemesh up` with its defaults
+    launched = {kind_of(argv) for _, argv in plan(args, "/tmp/pm")}
+    composed = {kind_of(argv_of(s)) for s in SERVICES.values()}
+    assert composed == launched == {"scheduler", "tokenizer", "worker:prefill", "worker:decode", "gateway"}
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_each_command_parses_with_its_process_flags(name, monkeypatch):
+    service = SERVICES[name]
+    for key, value in service.get("environment", {}).items():
+        if value is not None and not str(value).startswith("${"):
+            monkeypatch.setenv(key, str(value))
+    argv = argv_of(service)
+    if argv[0] == "scheduler":
+        from services.scheduler.main import parse
+
+        assert parse(argv[1:]).address == "tcp://scheduler:5557"
+    elif argv[0] == "tokenizer":
+        from services.tokenizer.config import parse_args
+
+        cfg = parse_args(argv[1:])
+        assert cfg.scheduler_address == "tcp://scheduler:5557" and cfg.address == "tcp://tokenizer:5560"
+    elif argv[0] == "gateway":
+        from gateway.config import parse_args
+
+        cfg = parse_args(argv[1:])
+        assert cfg.scheduler_address == "tcp://scheduler:5557" and cfg.tokenizer_address == "tcp://tokenizer:5560"
+        assert cfg.port == 8000
+    else:
+        from workers.main import parse
+
+        cfg = parse(argv[1:])
+        assert cfg.scheduler_address == "tcp://scheduler:5557"
+        assert cfg.worker_id.endswith("container1")  # unique per replica: pools scale
+        if cfg.role == "decode":
+            assert cfg.kv_advertise == "tcp://container1:5600"
+
+
+def test_only_the_gateway_is_published_and_zmq_stays_internal():
+    assert COMPOSE["networks"]["mesh"]["internal"] is True
+    for name, service in SERVICES.items():
+        assert "mesh" in service["networks"]
+        assert ("ports" in service) == (name == "gateway")
+    health = SERVICES["gateway"]["healthcheck"]["test"]
+    assert any("/ready" in part for part in health)
+
+
+def test_the_images_it_builds_exist():
+    dockerfile = SERVICES["gateway"]["build"]["dockerfile"]
+    assert (ROOT / dockerfile.split(":-")[1].rstrip("}")).exists()
+    assert (ROOT / "docker" / "Dockerfile.cuda").exists()
