@@ -40,10 +40,24 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    best_of: int | None = None  # sample this many, return the n with the highest cumulative logprob
+    use_beam_search: bool = False  # beam width = best_of or n; returns the n best beams
+    length_penalty: float = 1.0  # beam score = cumulative logprob / length ** length_penalty
+    priority: int = 0  # scheduling priority: lower runs first; FCFS within a priority
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine runs for this request (best_of or beam width, else n)."""
+        return self.best_of or self.n
+
+    @property
+    def streams(self) -> bool:
+        """Whether tokens can be sent as they come: not when the n outputs are chosen at the end."""
+        return not self.use_beam_search and self.num_sequences == self.n
 
     def validate(self) -> "SamplingParams":
         _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
@@ -61,6 +75,10 @@ class SamplingParams:
         _check(len(self.stop) <= MAX_STOP_ITEMS and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in self.stop), "stop", f"must be at most {MAX_STOP_ITEMS} non-empty strings of at most {MAX_STOP_LEN} characters")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS), "logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        _check(self.best_of is None or (isinstance(self.best_of, int) and self.n <= self.best_of <= MAX_N), "best_of", f"must be an integer in [n, {MAX_N}]")
+        _check(isinstance(self.use_beam_search, bool), "use_beam_search", "must be a boolean")
+        _check(_num(self.length_penalty) and -10.0 <= self.length_penalty <= 10.0, "length_penalty", "must be in [-10, 10]")
+        _check(isinstance(self.priority, int) and not isinstance(self.priority, bool) and -(2**31) < self.priority < 2**31, "priority", "must be a 32-bit integer")
         return self
 
     def to_dict(self) -> dict:

@@ -11,18 +11,27 @@ Pure Python (no torch): the model runner owns the tensors, this owns the page id
       in use      ref_count >= 1                                (shared when > 1)
 
 Prefix cache: a full page is keyed by a hash chained over the parent page's hash and its own
-token ids, so equal keys mean equal whole prefixes; a hit also compares the token ids.
+token ids, so equal keys mean equal whole prefixes; a hit also compares the token ids. The key
+is stable across processes (blake2b, not Python's `hash`), so the mesh scheduler computes the
+same keys from a prompt (`prefix_page_hashes`) and knows which worker holds which prefix: the
+manager records the keys it publishes and evicts until `take_cache_changes` collects them.
 Copy-on-write: `fork` shares every page of a block table; the first write into a shared page
 makes the writer move to a private copy (`ensure_writable` returns the copy to perform).
 """
 
 from __future__ import annotations
 
+import hashlib
+import sys
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 NULL_PAGE = 0
+HASH_BITS = 62  # page keys are in [0, 2**62): non-negative, and they fit msgpack and the codec
+_HASH_MASK = (1 << HASH_BITS) - 1
+_NO_PARENT = (1 << HASH_BITS).to_bytes(8, "little")  # outside the key range: the first page
 
 
 class OutOfPages(RuntimeError):
@@ -38,7 +47,25 @@ class Page:
 
 
 def chain_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    return hash((parent_hash, tuple(token_ids)))
+    """Key of a full page: blake2b over the parent page's key and this page's token ids, cut to
+    62 bits. The same in every process and on every machine."""
+    tokens = array("q", token_ids)
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    parent = _NO_PARENT if parent_hash is None else parent_hash.to_bytes(8, "little")
+    digest = hashlib.blake2b(parent + tokens.tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _HASH_MASK
+
+
+def prefix_page_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
+    """Keys of the pages `match_prefix` could hit for this prompt, in order: every full page
+    except one that would leave no token to compute."""
+    keys: list[int] = []
+    parent: int | None = None
+    for i in range((len(token_ids) - 1) // page_size):
+        parent = chain_hash(parent, token_ids[i * page_size : (i + 1) * page_size])
+        keys.append(parent)
+    return keys
 
 
 @dataclass
@@ -54,6 +81,9 @@ class BlockManager:
     hash_to_page: dict[int, int] = field(init=False)
     prefix_hits: int = field(default=0, init=False)
     prefix_queries: int = field(default=0, init=False)
+    # keys published / evicted since the last `take_cache_changes` (net: each key in one at most)
+    cache_added: set[int] = field(default_factory=set, init=False)
+    cache_removed: set[int] = field(default_factory=set, init=False)
 
     def __post_init__(self) -> None:
         if self.num_pages < 2:
@@ -90,6 +120,7 @@ class BlockManager:
             page = self.pages[page_id]
             if self.hash_to_page.get(page.hash) == page_id:
                 del self.hash_to_page[page.hash]
+                self._record_evicted(page.hash)
             page.hash = None
             page.token_ids = None
         else:
@@ -187,10 +218,32 @@ class BlockManager:
             page = self.pages[block_table[i]]
             if key not in self.hash_to_page:
                 self.hash_to_page[key] = page.page_id
+                self._record_published(key)
             if page.hash is None:
                 page.hash, page.token_ids = key, chunk
             parent = key
         return max(full, num_cached_pages)
+
+    # ---- reporting what the cache holds ---------------------------------------------------
+    def _record_published(self, key: int) -> None:
+        if key in self.cache_removed:  # evicted and back before a report: the reader saw no change
+            self.cache_removed.discard(key)
+        else:
+            self.cache_added.add(key)
+
+    def _record_evicted(self, key: int) -> None:
+        if key in self.cache_added:  # never reported: nothing to take back
+            self.cache_added.discard(key)
+        else:
+            self.cache_removed.add(key)
+
+    def take_cache_changes(self, limit: int) -> tuple[list[int], list[int]]:
+        """(published, evicted) keys since the last call, at most `limit` of each (call again
+        for the rest). Applying every batch in order to the set of keys seen so far yields the
+        keys this manager holds now. Both sets are bounded by the pool size."""
+        added = [self.cache_added.pop() for _ in range(min(limit, len(self.cache_added)))]
+        removed = [self.cache_removed.pop() for _ in range(min(limit, len(self.cache_removed)))]
+        return added, removed
 
     # ---- checks ---------------------------------------------------------------------------
     def check_invariants(self, live_tables: Iterable[Sequence[int]] | None = None) -> None:

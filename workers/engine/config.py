@@ -27,6 +27,11 @@ class EngineConfig:
     max_prefill_chunk: int = 512
     max_num_partial_prefills: int = 4
     enable_prefix_caching: bool = True
+    batching: str = "iteration"  # iteration (ORCA) | request (the baseline of the experiments)
+    preemption_mode: str = "recompute"  # recompute | swap (to host memory)
+    swap_space_gb: float = 1.0  # host memory for swapped pages
+    max_long_partial_prefills: int = 1  # long prompts prefilled at once (short ones pass them)
+    long_prefill_threshold: int | None = None  # tokens; default 4% of the context length
     seed: int = 0
     cuda_graphs: bool = True  # replay decode-only steps from CUDA graphs (CUDA only)
 
@@ -82,12 +87,18 @@ def add_engine_arguments(parser) -> None:
     add(parser, "--no-prefix-caching", False, action="store_true", help="turn the prefix cache off")
     add(parser, "--seed", 0, type=int, help="seed of unseeded sampling")
     add(parser, "--no-cuda-graphs", False, action="store_true", help="run decode steps eagerly on CUDA")
+    add(parser, "--batching", "iteration", choices=["iteration", "request"], help="request = the pre-ORCA baseline")
+    add(parser, "--preemption-mode", "recompute", choices=["recompute", "swap"], help="when KV pages run out")
+    add(parser, "--swap-space-gb", 1.0, type=float, help="host memory for swapped-out pages")
+    add(parser, "--max-long-partial-prefills", 1, type=int, help="long prompts prefilled at once")
+    add(parser, "--long-prefill-threshold", None, type=int, help="tokens that make a prompt long (default 4%% of the context)")
 
 
 ENGINE_FLAGS = (
     "model", "dtype", "device", "page_size", "num_pages", "kv_cache_gb", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "max_prefill_chunk", "max_num_partial_prefills", "no_prefix_caching", "seed",
-    "no_cuda_graphs",
+    "no_cuda_graphs", "batching", "preemption_mode", "swap_space_gb", "max_long_partial_prefills",
+    "long_prefill_threshold",
 )
 
 
@@ -107,6 +118,11 @@ def engine_config_from_args(args) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
         cuda_graphs=not args.no_cuda_graphs,
+        batching=args.batching,
+        preemption_mode=args.preemption_mode,
+        swap_space_gb=args.swap_space_gb,
+        max_long_partial_prefills=args.max_long_partial_prefills,
+        long_prefill_threshold=args.long_prefill_threshold,
     )
 
 

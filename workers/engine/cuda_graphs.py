@@ -1,11 +1,12 @@
 """Decode steps replayed from CUDA graphs, one graph per padded batch size.
 
 A decode-only step (every sequence has one query token) of n sequences runs as the graph of the
-smallest captured size b >= n, captured the first time a step needs it. The n real rows come
-first; the b - n padding rows are dummy sequences on the null page (token 0 at position 0,
-seq_len 1, block table [0]): they write their K/V into page 0 slot 0, attend to that one key,
-and their logits are dropped. Steps with prefill chunks, and batches larger than the largest
-size, run eagerly.
+smallest captured size b >= n. All sizes are captured when the runner is built (largest first,
+so the smaller ones reuse its memory), never while serving, when other threads use the GPU too.
+The n real rows come first; the b - n padding rows are dummy sequences on the null page (token
+0 at position 0, seq_len 1, block table [0]): they write their K/V into page 0 slot 0, attend
+to that one key, and their logits are dropped. Steps with prefill chunks, and batches larger
+than the largest size, run eagerly.
 
     static inputs, allocated once (B = largest size)          one graph per size b
     input_ids, positions, slot_mapping  [B] int64       -->  model(input_ids[:b], ctx_b,
@@ -20,6 +21,7 @@ same at every replay.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -114,7 +116,9 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(rows, self.max_pages, dtype=torch.int32, device=device)
         self.logit_rows = torch.arange(rows, dtype=torch.int64, device=device)
-        self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
+        self.replays: Counter[int] = Counter()  # steps run per size
+        # The inputs now are all padding rows: capturing writes nothing but the null page.
+        self.graphs = {size: self.capture(self._forward_fn(size)) for size in reversed(self.sizes)}
 
     def can_run(self, query_lens: list[int], block_tables: list[list[int]], num_logit_rows: int) -> bool:
         return (
@@ -129,10 +133,9 @@ class DecodeGraphs:
         size = bucket_for(n, self.sizes)
         batch = pad_decode_batch(token_ids, seq_lens, block_tables, size)
         self._load(batch)
-        if size not in self.graphs:
-            self.graphs[size] = self.capture(self._forward_fn(size))
         replay, logits = self.graphs[size]
         replay()
+        self.replays[size] += 1
         return logits[:n]
 
     def _load(self, batch: PaddedDecode) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from common.model_files import resolve_model_path
 from common.sampling import SamplingParams
+from workers.engine.beam import BeamState, expand
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.model_runner import ModelRunner
@@ -74,6 +75,12 @@ class _Request:
     finished_sent: set[int] = field(default_factory=set)
     prefill_only: bool = False  # disaggregated prefill: keep the pages after the first token
     reported_queue_time: bool = False
+    beam: BeamState | None = None  # beam search: finished hypotheses
+    next_index: int = 1  # choice index of the next forked sequence
+
+    @property
+    def done(self) -> bool:
+        return all(s.finished for s in self.seqs) and not any(s.pending_forks for s in self.seqs)
 
 
 @dataclass
@@ -109,6 +116,11 @@ class Engine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_prefill_chunk=config.max_prefill_chunk,
                 max_num_partial_prefills=config.max_num_partial_prefills,
+                max_long_partial_prefills=config.max_long_partial_prefills,
+                long_prefill_threshold=config.long_prefill_threshold or max(64, self.max_model_len * 4 // 100),
+                batching=config.batching,
+                preemption_mode=config.preemption_mode,
+                swap_pages=int(config.swap_space_gb * 2**30 // self._page_bytes(model)),
             ),
             self.blocks,
         )
@@ -131,10 +143,12 @@ class Engine:
 
         return Tokenizer.from_path(self.model_path)
 
-    def _pages_from_budget(self, model: LlamaForCausalLM) -> int:
-        cfg = self.model_config
+    def _page_bytes(self, model: LlamaForCausalLM) -> int:
         dtype_bytes = model.embed_tokens.weight.element_size()
-        page_bytes = cfg.kv_bytes_per_token(dtype_bytes, model.tp.world_size) * self.config.page_size
+        return self.model_config.kv_bytes_per_token(dtype_bytes, model.tp.world_size) * self.config.page_size
+
+    def _pages_from_budget(self, model: LlamaForCausalLM) -> int:
+        page_bytes = self._page_bytes(model)
         if self.config.kv_cache_memory_gb is not None:
             budget = self.config.kv_cache_memory_gb * 2**30
         elif self.device.type == "cuda":
@@ -169,9 +183,11 @@ class Engine:
                 f"max_tokens: prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"exceeds the context length {self.max_model_len}"
             )
-        seq = Sequence(request_id, 0, token_ids, len(token_ids), params, pending_forks=params.n - 1)
+        forks = 0 if params.use_beam_search else params.num_sequences - 1
+        seq = Sequence(request_id, 0, token_ids, len(token_ids), params, pending_forks=forks)
         self._make_generator(seq)
-        self.requests[request_id] = _Request(request_id, params, [seq], len(token_ids), prefill_only=prefill_only)
+        beam = BeamState(params.num_sequences, params.length_penalty) if params.use_beam_search else None
+        self.requests[request_id] = _Request(request_id, params, [seq], len(token_ids), prefill_only=prefill_only, beam=beam)
         self.scheduler.add(seq)
 
     def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
@@ -226,6 +242,7 @@ class Engine:
         rows: list[SampleRow] = []
         logit_index: list[int] = []
         owners: list[tuple[Sequence, int, torch.Generator | None]] = []  # (sequence, fork k, generator)
+        beam_rows: dict[str, list[tuple[Sequence, int]]] = {}
         row = -1
         for chunk in plan.chunks:
             seq = chunk.seq
@@ -235,8 +252,11 @@ class Engine:
             )
             if not chunk.samples:
                 continue
-            # n > 1: the prompt ran once; its last logits row is sampled once per choice
             row += 1
+            if seq.sampling.use_beam_search:
+                beam_rows.setdefault(seq.request_id, []).append((seq, row))
+                continue
+            # n > 1: the prompt ran once; its last logits row is sampled once per choice
             for k in range(seq.pending_forks + 1):
                 gen = self.generators.get(seq.seq_id) if k == 0 else self._new_generator(seq.sampling, seq.index + k)
                 rows.append(self._sample_row(seq, gen))
@@ -244,14 +264,18 @@ class Engine:
                 owners.append((seq, k, gen))
             seq.pending_forks = 0
         touched: dict[str, _Request] = {}
-        if not rows:
-            return []
-        results = sample(logits[logit_index], rows, self.default_generator)
+        results = sample(logits[logit_index], rows, self.default_generator) if rows else []
         for (seq, k, gen), (token, lp) in zip(owners, results):
-            target = seq if k == 0 else self._fork(seq, k, gen)
-            target.append_token(token, lp)
+            req = self.requests[seq.request_id]
+            target = seq if k == 0 else self._fork(seq, seq.index + k, gen)
+            if lp is not None:
+                target.cumulative_logprob += lp.logprob
+            target.append_token(token, lp if seq.sampling.logprobs is not None else None)
             self._check_stop(target)
-            touched[seq.request_id] = self.requests[seq.request_id]
+            touched[seq.request_id] = req
+        for request_id, items in beam_rows.items():
+            req = touched[request_id] = self.requests[request_id]
+            self._beam_step(req, [s for s, _ in items], logits[[r for _, r in items]])
         for req in touched.values():
             if req.prefill_only:
                 self._hold_prefilled(req)
@@ -287,25 +311,33 @@ class Engine:
         params: SamplingParams,
         first_token_ids: list[int],
         write_pages,
+        prefix_pages: Seq[int] = (),
     ) -> None:
-        """Decode side: continue a request prefilled elsewhere. Allocates the prompt's pages,
-        calls `write_pages(block_table)` to fill them, and starts every choice whose first
-        token did not already end it. Raises OutOfPages if the pool cannot hold the prompt."""
-        params.validate()
-        if request_id in self.requests:
-            raise ValueError(f"request_id: {request_id!r} is already running")
-        prompt = self._prompt_ids(prompt_token_ids)
-        table: list[int] = []
-        self.blocks.grow(table, len(prompt))
+        """Decode side: continue a request prefilled elsewhere. `prefix_pages` are leading
+        prompt pages this pool already holds (references taken with `match_prefix`; the engine
+        owns them from here on, also when this raises). Allocates the rest of the prompt's pages,
+        calls `write_pages(new_pages)` to fill them, publishes the prompt's full pages to the
+        prefix cache, and starts every choice whose first token did not already end it.
+        Raises OutOfPages if the pool cannot hold the prompt."""
+        table = list(prefix_pages)
         try:
-            write_pages(table)
+            params.validate()
+            if request_id in self.requests:
+                raise ValueError(f"request_id: {request_id!r} is already running")
+            prompt = self._prompt_ids(prompt_token_ids)
+            self.blocks.grow(table, len(prompt))
+            write_pages(table[len(prefix_pages):])
         except Exception:
             self.blocks.free_table(table)
             raise
+        cached = self.blocks.cache_full_pages(table, prompt, 0, len(prompt))
         req = _Request(request_id, params, [], len(prompt))
         self.requests[request_id] = req
         for index, token in enumerate(first_token_ids):
-            seq = Sequence(request_id, index, prompt + [token], len(prompt), params, block_table=self.blocks.fork(table), num_computed=len(prompt))
+            seq = Sequence(
+                request_id, index, prompt + [token], len(prompt), params, block_table=self.blocks.fork(table),
+                num_computed=len(prompt), num_cached_pages=cached,
+            )
             gen = self._new_generator(params, index)
             if gen is not None:  # the prefill worker drew the first token from this stream
                 torch.empty(self.model_config.vocab_size).exponential_(generator=gen)
@@ -330,13 +362,48 @@ class Engine:
         banned: tuple[int, ...] = ()
         if seq.num_output_tokens < p.min_tokens:
             banned = tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))))
-        return SampleRow(p, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, generator, banned)
+        return SampleRow(p, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, generator, banned, want_logprob=not p.streams)
 
-    def _fork(self, parent: Sequence, k: int, generator: torch.Generator | None) -> Sequence:
+    def _stop_ids(self, params: SamplingParams) -> set[int]:
+        return set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+
+    def _beam_step(self, req: _Request, beams: list[Sequence], logits: torch.Tensor) -> None:
+        """Extend a beam-search request by one token (see workers/engine/beam.py)."""
+        p, state = req.params, req.beam
+        stop = self._stop_ids(p)
+        banned = stop if beams[0].num_output_tokens < p.min_tokens else set()
+        live, ended = expand(beams, logits, state.width, stop, banned)
+        for c in ended:
+            state.add(c.parent.output_token_ids + [c.token], c.cumulative, "stop")
+        by_parent: dict[int, list] = {}
+        for c in live:
+            by_parent.setdefault(c.parent.seq_id, []).append(c)
+        for parent in beams:
+            continuations = by_parent.get(parent.seq_id)
+            if not continuations:
+                self.scheduler.finish(parent, "pruned")
+                continue
+            for c in continuations[1:]:  # siblings share the parent's pages copy-on-write
+                child = self._fork(parent, req.next_index, None)
+                req.next_index += 1
+                child.append_token(c.token, None)
+                child.cumulative_logprob = c.cumulative
+            parent.append_token(continuations[0].token, None)
+            parent.cumulative_logprob = continuations[0].cumulative
+        alive = [s for s in req.seqs if not s.finished]
+        if alive and (alive[0].num_output_tokens >= p.max_tokens or alive[0].num_tokens >= self.max_model_len):
+            for s in alive:
+                state.add(s.output_token_ids, s.cumulative_logprob, "length")
+                self.scheduler.finish(s, "length")
+        elif state.done(max((state.score(s.cumulative_logprob, s.num_output_tokens) for s in alive), default=None)):
+            for s in alive:
+                self.scheduler.finish(s, "pruned")
+
+    def _fork(self, parent: Sequence, index: int, generator: torch.Generator | None) -> Sequence:
         """A sibling sharing every page of `parent` (copy-on-write); it diverges from here."""
         child = Sequence(
             parent.request_id,
-            parent.index + k,
+            index,
             list(parent.token_ids),
             parent.num_prompt_tokens,
             parent.sampling,
@@ -345,6 +412,7 @@ class Engine:
             num_computed=parent.num_computed,
             num_cached_pages=parent.num_cached_pages,
             num_prefix_hit_tokens=parent.num_prefix_hit_tokens,
+            cumulative_logprob=parent.cumulative_logprob,
         )
         if generator is not None:
             self.generators[child.seq_id] = generator
@@ -366,16 +434,14 @@ class Engine:
     def _outputs(self, touched: list[_Request]) -> list[RequestOutput]:
         outputs = []
         for req in touched:
-            seq_outputs = []
-            for seq in req.seqs:
-                ids, lps = seq.take_new_tokens()
-                if ids or (seq.finished and seq.index not in req.finished_sent):
-                    reason = None if seq.finish_reason == "prefilled" else seq.finish_reason
-                    seq_outputs.append(SeqOutput(seq.index, ids, lps, reason))
-                    if seq.finished:
-                        req.finished_sent.add(seq.index)
-            finished = len(req.seqs) == req.params.n and all(s.finished for s in req.seqs)
-            if finished:
+            done = req.done
+            if req.params.streams:
+                seq_outputs = self._stream_outputs(req)
+            else:  # best_of > n or beam search: the n choices are known only at the end
+                for seq in req.seqs:
+                    seq.take_new_tokens()
+                seq_outputs = self._final_choices(req) if done else []
+            if done:
                 self.requests.pop(req.request_id, None)
                 for seq in req.seqs:
                     self.generators.pop(seq.seq_id, None)
@@ -383,8 +449,26 @@ class Engine:
             queue_time = None
             if not req.reported_queue_time and first.first_scheduled is not None:
                 queue_time, req.reported_queue_time = first.first_scheduled - first.arrival_time, True
-            outputs.append(RequestOutput(req.request_id, seq_outputs, finished, req.num_prompt_tokens, first.num_prefix_hit_tokens, queue_time))
+            outputs.append(RequestOutput(req.request_id, seq_outputs, done, req.num_prompt_tokens, first.num_prefix_hit_tokens, queue_time))
         return outputs
+
+    def _stream_outputs(self, req: _Request) -> list[SeqOutput]:
+        seq_outputs = []
+        for seq in req.seqs:
+            ids, lps = seq.take_new_tokens()
+            if ids or (seq.finished and seq.index not in req.finished_sent):
+                reason = None if seq.finish_reason == "prefilled" else seq.finish_reason
+                seq_outputs.append(SeqOutput(seq.index, ids, lps, reason))
+                if seq.finished:
+                    req.finished_sent.add(seq.index)
+        return seq_outputs
+
+    def _final_choices(self, req: _Request) -> list[SeqOutput]:
+        n = req.params.n
+        if req.beam is not None:
+            return [SeqOutput(i, h.output_ids, [], h.finish_reason) for i, h in enumerate(req.beam.best(n))]
+        best = sorted(req.seqs, key=lambda s: -s.cumulative_logprob)[:n]
+        return [SeqOutput(i, s.output_token_ids, [], s.finish_reason) for i, s in enumerate(best)]
 
     # ---- offline --------------------------------------------------------------------------
     def generate(

@@ -81,6 +81,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(
             cfg.num_layers, num_pages, 2, page_size, kv_heads, cfg.head_dim, dtype=self.dtype, device=device
         )
+        self.host_pages: dict[int, torch.Tensor] = {}  # swapped-out sequences' pages
         self.backend = make_attention_backend(device)
         self.ops = ops_for(device)
         self.graphs: DecodeGraphs | None = None
@@ -95,10 +96,21 @@ class ModelRunner:
         """Bytes of one page across all layers."""
         return self.kv_cache[:, 0].numel() * self.kv_cache.element_size()
 
-    def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Run the plan; return fp32 logits for each chunk that samples, in plan order."""
+    def move_pages(self, plan: StepPlan) -> None:
+        """Before the forward pass: swap preempted pages out to host memory (their page ids may
+        be reused by this very step), bring resumed ones back, copy pages for copy-on-write."""
+        for seq_id in plan.swap_discard:
+            self.host_pages.pop(seq_id, None)
+        for seq_id, pages in plan.swap_out:
+            self.host_pages[seq_id] = self.kv_cache[:, pages].to("cpu", copy=True)
+        for seq_id, pages in plan.swap_in:
+            self.kv_cache[:, pages] = self.host_pages.pop(seq_id).to(self.device)
         for src, dst in plan.page_copies:
             self.kv_cache[:, dst].copy_(self.kv_cache[:, src])
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Run the plan; return fp32 logits for each chunk that samples, in plan order."""
+        self.move_pages(plan)
         token_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []

@@ -25,12 +25,13 @@ class SampleRow:
     output_ids: list[int]
     generator: torch.Generator | None
     banned_ids: tuple[int, ...] = ()  # EOS/stop ids while min_tokens is not reached
+    want_logprob: bool = False  # report the sampled token's logprob even without `logprobs`
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator) -> list[tuple[int, TokenLogprobs | None]]:
     """logits: [R, V] fp32 (modified in place). Returns (token, logprobs or None) per row."""
     raw_logprobs = None
-    if any(r.params.logprobs is not None for r in rows):
+    if any(r.params.logprobs is not None or r.want_logprob for r in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     _apply_penalties(logits, rows)
     for i, r in enumerate(rows):
@@ -47,8 +48,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
     results: list[tuple[int, TokenLogprobs | None]] = []
     for i, (r, tok) in enumerate(zip(rows, token_list)):
         lp = None
-        if raw_logprobs is not None and r.params.logprobs is not None:
-            k = r.params.logprobs
+        if raw_logprobs is not None and (r.params.logprobs is not None or r.want_logprob):
+            k = r.params.logprobs or 0
             top = raw_logprobs[i].topk(k) if k else None
             lp = TokenLogprobs(
                 token_id=tok,

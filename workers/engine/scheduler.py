@@ -2,17 +2,20 @@
 
 Pure Python. Every step it builds one plan from scratch:
   1. every running decode gets its one token (oldest first); if a page is missing and none is
-     free, the newest running sequence is preempted by recompute (pages freed, requeued first);
+     free, the lowest-priority newest running sequence is preempted: by recompute (pages freed,
+     tokens kept) or by swap (pages copied to host memory first), and requeued;
   2. prompts already being prefilled continue, a chunk each;
-  3. waiting sequences are admitted FCFS, first looking up the prefix cache,
+  3. waiting sequences are admitted by (priority, arrival), first looking up the prefix cache,
+     with at most `max_long_partial_prefills` long prompts in flight so short ones get through,
 all within a per-step token budget, so a long prompt is cut into chunks that ride along with
-decodes instead of stalling them.
+decodes instead of stalling them. `batching="request"` is the pre-ORCA baseline: a batch is
+formed when nothing runs, and no request joins it until all of its members are done.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from workers.engine.block_manager import BlockManager
@@ -25,6 +28,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # the per-step token budget
     max_prefill_chunk: int = 512  # largest chunk of one prompt in one step
     max_num_partial_prefills: int = 4  # prompts being prefilled at once
+    max_long_partial_prefills: int = 1  # of those, prompts longer than the threshold
+    long_prefill_threshold: int = 1024  # tokens left to prefill that make a prompt "long"
+    batching: str = "iteration"  # iteration (ORCA) | request (baseline)
+    preemption_mode: str = "recompute"  # recompute | swap
+    swap_pages: int = 0  # host pages available to swap into
+
+    def __post_init__(self) -> None:
+        if self.batching not in ("iteration", "request"):
+            raise ValueError("batching: must be iteration or request")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError("preemption_mode: must be recompute or swap")
 
 
 @dataclass
@@ -45,6 +59,9 @@ class ScheduledChunk:
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     page_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before running
+    swap_out: list[tuple[int, list[int]]] = field(default_factory=list)  # (seq_id, pages) to host, first
+    swap_in: list[tuple[int, list[int]]] = field(default_factory=list)  # (seq_id, new pages) from host
+    swap_discard: list[int] = field(default_factory=list)  # seq_ids whose host copy is no longer needed
     preempted: list[Sequence] = field(default_factory=list)
     num_decodes: int = 0  # the first num_decodes chunks are single-token decodes
 
@@ -57,38 +74,45 @@ class StepPlan:
         return not self.chunks
 
 
+def _order(seq: Sequence) -> tuple[int, float, int]:
+    return (seq.sampling.priority, seq.arrival_time, seq.seq_id)
+
+
 class Scheduler:
     """Decides, each step, which tokens of which sequences run."""
 
     def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
         self.config = config
         self.blocks = blocks
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
+        self.swapped_pages = 0  # host pages in use
+        self.batch: set[int] | None = None  # request-level batching: the current batch's seq ids
+        self.discarded_swaps: list[int] = []  # host copies of sequences that ended while swapped
         self.num_preemptions = 0
 
     # ---- membership -----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq, key=_order)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence whose pages are already filled (a fork, or KV received from a prefill
         worker) joins the decodes directly."""
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
+        if self.batch is not None:
+            self.batch.add(seq.seq_id)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
-        else:
-            try:
-                self.waiting.remove(seq)
-            except ValueError:
-                pass
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
         self.blocks.free_table(seq.block_table)
+        self._drop_swap(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -99,13 +123,18 @@ class Scheduler:
 
     # ---- planning -------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        plan = StepPlan()
+        plan = StepPlan(swap_discard=self.discarded_swaps)
+        self.discarded_swaps = []
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_decodes(plan, budget)
         budget = self._schedule_running_prefills(plan, budget)
         if not plan.preempted:  # memory is short: admitting now would just thrash
             self._admit_waiting(plan, budget)
         return plan
+
+    @property
+    def has_pending_swaps(self) -> bool:
+        return bool(self.discarded_swaps)
 
     def _schedule_decodes(self, plan: StepPlan, budget: int) -> int:
         scheduled: set[int] = set()
@@ -115,7 +144,8 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING or seq.is_prefilling:
                 continue
             while not self._reserve(seq, 1, plan):
-                victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled), None)
+                unscheduled = [s for s in self.running if s.seq_id not in scheduled]
+                victim = max(unscheduled, key=_order)
                 self._preempt(victim, plan)
                 if victim is seq:
                     break
@@ -141,22 +171,33 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _is_long(self, seq: Sequence) -> bool:
+        return seq.num_uncomputed > self.config.long_prefill_threshold
+
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
+        cfg = self.config
+        if cfg.batching == "request":
+            if self.batch is None or not any(s.seq_id in self.batch for s in self.live_sequences):
+                self.batch = {s.seq_id for s in self.waiting[: cfg.max_num_seqs]}
         partial = sum(1 for s in self.running if s.is_prefilling)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            if partial >= self.config.max_num_partial_prefills:
+        long_partial = sum(1 for s in self.running if s.is_prefilling and self._is_long(s))
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= cfg.max_num_seqs or partial >= cfg.max_num_partial_prefills:
                 break
-            seq = self.waiting[0]
-            if not seq.block_table and seq.num_computed == 0:
-                hits = self.blocks.match_prefix(seq.token_ids)
-                seq.block_table.extend(hits)
-                seq.num_computed = seq.num_cached_pages = len(hits)
-                seq.num_computed *= self.blocks.page_size
-                seq.num_prefix_hit_tokens = seq.num_computed
-            n = self._fit(seq, min(seq.num_uncomputed, budget, self.config.max_prefill_chunk))
+            if self.batch is not None and cfg.batching == "request" and seq.seq_id not in self.batch:
+                break
+            if seq.swapped_computed is None and not seq.block_table and seq.num_computed == 0:
+                self._match_prefix(seq)
+            long = self._is_long(seq)
+            if long and long_partial >= cfg.max_long_partial_prefills:
+                continue  # let shorter prompts behind it through
+            if seq.swapped_computed is not None:
+                if not self._swap_in(seq, plan):
+                    break
+            n = self._fit(seq, min(seq.num_uncomputed, budget, cfg.max_prefill_chunk))
             if n == 0:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             if seq.first_scheduled is None:
                 seq.first_scheduled = time.monotonic()
             seq.status = SeqStatus.RUNNING
@@ -164,7 +205,15 @@ class Scheduler:
             self._reserve(seq, n, plan)
             plan.chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
-            partial += seq.num_uncomputed > n
+            still_prefilling = seq.num_uncomputed > n
+            partial += still_prefilling
+            long_partial += still_prefilling and long
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        hits = self.blocks.match_prefix(seq.token_ids)
+        seq.block_table.extend(hits)
+        seq.num_cached_pages = len(hits)
+        seq.num_computed = seq.num_prefix_hit_tokens = len(hits) * self.blocks.page_size
 
     # ---- pages ----------------------------------------------------------------------------
     def _pages_for(self, seq: Sequence, n: int) -> int:
@@ -195,14 +244,39 @@ class Scheduler:
         self.blocks.grow(seq.block_table, seq.num_computed + n)
         return True
 
+    # ---- preemption -----------------------------------------------------------------------
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
-        """Recompute-preemption: drop the pages, keep the tokens, requeue at the front."""
+        """Free the pages and requeue. Swap mode first copies the computed pages to host memory
+        (when there is room) so resuming skips the recompute."""
         self.running.remove(seq)
+        pages = -(-seq.num_computed // self.blocks.page_size)
+        if self.config.preemption_mode == "swap" and pages and self.swapped_pages + pages <= self.config.swap_pages:
+            plan.swap_out.append((seq.seq_id, seq.block_table[:pages]))
+            seq.swapped_computed = seq.num_computed
+            self.swapped_pages += pages
         self.blocks.free_table(seq.block_table)
         seq.num_computed = 0
         seq.num_cached_pages = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        bisect.insort(self.waiting, seq, key=_order)
         plan.preempted.append(seq)
+
+    def _swap_in(self, seq: Sequence, plan: StepPlan) -> bool:
+        pages = -(-seq.swapped_computed // self.blocks.page_size)
+        if pages > self.blocks.num_free_pages:
+            return False
+        self.blocks.grow(seq.block_table, seq.swapped_computed)
+        plan.swap_in.append((seq.seq_id, list(seq.block_table)))
+        seq.num_computed = seq.swapped_computed
+        self._drop_swap(seq, discard=False)  # the runner consumes the host copy
+        return True
+
+    def _drop_swap(self, seq: Sequence, discard: bool = True) -> None:
+        """Forget a sequence's host copy (`discard`: the runner must free it too)."""
+        if seq.swapped_computed is not None:
+            if discard:
+                self.discarded_swaps.append(seq.seq_id)
+            self.swapped_pages -= -(-seq.swapped_computed // self.blocks.page_size)
+            seq.swapped_computed = None

@@ -55,6 +55,8 @@ class Sequence:
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_preemptions: int = 0
     first_scheduled: float | None = None  # monotonic time of its first step
+    swapped_computed: int | None = None  # swapped to host: num_computed to restore
+    cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs (best_of, beams)
 
     @property
     def num_tokens(self) -> int:
