@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# llama.cpp's llama-server as a peer, built from the source that the llama-cpp-python sdist
+# carries (vendor/llama.cpp), in its own folder outside the project.
+#
+#   bench/peers/llama_cpp.sh build            download the sdist, build llama-server + llama-quantize,
+#                                             and make an F16 GGUF of the default model
+#   bench/peers/llama_cpp.sh serve PORT [q4_1|f16] [SLOTS]
+#                                             run llama-server on 127.0.0.1:PORT (foreground)
+#
+# PEERS_DIR (default /work/peers) holds everything; PYTHON is the interpreter that can import
+# the project (to find the default GGUF). Its AMX kernels crash on this VM: always --no-repack.
+set -euo pipefail
+
+PEERS_DIR=${PEERS_DIR:-/work/peers}
+HERE=$(cd "$(dirname "$0")" && pwd)
+REPO=$(cd "$HERE/../.." && pwd)
+PYTHON=${PYTHON:-$REPO/.venv/bin/python}
+ROOT=$PEERS_DIR/llama_cpp
+BUILD=$ROOT/build
+JOBS=${JOBS:-2}
+
+default_gguf() {
+    (cd "$REPO" && "$PYTHON" -c 'from common.model_files import default_model_path; print(default_model_path())')
+}
+
+build() {
+    mkdir -p "$ROOT"
+    cd "$ROOT"
+    if [ ! -d src ]; then
+        rm -rf dl && mkdir dl
+        "$PYTHON" -m pip download --no-deps --no-binary :all: --dest dl llama-cpp-python
+        mkdir src && tar -xzf dl/llama_cpp_python-*.tar.gz -C src --strip-components=1
+    fi
+    cmake -S src/vendor/llama.cpp -B "$BUILD" -G Ninja \
+        -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+        -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_WEBUI=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+    cmake --build "$BUILD" -j "$JOBS" --target llama-server llama-quantize
+    local q41 f16
+    q41=$(default_gguf)
+    f16=$ROOT/$(basename "${q41%.Q4_1.gguf}").F16.gguf
+    if [ ! -f "$f16" ]; then
+        "$BUILD/bin/llama-quantize" --allow-requantize --pure "$q41" "$f16" F16
+    fi
+    echo "llama.cpp ready: $BUILD/bin/llama-server, models $q41 $f16"
+}
+
+serve() {
+    local port=${1:?port} variant=${2:-q4_1} slots=${3:-32} model q41
+    q41=$(default_gguf)
+    case $variant in
+        q4_1) model=$q41 ;;
+        f16) model=$ROOT/$(basename "${q41%.Q4_1.gguf}").F16.gguf ;;
+        *) echo "variant must be q4_1 or f16" >&2; exit 2 ;;
+    esac
+    # -c is the total context over all slots: 32 slots x (128 prompt + 128 out) needs 8192;
+    # 16384 leaves room for longer runs.
+    exec "$BUILD/bin/llama-server" -m "$model" --host 127.0.0.1 --port "$port" \
+        -np "$slots" -c "${CTX:-16384}" -t "${THREADS:-2}" --no-repack --no-webui 2>&1
+}
+
+case ${1:-} in
+    build) build ;;
+    serve) shift; serve "$@" ;;
+    *) sed -n '2,12p' "$0"; exit 2 ;;
+esac

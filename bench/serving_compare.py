@@ -1,0 +1,264 @@
+"""pagemesh and its peers side by side on this machine, with one `pagemesh bench` workload.
+
+For each system that is available (pagemesh `up` 1P+1D and `--mixed 1`, llama.cpp's
+llama-server, vLLM CPU), one at a time: start it on loopback, send 128-token prompts as token ids
+with exactly 128 output tokens (ignore_eos) at concurrency 1, 8 and 32 with prompt caching off,
+stop it. HF transformers `generate` with static batches of the same prompts is measured in-process
+as the floor (no server). Prints one table and writes it to docs/perf/cpu.md.
+
+    python bench/serving_compare.py                         # everything available
+    python bench/serving_compare.py --systems pagemesh-mixed,llama.cpp-q4_1 --no-write
+
+Peers are set up by bench/peers/llama_cpp.sh build and bench/peers/vllm_cpu.sh install/convert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from services.bench import main as bench_main  # noqa: E402
+
+PEERS_DIR = Path(os.environ.get("PEERS_DIR", "/work/peers"))
+RESULTS = PEERS_DIR / "results"
+INPUT_LEN = OUTPUT_LEN = 128
+
+
+@dataclass
+class System:
+    name: str
+    command: list[str]             # {port} is filled in
+    ready_path: str                # GET until 200
+    needs: list[Path] = field(default_factory=list)
+    extra_body: dict = field(default_factory=dict)
+    start_timeout_s: float = 300.0
+    note: str = ""
+
+
+def systems() -> list[System]:
+    py = sys.executable
+    llama = PEERS_DIR / "llama_cpp" / "build" / "bin" / "llama-server"
+    f16 = PEERS_DIR / "llama_cpp" / "SmolLM2-135M-Instruct.F16.gguf"
+    vllm = PEERS_DIR / "vllm"
+    up = [py, "-m", "services.cli", "up", "--port", "{port}", "--no-prefix-caching"]
+    return [
+        System("pagemesh 1P+1D", up, "/ready", note="`pagemesh up` default: 1 prefill + 1 decode worker"),
+        System("pagemesh mixed", up + ["--mixed", "1"], "/ready", note="`pagemesh up --mixed 1`"),
+        System("llama.cpp Q4_1", ["bash", "bench/peers/llama_cpp.sh", "serve", "{port}", "q4_1", "32"], "/health",
+               [llama], {"cache_prompt": False}, 180),
+        System("llama.cpp F16", ["bash", "bench/peers/llama_cpp.sh", "serve", "{port}", "f16", "32"], "/health",
+               [llama, f16], {"cache_prompt": False}, 180),
+        System("vLLM CPU bf16", ["bash", "bench/peers/vllm_cpu.sh", "serve", "{port}", "bfloat16"], "/health",
+               [vllm / "venv" / "bin" / "python", vllm / "SmolLM2-135M-Instruct-hf" / "config.json"], {}, 900),
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+class Server:
+    """One system's server process (its own process group), logging to a file."""
+
+    def __init__(self, system: System, log: Path):
+        self.system, self.port = system, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [part.format(port=self.port) for part in system.command]
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(command, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.system.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"exited with code {self.proc.returncode} while starting")
+            if _http_ok(self.url + self.system.ready_path):
+                return
+            time.sleep(1)
+        raise RuntimeError(f"not ready after {self.system.start_timeout_s:.0f}s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def prompts_for(concurrency: int) -> int:
+    return max(4, 2 * concurrency)
+
+
+def bench_point(system: System, url: str, concurrency: int, tag: str) -> dict:
+    out = RESULTS / f"{tag}-c{concurrency}.json"
+    argv = ["--base-url", url, "--dataset", "random", "--random-input-len", str(INPUT_LEN),
+            "--random-output-len", str(OUTPUT_LEN), "--prompt-as-token-ids", "--max-concurrency", str(concurrency),
+            "--num-prompts", str(prompts_for(concurrency)), "--fresh-connection", "--label", system.name,
+            "--extra-body", json.dumps(system.extra_body), "--result-json", str(out), "--no-progress"]
+    bench_main.main(argv)
+    return json.loads(out.read_text())["points"][0]["summary"]
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def run_system(system: System, concurrencies: list[int]) -> dict:
+    missing = [str(p) for p in system.needs if not p.exists()]
+    if missing:
+        return {"status": f"not available: missing {', '.join(missing)}"}
+    tag = system.name.lower().replace(" ", "-").replace("+", "")
+    server = Server(system, RESULTS / f"{tag}.log")
+    row: dict = {"load_before": load_average(), "points": {}}
+    try:
+        started = time.monotonic()
+        server.wait_ready()
+        row["start_s"] = time.monotonic() - started
+        for c in concurrencies:
+            print(f"== {system.name}: concurrency {c}", flush=True)
+            row["points"][c] = bench_point(system, server.url, c, tag)
+        row["status"] = "ok"
+    except (RuntimeError, SystemExit, OSError) as e:
+        row["status"] = f"failed: {e} (log {server.log.name})"
+    finally:
+        server.stop()
+        row["load_after"] = load_average()
+    return row
+
+
+def hf_static(concurrencies: list[int], dtype_name: str) -> dict:
+    """HF `generate`, greedy, static batches of the same prompts (prefill timed alone for TTFT)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from common.model_files import default_model_path
+    from common.tokenizer import Tokenizer
+    from services.bench.datasets import DatasetSpec, conversations
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    path = default_model_path()
+    dtype = getattr(torch, dtype_name)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    stream = conversations(DatasetSpec(input_len=INPUT_LEN, output_len=OUTPUT_LEN), Tokenizer.from_path(path))
+    row: dict = {"load_before": load_average(), "points": {}, "status": "ok"}
+
+    def generate(batch, new_tokens):
+        ids = torch.tensor(batch)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start
+
+    generate([list(next(stream).turns[0].user.ids)], 4)   # warm-up
+    for c in concurrencies:
+        print(f"== HF transformers {dtype_name}: batch {c}", flush=True)
+        batch = [list(next(stream).turns[0].user.ids) for _ in range(c)]
+        prefill = generate(batch, 1)
+        total = generate(batch, OUTPUT_LEN)
+        row["points"][c] = {"output_throughput": c * OUTPUT_LEN / total, "median_ttft_ms": prefill * 1000,
+                            "p99_itl_ms": None, "median_tpot_ms": (total - prefill) / (OUTPUT_LEN - 1) * 1000}
+    row["load_after"] = load_average()
+    return row
+
+
+def _fmt(value, unit="") -> str:
+    return "—" if value is None else f"{value:,.0f}{unit}" if value >= 100 else f"{value:.1f}{unit}"
+
+
+def table(rows: dict[str, dict], concurrencies: list[int], reference: str) -> str:
+    ref = rows.get(reference, {}).get("points", {})
+    lines = ["| system | streams | output tok/s | × ref tok/s | TTFT p50 (ms) | ITL p99 (ms) | × ref ITL p99 | TPOT p50 (ms) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, row in rows.items():
+        if row.get("status") != "ok":
+            lines.append(f"| {name} | — | {row.get('status')} | | | | | |")
+            continue
+        for c in concurrencies:
+            s, r = row["points"].get(c), ref.get(c)
+            if s is None:
+                continue
+            tok_ratio = f"{s['output_throughput'] / r['output_throughput']:.2f}" if r else "—"
+            itl_ratio = (f"{s['p99_itl_ms'] / r['p99_itl_ms']:.2f}" if r and s.get("p99_itl_ms") and r.get("p99_itl_ms")
+                         else "—")
+            lines.append(f"| {name} | {c} | {_fmt(s['output_throughput'])} | {tok_ratio} | {_fmt(s['median_ttft_ms'])} | "
+                         f"{_fmt(s.get('p99_itl_ms'))} | {itl_ratio} | {_fmt(s.get('median_tpot_ms'))} |")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), "?")
+    return f"{model}, {os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, {platform.system()} {platform.release()}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--systems", default=None, help="comma-separated names (default: all, plus hf-bf16)")
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--reference", default="pagemesh mixed", help="the row ratios are taken to")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers floor")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/perf/cpu.md alone")
+    args = parser.parse_args(argv)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    wanted = {s.strip() for s in args.systems.split(",")} if args.systems else None
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    date = datetime.datetime.now().isoformat(timespec="minutes")
+    rows: dict[str, dict] = {}
+    for system in systems():
+        if wanted is None or system.name in wanted:
+            rows[system.name] = run_system(system, concurrencies)
+            print(json.dumps({system.name: rows[system.name]}, default=str)[:2000], flush=True)
+    if not args.no_hf and (wanted is None or "hf-bf16" in wanted):
+        rows["HF transformers bf16, static batch (offline)"] = hf_static(concurrencies, "bfloat16")
+    (RESULTS / f"compare-{date}.json").write_text(json.dumps(rows, indent=2, default=str))
+    text = table(rows, concurrencies, args.reference)
+    print(text)
+    loads = "; ".join(f"{name}: {row.get('load_before')} → {row.get('load_after')}" for name, row in rows.items())
+    print(f"machine: {machine()}\ndate: {date}\nload averages (1/5/15 min) before → after: {loads}")
+    if not args.no_write:
+        write_doc(text, date, loads, " ".join(["python", "bench/serving_compare.py", *(argv or sys.argv[1:])]))
+
+
+def write_doc(text: str, date: str, loads: str, command: str) -> None:
+    """Replace the measured block of docs/perf/cpu.md (between the markers), keeping the notes."""
+    doc = REPO / "docs" / "perf" / "cpu.md"
+    begin, end = "<!-- measured: begin -->", "<!-- measured: end -->"
+    block = (f"{begin}\nCommand: `{command}`  \nMachine: {machine()}  \nDate: {date}  \n"
+             f"Load averages (1/5/15 min) before → after each system: {loads}\n\n{text}\n{end}")
+    current = doc.read_text() if doc.exists() else f"# pagemesh on CPU, side by side with its peers\n\n{begin}\n{end}\n"
+    head, _, rest = current.partition(begin)
+    _, _, tail = rest.partition(end)
+    doc.write_text(head + block + tail)
+
+
+if __name__ == "__main__":
+    main()
