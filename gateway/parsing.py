@@ -72,9 +72,6 @@ def parse_completion(body: dict) -> ParsedRequest:
     logprobs = f.int("logprobs", None)
     max_tokens = _max_tokens(f, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
     sampling = _sampling(f, max_tokens, logprobs, {})
-    best_of = f.int("best_of", None)
-    if best_of is not None and best_of != sampling.n:
-        raise invalid("best_of: only best_of equal to n is supported", "best_of")
     return _parsed(f, "completion", prompt_text, prompt_ids, None, sampling, logprobs)
 
 
@@ -136,7 +133,7 @@ def _max_tokens(f: _Fields, name: str, default: int) -> int:
 def _sampling(f: _Fields, max_tokens: int, logprobs: int | None, rename: dict[str, str]) -> SamplingParams:
     defaults = SamplingParams()
     try:
-        return SamplingParams(
+        sampling = SamplingParams(
             n=f.int("n", defaults.n),
             temperature=f.number("temperature", defaults.temperature),
             top_p=f.number("top_p", defaults.top_p),
@@ -152,9 +149,19 @@ def _sampling(f: _Fields, max_tokens: int, logprobs: int | None, rename: dict[st
             stop=tuple(_stop(f.body.get("stop"))),
             ignore_eos=f.bool("ignore_eos", False),
             logprobs=logprobs,
+            best_of=f.int("best_of", None),
+            use_beam_search=f.bool("use_beam_search", False),
+            length_penalty=f.number("length_penalty", defaults.length_penalty),
+            priority=f.int("priority", defaults.priority),
         ).validate()
     except ValueError as e:
         raise from_value_error(e, rename) from None
+    if not sampling.streams:  # the n choices are picked at the end
+        if f.bool("stream", False):
+            raise invalid("stream: not available with best_of > n or use_beam_search", "stream")
+        if logprobs is not None:
+            raise invalid("logprobs: not available with best_of > n or use_beam_search", "logprobs")
+    return sampling
 
 
 def _stop(value: Any) -> list[str]:

@@ -3,6 +3,7 @@ bookkeeping, and failure handling. One Router serves tokenizers, gateways and wo
 
     ScheduleRequest ──▶ admit (queue bound) ──▶ place ──▶ PrefillTask → P, DecodeTask → D
                                                      └──▶ GenerateTask → mixed worker
+    PrefixCacheUpdate ──▶ which prefix pages each worker holds (placement, pages D need not get)
     RequestDone / worker death / AbortRequest ──▶ forget, tell the other holders, fail if needed
 """
 
@@ -16,12 +17,13 @@ from dataclasses import dataclass
 import structlog
 
 from common.messages import (
-    AbortRequest, ClusterStatus, DecodeTask, GenerateTask, Heartbeat, PrefillTask, Ready, Registered,
-    RegisterWorker, RequestDone, RequestFailed, ScheduleRequest, StatusRequest, WorkerStatus,
+    AbortRequest, ClusterStatus, DecodeTask, GenerateTask, Heartbeat, PrefillTask, PrefixCacheUpdate, Ready,
+    Registered, RegisterWorker, RequestDone, RequestFailed, ScheduleRequest, StatusRequest, WorkerStatus,
 )
 from common.transport import Push, Router, UnknownPeer
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.placement import place
+from services.scheduler.placement import Placer
+from services.scheduler.prefix_index import PromptPages
 from services.scheduler.registry import Registry, WorkerInfo
 
 log = structlog.get_logger()
@@ -45,7 +47,8 @@ class SchedulerService:
         self.config = config
         self.router = Router(config.address, allow_wildcard=True)
         self.registry = Registry(config.heartbeat_timeout)
-        self.queue: deque[tuple[bytes, ScheduleRequest]] = deque()
+        self.placer = Placer(config.placement)
+        self.queue: deque[tuple[bytes, ScheduleRequest, PromptPages]] = deque()
         self.enqueued_at: dict[str, float] = {}
         self.placed: dict[str, Placed] = {}
         self.log = log.bind(service="scheduler")
@@ -65,6 +68,7 @@ class SchedulerService:
         handlers = {
             RegisterWorker: self._on_register,
             Heartbeat: self._on_heartbeat,
+            PrefixCacheUpdate: self._on_prefix_update,
             ScheduleRequest: self._on_schedule,
             RequestDone: self._on_done,
             AbortRequest: self._on_abort,
@@ -107,6 +111,9 @@ class SchedulerService:
         if known:
             await self._drain()
 
+    async def _on_prefix_update(self, identity: bytes, msg: PrefixCacheUpdate) -> None:
+        self.registry.prefix_update(msg.worker_id, msg.added, msg.removed)
+
     async def _on_schedule(self, identity: bytes, msg: ScheduleRequest) -> None:
         now = time.monotonic()
         alive = {r: self.registry.alive(r, now) for r in ("prefill", "decode", "mixed")}
@@ -114,7 +121,7 @@ class SchedulerService:
             return await self._reject(identity, msg.request_id, "no workers are available")
         if len(self.queue) >= self.config.max_queue:
             return await self._reject(identity, msg.request_id, "the request queue is full")
-        self.queue.append((identity, msg))
+        self.queue.append((identity, msg, PromptPages(msg.prompt_token_ids)))
         self.enqueued_at[msg.request_id] = now
         await self._drain()
 
@@ -126,27 +133,32 @@ class SchedulerService:
         """Place queued requests, oldest first, while some worker can take them."""
         now = time.monotonic()
         while self.queue:
-            origin, req = self.queue[0]
-            placement = place(
+            origin, req, prompt = self.queue[0]
+            placement = self.placer.place(
                 self.registry.alive("prefill", now), self.registry.alive("decode", now),
-                self.registry.alive("mixed", now), len(req.prompt_token_ids),
+                self.registry.alive("mixed", now), prompt,
             )
             if placement is None:
                 return
             self.queue.popleft()
             queued = now - self.enqueued_at.pop(req.request_id, now)
             worker = placement.worker
-            if placement.prefill is None:
+            handoff = placement.prefill is not None and req.sampling.streams
+            if not handoff:
+                # mixed worker, or beams / best_of whose state stays in one engine: no handoff
                 holders = {worker.worker_id}
                 await self._send(worker.worker_id, GenerateTask(req.request_id, req.prompt_token_ids, req.sampling, req.reply_to, queued))
             else:
                 p = placement.prefill
                 holders = {p.worker_id, worker.worker_id}
-                await self._send(worker.worker_id, DecodeTask(req.request_id, req.prompt_token_ids, req.sampling, req.reply_to, p.worker_id))
-                await self._send(p.worker_id, PrefillTask(req.request_id, req.prompt_token_ids, req.sampling, req.reply_to, worker.worker_id, worker.kv_endpoint, queued))
+                skip = placement.skip_pages
+                await self._send(worker.worker_id, DecodeTask(req.request_id, req.prompt_token_ids, req.sampling, req.reply_to, p.worker_id, skip))
+                await self._send(p.worker_id, PrefillTask(
+                    req.request_id, req.prompt_token_ids, req.sampling, req.reply_to, worker.worker_id, worker.kv_endpoint, queued, skip,
+                ))
             for wid in holders:
                 self.registry.workers[wid].requests.add(req.request_id)
-            self.placed[req.request_id] = Placed(req, origin, holders, placement.prefill.worker_id if placement.prefill else None)
+            self.placed[req.request_id] = Placed(req, origin, holders, placement.prefill.worker_id if handoff else None)
 
     # ---- endings --------------------------------------------------------------------------
     async def _on_done(self, identity: bytes, msg: RequestDone) -> None:
@@ -164,7 +176,7 @@ class SchedulerService:
         await self._drain()
 
     async def _on_abort(self, identity: bytes, msg: AbortRequest) -> None:
-        self.queue = deque((o, r) for o, r in self.queue if r.request_id != msg.request_id)
+        self.queue = deque(entry for entry in self.queue if entry[1].request_id != msg.request_id)
         self.enqueued_at.pop(msg.request_id, None)
         placed = self.placed.get(msg.request_id)
         if placed is not None:

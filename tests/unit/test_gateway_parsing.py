@@ -47,7 +47,7 @@ def test_every_sampling_field_is_read():
     assert p.sampling == SamplingParams(n=2, temperature=0.0, top_p=0.5, top_k=3, min_p=0.1, seed=42,
                                         repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=-0.5,
                                         max_tokens=7, min_tokens=2, stop_token_ids=(5, 6), stop=("a", "b"),
-                                        ignore_eos=True, logprobs=3)
+                                        ignore_eos=True, logprobs=3, best_of=2)
     assert (p.stream, p.include_usage, p.logprobs, p.include_stop_str_in_output) == (True, True, 3, True)
 
 
@@ -151,7 +151,10 @@ BAD_COMPLETIONS = [
     (completion(model=5), "model"),
     (completion(echo=True), "echo"),
     (completion(suffix="x"), "suffix"),
-    (completion(best_of=3), "best_of"),
+    (completion(best_of=3, stream=True), "stream"),
+    (completion(use_beam_search=True, logprobs=2), "logprobs"),
+    (completion(best_of=1, n=2), "best_of"),
+    (completion(priority=1.5), "priority"),
     (completion(logit_bias={"1": 5}), "logit_bias"),
 ]
 
@@ -218,3 +221,10 @@ def test_unknown_model_is_404_model_not_found():
                                            "type": "invalid_request_error", "param": "model",
                                            "code": "model_not_found"}}
     assert info.value.status == 404
+
+
+def test_beam_search_fields_are_read():
+    p = parse_completion(completion(n=2, best_of=4, use_beam_search=True, length_penalty=0.5, priority=-3, temperature=0))
+    assert (p.sampling.n, p.sampling.best_of, p.sampling.use_beam_search) == (2, 4, True)
+    assert (p.sampling.length_penalty, p.sampling.priority) == (0.5, -3)
+    assert not p.sampling.streams
