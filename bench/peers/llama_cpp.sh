@@ -33,7 +33,7 @@ build() {
     fi
     cmake -S src/vendor/llama.cpp -B "$BUILD" -G Ninja \
         -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
-        -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_WEBUI=OFF \
+        -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
     cmake --build "$BUILD" -j "$JOBS" --target llama-server llama-quantize
     local q41 f16

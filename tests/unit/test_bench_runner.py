@@ -40,7 +40,7 @@ class FakeServer:
         await response.prepare(request)
         chat = "messages" in body
         for i in range(body["max_tokens"]):
-            await asyncio.sleep(0.002)
+            await asyncio.sleep(0.01)
             choice = {"index": 0, "delta": {"content": "y"}} if chat else {"index": 0, "text": "y"}
             await response.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
         if self.with_usage:
