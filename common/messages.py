@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from common.sampling import SamplingParams
 
 MAX_ID = (1 << 31) - 1  # list[int] fields hold ids and sizes: 0 <= x <= MAX_ID
+MAX_PAGE_HASH = (1 << 62) - 1  # prefix-cache page keys (workers.engine.block_manager.chain_hash)
+MAX_PAGE_HASHES = 4096  # keys per PrefixCacheUpdate list; a worker sends several when it has more
 WORKER_ROLES = ("prefill", "decode", "mixed")
 KV_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
 
@@ -122,17 +124,29 @@ class PrefillTask:
     decode_worker_id: str
     decode_kv_endpoint: str
     queued_s: float = 0.0  # time the request waited in the scheduler
+    skip_pages: int = 0  # leading prompt pages the decode worker already holds: not sent
+
+    def _check(self) -> None:
+        if self.skip_pages < 0:
+            raise ProtocolError("PrefillTask.skip_pages: must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeTask:
-    """Scheduler -> decode worker: allocate pages, await KV from `prefill_worker_id`, decode."""
+    """Scheduler -> decode worker: allocate pages, await KV from `prefill_worker_id`, decode.
+    The first `skip_pages` prompt pages will not come: the worker takes them from its own
+    prefix cache (and refuses the transfer if it no longer holds them)."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     reply_to: str
     prefill_worker_id: str
+    skip_pages: int = 0
+
+    def _check(self) -> None:
+        if self.skip_pages < 0:
+            raise ProtocolError("DecodeTask.skip_pages: must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +198,25 @@ class Heartbeat:
     kv_bytes_sent: int
     kv_bytes_received: int
     requests_finished: int = 0  # requests that left this worker, ever
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheUpdate:
+    """Worker -> scheduler: prefix-cache page keys published (`added`) and evicted (`removed`)
+    since the previous update. Applied in order, the updates give the keys the worker holds;
+    the scheduler places requests by them and skips sending pages a decode worker holds."""
+
+    worker_id: str
+    added: tuple[int, ...]
+    removed: tuple[int, ...]
+
+    def _check(self) -> None:
+        for name in ("added", "removed"):
+            keys = getattr(self, name)
+            if len(keys) > MAX_PAGE_HASHES:
+                raise ProtocolError(f"PrefixCacheUpdate.{name}: more than {MAX_PAGE_HASHES} keys")
+            if keys and not (0 <= min(keys) and max(keys) <= MAX_PAGE_HASH):
+                raise ProtocolError(f"PrefixCacheUpdate.{name}: keys must be in [0, {MAX_PAGE_HASH}]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,9 +345,9 @@ class ClusterStatus:
 
 MESSAGE_CLASSES: tuple[type, ...] = (
     GenerateRequest, TextDelta, TextDeltaBatch, RequestFailed, AbortRequest, ScheduleRequest,
-    PrefillTask, DecodeTask, GenerateTask, RegisterWorker, Registered, Heartbeat, RequestDone,
-    TokenDelta, TokenDeltaBatch, KVPagesHeader, KVPagesAck, Ready, StatusRequest, WorkerStatus,
-    ClusterStatus,
+    PrefillTask, DecodeTask, GenerateTask, RegisterWorker, Registered, Heartbeat, PrefixCacheUpdate,
+    RequestDone, TokenDelta, TokenDeltaBatch, KVPagesHeader, KVPagesAck, Ready, StatusRequest,
+    WorkerStatus, ClusterStatus,
 )
 Message = typing.Union[MESSAGE_CLASSES]  # noqa: UP007 - built from the tuple above
 MESSAGE_TYPES: dict[bytes, type] = {cls.__name__.encode("ascii"): cls for cls in MESSAGE_CLASSES}
