@@ -3,6 +3,10 @@ decode side. The wire format is `KVPagesHeader` + one tensor frame per layer (co
 
     prefill pool kv[L, P, 2, S, H, D] --index_select(pages)--> [L, n, 2, S, H, D] --frames-->
     decode pool  kv[L, P', 2, S, H, D] <--copy into its own freshly allocated pages--
+
+Only the pages the decode worker lacks travel: the scheduler says how many leading prompt pages
+it holds (`skip_pages`), and the header's `page_indices` are the logical pages sent, always the
+tail [skip, total) of the prompt's pages.
 """
 
 from __future__ import annotations
@@ -15,9 +19,12 @@ from workers.engine.engine import PrefillResult
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def pack_pages(kv_cache: torch.Tensor, result: PrefillResult) -> tuple[KVPagesHeader, list[torch.Tensor]]:
-    """One contiguous CPU tensor per layer holding the request's prompt pages, and the header."""
-    index = torch.tensor(result.block_table, dtype=torch.int64, device=kv_cache.device)
+def pack_pages(kv_cache: torch.Tensor, result: PrefillResult, skip_pages: int = 0) -> tuple[KVPagesHeader, list[torch.Tensor]]:
+    """One contiguous CPU tensor per layer holding the request's prompt pages from `skip_pages`
+    on, and the header. At least the last page is always sent."""
+    total = len(result.block_table)
+    skip = max(0, min(skip_pages, total - 1))
+    index = torch.tensor(result.block_table[skip:], dtype=torch.int64, device=kv_cache.device)
     pages = kv_cache.index_select(1, index).cpu()  # [L, n, 2, S, H, D], one copy
     header = KVPagesHeader(
         request_id=result.request_id,
@@ -25,19 +32,20 @@ def pack_pages(kv_cache: torch.Tensor, result: PrefillResult) -> tuple[KVPagesHe
         num_tokens=len(result.prompt_token_ids),
         layer_start=0,
         layer_end=kv_cache.shape[0],
-        num_pages=len(result.block_table),
+        num_pages=total - skip,
         dtype=DTYPE_NAMES[kv_cache.dtype],
         page_shape=list(kv_cache.shape[2:]),
         checksum=0,  # filled in by encode_tensor_frames
         first_token_ids=list(result.first_token_ids),
         last=True,
-        page_indices=list(range(len(result.block_table))),
+        page_indices=list(range(skip, total)),
     )
     return header, list(pages.unbind(0))
 
 
-def check_header(header: KVPagesHeader, kv_cache: torch.Tensor, prompt_len: int) -> None:
-    """Raise ValueError unless the pages fit this worker's pool exactly."""
+def check_header(header: KVPagesHeader, kv_cache: torch.Tensor, prompt_len: int) -> int:
+    """Raise ValueError unless the pages fit this worker's pool exactly. Returns how many leading
+    prompt pages the header skips (the receiver must hold them already)."""
     layers, _, *page_shape = kv_cache.shape
     page_size = page_shape[1]
     if (header.layer_start, header.layer_end) != (0, layers):
@@ -46,10 +54,13 @@ def check_header(header: KVPagesHeader, kv_cache: torch.Tensor, prompt_len: int)
         raise ValueError(f"kv: page shape {header.page_shape}, this pool's is {page_shape}")
     if header.dtype != DTYPE_NAMES[kv_cache.dtype]:
         raise ValueError(f"kv: dtype {header.dtype}, this pool's is {DTYPE_NAMES[kv_cache.dtype]}")
-    if header.num_tokens != prompt_len or header.num_pages != -(-prompt_len // page_size):
+    total = -(-prompt_len // page_size)
+    if header.num_tokens != prompt_len or not 1 <= header.num_pages <= total:
         raise ValueError(f"kv: {header.num_pages} pages for {header.num_tokens} tokens, the prompt has {prompt_len}")
-    if header.page_indices != list(range(header.num_pages)):
-        raise ValueError("kv: partial transfers are not accepted")
+    skip = total - header.num_pages
+    if header.page_indices != list(range(skip, total)):
+        raise ValueError(f"kv: pages must be the prompt's last {header.num_pages} of {total}, in order")
+    return skip
 
 
 def write_pages(kv_cache: torch.Tensor, block_table: list[int], layers: list[torch.Tensor]) -> None:

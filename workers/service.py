@@ -5,8 +5,14 @@
                                                                                      ▼
     [engine loop]  apply inbox → engine.step() in the compute thread → publish:
         TokenDeltaBatch per destination (one message per step), RequestDone to the scheduler,
-        and (prefill role) the KV pages of each prefilled request to its decode worker.
+        and (prefill role) the KV pages of each prefilled request to its decode worker;
+        between steps, PrefixCacheUpdate to the scheduler when prefix-cache pages came or went.
     [heartbeat loop] load report every interval, also while a step runs.
+
+Prefix reuse across the handoff: the scheduler tells both sides how many leading prompt pages
+the decode worker holds (`skip_pages`). The decode worker pins them when the DecodeTask comes
+(so eviction cannot take them), the prefill worker sends only the rest, and the import builds
+the block table from the pinned pages + the received ones (or refuses if they are gone).
 
 Only the engine loop touches the engine, and only between steps; the other loops queue work
 in the inbox, so the asyncio loop keeps serving sockets while a step computes.
@@ -24,8 +30,8 @@ import structlog
 
 from common import protocol as p
 from common.messages import (
-    AbortRequest, DecodeTask, GenerateTask, Heartbeat, KVPagesAck, KVPagesHeader, PrefillTask,
-    Ready, Registered, RegisterWorker, RequestDone, TokenDelta, TokenDeltaBatch, TokenLogprob,
+    MAX_PAGE_HASHES, AbortRequest, DecodeTask, GenerateTask, Heartbeat, KVPagesAck, KVPagesHeader, PrefillTask,
+    PrefixCacheUpdate, Ready, Registered, RegisterWorker, RequestDone, TokenDelta, TokenDeltaBatch, TokenLogprob,
 )
 from common.model_files import served_model_name
 from common.transport import KV, Dealer, Push, Router
@@ -45,6 +51,7 @@ class _Incoming:
     frames: list | None = None
     sender: bytes | None = None
     deadline: float = 0.0
+    pinned: list[int] = field(default_factory=list)  # our cached pages for the task's skip_pages
 
 
 @dataclass
@@ -70,6 +77,7 @@ class WorkerService:
         self.incoming: dict[str, _Incoming] = {}
         self.outgoing: dict[str, _Outgoing] = {}
         self.outgoing_endpoints: dict[str, str] = {}  # prefill role: request -> decode KV endpoint
+        self.outgoing_skip: dict[str, int] = {}  # prefill role: request -> leading pages not to send
         self.inbox: list[Callable[[], None]] = []
         self.wake = asyncio.Event()
         self.scheduler_queued: dict[str, float] = {}
@@ -125,11 +133,13 @@ class WorkerService:
             if isinstance(msg, GenerateTask):
                 self._post(lambda m=msg: self._start(m.request_id, m.prompt_token_ids, m.sampling, m.reply_to, False))
             elif isinstance(msg, PrefillTask):
-                self._post(lambda m=msg: self._start(m.request_id, m.prompt_token_ids, m.sampling, m.reply_to, True, m.decode_kv_endpoint))
+                self._post(lambda m=msg: self._start(
+                    m.request_id, m.prompt_token_ids, m.sampling, m.reply_to, True, m.decode_kv_endpoint, m.skip_pages,
+                ))
             elif isinstance(msg, DecodeTask):
                 entry = self.incoming.setdefault(msg.request_id, _Incoming())
                 entry.task, entry.deadline = msg, time.monotonic() + self.config.transfer_timeout
-                self._post(lambda rid=msg.request_id: self._maybe_import(rid))
+                self._post(lambda rid=msg.request_id: self._pin_prefix(rid))
             elif isinstance(msg, AbortRequest):
                 self._post(lambda rid=msg.request_id: self._abort(rid))
             elif isinstance(msg, Registered):
@@ -155,7 +165,7 @@ class WorkerService:
                 self._post(lambda m=msg: self._acknowledged(m))
 
     # ---- commands (engine loop, between steps) -------------------------------------------
-    def _start(self, request_id, prompt_ids, sampling, reply_to, prefill_only, kv_endpoint=None) -> None:
+    def _start(self, request_id, prompt_ids, sampling, reply_to, prefill_only, kv_endpoint=None, skip_pages=0) -> None:
         try:
             self.engine.add_request(request_id, prompt_ids, sampling, prefill_only=prefill_only)
         except ValueError as e:
@@ -166,6 +176,22 @@ class WorkerService:
         self.reply_to[request_id] = reply_to
         if kv_endpoint:
             self.outgoing_endpoints[request_id] = kv_endpoint
+            self.outgoing_skip[request_id] = skip_pages
+
+    def _pin_prefix(self, request_id: str) -> None:
+        """Decode role, on the DecodeTask: take references on the leading prompt pages the
+        scheduler counted on us holding, so that they survive until the pages arrive."""
+        entry = self.incoming.get(request_id)
+        if entry is None or entry.task is None:
+            return
+        skip = entry.task.skip_pages
+        if skip and not entry.pinned:
+            hits = self.engine.blocks.match_prefix(entry.task.prompt_token_ids)
+            entry.pinned = hits[:skip]
+            self.engine.blocks.free_table(hits[skip:])
+            if len(entry.pinned) < skip:
+                self.log.warning("prefix pages evicted before the handoff", request_id=request_id, held=len(entry.pinned), expected=skip)
+        self._maybe_import(request_id)
 
     def _maybe_import(self, request_id: str) -> None:
         entry = self.incoming.get(request_id)
@@ -174,12 +200,18 @@ class WorkerService:
         del self.incoming[request_id]
         task, header = entry.task, entry.header
         error = None
+        pinned = entry.pinned  # ours to free until import_prefilled takes them
         try:
-            check_header(header, self.engine.runner.kv_cache, len(task.prompt_token_ids))
+            skip = check_header(header, self.engine.runner.kv_cache, len(task.prompt_token_ids))
+            if skip > len(pinned):
+                raise ValueError(f"kv: {skip} leading pages not sent, but this worker holds {len(pinned)} of them")
+            self.engine.blocks.free_table(pinned[skip:])
+            del pinned[skip:]
             layers = p.decode_tensor_frames(header, entry.frames)
+            prefix, pinned = pinned, []
             self.engine.import_prefilled(
                 request_id, list(task.prompt_token_ids), task.sampling, list(header.first_token_ids),
-                lambda table: write_pages(self.engine.runner.kv_cache, table, layers),
+                lambda table: write_pages(self.engine.runner.kv_cache, table, layers), prefix,
             )
             self.reply_to[request_id] = task.reply_to
             if request_id not in self.engine.requests:  # every choice ended on its first token
@@ -187,6 +219,7 @@ class WorkerService:
         except Exception as e:  # a bad transfer must not take the worker down
             error = f"{type(e).__name__}: {e}"
             self.log.warning("kv import failed", request_id=request_id, error=error)
+            self.engine.blocks.free_table(pinned)
             self._done(request_id, "kv_rejected")
         asyncio.ensure_future(self.kv_in.send(entry.sender, KVPagesAck(request_id, error is None, error)))
 
@@ -204,7 +237,9 @@ class WorkerService:
         n = self.engine.requests[request_id].params.n if request_id in self.engine.requests else 1
         known = self.engine.abort(request_id)
         self.outgoing.pop(request_id, None)
-        self.incoming.pop(request_id, None)
+        entry = self.incoming.pop(request_id, None)
+        if entry is not None:
+            self.engine.blocks.free_table(entry.pinned)
         if known and reply_to:
             self._send_final(request_id, reply_to, n, "abort")
         self._forget(request_id, None)
@@ -213,6 +248,7 @@ class WorkerService:
         self.reply_to.pop(request_id, None)
         self.scheduler_queued.pop(request_id, None)
         self.outgoing_endpoints.pop(request_id, None)
+        self.outgoing_skip.pop(request_id, None)
         if reason is not None:
             self._done(request_id, reason)
 
@@ -230,6 +266,7 @@ class WorkerService:
         while True:
             while self.inbox:
                 self.inbox.pop(0)()
+            await self._report_prefix_cache()
             if not self.engine.scheduler.has_work():
                 self.wake.clear()
                 if not self.inbox:
@@ -265,7 +302,7 @@ class WorkerService:
     async def _send_pages(self, request_id: str) -> None:
         result = self.engine.take_prefilled(request_id)
         endpoint = self.outgoing_endpoints.get(request_id)
-        header, layers = pack_pages(self.engine.runner.kv_cache, result)
+        header, layers = pack_pages(self.engine.runner.kv_cache, result, self.outgoing_skip.get(request_id, 0))
         frames = p.encode_tensor_frames(header, layers)
         dealer = self.kv_out.get(endpoint)
         if dealer is None:
@@ -280,6 +317,15 @@ class WorkerService:
         if push is None:
             push = self.pushes[address] = Push(address)
         return push
+
+    async def _report_prefix_cache(self) -> None:
+        """Tell the scheduler which prefix-cache keys came and went since the last report (in
+        bounded messages, sent in order on the one scheduler socket)."""
+        while True:
+            added, removed = self.engine.blocks.take_cache_changes(MAX_PAGE_HASHES)
+            if not added and not removed:
+                return
+            await self.scheduler.send(PrefixCacheUpdate(self.config.worker_id, tuple(added), tuple(removed)))
 
     # ---- timers ---------------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
@@ -303,9 +349,16 @@ class WorkerService:
             for rid in [r for r, o in self.outgoing.items() if o.deadline < now]:
                 self._post(lambda r=rid: self._expire_outgoing(r))
             for rid in [r for r, i in self.incoming.items() if i.deadline < now]:
-                self.incoming.pop(rid, None)
-                self.log.warning("handoff expired", request_id=rid)
-                self._done(rid, "kv_timeout")
+                self._post(lambda r=rid: self._expire_incoming(r))
+
+    def _expire_incoming(self, request_id: str) -> None:
+        entry = self.incoming.get(request_id)
+        if entry is None or entry.deadline >= time.monotonic():  # imported, or its other half came
+            return
+        del self.incoming[request_id]
+        self.engine.blocks.free_table(entry.pinned)
+        self.log.warning("handoff expired", request_id=request_id)
+        self._done(request_id, "kv_timeout")
 
     def _expire_outgoing(self, request_id: str) -> None:
         if self.outgoing.pop(request_id, None) is not None:
