@@ -1,17 +1,48 @@
 """Where a request runs: a prefill and a decode worker (disaggregated) or one mixed worker.
-Pure Python: the policy sees worker loads, not sockets."""
+Pure Python: the policy sees worker loads and cached prefixes, not sockets.
+
+Among the workers of a pool that can take the request (below their concurrency cap, room for
+its pages), `--placement` picks:
+  prefix       the highest  prefix_weight * cached_fraction - load_weight * load / max_running
+               (cached_fraction: share of the prompt's reusable pages the worker holds), ties
+               to the least loaded; the default
+  load         the least loaded (fewest requests, then most free pages)
+  round-robin  the next worker by id after the one picked last
+Whatever the policy, pages the chosen decode worker holds are not transferred (`skip_pages`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.scheduler.prefix_index import PromptPages
 from services.scheduler.registry import WorkerInfo
+
+PLACEMENTS = ("prefix", "load", "round-robin")
+
+
+@dataclass(frozen=True)
+class PlacementPolicy:
+    """`mode` is one of PLACEMENTS; the weights matter for `prefix` only. With the defaults a
+    worker holding the whole prompt wins until it runs a quarter of its `max_running` more
+    requests than one holding none."""
+
+    mode: str = "prefix"
+    prefix_weight: float = 1.0
+    load_weight: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in PLACEMENTS:
+            raise ValueError(f"placement: must be one of {PLACEMENTS}")
+        if self.prefix_weight < 0 or self.load_weight < 0:
+            raise ValueError("prefix_weight, load_weight: must be >= 0")
 
 
 @dataclass(frozen=True)
 class Placement:
     prefill: WorkerInfo | None  # None for a mixed placement
     worker: WorkerInfo  # the decode (or mixed) worker
+    skip_pages: int = 0  # disaggregated: leading prompt pages `worker` holds, not transferred
 
 
 def pages_for(prompt_len: int, max_tokens: int, page_size: int) -> int:
@@ -23,20 +54,46 @@ def can_take(worker: WorkerInfo, pages_needed: int) -> bool:
     return worker.load < worker.max_running and pages_needed <= worker.free_pages
 
 
-def least_loaded(candidates: list[WorkerInfo]) -> WorkerInfo | None:
+def load_key(worker: WorkerInfo) -> tuple:
     """Fewest requests, then most free pages, then id (deterministic)."""
-    if not candidates:
-        return None
-    return min(candidates, key=lambda w: (w.load, -w.free_pages, w.worker_id))
+    return (worker.load, -worker.free_pages, worker.worker_id)
 
 
-def place(prefill: list[WorkerInfo], decode: list[WorkerInfo], mixed: list[WorkerInfo], prompt_len: int) -> Placement | None:
-    """Disaggregated when both pools have a worker with room, else mixed; None = none can take
-    it now (the caller queues or rejects)."""
-    if prefill and decode:
-        p = least_loaded([w for w in prefill if can_take(w, pages_for(prompt_len, 0, w.page_size))])
-        d = least_loaded([w for w in decode if can_take(w, pages_for(prompt_len, 1, w.page_size))])
-        if p is not None and d is not None:
-            return Placement(p, d)
-    m = least_loaded([w for w in mixed if can_take(w, pages_for(prompt_len, 1, w.page_size))])
-    return Placement(None, m) if m is not None else None
+def score(worker: WorkerInfo, prompt: PromptPages, policy: PlacementPolicy) -> float:
+    return policy.prefix_weight * prompt.cached_fraction(worker) - policy.load_weight * worker.load / worker.max_running
+
+
+class Placer:
+    """Applies a PlacementPolicy; remembers the last pick per pool for round-robin."""
+
+    def __init__(self, policy: PlacementPolicy = PlacementPolicy()):
+        self.policy = policy
+        self.last: dict[str, str] = {}  # pool -> worker id picked last
+
+    def place(self, prefill: list[WorkerInfo], decode: list[WorkerInfo], mixed: list[WorkerInfo],
+              prompt: PromptPages) -> Placement | None:
+        """Disaggregated when both pools have a worker with room, else mixed; None = none can
+        take it now (the caller queues or rejects)."""
+        n = len(prompt.token_ids)
+        if prefill and decode:
+            p = self._pick("prefill", [w for w in prefill if can_take(w, pages_for(n, 0, w.page_size))], prompt)
+            d = self._pick("decode", [w for w in decode if can_take(w, pages_for(n, 1, w.page_size))], prompt)
+            if p is not None and d is not None:
+                self.last["prefill"], self.last["decode"] = p.worker_id, d.worker_id
+                return Placement(p, d, prompt.cached_pages(d))
+        m = self._pick("mixed", [w for w in mixed if can_take(w, pages_for(n, 1, w.page_size))], prompt)
+        if m is None:
+            return None
+        self.last["mixed"] = m.worker_id
+        return Placement(None, m)
+
+    def _pick(self, pool: str, candidates: list[WorkerInfo], prompt: PromptPages) -> WorkerInfo | None:
+        if not candidates:
+            return None
+        if self.policy.mode == "load":
+            return min(candidates, key=load_key)
+        if self.policy.mode == "round-robin":
+            ordered = sorted(candidates, key=lambda w: w.worker_id)
+            last = self.last.get(pool, "")
+            return next((w for w in ordered if w.worker_id > last), ordered[0])
+        return min(candidates, key=lambda w: (-score(w, prompt, self.policy), *load_key(w)))

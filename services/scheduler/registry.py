@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
 
 @dataclass
@@ -25,6 +26,7 @@ class WorkerInfo:
     kv_bytes_received: int = 0
     requests_finished: int = 0
     requests: set[str] = field(default_factory=set)  # placed here and not yet done
+    page_hashes: set[int] = field(default_factory=set)  # prefix-cache keys it reported holding
 
     @property
     def load(self) -> int:
@@ -53,6 +55,15 @@ class Registry:
         info.used_pages, info.free_pages = used, free
         info.kv_bytes_sent, info.kv_bytes_received = sent, received
         info.requests_finished = finished
+        return True
+
+    def prefix_update(self, worker_id: str, added: Iterable[int], removed: Iterable[int]) -> bool:
+        """Apply a worker's PrefixCacheUpdate (a key is never in both lists of one update)."""
+        info = self.workers.get(worker_id)
+        if info is None:
+            return False
+        info.page_hashes.difference_update(removed)
+        info.page_hashes.update(added)
         return True
 
     def alive(self, role: str, now: float) -> list[WorkerInfo]:
