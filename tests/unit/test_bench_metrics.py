@@ -118,6 +118,17 @@ def test_stream_splits_a_multi_token_chunk_gap_per_token():
     assert r.itl == pytest.approx([0.15, 0.15]) and r.output_tokens == 3
 
 
+def test_stream_final_usage_on_a_choice_chunk_is_a_total_not_a_chunk_count():
+    # llama-server's last chunk: empty text, finish_reason, and the request's usage.
+    r = _stream([(10.2, {"choices": [{"text": "a"}]}), (10.4, {"choices": [{"text": "b"}]}),
+                 (10.5, {"choices": [{"text": "", "finish_reason": "length"}],
+                         "usage": {"prompt_tokens": 3, "completion_tokens": 2}})])
+    assert r.itl == pytest.approx([0.2]) and r.chunks == 2 and r.output_tokens == 2
+    r = _stream([(10.2, {"choices": [{"text": "a"}]}),
+                 (10.4, {"choices": [{"text": "b"}], "usage": {"completion_tokens": 2}})])
+    assert r.itl == pytest.approx([0.2]) and r.output_tokens == 2
+
+
 def test_stream_errors():
     r = _stream([(10.1, {"error": {"message": "too long", "code": 400}})])
     assert not r.success and r.error == "too long"
