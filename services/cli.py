@@ -6,6 +6,8 @@
     pagemesh scheduler
     pagemesh worker --role prefill|decode|mixed
     pagemesh generate    offline: run prompts through one in-process engine and print them
+    pagemesh bench       load generator for any OpenAI-compatible server
+    pagemesh experiment  the experiments of the papers (paged-memory, orca, sarathi, ...)
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ COMMANDS = {
     "scheduler": ("services.scheduler.main", "the scheduler (registry, placement)"),
     "worker": ("workers.main", "an LLM worker: --role prefill|decode|mixed"),
     "generate": ("workers.engine.generate_cli", "offline generation through one engine"),
+    "bench": ("services.bench.main", "load any OpenAI-compatible server and report latencies"),
+    "experiment": ("services.experiments.main", "reproduce a paper's experiment: pagemesh experiment NAME --out DIR"),
 }
 
 
