@@ -41,6 +41,8 @@ from workers.kv_transfer import check_header, pack_pages, write_pages
 
 log = structlog.get_logger()
 
+STALL_WAIT = 0.05  # seconds a stalled engine waits for news before trying again
+
 
 @dataclass
 class _Incoming:
@@ -273,6 +275,12 @@ class WorkerService:
                     await self.wake.wait()
                 continue
             outputs = await loop.run_in_executor(self.compute, self.engine.step)
+            if self.engine.stalled:  # nothing could run: wait for a message (an ack frees pages)
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), STALL_WAIT)
+                except asyncio.TimeoutError:
+                    pass
             await self._publish(outputs)
 
     async def _publish(self, outputs: list[RequestOutput]) -> None:

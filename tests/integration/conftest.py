@@ -1,5 +1,7 @@
 """Fixtures that load the real default model once per test session."""
 
+import json
+
 import pytest
 import torch
 
@@ -42,3 +44,25 @@ def hf_greedy(hf_model, prompt_ids, max_new_tokens):
             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
         )
     return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    """A tiny random Qwen2-style model (QKV bias, untied head) written as safetensors."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, initializer_range=0.3, rope_theta=10000.0,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # make biases non-zero so they are tested
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.3)
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    model.save_pretrained(folder, safe_serialization=True)
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    return folder, model

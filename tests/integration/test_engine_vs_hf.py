@@ -1,7 +1,5 @@
 """The engine against Hugging Face transformers on the same weights (fp32)."""
 
-import json
-
 import pytest
 import torch
 
@@ -57,28 +55,6 @@ def test_logprobs_agree_with_hf_logits_within_fp32_tolerance(engine_fp32, hf_mod
         top = row.topk(5)
         assert lp.top_ids == top.indices.tolist()
         assert max(abs(a - b) for a, b in zip(lp.top_logprobs, top.values.tolist())) < 2e-3
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen2(tmp_path_factory):
-    """A tiny random Qwen2-style model (QKV bias, untied head) written as safetensors."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=False, initializer_range=0.3, rope_theta=10000.0,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():  # make biases non-zero so they are tested
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.3)
-    folder = tmp_path_factory.mktemp("tiny-qwen2")
-    model.save_pretrained(folder, safe_serialization=True)
-    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
-    return folder, model
 
 
 @pytest.mark.slow

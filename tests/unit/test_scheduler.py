@@ -91,3 +91,74 @@ def test_prefix_cache_hit_skips_computed_pages():
     plan = s.schedule()
     assert [(c.start, c.num_tokens) for c in plan.chunks] == [(8, 2)]
     assert second.num_prefix_hit_tokens == 8
+
+
+def make_prio(n: int, rid: str, priority: int) -> Sequence:
+    return Sequence(rid, 0, list(range(1, n + 1)), n, SamplingParams(temperature=0, max_tokens=100, priority=priority))
+
+
+def test_waiting_is_ordered_by_priority_then_arrival_and_victims_are_lowest_priority():
+    bm = BlockManager(100, 4)
+    s = Scheduler(SchedulerConfig(max_num_seqs=2), bm)
+    for rid, prio in (("late-normal", 0), ("urgent", -1), ("background", 5), ("normal", 0)):
+        s.add(make_prio(4, rid, prio))
+    assert [x.request_id for x in s.waiting] == ["urgent", "late-normal", "normal", "background"]
+    plan = s.schedule()
+    assert [c.seq.request_id for c in plan.chunks] == ["urgent", "late-normal"]
+
+
+def test_preemption_picks_the_lowest_priority_running_sequence():
+    bm = BlockManager(4, 4)  # 3 usable pages
+    s = Scheduler(SchedulerConfig(), bm)
+    low, high = make_prio(4, "low", 3), make_prio(4, "high", 0)
+    s.add(low)
+    s.add(high)
+    run_plan(s.schedule())
+    plan = s.schedule()  # both need a page, one is free: the low-priority one goes
+    assert plan.preempted == [low]
+    assert [c.seq.request_id for c in plan.chunks] == ["high"]
+
+
+def test_short_prompts_pass_a_long_one_when_long_prefills_are_capped():
+    bm = BlockManager(1000, 4)
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_prefill_chunk=32, long_prefill_threshold=100, max_long_partial_prefills=1)
+    s = Scheduler(cfg, bm)
+    for rid, n in (("long-1", 300), ("long-2", 300), ("short", 10)):
+        s.add(make_seq(n, rid))
+    plan = s.schedule()
+    assert [(c.seq.request_id, c.num_tokens) for c in plan.chunks] == [("long-1", 32), ("short", 10)]
+
+
+def test_request_level_batching_admits_nothing_until_the_batch_is_done():
+    bm = BlockManager(100, 4)
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, batching="request"), bm)
+    a, b, c = make_seq(4, "a"), make_seq(4, "b"), make_seq(4, "c")
+    for x in (a, b, c):
+        s.add(x)
+    run_plan(s.schedule())
+    s.finish(a, "stop")
+    plan = s.schedule()  # a slot is free, but c must wait for b
+    assert [x.seq.request_id for x in plan.chunks] == ["b"]
+    run_plan(plan)
+    s.finish(b, "stop")
+    assert [x.seq.request_id for x in s.schedule().chunks] == ["c"]
+
+
+def test_swap_preemption_moves_pages_to_host_and_back():
+    bm = BlockManager(4, 4)
+    s = Scheduler(SchedulerConfig(preemption_mode="swap", swap_pages=8), bm)
+    a, b = make_seq(4, "a"), make_seq(4, "b")
+    s.add(a)
+    s.add(b)
+    run_plan(s.schedule())
+    b_pages = list(b.block_table)
+    plan = s.schedule()
+    assert plan.preempted == [b] and plan.swap_out == [(b.seq_id, b_pages)]
+    assert b.swapped_computed == 4 and s.swapped_pages == 1
+    run_plan(plan)
+    s.finish(a, "stop")
+    plan = s.schedule()  # b comes back without recomputing its 4 tokens
+    assert plan.swap_in == [(b.seq_id, b.block_table[:1])]
+    assert [(c.seq.request_id, c.start, c.num_tokens) for c in plan.chunks] == [("b", 4, 1)]
+    assert s.swapped_pages == 0 and b.swapped_computed is None
+    bm.check_invariants([x.block_table for x in s.live_sequences])

@@ -133,6 +133,7 @@ class Engine:
         self.default_generator = torch.Generator().manual_seed(config.seed)
         self.stats = EngineStats()
         self.prefilled: dict[str, PrefillResult] = {}  # prefill-only requests awaiting transfer
+        self.stalled = False
 
     # ---- set-up ---------------------------------------------------------------------------
     def _load_tokenizer(self):
@@ -230,6 +231,7 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        self.stalled = plan.empty  # work is queued but nothing fits (pages held elsewhere)
         if plan.empty:
             return []
         started = time.perf_counter()
