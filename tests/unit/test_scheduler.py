@@ -162,3 +162,23 @@ def test_swap_preemption_moves_pages_to_host_and_back():
     assert [(c.seq.request_id, c.start, c.num_tokens) for c in plan.chunks] == [("b", 4, 1)]
     assert s.swapped_pages == 0 and b.swapped_computed is None
     bm.check_invariants([x.block_table for x in s.live_sequences])
+
+
+def test_a_waiting_sequence_that_does_not_fit_gives_back_its_prefix_hits():
+    """Regression: waiting sequences kept the cached pages they matched and starved everyone."""
+    bm = BlockManager(5, 4)  # 4 usable pages
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_prefill_chunk=64), bm)
+    first = make_seq(9, "first")
+    s.add(first)
+    run_plan(s.schedule())
+    first.num_cached_pages = bm.cache_full_pages(first.block_table, first.token_ids, 0, first.num_computed)
+    blocker = make_seq(8, "blocker")  # takes both never-cached free pages
+    s.finish(first, "stop")
+    s.add(blocker)
+    s.add(make_seq(9, "same-prefix"))
+    hog = make_seq(12, "hog")
+    s.add(hog)
+    s.schedule()
+    waiting = [x for x in s.waiting]
+    assert all(not x.block_table and x.num_computed == 0 for x in waiting)
+    bm.check_invariants([x.block_table for x in s.live_sequences])

@@ -190,12 +190,14 @@ class Scheduler:
                 self._match_prefix(seq)
             long = self._is_long(seq)
             if long and long_partial >= cfg.max_long_partial_prefills:
+                self._unmatch_prefix(seq)
                 continue  # let shorter prompts behind it through
             if seq.swapped_computed is not None:
                 if not self._swap_in(seq, plan):
                     break
             n = self._fit(seq, min(seq.num_uncomputed, budget, cfg.max_prefill_chunk))
             if n == 0:
+                self._unmatch_prefix(seq)  # a waiting sequence holds no pages
                 break
             self.waiting.remove(seq)
             if seq.first_scheduled is None:
@@ -214,6 +216,11 @@ class Scheduler:
         seq.block_table.extend(hits)
         seq.num_cached_pages = len(hits)
         seq.num_computed = seq.num_prefix_hit_tokens = len(hits) * self.blocks.page_size
+
+    def _unmatch_prefix(self, seq: Sequence) -> None:
+        if seq.swapped_computed is None and seq.block_table:
+            self.blocks.free_table(seq.block_table)
+            seq.num_computed = seq.num_cached_pages = seq.num_prefix_hit_tokens = 0
 
     # ---- pages ----------------------------------------------------------------------------
     def _pages_for(self, seq: Sequence, n: int) -> int:
