@@ -123,3 +123,21 @@ def test_prefix_cache_reuses_pages_of_an_earlier_prompt(engine_fp32):
     while engine_fp32.has_unfinished():
         outs += engine_fp32.step()
     assert outs[-1].num_cached_tokens == 64
+
+
+def test_each_parallel_sample_continues_its_own_first_token(engine_fp32):
+    """Regression: forks were made after the parent took its token, so every sibling carried
+    the parent's first token in front of its own."""
+    prompt = list(range(700, 720))
+    engine_fp32.add_request("n3", prompt, SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=4, ignore_eos=True))
+    streamed: dict[int, list[int]] = {}
+    seqs = []
+    while engine_fp32.has_unfinished():
+        if "n3" in engine_fp32.requests:
+            seqs = list(engine_fp32.requests["n3"].seqs)
+        for out in engine_fp32.step():
+            for so in out.outputs:
+                streamed.setdefault(so.index, []).extend(so.new_token_ids)
+    assert sorted(streamed) == [0, 1, 2] and len(seqs) == 3
+    for seq in seqs:
+        assert seq.token_ids == prompt + streamed[seq.index]

@@ -124,7 +124,10 @@ class Engine:
             ),
             self.blocks,
         )
-        self.runner = ModelRunner(model, num_pages, config.page_size, self.device)
+        self.runner = ModelRunner(
+            model, num_pages, config.page_size, self.device,
+            cuda_graphs=config.cuda_graphs, max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+        )
         self.eos_token_ids = frozenset(
             self.tokenizer.eos_token_ids if self.tokenizer is not None else [self.model_config.eos_token_id]
         ) - {None}
@@ -267,9 +270,10 @@ class Engine:
             seq.pending_forks = 0
         touched: dict[str, _Request] = {}
         results = sample(logits[logit_index], rows, self.default_generator) if rows else []
-        for (seq, k, gen), (token, lp) in zip(owners, results):
+        # fork every sibling before any of them takes its token: a fork copies the parent's tokens
+        targets = [seq if k == 0 else self._fork(seq, seq.index + k, gen) for seq, k, gen in owners]
+        for (seq, _, _), target, (token, lp) in zip(owners, targets, results):
             req = self.requests[seq.request_id]
-            target = seq if k == 0 else self._fork(seq, seq.index + k, gen)
             if lp is not None:
                 target.cumulative_logprob += lp.logprob
             target.append_token(token, lp if seq.sampling.logprobs is not None else None)
