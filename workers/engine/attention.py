@@ -134,11 +134,12 @@ def paged_attention_torch(
         # whole pages are gathered (one memcpy each), padding masked; the queries of one KV
         # head's group ride as a query length, so K/V need no expansion for GQA
         qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
-        # embedding() is torch's fastest row gather on CPU (a memcpy per page)
-        pages = F.embedding(md.decode_pages, kv_layer.view(kv_layer.shape[0], -1))
-        pages = pages.view(nd, -1, *kv_layer.shape[1:])  # [nd, max_pages, 2, S, KVH, D]
-        kd = pages[:, :, 0].reshape(nd, -1, num_kv_heads, head_dim).transpose(1, 2)  # [nd, KVH, L, D]
-        vd = pages[:, :, 1].reshape(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        # K and V halves are gathered page by page straight into contiguous [nd, L, KVH, D]
+        # buffers (one memcpy per page, no second copy to merge the page and slot dimensions)
+        halves = kv_layer.view(kv_layer.shape[0], 2, -1)
+        index = md.decode_pages.reshape(-1)
+        kd = halves[:, 0].index_select(0, index).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        vd = halves[:, 1].index_select(0, index).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md.decode_mask, scale=scale)
         out[:nd] = o.reshape(nd, -1, head_dim)
     for p in md.prefills:
