@@ -33,7 +33,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add(parser, "--ready-timeout", 300.0, type=float, help="seconds to wait for every process")
     add(parser, "--threads-per-worker", None, type=int, help="torch threads per worker (default: cores / workers)")
     add(parser, "--transfer-timeout", 30.0, type=float)
-    add(parser, "--heartbeat-timeout", 3.0, type=float)
+    add(parser, "--heartbeat-timeout", 5.0, type=float, help="seconds of silence before a worker is dropped")
     add(parser, "--max-queue", 256, type=int)
     add_engine_arguments(parser)
     args = parser.parse_args(argv)

@@ -16,7 +16,7 @@ def parse(argv: list[str]) -> SchedulerConfig:
     parser = argparse.ArgumentParser(prog="pagemesh scheduler", description=__doc__)
     add(parser, "--address", "tcp://127.0.0.1:5557", help="Router bind address")
     add(parser, "--ready-address", None)
-    add(parser, "--heartbeat-timeout", 3.0, type=float, help="seconds of silence before a worker is dropped")
+    add(parser, "--heartbeat-timeout", 5.0, type=float, help="seconds of silence before a worker is dropped")
     add(parser, "--max-queue", 256, type=int, help="queued requests before 503")
     add(parser, "--placement", "prefix", choices=PLACEMENTS, help="how to pick workers (see placement.py)")
     add(parser, "--prefix-weight", 1.0, type=float, help="prefix placement: weight of the cached share of the prompt")
