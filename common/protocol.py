@@ -24,7 +24,6 @@ import typing
 import warnings
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import msgpack
 

@@ -6,7 +6,7 @@ raises ValueError naming the offending field).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20

@@ -23,47 +23,16 @@ from workers.engine.beam import BeamState, expand
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.model_runner import ModelRunner
+from workers.engine.outputs import CompletionResult, PrefillResult, RequestOutput, SeqOutput
 from workers.engine.sampler import SampleRow, sample
 from workers.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
-from workers.engine.sequence import Sequence, TokenLogprobs
+from workers.engine.sequence import Sequence
 from workers.engine.stats import EngineStats
 from workers.model.llama import LlamaForCausalLM
 from workers.model.loader import load_model
 
 DEFAULT_CPU_KV_GB = 2.0
 MAX_DEFAULT_MODEL_LEN = 8192
-
-
-@dataclass
-class SeqOutput:
-    """What one choice of a request produced since the last step."""
-
-    index: int
-    new_token_ids: list[int]
-    logprobs: list[TokenLogprobs]
-    finish_reason: str | None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    outputs: list[SeqOutput]
-    finished: bool
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    queue_time: float | None = None  # on the request's first output: seconds it waited for a step
-
-
-@dataclass
-class CompletionResult:
-    """A finished request, as `generate` returns it."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[list[int]]  # one list per choice
-    texts: list[str]
-    finish_reasons: list[str]
-    logprobs: list[list[TokenLogprobs]]
 
 
 @dataclass
@@ -81,16 +50,6 @@ class _Request:
     @property
     def done(self) -> bool:
         return all(s.finished for s in self.seqs) and not any(s.pending_forks for s in self.seqs)
-
-
-@dataclass
-class PrefillResult:
-    """A prefill-only request whose first tokens are sampled; its pages wait to be sent."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    block_table: list[int]  # the prompt's pages (shared by every choice)
-    first_token_ids: list[int]  # one per choice, in choice order
 
 
 class Engine:
@@ -481,26 +440,6 @@ class Engine:
         self, prompts: Seq[str | Seq[int]], sampling_params: SamplingParams | Seq[SamplingParams]
     ) -> list[CompletionResult]:
         """Run prompts to completion together; results in prompt order."""
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-        for rid, prompt, params in zip(ids, prompts, sampling_params):
-            self.add_request(rid, prompt, params)
-        collected: dict[str, dict[int, tuple[list[int], list[TokenLogprobs], str | None]]] = {r: {} for r in ids}
-        prompt_ids = {rid: list(self.requests[rid].seqs[0].token_ids) for rid in ids}
-        pending = set(ids)
-        while pending:
-            for out in self.step():
-                for so in out.outputs:
-                    toks, lps, _ = collected[out.request_id].get(so.index, ([], [], None))
-                    collected[out.request_id][so.index] = (toks + so.new_token_ids, lps + so.logprobs, so.finish_reason)
-                if out.finished:
-                    pending.discard(out.request_id)
-        results = []
-        for rid in ids:
-            choices = [collected[rid][i] for i in sorted(collected[rid])]
-            texts = [self.tokenizer.decode(c[0]) if self.tokenizer else "" for c in choices]
-            results.append(
-                CompletionResult(rid, prompt_ids[rid], [c[0] for c in choices], texts, [c[2] for c in choices], [c[1] for c in choices])
-            )
-        return results
+        from workers.engine.offline import generate
+
+        return generate(self, prompts, sampling_params)
