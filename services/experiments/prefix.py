@@ -12,6 +12,7 @@ seeded random order, streamed over HTTP, with each placement policy.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 
 from common.model_files import resolve_model_path
@@ -80,6 +81,18 @@ def placement_switch() -> str | None:
     return None
 
 
+def prefill_counts(url: str, expected: int, timeout: float = 10.0) -> dict[str, float]:
+    """Requests each prefill worker finished, once /metrics has caught up with all `expected`
+    (workers report them with their heartbeats)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        per = {w: v for w, v in per_worker(metrics(url), "pagemesh_worker_requests_total").items()
+               if w.startswith("prefill")}
+        if sum(per.values()) >= expected or time.monotonic() > deadline:
+            return per
+        time.sleep(0.5)
+
+
 def mesh_points(ctx, setup: Setup) -> tuple[list[dict], str | None]:
     tokenizer = Tokenizer.from_path(resolve_model_path(ctx.model_path))
     workload = mesh_workload(ctx, setup, tokenizer)
@@ -95,10 +108,9 @@ def mesh_points(ctx, setup: Setup) -> tuple[list[dict], str | None]:
             env["PAGEMESH_PLACEMENT"] = policy
         with running_mesh(*flags, env=env) as url:
             summary, _ = bench(url, workload, tokenizer, setup.mesh_rate, ctx.seed)
-            per = per_worker(metrics(url), "pagemesh_worker_requests_total")
+            per = prefill_counts(url, expected=len(workload))
         how = " ".join(f"{k}={v}" for k, v in env.items()) + (" " if env else "") + "pagemesh up " + " ".join(flags)
-        points.append({"policy": policy, "command": how, "summary": summary,
-                       "prefill_requests": {w: v for w, v in per.items() if w.startswith("prefill")}})
+        points.append({"policy": policy, "command": how, "summary": summary, "prefill_requests": per})
     return points, switch
 
 
