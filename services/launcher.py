@@ -35,6 +35,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add(parser, "--transfer-timeout", 30.0, type=float)
     add(parser, "--heartbeat-timeout", 5.0, type=float, help="seconds of silence before a worker is dropped")
     add(parser, "--max-queue", 256, type=int)
+    add(parser, "--placement", "prefix", choices=["prefix", "load", "round-robin"], help="how the scheduler picks workers")
+    add(parser, "--prefix-weight", 1.0, type=float, help="prefix placement: weight of the cached share of the prompt")
+    add(parser, "--load-weight", 4.0, type=float, help="prefix placement: weight of running / max running")
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     mixed_only = args.mixed > 0
@@ -59,7 +62,8 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
     procs = [
         ("scheduler", ["scheduler", "--address", sched, "--heartbeat-timeout", str(args.heartbeat_timeout),
-                       "--max-queue", str(args.max_queue), *common]),
+                       "--max-queue", str(args.max_queue), "--placement", args.placement,
+                       "--prefix-weight", str(args.prefix_weight), "--load-weight", str(args.load_weight), *common]),
         ("tokenizer", ["tokenizer", "--address", tok, "--output-address", tok_out, "--scheduler-address", sched,
                        "--name", "tokenizer-0", *model, *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []), *common]),
     ]

@@ -1,89 +1,15 @@
-"""A real `pagemesh up` as a subprocess, and one load point against it with `pagemesh bench`'s
-runner and metrics (streaming over HTTP, vLLM's metric definitions).
-
-`running_mesh` is the same as tests/integration/mesh.py's, which tests own and services cannot
-import."""
+"""One load point against a real `pagemesh up` (services.local_mesh) with `pagemesh bench`'s
+runner and metrics (streaming over HTTP, vLLM's metric definitions)."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import re
-import signal
-import socket
-import subprocess
-import sys
-import threading
-import time
-import urllib.request
-from contextlib import contextmanager
 
 from services.bench.datasets import Conversation
 from services.bench.main import first_model
 from services.bench.metrics import summarize
 from services.bench.runner import LoadPoint, Target, run_point
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def running_mesh(*flags: str, env: dict[str, str] | None = None, timeout: float = 300.0):
-    """Yields the base URL once `pagemesh up` says it is up; always stops the whole mesh.
-    `env` adds environment variables (PAGEMESH_* flags reach every child process)."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", str(port), *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, **(env or {})})
-    lines: list[str] = []
-    up = threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if "pagemesh is up" in line:
-                up.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        deadline = time.monotonic() + timeout
-        while not up.wait(0.2):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("mesh did not start:\n" + "".join(lines[-40:]))
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def accepts(command: str, flag: str) -> bool:
-    """Whether `pagemesh COMMAND` has `flag` (for flags other engineers are adding)."""
-    out = subprocess.run([sys.executable, "-m", "services.cli", command, "--help"], capture_output=True, text=True,
-                         timeout=120)
-    return flag in out.stdout
-
-
-def metrics(base_url: str) -> dict[str, float]:
-    """Samples of /metrics as {'name{labels}': value}."""
-    text = urllib.request.urlopen(base_url + "/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
-
-
-def per_worker(samples: dict[str, float], name: str) -> dict[str, float]:
-    pattern = re.compile(re.escape(name) + r'\{worker="([^"]+)"\}')
-    return {m.group(1): v for k, v in samples.items() if (m := pattern.fullmatch(k))}
+from services.local_mesh import free_port, metrics, per_worker, running_mesh, wait_until  # noqa: F401 - re-exported
 
 
 def bench(base_url: str, conversations: list[Conversation], tokenizer, rate: float, seed: int) -> tuple[dict, list]:

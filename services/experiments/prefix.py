@@ -20,7 +20,7 @@ from common.tokenizer import Tokenizer
 from services.bench.datasets import Conversation, Turn, random_segment
 from services.bench.metrics import latency_stats
 from services.experiments.driver import drive
-from services.experiments.mesh import accepts, bench, metrics, per_worker, running_mesh
+from services.experiments.mesh import bench, metrics, per_worker, running_mesh
 from services.experiments.report import new_figure
 from services.experiments.workload import Job, fixed_output, random_prompt
 
@@ -71,16 +71,6 @@ def mesh_workload(ctx, setup: Setup, tokenizer) -> list[Conversation]:
                          system=rng.choice(systems)) for _ in range(setup.mesh_requests + 1)]
 
 
-def placement_switch() -> str | None:
-    """How to choose the placement: `pagemesh up --placement`, else the scheduler's own flag
-    through PAGEMESH_PLACEMENT (which `pagemesh up` passes on to its children), else not at all."""
-    if accepts("up", "--placement"):
-        return "flag"
-    if accepts("scheduler", "--placement"):
-        return "env"
-    return None
-
-
 def prefill_counts(url: str, expected: int, timeout: float = 10.0) -> dict[str, float]:
     """Requests each prefill worker finished, once /metrics has caught up with all `expected`
     (workers report them with their heartbeats)."""
@@ -96,28 +86,22 @@ def prefill_counts(url: str, expected: int, timeout: float = 10.0) -> dict[str, 
 def mesh_points(ctx, setup: Setup) -> tuple[list[dict], str | None]:
     tokenizer = Tokenizer.from_path(resolve_model_path(ctx.model_path))
     workload = mesh_workload(ctx, setup, tokenizer)
-    switch = placement_switch()
     model = ["--model", ctx.model_path] if ctx.model_path else []
     points = []
-    for policy in PLACEMENTS if switch else ("default",):
-        flags = ["--prefill", "2", "--decode", "1", "--threads-per-worker", "1", "--seed", str(ctx.seed), *model]
-        env = {}
-        if switch == "flag":
-            flags += ["--placement", policy]
-        elif switch == "env":
-            env["PAGEMESH_PLACEMENT"] = policy
-        with running_mesh(*flags, env=env) as url:
+    for policy in PLACEMENTS:
+        flags = ["--prefill", "2", "--decode", "1", "--threads-per-worker", "1", "--seed", str(ctx.seed),
+                 "--placement", policy, *model]
+        with running_mesh(*flags) as url:
             summary, _ = bench(url, workload, tokenizer, setup.mesh_rate, ctx.seed)
             per = prefill_counts(url, expected=len(workload))
-        how = " ".join(f"{k}={v}" for k, v in env.items()) + (" " if env else "") + "pagemesh up " + " ".join(flags)
-        points.append({"policy": policy, "command": how, "summary": summary, "prefill_requests": per})
-    return points, switch
+        points.append({"policy": policy, "command": "pagemesh up " + " ".join(flags), "summary": summary, "prefill_requests": per})
+    return points
 
 
 def run(ctx):
     setup = QUICK if ctx.quick else FULL
     engine_points = [engine_ttfts(ctx, setup, caching) for caching in (False, True)]
-    mesh, switch = mesh_points(ctx, setup)
+    mesh = mesh_points(ctx, setup)
 
     report = ctx.report("Prefix caching and prefix-aware placement")
     report.text(__doc__.split("\n\n", 1)[1])
@@ -144,13 +128,6 @@ def run(ctx):
                 f"(+1 unmeasured warm-up), Poisson at {setup.mesh_rate:g} req/s, each one of {setup.mesh_prefixes} "
                 f"system prompts of {setup.system_len} tokens (seeded random order) + {setup.user_len} new tokens, "
                 f"{setup.output_len} output tokens; token ids streamed over HTTP.")
-    if switch is None:
-        report.text("**Placement comparison not run:** neither `pagemesh up` nor `pagemesh scheduler` had a "
-                    "`--placement` flag when this ran. Shown instead: the scheduler's default placement on the same "
-                    "mesh and workload.")
-    elif switch == "env":
-        report.text("`pagemesh up` had no `--placement` flag yet when this ran, so the policy reached the scheduler "
-                    "through `PAGEMESH_PLACEMENT` (the scheduler's own `--placement`).")
     report.table(("placement", "command", "p50 TTFT (ms)", "p99 TTFT (ms)", "p50 ITL (ms)", "requests per prefill worker (with the warm-up)"),
                  [(p["policy"], f"`{p['command']}`", p["summary"]["median_ttft_ms"], p["summary"]["p99_ttft_ms"],
                    p["summary"]["median_itl_ms"], ", ".join(f"{w}: {v:.0f}" for w, v in sorted(p["prefill_requests"].items())))
@@ -175,5 +152,5 @@ def run(ctx):
         )
     key = (f"prefix: engine p50 TTFT cache on {on['rest']['median_ttft_ms']:.0f} ms vs off {off['rest']['median_ttft_ms']:.0f} ms; "
            f"mesh p50 TTFT " + ", ".join(f"{p['policy']} {p['summary']['median_ttft_ms']:.0f} ms" for p in mesh))
-    report.key = key + ("" if switch else " (no --placement flag yet)")
+    report.key = key
     return report
