@@ -150,7 +150,9 @@ def run_system(system: System, concurrencies: list[int]) -> dict:
             print(f"== {system.name}: concurrency {c}", flush=True)
             row["points"][c] = bench_point(system, server.url, c, tag)
         row["status"] = "ok"
-    except (RuntimeError, SystemExit, OSError) as e:
+    except SystemExit as e:   # pagemesh bench could not run a point (e.g. the server stopped answering)
+        row["status"] = f"failed: pagemesh bench exited with {e.code} (log {server.log.name})"
+    except (RuntimeError, OSError) as e:
         row["status"] = f"failed: {e} (log {server.log.name})"
     finally:
         server.stop()
