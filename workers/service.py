@@ -160,7 +160,7 @@ class WorkerService:
             self.kv_bytes_received += sum(memoryview(f).nbytes for f in frames)
             self._post(lambda rid=msg.request_id: self._maybe_import(rid))
 
-    async def _ack_loop(self, endpoint: str, dealer: Dealer) -> None:
+    async def _ack_loop(self, dealer: Dealer) -> None:
         while True:
             msg = await dealer.recv()
             if isinstance(msg, KVPagesAck):
@@ -315,7 +315,7 @@ class WorkerService:
         dealer = self.kv_out.get(endpoint)
         if dealer is None:
             dealer = self.kv_out[endpoint] = Dealer(endpoint, self.config.worker_id, options=KV)
-            asyncio.ensure_future(self._ack_loop(endpoint, dealer))
+            asyncio.ensure_future(self._ack_loop(dealer))
         self.outgoing[request_id] = _Outgoing(frames, time.monotonic() + self.config.transfer_timeout)
         await dealer.send_frames(frames)
         self.kv_bytes_sent += sum(t.numel() * t.element_size() for t in layers)

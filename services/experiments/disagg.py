@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from common.model_files import resolve_model_path
 from common.tokenizer import Tokenizer
 from services.bench.datasets import DatasetSpec, conversations
-from services.experiments.mesh import bench, metrics, running_mesh
+from services.experiments.mesh import bench
 from services.experiments.report import new_figure
+from services.local_mesh import metrics, running_mesh
 
 
 @dataclass(frozen=True)

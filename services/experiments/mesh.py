@@ -9,7 +9,6 @@ from services.bench.datasets import Conversation
 from services.bench.main import first_model
 from services.bench.metrics import summarize
 from services.bench.runner import LoadPoint, Target, run_point
-from services.local_mesh import free_port, metrics, per_worker, running_mesh, wait_until  # noqa: F401 - re-exported
 
 
 def bench(base_url: str, conversations: list[Conversation], tokenizer, rate: float, seed: int) -> tuple[dict, list]:

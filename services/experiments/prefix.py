@@ -20,9 +20,10 @@ from common.tokenizer import Tokenizer
 from services.bench.datasets import Conversation, Turn, random_segment
 from services.bench.metrics import latency_stats
 from services.experiments.driver import drive
-from services.experiments.mesh import bench, metrics, per_worker, running_mesh
+from services.experiments.mesh import bench
 from services.experiments.report import new_figure
 from services.experiments.workload import Job, fixed_output, random_prompt
+from services.local_mesh import metrics, per_worker, running_mesh
 
 PLACEMENTS = ("prefix", "round-robin")
 

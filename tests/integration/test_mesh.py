@@ -13,7 +13,7 @@ import pytest
 
 from common.model_files import DEFAULT_MODEL_NAME
 from common.sampling import SamplingParams
-from tests.integration.mesh import metrics, per_worker, running_mesh, wait_until
+from services.local_mesh import metrics, per_worker, running_mesh, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = DEFAULT_MODEL_NAME

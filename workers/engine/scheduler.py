@@ -132,10 +132,6 @@ class Scheduler:
             self._admit_waiting(plan, budget)
         return plan
 
-    @property
-    def has_pending_swaps(self) -> bool:
-        return bool(self.discarded_swaps)
-
     def _schedule_decodes(self, plan: StepPlan, budget: int) -> int:
         scheduled: set[int] = set()
         for seq in list(self.running):
