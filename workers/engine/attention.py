@@ -6,8 +6,9 @@ Per layer the pool is `kv[page, 2, slot, kv_head, head_dim]` (DESIGN.md §3). Vi
 computed once per step (`AttentionMetadata.build`) and reused by every layer.
 
 Batch order: the scheduler puts decodes (one query token each) first; they are attended in one
-batched SDPA call over their gathered, padded contexts. Prefill chunks follow, one SDPA call each,
-causal inside the chunk and attending to the sequence's earlier pages.
+batched SDPA call over their gathered, padded contexts (or, with the C kernels of `kernels.cpu`,
+by a kernel that reads the pages in place). Prefill chunks follow, one SDPA call each, causal
+inside the chunk and attending to the sequence's earlier pages.
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ class AttentionMetadata:
         page_size: int,
         device: torch.device,
         for_cpu: bool,
+        decode_gather: bool = True,
     ) -> "AttentionMetadata":
+        """for_cpu: build the prefill slices (and, with decode_gather, the row indices of the
+        torch decode path); the GPU kernels and the C decode kernel read block tables."""
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
@@ -83,14 +87,16 @@ class AttentionMetadata:
             page_size=page_size,
         )
         if for_cpu:
-            md._build_cpu_indices(query_lens, seq_lens, pages)
+            md._build_cpu_indices(query_lens, seq_lens, pages, decode_gather)
         return md.to(device)
 
-    def _build_cpu_indices(self, query_lens: list[int], seq_lens: list[int], token_pages: torch.Tensor) -> None:
+    def _build_cpu_indices(
+        self, query_lens: list[int], seq_lens: list[int], token_pages: torch.Tensor, decode_gather: bool
+    ) -> None:
         size = self.page_size
         self.write_index = token_pages * 2 * size + self.positions % size
         table = self.block_tables.to(torch.int64)
-        if self.num_decodes:
+        if self.num_decodes and decode_gather:
             lens = self.seq_lens[: self.num_decodes].to(torch.int64)
             num_pages = -(-int(lens.max()) // size)
             self.decode_pages = table[: self.num_decodes, :num_pages]
@@ -126,7 +132,6 @@ def paged_attention_torch(
 ) -> torch.Tensor:
     """q: [T, H, D]; kv_layer: [P, 2, S, KVH, D] with this step's K/V already written."""
     num_kv_heads, head_dim = kv_layer.shape[-2:]
-    flat = kv_layer.view(-1, num_kv_heads, head_dim)
     out = torch.empty_like(q)
     group = q.shape[1] // num_kv_heads
     nd = md.num_decodes
@@ -142,6 +147,17 @@ def paged_attention_torch(
         vd = halves[:, 1].index_select(0, index).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md.decode_mask, scale=scale)
         out[:nd] = o.reshape(nd, -1, head_dim)
+    prefill_attention_torch(q, kv_layer, md, scale, out)
+    return out
+
+
+def prefill_attention_torch(
+    q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata, scale: float, out: torch.Tensor
+) -> None:
+    """The prefill chunks of the batch (after its decodes), one SDPA call each, into `out`."""
+    num_kv_heads, head_dim = kv_layer.shape[-2:]
+    flat = kv_layer.view(-1, num_kv_heads, head_dim)
+    group = q.shape[1] // num_kv_heads
     for p in md.prefills:
         qp = q[p.query_start : p.query_start + p.query_len].transpose(0, 1).unsqueeze(0)
         kp = flat[p.key_index].transpose(0, 1).unsqueeze(0)
@@ -150,4 +166,3 @@ def paged_attention_torch(
             qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=group > 1
         )
         out[p.query_start : p.query_start + p.query_len] = o[0].transpose(0, 1)
-    return out

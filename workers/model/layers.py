@@ -47,6 +47,7 @@ class ColumnParallelLinear(nn.Module):
         self.local_sizes = [tp.shard(size, "output")[1] for size in output_sizes]
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)), requires_grad=False) if bias else None
+        self.packed: torch.Tensor | None = None  # see pack_linear_weights
 
     def load_part(self, part: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Copy this rank's shard of full sub-matrix `part` into place."""
@@ -57,7 +58,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias.data[offset : offset + size].copy_(bias[start : start + size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class RowParallelLinear(nn.Module):
@@ -68,12 +69,43 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.in_start, local_in = tp.shard(in_features, "input")
         self.weight = nn.Parameter(torch.empty(out_features, local_in), requires_grad=False)
+        self.packed: torch.Tensor | None = None  # see pack_linear_weights
 
     def load(self, weight: torch.Tensor) -> None:
         self.weight.data.copy_(weight[:, self.in_start : self.in_start + self.weight.shape[1]])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return self.tp.all_reduce(linear(x, self.weight, None, self.packed))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ b); through the oneDNN-packed copy of W when there is one."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def pack_linear_weights(model: nn.Module, batch_hint: int = 32) -> bool:
+    """On a CPU, reorder every bf16 linear weight (and the LM head) once into oneDNN's blocked
+    layout, so that a matmul no longer reorders its weight on every call (~1.6x faster at decode
+    batch sizes here, bit-identical results). The dense weights are released: call after loading.
+    fp32 keeps the dense path (its packed matmuls round differently from the HF reference).
+    Returns whether anything was packed."""
+    modules = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    if not modules or modules[0].weight.dtype != torch.bfloat16 or modules[0].weight.device.type != "cpu":
+        return False
+    try:
+        probe = torch.ops.mkldnn._reorder_linear_weight(modules[0].weight.detach(), batch_hint)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, probe.shape[1], dtype=torch.bfloat16), probe, None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return False
+    for m in modules:
+        m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), batch_hint)
+        m.weight.data = m.weight.data.new_empty(0)
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        head.packed = torch.ops.mkldnn._reorder_linear_weight(head.weight.detach(), batch_hint)
+    return True
 
 
 class VocabEmbedding(nn.Module):
@@ -82,6 +114,7 @@ class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden), requires_grad=False)
+        self.packed: torch.Tensor | None = None  # as the LM head: see pack_linear_weights
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)

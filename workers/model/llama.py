@@ -22,6 +22,7 @@ from workers.model.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabEmbedding,
+    linear,
 )
 from workers.model.ops import ModelOps
 
@@ -115,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
         x, _ = self.norm(x, residual, ctx.ops)
-        return torch.nn.functional.linear(x[logit_rows], self.lm_head.weight).float()
+        return linear(x[logit_rows], self.lm_head.weight, None, self.lm_head.packed).float()
 
     # ---- weights --------------------------------------------------------------------------
     _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")

@@ -1,4 +1,5 @@
-"""The model's non-attention math, chosen once per device: torch on CPU, Triton kernels on CUDA.
+"""The model's non-attention math, chosen once per device: Triton kernels on CUDA; on a CPU the
+C kernels of `kernels.cpu` (plain torch where no C compiler is found, or PAGEMESH_CPU_KERNELS=0).
 
 Both classes have the same methods; the model reaches them through `ForwardContext.ops`, so no
 layer knows which device it runs on (attention goes through `ForwardContext.backend` the same way).
@@ -46,6 +47,30 @@ class TorchOps:
         return F.silu(gate) * up
 
 
+class CpuKernelOps:
+    """The C kernels of `kernels.cpu`, with TorchOps' numerics (fp32 statistics, the model
+    dtype's rounding after each op). `rotary` and `rms_norm` work in place: the rotated q/k are
+    the projection's own memory, the residual stream is updated where it lies."""
+
+    def __init__(self) -> None:
+        import kernels.cpu
+
+        self.kernels = kernels.cpu
+
+    def rms_norm(self, x, residual, weight, eps):
+        return self.kernels.add_rms_norm(x, residual, weight, eps)
+
+    def rope_tables(self, cos_sin_cache, positions, dtype):
+        return cos_sin_cache, positions  # the kernel reads each token's row itself
+
+    def rotary(self, q, k, tables):
+        cos_sin_cache, positions = tables
+        return self.kernels.rotary_(q, k, positions, cos_sin_cache)
+
+    def silu_and_mul(self, x):
+        return self.kernels.silu_and_mul(x)
+
+
 class TritonOps:
     """The Triton kernels of `kernels/`: fp32 math inside each kernel, one launch per op, no host
     synchronisation (so a decode step can be captured in a CUDA graph)."""
@@ -71,11 +96,20 @@ class TritonOps:
         return self.kernels.silu_and_mul(x)
 
 
-ModelOps = TorchOps | TritonOps
+ModelOps = TorchOps | CpuKernelOps | TritonOps
 
 
-def ops_for(device: torch.device) -> ModelOps:
-    return TritonOps() if device.type == "cuda" else TorchOps()
+def cpu_kernels_usable(dtype: torch.dtype) -> bool:
+    """Whether the C kernels run this dtype here (building them on first call)."""
+    import kernels.cpu
+
+    return kernels.cpu.supports(dtype) and kernels.cpu.available()
+
+
+def ops_for(device: torch.device, dtype: torch.dtype) -> ModelOps:
+    if device.type == "cuda":
+        return TritonOps()
+    return CpuKernelOps() if cpu_kernels_usable(dtype) else TorchOps()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

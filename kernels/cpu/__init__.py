@@ -1,0 +1,174 @@
+"""CPU kernels in C (`pagemesh_cpu.c`), for the model runner's CPU path.
+
+The Triton kernels next door are the GPU path; on a CPU, Triton only interprets. These do the
+same jobs in compiled C with OpenMP (sharing torch's OpenMP threads), on fp32 or bf16 tensors:
+
+    add_rms_norm(x, residual, weight, eps) -> (out, residual)   residual updated in place
+    silu_and_mul(x) -> out
+    rotary_(q, k, positions, cos_sin_cache) -> (q, k)            in place
+    write_kv(k, v, kv_layer, slot_mapping) -> None               into the pages
+    paged_attention(q, kv_layer, block_tables, seq_lens, query_start_loc, scale) -> out
+
+`available()` builds the library on first use (a second or two with gcc) and says whether it
+loaded; callers fall back to torch when it did not. Shapes and strides are checked here, before
+the C code, which trusts them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from kernels.cpu import build
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+_P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "pm_add_rms_norm": [_P, _P, _P, _P, _I64, _I64, _F, _I32],
+    "pm_silu_and_mul": [_P, _P, _I64, _I64, _I32],
+    "pm_rotary": [_P, _I64, _P, _I64, _I64, _I32, _I32, _I32, _P, _P, _I32],
+    "pm_write_kv": [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _I32, _I32],
+    "pm_paged_attention": [_P, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F, _I32],
+}
+
+
+def available() -> bool:
+    """Build and load the library once; False (with `load_error()`) where that fails or
+    PAGEMESH_CPU_KERNELS=0."""
+    global _lib, _error
+    if _lib is not None:
+        return True
+    if _error is not None:
+        return False
+    if os.environ.get("PAGEMESH_CPU_KERNELS", "1") == "0":
+        _error = "disabled by PAGEMESH_CPU_KERNELS=0"
+        return False
+    try:
+        lib = ctypes.CDLL(str(build.library_path()))
+    except (build.BuildError, OSError) as e:
+        _error = str(e)
+        return False
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    _lib = lib
+    return True
+
+
+def load_error() -> str | None:
+    return _error
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in _DTYPES
+
+
+def _code(t: torch.Tensor) -> int:
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"CPU kernels take float32 or bfloat16, not {t.dtype}")
+    if t.device.type != "cpu":
+        raise ValueError("CPU kernels take CPU tensors")
+    return _DTYPES[t.dtype]
+
+
+def _rows(t: torch.Tensor, name: str) -> int:
+    """Row stride of a [rows, ...] tensor whose rows are each contiguous."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != expected:
+            raise ValueError(f"{name}: each row must be contiguous")
+        expected *= size
+    return t.stride(0)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    dt = _code(x)
+    if not x.is_contiguous() or (residual is not None and (not residual.is_contiguous() or residual.shape != x.shape)):
+        raise ValueError("add_rms_norm: x and residual must be contiguous and of one shape")
+    if weight.dtype != x.dtype or weight.shape != x.shape[-1:]:
+        raise ValueError("add_rms_norm: weight must be [hidden] in x's dtype")
+    cols = x.shape[-1]
+    out = torch.empty_like(x)
+    _lib.pm_add_rms_norm(
+        x.data_ptr(), residual.data_ptr() if residual is not None else None, out.data_ptr(), weight.data_ptr(),
+        x.numel() // cols, cols, eps, dt,
+    )
+    return out, (x if residual is None else residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    dt = _code(x)
+    if not x.is_contiguous() or x.shape[-1] % 2:
+        raise ValueError("silu_and_mul: x must be contiguous with an even last dimension")
+    cols = x.shape[-1] // 2
+    out = x.new_empty(*x.shape[:-1], cols)
+    _lib.pm_silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // (2 * cols), cols, dt)
+    return out
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor):
+    """q [T, H, D], k [T, KVH, D] (rows may be strided, heads contiguous), rotated in place."""
+    dt = _code(q)
+    tokens, heads, dim = q.shape
+    if k.dtype != q.dtype or k.shape[0] != tokens or k.shape[2] != dim:
+        raise ValueError("rotary_: q and k must share dtype, token count and head_dim")
+    if positions.dtype != torch.int64 or positions.shape != (tokens,) or not positions.is_contiguous():
+        raise ValueError("rotary_: positions must be a contiguous int64 [T]")
+    if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous() or cos_sin_cache.shape[1] != dim:
+        raise ValueError("rotary_: cos_sin_cache must be a contiguous fp32 [max_pos, head_dim]")
+    _lib.pm_rotary(
+        q.data_ptr(), _rows(q, "q"), k.data_ptr(), _rows(k, "k"), tokens, heads, k.shape[1], dim,
+        positions.data_ptr(), cos_sin_cache.data_ptr(), dt,
+    )
+    return q, k
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v [T, KVH, D] into kv_layer [pages, 2, page_size, KVH, D] at slot_mapping (int64 [T])."""
+    dt = _code(k)
+    if v.dtype != k.dtype or kv_layer.dtype != k.dtype or v.shape != k.shape or kv_layer.shape[-2:] != k.shape[1:]:
+        raise ValueError("write_kv: k, v and the KV layer must agree in dtype and [kv_heads, head_dim]")
+    if not kv_layer.is_contiguous() or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
+        raise ValueError("write_kv: contiguous KV layer and int64 slot mapping required")
+    _lib.pm_write_kv(
+        k.data_ptr(), _rows(k, "k"), v.data_ptr(), _rows(v, "v"), k.shape[0], k.shape[1] * k.shape[2],
+        kv_layer.data_ptr(), slot_mapping.data_ptr(), kv_layer.shape[2], dt,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of q [T, H, D] (sequence s's rows query_start_loc[s]:[s+1], the last of
+    them its newest token) over the pages of block_tables [S, max_pages] (int32); seq_lens
+    (int32 [S]) counts each sequence's tokens including this step's. Returns [T, H, D]."""
+    dt = _code(q)
+    tokens, heads, dim = q.shape
+    num_kv_heads = kv_layer.shape[-2]
+    if kv_layer.dtype != q.dtype or kv_layer.shape[-1] != dim or heads % num_kv_heads or not kv_layer.is_contiguous():
+        raise ValueError("paged_attention: q and a contiguous KV layer must agree in dtype and head_dim")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if t.dtype != torch.int32 or not t.is_contiguous():
+            raise ValueError(f"paged_attention: {name} must be contiguous int32")
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape != (num_seqs + 1,) or block_tables.shape[0] != num_seqs:
+        raise ValueError("paged_attention: one block table row and seq_len per sequence, S+1 query starts")
+    if int(query_start_loc[-1]) != tokens:
+        raise ValueError("paged_attention: query_start_loc[-1] must equal the number of query rows")
+    out = q.new_empty(tokens, heads, dim)
+    _lib.pm_paged_attention(
+        q.data_ptr(), _rows(q, "q"), out.data_ptr(), kv_layer.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), num_seqs, heads,
+        num_kv_heads, dim, kv_layer.shape[2], scale, dt,
+    )
+    return out

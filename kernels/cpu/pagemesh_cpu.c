@@ -1,0 +1,266 @@
+/* pagemesh's CPU kernels: the ops around a Llama layer, on fp32 or bf16 rows, with OpenMP.
+ *
+ * Built at first use by kernels/cpu/build.py (cc -O3 -march=native -ffast-math -fopenmp) and
+ * called through ctypes by kernels/cpu/__init__.py, which checks shapes, dtypes and strides; the
+ * functions here trust their arguments.
+ *
+ * Numerics follow Hugging Face Llama in the model dtype: fp32 statistics, and for bf16 each
+ * step that torch would round (x + residual, the normed row, weight * normed, x * cos, ...)
+ * rounds here too, to nearest even.
+ *
+ * KV pool of one layer: kv[page][2][slot][kv_head][head_dim] (DESIGN.md section 3): the K of
+ * the token in slot o of page p starts at ((p * 2 + 0) * page_size + o) * kv_heads * head_dim,
+ * its V page_size rows further.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { DT_F32 = 0, DT_BF16 = 1 };
+
+typedef uint16_t bf16;
+
+static inline float bf16_to_f32(bf16 h) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)h << 16;
+    return c.f;
+}
+
+static inline bf16 f32_to_bf16(float f) {
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    uint32_t u = c.u;
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (bf16)(u >> 16);
+}
+
+/* the value a bf16 tensor would hold after this op */
+static inline float round_dt(float f, int dt) { return dt == DT_BF16 ? bf16_to_f32(f32_to_bf16(f)) : f; }
+
+static inline void load_row(float *dst, const void *src, int64_t n, int dt) {
+    if (dt == DT_BF16) {
+        const bf16 *s = (const bf16 *)src;
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+static inline void store_row(void *dst, const float *src, int64_t n, int dt) {
+    if (dt == DT_BF16) {
+        bf16 *d = (bf16 *)dst;
+        for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+static inline int64_t elem_size(int dt) { return dt == DT_BF16 ? 2 : 4; }
+
+/* exp on [-87, 88] to ~2 ulp; plain float arithmetic so that loops over it vectorize */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * c.f;
+}
+
+/* out = weight * norm(x + residual); residual <- x + residual (in place). residual NULL: the
+ * sum is x itself. rows of `cols` values, contiguous. */
+void pm_add_rms_norm(const void *x, void *residual, void *out, const void *weight, int64_t rows,
+                     int64_t cols, float eps, int dt) {
+    const int64_t es = elem_size(dt);
+#pragma omp parallel for schedule(static) if (rows * cols > 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        float sum[cols], w[cols];
+        load_row(sum, (const char *)x + r * cols * es, cols, dt);
+        if (residual != NULL) {
+            float res[cols];
+            load_row(res, (char *)residual + r * cols * es, cols, dt);
+            for (int64_t i = 0; i < cols; i++) sum[i] = round_dt(sum[i] + res[i], dt);
+            store_row((char *)residual + r * cols * es, sum, cols, dt);
+        }
+        float ss = 0.0f;
+        for (int64_t i = 0; i < cols; i++) ss += sum[i] * sum[i];
+        float inv = 1.0f / __builtin_sqrtf(ss / (float)cols + eps);
+        load_row(w, weight, cols, dt);
+        for (int64_t i = 0; i < cols; i++) sum[i] = round_dt(w[i] * round_dt(sum[i] * inv, dt), dt);
+        store_row((char *)out + r * cols * es, sum, cols, dt);
+    }
+}
+
+/* out[t] = silu(x[t, :cols]) * x[t, cols:] */
+void pm_silu_and_mul(const void *x, void *out, int64_t rows, int64_t cols, int dt) {
+    const int64_t es = elem_size(dt);
+#pragma omp parallel for schedule(static) if (rows * cols > 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        float g[cols], u[cols];
+        load_row(g, (const char *)x + r * 2 * cols * es, cols, dt);
+        load_row(u, (const char *)x + (r * 2 + 1) * cols * es, cols, dt);
+        for (int64_t i = 0; i < cols; i++) g[i] = round_dt(round_dt(g[i] / (1.0f + exp_approx(-g[i])), dt) * u[i], dt);
+        store_row((char *)out + r * cols * es, g, cols, dt);
+    }
+}
+
+/* Rotate-half RoPE of one head in place: x[i], x[i+half] with the token's cos/sin. */
+static inline void rope_head(float *x, const float *cos, const float *sin, int half, int dt) {
+    for (int i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = round_dt(round_dt(a * cos[i], dt) + round_dt(-b * sin[i], dt), dt);
+        x[i + half] = round_dt(round_dt(b * cos[i], dt) + round_dt(a * sin[i], dt), dt);
+    }
+}
+
+/* RoPE in place on q [tokens][num_heads][head_dim] and k [tokens][num_kv_heads][head_dim], rows
+ * q_stride / k_stride values apart (views into the fused qkv projection), at `positions`
+ * (int64) from cos_sin_cache [max_pos][head_dim] (cos | sin, fp32). */
+void pm_rotary(void *q, int64_t q_stride, void *k, int64_t k_stride, int64_t tokens, int num_heads,
+               int num_kv_heads, int head_dim, const int64_t *positions, const float *cos_sin_cache, int dt) {
+    const int64_t es = elem_size(dt);
+    const int half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (tokens > 16)
+    for (int64_t t = 0; t < tokens; t++) {
+        float cos[half], sin[half], head[head_dim];
+        const float *cs = cos_sin_cache + positions[t] * head_dim;
+        for (int i = 0; i < half; i++) {
+            cos[i] = round_dt(cs[i], dt);
+            sin[i] = round_dt(cs[half + i], dt);
+        }
+        for (int h = 0; h < num_heads + num_kv_heads; h++) {
+            char *p = h < num_heads ? (char *)q + (t * q_stride + (int64_t)h * head_dim) * es
+                                    : (char *)k + (t * k_stride + (int64_t)(h - num_heads) * head_dim) * es;
+            load_row(head, p, head_dim, dt);
+            rope_head(head, cos, sin, half, dt);
+            store_row(p, head, head_dim, dt);
+        }
+    }
+}
+
+/* Write each token's k and v rows (kv_row = kv_heads * head_dim values each, rows k_stride /
+ * v_stride apart) into its slot of the paged KV layer; slot = page * page_size + offset. */
+void pm_write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, int64_t tokens,
+                 int64_t kv_row, void *kv_layer, const int64_t *slot_mapping, int page_size, int dt) {
+    const int64_t es = elem_size(dt);
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t page = slot_mapping[t] / page_size, offset = slot_mapping[t] % page_size;
+        char *k_dst = (char *)kv_layer + ((page * 2) * page_size + offset) * kv_row * es;
+        memcpy(k_dst, (const char *)k + t * k_stride * es, (size_t)(kv_row * es));
+        memcpy(k_dst + (int64_t)page_size * kv_row * es, (const char *)v + t * v_stride * es, (size_t)(kv_row * es));
+    }
+}
+
+/* Attention of every query token over its sequence's pages, causal, GQA.
+ *
+ * Sequence s owns query rows query_start_loc[s] .. query_start_loc[s+1]-1 of q (rows `q_stride`
+ * values apart, heads contiguous in a row) and has seq_lens[s] tokens in the pool after this
+ * step; its last query row is the last token, so query row i of a chunk of n sees the first
+ * seq_len - n + i + 1 tokens. One work item = one query row, all heads: every K/V row (all KV
+ * heads, contiguous) is read once and serves each KV head's group of query heads. Two passes over the context (scores, then the
+ * softmax-weighted V sum); the scores of an item live in a per-thread buffer. */
+/* Ask for the next page's K or V block (page_size rows) while this one is read: pages of one
+ * sequence are not adjacent in the pool, so the hardware prefetchers lose the stream at each. */
+static inline void prefetch_block(const char *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+}
+
+/* One work item of pm_paged_attention: query row t (all heads) over the first n tokens of the
+ * sequence's pages, each K/V row (all KV heads) read once, contiguously. HD is a compile-time
+ * constant in the specialised copies below. scores: [num_heads][n]. */
+static inline __attribute__((always_inline)) void attend_item(
+    const void *q, int64_t q_stride, void *out, const void *kv_layer, const int32_t *pages, int64_t t, int n,
+    int num_heads, int num_kv_heads, const int HD, int page_size, float scale, int dt, float *scores) {
+    const int64_t es = elem_size(dt);
+    const int group = num_heads / num_kv_heads;
+    const int64_t kv_row = (int64_t)num_kv_heads * HD;
+    float qf[num_heads * HD], acc[num_heads * HD], row[kv_row];
+    load_row(qf, (const char *)q + t * q_stride * es, (int64_t)num_heads * HD, dt);
+    for (int i = 0; i < num_heads * HD; i++) qf[i] *= scale;
+    for (int j0 = 0, pi = 0; j0 < n; j0 += page_size, pi++) {
+        const int64_t page = pages[pi];
+        const int len = n - j0 < page_size ? n - j0 : page_size;
+        const char *k = (const char *)kv_layer + (page * 2) * page_size * kv_row * es;
+        if (j0 + page_size < n)
+            prefetch_block((const char *)kv_layer + ((int64_t)pages[pi + 1] * 2) * page_size * kv_row * es,
+                           page_size * kv_row * es);
+        for (int o = 0; o < len; o++) {
+            load_row(row, k + o * kv_row * es, kv_row, dt);
+            for (int h = 0; h < num_heads; h++) {
+                const float *kh = row + (h / group) * HD, *qh = qf + h * HD;
+                float dot = 0.0f;
+                for (int d = 0; d < HD; d++) dot += qh[d] * kh[d];
+                scores[h * n + j0 + o] = dot;
+            }
+        }
+    }
+    for (int h = 0; h < num_heads; h++) {
+        float *sc = scores + h * n, mx = sc[0], sum = 0.0f;
+        for (int j = 1; j < n; j++) mx = sc[j] > mx ? sc[j] : mx;
+        for (int j = 0; j < n; j++) {
+            sc[j] = exp_approx(sc[j] - mx);
+            sum += sc[j];
+        }
+        const float inv = 1.0f / sum;
+        for (int j = 0; j < n; j++) sc[j] *= inv;
+    }
+    for (int i = 0; i < num_heads * HD; i++) acc[i] = 0.0f;
+    for (int j0 = 0, pi = 0; j0 < n; j0 += page_size, pi++) {
+        const int64_t page = pages[pi];
+        const int len = n - j0 < page_size ? n - j0 : page_size;
+        const char *v = (const char *)kv_layer + (page * 2 + 1) * page_size * kv_row * es;
+        if (j0 + page_size < n)
+            prefetch_block((const char *)kv_layer + ((int64_t)pages[pi + 1] * 2 + 1) * page_size * kv_row * es,
+                           page_size * kv_row * es);
+        for (int o = 0; o < len; o++) {
+            load_row(row, v + o * kv_row * es, kv_row, dt);
+            for (int h = 0; h < num_heads; h++) {
+                const float p = scores[h * n + j0 + o], *vh = row + (h / group) * HD;
+                float *ah = acc + h * HD;
+                for (int d = 0; d < HD; d++) ah[d] += p * vh[d];
+            }
+        }
+    }
+    store_row((char *)out + t * num_heads * HD * es, acc, (int64_t)num_heads * HD, dt);
+}
+
+#define ATTEND_ITEM(HD_, DT_) \
+    attend_item(q, q_stride, out, kv_layer, pages, t, n, num_heads, num_kv_heads, HD_, page_size, scale, DT_, scores)
+
+void pm_paged_attention(const void *q, int64_t q_stride, void *out, const void *kv_layer,
+                        const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                        const int32_t *query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
+                        int head_dim, int page_size, float scale, int dt) {
+    const int64_t tokens = query_start_loc[num_seqs];
+    int max_len = 0;
+    int32_t *seq_of_token = (int32_t *)malloc(sizeof(int32_t) * (size_t)(tokens > 0 ? tokens : 1));
+    for (int s = 0; s < num_seqs; s++) {
+        if (seq_lens[s] > max_len) max_len = seq_lens[s];
+        for (int32_t t = query_start_loc[s]; t < query_start_loc[s + 1]; t++) seq_of_token[t] = s;
+    }
+#pragma omp parallel if (tokens * max_len > 1024)
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)num_heads * (size_t)(max_len > 0 ? max_len : 1));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tokens; t++) {
+            const int s = seq_of_token[t];
+            const int q_len = query_start_loc[s + 1] - query_start_loc[s];
+            const int n = seq_lens[s] - q_len + (int)(t - query_start_loc[s]) + 1;
+            const int32_t *pages = block_tables + (int64_t)s * bt_stride;
+            if (head_dim == 64 && dt == DT_BF16) ATTEND_ITEM(64, DT_BF16);
+            else if (head_dim == 64) ATTEND_ITEM(64, DT_F32);
+            else if (head_dim == 128 && dt == DT_BF16) ATTEND_ITEM(128, DT_BF16);
+            else if (head_dim == 128) ATTEND_ITEM(128, DT_F32);
+            else ATTEND_ITEM(head_dim, dt);
+        }
+        free(scores);
+    }
+    free(seq_of_token);
+}

@@ -1,0 +1,165 @@
+"""The C kernels of `kernels.cpu` against the torch code they replace (and the kernels' reference)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernels.cpu as ck
+from kernels.reference import paged_attention_ref
+from kernels.testing import make_paged_batch
+from workers.engine.attention import AttentionMetadata, write_kv_torch
+from workers.model.layers import pack_linear_weights
+from workers.model.ops import TorchOps
+
+pytestmark = pytest.mark.skipif(not ck.available(), reason=f"C kernels did not build: {ck.load_error()}")
+TOL = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 4, 128), (8, 2, 32)])
+@pytest.mark.parametrize("page_size", [8, 16])
+def test_paged_attention_matches_the_reference(dtype, heads, kv_heads, head_dim, page_size):
+    # decodes, a fresh prompt, a chunk continuing earlier pages; unowned slots hold NaN
+    query_lens, seq_lens = [1, 1, 1, 7, 5], [9, 33, 16, 7, 29]
+    b = make_paged_batch(query_lens, seq_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                         page_size=page_size, dtype=dtype, device="cpu", seed=5, poison=True)
+    got = ck.paged_attention(b.q, b.kv_layer, b.block_tables, b.seq_lens, b.query_start_loc, b.scale)
+    want = paged_attention_ref(*b.attention_args())
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+def test_paged_attention_reads_q_rows_from_a_strided_view():
+    b = make_paged_batch([1, 1, 3], [40, 2, 19], num_heads=6, num_kv_heads=2, head_dim=64, page_size=16,
+                         dtype=torch.float32, device="cpu", seed=2)
+    qkv = torch.cat([b.q.flatten(1), torch.randn(b.q.shape[0], 256)], dim=1)  # q is a strided view
+    q = qkv[:, : 6 * 64].view(-1, 6, 64)
+    got = ck.paged_attention(q, b.kv_layer, b.block_tables, b.seq_lens, b.query_start_loc, b.scale)
+    torch.testing.assert_close(got, paged_attention_ref(*b.attention_args()), atol=2e-6, rtol=2e-6)
+
+
+def test_paged_attention_rejects_bad_arguments():
+    b = make_paged_batch([1, 1], [5, 9], num_heads=4, num_kv_heads=2, head_dim=32, page_size=8,
+                         dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="int32"):
+        ck.paged_attention(b.q, b.kv_layer, b.block_tables.long(), b.seq_lens, b.query_start_loc, b.scale)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        ck.paged_attention(b.q[:1], b.kv_layer, b.block_tables, b.seq_lens, b.query_start_loc, b.scale)
+    with pytest.raises(TypeError, match="float16"):
+        ck.paged_attention(b.q.half(), b.kv_layer.half(), b.block_tables, b.seq_lens, b.query_start_loc, b.scale)
+    with pytest.raises(ValueError, match="contiguous"):
+        ck.paged_attention(b.q.transpose(1, 2).contiguous().transpose(1, 2), b.kv_layer, b.block_tables,
+                           b.seq_lens, b.query_start_loc, b.scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_matches_torch_ops_and_updates_the_residual_in_place(dtype, with_residual):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 576, generator=gen).to(dtype)
+    residual = torch.randn(37, 576, generator=gen).to(dtype) if with_residual else None
+    weight = (1 + 0.1 * torch.randn(576, generator=gen)).to(dtype)
+    want_out, want_res = TorchOps().rms_norm(x, residual, weight, 1e-5)
+    given = residual.clone() if with_residual else None
+    out, res = ck.add_rms_norm(x, given, weight, 1e-5)
+    if with_residual:
+        assert res.data_ptr() == given.data_ptr()
+    torch.testing.assert_close(res, want_res, atol=0, rtol=0)  # x + residual: one rounding, exact
+    # bf16: the normed value may land on the other side of a rounding boundary (1 ulp)
+    torch.testing.assert_close(out.float(), want_out.float(), **TOL[dtype])
+    if dtype == torch.bfloat16:
+        assert (out != want_out).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_torch_ops(dtype):
+    x = (3 * torch.randn(33, 2 * 1536, generator=torch.Generator().manual_seed(1))).to(dtype)
+    torch.testing.assert_close(ck.silu_and_mul(x).float(), TorchOps().silu_and_mul(x).float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_on_qkv_views_matches_torch_ops(dtype):
+    from workers.model.layers import RotaryEmbedding
+
+    rope = RotaryEmbedding(64, 4096, 10000.0, None)
+    tokens, heads, kv_heads = 21, 9, 3
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(3))
+    q, k, _ = qkv.split([heads * 64, kv_heads * 64, kv_heads * 64], dim=-1)
+    q, k = q.view(tokens, heads, 64), k.view(tokens, kv_heads, 64)
+    ops = TorchOps()
+    want_q, want_k = ops.rotary(q, k, ops.rope_tables(rope.cos_sin_cache, positions, dtype))
+    v_before = qkv[:, (heads + kv_heads) * 64 :].clone()
+    got_q, got_k = ck.rotary_(q, k, positions, rope.cos_sin_cache)
+    assert got_q.data_ptr() == q.data_ptr()
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=0)
+    torch.testing.assert_close(got_q, want_q, **tol)
+    torch.testing.assert_close(got_k, want_k, **tol)
+    assert torch.equal(qkv[:, (heads + kv_heads) * 64 :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_fills_the_same_slots_as_the_torch_path(dtype):
+    page_size, kv_heads = 16, 3
+    tables = [[4, 9], [2], [7, 1, 5]]
+    query_lens, seq_lens = [1, 3, 20], [20, 3, 40]
+    md = AttentionMetadata.build(query_lens, seq_lens, tables, page_size, torch.device("cpu"), for_cpu=True)
+    qkv = torch.randn(sum(query_lens), 3 * kv_heads * 64).to(dtype)
+    _, k, v = qkv.split(kv_heads * 64, dim=-1)
+    k, v = k.view(-1, kv_heads, 64), v.view(-1, kv_heads, 64)
+    want = torch.zeros(10, 2, page_size, kv_heads, 64, dtype=dtype)
+    got = want.clone()
+    write_kv_torch(k, v, want, md)
+    ck.write_kv(k, v, got, md.slot_mapping)
+    assert torch.equal(got, want)
+
+
+def test_packed_linear_weights_give_the_same_logits():
+    from workers.model.config import ModelConfig
+    from workers.model.llama import LlamaForCausalLM
+
+    cfg = ModelConfig(architecture="llama", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      max_position_embeddings=128, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.init_random(seed=4)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    layer = model.layers[0].mlp.gate_up_proj
+    before, head_before = layer(x), torch.nn.functional.linear(x, model.lm_head.weight)
+    assert pack_linear_weights(model)
+    assert layer.packed is not None and layer.weight.numel() == 0
+    assert torch.equal(layer(x), before)
+    assert torch.equal(torch.ops.mkldnn._linear_pointwise(x, model.lm_head.packed, None, "none", [], ""), head_before)
+    assert not pack_linear_weights(LlamaForCausalLM(cfg))  # fp32 stays dense
+
+
+def test_disabling_the_kernels_falls_back_to_torch():
+    code = (
+        "import torch; from workers.model.ops import ops_for; "
+        "from workers.engine.model_runner import make_attention_backend as m; "
+        "print(type(ops_for(torch.device('cpu'), torch.float32)).__name__, "
+        "type(m(torch.device('cpu'), torch.float32)).__name__)"
+    )
+    env = dict(os.environ, PAGEMESH_CPU_KERNELS="0")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "cpu_kernels_unavailable (disabled by PAGEMESH_CPU_KERNELS=0)" in done.stderr
+    assert done.stdout.split() == ["TorchOps", "TorchAttentionBackend"]
+    env["PAGEMESH_CPU_KERNELS"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["CpuKernelOps", "CpuKernelAttentionBackend"]
+
+
+def test_the_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
+    from kernels.cpu import build
+
+    monkeypatch.setenv("PAGEMESH_CACHE_DIR", str(tmp_path))
+    first = build.library_path()
+    assert first.parent == tmp_path / "kernels" and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert build.library_path() == first and first.stat().st_mtime_ns == mtime
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(build.BuildError):
+        build.library_path()
