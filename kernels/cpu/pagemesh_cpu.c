@@ -15,6 +15,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
@@ -79,7 +82,7 @@ static inline float exp_approx(float x) {
 void pm_add_rms_norm(const void *x, void *residual, void *out, const void *weight, int64_t rows,
                      int64_t cols, float eps, int dt) {
     const int64_t es = elem_size(dt);
-#pragma omp parallel for schedule(static) if (rows * cols > 65536)
+#pragma omp parallel for schedule(static) if (rows * cols > 8192)
     for (int64_t r = 0; r < rows; r++) {
         float sum[cols], w[cols];
         load_row(sum, (const char *)x + r * cols * es, cols, dt);
@@ -101,7 +104,7 @@ void pm_add_rms_norm(const void *x, void *residual, void *out, const void *weigh
 /* out[t] = silu(x[t, :cols]) * x[t, cols:] */
 void pm_silu_and_mul(const void *x, void *out, int64_t rows, int64_t cols, int dt) {
     const int64_t es = elem_size(dt);
-#pragma omp parallel for schedule(static) if (rows * cols > 65536)
+#pragma omp parallel for schedule(static) if (rows * cols > 8192)
     for (int64_t r = 0; r < rows; r++) {
         float g[cols], u[cols];
         load_row(g, (const char *)x + r * 2 * cols * es, cols, dt);
@@ -173,15 +176,18 @@ static inline void prefetch_block(const char *p, int64_t bytes) {
 }
 
 /* One work item of pm_paged_attention: query row t (all heads) over the first n tokens of the
- * sequence's pages, each K/V row (all KV heads) read once, contiguously. HD is a compile-time
- * constant in the specialised copies below. scores: [num_heads][n]. */
+ * sequence's pages. Scores: each K row (all KV heads, contiguous) is read once and serves every
+ * query head. Weighted V sum: one KV head at a time, so that its group's accumulators (G x HD
+ * floats) stay in registers over the whole context; the rows come back from L2 for the other
+ * KV heads. HD and G are compile-time constants in the specialised copies below.
+ * scores: [num_heads][n]. */
 static inline __attribute__((always_inline)) void attend_item(
     const void *q, int64_t q_stride, void *out, const void *kv_layer, const int32_t *pages, int64_t t, int n,
-    int num_heads, int num_kv_heads, const int HD, int page_size, float scale, int dt, float *scores) {
+    int num_kv_heads, const int HD, const int G, int page_size, float scale, int dt, float *scores) {
     const int64_t es = elem_size(dt);
-    const int group = num_heads / num_kv_heads;
+    const int num_heads = num_kv_heads * G;
     const int64_t kv_row = (int64_t)num_kv_heads * HD;
-    float qf[num_heads * HD], acc[num_heads * HD], row[kv_row];
+    float qf[num_heads * HD], row[kv_row];
     load_row(qf, (const char *)q + t * q_stride * es, (int64_t)num_heads * HD, dt);
     for (int i = 0; i < num_heads * HD; i++) qf[i] *= scale;
     for (int j0 = 0, pi = 0; j0 < n; j0 += page_size, pi++) {
@@ -191,10 +197,26 @@ static inline __attribute__((always_inline)) void attend_item(
         if (j0 + page_size < n)
             prefetch_block((const char *)kv_layer + ((int64_t)pages[pi + 1] * 2) * page_size * kv_row * es,
                            page_size * kv_row * es);
+#if defined(__AVX512BF16__)
+        if (dt == DT_BF16 && HD % 32 == 0) { /* bf16 pairs multiplied, summed in fp32 (vdpbf16ps) */
+            const bf16 *qb = (const bf16 *)q + t * q_stride;
+            for (int o = 0; o < len; o++) {
+                const bf16 *kb = (const bf16 *)k + o * kv_row;
+                for (int h = 0; h < num_heads; h++) {
+                    __m512 acc = _mm512_setzero_ps();
+                    for (int d = 0; d < HD; d += 32)
+                        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qb + h * HD + d),
+                                               (__m512bh)_mm512_loadu_si512(kb + (h / G) * HD + d));
+                    scores[h * n + j0 + o] = _mm512_reduce_add_ps(acc) * scale;
+                }
+            }
+            continue;
+        }
+#endif
         for (int o = 0; o < len; o++) {
             load_row(row, k + o * kv_row * es, kv_row, dt);
             for (int h = 0; h < num_heads; h++) {
-                const float *kh = row + (h / group) * HD, *qh = qf + h * HD;
+                const float *kh = row + (h / G) * HD, *qh = qf + h * HD;
                 float dot = 0.0f;
                 for (int d = 0; d < HD; d++) dot += qh[d] * kh[d];
                 scores[h * n + j0 + o] = dot;
@@ -211,33 +233,47 @@ static inline __attribute__((always_inline)) void attend_item(
         const float inv = 1.0f / sum;
         for (int j = 0; j < n; j++) sc[j] *= inv;
     }
-    for (int i = 0; i < num_heads * HD; i++) acc[i] = 0.0f;
-    for (int j0 = 0, pi = 0; j0 < n; j0 += page_size, pi++) {
-        const int64_t page = pages[pi];
-        const int len = n - j0 < page_size ? n - j0 : page_size;
-        const char *v = (const char *)kv_layer + (page * 2 + 1) * page_size * kv_row * es;
-        if (j0 + page_size < n)
-            prefetch_block((const char *)kv_layer + ((int64_t)pages[pi + 1] * 2 + 1) * page_size * kv_row * es,
-                           page_size * kv_row * es);
-        for (int o = 0; o < len; o++) {
-            load_row(row, v + o * kv_row * es, kv_row, dt);
-            for (int h = 0; h < num_heads; h++) {
-                const float p = scores[h * n + j0 + o], *vh = row + (h / group) * HD;
-                float *ah = acc + h * HD;
-                for (int d = 0; d < HD; d++) ah[d] += p * vh[d];
+    for (int kvh = 0; kvh < num_kv_heads; kvh++) {
+        float acc[G * HD], vrow[HD];
+        const float *p = scores + (int64_t)kvh * G * n;
+        for (int i = 0; i < G * HD; i++) acc[i] = 0.0f;
+        for (int j0 = 0, pi = 0; j0 < n; j0 += page_size, pi++) {
+            const int len = n - j0 < page_size ? n - j0 : page_size;
+            const char *v = (const char *)kv_layer + (((int64_t)pages[pi] * 2 + 1) * page_size * kv_row + kvh * HD) * es;
+            for (int o = 0; o < len; o++) {
+                load_row(vrow, v + o * kv_row * es, HD, dt);
+                for (int g = 0; g < G; g++) {
+                    const float w = p[g * n + j0 + o];
+                    for (int d = 0; d < HD; d++) acc[g * HD + d] += w * vrow[d];
+                }
             }
         }
+        store_row((char *)out + (t * num_heads + (int64_t)kvh * G) * HD * es, acc, (int64_t)G * HD, dt);
     }
-    store_row((char *)out + t * num_heads * HD * es, acc, (int64_t)num_heads * HD, dt);
 }
 
-#define ATTEND_ITEM(HD_, DT_) \
-    attend_item(q, q_stride, out, kv_layer, pages, t, n, num_heads, num_kv_heads, HD_, page_size, scale, DT_, scores)
+#define ATTEND_ITEM(HD_, G_, DT_) \
+    attend_item(q, q_stride, out, kv_layer, pages, t, n, num_kv_heads, HD_, G_, page_size, scale, DT_, scores)
+
+/* the common shapes (head_dim 64 or 128, 1-8 query heads per KV head, bf16) get their own
+ * compiled copies; anything else takes the generic one */
+#define ATTEND_G(HD_)                                    \
+    switch (group) {                                     \
+        case 1: ATTEND_ITEM(HD_, 1, DT_BF16); break;      \
+        case 2: ATTEND_ITEM(HD_, 2, DT_BF16); break;      \
+        case 3: ATTEND_ITEM(HD_, 3, DT_BF16); break;      \
+        case 4: ATTEND_ITEM(HD_, 4, DT_BF16); break;      \
+        case 6: ATTEND_ITEM(HD_, 6, DT_BF16); break;      \
+        case 7: ATTEND_ITEM(HD_, 7, DT_BF16); break;      \
+        case 8: ATTEND_ITEM(HD_, 8, DT_BF16); break;      \
+        default: ATTEND_ITEM(HD_, group, DT_BF16); break; \
+    }
 
 void pm_paged_attention(const void *q, int64_t q_stride, void *out, const void *kv_layer,
                         const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                         const int32_t *query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
                         int head_dim, int page_size, float scale, int dt) {
+    const int group = num_heads / num_kv_heads;
     const int64_t tokens = query_start_loc[num_seqs];
     int max_len = 0;
     int32_t *seq_of_token = (int32_t *)malloc(sizeof(int32_t) * (size_t)(tokens > 0 ? tokens : 1));
@@ -254,11 +290,13 @@ void pm_paged_attention(const void *q, int64_t q_stride, void *out, const void *
             const int q_len = query_start_loc[s + 1] - query_start_loc[s];
             const int n = seq_lens[s] - q_len + (int)(t - query_start_loc[s]) + 1;
             const int32_t *pages = block_tables + (int64_t)s * bt_stride;
-            if (head_dim == 64 && dt == DT_BF16) ATTEND_ITEM(64, DT_BF16);
-            else if (head_dim == 64) ATTEND_ITEM(64, DT_F32);
-            else if (head_dim == 128 && dt == DT_BF16) ATTEND_ITEM(128, DT_BF16);
-            else if (head_dim == 128) ATTEND_ITEM(128, DT_F32);
-            else ATTEND_ITEM(head_dim, dt);
+            if (head_dim == 64 && dt == DT_BF16) {
+                ATTEND_G(64)
+            } else if (head_dim == 128 && dt == DT_BF16) {
+                ATTEND_G(128)
+            } else {
+                ATTEND_ITEM(head_dim, group, dt);
+            }
         }
         free(scores);
     }

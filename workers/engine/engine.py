@@ -228,7 +228,12 @@ class Engine:
                 owners.append((seq, k, gen))
             seq.pending_forks = 0
         touched: dict[str, _Request] = {}
-        results = sample(logits[logit_index], rows, self.default_generator) if rows else []
+        if logit_index != list(range(logits.shape[0])):
+            logits_for_rows = logits[logit_index]
+        else:  # each row sampled once (the usual step): no [rows, vocab] copy
+            logits_for_rows = logits
+        with torch.inference_mode():  # the model's logits are inference tensors; sampling edits them
+            results = sample(logits_for_rows, rows, self.default_generator) if rows else []
         # fork every sibling before any of them takes its token: a fork copies the parent's tokens
         targets = [seq if k == 0 else self._fork(seq, seq.index + k, gen) for seq, k, gen in owners]
         for (seq, _, _), target, (token, lp) in zip(owners, targets, results):
