@@ -77,45 +77,72 @@ static inline float exp_approx(float x) {
     return p * c.f;
 }
 
+/* Row bodies take dt as a compile-time constant (always inlined, called once per dtype), so each
+ * dtype's loops vectorize without a branch per element. */
+#define FOR_DTYPE(dt, CALL) \
+    do {                    \
+        if ((dt) == DT_BF16) \
+            CALL(DT_BF16);   \
+        else                 \
+            CALL(DT_F32);    \
+    } while (0)
+
+static inline __attribute__((always_inline)) void add_rms_norm_row(const void *x, void *residual, void *out,
+                                                                   const void *weight, int64_t cols, float eps,
+                                                                   const int dt) {
+    float sum[cols], w[cols];
+    load_row(sum, x, cols, dt);
+    if (residual != NULL) {
+        float res[cols];
+        load_row(res, residual, cols, dt);
+        for (int64_t i = 0; i < cols; i++) sum[i] = round_dt(sum[i] + res[i], dt);
+        store_row(residual, sum, cols, dt);
+    }
+    float ss = 0.0f;
+    for (int64_t i = 0; i < cols; i++) ss += sum[i] * sum[i];
+    const float inv = 1.0f / __builtin_sqrtf(ss / (float)cols + eps);
+    load_row(w, weight, cols, dt);
+    for (int64_t i = 0; i < cols; i++) sum[i] = round_dt(w[i] * round_dt(sum[i] * inv, dt), dt);
+    store_row(out, sum, cols, dt);
+}
+
 /* out = weight * norm(x + residual); residual <- x + residual (in place). residual NULL: the
  * sum is x itself. rows of `cols` values, contiguous. */
 void pm_add_rms_norm(const void *x, void *residual, void *out, const void *weight, int64_t rows,
                      int64_t cols, float eps, int dt) {
     const int64_t es = elem_size(dt);
-#pragma omp parallel for schedule(static) if (rows * cols > 8192)
+#pragma omp parallel for schedule(static) if (rows * cols > 32768)
     for (int64_t r = 0; r < rows; r++) {
-        float sum[cols], w[cols];
-        load_row(sum, (const char *)x + r * cols * es, cols, dt);
-        if (residual != NULL) {
-            float res[cols];
-            load_row(res, (char *)residual + r * cols * es, cols, dt);
-            for (int64_t i = 0; i < cols; i++) sum[i] = round_dt(sum[i] + res[i], dt);
-            store_row((char *)residual + r * cols * es, sum, cols, dt);
-        }
-        float ss = 0.0f;
-        for (int64_t i = 0; i < cols; i++) ss += sum[i] * sum[i];
-        float inv = 1.0f / __builtin_sqrtf(ss / (float)cols + eps);
-        load_row(w, weight, cols, dt);
-        for (int64_t i = 0; i < cols; i++) sum[i] = round_dt(w[i] * round_dt(sum[i] * inv, dt), dt);
-        store_row((char *)out + r * cols * es, sum, cols, dt);
+        const int64_t at = r * cols * es;
+#define ROW(DT) add_rms_norm_row((const char *)x + at, residual ? (char *)residual + at : NULL, (char *)out + at, \
+                                 weight, cols, eps, DT)
+        FOR_DTYPE(dt, ROW);
+#undef ROW
     }
+}
+
+static inline __attribute__((always_inline)) void silu_and_mul_row(const void *x, void *out, int64_t cols,
+                                                                   const int dt) {
+    float g[cols], u[cols];
+    load_row(g, x, cols, dt);
+    load_row(u, (const char *)x + cols * elem_size(dt), cols, dt);
+    for (int64_t i = 0; i < cols; i++) g[i] = round_dt(round_dt(g[i] / (1.0f + exp_approx(-g[i])), dt) * u[i], dt);
+    store_row(out, g, cols, dt);
 }
 
 /* out[t] = silu(x[t, :cols]) * x[t, cols:] */
 void pm_silu_and_mul(const void *x, void *out, int64_t rows, int64_t cols, int dt) {
     const int64_t es = elem_size(dt);
-#pragma omp parallel for schedule(static) if (rows * cols > 8192)
+#pragma omp parallel for schedule(static) if (rows * cols > 32768)
     for (int64_t r = 0; r < rows; r++) {
-        float g[cols], u[cols];
-        load_row(g, (const char *)x + r * 2 * cols * es, cols, dt);
-        load_row(u, (const char *)x + (r * 2 + 1) * cols * es, cols, dt);
-        for (int64_t i = 0; i < cols; i++) g[i] = round_dt(round_dt(g[i] / (1.0f + exp_approx(-g[i])), dt) * u[i], dt);
-        store_row((char *)out + r * cols * es, g, cols, dt);
+#define ROW(DT) silu_and_mul_row((const char *)x + r * 2 * cols * es, (char *)out + r * cols * es, cols, DT)
+        FOR_DTYPE(dt, ROW);
+#undef ROW
     }
 }
 
 /* Rotate-half RoPE of one head in place: x[i], x[i+half] with the token's cos/sin. */
-static inline void rope_head(float *x, const float *cos, const float *sin, int half, int dt) {
+static inline __attribute__((always_inline)) void rope_head(float *x, const float *cos, const float *sin, int half, int dt) {
     for (int i = 0; i < half; i++) {
         float a = x[i], b = x[i + half];
         x[i] = round_dt(round_dt(a * cos[i], dt) + round_dt(-b * sin[i], dt), dt);
@@ -126,25 +153,32 @@ static inline void rope_head(float *x, const float *cos, const float *sin, int h
 /* RoPE in place on q [tokens][num_heads][head_dim] and k [tokens][num_kv_heads][head_dim], rows
  * q_stride / k_stride values apart (views into the fused qkv projection), at `positions`
  * (int64) from cos_sin_cache [max_pos][head_dim] (cos | sin, fp32). */
+static inline __attribute__((always_inline)) void rotary_token(void *q, void *k, int num_heads, int num_kv_heads,
+                                                               int head_dim, const float *cs, const int dt) {
+    const int64_t es = elem_size(dt);
+    const int half = head_dim / 2;
+    float cos[half], sin[half], head[head_dim];
+    for (int i = 0; i < half; i++) {
+        cos[i] = round_dt(cs[i], dt);
+        sin[i] = round_dt(cs[half + i], dt);
+    }
+    for (int h = 0; h < num_heads + num_kv_heads; h++) {
+        char *p = h < num_heads ? (char *)q + (int64_t)h * head_dim * es : (char *)k + (int64_t)(h - num_heads) * head_dim * es;
+        load_row(head, p, head_dim, dt);
+        rope_head(head, cos, sin, half, dt);
+        store_row(p, head, head_dim, dt);
+    }
+}
+
 void pm_rotary(void *q, int64_t q_stride, void *k, int64_t k_stride, int64_t tokens, int num_heads,
                int num_kv_heads, int head_dim, const int64_t *positions, const float *cos_sin_cache, int dt) {
     const int64_t es = elem_size(dt);
-    const int half = head_dim / 2;
-#pragma omp parallel for schedule(static) if (tokens > 16)
+#pragma omp parallel for schedule(static) if (tokens > 64)
     for (int64_t t = 0; t < tokens; t++) {
-        float cos[half], sin[half], head[head_dim];
-        const float *cs = cos_sin_cache + positions[t] * head_dim;
-        for (int i = 0; i < half; i++) {
-            cos[i] = round_dt(cs[i], dt);
-            sin[i] = round_dt(cs[half + i], dt);
-        }
-        for (int h = 0; h < num_heads + num_kv_heads; h++) {
-            char *p = h < num_heads ? (char *)q + (t * q_stride + (int64_t)h * head_dim) * es
-                                    : (char *)k + (t * k_stride + (int64_t)(h - num_heads) * head_dim) * es;
-            load_row(head, p, head_dim, dt);
-            rope_head(head, cos, sin, half, dt);
-            store_row(p, head, head_dim, dt);
-        }
+#define TOKEN(DT) rotary_token((char *)q + t * q_stride * es, (char *)k + t * k_stride * es, num_heads, num_kv_heads, \
+                               head_dim, cos_sin_cache + positions[t] * head_dim, DT)
+        FOR_DTYPE(dt, TOKEN);
+#undef TOKEN
     }
 }
 
