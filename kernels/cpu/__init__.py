@@ -24,7 +24,7 @@ import torch
 from kernels.cpu import build
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_lib: ctypes.CDLL | None = None
+_lib: ctypes.PyDLL | None = None
 _error: str | None = None
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -49,7 +49,10 @@ def available() -> bool:
         _error = "disabled by PAGEMESH_CPU_KERNELS=0"
         return False
     try:
-        lib = ctypes.CDLL(str(build.library_path()))
+        # PyDLL: calls keep the GIL. They are short (tens of µs to ~0.5 ms, OpenMP inside), and a
+        # worker's engine thread would otherwise queue for the GIL behind its event loop ~150
+        # times a step
+        lib = ctypes.PyDLL(str(build.library_path()))
     except (build.BuildError, OSError) as e:
         _error = str(e)
         return False
