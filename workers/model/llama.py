@@ -59,7 +59,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
+        q, k, v = self.qkv_proj(x).split_with_sizes(self.qkv_proj.local_sizes, dim=-1)  # no Tensor.split wrapper
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
