@@ -68,7 +68,7 @@ def make_paged_batch(
         order = torch.randperm(num_pages - 1, generator=gen)[:needed] + 1
 
     pool_shape = (num_pages, 2, page_size, num_kv_heads, head_dim)
-    kv_layer = torch.empty(pool_shape, dtype=dtype, device=device)
+    kv_layer = torch.zeros(pool_shape, dtype=dtype, device=device)  # unowned slots: 0, as in the engine, unless poisoned
     if poison and not pages_at_end:
         kv_layer.fill_(float("nan"))
     elif poison:
