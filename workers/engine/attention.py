@@ -94,8 +94,9 @@ class AttentionMetadata:
         self, query_lens: list[int], seq_lens: list[int], token_pages: torch.Tensor, decode_gather: bool
     ) -> None:
         size = self.page_size
-        self.write_index = token_pages * 2 * size + self.positions % size
         table = self.block_tables.to(torch.int64)
+        if decode_gather:  # the torch path's K/V writes (the C kernels write by slot_mapping)
+            self.write_index = token_pages * 2 * size + self.positions % size
         if self.num_decodes and decode_gather:
             lens = self.seq_lens[: self.num_decodes].to(torch.int64)
             num_pages = -(-int(lens.max()) // size)
