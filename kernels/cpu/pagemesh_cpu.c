@@ -209,6 +209,27 @@ static inline void prefetch_block(const char *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
 }
 
+#if defined(__AVX512BF16__)
+/* r[i] = the sum of v[i]'s 16 lanes: a transpose-and-add tree, ~3 ops per sum where a
+ * horizontal reduction of each vector takes ~9 */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++) /* 128-bit lanes 0,1 hold v[2i]'s halves' sums, lanes 2,3 v[2i+1]'s */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* lane k: four partial sums of v[4i+k] */
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* in each lane k: [x[2i]'s two sums, x[2i+1]'s two sums] */
+        y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+    /* element 4k+j = the sum of x[j]'s lane k = the sum of v[4j+k]; put it at 4j+k */
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(order, r);
+}
+#endif
+
 /* One work item of pm_paged_attention: query row t (all heads) over the first n tokens of the
  * sequence's pages. Scores: each K row (all KV heads, contiguous) is read once and serves every
  * query head. Weighted V sum: one KV head at a time, so that its group's accumulators (G x HD
@@ -231,17 +252,24 @@ static inline __attribute__((always_inline)) void attend_item(
         if (j0 + page_size < n)
             prefetch_block((const char *)kv_layer + ((int64_t)pages[pi + 1] * 2) * page_size * kv_row * es,
                            page_size * kv_row * es);
+        prefetch_block(k + page_size * kv_row * es, len * kv_row * es); /* this page's V, for the second pass */
 #if defined(__AVX512BF16__)
         if (dt == DT_BF16 && HD % 32 == 0) { /* bf16 pairs multiplied, summed in fp32 (vdpbf16ps) */
             const bf16 *qb = (const bf16 *)q + t * q_stride;
-            for (int o = 0; o < len; o++) {
-                const bf16 *kb = (const bf16 *)k + o * kv_row;
+            for (int o0 = 0; o0 < len; o0 += 16) { /* 16 keys at a time: one vector of scores per head */
+                const int m = len - o0 < 16 ? len - o0 : 16;
+                const bf16 *kb = (const bf16 *)k + o0 * kv_row;
                 for (int h = 0; h < num_heads; h++) {
-                    __m512 acc = _mm512_setzero_ps();
-                    for (int d = 0; d < HD; d += 32)
-                        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qb + h * HD + d),
-                                               (__m512bh)_mm512_loadu_si512(kb + (h / G) * HD + d));
-                    scores[h * n + j0 + o] = _mm512_reduce_add_ps(acc) * scale;
+                    __m512 acc[16];
+                    for (int o = 0; o < 16; o++) {
+                        acc[o] = _mm512_setzero_ps();
+                        if (o < m)
+                            for (int d = 0; d < HD; d += 32)
+                                acc[o] = _mm512_dpbf16_ps(acc[o], (__m512bh)_mm512_loadu_si512(qb + h * HD + d),
+                                                          (__m512bh)_mm512_loadu_si512(kb + o * kv_row + (h / G) * HD + d));
+                    }
+                    _mm512_mask_storeu_ps(scores + h * n + j0 + o0, (__mmask16)((1u << m) - 1u),
+                                          _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
                 }
             }
             continue;
