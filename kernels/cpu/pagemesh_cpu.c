@@ -249,10 +249,11 @@ static inline __attribute__((always_inline)) void attend_item(
         const int64_t page = pages[pi];
         const int len = n - j0 < page_size ? n - j0 : page_size;
         const char *k = (const char *)kv_layer + (page * 2) * page_size * kv_row * es;
-        if (j0 + page_size < n)
-            prefetch_block((const char *)kv_layer + ((int64_t)pages[pi + 1] * 2) * page_size * kv_row * es,
-                           page_size * kv_row * es);
-        prefetch_block(k + page_size * kv_row * es, len * kv_row * es); /* this page's V, for the second pass */
+        const char *next_k = j0 + page_size < n
+                                 ? (const char *)kv_layer + ((int64_t)pages[pi + 1] * 2) * page_size * kv_row * es
+                                 : NULL;
+        const char *this_v = k + page_size * kv_row * es;
+        const int64_t block = (int64_t)len * kv_row * es;
 #if defined(__AVX512BF16__)
         if (dt == DT_BF16 && HD % 32 == 0) { /* bf16 pairs multiplied, summed in fp32 (vdpbf16ps) */
             const bf16 *qb = (const bf16 *)q + t * q_stride;
@@ -260,13 +261,23 @@ static inline __attribute__((always_inline)) void attend_item(
                 const int m = len - o0 < 16 ? len - o0 : 16;
                 const bf16 *kb = (const bf16 *)k + o0 * kv_row;
                 for (int h = 0; h < num_heads; h++) {
+                    if (o0 == 0) { /* a slice of the next page's K and of this page's V per head, between the math */
+                        const int64_t lo = block * h / num_heads & ~(int64_t)63, hi = block * (h + 1) / num_heads;
+                        for (int64_t i = lo; i < hi; i += 64) {
+                            if (next_k != NULL) __builtin_prefetch(next_k + i, 0, 3);
+                            __builtin_prefetch(this_v + i, 0, 2);
+                        }
+                    }
                     __m512 acc[16];
-                    for (int o = 0; o < 16; o++) {
+                    const bf16 *kh = kb + (h / G) * HD;
+#pragma GCC unroll 16
+                    for (int o = 0; o < 16; o++) { /* keys past the page's last (o >= m) reread its row; masked off below */
+                        const bf16 *kr = kh + (o < m ? o : m - 1) * kv_row;
                         acc[o] = _mm512_setzero_ps();
-                        if (o < m)
-                            for (int d = 0; d < HD; d += 32)
-                                acc[o] = _mm512_dpbf16_ps(acc[o], (__m512bh)_mm512_loadu_si512(qb + h * HD + d),
-                                                          (__m512bh)_mm512_loadu_si512(kb + o * kv_row + (h / G) * HD + d));
+#pragma GCC unroll 4
+                        for (int d = 0; d < HD; d += 32)
+                            acc[o] = _mm512_dpbf16_ps(acc[o], (__m512bh)_mm512_loadu_si512(qb + h * HD + d),
+                                                      (__m512bh)_mm512_loadu_si512(kr + d));
                     }
                     _mm512_mask_storeu_ps(scores + h * n + j0 + o0, (__mmask16)((1u << m) - 1u),
                                           _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
@@ -275,6 +286,8 @@ static inline __attribute__((always_inline)) void attend_item(
             continue;
         }
 #endif
+        if (next_k != NULL) prefetch_block(next_k, page_size * kv_row * es);
+        prefetch_block(this_v, block); /* for the second pass */
         for (int o = 0; o < len; o++) {
             load_row(row, k + o * kv_row * es, kv_row, dt);
             for (int h = 0; h < num_heads; h++) {
@@ -295,6 +308,38 @@ static inline __attribute__((always_inline)) void attend_item(
         const float inv = 1.0f / sum;
         for (int j = 0; j < n; j++) sc[j] *= inv;
     }
+#if defined(__AVX512BF16__)
+    if (dt == DT_BF16 && HD % 16 == 0 && G * HD <= 384) { /* the group's sums in G x HD/16 registers */
+        for (int kvh = 0; kvh < num_kv_heads; kvh++) {
+            __m512 acc[24]; /* fixed sizes (not G * HD / 16): the compiler keeps a fixed array in registers, a VLA in memory */
+            const float *p = scores + (int64_t)kvh * G * n;
+#pragma GCC unroll 24
+            for (int i = 0; i < G * HD / 16; i++) acc[i] = _mm512_setzero_ps();
+            for (int j0 = 0, pi = 0; j0 < n; j0 += page_size, pi++) {
+                const int len = n - j0 < page_size ? n - j0 : page_size;
+                const bf16 *v = (const bf16 *)kv_layer + ((int64_t)pages[pi] * 2 + 1) * page_size * kv_row + kvh * HD;
+                for (int o = 0; o < len; o++) {
+                    __m512 vv[8];
+#pragma GCC unroll 8
+                    for (int c = 0; c < HD / 16; c++) /* bf16 -> fp32: the bits moved up 16 */
+                        vv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + o * kv_row + c * 16))), 16));
+#pragma GCC unroll 8
+                    for (int g = 0; g < G; g++) {
+                        const __m512 w = _mm512_set1_ps(p[g * n + j0 + o]);
+#pragma GCC unroll 8
+                        for (int c = 0; c < HD / 16; c++) acc[g * HD / 16 + c] = _mm512_fmadd_ps(w, vv[c], acc[g * HD / 16 + c]);
+                    }
+                }
+            }
+            bf16 *dst = (bf16 *)out + (t * num_heads + (int64_t)kvh * G) * HD;
+#pragma GCC unroll 24
+            for (int i = 0; i < G * HD / 16; i++) /* to nearest even, as f32_to_bf16 */
+                _mm256_storeu_si256((__m256i *)(dst + i * 16), (__m256i)_mm512_cvtneps_pbh(acc[i]));
+        }
+        return;
+    }
+#endif
     for (int kvh = 0; kvh < num_kv_heads; kvh++) {
         float acc[G * HD], vrow[HD];
         const float *p = scores + (int64_t)kvh * G * n;
