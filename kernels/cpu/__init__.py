@@ -8,6 +8,7 @@ same jobs in compiled C with OpenMP (sharing torch's OpenMP threads), on fp32 or
     rotary_(q, k, positions, cos_sin_cache) -> (q, k)            in place
     write_kv(k, v, kv_layer, slot_mapping) -> None               into the pages
     paged_attention(q, kv_layer, block_tables, seq_lens, query_start_loc, scale) -> out
+    amx_pack(w) -> packed; amx_linear(x, packed, bias) -> x W^T (+ b)   bf16, where the CPU has AMX
 
 `available()` builds the library on first use (a second or two with gcc) and says whether it
 loaded; callers fall back to torch when it did not. Shapes and strides are checked here, before
@@ -34,7 +35,10 @@ _SIGNATURES = {
     "pm_rotary": [_P, _I64, _P, _I64, _I64, _I32, _I32, _I32, _P, _P, _I32],
     "pm_write_kv": [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _I32, _I32],
     "pm_paged_attention": [_P, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F, _I32],
+    "pm_amx_pack": [_P, _P, _I64, _I64],
+    "pm_amx_linear": [_P, _P, _P, _P, _I64, _I64, _I64],
 }
+_amx: bool | None = None
 
 
 def available() -> bool:
@@ -174,4 +178,41 @@ def paged_attention(
         block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), num_seqs, heads,
         num_kv_heads, dim, kv_layer.shape[2], scale, dt,
     )
+    return out
+
+
+def amx_available() -> bool:
+    """Whether amx_linear can run: the library was built with AMX (the CPU has AMX-BF16) and
+    Linux granted this process the tile registers."""
+    global _amx
+    if _amx is None:
+        _amx = available() and os.environ.get("PAGEMESH_AMX", "1") != "0" and bool(_lib.pm_amx_init())
+    return _amx
+
+
+def amx_pack(w: torch.Tensor) -> torch.Tensor:
+    """W [N, K] bf16 (N % 16 == 0, K % 32 == 0) in the tile layout amx_linear reads."""
+    if w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[0] % 16 or w.shape[1] % 32:
+        raise ValueError("amx_pack: W must be bf16 [N, K] with N % 16 == 0 and K % 32 == 0")
+    if not amx_available():
+        raise RuntimeError("amx_pack: no AMX on this CPU or process")
+    w = w.contiguous()
+    n, k = w.shape
+    packed = w.new_empty(n // 16, k // 32, 16, 32)
+    _lib.pm_amx_pack(w.data_ptr(), packed.data_ptr(), n, k)
+    return packed
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] W^T (+ bias) in bf16 with fp32 sums, W as amx_pack left it."""
+    nb, kb = packed.shape[0], packed.shape[1]
+    n, k = nb * 16, kb * 32
+    if x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"amx_linear: x must be bf16 [M, {k}]")
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"amx_linear: bias must be a contiguous bf16 [{n}]")
+    x = x.contiguous()
+    out = x.new_empty(x.shape[0], n)
+    _lib.pm_amx_linear(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
+                       out.data_ptr(), x.shape[0], n, k)
     return out

@@ -132,8 +132,45 @@ def test_packed_linear_weights_give_the_same_logits():
     assert pack_linear_weights(model)
     assert layer.packed is not None and layer.weight.numel() == 0
     assert torch.equal(layer(x), before)
-    assert torch.equal(torch.ops.mkldnn._linear_pointwise(x, model.lm_head.packed, None, "none", [], ""), head_before)
+    assert torch.equal(torch.ops.mkldnn._linear_pointwise(x, model.lm_head.packed.onednn, None, "none", [], ""), head_before)
     assert not pack_linear_weights(LlamaForCausalLM(cfg))  # fp32 stays dense
+    if ck.amx_available():  # 128 x 64 packs for AMX; the 300-row head does not (300 % 16)
+        assert layer.packed.amx is not None and model.lm_head.packed.amx is None
+        many = torch.randn(70, 64).to(torch.bfloat16)  # above AMX_MAX_ROWS: the oneDNN copy
+        assert torch.equal(layer(many), torch.ops.mkldnn._linear_pointwise(many, layer.packed.onednn, None, "none", [], ""))
+
+
+amx = pytest.mark.skipif(not ck.amx_available(), reason="no AMX-BF16 on this CPU")
+
+
+@amx
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 32, 40, 64])
+@pytest.mark.parametrize("n,k", [(48, 64), (96, 96), (160, 320)])
+def test_amx_linear_matches_f_linear(rows, n, k):
+    torch.manual_seed(rows * 1000 + n)
+    w, b = torch.randn(n, k).to(torch.bfloat16), torch.randn(n).to(torch.bfloat16)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    packed = ck.amx_pack(w)
+    got, want = ck.amx_linear(x, packed), torch.nn.functional.linear(x, w)
+    # fp32 sums in another order than oneDNN's can round a value to the next bf16 now and then
+    assert (got != want).float().mean() < 0.01
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(ck.amx_linear(x, packed, b), torch.nn.functional.linear(x, w, b), rtol=1e-2, atol=2e-2)
+    torch.testing.assert_close(got.float(), x.float() @ w.float().t(), rtol=2e-2, atol=5e-2)
+
+
+@amx
+def test_amx_linear_rejects_bad_arguments():
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError):
+        ck.amx_pack(torch.randn(30, 64).to(torch.bfloat16))  # N % 16
+    with pytest.raises(ValueError):
+        ck.amx_pack(w.float())
+    packed = ck.amx_pack(w)
+    with pytest.raises(ValueError):
+        ck.amx_linear(torch.randn(4, 32).to(torch.bfloat16), packed)  # K mismatch
+    with pytest.raises(ValueError):
+        ck.amx_linear(torch.randn(4, 64).to(torch.bfloat16), packed, torch.zeros(31, dtype=torch.bfloat16))
 
 
 def test_disabling_the_kernels_falls_back_to_torch():
