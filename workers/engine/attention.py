@@ -129,9 +129,11 @@ def write_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, md:
 
 
 def paged_attention_torch(
-    q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata, scale: float
+    q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata, scale: float,
+    k: torch.Tensor | None = None, v: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, D]; kv_layer: [P, 2, S, KVH, D] with this step's K/V already written."""
+    """q: [T, H, D]; kv_layer: [P, 2, S, KVH, D] with this step's K/V already written (k, v
+    [T, KVH, D]: the same rows, optional, see prefill_attention_torch)."""
     num_kv_heads, head_dim = kv_layer.shape[-2:]
     out = torch.empty_like(q)
     group = q.shape[1] // num_kv_heads
@@ -148,18 +150,41 @@ def paged_attention_torch(
         vd = halves[:, 1].index_select(0, index).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md.decode_mask, scale=scale)
         out[:nd] = o.reshape(nd, -1, head_dim)
-    prefill_attention_torch(q, kv_layer, md, scale, out)
+    prefill_attention_torch(q, kv_layer, md, scale, out, k, v)
     return out
 
 
 def prefill_attention_torch(
-    q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata, scale: float, out: torch.Tensor
+    q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata, scale: float, out: torch.Tensor,
+    k: torch.Tensor | None = None, v: torch.Tensor | None = None,
 ) -> None:
-    """The prefill chunks of the batch (after its decodes), one SDPA call each, into `out`."""
+    """The prefill chunks of the batch (after its decodes), into `out`.
+
+    A chunk with earlier context gathers its keys from the pages: one SDPA call each. A chunk
+    that is its sequence's whole context (a fresh prompt) needs no pages when this step's k and v
+    are given: consecutive fresh prompts of one length go through one batched causal SDPA call,
+    straight from the projection's rows (one call per layer instead of one per prompt)."""
     num_kv_heads, head_dim = kv_layer.shape[-2:]
     flat = kv_layer.view(-1, num_kv_heads, head_dim)
     group = q.shape[1] // num_kv_heads
-    for p in md.prefills:
+    prefills, i = md.prefills, 0
+    while i < len(prefills):
+        p = prefills[i]
+        if k is not None and p.mask is None:
+            j = i + 1  # a run of fresh prompts of p's length, rows back to back
+            while (j < len(prefills) and prefills[j].mask is None and prefills[j].query_len == p.query_len
+                   and prefills[j].query_start == p.query_start + (j - i) * p.query_len):
+                j += 1
+            n, rows = j - i, slice(p.query_start, p.query_start + (j - i) * p.query_len)
+
+            def heads_first(t: torch.Tensor) -> torch.Tensor:  # [n * L, H, D] -> [n, H, L, D]
+                return t[rows].view(n, p.query_len, t.shape[1], head_dim).transpose(1, 2)
+
+            o = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), is_causal=True,
+                                               scale=scale, enable_gqa=group > 1)
+            out[rows] = o.transpose(1, 2).reshape(-1, q.shape[1], head_dim)
+            i = j
+            continue
         qp = q[p.query_start : p.query_start + p.query_len].transpose(0, 1).unsqueeze(0)
         kp = flat[p.key_index].transpose(0, 1).unsqueeze(0)
         vp = flat[p.key_index + md.page_size].transpose(0, 1).unsqueeze(0)
@@ -167,3 +192,4 @@ def prefill_attention_torch(
             qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=group > 1
         )
         out[p.query_start : p.query_start + p.query_len] = o[0].transpose(0, 1)
+        i += 1

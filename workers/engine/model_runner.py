@@ -19,6 +19,7 @@ from workers.engine.attention import (
 from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.scheduler import StepPlan
 from workers.model.llama import ForwardContext, LlamaForCausalLM
+from kernels.cpu.memory import keep_freed_memory_for_reuse
 from workers.model.layers import pack_linear_weights
 from workers.model.ops import cpu_kernels_usable, ops_for
 
@@ -35,8 +36,8 @@ class TorchAttentionBackend:
     def write_kv(self, k, v, kv_layer, md):
         write_kv_torch(k, v, kv_layer, md)
 
-    def attend(self, q, kv_layer, md, scale):
-        return paged_attention_torch(q, kv_layer, md, scale)
+    def attend(self, q, kv_layer, md, scale, k=None, v=None):
+        return paged_attention_torch(q, kv_layer, md, scale, k, v)
 
 
 class CpuKernelAttentionBackend:
@@ -55,7 +56,7 @@ class CpuKernelAttentionBackend:
     def write_kv(self, k, v, kv_layer, md):
         self.kernels.write_kv(k, v, kv_layer, md.slot_mapping)
 
-    def attend(self, q, kv_layer, md, scale):
+    def attend(self, q, kv_layer, md, scale, k=None, v=None):
         nd = md.num_decodes
         if nd == q.shape[0]:
             return self.kernels.paged_attention(
@@ -66,7 +67,7 @@ class CpuKernelAttentionBackend:
             out[:nd] = self.kernels.paged_attention(
                 q[:nd], kv_layer, md.block_tables[:nd], md.seq_lens[:nd], md.query_start_loc[: nd + 1], scale
             )
-        prefill_attention_torch(q, kv_layer, md, scale, out)
+        prefill_attention_torch(q, kv_layer, md, scale, out, k, v)
         return out
 
 
@@ -84,7 +85,7 @@ class TritonAttentionBackend:
     def write_kv(self, k, v, kv_layer, md):
         self.kernels.write_kv(k, v, kv_layer, md.slot_mapping)
 
-    def attend(self, q, kv_layer, md, scale):
+    def attend(self, q, kv_layer, md, scale, k=None, v=None):  # reads K/V from the pages
         return self.kernels.paged_attention(
             q, kv_layer, md.block_tables, md.seq_lens, md.query_start_loc, scale, md.max_query_len, md.max_seq_len
         )
@@ -106,8 +107,9 @@ class ModelRunner:
     """Holds the model and the KV pool `[layers, pages, 2, page_size, kv_heads, head_dim]`.
 
     The device picks, once, the attention backend and the ops: Triton on CUDA; on a CPU the C
-    kernels of `kernels.cpu` where they build (plain torch where they do not), and linear
-    weights repacked once for oneDNN (`pack_linear_weights`). On CUDA with `cuda_graphs`, decode-only steps of up to `max_num_seqs` sequences replay CUDA
+    kernels of `kernels.cpu` where they build (plain torch where they do not), linear
+    weights repacked once (`pack_linear_weights`), and glibc told to keep freed activations
+    (`keep_freed_memory_for_reuse`). On CUDA with `cuda_graphs`, decode-only steps of up to `max_num_seqs` sequences replay CUDA
     graphs (`DecodeGraphs`), everything else runs eagerly. `max_model_len` (default: the
     model's) sizes the graphs' block tables and fixes their attention split count.
     """
@@ -137,6 +139,7 @@ class ModelRunner:
         self.ops = ops_for(device, self.dtype)
         if device.type == "cpu":
             pack_linear_weights(model)
+            keep_freed_memory_for_reuse()
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda":
             self.graphs = DecodeGraphs(

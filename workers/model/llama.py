@@ -30,7 +30,9 @@ from workers.model.ops import ModelOps
 class AttentionBackend(Protocol):
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata) -> None: ...
 
-    def attend(self, q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor: ...
+    def attend(self, q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata, scale: float,
+               k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+        """k, v: this step's rows, already in the pages; a backend may read them from here."""
 
 
 @dataclass
@@ -66,7 +68,7 @@ class LlamaAttention(nn.Module):
         q, k = ctx.ops.rotary(q, k, ctx.rope)
         kv_layer = ctx.kv_cache[self.layer_index]
         ctx.backend.write_kv(k, v, kv_layer, ctx.metadata)
-        out = ctx.backend.attend(q, kv_layer, ctx.metadata, self.scale)
+        out = ctx.backend.attend(q, kv_layer, ctx.metadata, self.scale, k, v)
         return self.o_proj(out.view(tokens, self.num_heads * self.head_dim))
 
 
