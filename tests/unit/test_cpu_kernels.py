@@ -165,6 +165,15 @@ def test_amx_linear_matches_f_linear(rows, n, k):
 
 
 @amx
+def test_amx_linear_takes_no_rows_and_strided_rows():
+    w = torch.randn(64, 64).to(torch.bfloat16)
+    packed = ck.amx_pack(w)
+    assert ck.amx_linear(torch.empty(0, 64, dtype=torch.bfloat16), packed).shape == (0, 64)  # a step that samples nothing
+    x = torch.randn(3, 128).to(torch.bfloat16)[:, :64]  # a view: rows 128 values apart
+    torch.testing.assert_close(ck.amx_linear(x, packed), torch.nn.functional.linear(x, w), rtol=1e-2, atol=1e-2)
+
+
+@amx
 def test_amx_linear_rejects_bad_arguments():
     w = torch.randn(32, 64).to(torch.bfloat16)
     with pytest.raises(ValueError):
