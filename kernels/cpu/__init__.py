@@ -9,6 +9,7 @@ same jobs in compiled C with OpenMP (sharing torch's OpenMP threads), on fp32 or
     write_kv(k, v, kv_layer, slot_mapping) -> None               into the pages
     paged_attention(q, kv_layer, block_tables, seq_lens, query_start_loc, scale) -> out
     amx_pack(w) -> packed; amx_linear(x, packed, bias) -> x W^T (+ b)   bf16, where the CPU has AMX
+    argmax_rows(logits) -> first maximum per row                      greedy sampling
 
 `available()` builds the library on first use (a second or two with gcc) and says whether it
 loaded; callers fall back to torch when it did not. Shapes and strides are checked here, before
@@ -36,7 +37,8 @@ _SIGNATURES = {
     "pm_write_kv": [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _I32, _I32],
     "pm_paged_attention": [_P, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F, _I32],
     "pm_amx_pack": [_P, _P, _I64, _I64],
-    "pm_amx_linear": [_P, _P, _P, _P, _I64, _I64, _I64],
+    "pm_amx_linear": [_P, _P, _P, _P, _I32, _I64, _I64, _I64],
+    "pm_argmax_rows": [_P, _I64, _I64, _I64, _P],
 }
 _amx: bool | None = None
 
@@ -203,16 +205,32 @@ def amx_pack(w: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] W^T (+ bias) in bf16 with fp32 sums, W as amx_pack left it."""
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [M, K] W^T (+ bias) in bf16 with fp32 sums, W as amx_pack left it. out_dtype float32:
+    the same bf16 values, widened (as `.float()` of the bf16 result, without the second pass)."""
     nb, kb = packed.shape[0], packed.shape[1]
     n, k = nb * 16, kb * 32
     if x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"amx_linear: x must be bf16 [M, {k}]")
     if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"amx_linear: bias must be a contiguous bf16 [{n}]")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError("amx_linear: out_dtype is bfloat16 or float32")
     x = x.contiguous()
-    out = x.new_empty(x.shape[0], n)
+    out = x.new_empty(x.shape[0], n, dtype=out_dtype)
     _lib.pm_amx_linear(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
-                       out.data_ptr(), x.shape[0], n, k)
+                       out.data_ptr(), int(out_dtype == torch.float32), x.shape[0], n, k)
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """The first maximum of each row of a float32 [R, V] (rows may be strided; a row holding NaN
+    gives its first NaN), as `x.max(dim=-1).indices`, in one pass. int64 [R]."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0 or x.stride(1) != 1:
+        raise ValueError("argmax_rows: x must be float32 [R, V] with V > 0 and contiguous rows")
+    if not available():
+        raise RuntimeError(f"argmax_rows: {load_error()}")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _lib.pm_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     return out

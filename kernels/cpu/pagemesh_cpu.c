@@ -467,7 +467,7 @@ void pm_paged_attention(const void *q, int64_t q_stride, void *out, const void *
  * (two A tiles, zero-padded); each work item is two column blocks (four C tiles), handed out
  * dynamically so that a thread the OS preempts does not hold the others at a barrier. Sums are
  * fp32, rounded to bf16 once at the end, as oneDNN does. */
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -512,8 +512,8 @@ static void amx_configure(void) {
 enum { AMX_AHEAD = 4 }; /* tiles (1 KB each) prefetched ahead of the one multiplied */
 
 /* xp: x zero-padded to 32 rows; out rows m < rows valid. */
-static inline void amx_item(const bf16 *xp, const bf16 *packed, const bf16 *bias, bf16 *out, int64_t rows,
-                            int64_t n, int64_t k, int64_t nb, int nblocks, float *cbuf) {
+static inline void amx_item(const bf16 *xp, const bf16 *packed, const bf16 *bias, void *out, int out_f32,
+                            int64_t rows, int64_t n, int64_t k, int64_t nb, int nblocks, float *cbuf) {
     const int64_t kbs = k / 32, block = kbs * 512;
     const bf16 *b0 = packed + nb * block, *b1 = b0 + block;
     _tile_zero(0);
@@ -550,13 +550,18 @@ static inline void amx_item(const bf16 *xp, const bf16 *packed, const bf16 *bias
         const __m512 bv = bias != NULL ? _mm512_castsi512_ps(_mm512_slli_epi32(
                                              _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + (nb + b) * 16))), 16))
                                        : _mm512_setzero_ps();
-        for (int64_t m = 0; m < rows; m++) /* + bias in fp32, then to bf16 by nearest even */
-            _mm256_storeu_si256((__m256i *)(out + m * n + (nb + b) * 16),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(cbuf + m * 32 + b * 16), bv)));
+        for (int64_t m = 0; m < rows; m++) { /* + bias in fp32, then to bf16 by nearest even */
+            const __m512 v = _mm512_add_ps(_mm512_load_ps(cbuf + m * 32 + b * 16), bv);
+            if (out_f32) /* the bf16 value, widened: what .float() of the bf16 result would hold */
+                _mm512_storeu_ps((float *)out + m * n + (nb + b) * 16, round_bf16x16(v));
+            else
+                _mm256_storeu_si256((__m256i *)((bf16 *)out + m * n + (nb + b) * 16), (__m256i)_mm512_cvtneps_pbh(v));
+        }
     }
 }
 
-void pm_amx_linear(const bf16 *x, const bf16 *packed, const bf16 *bias, bf16 *out, int64_t m, int64_t n, int64_t k) {
+void pm_amx_linear(const bf16 *x, const bf16 *packed, const bf16 *bias, void *out, int out_f32, int64_t m, int64_t n,
+                   int64_t k) {
     const int64_t mpad = (m + 31) / 32 * 32, items = (n / 16 + 1) / 2;
     bf16 *xp = (bf16 *)aligned_alloc(64, (size_t)(mpad * k * 2));
     memcpy(xp, x, (size_t)(m * k * 2));
@@ -570,7 +575,8 @@ void pm_amx_linear(const bf16 *x, const bf16 *packed, const bf16 *bias, bf16 *ou
             const int64_t nb = 2 * it;
             /* 32 rows at a time; after the first, the item's weights come from L2 */
             for (int64_t m0 = 0; m0 < m; m0 += 32)
-                amx_item(xp + m0 * k, packed, bias, out + m0 * n, m - m0 < 32 ? m - m0 : 32, n, k, nb,
+                amx_item(xp + m0 * k, packed, bias, (char *)out + m0 * n * (out_f32 ? 4 : 2), out_f32,
+                         m - m0 < 32 ? m - m0 : 32, n, k, nb,
                          nb + 1 < n / 16 ? 2 : 1, cbuf);
         }
         _tile_release();
@@ -580,7 +586,80 @@ void pm_amx_linear(const bf16 *x, const bf16 *packed, const bf16 *bias, bf16 *ou
 #else
 int pm_amx_init(void) { return 0; }
 void pm_amx_pack(const bf16 *w, bf16 *packed, int64_t n, int64_t k) { (void)w; (void)packed; (void)n; (void)k; }
-void pm_amx_linear(const bf16 *x, const bf16 *packed, const bf16 *bias, bf16 *out, int64_t m, int64_t n, int64_t k) {
-    (void)x; (void)packed; (void)bias; (void)out; (void)m; (void)n; (void)k;
+void pm_amx_linear(const bf16 *x, const bf16 *packed, const bf16 *bias, void *out, int out_f32, int64_t m, int64_t n,
+                   int64_t k) {
+    (void)x; (void)packed; (void)bias; (void)out; (void)out_f32; (void)m; (void)n; (void)k;
 }
 #endif
+
+/* ---- greedy sampling -------------------------------------------------------------------------
+ * out[r] = the index of the first maximum of row r of x (fp32, rows row_stride apart); a row
+ * holding NaN gives its first NaN, as torch.max does. NaN is tested on the bits: -ffast-math lets
+ * the compiler assume that x != x never holds. */
+static inline int is_nan(float f) {
+    union { float f; uint32_t u; } c = {f};
+    return (c.u & 0x7fffffffu) > 0x7f800000u;
+}
+
+static int64_t argmax_row(const float *x, int64_t cols) {
+    int64_t best = 0;
+    float best_v = x[0];
+#if defined(__AVX512F__)
+    int64_t j = 0;
+    if (cols >= 16) {
+        __m512 vmax = _mm512_loadu_ps(x);
+        __m512i vidx = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512i step = _mm512_set1_epi32(16);
+        __m512i idx = vidx;
+        const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff), inf_bits = _mm512_set1_epi32(0x7f800000);
+#define NAN_LANES(V) _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(V), abs_mask), inf_bits)
+        __mmask16 nan = NAN_LANES(vmax);
+        for (j = 16; j + 16 <= cols; j += 16) {
+            idx = _mm512_add_epi32(idx, step);
+            const __m512 v = _mm512_loadu_ps(x + j);
+            nan |= NAN_LANES(v);
+            const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ); /* strictly greater: a lane keeps its first */
+            vmax = _mm512_mask_blend_ps(gt, vmax, v);
+            vidx = _mm512_mask_blend_epi32(gt, vidx, idx);
+        }
+#undef NAN_LANES
+        if (nan) {
+            for (int64_t i = 0; i < cols; i++)
+                if (is_nan(x[i])) return i;
+        }
+        float vals[16];
+        int32_t idxs[16];
+        _mm512_storeu_ps(vals, vmax);
+        _mm512_storeu_si512(idxs, vidx);
+        best_v = vals[0];
+        best = idxs[0];
+        for (int l = 1; l < 16; l++) /* the largest value; among equals, the lowest index */
+            if (vals[l] > best_v || (vals[l] == best_v && idxs[l] < best)) {
+                best_v = vals[l];
+                best = idxs[l];
+            }
+    }
+    for (; j < cols; j++) {
+        if (is_nan(x[j])) return j;
+        if (x[j] > best_v) {
+            best_v = x[j];
+            best = j;
+        }
+    }
+    return best;
+#else
+    for (int64_t j = 0; j < cols; j++) {
+        if (is_nan(x[j])) return j;
+        if (x[j] > best_v) {
+            best_v = x[j];
+            best = j;
+        }
+    }
+    return best;
+#endif
+}
+
+void pm_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t row_stride, int64_t *out) {
+#pragma omp parallel for schedule(static) if (rows * cols > 65536)
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * row_stride, cols);
+}

@@ -174,6 +174,33 @@ def test_amx_linear_takes_no_rows_and_strided_rows():
 
 
 @amx
+def test_amx_linear_can_write_the_widened_bf16_values():
+    w, x = torch.randn(96, 64).to(torch.bfloat16), torch.randn(9, 64).to(torch.bfloat16)
+    packed = ck.amx_pack(w)
+    wide = ck.amx_linear(x, packed, out_dtype=torch.float32)
+    assert wide.dtype == torch.float32 and torch.equal(wide, ck.amx_linear(x, packed).float())
+    with pytest.raises(ValueError):
+        ck.amx_linear(x, packed, out_dtype=torch.float16)
+
+
+def test_argmax_rows_is_the_first_maximum_as_torch_max():
+    x = torch.randn(33, 1000, generator=torch.Generator().manual_seed(2))
+    x[1, :] = 0.5  # all equal: the first
+    x[2, 17] = x[2, 900] = 1e9  # a tie of maxima: the first
+    x[3, 40] = float("nan")  # NaN wins, as in torch.max
+    x[4, 999] = float("nan")  # in the tail after the 16-lane part
+    x[5, :] = float("-inf")
+    x[6, 3] = float("inf")
+    want = x.max(dim=-1).indices
+    assert torch.equal(ck.argmax_rows(x), want)
+    assert torch.equal(ck.argmax_rows(x[:, :7]), x[:, :7].max(dim=-1).indices)  # short strided rows: no 16-lane part
+    wide = torch.randn(4, 49152)
+    assert torch.equal(ck.argmax_rows(wide), wide.max(dim=-1).indices)
+    with pytest.raises(ValueError):
+        ck.argmax_rows(x.to(torch.bfloat16))
+
+
+@amx
 def test_amx_linear_rejects_bad_arguments():
     w = torch.randn(32, 64).to(torch.bfloat16)
     with pytest.raises(ValueError):

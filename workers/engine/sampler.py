@@ -8,6 +8,7 @@ on what else is in the batch.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -40,9 +41,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
     tokens = torch.empty(len(rows), dtype=torch.int64)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if len(greedy) == len(rows):
-        tokens = logits.max(dim=-1).indices  # as argmax (first maximum), ~2.5x faster on CPU
+        tokens = _first_max(logits)
     elif greedy:
-        tokens[greedy] = logits[greedy].max(dim=-1).indices
+        tokens[greedy] = _first_max(logits[greedy])
     random = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random:
         tokens[random] = _sample_random(logits[random], [rows[i] for i in random], default_generator)
@@ -61,6 +62,23 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
             )
         results.append((tok, lp))
     return results
+
+
+def _first_max(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy tokens: each row's first maximum, as argmax. On a CPU the C kernel does it in one
+    pass (0.1 ms on [32, 49152] here); torch's max().indices is 0.4 ms, argmax 1.1 ms."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1 and _cpu_kernels():
+        import kernels.cpu
+
+        return kernels.cpu.argmax_rows(logits)
+    return logits.max(dim=-1).indices
+
+
+@functools.cache
+def _cpu_kernels() -> bool:
+    import kernels.cpu
+
+    return kernels.cpu.available()
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:

@@ -90,15 +90,19 @@ class PackedWeight:
 AMX_MAX_ROWS = 64  # up to here (decode steps) the AMX kernel streams each weight once; above, oneDNN
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
-    """x W^T (+ b); through a packed copy of W when there is one."""
-    if packed is None:
-        return F.linear(x, weight, bias)
-    if packed.amx is not None and x.shape[0] <= AMX_MAX_ROWS:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x W^T (+ b) in x's dtype, then cast to out_dtype if given; through a packed copy of W when
+    there is one (the AMX kernel writes the widened values itself, no second pass)."""
+    if packed is not None and packed.amx is not None and x.shape[0] <= AMX_MAX_ROWS:
         import kernels.cpu
 
-        return kernels.cpu.amx_linear(x, packed.amx, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+        return kernels.cpu.amx_linear(x, packed.amx, bias, out_dtype or x.dtype)
+    if packed is None:
+        y = F.linear(x, weight, bias)
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def pack_linear_weights(model: nn.Module, batch_hint: int = 32) -> bool:

@@ -118,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
         x, _ = self.norm(x, residual, ctx.ops)
-        return linear(x[logit_rows], self.lm_head.weight, None, self.lm_head.packed).float()
+        return linear(x[logit_rows], self.lm_head.weight, None, self.lm_head.packed, torch.float32)
 
     # ---- weights --------------------------------------------------------------------------
     _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
