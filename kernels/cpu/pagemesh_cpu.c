@@ -602,10 +602,9 @@ static inline int is_nan(float f) {
 }
 
 static int64_t argmax_row(const float *x, int64_t cols) {
-    int64_t best = 0;
+    int64_t best = 0, j = 0;
     float best_v = x[0];
 #if defined(__AVX512F__)
-    int64_t j = 0;
     if (cols >= 16) {
         __m512 vmax = _mm512_loadu_ps(x);
         __m512i vidx = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -639,24 +638,15 @@ static int64_t argmax_row(const float *x, int64_t cols) {
                 best = idxs[l];
             }
     }
-    for (; j < cols; j++) {
-        if (is_nan(x[j])) return j;
-        if (x[j] > best_v) {
-            best_v = x[j];
-            best = j;
-        }
-    }
-    return best;
-#else
-    for (int64_t j = 0; j < cols; j++) {
-        if (is_nan(x[j])) return j;
-        if (x[j] > best_v) {
-            best_v = x[j];
-            best = j;
-        }
-    }
-    return best;
 #endif
+    for (; j < cols; j++) { /* the tail past the 16-lane part, or the whole row */
+        if (is_nan(x[j])) return j;
+        if (x[j] > best_v) {
+            best_v = x[j];
+            best = j;
+        }
+    }
+    return best;
 }
 
 void pm_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t row_stride, int64_t *out) {
