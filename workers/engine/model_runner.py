@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from kernels.cpu.memory import keep_freed_memory_for_reuse
 from workers.engine.attention import (
     AttentionMetadata,
     paged_attention_torch,
@@ -19,7 +20,6 @@ from workers.engine.attention import (
 from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.scheduler import StepPlan
 from workers.model.llama import ForwardContext, LlamaForCausalLM
-from kernels.cpu.memory import keep_freed_memory_for_reuse
 from workers.model.layers import pack_linear_weights
 from workers.model.ops import cpu_kernels_usable, ops_for
 
@@ -109,8 +109,8 @@ class ModelRunner:
     The device picks, once, the attention backend and the ops: Triton on CUDA; on a CPU the C
     kernels of `kernels.cpu` where they build (plain torch where they do not), linear
     weights repacked once (`pack_linear_weights`), and glibc told to keep freed activations
-    (`keep_freed_memory_for_reuse`). On CUDA with `cuda_graphs`, decode-only steps of up to `max_num_seqs` sequences replay CUDA
-    graphs (`DecodeGraphs`), everything else runs eagerly. `max_model_len` (default: the
+    (`keep_freed_memory_for_reuse`). On CUDA with `cuda_graphs`, decode-only steps of up to
+    `max_num_seqs` sequences replay CUDA graphs (`DecodeGraphs`), everything else runs eagerly. `max_model_len` (default: the
     model's) sizes the graphs' block tables and fixes their attention split count.
     """
 
