@@ -41,8 +41,7 @@ def make_engine(model, graphs: bool, **overrides) -> Engine:
     config = EngineConfig(device="cuda", num_pages=512, page_size=PAGE, max_num_seqs=32, max_model_len=4096,
                           enable_prefix_caching=False, cuda_graphs=graphs, **overrides)
     engine = Engine(config, model=model)
-    if not graphs:  # until Engine passes config.cuda_graphs on to its ModelRunner
-        engine.runner.graphs = None
+    assert (engine.runner.graphs is not None) == graphs
     return engine
 
 
