@@ -7,9 +7,15 @@
 3. Mixed prefill + decode batches (and a prefill-only one) against torch SDPA's flash backend on
    the same data laid out contiguously (prefills in one causal call, decodes in another), plus a
    small sweep of tile configurations to guide `choose_config`.
+4. A decode sweep at the target's batch x context points: tile configurations x split counts,
+   with the best cell and the heuristic's time, to guide `choose_config` / `choose_num_splits`.
 
+Each section is printed as soon as it is measured, so a run cut short keeps what it measured.
 Timing: CUDA events around each call, L2 flushed (256 MB write) before each, warm-up first,
 median of the repetitions. Usage: PYTHONPATH=. python bench/kernel_bench.py [--quick]
+
+The functions take their sizes as arguments: tests/kernels/test_kernel_bench.py runs them at toy
+sizes on CPU under the Triton interpreter, so a GPU session does not find this file's bugs.
 """
 
 from __future__ import annotations
@@ -18,29 +24,69 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
-DTYPE = torch.bfloat16
-DEVICE = "cuda"
+from kernels.attention import AttentionConfig  # noqa: E402  (no kernel is built at import)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The attention shape every section measures."""
+
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    page: int = 16
+    dtype: torch.dtype = torch.bfloat16
+
+    def kv_token_bytes(self) -> int:
+        return 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+
+LLAMA3_8B = Geometry()
 BATCHES = [1, 8, 32, 64, 128, 256]
 CONTEXTS = [512, 2048, 4096, 8192, 16384, 32768]
+# (label, decodes, decode context, prefills, prefill length); prefills are fresh prompts so
+# SDPA's top-left causal mask is the right one.
+MIXED_CASES = [("128 decodes @ 2k + 4 prefills x 1024", 128, 2048, 4, 1024),
+               ("32 decodes @ 8k + 1 prefill x 4096", 32, 8192, 1, 4096),
+               ("64 decodes @ 4k + 2 prefills x 2048", 64, 4096, 2, 2048),
+               ("prefill only: 8 x 2048", 0, 0, 8, 2048)]
+MIXED_CONFIGS = [AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 3),
+                 AttentionConfig(128, 64, 8, 2), AttentionConfig(128, 32, 8, 3),
+                 AttentionConfig(64, 32, 4, 3)]
+# (batch, context) points of the decode target, and the tile shapes and split counts to try.
+DECODE_SWEEP_CASES = [(1, 32768), (32, 4096), (32, 16384), (128, 4096), (256, 4096)]
+DECODE_CONFIGS = [AttentionConfig(16, 32, 4, 3), AttentionConfig(16, 64, 4, 3),
+                  AttentionConfig(16, 64, 4, 4), AttentionConfig(16, 128, 4, 2),
+                  AttentionConfig(16, 64, 8, 3)]
+SPLIT_COUNTS = [1, 2, 4, 8, 16]
 
 
 class Timer:
-    """Median milliseconds of `fn()` with a cold L2 before every call."""
+    """Median milliseconds of `fn()` with a cold L2 before every call (CUDA events on a GPU,
+    the wall clock on CPU)."""
 
-    def __init__(self, warmup: int, reps: int):
-        self.warmup, self.reps = warmup, reps
-        self.flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=DEVICE)
+    def __init__(self, warmup: int, reps: int, device: str = "cuda", flush_mb: int = 256):
+        self.warmup, self.reps, self.device = warmup, reps, torch.device(device)
+        self.flush = torch.empty(flush_mb * 2**20, dtype=torch.uint8, device=self.device)
 
     def __call__(self, fn) -> float:
         for _ in range(self.warmup):
             fn()
+        if self.device.type != "cuda":
+            times = []
+            for _ in range(self.reps):
+                self.flush.zero_()
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            return statistics.median(times)
         torch.cuda.synchronize()
         events = []
         for _ in range(self.reps):
@@ -54,9 +100,9 @@ class Timer:
         return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
-def copy_bandwidth(timer: Timer) -> float:
-    """GB/s of a 4 GiB device-to-device copy (bytes read + bytes written)."""
-    src = torch.empty(2 * 2**30, dtype=DTYPE, device=DEVICE).normal_()
+def copy_bandwidth(timer: Timer, gib: float = 4.0) -> float:
+    """GB/s of a device-to-device copy of `gib` GiB in all (bytes read + bytes written)."""
+    src = torch.empty(int(gib * 2**29), dtype=torch.bfloat16, device=timer.device).normal_()
     dst = torch.empty_like(src)
     ms = timer(lambda: dst.copy_(src))
     nbytes = 2 * src.numel() * src.element_size()
@@ -64,43 +110,115 @@ def copy_bandwidth(timer: Timer) -> float:
     return nbytes / ms / 1e6
 
 
-def paged_inputs(pool, query_lens, seq_lens, gen):
+def make_pool(geo: Geometry, max_tokens: int, device: str, gen: torch.Generator) -> torch.Tensor:
+    return torch.empty(max_tokens // geo.page + 1, 2, geo.page, geo.kv_heads, geo.head_dim,
+                       dtype=geo.dtype, device=device).normal_(generator=gen)
+
+
+def paged_inputs(geo: Geometry, pool, query_lens, seq_lens, gen):
     """Block tables over random pool pages (fragmented like a long-running server)."""
+    device = pool.device
     num_pages = pool.shape[0]
-    pages_per_seq = [-(-s // PAGE) for s in seq_lens]
-    pages = torch.randperm(num_pages - 1, generator=gen, device=DEVICE)[: sum(pages_per_seq)] + 1
-    table = torch.zeros(len(seq_lens), max(pages_per_seq), dtype=torch.int32, device=DEVICE)
+    pages_per_seq = [-(-s // geo.page) for s in seq_lens]
+    pages = torch.randperm(num_pages - 1, generator=gen, device=device)[: sum(pages_per_seq)] + 1
+    table = torch.zeros(len(seq_lens), max(pages_per_seq), dtype=torch.int32, device=device)
     used = 0
     for s, n in enumerate(pages_per_seq):
         table[s, :n] = pages[used: used + n].to(torch.int32)
         used += n
-    starts = torch.tensor([0] + query_lens, device=DEVICE).cumsum(0).to(torch.int32)
-    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    q = torch.randn(sum(query_lens), HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE, generator=gen)
+    starts = torch.tensor([0] + query_lens, device=device).cumsum(0).to(torch.int32)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    q = torch.randn(sum(query_lens), geo.heads, geo.head_dim, device=device, dtype=geo.dtype,
+                    generator=gen)
     return q, table, seq_lens_t, starts
 
 
-def bench_decode(timer: Timer, copy_gbs: float, batches, contexts, pool, gen) -> list[str]:
-    from kernels.attention import choose_num_splits, paged_attention
+def decode_args(geo: Geometry, pool, batch: int, ctx: int, gen) -> tuple:
+    q, table, lens, starts = paged_inputs(geo, pool, [1] * batch, [ctx] * batch, gen)
+    return (q, pool, table, lens, starts, geo.head_dim**-0.5, 1, ctx)
+
+
+def decode_bytes(geo: Geometry, batch: int, ctx: int) -> int:
+    """K/V read plus q read and the output written."""
+    return batch * ctx * geo.kv_token_bytes() + 2 * batch * geo.heads * geo.head_dim * geo.dtype.itemsize
+
+
+def fits(geo: Geometry, pool, batch: int, ctx: int) -> bool:
+    return batch * -(-ctx // geo.page) < pool.shape[0]
+
+
+def bench_decode(timer: Timer, copy_gbs: float, geo: Geometry, batches, contexts, pool, gen) -> list[str]:
     from kernels._util import sm_count
+    from kernels.attention import choose_num_splits, paged_attention
 
     rows = ["| batch | context | splits | ms | GB/s | % copy BW | no-split ms | no-split % |",
             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    kv_token_bytes = 2 * KV_HEADS * HEAD_DIM * pool.element_size()
     for batch in batches:
         for ctx in contexts:
-            if (batch * ctx) // PAGE >= pool.shape[0]:
+            if not fits(geo, pool, batch, ctx):
                 continue
-            q, table, lens, starts = paged_inputs(pool, [1] * batch, [ctx] * batch, gen)
-            args = (q, pool, table, lens, starts, HEAD_DIM**-0.5, 1, ctx)
-            splits = choose_num_splits(batch, KV_HEADS, ctx, sm_count(q.device))
+            args = decode_args(geo, pool, batch, ctx, gen)
+            splits = choose_num_splits(batch, geo.kv_heads, ctx, sm_count(pool.device))
             ms = timer(lambda: paged_attention(*args))
             ms1 = ms if splits == 1 else timer(lambda: paged_attention(*args, num_splits=1))
-            nbytes = batch * ctx * kv_token_bytes + 2 * q.numel() * q.element_size()
+            nbytes = decode_bytes(geo, batch, ctx)
             gbs, gbs1 = nbytes / ms / 1e6, nbytes / ms1 / 1e6
             rows.append(f"| {batch} | {ctx} | {splits} | {ms:.3f} | {gbs:.0f} | "
                         f"{100 * gbs / copy_gbs:.0f}% | {ms1:.3f} | {100 * gbs1 / copy_gbs:.0f}% |")
     return rows
+
+
+def config_label(c: AttentionConfig) -> str:
+    return f"m{c.block_m} n{c.tile_n} w{c.num_warps} s{c.num_stages}"
+
+
+def bench_decode_sweep(timer: Timer, copy_gbs: float, geo: Geometry, cases, configs, split_counts,
+                       pool, gen, deadline: float = float("inf")) -> list[str]:
+    """For each (batch, context): ms of every tile config x split count, the best cell, and the
+    launcher's own choice (`choose_config` + `choose_num_splits`) for comparison. No case is
+    started after `deadline` (time.time())."""
+    from kernels.attention import paged_attention
+
+    out = []
+    for batch, ctx in cases:
+        if not fits(geo, pool, batch, ctx):
+            continue
+        if time.time() > deadline:
+            out.append(f"_sweep stopped before batch {batch} x {ctx}: out of time._")
+            break
+        args = decode_args(geo, pool, batch, ctx, gen)
+        nbytes = decode_bytes(geo, batch, ctx)
+        heuristic = timer(lambda: paged_attention(*args))
+        usable = [s for s in split_counts if s == 1 or ctx // s >= 64]
+        rows = [f"| {batch} x {ctx} | " + " | ".join(f"splits {s}" for s in usable) + " |",
+                "| --- |" + " ---: |" * len(usable)]
+        best = (float("inf"), "", 0)
+        for cfg in configs:
+            cells = []
+            for s in usable:
+                try:
+                    ms = timer(lambda cfg=cfg, s=s: paged_attention(*args, num_splits=s, config=cfg))
+                except Exception as exc:  # a config that does not compile or fit is a finding
+                    print(f"kernel_bench: {config_label(cfg)} splits {s}: {exc!r}"[:400], file=sys.stderr)
+                    cells.append("err")
+                    continue
+                cells.append(f"{ms:.3f}")
+                if ms < best[0]:
+                    best = (ms, config_label(cfg), s)
+            rows.append(f"| {config_label(cfg)} | " + " | ".join(cells) + " |")
+        pct = lambda ms: f"{100 * nbytes / ms / 1e6 / copy_gbs:.0f}%"  # noqa: E731
+        out += [f"Batch {batch}, context {ctx}: launcher's choice {heuristic:.3f} ms "
+                f"({pct(heuristic)} of copy BW); best {best[1]} splits {best[2]} "
+                f"{best[0]:.3f} ms ({pct(best[0])})." if best[1] else
+                f"Batch {batch}, context {ctx}: launcher's choice {heuristic:.3f} ms; no sweep cell ran.",
+                ""] + rows + [""]
+    return out
+
+
+def flash_only():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
 
 
 def sdpa_flash(q, k, v, causal):
@@ -119,58 +237,41 @@ def sdpa_flash(q, k, v, causal):
             return lambda: sdpa(q, kr, vr, is_causal=causal), "K/V repeated per q head"
 
 
-def flash_only():
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
-
-
-def mixed_case(pool, num_decodes, decode_ctx, num_prefills, prefill_len, gen):
+def mixed_case(geo: Geometry, pool, num_decodes, decode_ctx, num_prefills, prefill_len, gen):
     """Paged inputs for the batch and, for SDPA, the same K/V laid out contiguously."""
     from kernels.kv_write import write_kv
 
+    device = pool.device
     query_lens = [1] * num_decodes + [prefill_len] * num_prefills
     seq_lens = [decode_ctx] * num_decodes + [prefill_len] * num_prefills
-    q, table, lens, starts = paged_inputs(pool, query_lens, seq_lens, gen)
+    q, table, lens, starts = paged_inputs(geo, pool, query_lens, seq_lens, gen)
     dense = {}
     for name, count, length in (("decode", num_decodes, decode_ctx),
                                 ("prefill", num_prefills, prefill_len)):
         if count:
-            dense[name] = torch.randn(2, count, length, KV_HEADS, HEAD_DIM, device=DEVICE,
-                                      dtype=DTYPE, generator=gen)
+            dense[name] = torch.randn(2, count, length, geo.kv_heads, geo.head_dim, device=device,
+                                      dtype=geo.dtype, generator=gen)
     # Scatter the contiguous K/V into the sequences' pages with write_kv.
     for s, seq_len in enumerate(seq_lens):
         name, idx = ("decode", s) if s < num_decodes else ("prefill", s - num_decodes)
         kv = dense[name][:, idx]
-        pos = torch.arange(seq_len, device=DEVICE)
-        slots = table[s, pos // PAGE].long() * PAGE + pos % PAGE
+        pos = torch.arange(seq_len, device=device)
+        slots = table[s, pos // geo.page].long() * geo.page + pos % geo.page
         write_kv(kv[0], kv[1], pool, slots)
-    return query_lens, seq_lens, (q, pool, table, lens, starts, HEAD_DIM**-0.5,
+    return query_lens, seq_lens, (q, pool, table, lens, starts, geo.head_dim**-0.5,
                                   max(query_lens), max(seq_lens)), dense
 
 
-# (label, decodes, decode context, prefills, prefill length); prefills are fresh prompts so
-# SDPA's top-left causal mask is the right one.
-MIXED_CASES = [("128 decodes @ 2k + 4 prefills x 1024", 128, 2048, 4, 1024),
-               ("32 decodes @ 8k + 1 prefill x 4096", 32, 8192, 1, 4096),
-               ("64 decodes @ 4k + 2 prefills x 2048", 64, 4096, 2, 2048),
-               ("prefill only: 8 x 2048", 0, 0, 8, 2048)]
+def bench_mixed(timer: Timer, geo: Geometry, cases, configs, pool, gen) -> list[str]:
+    """Our one launch against SDPA flash per case; `configs` (may be empty): a tile sweep."""
+    from kernels.attention import paged_attention
 
-
-def bench_mixed(timer: Timer, pool, gen, sweep: bool) -> list[str]:
-    from kernels.attention import AttentionConfig, paged_attention
-
-    configs = [AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 3),
-               AttentionConfig(128, 64, 8, 2), AttentionConfig(128, 32, 8, 3),
-               AttentionConfig(64, 32, 4, 3)]
-    cases = MIXED_CASES
     rows = ["| batch | ours ms | SDPA flash ms | ours / SDPA | max abs diff | SDPA GQA |",
             "| --- | ---: | ---: | ---: | ---: | --- |"]
-    sweep_rows = ["| batch | " + " | ".join(
-        f"m{c.block_m} n{c.tile_n} w{c.num_warps} s{c.num_stages}" for c in configs) + " |",
-        "| --- |" + " ---: |" * len(configs)]
+    sweep_rows = ["| batch | " + " | ".join(config_label(c) for c in configs) + " |",
+                  "| --- |" + " ---: |" * len(configs)]
     for label, n_dec, dec_ctx, n_pre, pre_len in cases:
-        query_lens, _, args, dense = mixed_case(pool, n_dec, dec_ctx, n_pre, pre_len, gen)
+        query_lens, _, args, dense = mixed_case(geo, pool, n_dec, dec_ctx, n_pre, pre_len, gen)
         q = args[0]
         calls, reference = [], []
         if n_dec:
@@ -180,11 +281,11 @@ def bench_mixed(timer: Timer, pool, gen, sweep: bool) -> list[str]:
             calls.append(fn)
             reference.append(lambda fn=fn: fn().squeeze(2))
         if n_pre:
-            qp = q[n_dec:].view(n_pre, pre_len, HEADS, HEAD_DIM).transpose(1, 2)
+            qp = q[n_dec:].view(n_pre, pre_len, geo.heads, geo.head_dim).transpose(1, 2)
             kp, vp = (dense["prefill"][i].transpose(1, 2) for i in (0, 1))
             fn, gqa = sdpa_flash(qp, kp, vp, causal=True)
             calls.append(fn)
-            reference.append(lambda fn=fn: fn().transpose(1, 2).reshape(-1, HEADS, HEAD_DIM))
+            reference.append(lambda fn=fn: fn().transpose(1, 2).reshape(-1, geo.heads, geo.head_dim))
         ours_ms = timer(lambda: paged_attention(*args))
         with flash_only():
             sdpa_ms = timer(lambda: [c() for c in calls])
@@ -192,17 +293,23 @@ def bench_mixed(timer: Timer, pool, gen, sweep: bool) -> list[str]:
         diff = (paged_attention(*args).float() - expect.float()).abs().max().item()
         rows.append(f"| {label} | {ours_ms:.3f} | {sdpa_ms:.3f} | {ours_ms / sdpa_ms:.2f}x | "
                     f"{diff:.2e} | {gqa} |")
-        if sweep:
-            cells = [f"{timer(lambda c=c: paged_attention(*args, config=c)):.3f}"
-                     for c in configs]
+        if configs:
+            cells = [f"{timer(lambda c=c: paged_attention(*args, config=c)):.3f}" for c in configs]
             sweep_rows.append(f"| {label} | " + " | ".join(cells) + " |")
-    return rows + ([""] + ["Tile sweep (ms) for the same batches:", ""] + sweep_rows
-                   if sweep else [])
+    if not configs:
+        return rows
+    return rows + ["", "Tile sweep (ms) for the same batches:", ""] + sweep_rows
+
+
+def emit(lines: list[str]) -> None:
+    print("\n".join(lines), flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller grid, fewer repetitions")
+    parser.add_argument("--quick", action="store_true", help="smaller grid, fewer repetitions, no sweeps")
+    parser.add_argument("--deadline-s", type=float, default=float("inf"),
+                        help="seconds after which the decode sweep starts no new case")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         print("kernel_bench: needs a CUDA GPU (torch.cuda.is_available() is False); "
@@ -210,23 +317,24 @@ def main() -> int:
         return 2
 
     started = time.time()
+    geo = LLAMA3_8B
     timer = Timer(warmup=3, reps=10 if opts.quick else 30)
     batches = [1, 32, 256] if opts.quick else BATCHES
     contexts = [512, 4096, 32768] if opts.quick else CONTEXTS
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    gen = torch.Generator(device="cuda").manual_seed(0)
     copy_gbs = copy_bandwidth(timer)
-
-    max_tokens = max(b * c for b in batches for c in contexts)
-    pool = torch.empty(max_tokens // PAGE + 1, 2, PAGE, KV_HEADS, HEAD_DIM, dtype=DTYPE,
-                       device=DEVICE).normal_(generator=gen)
-    out = [f"Device copy bandwidth (4 GiB `copy_`, read + write): **{copy_gbs:.0f} GB/s**", "",
-           f"### Decode attention (bf16, {HEADS} q / {KV_HEADS} kv heads, head_dim {HEAD_DIM}, "
-           f"page {PAGE}; target >= 80% of copy BW at context >= 4k, batch >= 32)", ""]
-    out += bench_decode(timer, copy_gbs, batches, contexts, pool, gen)
-    out += ["", "### Mixed prefill + decode vs torch SDPA flash (target <= 1.3x)", ""]
-    out += bench_mixed(timer, pool, gen, sweep=not opts.quick)
-    out += ["", f"_kernel_bench ran in {time.time() - started:.0f} s._"]
-    print("\n".join(out))
+    pool = make_pool(geo, max(b * c for b in batches for c in contexts), "cuda", gen)
+    emit([f"Device copy bandwidth (4 GiB `copy_`, read + write): **{copy_gbs:.0f} GB/s**", "",
+          f"### Decode attention (bf16, {geo.heads} q / {geo.kv_heads} kv heads, head_dim "
+          f"{geo.head_dim}, page {geo.page}; target >= 80% of copy BW at context >= 4k, batch >= 32)", ""])
+    emit(bench_decode(timer, copy_gbs, geo, batches, contexts, pool, gen))
+    emit(["", "### Mixed prefill + decode vs torch SDPA flash (target <= 1.3x)", ""])
+    emit(bench_mixed(timer, geo, MIXED_CASES, [] if opts.quick else MIXED_CONFIGS, pool, gen))
+    if not opts.quick:
+        emit(["", "### Decode sweep: tile config x split count (ms; cold L2, median of 5)", ""])
+        emit(bench_decode_sweep(Timer(warmup=2, reps=5), copy_gbs, geo, DECODE_SWEEP_CASES,
+                                DECODE_CONFIGS, SPLIT_COUNTS, pool, gen, started + opts.deadline_s))
+    emit(["", f"_kernel_bench ran in {time.time() - started:.0f} s._"])
     return 0
 
 

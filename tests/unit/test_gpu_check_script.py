@@ -1,0 +1,60 @@
+"""scripts/gpu_check.sh's control flow, with a stand-in `python` (PYTHON=...) that answers the
+CUDA probe and prints canned results: the report's sections, the bench's time limit and deadline,
+the exit status. The real steps run on a GPU machine only."""
+
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+FAKE_PY = """#!/usr/bin/env bash
+case "$*" in
+  *cuda.is_available*) exit ${FAKE_CUDA_RC:-0} ;;
+  *"import torch, triton"*) echo "torch T, triton R, CUDA C" ;;
+  *get_device_name*) echo "Stand-in GPU" ;;
+  "-m pytest"*"tests/gpu"*) echo "1 failed, 22 passed in 9.00s"; exit 1 ;;
+  "-m pytest"*) echo "90 passed in 9.00s" ;;
+  bench/kernel_bench.py*) echo "kernel_bench $*" ;;
+  bench/gpu_engine.py*) echo "| 1 | CUDA graphs | 100 |" ;;
+  *) echo "unexpected: $*" >&2; exit 9 ;;
+esac
+"""
+
+
+def run_check(tmp_path, **env):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PY)
+    fake.chmod(0o755)
+    report = tmp_path / "gpu.md"
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHON": str(fake), "GPU_CHECK_REPORT": str(report),
+             "PATH": f"{tmp_path}:/usr/bin:/bin", **env},  # no nvidia-smi on this PATH
+    )
+    return proc, report.read_text()
+
+
+def test_report_has_every_step_and_a_failing_suite_fails_the_check(tmp_path):
+    proc, report = run_check(tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert "- GPU: Stand-in GPU" in report and "torch T, triton R, CUDA C" in report
+    assert "- tests/kernels (compiled, no interpreter): PASS — 90 passed in 9.00s" in report
+    assert "- tests/gpu (-m gpu): **FAIL (exit 1)** — 1 failed, 22 passed in 9.00s" in report
+    assert "kernel_bench bench/kernel_bench.py --deadline-s 175" in report  # 200 s limit - 25
+    assert "## Engine (bench/gpu_engine.py)" in report and "| 1 | CUDA graphs | 100 |" in report
+    assert report.rstrip().endswith("exit status 1._")
+
+
+def test_a_short_budget_keeps_time_for_the_engine(tmp_path):
+    proc, report = run_check(tmp_path, GPU_CHECK_BUDGET_S="260")
+    assert "[gpu_check] kernel bench (limit 140s)" in proc.stdout  # 260 - 120 reserved
+    assert "kernel_bench bench/kernel_bench.py --deadline-s 115" in report
+    proc, report = run_check(tmp_path, GPU_CHECK_BUDGET_S="200")
+    assert "kernel_bench bench/kernel_bench.py --quick --deadline-s 55" in report
+
+
+def test_without_cuda_it_says_so_and_fails(tmp_path):
+    proc, report = run_check(tmp_path, FAKE_CUDA_RC="1")
+    assert proc.returncode == 1
+    assert "**No CUDA device: nothing run.**" in report and "## Kernel benchmarks" not in report
