@@ -5,7 +5,7 @@ A randomly initialised Llama-3-8B-shaped model in bf16 (nothing to download), ru
 
 1. Decode at batch 1, 32 and 128: prompts of 512 random tokens, prefilled, 3 warm-up decode
    steps, then 128 timed decode steps (the engine captured its CUDA graphs when it was built).
-   Reported: end-to-end tokens/s (scheduler, forward, logits to the host, sampling) and the
+   Reported: end-to-end tokens/s (scheduler, forward, greedy argmax, ids to the host) and the
    forward alone (graph replay timed with CUDA events), against the roofline of a step: (weight
    bytes + K/V bytes read) / the device copy bandwidth measured in this run (bench/kernel_bench.py's
    4 GiB `copy_`). Batch 1 also runs eagerly (graphs off) to show what the graphs save.
@@ -173,7 +173,7 @@ def run(model, copy_gbs: float | None, batches=BATCHES, prompt_len=PROMPT_LEN, s
     tflops = prefill_flops(cfg, weights, dtype_bytes, ttft_len) / ttft / 1e12
     out += ["", f"TTFT of a {ttft_len}-token prompt (one prefill step, in the engine): "
             f"**{ttft * 1e3:.1f} ms** ({ttft_len / ttft:.0f} tok/s, {tflops:.0f} TFLOP/s achieved).", "",
-            "End-to-end includes the scheduler, copying fp32 logits to the host and sampling there; "
+            "End-to-end includes the scheduler and greedy sampling (argmax on the GPU, ids to the host); "
             "roofline = (weight bytes + K/V bytes read at the mean context) / copy bandwidth."]
     return out
 

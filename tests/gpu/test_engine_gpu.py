@@ -109,3 +109,16 @@ def test_replayed_decode_step_matches_eager_step_bf16(batch_size):
     assert replayed.shape == eager.shape == (batch_size, SMALL.vocab_size)
     assert graphs.replays[bucket_for(batch_size, graphs.sizes)] == 3  # two steps and this one
     torch.testing.assert_close(replayed, eager, atol=3e-2, rtol=3e-2)
+
+
+def test_greedy_on_the_device_equals_greedy_sampled_on_the_host():
+    """Plain greedy rows take the argmax on the GPU; asking for logprobs sends the logits to the
+    host sampler. Same fp32 model, same tokens; seeded sampling (host) is reproducible."""
+    model = build_random_model(SMALL, torch.float32, DEVICE, seed=4)
+    batch = prompts(5, seed=4)
+    engine = make_engine(model, graphs=True, dtype="float32")
+    on_device = engine.generate(batch, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    on_host = engine.generate(batch, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0))
+    assert [o.token_ids for o in on_device] == [o.token_ids for o in on_host]
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, ignore_eos=True, seed=11)
+    assert [o.token_ids for o in engine.generate(batch, seeded)] == [o.token_ids for o in engine.generate(batch, seeded)]

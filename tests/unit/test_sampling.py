@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from common.sampling import SamplingParams
-from workers.engine.sampler import SampleRow, sample
+from workers.engine.sampler import SampleRow, argmax_only, sample
 
 
 @pytest.mark.parametrize(
@@ -92,3 +92,27 @@ def test_logprobs_are_the_raw_log_softmax():
     assert tok == 0 and lp.top_ids == [0, 1]
     assert lp.logprob == pytest.approx(float(ref[0]))
     assert lp.top_logprobs == pytest.approx(ref[:2].tolist())
+
+
+@pytest.mark.parametrize(
+    "params, row_kwargs, plain",
+    [
+        (SamplingParams(temperature=0), {}, True),
+        (SamplingParams(temperature=0, seed=3, top_k=5), {}, True),  # greedy: seed and top-k change nothing
+        (SamplingParams(temperature=0.7), {}, False),
+        (SamplingParams(temperature=0, logprobs=0), {}, False),
+        (SamplingParams(temperature=0), {"want_logprob": True}, False),
+        (SamplingParams(temperature=0), {"banned_ids": (2,)}, False),
+        (SamplingParams(temperature=0, repetition_penalty=1.2), {}, False),
+        (SamplingParams(temperature=0, frequency_penalty=0.5), {}, False),
+        (SamplingParams(temperature=0, presence_penalty=0.5), {}, False),
+    ],
+)
+def test_only_plain_greedy_rows_keep_their_logits_on_the_gpu(params, row_kwargs, plain):
+    """Rows that pass stay on the device (argmax there, ids to the host); the others are sampled
+    on the host. Either way a plain greedy row's token is its first maximum."""
+    row = SampleRow(params, [1, 2], [2], None, **row_kwargs)
+    assert argmax_only(row) is plain
+    logits = torch.tensor([[0.0, 3.0, 3.0, -1.0]])
+    if plain:
+        assert sample(logits.clone(), [row], torch.Generator()) == [(1, None)]

@@ -245,7 +245,7 @@ class Engine:
             touched[seq.request_id] = req
         for request_id, items in beam_rows.items():
             req = touched[request_id] = self.requests[request_id]
-            self._beam_step(req, [s for s, _ in items], logits[[r for _, r in items]])
+            self._beam_step(req, [s for s, _ in items], logits[[r for _, r in items]].cpu())
         for req in touched.values():
             if req.prefill_only:
                 self._hold_prefilled(req)

@@ -165,7 +165,8 @@ class ModelRunner:
             self.kv_cache[:, dst].copy_(self.kv_cache[:, src])
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Run the plan; return fp32 logits for each chunk that samples, in plan order."""
+        """Run the plan; return fp32 logits for each chunk that samples, in plan order, on the
+        model's device (on CUDA a replayed graph's output buffer: read it before the next step)."""
         self.move_pages(plan)
         token_ids: list[int] = []
         query_lens: list[int] = []
@@ -179,7 +180,7 @@ class ModelRunner:
                 logit_rows.append(len(token_ids) - 1)
         block_tables = [c.seq.block_table for c in plan.chunks]
         if self.graphs is not None and self.graphs.can_run(query_lens, block_tables, len(logit_rows)):
-            return self.graphs.run(token_ids, seq_lens, block_tables).cpu()
+            return self.graphs.run(token_ids, seq_lens, block_tables)
         md = AttentionMetadata.build(
             query_lens, seq_lens, block_tables, self.page_size, self.device,
             for_cpu=self.backend.builds_cpu_indices, decode_gather=self.backend.decode_gather,
@@ -187,4 +188,4 @@ class ModelRunner:
         ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         rows = torch.tensor(logit_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         ctx = ForwardContext(self.kv_cache, md, self.backend, self.ops)
-        return self.model(ids, ctx, rows).cpu()
+        return self.model(ids, ctx, rows)

@@ -30,7 +30,13 @@ class SampleRow:
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator) -> list[tuple[int, TokenLogprobs | None]]:
-    """logits: [R, V] fp32 (modified in place). Returns (token, logprobs or None) per row."""
+    """logits: [R, V] fp32 (modified in place), on any device. Returns (token, logprobs or None)
+    per row. Logits on a GPU stay there when every row is plain greedy (`argmax_only`): only the
+    token ids come to the host. Otherwise the rows are sampled on the host."""
+    if logits.device.type != "cpu":
+        if all(argmax_only(r) for r in rows):
+            return [(tok, None) for tok in logits.argmax(dim=-1).tolist()]
+        logits = logits.cpu()
     raw_logprobs = None
     if any(r.params.logprobs is not None or r.want_logprob for r in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -62,6 +68,16 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
             )
         results.append((tok, lp))
     return results
+
+
+def argmax_only(row: SampleRow) -> bool:
+    """The row's token is its logits' first maximum and nothing else is reported: greedy, no
+    penalties, no banned ids, no logprobs."""
+    p = row.params
+    return (
+        p.greedy and not row.banned_ids and p.logprobs is None and not row.want_logprob
+        and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
+    )
 
 
 def _first_max(logits: torch.Tensor) -> torch.Tensor:
