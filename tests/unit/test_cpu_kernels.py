@@ -137,6 +137,9 @@ def test_packed_linear_weights_give_the_same_logits():
     assert pack_linear_weights(model)
     assert layer.packed is not None and layer.weight.numel() == 0
     assert torch.equal(layer(x), before)
+    packed = layer.packed
+    assert pack_linear_weights(model) and layer.packed is packed  # a second engine on the model
+    assert torch.equal(layer(x), before)
     assert torch.equal(torch.ops.mkldnn._linear_pointwise(x, model.lm_head.packed.onednn, None, "none", [], ""), head_before)
     assert not pack_linear_weights(LlamaForCausalLM(cfg))  # fp32 stays dense
     if ck.amx_available():  # 128 x 64 packs for AMX; the 300-row head does not (300 % 16)

@@ -111,9 +111,12 @@ def pack_linear_weights(model: nn.Module, batch_hint: int = 32) -> bool:
     batch sizes here), and, where the CPU has AMX, for `kernels.cpu.amx_linear`, which streams
     each weight once per decode step (~1.3x faster than oneDNN at 1-32 rows). oneDNN's results are
     bit-identical to F.linear; the AMX kernel's differ by one bf16 step in a rare value (<1%).
-    The dense weights are released: call after loading. fp32 keeps the dense path (its packed
-    matmuls round differently from the HF reference). Returns whether anything was packed."""
+    The dense weights are released: call after loading; a model already packed (a second engine
+    on it) is left as it is. fp32 keeps the dense path (its packed matmuls round differently from
+    the HF reference). Returns whether the model's linears are packed."""
     modules = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    if modules and modules[0].packed is not None:
+        return True
     if not modules or modules[0].weight.dtype != torch.bfloat16 or modules[0].weight.device.type != "cpu":
         return False
     try:
