@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -58,36 +59,39 @@ class AttentionMetadata:
         decode_gather: bool = True,
     ) -> "AttentionMetadata":
         """for_cpu: build the prefill slices (and, with decode_gather, the row indices of the
-        torch decode path); the GPU kernels and the C decode kernel read block tables."""
-        num_decodes = 0
-        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
-            num_decodes += 1
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
-        max_pages = max(len(t) for t in block_tables)
-        table = torch.zeros(len(block_tables), max_pages, dtype=torch.int32)
+        torch decode path); the GPU kernels and the C decode kernel read block tables.
+
+        The host-side indices are numpy array operations (a Python step per sequence only to copy
+        its block table): this runs every step, ~0.5 ms at 128 sequences x 250 pages here."""
+        num_seqs = len(query_lens)
+        qlens = np.asarray(query_lens, dtype=np.int64)
+        slens = np.asarray(seq_lens, dtype=np.int64)
+        longer = np.flatnonzero(qlens != 1)
+        num_decodes = int(longer[0]) if len(longer) else num_seqs
+        starts = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(qlens, out=starts[1:])
+        table = np.zeros((num_seqs, max(len(t) for t in block_tables)), dtype=np.int32)
         for i, t in enumerate(block_tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        positions = torch.cat(
-            [torch.arange(s - q, s, dtype=torch.int64) for q, s in zip(query_lens, seq_lens)]
-        )
-        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
-        pages = table[seq_of_token, positions // page_size].to(torch.int64)
-        slot_mapping = pages * page_size + positions % page_size
+            table[i, : len(t)] = t
+        if num_decodes == num_seqs:  # one token per sequence, at its last position
+            seq_of_token, positions = np.arange(num_seqs), slens - 1
+        else:  # token j of sequence s (rows starts[s]..) sits at position seq_len - q_len + j
+            seq_of_token = np.repeat(np.arange(num_seqs), qlens)
+            positions = np.arange(starts[-1]) + np.repeat(slens - qlens - starts[:-1], qlens)
+        pages = table[seq_of_token, positions // page_size].astype(np.int64)
         md = cls(
-            positions=positions,
-            slot_mapping=slot_mapping,
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=table,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
+            positions=torch.from_numpy(positions),
+            slot_mapping=torch.from_numpy(pages * page_size + positions % page_size),
+            query_start_loc=torch.from_numpy(starts.astype(np.int32)),
+            seq_lens=torch.from_numpy(slens.astype(np.int32)),
+            block_tables=torch.from_numpy(table),
+            max_query_len=int(qlens.max()),
+            max_seq_len=int(slens.max()),
             num_decodes=num_decodes,
             page_size=page_size,
         )
         if for_cpu:
-            md._build_cpu_indices(query_lens, seq_lens, pages, decode_gather)
+            md._build_cpu_indices(query_lens, seq_lens, torch.from_numpy(pages), decode_gather)
         return md.to(device)
 
     def _build_cpu_indices(
