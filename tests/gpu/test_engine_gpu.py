@@ -122,3 +122,32 @@ def test_greedy_on_the_device_equals_greedy_sampled_on_the_host():
     assert [o.token_ids for o in on_device] == [o.token_ids for o in on_host]
     seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, ignore_eos=True, seed=11)
     assert [o.token_ids for o in engine.generate(batch, seeded)] == [o.token_ids for o in engine.generate(batch, seeded)]
+
+
+def test_sampling_on_the_gpu_draws_what_the_host_draws():
+    """The sampler on CUDA logits (penalties, banned ids, top-k/p, min-p, logprobs) against the
+    same rows on the host: seeded rows use host generators, so the tokens are the same."""
+    from workers.engine.sampler import SampleRow, sample
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=gen) * 3
+    kinds = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+        SamplingParams(temperature=1.0, top_k=20, min_p=0.05, seed=2, logprobs=3),
+        SamplingParams(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.4, seed=3),
+        SamplingParams(temperature=0, presence_penalty=0.5, logprobs=2),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.2, seed=4),
+    ]
+
+    def rows():
+        return [SampleRow(p, [5, 6, 7], [8, 8, 9], torch.Generator().manual_seed(p.seed) if p.seed else None,
+                          banned_ids=(3,) if i == 4 else ()) for i, p in enumerate(kinds)]
+
+    host = sample(logits.clone(), rows(), torch.Generator())
+    device = sample(logits.to(DEVICE), rows(), torch.Generator(device=DEVICE))
+    assert [t for t, _ in device] == [t for t, _ in host]
+    for (_, a), (_, b) in zip(host, device):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert b.top_ids == a.top_ids and b.logprob == pytest.approx(a.logprob, abs=1e-4)

@@ -92,7 +92,8 @@ class Engine:
         ) - {None}
         self.requests: dict[str, _Request] = {}
         self.generators: dict[int, torch.Generator] = {}
-        self.default_generator = torch.Generator().manual_seed(config.seed)
+        # unseeded rows draw from this one, on the device the sampler runs on
+        self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.stats = EngineStats()
         self.prefilled: dict[str, PrefillResult] = {}  # prefill-only requests awaiting transfer
         self.stalled = False

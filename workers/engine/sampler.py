@@ -30,13 +30,15 @@ class SampleRow:
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator) -> list[tuple[int, TokenLogprobs | None]]:
-    """logits: [R, V] fp32 (modified in place), on any device. Returns (token, logprobs or None)
-    per row. Logits on a GPU stay there when every row is plain greedy (`argmax_only`): only the
-    token ids come to the host. Otherwise the rows are sampled on the host."""
-    if logits.device.type != "cpu":
-        if all(argmax_only(r) for r in rows):
-            return [(tok, None) for tok in logits.argmax(dim=-1).tolist()]
-        logits = logits.cpu()
+    """logits: [R, V] fp32 (modified in place). Returns (token, logprobs or None) per row.
+
+    Everything runs on the logits' device; only tokens and the logprobs asked for come to the
+    host. A batch of plain greedy rows (`argmax_only`) is one argmax. `default_generator` draws
+    for unseeded rows and should live on that device; a seeded row's own generator may be a host
+    generator (its draws are then made on the host and copied, so they do not depend on the
+    device either)."""
+    if logits.device.type != "cpu" and all(argmax_only(r) for r in rows):
+        return [(tok, None) for tok in logits.argmax(dim=-1).tolist()]
     raw_logprobs = None
     if any(r.params.logprobs is not None or r.want_logprob for r in rows):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -44,7 +46,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
     for i, r in enumerate(rows):
         if r.banned_ids:
             logits[i, list(r.banned_ids)] = float("-inf")
-    tokens = torch.empty(len(rows), dtype=torch.int64)
+    tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     if len(greedy) == len(rows):
         tokens = _first_max(logits)
@@ -101,35 +103,41 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     for i, r in enumerate(rows):
         p = r.params
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.int64)
+            seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.int64, device=logits.device)
             vals = logits[i, seen]
             logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.frequency_penalty or p.presence_penalty) and r.output_ids:
-            counts = torch.bincount(torch.tensor(r.output_ids, dtype=torch.int64), minlength=logits.shape[1]).to(logits.dtype)
+            ids = torch.tensor(r.output_ids, dtype=torch.int64, device=logits.device)
+            counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator) -> torch.Tensor:
-    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype).unsqueeze(1)
+    device = logits.device
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=device).unsqueeze(1)
     logits = logits / temps
     top_ks = [r.params.top_k for r in rows]
     top_ps = [r.params.top_p for r in rows]
     vocab = logits.shape[1]
     if any(k != -1 and k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab).unsqueeze(0)
-        k = torch.tensor([k if k != -1 else vocab for k in top_ks]).unsqueeze(1)
+        ranks = torch.arange(vocab, device=device).unsqueeze(0)
+        k = torch.tensor([k if k != -1 else vocab for k in top_ks], device=device).unsqueeze(1)
         drop = ranks >= k
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-        drop |= before > torch.tensor(top_ps, dtype=probs.dtype).unsqueeze(1)
+        drop |= before > torch.tensor(top_ps, dtype=probs.dtype, device=device).unsqueeze(1)
         drop[:, 0] = False  # always keep the most likely token
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(dim=-1)
-    min_ps = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype).unsqueeze(1)
-    if bool((min_ps > 0).any()):
+    if any(r.params.min_p > 0 for r in rows):
+        min_ps = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype, device=device).unsqueeze(1)
         probs = probs.masked_fill(probs < min_ps * probs.max(dim=-1, keepdim=True).values, 0.0)
     noise = torch.empty_like(probs)
     for i, r in enumerate(rows):
-        noise[i].exponential_(generator=r.generator or default_generator)
+        gen = r.generator or default_generator
+        if gen.device.type == device.type:
+            noise[i].exponential_(generator=gen)
+        else:  # a host generator for a row on the GPU
+            noise[i].copy_(torch.empty(vocab, dtype=noise.dtype).exponential_(generator=gen))
     return (probs / noise).max(dim=-1).indices
