@@ -116,3 +116,33 @@ def test_only_plain_greedy_rows_keep_their_logits_on_the_gpu(params, row_kwargs,
     logits = torch.tensor([[0.0, 3.0, 3.0, -1.0]])
     if plain:
         assert sample(logits.clone(), [row], torch.Generator()) == [(1, None)]
+
+
+def test_the_sampler_keeps_every_tensor_on_the_logits_device(monkeypatch):
+    """Logits on the `meta` device stand in for a GPU: torch refuses any op that mixes them with
+    a host tensor, which is the bug a GPU run would find. Meta tensors hold no values, so the
+    reads to the host (tolist, float) and bincount (no meta kernel) return zeros for them."""
+    real_tolist, real_float, real_bincount = torch.Tensor.tolist, torch.Tensor.__float__, torch.bincount
+
+    def on_meta(real, stub):
+        return lambda t, *a, **k: stub(t, *a, **k) if t.device.type == "meta" else real(t, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", on_meta(real_tolist, lambda t: [0] * len(t) if t.dim() else 0))
+    monkeypatch.setattr(torch.Tensor, "__float__", on_meta(real_float, lambda t: 0.0))
+    monkeypatch.setattr(torch, "bincount", on_meta(
+        real_bincount, lambda t, minlength=0: torch.zeros(minlength, dtype=torch.int64, device=t.device)))
+    kinds = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+        SamplingParams(temperature=1.0, top_k=20, min_p=0.05, logprobs=3),
+        SamplingParams(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.4, seed=3),
+        SamplingParams(temperature=0, presence_penalty=0.5, logprobs=2),
+        SamplingParams(temperature=0),
+    ]
+    rows_ = [SampleRow(p, [5, 6, 7], [8, 8, 9], torch.Generator().manual_seed(p.seed) if p.seed else None,
+                       banned_ids=(3,) if i == 4 else ()) for i, p in enumerate(kinds)]
+    got = sample(torch.empty(5, 100, device="meta"), rows_, torch.Generator())
+    assert [tok for tok, _ in got] == [0] * 5 and got[1][1].top_ids == [0, 0, 0]
+    # all plain greedy: one argmax on the device
+    assert sample(torch.empty(3, 100, device="meta"), rows(SamplingParams(temperature=0), 3), torch.Generator()) == [(0, None)] * 3
+    with pytest.raises(RuntimeError, match="device"):  # the check is real: a host tensor meets it
+        torch.empty(3, device="meta") + torch.ones(3)
