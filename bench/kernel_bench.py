@@ -10,7 +10,8 @@
 4. A decode sweep at the target's batch x context points: tile configurations x split counts,
    with the best cell and the heuristic's time, to guide `choose_config` / `choose_num_splits`.
 
-Each section is printed as soon as it is measured, so a run cut short keeps what it measured.
+Each section (each decode-sweep case) is printed as soon as it is measured, so a run cut short
+keeps what it measured; past `--deadline-at` the sweeps time nothing more.
 Timing: CUDA events around each call, L2 flushed (256 MB write) before each, warm-up first,
 median of the repetitions. Usage: PYTHONPATH=. python bench/kernel_bench.py [--quick]
 
@@ -173,19 +174,18 @@ def config_label(c: AttentionConfig) -> str:
 
 
 def bench_decode_sweep(timer: Timer, copy_gbs: float, geo: Geometry, cases, configs, split_counts,
-                       pool, gen, deadline: float = float("inf")) -> list[str]:
-    """For each (batch, context): ms of every tile config x split count, the best cell, and the
-    launcher's own choice (`choose_config` + `choose_num_splits`) for comparison. No case is
-    started after `deadline` (time.time())."""
+                       pool, gen, deadline: float = float("inf")):
+    """For each (batch, context), yields its lines: ms of every tile config x split count, the
+    best cell, and the launcher's own choice (`choose_config` + `choose_num_splits`). Past
+    `deadline` (time.time()) no cell is timed ("—") and no further case starts."""
     from kernels.attention import paged_attention
 
-    out = []
     for batch, ctx in cases:
         if not fits(geo, pool, batch, ctx):
             continue
         if time.time() > deadline:
-            out.append(f"_sweep stopped before batch {batch} x {ctx}: out of time._")
-            break
+            yield [f"_Sweep stopped before batch {batch} x {ctx}: out of time._", ""]
+            return
         args = decode_args(geo, pool, batch, ctx, gen)
         nbytes = decode_bytes(geo, batch, ctx)
         heuristic = timer(lambda: paged_attention(*args))
@@ -196,6 +196,9 @@ def bench_decode_sweep(timer: Timer, copy_gbs: float, geo: Geometry, cases, conf
         for cfg in configs:
             cells = []
             for s in usable:
+                if time.time() > deadline:
+                    cells.append("—")
+                    continue
                 try:
                     ms = timer(lambda cfg=cfg, s=s: paged_attention(*args, num_splits=s, config=cfg))
                 except Exception as exc:  # a config that does not compile or fit is a finding
@@ -207,12 +210,11 @@ def bench_decode_sweep(timer: Timer, copy_gbs: float, geo: Geometry, cases, conf
                     best = (ms, config_label(cfg), s)
             rows.append(f"| {config_label(cfg)} | " + " | ".join(cells) + " |")
         pct = lambda ms: f"{100 * nbytes / ms / 1e6 / copy_gbs:.0f}%"  # noqa: E731
-        out += [f"Batch {batch}, context {ctx}: launcher's choice {heuristic:.3f} ms "
+        head = (f"Batch {batch}, context {ctx}: launcher's choice {heuristic:.3f} ms "
                 f"({pct(heuristic)} of copy BW); best {best[1]} splits {best[2]} "
                 f"{best[0]:.3f} ms ({pct(best[0])})." if best[1] else
-                f"Batch {batch}, context {ctx}: launcher's choice {heuristic:.3f} ms; no sweep cell ran.",
-                ""] + rows + [""]
-    return out
+                f"Batch {batch}, context {ctx}: launcher's choice {heuristic:.3f} ms; no sweep cell ran.")
+        yield [head, ""] + rows + [""]
 
 
 def flash_only():
@@ -262,8 +264,10 @@ def mixed_case(geo: Geometry, pool, num_decodes, decode_ctx, num_prefills, prefi
                                   max(query_lens), max(seq_lens)), dense
 
 
-def bench_mixed(timer: Timer, geo: Geometry, cases, configs, pool, gen) -> list[str]:
-    """Our one launch against SDPA flash per case; `configs` (may be empty): a tile sweep."""
+def bench_mixed(timer: Timer, geo: Geometry, cases, configs, pool, gen,
+                deadline: float = float("inf")) -> list[str]:
+    """Our one launch against SDPA flash per case; `configs` (may be empty): a tile sweep, whose
+    cells past `deadline` (time.time()) are not timed ("—")."""
     from kernels.attention import paged_attention
 
     rows = ["| batch | ours ms | SDPA flash ms | ours / SDPA | max abs diff | SDPA GQA |",
@@ -294,7 +298,8 @@ def bench_mixed(timer: Timer, geo: Geometry, cases, configs, pool, gen) -> list[
         rows.append(f"| {label} | {ours_ms:.3f} | {sdpa_ms:.3f} | {ours_ms / sdpa_ms:.2f}x | "
                     f"{diff:.2e} | {gqa} |")
         if configs:
-            cells = [f"{timer(lambda c=c: paged_attention(*args, config=c)):.3f}" for c in configs]
+            cells = ["—" if time.time() > deadline else
+                     f"{timer(lambda c=c: paged_attention(*args, config=c)):.3f}" for c in configs]
             sweep_rows.append(f"| {label} | " + " | ".join(cells) + " |")
     if not configs:
         return rows
@@ -308,8 +313,9 @@ def emit(lines: list[str]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller grid, fewer repetitions, no sweeps")
-    parser.add_argument("--deadline-s", type=float, default=float("inf"),
-                        help="seconds after which the decode sweep starts no new case")
+    parser.add_argument("--deadline-at", type=float, default=float("inf"),
+                        help="a time (seconds since the epoch, as `date +%%s`) after which the "
+                             "sweeps time nothing more")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         print("kernel_bench: needs a CUDA GPU (torch.cuda.is_available() is False); "
@@ -329,11 +335,15 @@ def main() -> int:
           f"{geo.head_dim}, page {geo.page}; target >= 80% of copy BW at context >= 4k, batch >= 32)", ""])
     emit(bench_decode(timer, copy_gbs, geo, batches, contexts, pool, gen))
     emit(["", "### Mixed prefill + decode vs torch SDPA flash (target <= 1.3x)", ""])
-    emit(bench_mixed(timer, geo, MIXED_CASES, [] if opts.quick else MIXED_CONFIGS, pool, gen))
-    if not opts.quick:
+    emit(bench_mixed(timer, geo, MIXED_CASES, [] if opts.quick else MIXED_CONFIGS, pool, gen,
+                     opts.deadline_at))
+    if opts.quick:
+        emit(["", "_--quick: no tile sweeps._"])
+    else:
         emit(["", "### Decode sweep: tile config x split count (ms; cold L2, median of 5)", ""])
-        emit(bench_decode_sweep(Timer(warmup=2, reps=5), copy_gbs, geo, DECODE_SWEEP_CASES,
-                                DECODE_CONFIGS, SPLIT_COUNTS, pool, gen, started + opts.deadline_s))
+        for lines in bench_decode_sweep(Timer(warmup=2, reps=5), copy_gbs, geo, DECODE_SWEEP_CASES,
+                                        DECODE_CONFIGS, SPLIT_COUNTS, pool, gen, opts.deadline_at):
+            emit(lines)
     emit(["", f"_kernel_bench ran in {time.time() - started:.0f} s._"])
     return 0
 

@@ -100,14 +100,15 @@ t=$(cap 200)
 echo "[gpu_check] kernel bench (limit ${t}s) $QUICK"
 echo "## Kernel benchmarks" >>"$REPORT"
 echo >>"$REPORT"
-timeout -k 10 "$t" "$PY" bench/kernel_bench.py $QUICK --deadline-s $((t - 25)) \
+[[ -n "$QUICK" ]] && echo "_--quick: only ${t}s left for this step (no tile sweeps)._" >>"$REPORT"
+timeout -k 10 "$t" "$PY" bench/kernel_bench.py $QUICK --deadline-at $(($(date +%s) + t - 20)) \
   >"$LOGS/bench.md" 2>"$LOGS/bench.err"
 bench_rc=$?
 cat "$LOGS/bench.md" >>"$REPORT"
 if ((bench_rc)); then
-  status=1
+  # Cut at its limit is not a failure: what it printed was measured, the rest is missing.
   why="failed (exit $bench_rc)"
-  ((bench_rc == 124)) && why="stopped at its ${t}s limit; the sections above were measured"
+  ((bench_rc == 124)) && why="stopped at its ${t}s limit; the sections above were measured" || status=1
   { echo; echo "**kernel_bench $why:**"; echo; echo '```'
     tail -n 40 "$LOGS/bench.err"; echo '```'; } >>"$REPORT"
 fi

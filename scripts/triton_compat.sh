@@ -22,7 +22,7 @@ trap 'rm -rf "$site"' EXIT
 extra=()
 minor=$(echo "$version" | cut -d. -f2)
 [[ "$version" == 3.* ]] && ((minor < 7)) && extra=("numpy<2.4")
-"$PY" -m pip install -q --no-deps --target "$site" "triton==$version" "${extra[@]}"
+"$PY" -m pip install -q --no-deps --target "$site" "triton==$version" ${extra[@]+"${extra[@]}"}
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import triton, numpy; print(f'triton {triton.__version__}, numpy {numpy.__version__}')"
 "$PY" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \

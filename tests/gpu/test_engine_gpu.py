@@ -111,9 +111,9 @@ def test_replayed_decode_step_matches_eager_step_bf16(batch_size):
     torch.testing.assert_close(replayed, eager, atol=3e-2, rtol=3e-2)
 
 
-def test_greedy_on_the_device_equals_greedy_sampled_on_the_host():
-    """Plain greedy rows take the argmax on the GPU; asking for logprobs sends the logits to the
-    host sampler. Same fp32 model, same tokens; seeded sampling (host) is reproducible."""
+def test_plain_greedy_argmax_equals_the_full_sampler_greedy():
+    """Plain greedy rows are one argmax on the GPU; asking for logprobs takes them through the
+    full sampler (on the GPU too). Same fp32 model, same tokens; seeded sampling is reproducible."""
     model = build_random_model(SMALL, torch.float32, DEVICE, seed=4)
     batch = prompts(5, seed=4)
     engine = make_engine(model, graphs=True, dtype="float32")

@@ -64,10 +64,20 @@ def test_mixed_batch_matches_sdpa_flash_and_sweeps_configs(kb, setup):
 def test_decode_sweep_runs_every_cell_and_names_the_best(kb, setup):
     geo, timer, pool, gen = setup
     configs = [AttentionConfig(16, 16, 4, 3), AttentionConfig(16, 32, 4, 2)]
-    lines = kb.bench_decode_sweep(timer, 100.0, geo, [(2, 130), (40, 200)], configs, [1, 2, 4], pool, gen)
-    assert len([line for line in lines if line.startswith("Batch ")]) == 1  # 40 x 200 does not fit
+    chunks = list(kb.bench_decode_sweep(timer, 100.0, geo, [(2, 130), (40, 200)], configs, [1, 2, 4], pool, gen))
+    assert len(chunks) == 1  # one per case; 40 x 200 does not fit
+    lines = chunks[0]
     assert re.match(r"Batch 2, context 130: launcher's choice [\d.]+ ms \(\d+% of copy BW\); "
                     r"best m16 n(16|32) w4 s[23] splits [124] [\d.]+ ms", lines[0])
     rows = table_rows(lines)
     assert rows[0] == "| 2 x 130 | splits 1 | splits 2 |"  # 130 keys / 4 splits < 64 per split
     assert len(rows) == 3 and "err" not in "".join(rows)
+
+
+def test_sweeps_time_nothing_past_their_deadline(kb, setup):
+    geo, timer, pool, gen = setup
+    configs = [AttentionConfig(16, 16, 4, 3)]
+    chunks = list(kb.bench_decode_sweep(timer, 100.0, geo, [(2, 130)], configs, [1], pool, gen, deadline=0))
+    assert chunks == [["_Sweep stopped before batch 2 x 130: out of time._", ""]]
+    lines = kb.bench_mixed(timer, geo, [("1 prefill x 20", 0, 0, 1, 20)], configs, pool, gen, deadline=0)
+    assert table_rows(lines)[-1] == "| 1 prefill x 20 | — |"

@@ -3,7 +3,9 @@ CUDA probe and prints canned results: the report's sections, the bench's time li
 the exit status. The real steps run on a GPU machine only."""
 
 import os
+import re
 import subprocess
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -13,9 +15,10 @@ case "$*" in
   *cuda.is_available*) exit ${FAKE_CUDA_RC:-0} ;;
   *"import torch, triton"*) echo "torch T, triton R, CUDA C" ;;
   *get_device_name*) echo "Stand-in GPU" ;;
-  "-m pytest"*"tests/gpu"*) echo "1 failed, 22 passed in 9.00s"; exit 1 ;;
+  "-m pytest"*"tests/gpu"*) [[ ${FAKE_GPU_RC:-1} == 0 ]] && echo "23 passed in 9.00s" || echo "1 failed, 22 passed in 9.00s"
+                           exit ${FAKE_GPU_RC:-1} ;;
   "-m pytest"*) echo "90 passed in 9.00s" ;;
-  bench/kernel_bench.py*) echo "kernel_bench $*" ;;
+  bench/kernel_bench.py*) echo "kernel_bench $*"; exit ${FAKE_BENCH_RC:-0} ;;
   bench/gpu_engine.py*) echo "| 1 | CUDA graphs | 100 |" ;;
   *) echo "unexpected: $*" >&2; exit 9 ;;
 esac
@@ -41,7 +44,8 @@ def test_report_has_every_step_and_a_failing_suite_fails_the_check(tmp_path):
     assert "- GPU: Stand-in GPU" in report and "torch T, triton R, CUDA C" in report
     assert "- tests/kernels (compiled, no interpreter): PASS — 90 passed in 9.00s" in report
     assert "- tests/gpu (-m gpu): **FAIL (exit 1)** — 1 failed, 22 passed in 9.00s" in report
-    assert "kernel_bench bench/kernel_bench.py --deadline-s 175" in report  # 200 s limit - 25
+    deadline = re.search(r"kernel_bench bench/kernel_bench.py --deadline-at (\d+)", report)
+    assert deadline and abs(int(deadline[1]) - (time.time() + 200 - 20)) < 10  # 200 s limit - 20
     assert "## Engine (bench/gpu_engine.py)" in report and "| 1 | CUDA graphs | 100 |" in report
     assert report.rstrip().endswith("exit status 1._")
 
@@ -49,9 +53,20 @@ def test_report_has_every_step_and_a_failing_suite_fails_the_check(tmp_path):
 def test_a_short_budget_keeps_time_for_the_engine(tmp_path):
     proc, report = run_check(tmp_path, GPU_CHECK_BUDGET_S="260")
     assert "[gpu_check] kernel bench (limit 140s)" in proc.stdout  # 260 - 120 reserved
-    assert "kernel_bench bench/kernel_bench.py --deadline-s 115" in report
+    assert "kernel_bench bench/kernel_bench.py --deadline-at" in report and "--quick" not in report
     proc, report = run_check(tmp_path, GPU_CHECK_BUDGET_S="200")
-    assert "kernel_bench bench/kernel_bench.py --quick --deadline-s 55" in report
+    assert "[gpu_check] kernel bench (limit 80s) --quick" in proc.stdout
+    assert "_--quick: only 80s left for this step (no tile sweeps)._" in report
+    assert "kernel_bench bench/kernel_bench.py --quick --deadline-at" in report
+
+
+def test_a_bench_cut_at_its_limit_keeps_its_sections_and_does_not_fail_the_check(tmp_path):
+    proc, report = run_check(tmp_path, FAKE_BENCH_RC="124", FAKE_GPU_RC="0")
+    assert "**kernel_bench stopped at its 200s limit; the sections above were measured:**" in report
+    assert "## Engine (bench/gpu_engine.py)" in report
+    assert proc.returncode == 0, report
+    proc, report = run_check(tmp_path, FAKE_BENCH_RC="3", FAKE_GPU_RC="0")
+    assert "**kernel_bench failed (exit 3):**" in report and proc.returncode == 1
 
 
 def test_without_cuda_it_says_so_and_fails(tmp_path):

@@ -109,8 +109,8 @@ def test_logprobs_are_the_raw_log_softmax():
     ],
 )
 def test_only_plain_greedy_rows_keep_their_logits_on_the_gpu(params, row_kwargs, plain):
-    """Rows that pass stay on the device (argmax there, ids to the host); the others are sampled
-    on the host. Either way a plain greedy row's token is its first maximum."""
+    """On a GPU a batch of rows that pass is one argmax; the others take the full sampler.
+    Either way a plain greedy row's token is its first maximum."""
     row = SampleRow(params, [1, 2], [2], None, **row_kwargs)
     assert argmax_only(row) is plain
     logits = torch.tensor([[0.0, 3.0, 3.0, -1.0]])
