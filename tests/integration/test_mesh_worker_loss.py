@@ -1,0 +1,86 @@
+"""A worker that dies mid-request, as a container of a scaled pool can (a mixed worker, or a decode
+worker behind a prefill worker): its requests end with an error in the OpenAI shape within the
+heartbeat timeout (no hung stream), the scheduler drops it, and the other worker of its pool serves
+the next requests.
+
+The processes are started one by one, as compose starts them (`pagemesh up` would stop the whole
+mesh when a child exits); they are the same processes with the same arguments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import signal
+import time
+
+import openai
+import pytest
+
+from common.model_files import DEFAULT_MODEL_NAME
+from services import launcher
+from services.local_mesh import free_port, metrics, per_worker, wait_until
+
+pytestmark = pytest.mark.slow
+
+HEARTBEAT_TIMEOUT_S = 2.0
+
+
+@pytest.fixture(params=[("--mixed", "2"), ("--prefill", "1", "--decode", "2")], ids=["2 mixed", "1P+2D"])
+def two_worker_mesh(tmp_path, request):
+    args = launcher.parse([*request.param, "--threads-per-worker", "1", "--port", str(free_port()),
+                           "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--run-dir", str(tmp_path)])
+    mesh = launcher.Mesh(args)
+    try:
+        asyncio.run(mesh.start())  # every process started and ready; nobody watches them after
+        yield f"http://127.0.0.1:{args.port}", mesh.children
+    finally:
+        mesh.stop()
+
+
+def test_a_killed_worker_fails_its_requests_and_the_other_serves_on(two_worker_mesh):
+    url, children = two_worker_mesh
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    request = dict(model=DEFAULT_MODEL_NAME, prompt="Count on and on:", max_tokens=400, temperature=0,
+                   extra_body={"ignore_eos": True})
+
+    def running() -> dict[str, float]:
+        return per_worker(metrics(url), "pagemesh_num_requests_running")
+
+    def stream_to_the_end() -> tuple[int, Exception | None, float]:
+        pieces = 0
+        try:
+            for chunk in client.completions.create(stream=True, **request):
+                pieces += bool(chunk.choices and chunk.choices[0].text)
+        except Exception as e:  # the error event of a failed stream
+            return pieces, e, time.monotonic()
+        return pieces, None, time.monotonic()
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        streams = [pool.submit(stream_to_the_end) for _ in range(3)]
+        assert wait_until(lambda: sum(running().values()) == 3, 60)
+        time.sleep(0.5)  # tokens are flowing
+        counts = running()
+        victim = max(counts, key=counts.get)
+        lost = int(counts[victim])
+        children[victim].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        results = [s.result(timeout=120) for s in streams]
+
+    failed = [r for r in results if r[1] is not None]
+    assert len(failed) == lost >= 1, results
+    for pieces, error, ended in failed:
+        assert pieces > 0  # it was streaming when its worker died
+        assert isinstance(error, openai.APIError) and "stopped responding" in str(error), repr(error)
+        assert ended - killed_at < HEARTBEAT_TIMEOUT_S * 2 + 5  # not hung: dropped at the heartbeat timeout
+    assert all(pieces > 0 for pieces, error, _ in results if error is None)  # the survivor's ran on
+
+    assert children[victim].poll() is not None
+    alive = next(name for name in children if name.startswith(victim.split("-")[0]) and name != victim)
+    r = client.completions.create(model=DEFAULT_MODEL_NAME, prompt="Hello", max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 5
+    finished = 3 - lost + 1  # the streams that ran on, and this one
+    assert wait_until(lambda: per_worker(metrics(url), "pagemesh_worker_requests_total").get(alive) == finished, 5)
+    assert victim not in per_worker(metrics(url), "pagemesh_kv_cache_usage_ratio")
+    assert alive in per_worker(metrics(url), "pagemesh_kv_cache_usage_ratio")
