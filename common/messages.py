@@ -171,6 +171,7 @@ class RegisterWorker:
     num_pages: int
     kv_endpoint: str
     max_running: int
+    instance: str = ""  # random per process start: a new one under a known worker id is a restart
 
     def _check(self) -> None:
         if self.role not in WORKER_ROLES:
@@ -180,6 +181,14 @@ class RegisterWorker:
 @dataclass(frozen=True, slots=True)
 class Registered:
     """Scheduler -> worker: registration accepted."""
+
+    worker_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class UnknownWorker:
+    """Scheduler -> worker: answers a heartbeat from a worker it does not know (the scheduler was
+    restarted, or dropped the worker after missed heartbeats): register again."""
 
     worker_id: str
 
@@ -345,7 +354,7 @@ class ClusterStatus:
 
 MESSAGE_CLASSES: tuple[type, ...] = (
     GenerateRequest, TextDelta, TextDeltaBatch, RequestFailed, AbortRequest, ScheduleRequest,
-    PrefillTask, DecodeTask, GenerateTask, RegisterWorker, Registered, Heartbeat, PrefixCacheUpdate,
+    PrefillTask, DecodeTask, GenerateTask, RegisterWorker, Registered, UnknownWorker, Heartbeat, PrefixCacheUpdate,
     RequestDone, TokenDelta, TokenDeltaBatch, KVPagesHeader, KVPagesAck, Ready, StatusRequest,
     WorkerStatus, ClusterStatus,
 )

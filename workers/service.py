@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -33,6 +34,7 @@ from common import protocol as p
 from common.messages import (
     MAX_PAGE_HASHES, AbortRequest, DecodeTask, GenerateTask, Heartbeat, KVPagesAck, KVPagesHeader, PrefillTask,
     PrefixCacheUpdate, Ready, Registered, RegisterWorker, RequestDone, TokenDelta, TokenDeltaBatch, TokenLogprob,
+    UnknownWorker,
 )
 from common.model_files import served_model_name
 from common.transport import KV, Dealer, Push, Router
@@ -109,9 +111,11 @@ class WorkerService:
     async def _register(self) -> None:
         cfg, blocks = self.config, self.engine.blocks
         path = self.engine.model_path
-        msg = RegisterWorker(
+        # `instance` tells the scheduler this process from an earlier one under the same id
+        msg = self.registration = RegisterWorker(
             cfg.worker_id, self.role, served_model_name(path) if path else "custom", blocks.page_size,
             blocks.num_usable_pages, cfg.kv_advertise or "", self.engine.config.max_num_seqs,
+            uuid.uuid4().hex,
         )
         while True:  # the scheduler may start after us: register until it answers
             await self.scheduler.send(msg)
@@ -152,6 +156,9 @@ class WorkerService:
                 self._post(lambda rid=msg.request_id: self._abort(rid))
             elif isinstance(msg, Registered):
                 pass
+            elif isinstance(msg, UnknownWorker):  # a restarted scheduler: register with it again
+                self.log.warning("scheduler does not know this worker: registering again")
+                await self.scheduler.send(self.registration)
             else:
                 self.log.warning("unexpected message", type=type(msg).__name__)
 

@@ -18,6 +18,7 @@ class WorkerInfo:
     kv_endpoint: str
     max_running: int
     last_seen: float
+    instance: str = ""  # the registering process's start id (RegisterWorker.instance)
     running: int = 0
     waiting: int = 0
     used_pages: int = 0
@@ -41,11 +42,18 @@ class Registry:
         self.timeout = timeout
         self.workers: dict[str, WorkerInfo] = {}
 
-    def register(self, info: WorkerInfo) -> None:
+    def register(self, info: WorkerInfo) -> WorkerInfo | None:
+        """Add or renew a worker. The same process registering again keeps its requests and
+        prefix keys; another process under a known id is a restart: returns the entry it
+        replaced, whose requests died with the old process."""
         old = self.workers.get(info.worker_id)
-        if old is not None:
-            info.requests = old.requests
         self.workers[info.worker_id] = info
+        if old is None:
+            return None
+        if old.instance == info.instance:
+            info.requests, info.page_hashes = old.requests, old.page_hashes
+            return None
+        return old
 
     def heartbeat(self, worker_id: str, now: float, running: int, waiting: int, used: int, free: int, sent: int, received: int, finished: int = 0) -> bool:
         info = self.workers.get(worker_id)

@@ -18,7 +18,8 @@ import structlog
 
 from common.messages import (
     AbortRequest, ClusterStatus, DecodeTask, GenerateTask, Heartbeat, PrefillTask, PrefixCacheUpdate, Ready,
-    Registered, RegisterWorker, RequestDone, RequestFailed, ScheduleRequest, StatusRequest, WorkerStatus,
+    Registered, RegisterWorker, RequestDone, RequestFailed, ScheduleRequest, StatusRequest, UnknownWorker,
+    WorkerStatus,
 )
 from common.transport import Push, Router, UnknownPeer
 from services.scheduler.config import SchedulerConfig
@@ -96,11 +97,14 @@ class SchedulerService:
     async def _on_register(self, identity: bytes, msg: RegisterWorker) -> None:
         info = WorkerInfo(
             msg.worker_id, msg.role, msg.model, msg.page_size, msg.num_pages, msg.kv_endpoint, msg.max_running,
-            last_seen=time.monotonic(), free_pages=msg.num_pages,
+            last_seen=time.monotonic(), free_pages=msg.num_pages, instance=msg.instance,
         )
-        self.registry.register(info)
+        replaced = self.registry.register(info)
         self.log.info("worker registered", worker=msg.worker_id, role=msg.role, pages=msg.num_pages)
         await self._send(identity, Registered(msg.worker_id))
+        if replaced is not None:  # a new process under the id: the old one's requests are gone
+            self.log.warning("worker restarted", worker=msg.worker_id, requests=len(replaced.requests))
+            await self._fail_requests_of(replaced, f"worker {msg.worker_id} restarted")
         await self._drain()
 
     async def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
@@ -110,6 +114,8 @@ class SchedulerService:
         )
         if known:
             await self._drain()
+        else:  # this scheduler was restarted, or dropped the worker: it must register again
+            await self._send(identity, UnknownWorker(msg.worker_id))
 
     async def _on_prefix_update(self, identity: bytes, msg: PrefixCacheUpdate) -> None:
         self.registry.prefix_update(msg.worker_id, msg.added, msg.removed)
@@ -204,11 +210,15 @@ class SchedulerService:
             await asyncio.sleep(self.config.heartbeat_timeout / 4)
             for dead in self.registry.expire(time.monotonic()):
                 self.log.warning("worker lost", worker=dead.worker_id, requests=len(dead.requests))
-                for rid in list(dead.requests):
-                    placed = self.placed.get(rid)
-                    if placed is not None:
-                        placed.holders.discard(dead.worker_id)
-                        await self._fail(placed, f"worker {dead.worker_id} stopped responding")
+                await self._fail_requests_of(dead, f"worker {dead.worker_id} stopped responding")
+
+    async def _fail_requests_of(self, gone: WorkerInfo, why: str) -> None:
+        """Fail every request placed on a worker process that is gone."""
+        for rid in list(gone.requests):
+            placed = self.placed.get(rid)
+            if placed is not None:
+                placed.holders.discard(gone.worker_id)
+                await self._fail(placed, why)
 
     # ---- status ---------------------------------------------------------------------------
     async def _on_status(self, identity: bytes, msg: StatusRequest) -> None:

@@ -111,8 +111,12 @@ def test_registry_applies_updates_in_order():
     assert reg.prefix_update("d0", [4], [2])
     assert reg.workers["d0"].page_hashes == {1, 3, 4}
     assert not reg.prefix_update("ghost", [1], [])
-    reg.register(worker("d0", "decode"))  # a restarted worker starts with an empty cache
-    assert reg.workers["d0"].page_hashes == set()
+    reg.workers["d0"].requests.add("r1")
+    assert reg.register(worker("d0", "decode")) is None  # the same process registering again
+    assert reg.workers["d0"].page_hashes == {1, 3, 4} and reg.workers["d0"].requests == {"r1"}
+    replaced = reg.register(worker("d0", "decode", instance="new"))  # a restarted worker
+    assert replaced is not None and replaced.requests == {"r1"}  # those requests died with it
+    assert reg.workers["d0"].page_hashes == set() and reg.workers["d0"].requests == set()
 
 
 # --------------------------------------------------------------------------- placement

@@ -16,7 +16,7 @@ from common import protocol as p
 from common.protocol import (
     AbortRequest, DecodeTask, GenerateRequest, GenerateTask, Heartbeat, KVPagesAck, KVPagesHeader,
     PrefillTask, PrefixCacheUpdate, ProtocolError, Ready, Registered, RegisterWorker, RequestDone, RequestFailed,
-    ScheduleRequest, TextDelta, TextDeltaBatch, TokenDelta, TokenDeltaBatch, TokenLogprob,
+    ScheduleRequest, TextDelta, TextDeltaBatch, TokenDelta, TokenDeltaBatch, TokenLogprob, UnknownWorker,
     ClusterStatus, StatusRequest, WorkerStatus,
     decode, decode_tensor_frames, encode, encode_tensor_frames,
 )
@@ -46,8 +46,9 @@ SAMPLES = [
     DecodeTask("r1", [1, 2, 3], SP, "tok-0", "p0"),
     DecodeTask("r1", list(range(40)), SP, "tok-0", "p0", 2),
     GenerateTask("r1", [1, 2, 3], SP, "tok-0"),
-    RegisterWorker("p0", "prefill", "smollm", 16, 1000, "tcp://10.0.0.1:7000", 64),
+    RegisterWorker("p0", "prefill", "smollm", 16, 1000, "tcp://10.0.0.1:7000", 64, "9f2c"),
     Registered("p0"),
+    UnknownWorker("p0"),
     Heartbeat("p0", 3, 1, 900, 1000, 100, 99.5, 4096, 0),
     PrefixCacheUpdate("p0", (0, 1 << 40, p.MAX_PAGE_HASH), (7,)),
     PrefixCacheUpdate("d0", (), ()),

@@ -1,0 +1,95 @@
+"""Processes restarted in place, as compose's `restart: unless-stopped` does:
+
+- a worker restarted under the same id (before its heartbeats are missed): the requests the old
+  process held end with an error as soon as the new one registers, not at the heartbeat timeout;
+- a restarted scheduler: the workers register with it again and the mesh serves on.
+
+The processes are started one by one, as compose starts them, so that one can be restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import signal
+import subprocess
+import sys
+import time
+
+import openai
+import pytest
+
+from common.model_files import DEFAULT_MODEL_NAME
+from services import launcher
+from services.local_mesh import free_port, metrics, per_worker, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+class Processes:
+    def __init__(self, tmp_path, *flags: str):
+        self.args = launcher.parse([*flags, "--threads-per-worker", "1", "--port", str(free_port()),
+                                    "--run-dir", str(tmp_path)])
+        self.argv = dict(launcher.plan(self.args, str(tmp_path)))
+        self.mesh = launcher.Mesh(self.args)
+        self.url = f"http://127.0.0.1:{self.args.port}"
+
+    def restart(self, name: str) -> None:
+        """SIGKILL the process and start it again with the same arguments (no start-up report:
+        nobody listens on the launcher's ready socket any more)."""
+        old = self.mesh.children[name]
+        old.send_signal(signal.SIGKILL)
+        old.wait()
+        argv = self.argv[name]
+        at = argv.index("--ready-address")
+        self.mesh.children[name] = subprocess.Popen([sys.executable, "-m", "services.cli", *argv[:at], *argv[at + 2:]])
+
+
+@pytest.fixture
+def processes(tmp_path, request):
+    procs = Processes(tmp_path, *request.param)
+    try:
+        asyncio.run(procs.mesh.start())
+        yield procs
+    finally:
+        procs.mesh.stop()
+
+
+def complete(client, max_tokens=5):
+    return client.completions.create(model=DEFAULT_MODEL_NAME, prompt="Hello", max_tokens=max_tokens,
+                                     temperature=0, extra_body={"ignore_eos": True})
+
+
+@pytest.mark.parametrize("processes", [("--mixed", "1", "--heartbeat-timeout", "60")], indirect=True)
+def test_a_worker_restarted_under_its_id_fails_what_the_old_process_held(processes):
+    client = openai.OpenAI(base_url=processes.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def stream() -> tuple[int, Exception | None, float]:
+        pieces = 0
+        try:
+            for chunk in client.completions.create(stream=True, model=DEFAULT_MODEL_NAME, prompt="Go on:",
+                                                   max_tokens=2000, temperature=0, extra_body={"ignore_eos": True}):
+                pieces += bool(chunk.choices and chunk.choices[0].text)
+        except Exception as e:
+            return pieces, e, time.monotonic()
+        return pieces, None, time.monotonic()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(stream)
+        assert wait_until(lambda: sum(per_worker(metrics(processes.url), "pagemesh_num_requests_running").values()) == 1, 60)
+        time.sleep(0.5)
+        restarted_at = time.monotonic()
+        processes.restart("mixed-0")
+        pieces, error, ended = running.result(timeout=120)
+    assert pieces > 0 and isinstance(error, openai.APIError) and "restarted" in str(error), repr(error)
+    assert ended - restarted_at < 40  # its start-up, far below the 60 s heartbeat timeout
+    assert complete(client).usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize("processes", [("--mixed", "1", "--heartbeat-timeout", "2")], indirect=True)
+def test_a_restarted_scheduler_gets_its_workers_back(processes):
+    client = openai.OpenAI(base_url=processes.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    assert complete(client).usage.completion_tokens == 5
+    processes.restart("scheduler")
+    assert wait_until(lambda: "mixed-0" in per_worker(metrics(processes.url), "pagemesh_kv_cache_usage_ratio"), 30, 0.5)
+    assert complete(client).usage.completion_tokens == 5
