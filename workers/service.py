@@ -159,6 +159,7 @@ class WorkerService:
             elif isinstance(msg, UnknownWorker):  # a restarted scheduler: register with it again
                 self.log.warning("scheduler does not know this worker: registering again")
                 await self.scheduler.send(self.registration)
+                self._post(self.engine.blocks.report_all_again)  # and tell it what the cache holds
             else:
                 self.log.warning("unexpected message", type=type(msg).__name__)
 

@@ -104,6 +104,22 @@ def test_changes_are_net_since_the_last_report_and_come_in_bounded_batches():
     bm.check_invariants([])
 
 
+def test_after_report_all_again_the_changes_rebuild_the_whole_view_from_nothing():
+    """What a worker does for a restarted scheduler, whose view of its cache is empty."""
+    bm = BlockManager(num_pages=8, page_size=PAGE)
+    bm.free_table(cache_prompt(bm, PROMPT[:9]))
+    bm.take_cache_changes(10)  # the old scheduler's view
+    cache_prompt(bm, [1] * 12)  # a change not reported yet
+    bm.report_all_again()
+    view: set[int] = set()
+    while True:
+        added, removed = bm.take_cache_changes(2)
+        if not added and not removed:
+            break
+        view = (view - set(removed)) | set(added)
+    assert view == set(bm.hash_to_page) and len(view) == 5  # 2 pages of PROMPT, 3 of the ones
+
+
 def test_registry_applies_updates_in_order():
     reg = Registry(timeout=3.0)
     reg.register(worker("d0", "decode"))

@@ -245,6 +245,12 @@ class BlockManager:
         removed = [self.cache_removed.pop() for _ in range(min(limit, len(self.cache_removed)))]
         return added, removed
 
+    def report_all_again(self) -> None:
+        """The reader lost its view (a restarted scheduler starts from no keys): the next changes
+        report every key held now as published, and none as evicted."""
+        self.cache_added = set(self.hash_to_page)
+        self.cache_removed = set()
+
     # ---- checks ---------------------------------------------------------------------------
     def check_invariants(self, live_tables: Iterable[Sequence[int]] | None = None) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent. With `live_tables`, also
