@@ -112,6 +112,7 @@ class WorkerService:
         cfg, blocks = self.config, self.engine.blocks
         path = self.engine.model_path
         # `instance` tells the scheduler this process from an earlier one under the same id
+        self.registered_again_at = float("-inf")
         msg = self.registration = RegisterWorker(
             cfg.worker_id, self.role, served_model_name(path) if path else "custom", blocks.page_size,
             blocks.num_usable_pages, cfg.kv_advertise or "", self.engine.config.max_num_seqs,
@@ -157,6 +158,10 @@ class WorkerService:
             elif isinstance(msg, Registered):
                 pass
             elif isinstance(msg, UnknownWorker):  # a restarted scheduler: register with it again
+                # heartbeats queued while it was down all get this answer: register once a second
+                if time.monotonic() - self.registered_again_at < 1.0:
+                    continue
+                self.registered_again_at = time.monotonic()
                 self.log.warning("scheduler does not know this worker: registering again")
                 await self.scheduler.send(self.registration)
                 self._post(self.engine.blocks.report_all_again)  # and tell it what the cache holds

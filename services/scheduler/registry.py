@@ -47,12 +47,11 @@ class Registry:
         prefix keys; another process under a known id is a restart: returns the entry it
         replaced, whose requests died with the old process."""
         old = self.workers.get(info.worker_id)
+        if old is not None and old.instance == info.instance:  # renew; its load figures stay
+            for name in ("role", "model", "page_size", "total_pages", "kv_endpoint", "max_running", "last_seen"):
+                setattr(old, name, getattr(info, name))
+            return None
         self.workers[info.worker_id] = info
-        if old is None:
-            return None
-        if old.instance == info.instance:
-            info.requests, info.page_hashes = old.requests, old.page_hashes
-            return None
         return old
 
     def heartbeat(self, worker_id: str, now: float, running: int, waiting: int, used: int, free: int, sent: int, received: int, finished: int = 0) -> bool:

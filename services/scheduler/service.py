@@ -213,11 +213,12 @@ class SchedulerService:
                 await self._fail_requests_of(dead, f"worker {dead.worker_id} stopped responding")
 
     async def _fail_requests_of(self, gone: WorkerInfo, why: str) -> None:
-        """Fail every request placed on a worker process that is gone."""
+        """Fail every request placed on a worker process that is gone. The abort also goes to
+        the gone worker's id: a worker only silent for a while stops computing them, and a
+        process restarted under the id does not know them."""
         for rid in list(gone.requests):
             placed = self.placed.get(rid)
             if placed is not None:
-                placed.holders.discard(gone.worker_id)
                 await self._fail(placed, why)
 
     # ---- status ---------------------------------------------------------------------------

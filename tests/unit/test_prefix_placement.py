@@ -111,13 +111,21 @@ def test_after_report_all_again_the_changes_rebuild_the_whole_view_from_nothing(
     bm.take_cache_changes(10)  # the old scheduler's view
     cache_prompt(bm, [1] * 12)  # a change not reported yet
     bm.report_all_again()
-    view: set[int] = set()
-    while True:
-        added, removed = bm.take_cache_changes(2)
-        if not added and not removed:
-            break
-        view = (view - set(removed)) | set(added)
+
+    def apply(view: set[int]) -> set[int]:
+        while True:
+            added, removed = bm.take_cache_changes(2)
+            if not added and not removed:
+                return view
+            view = (view - set(removed)) | set(added)
+
+    view = apply(set())
     assert view == set(bm.hash_to_page) and len(view) == 5  # 2 pages of PROMPT, 3 of the ones
+    # Heartbeats queued while the scheduler was down get several UnknownWorker answers: a second
+    # round, after evictions, must also correct a view that is no longer empty.
+    bm.free_table(cache_prompt(bm, [2] * 16))  # 4 pages: evicts the PROMPT keys the view holds
+    bm.report_all_again()
+    assert apply(view) == set(bm.hash_to_page)
 
 
 def test_registry_applies_updates_in_order():
@@ -128,8 +136,11 @@ def test_registry_applies_updates_in_order():
     assert reg.workers["d0"].page_hashes == {1, 3, 4}
     assert not reg.prefix_update("ghost", [1], [])
     reg.workers["d0"].requests.add("r1")
+    reg.heartbeat("d0", 5.0, running=3, waiting=1, used=40, free=60, sent=0, received=7, finished=9)
     assert reg.register(worker("d0", "decode")) is None  # the same process registering again
-    assert reg.workers["d0"].page_hashes == {1, 3, 4} and reg.workers["d0"].requests == {"r1"}
+    d0 = reg.workers["d0"]
+    assert d0.page_hashes == {1, 3, 4} and d0.requests == {"r1"}
+    assert (d0.running, d0.free_pages, d0.requests_finished) == (3, 60, 9)  # its load figures stay
     replaced = reg.register(worker("d0", "decode", instance="new"))  # a restarted worker
     assert replaced is not None and replaced.requests == {"r1"}  # those requests died with it
     assert reg.workers["d0"].page_hashes == set() and reg.workers["d0"].requests == set()

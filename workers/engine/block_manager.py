@@ -246,10 +246,10 @@ class BlockManager:
         return added, removed
 
     def report_all_again(self) -> None:
-        """The reader lost its view (a restarted scheduler starts from no keys): the next changes
-        report every key held now as published, and none as evicted."""
+        """The reader's view may have lost keys (a restarted scheduler starts from none): the next
+        changes report every key held now as published. Evictions not yet reported stay (they are
+        never keys held now), so a reader that kept part of its view is corrected too."""
         self.cache_added = set(self.hash_to_page)
-        self.cache_removed = set()
 
     # ---- checks ---------------------------------------------------------------------------
     def check_invariants(self, live_tables: Iterable[Sequence[int]] | None = None) -> None:
