@@ -127,7 +127,7 @@ def test_the_sampler_keeps_every_tensor_on_the_logits_device(monkeypatch):
     def on_meta(real, stub):
         return lambda t, *a, **k: stub(t, *a, **k) if t.device.type == "meta" else real(t, *a, **k)
 
-    monkeypatch.setattr(torch.Tensor, "tolist", on_meta(real_tolist, lambda t: [0] * len(t) if t.dim() else 0))
+    monkeypatch.setattr(torch.Tensor, "tolist", on_meta(real_tolist, lambda t: torch.zeros(t.shape, dtype=t.dtype).tolist()))
     monkeypatch.setattr(torch.Tensor, "__float__", on_meta(real_float, lambda t: 0.0))
     monkeypatch.setattr(torch, "bincount", on_meta(
         real_bincount, lambda t, minlength=0: torch.zeros(minlength, dtype=torch.int64, device=t.device)))

@@ -56,20 +56,29 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
     if random:
         tokens[random] = _sample_random(logits[random], [rows[i] for i in random], default_generator)
     token_list = tokens.tolist()
-    results: list[tuple[int, TokenLogprobs | None]] = []
-    for i, (r, tok) in enumerate(zip(rows, token_list)):
-        lp = None
-        if raw_logprobs is not None and (r.params.logprobs is not None or r.want_logprob):
-            k = r.params.logprobs or 0
-            top = raw_logprobs[i].topk(k) if k else None
-            lp = TokenLogprobs(
-                token_id=tok,
-                logprob=float(raw_logprobs[i, tok]),
-                top_ids=top.indices.tolist() if top is not None else [],
-                top_logprobs=top.values.tolist() if top is not None else [],
-            )
-        results.append((tok, lp))
-    return results
+    logprobs = _report_logprobs(raw_logprobs, tokens, token_list, rows) if raw_logprobs is not None else {}
+    return [(tok, logprobs.get(i)) for i, tok in enumerate(token_list)]
+
+
+def _report_logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
+                     rows: list[SampleRow]) -> dict[int, TokenLogprobs]:
+    """The sampled token's logprob and the top-k of each row that asks, read to the host in a
+    few batched copies (one for the sampled tokens, two per distinct k), not a few per row."""
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None or r.want_logprob]
+    index = torch.tensor(want, device=raw.device)
+    chosen = raw.index_select(0, index).gather(1, tokens.to(raw.device).index_select(0, index).unsqueeze(1))
+    out = {i: TokenLogprobs(token_id=token_list[i], logprob=lp, top_ids=[], top_logprobs=[])
+           for i, lp in zip(want, chosen.squeeze(1).tolist())}
+    by_k: dict[int, list[int]] = {}
+    for i in want:
+        if rows[i].params.logprobs:
+            by_k.setdefault(rows[i].params.logprobs, []).append(i)
+    for k, members in by_k.items():
+        top = raw.index_select(0, torch.tensor(members, device=raw.device)).topk(k)
+        for i, ids, values in zip(members, top.indices.tolist(), top.values.tolist()):
+            out[i].top_ids.extend(ids)
+            out[i].top_logprobs.extend(values)
+    return out
 
 
 def argmax_only(row: SampleRow) -> bool:
