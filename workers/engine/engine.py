@@ -333,7 +333,11 @@ class Engine:
         banned: tuple[int, ...] = ()
         if seq.num_output_tokens < p.min_tokens:
             banned = tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))))
-        return SampleRow(p, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids, generator, banned, want_logprob=not p.streams)
+        # the token lists only feed penalties: no copies of long contexts per row and step without them
+        repetition = p.repetition_penalty != 1.0
+        prompt_ids = seq.token_ids[: seq.num_prompt_tokens] if repetition else []
+        output_ids = seq.output_token_ids if repetition or p.frequency_penalty or p.presence_penalty else []
+        return SampleRow(p, prompt_ids, output_ids, generator, banned, want_logprob=not p.streams)
 
     def _stop_ids(self, params: SamplingParams) -> set[int]:
         return set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
