@@ -1,7 +1,18 @@
-"""Shared test set-up: keep torch to the machine's cores and quiet."""
+"""Shared test set-up: keep torch to the machine's cores and quiet; Triton kernels interpreted on
+a machine without CUDA.
+
+TRITON_INTERPRET is read when triton and the kernels are imported, so it is set here, before any
+test can import triton: set later (tests/kernels/conftest.py reloads our kernel modules), triton's
+own library functions (tl.sum, ...) would stay compiled-only, and a run whose earlier tests had
+imported triton failed in the interpreter (e.g. tests/integration/test_engine_scheduling.py
+followed by tests/unit/test_cuda_graphs.py)."""
 
 import os
+
+import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
