@@ -2,7 +2,9 @@
 
 Starts the scheduler, a tokenizer, the workers and the gateway as separate processes talking
 over ipc:// sockets in a run folder, waits until each reports READY, prints the URL, and stops
-them all on Ctrl-C / SIGTERM, or as soon as one of them dies.
+them all on Ctrl-C / SIGTERM, or as soon as one of them dies. On CUDA the workers are spread over
+the visible GPUs, one GPU each (CUDA_VISIBLE_DEVICES), and workers that share a GPU share its
+memory (`--gpu-memory-fraction` divided among them).
 """
 
 from __future__ import annotations
@@ -79,6 +81,43 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
     return procs
 
 
+def gpu_placement(worker_names: list[str], visible: list[str]) -> dict[str, tuple[str, int]]:
+    """Worker -> (the one GPU it sees, how many workers share that GPU), round-robin over the
+    `visible` GPUs (ids as CUDA_VISIBLE_DEVICES names them)."""
+    if not visible:
+        return {}
+    gpus = {name: visible[i % len(visible)] for i, name in enumerate(worker_names)}
+    sharing = {gpu: list(gpus.values()).count(gpu) for gpu in visible}
+    return {name: (gpu, sharing[gpu]) for name, gpu in gpus.items()}
+
+
+def visible_gpus(device: str) -> list[str]:
+    """The GPUs this process may use when the workers run on CUDA, else none."""
+    if device == "cpu":
+        return []
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        return []
+    listed = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return listed[:count] if listed else [str(i) for i in range(count)]
+
+
+def on_gpus(args: argparse.Namespace, procs: list[tuple[str, list[str]]]) -> dict[str, dict[str, str]]:
+    """Per worker: its environment overrides, and its argv extended with its memory share."""
+    workers = [name for name, argv in procs if argv[0] == "worker"]
+    placement = gpu_placement(workers, visible_gpus(args.device))
+    env: dict[str, dict[str, str]] = {}
+    for i, (name, argv) in enumerate(procs):
+        if name in placement:
+            gpu, sharing = placement[name]
+            env[name] = {"CUDA_VISIBLE_DEVICES": gpu}
+            if sharing > 1:  # argparse keeps the last value
+                procs[i] = (name, [*argv, "--gpu-memory-fraction", f"{args.gpu_memory_fraction / sharing:.4f}"])
+    return env
+
+
 class Mesh:
     """The child processes of one `pagemesh up`."""
 
@@ -90,8 +129,11 @@ class Mesh:
 
     async def start(self) -> None:
         with Pull(ipc_address(self.run_dir, "ready")) as ready:
-            for name, argv in plan(self.args, self.run_dir):
-                self.children[name] = subprocess.Popen([sys.executable, "-m", "services.cli", *argv])
+            procs = plan(self.args, self.run_dir)
+            env = on_gpus(self.args, procs)
+            for name, argv in procs:
+                self.children[name] = subprocess.Popen([sys.executable, "-m", "services.cli", *argv],
+                                                       env={**os.environ, **env[name]} if name in env else None)
             waiting = set(self.children)
             deadline = time.monotonic() + self.args.ready_timeout
             while waiting:

@@ -20,7 +20,8 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     page_size: int = 16
     num_pages: int | None = None  # fixes the pool size; else from kv_cache_memory_gb
-    kv_cache_memory_gb: float | None = None  # default: 2 GiB on CPU, 90% of free memory on GPU
+    kv_cache_memory_gb: float | None = None  # default: 2 GiB on CPU; on a GPU see gpu_memory_fraction
+    gpu_memory_fraction: float = 0.9  # of the GPU's memory this worker may hold (weights + KV pool)
     max_model_len: int | None = None  # default: the model's, capped at 8192
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # as vLLM's CPU server; 512 gives smoother ITL under steady arrivals
@@ -42,6 +43,8 @@ class EngineConfig:
             raise ValueError("device: must be auto, cpu or cuda")
         if self.page_size < 1 or self.page_size & (self.page_size - 1) or self.page_size > 128:
             raise ValueError("page_size: must be a power of two up to 128")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError("gpu_memory_fraction: must be in (0, 1]")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_num_partial_prefills"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
@@ -78,7 +81,10 @@ def add_engine_arguments(parser) -> None:
     add(parser, "--device", "auto", choices=["auto", "cpu", "cuda"])
     add(parser, "--page-size", 16, type=int, help="tokens per KV page")
     add(parser, "--num-pages", None, type=int, help="KV pool size in pages (overrides --kv-cache-gb)")
-    add(parser, "--kv-cache-gb", None, type=float, help="KV pool memory (default 2 on CPU, 90%% of free on GPU)")
+    add(parser, "--kv-cache-gb", None, type=float, help="KV pool memory (default 2 on CPU; on a GPU see --gpu-memory-fraction)")
+    add(parser, "--gpu-memory-fraction", 0.9, type=float,
+        help="share of the GPU's memory for this worker's weights and KV pool (`pagemesh up` divides "
+             "it among workers sharing a GPU)")
     add(parser, "--max-model-len", None, type=int, help="context length (default: the model's, at most 8192)")
     add(parser, "--max-num-seqs", 64, type=int, help="sequences running at once")
     add(parser, "--max-num-batched-tokens", 2048, type=int,
@@ -96,7 +102,8 @@ def add_engine_arguments(parser) -> None:
 
 
 ENGINE_FLAGS = (
-    "model", "dtype", "device", "page_size", "num_pages", "kv_cache_gb", "max_model_len", "max_num_seqs",
+    "model", "dtype", "device", "page_size", "num_pages", "kv_cache_gb", "gpu_memory_fraction", "max_model_len",
+    "max_num_seqs",
     "max_num_batched_tokens", "max_prefill_chunk", "max_num_partial_prefills", "no_prefix_caching", "seed",
     "no_cuda_graphs", "batching", "preemption_mode", "swap_space_gb", "max_long_partial_prefills",
     "long_prefill_threshold",
@@ -111,6 +118,7 @@ def engine_config_from_args(args) -> EngineConfig:
         page_size=args.page_size,
         num_pages=args.num_pages,
         kv_cache_memory_gb=args.kv_cache_gb,
+        gpu_memory_fraction=args.gpu_memory_fraction,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -32,6 +32,14 @@ from workers.model.llama import LlamaForCausalLM
 from workers.model.loader import load_model
 
 DEFAULT_CPU_KV_GB = 2.0
+GPU_FREE_SHARE = 0.9  # of the memory free when the pool is sized: the rest is for activations
+
+
+def gpu_kv_budget(free: int, total: int, reserved: int, fraction: float) -> float:
+    """Bytes for the KV pool of a worker on a GPU, sized after its weights are loaded: its share
+    of the GPU (`fraction` of `total`) less what it holds already (`reserved`: the weights), and
+    never more than GPU_FREE_SHARE of what is free now (other processes, activations)."""
+    return max(0.0, min(fraction * total - reserved, GPU_FREE_SHARE * free))
 MAX_DEFAULT_MODEL_LEN = 8192
 
 
@@ -116,8 +124,8 @@ class Engine:
         if self.config.kv_cache_memory_gb is not None:
             budget = self.config.kv_cache_memory_gb * 2**30
         elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = 0.9 * free
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = gpu_kv_budget(free, total, torch.cuda.memory_reserved(self.device), self.config.gpu_memory_fraction)
         else:
             budget = DEFAULT_CPU_KV_GB * 2**30
         return max(2, int(budget // page_bytes))

@@ -1,0 +1,61 @@
+"""`pagemesh up` on CUDA: workers spread over the visible GPUs, a shared GPU's memory divided
+among its workers, and the KV pool sized from a worker's share (the arithmetic; a real GPU run is
+scripts/gpu_check.sh's)."""
+
+import pytest
+
+from services import launcher
+from workers.engine.engine import gpu_kv_budget
+from workers.main import parse as parse_worker
+
+GB = 2**30
+
+
+def test_workers_go_round_robin_over_the_gpus_and_count_who_shares():
+    assert launcher.gpu_placement(["p0", "d0"], ["0"]) == {"p0": ("0", 2), "d0": ("0", 2)}
+    assert launcher.gpu_placement(["p0", "d0", "d1"], ["3", "5"]) == {"p0": ("3", 2), "d0": ("5", 1), "d1": ("3", 2)}
+    assert launcher.gpu_placement(["p0"], []) == {}
+
+
+def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert launcher.visible_gpus("auto") == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5")
+    assert launcher.visible_gpus("cuda") == ["3", "5"]
+    assert launcher.visible_gpus("cpu") == []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert launcher.visible_gpus("auto") == []
+
+
+@pytest.mark.parametrize("gpus, expect", [(1, [("0", 0.45), ("0", 0.45)]), (2, [("0", 0.9), ("1", 0.9)]), (0, None)])
+def test_each_worker_sees_its_gpu_and_parses_its_memory_share(monkeypatch, tmp_path, gpus, expect):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    args = launcher.parse(["--prefill", "1", "--decode", "1"])
+    procs = launcher.plan(args, str(tmp_path))
+    env = launcher.on_gpus(args, procs)
+    argv = dict(procs)
+    if expect is None:
+        assert env == {}
+        assert parse_worker(argv["decode-0"][1:]).engine.gpu_memory_fraction == 0.9
+        return
+    assert set(env) == {"prefill-0", "decode-0"}
+    for name, (gpu, fraction) in zip(["prefill-0", "decode-0"], expect):
+        assert env[name] == {"CUDA_VISIBLE_DEVICES": gpu}
+        assert parse_worker(argv[name][1:]).engine.gpu_memory_fraction == pytest.approx(fraction)
+    assert "gateway" not in env and "scheduler" not in env
+
+
+def test_kv_budget_is_the_share_less_the_weights_and_never_past_free_memory():
+    # alone on a 140 GB GPU with 16 GB of weights: 0.9 * 140 - 16
+    assert gpu_kv_budget(free=123 * GB, total=140 * GB, reserved=16 * GB, fraction=0.9) == pytest.approx(110 * GB)
+    # sharing it with another worker: 0.45 * 140 - 16
+    assert gpu_kv_budget(free=123 * GB, total=140 * GB, reserved=16 * GB, fraction=0.45) == pytest.approx(47 * GB)
+    # another process holds most of it: 0.9 of what is free
+    assert gpu_kv_budget(free=20 * GB, total=140 * GB, reserved=16 * GB, fraction=0.9) == pytest.approx(18 * GB)
+    assert gpu_kv_budget(free=20 * GB, total=140 * GB, reserved=80 * GB, fraction=0.5) == 0.0
