@@ -47,19 +47,19 @@ def test_a_killed_worker_fails_its_requests_and_the_other_serves_on(two_worker_m
     def running() -> dict[str, float]:
         return per_worker(metrics(url), "pagemesh_num_requests_running")
 
-    def stream_to_the_end() -> tuple[int, Exception | None, float]:
-        pieces = 0
+    received = [0, 0, 0]  # text chunks per stream, so far
+
+    def stream_to_the_end(k: int) -> tuple[int, Exception | None, float]:
         try:
             for chunk in client.completions.create(stream=True, **request):
-                pieces += bool(chunk.choices and chunk.choices[0].text)
+                received[k] += bool(chunk.choices and chunk.choices[0].text)
         except Exception as e:  # the error event of a failed stream
-            return pieces, e, time.monotonic()
-        return pieces, None, time.monotonic()
+            return received[k], e, time.monotonic()
+        return received[k], None, time.monotonic()
 
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        streams = [pool.submit(stream_to_the_end) for _ in range(3)]
-        assert wait_until(lambda: sum(running().values()) == 3, 60)
-        time.sleep(0.5)  # tokens are flowing
+        streams = [pool.submit(stream_to_the_end, k) for k in range(3)]
+        assert wait_until(lambda: sum(running().values()) == 3 and all(received), 60)  # tokens flow
         counts = running()
         victim = max(counts, key=counts.get)
         lost = int(counts[victim])
