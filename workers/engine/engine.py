@@ -33,6 +33,7 @@ from workers.model.loader import load_model
 
 DEFAULT_CPU_KV_GB = 2.0
 GPU_FREE_SHARE = 0.9  # of the memory free when the pool is sized: the rest is for activations
+MAX_DEFAULT_MODEL_LEN = 8192
 
 
 def gpu_kv_budget(free: int, total: int, reserved: int, fraction: float) -> float:
@@ -40,7 +41,6 @@ def gpu_kv_budget(free: int, total: int, reserved: int, fraction: float) -> floa
     of the GPU (`fraction` of `total`) less what it holds already (`reserved`: the weights), and
     never more than GPU_FREE_SHARE of what is free now (other processes, activations)."""
     return max(0.0, min(fraction * total - reserved, GPU_FREE_SHARE * free))
-MAX_DEFAULT_MODEL_LEN = 8192
 
 
 @dataclass
