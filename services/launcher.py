@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 
 from common.cli_args import add
 from common.messages import Ready
@@ -87,7 +88,7 @@ def gpu_placement(worker_names: list[str], visible: list[str]) -> dict[str, tupl
     if not visible:
         return {}
     gpus = {name: visible[i % len(visible)] for i, name in enumerate(worker_names)}
-    sharing = {gpu: list(gpus.values()).count(gpu) for gpu in visible}
+    sharing = Counter(gpus.values())
     return {name: (gpu, sharing[gpu]) for name, gpu in gpus.items()}
 
 
@@ -104,18 +105,21 @@ def visible_gpus(device: str) -> list[str]:
     return listed[:count] if listed else [str(i) for i in range(count)]
 
 
-def on_gpus(args: argparse.Namespace, procs: list[tuple[str, list[str]]]) -> dict[str, dict[str, str]]:
-    """Per worker: its environment overrides, and its argv extended with its memory share."""
+def on_gpus(args: argparse.Namespace, procs: list[tuple[str, list[str]]]) -> list[tuple[str, list[str], dict[str, str]]]:
+    """(name, argv, environment overrides) per process: a worker on CUDA sees its one GPU, and
+    its argv ends with its share of that GPU's memory when others share it."""
     workers = [name for name, argv in procs if argv[0] == "worker"]
     placement = gpu_placement(workers, visible_gpus(args.device))
-    env: dict[str, dict[str, str]] = {}
-    for i, (name, argv) in enumerate(procs):
+    out = []
+    for name, argv in procs:
+        env: dict[str, str] = {}
         if name in placement:
             gpu, sharing = placement[name]
-            env[name] = {"CUDA_VISIBLE_DEVICES": gpu}
+            env = {"CUDA_VISIBLE_DEVICES": gpu}
             if sharing > 1:  # argparse keeps the last value
-                procs[i] = (name, [*argv, "--gpu-memory-fraction", f"{args.gpu_memory_fraction / sharing:.4f}"])
-    return env
+                argv = [*argv, "--gpu-memory-fraction", f"{args.gpu_memory_fraction / sharing:.4f}"]
+        out.append((name, argv, env))
+    return out
 
 
 class Mesh:
@@ -129,11 +133,9 @@ class Mesh:
 
     async def start(self) -> None:
         with Pull(ipc_address(self.run_dir, "ready")) as ready:
-            procs = plan(self.args, self.run_dir)
-            env = on_gpus(self.args, procs)
-            for name, argv in procs:
+            for name, argv, env in on_gpus(self.args, plan(self.args, self.run_dir)):
                 self.children[name] = subprocess.Popen([sys.executable, "-m", "services.cli", *argv],
-                                                       env={**os.environ, **env[name]} if name in env else None)
+                                                       env={**os.environ, **env} if env else None)
             waiting = set(self.children)
             deadline = time.monotonic() + self.args.ready_timeout
             while waiting:

@@ -37,9 +37,10 @@ def test_each_worker_sees_its_gpu_and_parses_its_memory_share(monkeypatch, tmp_p
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     args = launcher.parse(["--prefill", "1", "--decode", "1"])
-    procs = launcher.plan(args, str(tmp_path))
-    env = launcher.on_gpus(args, procs)
-    argv = dict(procs)
+    procs = launcher.on_gpus(args, launcher.plan(args, str(tmp_path)))
+    assert [name for name, _, _ in procs] == [name for name, _ in launcher.plan(args, str(tmp_path))]
+    argv = {name: a for name, a, _ in procs}
+    env = {name: e for name, _, e in procs if e}
     if expect is None:
         assert env == {}
         assert parse_worker(argv["decode-0"][1:]).engine.gpu_memory_fraction == 0.9
