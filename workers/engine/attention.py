@@ -73,11 +73,9 @@ class AttentionMetadata:
         table = np.zeros((num_seqs, max(len(t) for t in block_tables)), dtype=np.int32)
         for i, t in enumerate(block_tables):
             table[i, : len(t)] = t
-        if num_decodes == num_seqs:  # one token per sequence, at its last position
-            seq_of_token, positions = np.arange(num_seqs), slens - 1
-        else:  # token j of sequence s (rows starts[s]..) sits at position seq_len - q_len + j
-            seq_of_token = np.repeat(np.arange(num_seqs), qlens)
-            positions = np.arange(starts[-1]) + np.repeat(slens - qlens - starts[:-1], qlens)
+        # token j of sequence s (rows starts[s]..) sits at position seq_len - q_len + j
+        seq_of_token = np.repeat(np.arange(num_seqs), qlens)
+        positions = np.arange(starts[-1]) + np.repeat(slens - qlens - starts[:-1], qlens)
         pages = table[seq_of_token, positions // page_size].astype(np.int64)
         md = cls(
             positions=torch.from_numpy(positions),

@@ -66,7 +66,7 @@ def _report_logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[i
     few batched copies (one for the sampled tokens, two per distinct k), not a few per row."""
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None or r.want_logprob]
     index = torch.tensor(want, device=raw.device)
-    chosen = raw.index_select(0, index).gather(1, tokens.to(raw.device).index_select(0, index).unsqueeze(1))
+    chosen = raw.index_select(0, index).gather(1, tokens.index_select(0, index).unsqueeze(1))
     out = {i: TokenLogprobs(token_id=token_list[i], logprob=lp, top_ids=[], top_logprobs=[])
            for i, lp in zip(want, chosen.squeeze(1).tolist())}
     by_k: dict[int, list[int]] = {}
