@@ -1,8 +1,10 @@
-"""A whole `pagemesh up` mesh as a subprocess, and its /metrics: for tests, experiments and
-benchmarks that need a real mesh on this machine."""
+"""A whole `pagemesh up` mesh as a subprocess (or its processes started one by one, to kill or
+restart one), and its /metrics: for tests, experiments and benchmarks that need a real mesh on
+this machine."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -52,6 +54,40 @@ def running_mesh(*flags: str, env: dict[str, str] | None = None, timeout: float 
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+class SeparateProcesses:
+    """The processes `pagemesh up` would start, started one by one as compose starts them and
+    then left alone (`pagemesh up` stops the whole mesh when one exits), so that one can be
+    killed or restarted. `start()` returns once every process is ready; `stop()` ends them."""
+
+    def __init__(self, run_dir: str, *flags: str):
+        from services import launcher
+
+        self.args = launcher.parse([*flags, "--threads-per-worker", "1", "--port", str(free_port()),
+                                    "--run-dir", run_dir])
+        self.argv = dict(launcher.plan(self.args, run_dir))
+        self.mesh = launcher.Mesh(self.args)
+        self.children = self.mesh.children
+        self.url = f"http://127.0.0.1:{self.args.port}"
+
+    def start(self) -> None:
+        asyncio.run(self.mesh.start())
+
+    def stop(self) -> None:
+        self.mesh.stop()
+
+    def kill(self, name: str) -> None:
+        self.children[name].send_signal(signal.SIGKILL)
+        self.children[name].wait()
+
+    def restart(self, name: str) -> None:
+        """SIGKILL the process and start it again with the same arguments (no start-up report:
+        nobody listens on the launcher's ready socket any more)."""
+        self.kill(name)
+        argv = self.argv[name]
+        at = argv.index("--ready-address")
+        self.children[name] = subprocess.Popen([sys.executable, "-m", "services.cli", *argv[:at], *argv[at + 2:]])
 
 
 def metrics(base_url: str) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """Fixtures that load the real default model once per test session."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -44,6 +45,17 @@ def hf_greedy(hf_model, prompt_ids, max_new_tokens):
             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
         )
     return out[0, len(prompt_ids):].tolist()
+
+
+def stream_counting(client, received: list[int], k: int, **request) -> tuple[int, Exception | None, float]:
+    """Stream a completion to its end, counting its text chunks in `received[k]` as they come
+    (another thread can wait for them); returns (chunks, the error that ended it or None, when)."""
+    try:
+        for chunk in client.completions.create(stream=True, **request):
+            received[k] += bool(chunk.choices and chunk.choices[0].text)
+    except Exception as e:  # the error event of a failed stream
+        return received[k], e, time.monotonic()
+    return received[k], None, time.monotonic()
 
 
 @pytest.fixture(scope="session")

@@ -9,50 +9,27 @@ The processes are started one by one, as compose starts them, so that one can be
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import signal
-import subprocess
-import sys
 import time
 
 import openai
 import pytest
 
 from common.model_files import DEFAULT_MODEL_NAME
-from services import launcher
-from services.local_mesh import free_port, metrics, per_worker, wait_until
+from services.local_mesh import SeparateProcesses, metrics, per_worker, wait_until
+from tests.integration.conftest import stream_counting
 
 pytestmark = pytest.mark.slow
 
 
-class Processes:
-    def __init__(self, tmp_path, *flags: str):
-        self.args = launcher.parse([*flags, "--threads-per-worker", "1", "--port", str(free_port()),
-                                    "--run-dir", str(tmp_path)])
-        self.argv = dict(launcher.plan(self.args, str(tmp_path)))
-        self.mesh = launcher.Mesh(self.args)
-        self.url = f"http://127.0.0.1:{self.args.port}"
-
-    def restart(self, name: str) -> None:
-        """SIGKILL the process and start it again with the same arguments (no start-up report:
-        nobody listens on the launcher's ready socket any more)."""
-        old = self.mesh.children[name]
-        old.send_signal(signal.SIGKILL)
-        old.wait()
-        argv = self.argv[name]
-        at = argv.index("--ready-address")
-        self.mesh.children[name] = subprocess.Popen([sys.executable, "-m", "services.cli", *argv[:at], *argv[at + 2:]])
-
-
 @pytest.fixture
 def processes(tmp_path, request):
-    procs = Processes(tmp_path, *request.param)
+    procs = SeparateProcesses(str(tmp_path), *request.param)
     try:
-        asyncio.run(procs.mesh.start())
+        procs.start()
         yield procs
     finally:
-        procs.mesh.stop()
+        procs.stop()
 
 
 def complete(client, max_tokens=5):
@@ -66,17 +43,9 @@ def test_a_worker_restarted_under_its_id_fails_what_the_old_process_held(process
 
     received = [0]  # text chunks so far
 
-    def stream() -> tuple[int, Exception | None, float]:
-        try:
-            for chunk in client.completions.create(stream=True, model=DEFAULT_MODEL_NAME, prompt="Go on:",
-                                                   max_tokens=2000, temperature=0, extra_body={"ignore_eos": True}):
-                received[0] += bool(chunk.choices and chunk.choices[0].text)
-        except Exception as e:
-            return received[0], e, time.monotonic()
-        return received[0], None, time.monotonic()
-
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        running = pool.submit(stream)
+        running = pool.submit(stream_counting, client, received, 0, model=DEFAULT_MODEL_NAME, prompt="Go on:",
+                              max_tokens=2000, temperature=0, extra_body={"ignore_eos": True})
         assert wait_until(lambda: received[0] > 0, 60)  # it is streaming
         restarted_at = time.monotonic()
         processes.restart("mixed-0")

@@ -9,17 +9,15 @@ mesh when a child exits); they are the same processes with the same arguments.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
-import signal
 import time
 
 import openai
 import pytest
 
 from common.model_files import DEFAULT_MODEL_NAME
-from services import launcher
-from services.local_mesh import free_port, metrics, per_worker, wait_until
+from services.local_mesh import SeparateProcesses, metrics, per_worker, wait_until
+from tests.integration.conftest import stream_counting
 
 pytestmark = pytest.mark.slow
 
@@ -28,18 +26,16 @@ HEARTBEAT_TIMEOUT_S = 2.0
 
 @pytest.fixture(params=[("--mixed", "2"), ("--prefill", "1", "--decode", "2")], ids=["2 mixed", "1P+2D"])
 def two_worker_mesh(tmp_path, request):
-    args = launcher.parse([*request.param, "--threads-per-worker", "1", "--port", str(free_port()),
-                           "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--run-dir", str(tmp_path)])
-    mesh = launcher.Mesh(args)
+    procs = SeparateProcesses(str(tmp_path), *request.param, "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S))
     try:
-        asyncio.run(mesh.start())  # every process started and ready; nobody watches them after
-        yield f"http://127.0.0.1:{args.port}", mesh.children
+        procs.start()  # every process started and ready; nobody watches them after
+        yield procs
     finally:
-        mesh.stop()
+        procs.stop()
 
 
 def test_a_killed_worker_fails_its_requests_and_the_other_serves_on(two_worker_mesh):
-    url, children = two_worker_mesh
+    url, children = two_worker_mesh.url, two_worker_mesh.children
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
     request = dict(model=DEFAULT_MODEL_NAME, prompt="Count on and on:", max_tokens=400, temperature=0,
                    extra_body={"ignore_eos": True})
@@ -49,22 +45,14 @@ def test_a_killed_worker_fails_its_requests_and_the_other_serves_on(two_worker_m
 
     received = [0, 0, 0]  # text chunks per stream, so far
 
-    def stream_to_the_end(k: int) -> tuple[int, Exception | None, float]:
-        try:
-            for chunk in client.completions.create(stream=True, **request):
-                received[k] += bool(chunk.choices and chunk.choices[0].text)
-        except Exception as e:  # the error event of a failed stream
-            return received[k], e, time.monotonic()
-        return received[k], None, time.monotonic()
-
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        streams = [pool.submit(stream_to_the_end, k) for k in range(3)]
+        streams = [pool.submit(stream_counting, client, received, k, **request) for k in range(3)]
         assert wait_until(lambda: sum(running().values()) == 3 and all(received), 60)  # tokens flow
         counts = running()
         victim = max(counts, key=counts.get)
         lost = int(counts[victim])
-        children[victim].send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
+        two_worker_mesh.kill(victim)
         results = [s.result(timeout=120) for s in streams]
 
     failed = [r for r in results if r[1] is not None]
