@@ -95,10 +95,13 @@ class RequestFailed:
 
 @dataclass(frozen=True, slots=True)
 class AbortRequest:
-    """Stop a request everywhere it lives (client gone, stop string hit, failure)."""
+    """Stop a request everywhere it lives (client gone, stop string hit, failure). `worker_id`
+    names a worker known to hold it, for a request the scheduler may not know (placed by a
+    scheduler process that was restarted since)."""
 
     request_id: str
     reason: str
+    worker_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,6 +323,22 @@ class Ready:
 
 
 @dataclass(frozen=True, slots=True)
+class Ping:
+    """Gateway -> tokenizer and tokenizer -> scheduler, every PING_INTERVAL_S: which process is there?"""
+
+    sender: str
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    """The answer to Ping. `instance` is random per process start: a new one means the process
+    was restarted and has forgotten the requests the old one held."""
+
+    service: str
+    instance: str
+
+
+@dataclass(frozen=True, slots=True)
 class StatusRequest:
     """Gateway -> scheduler: asks for the mesh's state (readiness, per-worker load)."""
 
@@ -355,7 +374,7 @@ class ClusterStatus:
 MESSAGE_CLASSES: tuple[type, ...] = (
     GenerateRequest, TextDelta, TextDeltaBatch, RequestFailed, AbortRequest, ScheduleRequest,
     PrefillTask, DecodeTask, GenerateTask, RegisterWorker, Registered, UnknownWorker, Heartbeat, PrefixCacheUpdate,
-    RequestDone, TokenDelta, TokenDeltaBatch, KVPagesHeader, KVPagesAck, Ready, StatusRequest,
+    RequestDone, TokenDelta, TokenDeltaBatch, KVPagesHeader, KVPagesAck, Ready, Ping, Pong, StatusRequest,
     WorkerStatus, ClusterStatus,
 )
 Message = typing.Union[MESSAGE_CLASSES]  # noqa: UP007 - built from the tuple above

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -31,6 +30,7 @@ from typing import Callable
 import structlog
 
 from common import protocol as p
+from common.liveness import new_instance
 from common.messages import (
     MAX_PAGE_HASHES, AbortRequest, DecodeTask, GenerateTask, Heartbeat, KVPagesAck, KVPagesHeader, PrefillTask,
     PrefixCacheUpdate, Ready, Registered, RegisterWorker, RequestDone, TokenDelta, TokenDeltaBatch, TokenLogprob,
@@ -115,8 +115,7 @@ class WorkerService:
         self.registered_again_at = float("-inf")
         msg = self.registration = RegisterWorker(
             cfg.worker_id, self.role, served_model_name(path) if path else "custom", blocks.page_size,
-            blocks.num_usable_pages, cfg.kv_advertise or "", self.engine.config.max_num_seqs,
-            uuid.uuid4().hex,
+            blocks.num_usable_pages, cfg.kv_advertise or "", self.engine.config.max_num_seqs, new_instance(),
         )
         while True:  # the scheduler may start after us: register until it answers
             await self.scheduler.send(msg)

@@ -5,6 +5,7 @@ bookkeeping, and failure handling. One Router serves tokenizers, gateways and wo
                                                      └──▶ GenerateTask → mixed worker
     PrefixCacheUpdate ──▶ which prefix pages each worker holds (placement, pages D need not get)
     RequestDone / worker death / AbortRequest ──▶ forget, tell the other holders, fail if needed
+    Ping ──▶ Pong(instance): tokenizers learn that this process restarted (common/liveness.py)
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from dataclasses import dataclass
 
 import structlog
 
+from common.liveness import new_instance
 from common.messages import (
-    AbortRequest, ClusterStatus, DecodeTask, GenerateTask, Heartbeat, PrefillTask, PrefixCacheUpdate, Ready,
-    Registered, RegisterWorker, RequestDone, RequestFailed, ScheduleRequest, StatusRequest, UnknownWorker,
+    AbortRequest, ClusterStatus, DecodeTask, GenerateTask, Heartbeat, Ping, Pong, PrefillTask, PrefixCacheUpdate,
+    Ready, Registered, RegisterWorker, RequestDone, RequestFailed, ScheduleRequest, StatusRequest, UnknownWorker,
     WorkerStatus,
 )
 from common.transport import Push, Router, UnknownPeer
@@ -52,6 +54,7 @@ class SchedulerService:
         self.queue: deque[tuple[bytes, ScheduleRequest, PromptPages]] = deque()
         self.enqueued_at: dict[str, float] = {}
         self.placed: dict[str, Placed] = {}
+        self.instance = new_instance()
         self.log = log.bind(service="scheduler")
 
     async def run(self) -> None:
@@ -74,6 +77,7 @@ class SchedulerService:
             RequestDone: self._on_done,
             AbortRequest: self._on_abort,
             StatusRequest: self._on_status,
+            Ping: self._on_ping,
         }
         while True:
             identity, msg = await self.router.recv()
@@ -187,6 +191,8 @@ class SchedulerService:
         placed = self.placed.get(msg.request_id)
         if placed is not None:
             await self._abort_holders(placed, msg.reason)
+        elif msg.worker_id in self.registry.workers:  # placed by an earlier scheduler process
+            await self._send(msg.worker_id, AbortRequest(msg.request_id, msg.reason))
 
     async def _abort_holders(self, placed: Placed, reason: str) -> None:
         rid = placed.request.request_id
@@ -222,6 +228,9 @@ class SchedulerService:
                 await self._fail(placed, why)
 
     # ---- status ---------------------------------------------------------------------------
+    async def _on_ping(self, identity: bytes, msg: Ping) -> None:
+        await self._send(identity, Pong("scheduler", self.instance))
+
     async def _on_status(self, identity: bytes, msg: StatusRequest) -> None:
         now = time.monotonic()
         workers = [

@@ -17,7 +17,7 @@ from common.protocol import (
     AbortRequest, DecodeTask, GenerateRequest, GenerateTask, Heartbeat, KVPagesAck, KVPagesHeader,
     PrefillTask, PrefixCacheUpdate, ProtocolError, Ready, Registered, RegisterWorker, RequestDone, RequestFailed,
     ScheduleRequest, TextDelta, TextDeltaBatch, TokenDelta, TokenDeltaBatch, TokenLogprob, UnknownWorker,
-    ClusterStatus, StatusRequest, WorkerStatus,
+    ClusterStatus, Ping, Pong, StatusRequest, WorkerStatus,
     decode, decode_tensor_frames, encode, encode_tensor_frames,
 )
 from common.sampling import SamplingParams
@@ -40,6 +40,7 @@ SAMPLES = [
     RequestFailed("r1", 400, "invalid_request_error", "prompt too long", "prompt", None),
     RequestFailed("r1", 503, "server_error", "no workers", None, "overloaded"),
     AbortRequest("r1", "client disconnected"),
+    AbortRequest("r1", "unknown to the tokenizer", "d0"),
     ScheduleRequest("r1", [1, 2, 3], SP, "tok-0", 12.25),
     PrefillTask("r1", [1, 2, 3], SP, "tok-0", "d0", "tcp://10.0.0.2:7001"),
     PrefillTask("r1", list(range(40)), SP, "tok-0", "d0", "tcp://10.0.0.2:7001", 0.5, 2),
@@ -59,6 +60,8 @@ SAMPLES = [
     KVPagesAck("r1", True, None),
     KVPagesAck("r1", False, "out of pages"),
     Ready("worker", "p0"),
+    Ping("tok-0"),
+    Pong("scheduler", "5d41402abc4b2a76"),
     StatusRequest("gw-1"),
     WorkerStatus("p0", "prefill", False, 0, 0, 0, 100, 8192, 0),
     ClusterStatus(True, [WorkerStatus("d0", "decode", True, 2, 0, 10, 100, 0, 8192)], 3),

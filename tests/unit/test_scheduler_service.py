@@ -1,0 +1,65 @@
+"""The scheduler process's loop over real sockets, with fake workers and a fake tokenizer: what a
+restarted scheduler must do for requests an earlier process placed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from common import transport as t
+from common.messages import AbortRequest, Ping, Pong, Registered, RegisterWorker
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.service import SchedulerService
+
+TIMEOUT_S = 10.0
+
+
+@contextlib.asynccontextmanager
+async def scheduler(tmp_path):
+    service = SchedulerService(SchedulerConfig(t.ipc_address(str(tmp_path), "sched")))
+    task = asyncio.create_task(service.run())
+    try:
+        yield service
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        service.close()
+
+
+async def registered_worker(address: str, worker_id: str) -> t.Dealer:
+    worker = t.Dealer(address, worker_id)
+    await worker.send(RegisterWorker(worker_id, "mixed", "m", 16, 100, "", 8, f"{worker_id}-instance"))
+    assert await worker.recv() == Registered(worker_id)
+    return worker
+
+
+def test_pings_are_answered_with_the_process_instance(tmp_path):
+    async def main():
+        async with scheduler(tmp_path) as service:
+            with t.Dealer(service.config.address, "tok0") as tokenizer:
+                await tokenizer.send(Ping("tok0"))
+                assert await tokenizer.recv() == Pong("scheduler", service.instance)
+        assert len(service.instance) == 32
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+
+
+def test_an_abort_of_an_unknown_request_goes_to_the_worker_it_names_only(tmp_path):
+    async def main():
+        async with scheduler(tmp_path) as service:
+            w0 = await registered_worker(service.config.address, "w0")
+            w1 = await registered_worker(service.config.address, "w1")
+            with w0, w1, t.Dealer(service.config.address, "tok0") as tokenizer:
+                # placed by an earlier scheduler process: this one only knows where from the abort
+                await tokenizer.send(AbortRequest("lost", "unknown to the tokenizer", "w1"))
+                assert await w1.recv() == AbortRequest("lost", "unknown to the tokenizer")
+                await tokenizer.send(AbortRequest("gone", "client disconnected"))  # names no worker
+                await tokenizer.send(AbortRequest("x", "unknown to the tokenizer", "nobody"))  # not registered
+                await tokenizer.send(AbortRequest("lost2", "unknown to the tokenizer", "w0"))
+                assert await w0.recv() == AbortRequest("lost2", "unknown to the tokenizer")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    extra = await asyncio.wait_for(w1.recv(), 0.3)
+                    raise AssertionError(f"w1 got {extra}")
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
