@@ -1,18 +1,27 @@
 """The tokenizer service without sockets: admit requests, turn token batches into text.
 
     GenerateRequest ──admit()──▶ ScheduleRequest (to the scheduler) | RequestFailed (to the gateway)
-    TokenDeltaBatch ──on_tokens()──▶ one TextDeltaBatch per gateway + AbortRequests (stop strings)
+    TokenDeltaBatch ──on_tokens()──▶ one TextDeltaBatch per gateway + AbortRequests (stop strings,
+                                     and tokens of requests this process does not know)
     RequestFailed / AbortRequest ──▶ the request's state is dropped
+    scheduler restarted ──fail_unstarted()──▶ RequestFailed for requests without output yet
 
 State per request: one IncrementalDetokenizer per choice. A choice is finished when a stop string
 matched or its worker reported a finish_reason; the request's state goes when every choice is
 finished. If stop strings finished choices the worker is still generating, the request is aborted
 at the scheduler (aborts are per request, so only once every choice is done).
+
+Tokens of a request this process does not know, from a worker still generating it, are an orphan's:
+the request was lost with a restart (of this tokenizer, or of the scheduler before it placed the
+request's retry). They are aborted at the worker that sent them, at most once per
+ORPHAN_ABORT_INTERVAL_S per request (late tokens after an abort cost one more abort message).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import jinja2
@@ -23,6 +32,9 @@ from common.messages import (
 )
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
 from services.tokenizer import MAX_TOKENS_FROM_CONTEXT
+
+ORPHAN_ABORT_INTERVAL_S = 1.0  # between aborts of one unknown request whose tokens keep coming
+MAX_ORPHANS_REMEMBERED = 4096
 
 
 @dataclass
@@ -38,6 +50,7 @@ class _Request:
     reply_to: str
     prompt_tokens: int
     choices: list[_Choice]
+    started: bool = False  # output has come from a worker
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,7 @@ class TokenizerCore:
         self.max_model_len = max_model_len
         self.reply_to = reply_to
         self._requests: dict[str, _Request] = {}
+        self._orphans_aborted: OrderedDict[str, float] = OrderedDict()  # request id -> when
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -119,15 +133,20 @@ class TokenizerCore:
 
     # ---- tokens in
 
-    def on_tokens(self, batch: TokenDeltaBatch) -> TokenOutputs:
-        """Detokenize a worker's batch. Deltas of unknown requests (late tokens after a stop or
-        an abort) are ignored."""
+    def on_tokens(self, batch: TokenDeltaBatch, now: float | None = None) -> TokenOutputs:
+        """Detokenize a worker's batch. Deltas of unknown requests go to no gateway; the worker is
+        told to stop the request if it is still generating it (see the module's docstring)."""
         out = TokenOutputs()
         by_gateway: dict[str, list[TextDelta]] = {}
         for delta in batch.deltas:
             request = self._requests.get(delta.request_id)
-            if request is None or not 0 <= delta.index < len(request.choices):
+            if request is None:
+                if delta.finish_reason is None and self._may_abort_orphan(delta.request_id, now):
+                    out.aborts.append(AbortRequest(delta.request_id, "unknown to the tokenizer", batch.worker_id))
                 continue
+            if not 0 <= delta.index < len(request.choices):
+                continue
+            request.started = True
             choice = request.choices[delta.index]
             if delta.finish_reason is not None:
                 choice.worker_finished = True
@@ -152,6 +171,17 @@ class TokenizerCore:
         out.batches.update((address, TextDeltaBatch(deltas)) for address, deltas in by_gateway.items())
         return out
 
+    def _may_abort_orphan(self, request_id: str, now: float | None) -> bool:
+        now = time.monotonic() if now is None else now
+        last = self._orphans_aborted.get(request_id)
+        if last is not None and now - last < ORPHAN_ABORT_INTERVAL_S:
+            return False
+        self._orphans_aborted[request_id] = now
+        self._orphans_aborted.move_to_end(request_id)
+        if len(self._orphans_aborted) > MAX_ORPHANS_REMEMBERED:
+            self._orphans_aborted.popitem(last=False)
+        return True
+
     # ---- ends from elsewhere
 
     def on_failed(self, failed: RequestFailed) -> str | None:
@@ -162,6 +192,18 @@ class TokenizerCore:
     def on_abort(self, request_id: str) -> bool:
         """The gateway gave up on the request (client gone): drop it; True if it was known."""
         return self._requests.pop(request_id, None) is not None
+
+    def fail_unstarted(self, why: str) -> list[tuple[str, RequestFailed]]:
+        """The scheduler was restarted: the requests without output may have been queued in the
+        process that is gone. Drop them; return (gateway reply_to, 503) for each. Requests with
+        output are on workers, which stream them to the end."""
+        failed = []
+        for request_id, request in list(self._requests.items()):
+            if not request.started:
+                del self._requests[request_id]
+                failed.append((request.reply_to, RequestFailed(
+                    request_id, 503, "server_error", f"Request failed: {why}; retry later.", None, "service_restarted")))
+        return failed
 
 
 def _param_of(message: str, default: str) -> str:

@@ -2,8 +2,11 @@
 
     gateways ──GenerateRequest / AbortRequest──▶ Router ─┐
     workers  ──TokenDeltaBatch────────────────▶ Pull   ─┼─ TokenizerCore ─▶ Dealer ──▶ scheduler
-    scheduler ──RequestFailed──────────────────▶ Dealer ─┘        │
+    scheduler ──RequestFailed / Pong───────────▶ Dealer ─┘        │
                                                                    └──▶ Push per gateway (reply_to)
+
+Gateways ping it (Ping ──▶ Pong with this process's instance id), and it pings the scheduler:
+when the scheduler's instance changes, the requests it may have lost end with a 503.
 
 Replies to each gateway go through their own bounded queue and sender task, so a gateway that
 is gone stalls (and eventually loses) only its own replies, never the other gateways' streams.
@@ -15,9 +18,10 @@ import asyncio
 
 import structlog
 
+from common.liveness import PeerInstance, new_instance, ping_forever
 from common.logging import configure_logging
 from common.messages import (
-    AbortRequest, GenerateRequest, Ready, RequestFailed, ScheduleRequest, TokenDeltaBatch,
+    AbortRequest, GenerateRequest, Ping, Pong, Ready, RequestFailed, ScheduleRequest, TokenDeltaBatch,
 )
 from common.process import run_until_signalled
 from common.tokenizer import Tokenizer
@@ -50,19 +54,22 @@ async def run(config: TokenizerConfig) -> None:
                 with Push(config.ready_address) as ready:
                     await ready.send(Ready("tokenizer", config.name))
             await asyncio.gather(
-                _serve_gateways(frontend, core, scheduler, gateways),
+                _serve_gateways(frontend, core, scheduler, gateways, new_instance()),
                 _serve_tokens(tokens, core, scheduler, gateways),
                 _serve_scheduler(scheduler, core, gateways),
+                ping_forever(scheduler, config.name),
             )
         finally:
             await gateways.close()
 
 
 async def _serve_gateways(frontend: Router, core: TokenizerCore, scheduler: Dealer,
-                          gateways: GatewayReplies) -> None:
+                          gateways: GatewayReplies, instance: str) -> None:
     while True:
-        _, msg = await frontend.recv()
-        if isinstance(msg, GenerateRequest):
+        identity, msg = await frontend.recv()
+        if isinstance(msg, Ping):
+            await frontend.send(identity, Pong("tokenizer", instance))
+        elif isinstance(msg, GenerateRequest):
             result = core.admit(msg)
             if isinstance(result, ScheduleRequest):
                 await scheduler.send(result)
@@ -92,14 +99,29 @@ async def _serve_tokens(tokens: Pull, core: TokenizerCore, scheduler: Dealer, ga
 
 
 async def _serve_scheduler(scheduler: Dealer, core: TokenizerCore, gateways: GatewayReplies) -> None:
+    peer = PeerInstance()
     while True:
         msg = await scheduler.recv()
         if isinstance(msg, RequestFailed):
             reply_to = core.on_failed(msg)
             if reply_to is not None:
                 gateways.send(reply_to, msg)
+        elif isinstance(msg, Pong):
+            if peer.restarted(msg.instance):
+                await _scheduler_restarted(scheduler, core, gateways)
         else:
             log.warning("unexpected message from the scheduler", type=type(msg).__name__)
+
+
+async def _scheduler_restarted(scheduler: Dealer, core: TokenizerCore, gateways: GatewayReplies) -> None:
+    """Requests without output may have been queued in the scheduler process that is gone: fail
+    them, and abort them at the new one (it may have them queued: sent while it was starting).
+    If the old one had placed them, their first tokens are an orphan's and get aborted then."""
+    failed = core.fail_unstarted("the scheduler restarted")
+    log.warning("scheduler restarted", failed_requests=len(failed))
+    for reply_to, failure in failed:
+        gateways.send(reply_to, failure)
+        await scheduler.send(AbortRequest(failure.request_id, "scheduler restarted"))
 
 
 class GatewayReplies:

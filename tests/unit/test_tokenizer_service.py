@@ -184,7 +184,7 @@ def test_no_abort_when_the_worker_finished_every_choice():
     assert out.aborts == [] and len(c) == 0
 
 
-def test_one_batch_per_gateway_and_unknown_deltas_ignored():
+def test_one_batch_per_gateway_and_unknown_deltas_go_to_no_gateway():
     c = core()
     c.admit(request("a", reply_to=GATEWAY_A))
     c.admit(request("b", reply_to=GATEWAY_B))
@@ -194,6 +194,31 @@ def test_one_batch_per_gateway_and_unknown_deltas_ignored():
                tokens("a", 5, x), tokens("b", 0, x))
     assert {gw: [(d.request_id, d.completion_tokens) for d in batch.deltas] for gw, batch in out.batches.items()} == {
         GATEWAY_A: [("a", 1), ("c", 1)], GATEWAY_B: [("b", 1), ("b", 2)]}
+    assert out.aborts == [AbortRequest("ghost", "unknown to the tokenizer", "w0")]
+
+
+def test_a_worker_generating_an_unknown_request_is_told_to_stop_it_once_a_second():
+    c = core()
+    x = ids_of(" x")
+    orphan = lambda now: c.on_tokens(TokenDeltaBatch("d1", [tokens("lost", 0, x)]), now).aborts  # noqa: E731
+    assert orphan(100.0) == [AbortRequest("lost", "unknown to the tokenizer", "d1")]
+    assert orphan(100.5) == []  # its next tokens, before the abort can have reached the worker
+    assert orphan(101.2) == [AbortRequest("lost", "unknown to the tokenizer", "d1")]  # that abort was lost
+    finished = c.on_tokens(TokenDeltaBatch("d1", [tokens("done", 0, x, finish="abort")]), 200.0)
+    assert finished.aborts == [] and finished.batches == {}  # the worker has already stopped it
+
+
+def test_a_scheduler_restart_fails_only_the_requests_without_output():
+    c = core()
+    for rid in ("streaming", "queued"):
+        c.admit(request(rid, reply_to=GATEWAY_B))
+    feed(c, tokens("streaming", 0, ids_of(" x")))
+    failed = c.fail_unstarted("the scheduler restarted")
+    assert [(to, f.request_id, f.status, f.code) for to, f in failed] == [(GATEWAY_B, "queued", 503, "service_restarted")]
+    assert "the scheduler restarted" in failed[0][1].message
+    assert "queued" not in c and "streaming" in c
+    # if the old scheduler had placed it, its tokens come later: an orphan's, stopped at the worker
+    assert feed(c, tokens("queued", 0, ids_of(" y"))).aborts == [AbortRequest("queued", "unknown to the tokenizer", "w0")]
 
 
 def test_logprobs_and_counts_pass_through():

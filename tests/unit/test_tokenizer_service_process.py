@@ -7,7 +7,7 @@ import contextlib
 
 from common import transport as t
 from common.messages import (
-    AbortRequest, GenerateRequest, Ready, RequestFailed, ScheduleRequest, TextDeltaBatch, TokenDelta,
+    AbortRequest, GenerateRequest, Ping, Pong, Ready, RequestFailed, ScheduleRequest, TextDeltaBatch, TokenDelta,
     TokenDeltaBatch,
 )
 from common.model_files import default_model_path
@@ -32,6 +32,24 @@ def generate(request_id: str, reply_to: str, **sampling) -> GenerateRequest:
     return GenerateRequest(request_id, "m", "Hi", None, None, SamplingParams(**sampling), True, reply_to, 1.0, False)
 
 
+class FakeScheduler:
+    """A scheduler Router that answers the tokenizer's pings with `instance`."""
+
+    def __init__(self, router: t.Router):
+        self.router = router
+        self.instance = "first"
+
+    async def recv(self):
+        while True:
+            identity, msg = await self.router.recv()
+            if not isinstance(msg, Ping):
+                return identity, msg
+            await self.router.send(identity, Pong("scheduler", self.instance))
+
+    async def send(self, identity: bytes, msg) -> None:
+        await self.router.send(identity, msg)
+
+
 @contextlib.asynccontextmanager
 async def mesh(cfg: TokenizerConfig, reply_address: str):
     """Fake scheduler (Router), gateway (Dealer + Pull) and launcher (Pull), then the service."""
@@ -40,7 +58,7 @@ async def mesh(cfg: TokenizerConfig, reply_address: str):
         service = asyncio.create_task(run(cfg))
         try:
             assert await asyncio.wait_for(ready.recv(), TIMEOUT_S) == Ready("tokenizer", "tok0")
-            yield scheduler, gateway, replies
+            yield FakeScheduler(scheduler), gateway, replies
         finally:
             service.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -85,6 +103,32 @@ def test_request_tokens_text_stop_abort_and_503_over_sockets(tmp_path):
             await gateway.send(AbortRequest("r4", "client disconnected"))
             assert (await scheduler.recv())[1].request_id == "r4"
             assert await scheduler.recv() == (b"tok0", AbortRequest("r4", "client disconnected"))
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+
+
+def test_pings_and_a_restarted_scheduler_over_sockets(tmp_path):
+    cfg = config(tmp_path)
+    reply_address = t.ipc_address(str(tmp_path), "gw-replies")
+
+    async def main():
+        async with mesh(cfg, reply_address) as (scheduler, gateway, replies):
+            await gateway.send(Ping("gw0"))  # a gateway's ping: the tokenizer's instance comes back
+            pong = await gateway.recv()
+            assert pong.service == "tokenizer" and len(pong.instance) == 32
+            await gateway.send(Ping("gw0"))
+            assert await gateway.recv() == pong  # the same process
+
+            for rid in ("streaming", "queued"):
+                await gateway.send(generate(rid, reply_address))
+                assert (await scheduler.recv())[1].request_id == rid
+            with t.Push(cfg.output_address) as worker:
+                await worker.send(TokenDeltaBatch("w0", [TokenDelta("streaming", 0, [28], None, None, 2)]))
+                assert isinstance(await replies.recv(), TextDeltaBatch)
+            scheduler.instance = "second"  # pings now reach a new scheduler process
+            assert await scheduler.recv() == (b"tok0", AbortRequest("queued", "scheduler restarted"))
+            failed = await replies.recv()
+            assert (failed.request_id, failed.status, failed.code) == ("queued", 503, "service_restarted")
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
 
