@@ -4,9 +4,12 @@
     abort()   AbortRequest    ──Dealer──▶ scheduler, and ──Dealer──▶ tokenizer (drops its state)
     status()  StatusRequest   ──Dealer──▶ scheduler ──ClusterStatus──▶ back on the same Dealer
     replies   TextDeltaBatch / RequestFailed ──▶ Pull (reply_to) ──▶ the request's asyncio.Queue
+    Ping every second ──Dealer──▶ tokenizer ──Pong(instance)──▶ back on the same Dealer
 
 A background task per receiving socket does the routing; a request's queue holds
-`(arrival time, list[TextDelta] | RequestFailed)` items, one per incoming batch.
+`(arrival time, list[TextDelta] | RequestFailed)` items, one per incoming batch. When the
+tokenizer's instance changes, it was restarted and lost every request in flight: they end with a
+503 at once (and are aborted at the scheduler) instead of at the request timeout.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import time
 
 import structlog
 
+from common.liveness import PeerInstance, ping_forever
 from common.messages import (
-    AbortRequest, ClusterStatus, GenerateRequest, RequestFailed, StatusRequest, TextDelta, TextDeltaBatch,
+    AbortRequest, ClusterStatus, GenerateRequest, Pong, RequestFailed, StatusRequest, TextDelta, TextDeltaBatch,
 )
 from common.transport import Dealer, Pull
 
@@ -40,7 +44,8 @@ class MeshClient:
         self._tasks: set[asyncio.Task] = set()
 
     def start(self) -> None:
-        for loop in (self._route_replies(), self._route_status()):
+        for loop in (self._route_replies(), self._route_status(), self._watch_tokenizer(),
+                     ping_forever(self._tokenizer, self.identity)):
             self._spawn(loop)
 
     async def close(self) -> None:
@@ -97,6 +102,25 @@ class MeshClient:
         queue = self._queues.get(request_id)
         if queue is not None:  # else the request is gone (client left, timed out): drop it
             queue.put_nowait(reply)
+
+    async def _watch_tokenizer(self) -> None:
+        peer = PeerInstance()
+        while True:
+            msg = await self._tokenizer.recv()
+            if not isinstance(msg, Pong):
+                log.warning("unexpected message from the tokenizer", type=type(msg).__name__)
+            elif peer.restarted(msg.instance):
+                self._tokenizer_restarted()
+
+    def _tokenizer_restarted(self) -> None:
+        """Every request in flight went through the tokenizer process that is gone."""
+        log.warning("tokenizer restarted", failed_requests=len(self._queues))
+        now = time.monotonic()
+        for request_id in list(self._queues):
+            self._deliver(request_id, (now, RequestFailed(
+                request_id, 503, "server_error", "Request failed: the tokenizer restarted; retry later.", None,
+                "service_restarted")))
+            self._spawn(self._send_abort(AbortRequest(request_id, "tokenizer restarted")))
 
     # ---- status
 

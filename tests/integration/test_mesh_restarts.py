@@ -2,7 +2,10 @@
 
 - a worker restarted under the same id (before its heartbeats are missed): the requests the old
   process held end with an error as soon as the new one registers, not at the heartbeat timeout;
-- a restarted scheduler: the workers register with it again and the mesh serves on.
+- a restarted scheduler: the workers register with it again and the mesh serves on; what it had
+  queued ends with a 503 at once, and the streams already on workers go on to their end;
+- a restarted tokenizer: the streams that went through it end with a 503 at once, and their
+  workers stop generating them.
 
 The processes are started one by one, as compose starts them, so that one can be restarted.
 """
@@ -61,4 +64,48 @@ def test_a_restarted_scheduler_gets_its_workers_back(processes):
     assert complete(client).usage.completion_tokens == 5
     processes.restart("scheduler")
     assert wait_until(lambda: "mixed-0" in per_worker(metrics(processes.url), "pagemesh_kv_cache_usage_ratio"), 30, 0.5)
+    assert complete(client).usage.completion_tokens == 5
+
+
+def queued_at_scheduler(url: str) -> float:
+    return metrics(url).get("pagemesh_scheduler_queued_requests", 0.0)
+
+
+@pytest.mark.parametrize("processes", [("--mixed", "1", "--max-num-seqs", "1", "--heartbeat-timeout", "2")],
+                         indirect=True)
+def test_a_restarted_scheduler_fails_what_it_had_queued_and_placed_streams_go_on(processes):
+    client = openai.OpenAI(base_url=processes.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    received = [0, 0]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        streaming = pool.submit(stream_counting, client, received, 0, model=DEFAULT_MODEL_NAME, prompt="Go on:",
+                                max_tokens=400, temperature=0, extra_body={"ignore_eos": True})
+        assert wait_until(lambda: received[0] > 0, 60)
+        queued = pool.submit(stream_counting, client, received, 1, model=DEFAULT_MODEL_NAME, prompt="Hi",
+                             max_tokens=5, temperature=0)
+        assert wait_until(lambda: queued_at_scheduler(processes.url) == 1, 30, 0.2)  # the worker is full
+        restarted_at = time.monotonic()
+        processes.restart("scheduler")
+        pieces, error, ended = queued.result(timeout=120)
+        assert pieces == 0 and isinstance(error, openai.APIStatusError) and error.status_code == 503, repr(error)
+        assert "scheduler restarted" in str(error) and ended - restarted_at < 30  # not the 600 s timeout
+        pieces, error, _ = streaming.result(timeout=120)
+    assert error is None and pieces > 300  # placed before the restart: streamed to its end
+    assert complete(client).usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize("processes", [("--mixed", "1")], indirect=True)
+def test_a_restarted_tokenizer_ends_its_streams_at_once_and_their_work_stops(processes):
+    client = openai.OpenAI(base_url=processes.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    received = [0]
+    running = lambda: per_worker(metrics(processes.url), "pagemesh_num_requests_running").get("mixed-0")  # noqa: E731
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        streaming = pool.submit(stream_counting, client, received, 0, model=DEFAULT_MODEL_NAME, prompt="Go on:",
+                                max_tokens=3000, temperature=0, extra_body={"ignore_eos": True})
+        assert wait_until(lambda: received[0] > 0, 60)
+        restarted_at = time.monotonic()
+        processes.restart("tokenizer")
+        pieces, error, ended = streaming.result(timeout=120)
+    assert pieces > 0 and isinstance(error, openai.APIError) and "tokenizer restarted" in str(error), repr(error)
+    assert ended - restarted_at < 30  # the new process's start-up, not the 600 s request timeout
+    assert wait_until(lambda: running() == 0, 15, 0.2)  # the worker dropped it (3000 tokens take far longer)
     assert complete(client).usage.completion_tokens == 5

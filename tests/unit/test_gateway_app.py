@@ -15,8 +15,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from common import transport as t
 from common.messages import (
-    AbortRequest, ClusterStatus, GenerateRequest, RequestFailed, StatusRequest, TextDelta, TextDeltaBatch,
-    TokenLogprob, WorkerStatus,
+    AbortRequest, ClusterStatus, GenerateRequest, Ping, Pong, RequestFailed, StatusRequest, TextDelta,
+    TextDeltaBatch, TokenLogprob, WorkerStatus,
 )
 from common.model_files import default_model_path
 from common.sampling import SamplingParams
@@ -37,10 +37,19 @@ class FakeMesh:
 
     def __init__(self, tokenizer: t.Router, scheduler: t.Router, client: TestClient):
         self.tokenizer, self.scheduler, self.client = tokenizer, scheduler, client
+        self.tokenizer_instance = "first"  # what the fake tokenizer answers pings with
         self._pushes: dict[str, t.Push] = {}
 
+    async def from_tokenizer(self) -> tuple[bytes, object]:
+        """The next message the gateway sends the tokenizer, pings answered on the way."""
+        while True:
+            identity, msg = await self.tokenizer.recv()
+            if not isinstance(msg, Ping):
+                return identity, msg
+            await self.tokenizer.send(identity, Pong("tokenizer", self.tokenizer_instance))
+
     async def next_request(self) -> GenerateRequest:
-        _, msg = await self.tokenizer.recv()
+        _, msg = await self.from_tokenizer()
         assert isinstance(msg, GenerateRequest)
         return msg
 
@@ -184,8 +193,31 @@ def test_client_disconnect_aborts_at_scheduler_and_tokenizer(tmp_path):
             response.close()  # the client goes away mid-stream
         abort = AbortRequest(request.request_id, "client disconnected")
         assert await fake.scheduler.recv() == (b"gw0", abort)
-        assert await fake.tokenizer.recv() == (b"gw0", abort)
+        assert await fake.from_tokenizer() == (b"gw0", abort)
     run(tmp_path, test)
+
+
+def test_a_restarted_tokenizer_ends_the_requests_in_flight_with_503_and_aborts_them(tmp_path):
+    async def test(fake: FakeMesh):
+        streaming = asyncio.create_task(fake.client.post("/v1/completions", json={"prompt": "Hi", "stream": True}))
+        waiting = asyncio.create_task(fake.client.post("/v1/completions", json={"prompt": "Ho"}))
+        first, second = await fake.next_request(), await fake.next_request()
+        if first.prompt_text != "Hi":
+            first, second = second, first
+        await fake.reply(first, TextDeltaBatch([TextDelta(first.request_id, 0, "A", [5], None, None, 4, 1)]))
+        fake.tokenizer_instance = "second"  # the next pong comes from a new process
+        pending = asyncio.create_task(fake.from_tokenizer())  # answers pings until the aborts come
+        waited = await waiting
+        assert waited.status == 503
+        assert (await waited.json())["error"]["code"] == "service_restarted"
+        events = sse_payloads(await (await streaming).text())
+        assert events[0]["choices"][0]["text"] == "A"
+        assert events[1]["error"]["code"] == "service_restarted" and events[2] == "[DONE]"
+        aborts = {await pending, await fake.from_tokenizer()}
+        assert aborts == {(b"gw0", AbortRequest(r.request_id, "tokenizer restarted")) for r in (first, second)}
+        at_scheduler = {await fake.scheduler.recv(), await fake.scheduler.recv()}
+        assert at_scheduler == aborts
+    run(tmp_path, test, request_timeout=8.0)
 
 
 def test_client_leaving_before_any_output_aborts(tmp_path):
