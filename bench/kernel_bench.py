@@ -199,14 +199,10 @@ def bench_decode_sweep(timer: Timer, copy_gbs: float, geo: Geometry, cases, conf
                 if time.time() > deadline:
                     cells.append("—")
                     continue
-                try:
-                    ms = timer(lambda cfg=cfg, s=s: paged_attention(*args, num_splits=s, config=cfg))
-                except Exception as exc:  # a config that does not compile or fit is a finding
-                    print(f"kernel_bench: {config_label(cfg)} splits {s}: {exc!r}"[:400], file=sys.stderr)
-                    cells.append("err")
-                    continue
-                cells.append(f"{ms:.3f}")
-                if ms < best[0]:
+                ms = time_or_none(timer, lambda cfg=cfg, s=s: paged_attention(*args, num_splits=s, config=cfg),
+                                  f"{config_label(cfg)} splits {s}")
+                cells.append("err" if ms is None else f"{ms:.3f}")
+                if ms is not None and ms < best[0]:
                     best = (ms, config_label(cfg), s)
             rows.append(f"| {config_label(cfg)} | " + " | ".join(cells) + " |")
         pct = lambda ms: f"{100 * nbytes / ms / 1e6 / copy_gbs:.0f}%"  # noqa: E731
@@ -298,12 +294,27 @@ def bench_mixed(timer: Timer, geo: Geometry, cases, configs, pool, gen,
         rows.append(f"| {label} | {ours_ms:.3f} | {sdpa_ms:.3f} | {ours_ms / sdpa_ms:.2f}x | "
                     f"{diff:.2e} | {gqa} |")
         if configs:
-            cells = ["—" if time.time() > deadline else
-                     f"{timer(lambda c=c: paged_attention(*args, config=c)):.3f}" for c in configs]
+            cells = []
+            for c in configs:
+                if time.time() > deadline:
+                    cells.append("—")
+                    continue
+                ms = time_or_none(timer, lambda c=c: paged_attention(*args, config=c), f"{label} {config_label(c)}")
+                cells.append("err" if ms is None else f"{ms:.3f}")
             sweep_rows.append(f"| {label} | " + " | ".join(cells) + " |")
     if not configs:
         return rows
     return rows + ["", "Tile sweep (ms) for the same batches:", ""] + sweep_rows
+
+
+def time_or_none(timer, fn, what: str) -> float | None:
+    """`timer(fn)` in ms, or None for a tile config that does not compile or fit on this GPU and
+    Triton (the error goes to stderr: it is a finding, not the end of the benchmark)."""
+    try:
+        return timer(fn)
+    except Exception as exc:
+        print(f"kernel_bench: {what}: {exc!r}"[:400], file=sys.stderr)
+        return None
 
 
 def emit(lines: list[str]) -> None:

@@ -81,3 +81,15 @@ def test_sweeps_time_nothing_past_their_deadline(kb, setup):
     assert chunks == [["_Sweep stopped before batch 2 x 130: out of time._", ""]]
     lines = kb.bench_mixed(timer, geo, [("1 prefill x 20", 0, 0, 1, 20)], configs, pool, gen, deadline=0)
     assert table_rows(lines)[-1] == "| 1 prefill x 20 | — |"
+
+
+def test_a_config_that_does_not_compile_is_a_cell_not_the_end_of_the_bench(kb, setup, capsys):
+    geo, timer, pool, gen = setup
+    configs = [AttentionConfig(16, 24, 4, 2), AttentionConfig(16, 16, 4, 2)]  # 24: not a power of two
+    lines = kb.bench_mixed(timer, geo, [("1 prefill x 20", 0, 0, 1, 20)], configs, pool, gen)
+    cells = table_rows(lines)[-1].split(" | ")
+    assert cells[1] == "err" and re.fullmatch(r"[\d.]+ \|", cells[2])
+    [chunk] = kb.bench_decode_sweep(timer, 100.0, geo, [(2, 130)], configs, [1], pool, gen)
+    bad, good = table_rows(chunk)[1:]
+    assert bad.endswith("| err |") and re.search(r"\| [\d.]+ \|$", good)
+    assert "kernel_bench: m16 n24" in capsys.readouterr().err
