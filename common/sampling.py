@@ -13,6 +13,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_ITEMS = 16
 MAX_STOP_LEN = 256
 MAX_TOKENS_LIMIT = 1 << 20
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,8 @@ class SamplingParams:
     temperature 0 means greedy. `seed` makes a request's samples reproducible whatever else
     shares its batch. `logprobs` = k returns the top-k log-probabilities of each sampled token
     (None = off). `stop` strings are matched on text by the tokenizer service; the engine itself
-    stops on `stop_token_ids`, EOS (unless `ignore_eos`) and `max_tokens`.
+    stops on `stop_token_ids`, EOS (unless `ignore_eos`) and `max_tokens`. `logit_bias` pairs
+    (token id, bias in [-100, 100]) are added to the logits before sampling, as OpenAI's field.
     """
 
     n: int = 1
@@ -44,6 +46,7 @@ class SamplingParams:
     use_beam_search: bool = False  # beam width = best_of or n; returns the n best beams
     length_penalty: float = 1.0  # beam score = cumulative logprob / length ** length_penalty
     priority: int = 0  # scheduling priority: lower runs first; FCFS within a priority
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids distinct
 
     @property
     def greedy(self) -> bool:
@@ -79,10 +82,17 @@ class SamplingParams:
         _check(isinstance(self.use_beam_search, bool), "use_beam_search", "must be a boolean")
         _check(_num(self.length_penalty) and -10.0 <= self.length_penalty <= 10.0, "length_penalty", "must be in [-10, 10]")
         _check(isinstance(self.priority, int) and not isinstance(self.priority, bool) and -(2**31) < self.priority < 2**31, "priority", "must be a 32-bit integer")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS and all(
+            isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], int) and not isinstance(pair[0], bool)
+            and pair[0] >= 0 and _num(pair[1]) and -100.0 <= pair[1] <= 100.0 for pair in self.logit_bias),
+            "logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100]")
+        _check(len({pair[0] for pair in self.logit_bias}) == len(self.logit_bias), "logit_bias", "token ids must be distinct")
         return self
 
     def to_dict(self) -> dict:
-        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
+        out = {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
+        out["logit_bias"] = [list(pair) for pair in self.logit_bias]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "SamplingParams":
@@ -96,6 +106,11 @@ class SamplingParams:
                 if not isinstance(values[name], (list, tuple)):
                     raise ValueError(f"{name}: must be a list")
                 values[name] = tuple(values[name])
+        if "logit_bias" in values:
+            pairs = values["logit_bias"]
+            if not isinstance(pairs, (list, tuple)) or not all(isinstance(x, (list, tuple)) for x in pairs):
+                raise ValueError("logit_bias: must be a list of [token id, bias] pairs")
+            values["logit_bias"] = tuple(tuple(x) for x in pairs)
         return cls(**values).validate()
 
 

@@ -4,8 +4,8 @@ Every problem raises `ApiError` (400 `invalid_request_error`, `param` = the fiel
 checked strictly (a bool is not an integer, a float is not an integer, NaN never parses), every
 list is bounded before it is copied, and range checks are left to `SamplingParams.validate()`,
 the one place that knows them. Fields this gateway does not know are ignored; fields it knows
-but cannot honour (echo, suffix, tools, logit_bias, structured output) are refused rather than
-silently dropped.
+but cannot honour (echo, suffix, tools, structured output) are refused rather than silently
+dropped.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from common.messages import MAX_ID, GenerateRequest
 from common.protocol import MAX_TOKEN_IDS
-from common.sampling import MAX_STOP_ITEMS, SamplingParams
+from common.sampling import MAX_LOGIT_BIAS, MAX_STOP_ITEMS, SamplingParams
 from gateway.errors import ApiError, from_value_error, invalid
 from services.tokenizer import MAX_TOKENS_FROM_CONTEXT
 
@@ -63,7 +63,6 @@ def _reject_constant(name: str):
 
 def parse_completion(body: dict) -> ParsedRequest:
     f = _Fields(body)
-    _refuse_unsupported(body)
     if f.bool("echo", False):
         raise invalid("echo: not supported", "echo")
     if f.optional("suffix", str):
@@ -77,7 +76,6 @@ def parse_completion(body: dict) -> ParsedRequest:
 
 def parse_chat(body: dict) -> ParsedRequest:
     f = _Fields(body)
-    _refuse_unsupported(body)
     if body.get("tools") or body.get("functions"):
         raise invalid("tools: tool and function calling are not supported", "tools")
     response_format = body.get("response_format")
@@ -106,9 +104,23 @@ def check_model(parsed: ParsedRequest, accepted: tuple[str, ...]) -> None:
 # --------------------------------------------------------------------------- parts
 
 
-def _refuse_unsupported(body: dict) -> None:
-    if body.get("logit_bias"):
-        raise invalid("logit_bias: not supported", "logit_bias")
+def _logit_bias(f: _Fields) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias}: keys are token ids written as decimal strings."""
+    value = f.optional("logit_bias", dict)
+    if not value:
+        return ()
+    if len(value) > MAX_LOGIT_BIAS:
+        raise invalid(f"logit_bias: at most {MAX_LOGIT_BIAS} token ids", "logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdecimal() and len(key) <= 10) or int(key) > MAX_ID:
+            raise invalid(f"logit_bias: keys must be token ids, got {key[:32]!r}", "logit_bias")
+        if type(bias) not in (int, float) or not -100 <= bias <= 100:
+            raise invalid(f"logit_bias: the bias of token {key} must be a number in [-100, 100]", "logit_bias")
+        pairs.append((int(key), float(bias)))
+    if len({i for i, _ in pairs}) != len(pairs):  # "7" and "07"
+        raise invalid("logit_bias: token ids must be distinct", "logit_bias")
+    return tuple(pairs)
 
 
 def _parsed(f: _Fields, kind: str, prompt_text, prompt_ids, messages, sampling, logprobs) -> ParsedRequest:
@@ -153,6 +165,7 @@ def _sampling(f: _Fields, max_tokens: int, logprobs: int | None, rename: dict[st
             use_beam_search=f.bool("use_beam_search", False),
             length_penalty=f.number("length_penalty", defaults.length_penalty),
             priority=f.int("priority", defaults.priority),
+            logit_bias=_logit_bias(f),
         ).validate()
     except ValueError as e:
         raise from_value_error(e, rename) from None

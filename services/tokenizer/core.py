@@ -85,6 +85,8 @@ class TokenizerCore:
         """Tokenize and check a request; on success keep its state and return what to schedule."""
         field_name = "messages" if request.messages is not None else "prompt"
         try:
+            self.tokenizer.check_ids(request.sampling.stop_token_ids, "stop_token_ids")
+            self.tokenizer.check_ids([i for i, _ in request.sampling.logit_bias], "logit_bias")
             prompt_ids = self._prompt_ids(request)
         except ValueError as e:
             return _invalid(request.request_id, str(e), _param_of(str(e), field_name))

@@ -38,11 +38,11 @@ def engine_fp32():
     return Engine(EngineConfig(dtype="float32", max_num_batched_tokens=32, max_prefill_chunk=32, num_pages=1024, max_model_len=1024))
 
 
-def hf_greedy(hf_model, prompt_ids, max_new_tokens):
+def hf_greedy(hf_model, prompt_ids, max_new_tokens, **generate_kwargs):
     with torch.inference_mode():
         out = hf_model.generate(
             torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, **generate_kwargs,
         )
     return out[0, len(prompt_ids):].tolist()
 

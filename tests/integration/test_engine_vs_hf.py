@@ -42,6 +42,19 @@ def test_greedy_64_tokens_match_hf_with_chunks_and_decodes_mixed(engine_fp32, hf
 
 
 @pytest.mark.slow
+def test_logit_bias_matches_hf_sequence_bias(engine_fp32, hf_model, hf_tokenizer):
+    prompt = mixed_prompts(hf_tokenizer)[3]
+    plain = hf_greedy(hf_model, prompt, 24)
+    lifted = hf_tokenizer.encode(" however", add_special_tokens=False)[0]
+    bias = {plain[0]: -100.0, plain[3]: -100.0, lifted: 4.0}
+    expected = hf_greedy(hf_model, prompt, 24, sequence_bias={(t,): b for t, b in bias.items()})
+    assert expected != plain
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logit_bias=tuple(bias.items()))
+    [result] = engine_fp32.generate([prompt], params)
+    assert result.token_ids[0] == expected
+
+
+@pytest.mark.slow
 def test_logprobs_agree_with_hf_logits_within_fp32_tolerance(engine_fp32, hf_model, hf_tokenizer):
     prompt = mixed_prompts(hf_tokenizer)[5]
     [result] = engine_fp32.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5))

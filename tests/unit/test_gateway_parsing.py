@@ -155,8 +155,24 @@ BAD_COMPLETIONS = [
     (completion(use_beam_search=True, logprobs=2), "logprobs"),
     (completion(best_of=1, n=2), "best_of"),
     (completion(priority=1.5), "priority"),
-    (completion(logit_bias={"1": 5}), "logit_bias"),
+    (completion(logit_bias={"x": 5}), "logit_bias"),
+    (completion(logit_bias={"-1": 5}), "logit_bias"),
+    (completion(logit_bias={"1.0": 5}), "logit_bias"),
+    (completion(logit_bias={"99999999999": 5}), "logit_bias"),
+    (completion(logit_bias={"7": 1, "07": 2}), "logit_bias"),
+    (completion(logit_bias={"1": "5"}), "logit_bias"),
+    (completion(logit_bias={"1": 101}), "logit_bias"),
+    (completion(logit_bias={"1": 10**400}), "logit_bias"),
+    (completion(logit_bias={"1": True}), "logit_bias"),
+    (completion(logit_bias=[[1, 5]]), "logit_bias"),
+    (completion(logit_bias={str(i): 1 for i in range(1025)}), "logit_bias"),
 ]
+
+
+def test_logit_bias_maps_token_ids_to_biases():
+    assert parse_completion(completion(logit_bias={"5": -100, "17": 2.5})).sampling.logit_bias == ((5, -100.0), (17, 2.5))
+    assert parse_chat(chat(logit_bias={"0": 100})).sampling.logit_bias == ((0, 100.0),)
+    assert parse_chat(chat(logit_bias={})).sampling.logit_bias == ()
 
 
 @pytest.mark.parametrize("body, param", BAD_COMPLETIONS, ids=[p for _, p in BAD_COMPLETIONS])

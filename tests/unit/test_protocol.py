@@ -23,7 +23,7 @@ from common.protocol import (
 from common.sampling import SamplingParams
 
 SP = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=40, seed=7, max_tokens=32,
-                    stop_token_ids=(2, 3), stop=("\n\n",), logprobs=2)
+                    stop_token_ids=(2, 3), stop=("\n\n",), logprobs=2, logit_bias=((3, -100.0), (17, 2.5)))
 LP = TokenLogprob(token_id=11, logprob=-0.25, top_ids=[11, 12], top_logprobs=[-0.25, -1.5])
 TEXT_DELTA = TextDelta("r1", 1, "héllo ✓", [11, 12], [LP, LP], "stop", 5, 2)
 TOKEN_DELTA = TokenDelta("r1", 0, [11], [LP], None, 5)

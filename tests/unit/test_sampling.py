@@ -24,6 +24,12 @@ from workers.engine.sampler import SampleRow, argmax_only, sample
         ({"logprobs": 21}, "logprobs"),
         ({"seed": -1}, "seed"),
         ({"stop": ("",)}, "stop"),
+        ({"logit_bias": ((1, 101.0),)}, "logit_bias"),
+        ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
+        ({"logit_bias": ((True, 1.0),)}, "logit_bias"),
+        ({"logit_bias": ((1, float("nan")),)}, "logit_bias"),
+        ({"logit_bias": ((1, 1.0), (1, 2.0))}, "logit_bias"),
+        ({"logit_bias": ((1, 1.0, 2.0),)}, "logit_bias"),
     ],
 )
 def test_out_of_range_values_name_the_field(kwargs, field):
@@ -32,8 +38,11 @@ def test_out_of_range_values_name_the_field(kwargs, field):
 
 
 def test_round_trip_through_dict():
-    p = SamplingParams(n=2, temperature=0.5, stop=("x",), stop_token_ids=(3,), seed=4, logprobs=2)
+    p = SamplingParams(n=2, temperature=0.5, stop=("x",), stop_token_ids=(3,), seed=4, logprobs=2,
+                       logit_bias=((9, -100.0), (3, 0.5)))
     assert SamplingParams.from_dict(p.to_dict()) == p
+    with pytest.raises(ValueError, match="^logit_bias:"):
+        SamplingParams.from_dict({"logit_bias": [5]})
     with pytest.raises(ValueError, match="unknown"):
         SamplingParams.from_dict({"bogus": 1})
 
@@ -85,6 +94,20 @@ def test_banned_ids_and_penalties_change_the_greedy_choice():
     assert tok == 1  # 5 / 2 = 2.5 < 4
 
 
+def test_logit_bias_is_added_before_sampling_and_logprobs_stay_raw():
+    logits = torch.tensor([[5.0, 4.0, 1.0, 0.0]])
+    ban_best = SamplingParams(temperature=0, logit_bias=((0, -100.0),), logprobs=1)
+    [(tok, lp)] = sample(logits.clone(), rows(ban_best), torch.Generator())
+    assert tok == 1 and lp.logprob == pytest.approx(float(torch.log_softmax(logits, -1)[0, 1]))
+    lift = SamplingParams(temperature=0, logit_bias=((3, 5.5), (2, 3.0)))  # 0 + 5.5 > 5 > 1 + 3
+    assert sample(logits.clone(), rows(lift), torch.Generator())[0][0] == 3
+    force = SamplingParams(temperature=1.0, logit_bias=((2, 100.0),))
+    picks = {sample(logits.clone(), rows(force), torch.Generator().manual_seed(s))[0][0] for s in range(50)}
+    assert picks == {2}
+    mixed = sample(logits.repeat(2, 1), [rows(lift)[0], rows(SamplingParams(temperature=0))[0]], torch.Generator())
+    assert [t for t, _ in mixed] == [3, 0]  # a row's bias stays in its row
+
+
 def test_logprobs_are_the_raw_log_softmax():
     logits = torch.tensor([[2.0, 1.0, 0.0]])
     [(tok, lp)] = sample(logits.clone(), rows(SamplingParams(temperature=0, logprobs=2)), torch.Generator())
@@ -106,6 +129,7 @@ def test_logprobs_are_the_raw_log_softmax():
         (SamplingParams(temperature=0, repetition_penalty=1.2), {}, False),
         (SamplingParams(temperature=0, frequency_penalty=0.5), {}, False),
         (SamplingParams(temperature=0, presence_penalty=0.5), {}, False),
+        (SamplingParams(temperature=0, logit_bias=((1, -5.0),)), {}, False),
     ],
 )
 def test_only_plain_greedy_rows_keep_their_logits_on_the_gpu(params, row_kwargs, plain):

@@ -70,6 +70,8 @@ def test_token_ids_and_messages_are_used_as_given():
     (dict(messages=[]), "messages", "messages: must be a non-empty list of message objects"),
     (dict(messages=[{"role": "", "content": "x"}]), "messages[0].role",
      "messages[0].role: required, must be a non-empty string"),
+    (dict(stop_token_ids=(2, 49152)), "stop_token_ids", "stop_token_ids: token id 49152 outside vocabulary [0, 49152)"),
+    (dict(logit_bias=((49153, 1.0),)), "logit_bias", "logit_bias: token id 49153 outside vocabulary [0, 49152)"),
 ])
 def test_bad_prompts_fail_with_400_naming_the_field(kwargs, param, message):
     c = core()

@@ -24,7 +24,7 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.model_runner import ModelRunner
 from workers.engine.outputs import CompletionResult, PrefillResult, RequestOutput, SeqOutput
-from workers.engine.sampler import SampleRow, sample
+from workers.engine.sampler import SampleRow, add_logit_bias, sample
 from workers.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from workers.engine.sequence import Sequence
 from workers.engine.stats import EngineStats
@@ -143,9 +143,10 @@ class Engine:
         params.validate()
         token_ids = self._prompt_ids(prompt)
         vocab = self.model_config.vocab_size
-        for t in params.stop_token_ids:
-            if t >= vocab:
-                raise ValueError(f"stop_token_ids: token id {t} outside vocabulary [0, {vocab})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [i for i, _ in params.logit_bias])):
+            for t in ids:
+                if t >= vocab:
+                    raise ValueError(f"{name}: token id {t} outside vocabulary [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens leave no room in the context length {self.max_model_len}"
@@ -355,6 +356,8 @@ class Engine:
         p, state = req.params, req.beam
         stop = self._stop_ids(p)
         banned = stop if beams[0].num_output_tokens < p.min_tokens else set()
+        if p.logit_bias:  # the search scores the biased distribution
+            add_logit_bias(logits, p.logit_bias)
         live, ended = expand(beams, logits, state.width, stop, banned)
         for c in ended:
             state.add(c.parent.output_token_ids + [c.token], c.cumulative, "stop")

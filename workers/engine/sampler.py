@@ -1,6 +1,6 @@
 """Turn each row of logits into a token under that row's own sampling parameters.
 
-Order: raw log-probabilities (reported to clients) → penalties → min_tokens masking → greedy or
+Order: raw log-probabilities (reported to clients) → penalties → logit_bias → min_tokens masking → greedy or
 temperature → top-k / top-p / min-p → an exponential race (argmax of p / E, E ~ Exp(1)), which
 samples from p and lets each seeded row draw from its own generator, so its tokens do not depend
 on what else is in the batch.
@@ -44,6 +44,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     _apply_penalties(logits, rows)
     for i, r in enumerate(rows):
+        if r.params.logit_bias:
+            add_logit_bias(logits[i], r.params.logit_bias)
         if r.banned_ids:
             logits[i, list(r.banned_ids)] = float("-inf")
     tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
@@ -83,12 +85,18 @@ def _report_logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[i
 
 def argmax_only(row: SampleRow) -> bool:
     """The row's token is its logits' first maximum and nothing else is reported: greedy, no
-    penalties, no banned ids, no logprobs."""
+    penalties, no logit bias, no banned ids, no logprobs."""
     p = row.params
     return (
         p.greedy and not row.banned_ids and p.logprobs is None and not row.want_logprob
-        and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty
+        and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty and not p.logit_bias
     )
+
+
+def add_logit_bias(logits: torch.Tensor, logit_bias: tuple[tuple[int, float], ...]) -> None:
+    """logits[..., id] += bias for each pair (in place; the ids are distinct)."""
+    ids = torch.tensor([i for i, _ in logit_bias], dtype=torch.int64, device=logits.device)
+    logits[..., ids] += torch.tensor([b for _, b in logit_bias], dtype=logits.dtype, device=logits.device)
 
 
 def _first_max(logits: torch.Tensor) -> torch.Tensor:
