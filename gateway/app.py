@@ -7,11 +7,15 @@ metrics `gateway.metrics`, sockets `gateway.mesh`. Life of a generation request:
     -> await the first reply (a RequestFailed here becomes the HTTP error status, also for streams)
     -> JSON body when all choices finish, or SSE chunks as deltas arrive, then `data: [DONE]`
     finally: if the request did not end (client gone, timeout, error) -> abort it in the mesh
+
+A completion with a batch of prompts runs as one request in the mesh per prompt, all replying to
+the same queue; their choices are numbered across the batch (prompt i has choices i*n..i*n+n-1).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -48,11 +52,13 @@ class _Call:
     """One generation request in flight."""
 
     request_id: str
-    queue: asyncio.Queue[Reply]
+    queue: asyncio.Queue[Reply]  # one for all of its requests in the mesh
     deadline: float
     builder: ResponseBuilder
     timer: RequestTimer
+    offsets: dict[str, int]  # request in the mesh (one per prompt) -> index of its first choice
     ended: bool = False
+    failed: str | None = None  # the request in the mesh that ended it with an error
 
 
 class Gateway:
@@ -90,16 +96,20 @@ class Gateway:
         check_model(parsed, self.config.model_names)
 
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        requests = parsed.to_generate_requests(request_id, self.config.served_model, self.mesh.reply_to, time.time())
+        n = parsed.sampling.n
         builder = ResponseBuilder(kind=parsed.kind, request_id=request_id, model=self.config.served_model,
-                                  created=int(time.time()), n=parsed.sampling.n, logprobs=parsed.logprobs,
-                                  include_usage=parsed.include_usage, token_text=self.tokenizer.token_text)
-        call = _Call(request_id, self.mesh.open(request_id), arrival + self.config.request_timeout,
-                     builder, self.metrics.request(arrival))
+                                  created=int(time.time()), n=n * len(requests), logprobs=parsed.logprobs,
+                                  include_usage=parsed.include_usage, token_text=self.tokenizer.token_text,
+                                  choices_per_prompt=n)
+        offsets = {r.request_id: i * n for i, r in enumerate(requests)}
+        call = _Call(request_id, self.mesh.open(list(offsets)), arrival + self.config.request_timeout,
+                     builder, self.metrics.request(arrival), offsets)
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             abort_reason = "gateway error"
             try:
-                await self.mesh.submit(parsed.to_generate_request(
-                    request_id, self.config.served_model, self.mesh.reply_to, time.time()))
+                for r in requests:
+                    await self.mesh.submit(r)
                 first = await self._next(call)  # errors before any output keep their HTTP status
                 if parsed.stream:
                     return await self._stream(request, call, first)
@@ -118,10 +128,17 @@ class Gateway:
                 abort_reason = e.code or e.message
                 raise
             finally:
-                if not call.ended:
-                    log.info("aborting request", reason=abort_reason)
-                    self.mesh.abort(request_id, abort_reason)
-                self.mesh.discard(request_id)
+                # stopped early: the client left, a timeout, or one prompt of a batch failed
+                unended = [r for r, start in offsets.items()
+                           if r != call.failed and not builder.choices_finished(start, n)]
+                if unended:
+                    if call.failed is not None:
+                        abort_reason = "another prompt of the batch failed"
+                    log.info("aborting request", reason=abort_reason, parts=len(unended))
+                    for r in unended:
+                        self.mesh.abort(r, abort_reason)
+                for r in offsets:
+                    self.mesh.discard(r)
 
     async def _next(self, call: _Call) -> tuple[float, list[TextDelta]]:
         remaining = call.deadline - time.monotonic()
@@ -131,9 +148,11 @@ class Gateway:
             raise ApiError(504, f"request timed out after {self.config.request_timeout:g} s",
                            "server_error", None, "timeout") from None
         if isinstance(item, RequestFailed):
-            call.ended = True
+            call.ended, call.failed = True, item.request_id
             log.info("request failed", status=item.status, error=item.message)
             raise RequestEnded(from_request_failed(item))
+        if len(call.offsets) > 1:  # a batch of prompts: number the choices across the batch
+            item = [dataclasses.replace(d, index=call.offsets[d.request_id] + d.index) for d in item]
         return now, item
 
     def _apply(self, call: _Call, reply: tuple[float, list[TextDelta]]) -> list[dict]:

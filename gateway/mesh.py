@@ -62,9 +62,12 @@ class MeshClient:
 
     # ---- requests
 
-    def open(self, request_id: str) -> asyncio.Queue[Reply]:
-        """Register a request before submitting it, so no reply can arrive unrouted."""
-        queue = self._queues[request_id] = asyncio.Queue()
+    def open(self, request_ids: list[str]) -> asyncio.Queue[Reply]:
+        """Register requests (one call's: one per prompt) before submitting them, so no reply can
+        arrive unrouted; their replies share the queue returned."""
+        queue: asyncio.Queue[Reply] = asyncio.Queue()
+        for request_id in request_ids:
+            self._queues[request_id] = queue
         return queue
 
     def discard(self, request_id: str) -> None:

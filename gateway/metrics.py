@@ -190,16 +190,19 @@ class RequestTimer:
         self.metrics, self.arrival = metrics, arrival
         self.first_token: float | None = None
         self._last_token: dict[int, float] = {}
+        self._started: set[str] = set()  # mesh requests (one per prompt) whose prompt was counted
 
     def on_delta(self, delta: TextDelta, now: float) -> None:
         m = self.metrics
         if delta.queue_time_s is not None:
             m.queue_time.observe(delta.queue_time_s)
         if delta.token_ids:
+            if delta.request_id not in self._started:
+                self._started.add(delta.request_id)
+                m.prompt_tokens.inc(delta.prompt_tokens)
             if self.first_token is None:
                 self.first_token = now
                 m.ttft.observe(now - self.arrival)
-                m.prompt_tokens.inc(delta.prompt_tokens)
             elif delta.index in self._last_token:
                 m.itl.observe(now - self._last_token[delta.index])
             self._last_token[delta.index] = now

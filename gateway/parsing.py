@@ -23,6 +23,10 @@ from services.tokenizer import MAX_TOKENS_FROM_CONTEXT
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 256
+MAX_PROMPTS = 256  # prompts in one completion request (each runs as its own request in the mesh)
+
+
+Prompt = tuple["str | None", "list[int] | None"]  # (text, token ids): exactly one is set
 
 
 @dataclass(frozen=True)
@@ -32,8 +36,7 @@ class ParsedRequest:
 
     kind: str  # "completion" | "chat"
     model: str | None
-    prompt_text: str | None
-    prompt_token_ids: list[int] | None
+    prompts: tuple[Prompt, ...]  # completions: one or more; chat: none
     messages: list[dict[str, str]] | None
     sampling: SamplingParams
     stream: bool
@@ -41,9 +44,19 @@ class ParsedRequest:
     logprobs: int | None
     include_stop_str_in_output: bool
 
-    def to_generate_request(self, request_id: str, model: str, reply_to: str, arrival_time: float) -> GenerateRequest:
-        return GenerateRequest(request_id, model, self.prompt_text, self.prompt_token_ids, self.messages,
-                               self.sampling, self.stream, reply_to, arrival_time, self.include_stop_str_in_output)
+    def to_generate_requests(self, request_id: str, model: str, reply_to: str, arrival_time: float) -> list[GenerateRequest]:
+        """One GenerateRequest per prompt. A batch of k prompts becomes k requests in the mesh,
+        `<request_id>-<i>`; their choices are the response's choices i*n .. i*n+n-1 (vLLM's order)."""
+        if self.messages is not None:
+            return [self._request(request_id, None, None, model, reply_to, arrival_time)]
+        if len(self.prompts) == 1:
+            return [self._request(request_id, *self.prompts[0], model, reply_to, arrival_time)]
+        return [self._request(f"{request_id}-{i}", text, ids, model, reply_to, arrival_time)
+                for i, (text, ids) in enumerate(self.prompts)]
+
+    def _request(self, request_id, text, ids, model, reply_to, arrival_time) -> GenerateRequest:
+        return GenerateRequest(request_id, model, text, ids, self.messages, self.sampling, self.stream, reply_to,
+                               arrival_time, self.include_stop_str_in_output)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -67,11 +80,11 @@ def parse_completion(body: dict) -> ParsedRequest:
         raise invalid("echo: not supported", "echo")
     if f.optional("suffix", str):
         raise invalid("suffix: not supported", "suffix")
-    prompt_text, prompt_ids = _prompt(body.get("prompt"))
+    prompts = _prompts(body.get("prompt"))
     logprobs = f.int("logprobs", None)
     max_tokens = _max_tokens(f, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
     sampling = _sampling(f, max_tokens, logprobs, {})
-    return _parsed(f, "completion", prompt_text, prompt_ids, None, sampling, logprobs)
+    return _parsed(f, "completion", prompts, None, sampling, logprobs)
 
 
 def parse_chat(body: dict) -> ParsedRequest:
@@ -91,7 +104,7 @@ def parse_chat(body: dict) -> ParsedRequest:
     limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _max_tokens(f, limit_field, MAX_TOKENS_FROM_CONTEXT)
     sampling = _sampling(f, max_tokens, logprobs, {"max_tokens": limit_field, "logprobs": "top_logprobs"})
-    return _parsed(f, "chat", None, None, messages, sampling, logprobs)
+    return _parsed(f, "chat", (), messages, sampling, logprobs)
 
 
 def check_model(parsed: ParsedRequest, accepted: tuple[str, ...]) -> None:
@@ -123,13 +136,13 @@ def _logit_bias(f: _Fields) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
-def _parsed(f: _Fields, kind: str, prompt_text, prompt_ids, messages, sampling, logprobs) -> ParsedRequest:
+def _parsed(f: _Fields, kind: str, prompts, messages, sampling, logprobs) -> ParsedRequest:
     stream = f.bool("stream", False)
     options = f.optional("stream_options", dict)
     if options is not None and not stream:
         raise invalid("stream_options: only allowed when stream is true", "stream_options")
     include_usage = _Fields(options or {}, "stream_options.").bool("include_usage", False)
-    return ParsedRequest(kind, f.optional("model", str), prompt_text, prompt_ids, messages, sampling,
+    return ParsedRequest(kind, f.optional("model", str), prompts, messages, sampling,
                          stream, include_usage, logprobs, f.bool("include_stop_str_in_output", False))
 
 
@@ -187,21 +200,29 @@ def _stop(value: Any) -> list[str]:
     raise invalid(f"stop: must be a string or a list of at most {MAX_STOP_ITEMS} strings", "stop")
 
 
-def _prompt(value: Any) -> tuple[str | None, list[int] | None]:
-    """A string, a list of token ids, or a list holding one of those; never a batch."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
+def _prompts(value: Any) -> tuple[Prompt, ...]:
+    """A string, a list of token ids, or a batch: a list of strings and token-id lists."""
     if isinstance(value, str):
-        return value, None
-    if isinstance(value, list):
-        if not value:
-            raise invalid("prompt: must not be empty", "prompt")
-        if all(isinstance(x, (str, list)) for x in value):
-            raise invalid("prompt: batched prompts are not supported; send one prompt per request", "prompt")
-        return None, _token_ids(value, "prompt", MAX_TOKEN_IDS)
+        return ((value, None),)
     if value is None:
         raise invalid("prompt: required", "prompt")
-    raise invalid("prompt: must be a string or a list of token ids", "prompt")
+    if not isinstance(value, list):
+        raise invalid("prompt: must be a string, a list of token ids, or a list of those", "prompt")
+    if not value:
+        raise invalid("prompt: must not be empty", "prompt")
+    if not any(isinstance(x, (str, list)) for x in value):
+        return ((None, _token_ids(value, "prompt", MAX_TOKEN_IDS)),)
+    if len(value) > MAX_PROMPTS:
+        raise invalid(f"prompt: at most {MAX_PROMPTS} prompts in one request", "prompt")
+    prompts = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            prompts.append((item, None))
+        elif isinstance(item, list) and item:
+            prompts.append((None, _token_ids(item, f"prompt[{i}]", MAX_TOKEN_IDS)))
+        else:
+            raise invalid(f"prompt[{i}]: must be a string or a non-empty list of token ids", f"prompt[{i}]")
+    return tuple(prompts)
 
 
 def _token_ids(value: list, name: str, limit: int) -> list[int]:

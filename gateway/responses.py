@@ -48,19 +48,29 @@ class ResponseBuilder:
     """Builds one request's response (kind "completion" or "chat") from its deltas."""
 
     def __init__(self, *, kind: str, request_id: str, model: str, created: int, n: int,
-                 logprobs: int | None, include_usage: bool, token_text: Callable[[int], str]):
+                 logprobs: int | None, include_usage: bool, token_text: Callable[[int], str],
+                 choices_per_prompt: int | None = None):
         self.kind, self.model, self.created = kind, model, created
         # Request ids are "cmpl-<hex>"; chat responses are named "chatcmpl-<hex>".
         self.id = request_id if kind == "completion" else "chat" + request_id
         self.logprobs_on = logprobs is not None
         self.include_usage = include_usage
         self.token_text = token_text
-        self.prompt_tokens = 0
         self.choices = [_Choice() for _ in range(n)]
+        # a batch of prompts: choices i*k .. i*k+k-1 answer prompt i (k = n per prompt)
+        self.choices_per_prompt = choices_per_prompt or n
+        self._prompt_tokens: dict[int, int] = {}  # prompt index -> its length
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self._prompt_tokens.values())
 
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.choices)
+
+    def choices_finished(self, first: int, count: int) -> bool:
+        return all(c.finish_reason is not None for c in self.choices[first:first + count])
 
     @property
     def completion_tokens(self) -> int:
@@ -78,7 +88,7 @@ class ResponseBuilder:
         choice = self.choices[delta.index]
         if choice.finish_reason is not None:
             return None
-        self.prompt_tokens = delta.prompt_tokens
+        self._prompt_tokens[delta.index // self.choices_per_prompt] = delta.prompt_tokens
         choice.completion_tokens = delta.completion_tokens
         choice.finish_reason = delta.finish_reason
         choice.text.append(delta.text)

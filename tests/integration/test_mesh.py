@@ -11,8 +11,9 @@ import urllib.request
 import openai
 import pytest
 
-from common.model_files import DEFAULT_MODEL_NAME
+from common.model_files import DEFAULT_MODEL_NAME, default_model_path
 from common.sampling import SamplingParams
+from common.tokenizer import Tokenizer
 from services.local_mesh import metrics, per_worker, running_mesh, wait_until
 
 pytestmark = pytest.mark.slow
@@ -76,6 +77,39 @@ def test_greedy_completions_and_chats_equal_the_offline_engine(client, offline):
         assert stream_text(s, chat=True) == expected
 
 
+def test_a_batch_of_prompts_answers_each_as_alone(client, mesh, offline):
+    completions, _ = offline
+    r = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0)
+    assert [c.index for c in r.choices] == list(range(len(PROMPTS)))
+    assert [c.text for c in r.choices] == completions
+    tokenizer = Tokenizer.from_path(default_model_path())
+    assert r.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in PROMPTS)
+    texts = [""] * len(PROMPTS)
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0,
+                                           stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == completions
+    # one prompt too long: a 400 for the batch, and the others are stopped (no page stays used)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=MODEL, prompt=["Count: one, two,", "word " * 9000], max_tokens=300,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert wait_until(lambda: all(v == 0 for v in per_worker(metrics(mesh), "pagemesh_kv_cache_usage_ratio").values()), 2.0)
+
+
+def test_logit_bias_reaches_the_sampler(client):
+    tokenizer = Tokenizer.from_path(default_model_path())
+    [sea] = tokenizer.encode(" sea", add_special_tokens=False)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0.7, seed=1,
+                                  logit_bias={str(sea): 100}, logprobs=1)
+    assert r.choices[0].text == " sea" * 4
+    assert r.choices[0].logprobs.token_logprobs[0] < -3  # reported as the model gave it: not biased
+    unbiased = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1, temperature=0)
+    banned = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1, temperature=0,
+                                       logit_bias={str(tokenizer.encode(unbiased.choices[0].text, add_special_tokens=False)[0]): -100})
+    assert banned.choices[0].text != unbiased.choices[0].text
+
+
 def test_sixteen_concurrent_streams_all_complete(client, mesh):
     def one(i: int) -> tuple[str, int]:
         stream = client.completions.create(
@@ -126,6 +160,8 @@ def post(mesh: str, path: str, body: bytes, content_type: str = "application/jso
         (json.dumps({"model": MODEL, "prompt": "hi", "n": 1000}).encode(), 400, "invalid_request_error", "n", None),
         (json.dumps({"model": MODEL, "prompt": [1, 2, 10**7]}).encode(), 400, "invalid_request_error", "prompt", None),
         (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "invalid_request_error", "prompt", None),
+        (json.dumps({"model": MODEL, "prompt": "hi", "logit_bias": {"49152": 5}}).encode(), 400, "invalid_request_error", "logit_bias", None),
+        (json.dumps({"model": MODEL, "prompt": "hi", "stop_token_ids": [49152]}).encode(), 400, "invalid_request_error", "stop_token_ids", None),
         (json.dumps({"model": MODEL, "prompt": "word " * 9000}).encode(), 400, "invalid_request_error", None, "context_length_exceeded"),
         (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 10**6}).encode(), 400, "invalid_request_error", None, None),
         (json.dumps({"model": "no-such-model", "prompt": "hi"}).encode(), 404, "invalid_request_error", "model", "model_not_found"),

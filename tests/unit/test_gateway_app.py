@@ -131,6 +131,47 @@ def test_completion_round_trip(tmp_path):
     run(tmp_path, test)
 
 
+def test_a_batch_of_prompts_runs_as_one_request_per_prompt_with_choices_numbered_across_it(tmp_path):
+    async def test(fake: FakeMesh):
+        post = asyncio.create_task(fake.client.post("/v1/completions", json={
+            "prompt": ["Hi", [5, 6]], "n": 2, "max_tokens": 3}))
+        first, second = await fake.next_request(), await fake.next_request()
+        base = first.request_id[:-2]
+        assert (first.request_id, second.request_id) == (base + "-0", base + "-1")
+        assert (first.prompt_text, second.prompt_token_ids) == ("Hi", [5, 6])
+        await fake.answer(second, "B", "b")  # the second prompt's answers come first
+        await fake.answer(first, "A")
+        body = await (await post).json()
+        assert body["id"] == base
+        assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "A"), (1, "A"), (2, "Bb"), (3, "Bb")]
+        assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 6, "total_tokens": 14}  # 4 per prompt
+
+        stream = asyncio.create_task(fake.client.post("/v1/completions", json={
+            "prompt": ["x", "y"], "stream": True}))
+        first, second = await fake.next_request(), await fake.next_request()
+        await fake.answer(second, "Y")
+        await fake.answer(first, "X")
+        events = sse_payloads(await (await stream).text())
+        assert [(e["choices"][0]["index"], e["choices"][0]["text"]) for e in events[:-1]] == [(1, "Y"), (0, "X")]
+    run(tmp_path, test)
+
+
+def test_one_failed_prompt_of_a_batch_fails_the_request_and_aborts_the_others(tmp_path):
+    async def test(fake: FakeMesh):
+        post = asyncio.create_task(fake.client.post("/v1/completions", json={"prompt": ["a", "b", "c"]}))
+        requests = [await fake.next_request() for _ in range(3)]
+        await fake.answer(requests[0], "A")  # finished: nothing left to abort there
+        await fake.reply(requests[1], RequestFailed(requests[1].request_id, 400, "invalid_request_error",
+                                                    "prompt too long", "prompt", "context_length_exceeded"))
+        response = await post
+        assert response.status == 400 and (await response.json())["error"]["message"] == "prompt too long"
+        assert await fake.scheduler.recv() == (b"gw0", AbortRequest(requests[2].request_id, "another prompt of the batch failed"))
+        with contextlib.suppress(asyncio.TimeoutError):  # the others had ended
+            extra = await asyncio.wait_for(fake.scheduler.recv(), 0.3)
+            raise AssertionError(f"also aborted: {extra}")
+    run(tmp_path, test)
+
+
 def test_streaming_chat_with_usage(tmp_path):
     async def test(fake: FakeMesh):
         post = asyncio.create_task(fake.client.post("/v1/chat/completions", json={

@@ -33,7 +33,7 @@ def refusal(parse, body) -> tuple:
 
 def test_minimal_completion_defaults():
     p = parse_completion({"prompt": "Hello"})
-    assert (p.kind, p.model, p.prompt_text, p.prompt_token_ids, p.messages) == ("completion", None, "Hello", None, None)
+    assert (p.kind, p.model, p.prompts, p.messages) == ("completion", None, (("Hello", None),), None)
     assert p.sampling == SamplingParams(max_tokens=16)
     assert (p.stream, p.include_usage, p.logprobs, p.include_stop_str_in_output) == (False, False, None, False)
 
@@ -51,16 +51,26 @@ def test_every_sampling_field_is_read():
     assert (p.stream, p.include_usage, p.logprobs, p.include_stop_str_in_output) == (True, True, 3, True)
 
 
-@pytest.mark.parametrize("prompt, text, ids", [
-    ("x", "x", None),
-    (["x"], "x", None),
-    ([1, 2, 3], None, [1, 2, 3]),
-    ([[1, 2, 3]], None, [1, 2, 3]),
-    ("", "", None),  # empty prompts are the tokenizer's to refuse (it knows whether BOS is added)
+@pytest.mark.parametrize("prompt, prompts", [
+    ("x", (("x", None),)),
+    (["x"], (("x", None),)),
+    ([1, 2, 3], ((None, [1, 2, 3]),)),
+    ([[1, 2, 3]], ((None, [1, 2, 3]),)),
+    ("", (("", None),)),  # empty prompts are the tokenizer's to refuse (it knows whether BOS is added)
+    (["a", "b"], (("a", None), ("b", None))),
+    ([[1, 2], "b", [3]], ((None, [1, 2]), ("b", None), (None, [3]))),
 ])
-def test_prompt_forms(prompt, text, ids):
-    p = parse_completion(completion(prompt=prompt))
-    assert (p.prompt_text, p.prompt_token_ids) == (text, ids)
+def test_prompt_forms(prompt, prompts):
+    assert parse_completion(completion(prompt=prompt)).prompts == prompts
+
+
+def test_a_batch_of_prompts_becomes_one_request_per_prompt():
+    p = parse_completion(completion(prompt=["a", [7, 8]], n=2))
+    requests = p.to_generate_requests("cmpl-1", "served", "ipc:///r", 12.5)
+    assert [(r.request_id, r.prompt_text, r.prompt_token_ids, r.sampling.n) for r in requests] == [
+        ("cmpl-1-0", "a", None, 2), ("cmpl-1-1", None, [7, 8], 2)]
+    [single] = parse_completion(completion(prompt=["a"])).to_generate_requests("cmpl-1", "served", "ipc:///r", 12.5)
+    assert single.request_id == "cmpl-1"
 
 
 def test_single_string_stop_and_nulls_mean_defaults():
@@ -94,10 +104,10 @@ def test_response_format_text_is_accepted():
     assert parse_chat(chat(response_format={"type": "text"})).kind == "chat"
 
 
-def test_to_generate_request():
+def test_to_generate_requests():
     p = parse_chat(chat(stream=True, include_stop_str_in_output=True))
-    assert p.to_generate_request("cmpl-1", "served", "ipc:///r", 12.5) == GenerateRequest(
-        "cmpl-1", "served", None, None, CHAT, p.sampling, True, "ipc:///r", 12.5, True)
+    assert p.to_generate_requests("cmpl-1", "served", "ipc:///r", 12.5) == [GenerateRequest(
+        "cmpl-1", "served", None, None, CHAT, p.sampling, True, "ipc:///r", 12.5, True)]
 
 
 # ---- refused
@@ -108,8 +118,11 @@ BAD_COMPLETIONS = [
     ({"model": "m"}, "prompt"),
     (completion(prompt=5), "prompt"),
     (completion(prompt=[]), "prompt"),
-    (completion(prompt=["a", "b"]), "prompt"),
-    (completion(prompt=[[1], [2]]), "prompt"),
+    (completion(prompt=["a"] * 257), "prompt"),
+    (completion(prompt=["a", 5]), "prompt[1]"),
+    (completion(prompt=[[1], []]), "prompt[1]"),
+    (completion(prompt=[[1], [-2]]), "prompt[1]"),
+    (completion(prompt=[1, "a"]), "prompt[0]"),
     (completion(prompt=[1, -1]), "prompt"),
     (completion(prompt=[1, True]), "prompt"),
     (completion(prompt=[1, 2.0]), "prompt"),
@@ -216,8 +229,8 @@ def test_error_message_starts_with_the_field():
         parse_chat(chat(logprobs=True, top_logprobs=21))
     assert info.value.message == "top_logprobs: must be in [0, 20]"
     with pytest.raises(ApiError) as info:
-        parse_completion(completion(prompt=["a", "b"]))
-    assert info.value.message == "prompt: batched prompts are not supported; send one prompt per request"
+        parse_completion(completion(prompt=["a", 5]))
+    assert info.value.message == "prompt[1]: must be a string or a non-empty list of token ids"
 
 
 @pytest.mark.parametrize("raw", [b"{", b"[1]", b"null", b'{"a": NaN}', b'{"a": Infinity}', b"\xff", b"", b"[" * 200_000])
