@@ -55,6 +55,23 @@ def test_logit_bias_matches_hf_sequence_bias(engine_fp32, hf_model, hf_tokenizer
 
 
 @pytest.mark.slow
+def test_prompt_logprobs_agree_with_hf_over_chunks_and_despite_the_prefix_cache(engine_fp32, hf_model, hf_tokenizer):
+    prompt = mixed_prompts(hf_tokenizer)[4]  # ~100 tokens: several 32-token chunks
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+    engine_fp32.generate([prompt], SamplingParams(temperature=0, max_tokens=1))  # its pages now in the prefix cache
+    for result in engine_fp32.generate([prompt, prompt], params):  # twice in one batch, too
+        assert [lp.token_id for lp in result.prompt_logprobs] == prompt[1:]
+        for j, lp in enumerate(result.prompt_logprobs):
+            row = ref[j]
+            assert abs(lp.logprob - float(row[prompt[j + 1]])) < 2e-3
+            assert lp.top_ids == row.topk(3).indices.tolist()
+    assert engine_fp32.generate([prompt], SamplingParams(max_tokens=1))[0].prompt_logprobs is None
+    engine_fp32.blocks.check_invariants([])
+
+
+@pytest.mark.slow
 def test_logprobs_agree_with_hf_logits_within_fp32_tolerance(engine_fp32, hf_model, hf_tokenizer):
     prompt = mixed_prompts(hf_tokenizer)[5]
     [result] = engine_fp32.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5))

@@ -30,6 +30,8 @@ from workers.engine.sampler import SampleRow, argmax_only, sample
         ({"logit_bias": ((1, float("nan")),)}, "logit_bias"),
         ({"logit_bias": ((1, 1.0), (1, 2.0))}, "logit_bias"),
         ({"logit_bias": ((1, 1.0, 2.0),)}, "logit_bias"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": True}, "prompt_logprobs"),
     ],
 )
 def test_out_of_range_values_name_the_field(kwargs, field):

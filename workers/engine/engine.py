@@ -24,7 +24,7 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.model_runner import ModelRunner
 from workers.engine.outputs import CompletionResult, PrefillResult, RequestOutput, SeqOutput
-from workers.engine.sampler import SampleRow, add_logit_bias, sample
+from workers.engine.sampler import SampleRow, add_logit_bias, prompt_token_logprobs, sample
 from workers.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from workers.engine.sequence import Sequence
 from workers.engine.stats import EngineStats
@@ -52,6 +52,7 @@ class _Request:
     finished_sent: set[int] = field(default_factory=set)
     prefill_only: bool = False  # disaggregated prefill: keep the pages after the first token
     reported_queue_time: bool = False
+    sent_prompt_logprobs: bool = False
     beam: BeamState | None = None  # beam search: finished hypotheses
     next_index: int = 1  # choice index of the next forked sequence
 
@@ -238,10 +239,14 @@ class Engine:
                 owners.append((seq, k, gen))
             seq.pending_forks = 0
         touched: dict[str, _Request] = {}
-        if logit_index != list(range(logits.shape[0])):
+        num_sampled = row + 1  # rows after these are prompt positions (prompt logprobs)
+        if num_sampled < logits.shape[0]:
+            with torch.inference_mode():
+                self._collect_prompt_logprobs(plan, logits[num_sampled:])
+        if logit_index != list(range(num_sampled)):
             logits_for_rows = logits[logit_index]
         else:  # each row sampled once (the usual step): no [rows, vocab] copy
-            logits_for_rows = logits
+            logits_for_rows = logits[:num_sampled]
         with torch.inference_mode():  # the model's logits are inference tensors; sampling edits them
             results = sample(logits_for_rows, rows, self.default_generator) if rows else []
         # fork every sibling before any of them takes its token: a fork copies the parent's tokens
@@ -260,6 +265,18 @@ class Engine:
             if req.prefill_only:
                 self._hold_prefilled(req)
         return list(touched.values())
+
+    def _collect_prompt_logprobs(self, plan: StepPlan, logits: torch.Tensor) -> None:
+        """The prompt logprobs of this step's chunks, from their rows after the sampled ones;
+        they go out with the request's first token."""
+        at = 0
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            positions = seq.prompt_logprob_positions(chunk.start, chunk.num_tokens)
+            if positions:
+                targets = seq.token_ids[positions.start + 1 : positions.stop + 1]
+                seq.prompt_logprobs += prompt_token_logprobs(logits[at : at + len(positions)], targets, seq.sampling.prompt_logprobs)
+                at += len(positions)
 
     def _hold_prefilled(self, req: _Request) -> None:
         """Prefill-only: every choice has its first token. Unless all already stopped, keep the
@@ -435,7 +452,12 @@ class Engine:
             queue_time = None
             if not req.reported_queue_time and first.first_scheduled is not None:
                 queue_time, req.reported_queue_time = first.first_scheduled - first.arrival_time, True
-            outputs.append(RequestOutput(req.request_id, seq_outputs, done, req.num_prompt_tokens, first.num_prefix_hit_tokens, queue_time))
+            prompt_logprobs = None
+            if req.params.prompt_logprobs is not None and not req.sent_prompt_logprobs and seq_outputs \
+                    and not first.needs_prompt_logprobs:
+                prompt_logprobs, req.sent_prompt_logprobs = first.prompt_logprobs, True
+            outputs.append(RequestOutput(req.request_id, seq_outputs, done, req.num_prompt_tokens, first.num_prefix_hit_tokens,
+                                         queue_time, prompt_logprobs))
         return outputs
 
     def _stream_outputs(self, req: _Request) -> list[SeqOutput]:

@@ -166,20 +166,26 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Run the plan; return fp32 logits for each chunk that samples, in plan order, on the
-        model's device (on CUDA a replayed graph's output buffer: read it before the next step)."""
+        model's device (on CUDA a replayed graph's output buffer: read it before the next step).
+        After them come the rows of prompt positions whose logprobs are asked for
+        (`Sequence.prompt_logprob_positions`), chunk by chunk in plan order."""
         self.move_pages(plan)
         token_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
         logit_rows: list[int] = []
+        prompt_rows: list[int] = []
         for chunk in plan.chunks:
+            first = len(token_ids)
             token_ids.extend(chunk.seq.token_ids[chunk.start : chunk.start + chunk.num_tokens])
             query_lens.append(chunk.num_tokens)
             seq_lens.append(chunk.start + chunk.num_tokens)
             if chunk.samples:
                 logit_rows.append(len(token_ids) - 1)
+            prompt_rows.extend(first + p - chunk.start for p in chunk.seq.prompt_logprob_positions(chunk.start, chunk.num_tokens))
         block_tables = [c.seq.block_table for c in plan.chunks]
-        if self.graphs is not None and self.graphs.can_run(query_lens, block_tables, len(logit_rows)):
+        logit_rows += prompt_rows
+        if self.graphs is not None and not prompt_rows and self.graphs.can_run(query_lens, block_tables, len(logit_rows)):
             return self.graphs.run(token_ids, seq_lens, block_tables)
         md = AttentionMetadata.build(
             query_lens, seq_lens, block_tables, self.page_size, self.device,

@@ -25,8 +25,11 @@ def generate(
     collected: dict[str, dict[int, tuple[list[int], list[TokenLogprobs], str | None]]] = {r: {} for r in ids}
     prompt_ids = {rid: list(engine.requests[rid].seqs[0].token_ids) for rid in ids}
     pending = set(ids)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
     while pending:
         for out in engine.step():
+            if out.prompt_logprobs is not None:
+                prompt_logprobs[out.request_id] = out.prompt_logprobs
             for so in out.outputs:
                 toks, lps, _ = collected[out.request_id].get(so.index, ([], [], None))
                 collected[out.request_id][so.index] = (toks + so.new_token_ids, lps + so.logprobs, so.finish_reason)
@@ -37,6 +40,7 @@ def generate(
         choices = [collected[rid][i] for i in sorted(collected[rid])]
         texts = [engine.tokenizer.decode(c[0]) if engine.tokenizer else "" for c in choices]
         results.append(
-            CompletionResult(rid, prompt_ids[rid], [c[0] for c in choices], texts, [c[2] for c in choices], [c[1] for c in choices])
+            CompletionResult(rid, prompt_ids[rid], [c[0] for c in choices], texts, [c[2] for c in choices], [c[1] for c in choices],
+                             prompt_logprobs.get(rid))
         )
     return results

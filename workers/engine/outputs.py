@@ -25,6 +25,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     queue_time: float | None = None  # on the request's first output: seconds it waited for a step
+    prompt_logprobs: list[TokenLogprobs] | None = None  # once, with the first token, when asked for
 
 
 @dataclass
@@ -37,6 +38,7 @@ class CompletionResult:
     texts: list[str]
     finish_reasons: list[str]
     logprobs: list[list[TokenLogprobs]]
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.. (SamplingParams.prompt_logprobs)
 
 
 @dataclass

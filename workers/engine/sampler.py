@@ -83,6 +83,20 @@ def _report_logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[i
     return out
 
 
+def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+    """logits: [P, V], row j the model's prediction for prompt token `targets[j]`. Each target's
+    logprob and the top-k, as for sampled tokens (raw log-softmax, no sampling parameters)."""
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    chosen = raw.gather(1, torch.tensor(targets, device=raw.device).unsqueeze(1)).squeeze(1).tolist()
+    out = [TokenLogprobs(t, lp, [], []) for t, lp in zip(targets, chosen)]
+    if k:
+        top = raw.topk(k)
+        for entry, ids, values in zip(out, top.indices.tolist(), top.values.tolist()):
+            entry.top_ids.extend(ids)
+            entry.top_logprobs.extend(values)
+    return out
+
+
 def argmax_only(row: SampleRow) -> bool:
     """The row's token is its logits' first maximum and nothing else is reported: greedy, no
     penalties, no logit bias, no banned ids, no logprobs."""

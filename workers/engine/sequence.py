@@ -57,6 +57,20 @@ class Sequence:
     first_scheduled: float | None = None  # monotonic time of its first step
     swapped_computed: int | None = None  # swapped to host: num_computed to restore
     cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs (best_of, beams)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1, 2, ... so far
+
+    def prompt_logprob_positions(self, start: int, num_tokens: int) -> range:
+        """Positions of a chunk [start, start + num_tokens) whose logits give a prompt token's
+        logprob not collected yet (position p predicts prompt token p + 1)."""
+        if self.sampling.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs)), min(start + num_tokens, self.num_prompt_tokens - 1))
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all collected: its prompt must run, not come from
+        the prefix cache."""
+        return self.sampling.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def num_tokens(self) -> int:
