@@ -72,6 +72,8 @@ class TextDelta:
     prompt_tokens: int
     completion_tokens: int
     queue_time_s: float | None = None
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs: the whole prompt, once
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., once
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +253,7 @@ class TokenDelta:
     finish_reason: str | None
     num_prompt_tokens: int
     queue_time_s: float | None = None  # on a request's first delta: scheduler + engine queue time
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (SamplingParams.prompt_logprobs), once
 
 
 @dataclass(frozen=True, slots=True)

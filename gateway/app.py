@@ -101,7 +101,7 @@ class Gateway:
         builder = ResponseBuilder(kind=parsed.kind, request_id=request_id, model=self.config.served_model,
                                   created=int(time.time()), n=n * len(requests), logprobs=parsed.logprobs,
                                   include_usage=parsed.include_usage, token_text=self.tokenizer.token_text,
-                                  choices_per_prompt=n)
+                                  choices_per_prompt=n, echo=self._echo(parsed))
         offsets = {r.request_id: i * n for i, r in enumerate(requests)}
         call = _Call(request_id, self.mesh.open(list(offsets)), arrival + self.config.request_timeout,
                      builder, self.metrics.request(arrival), offsets)
@@ -139,6 +139,12 @@ class Gateway:
                         self.mesh.abort(r, abort_reason)
                 for r in offsets:
                     self.mesh.discard(r)
+
+    def _echo(self, parsed: ParsedRequest) -> list[str] | None:
+        """With echo: each prompt's text (a prompt of token ids decoded)."""
+        if not parsed.echo:
+            return None
+        return [text if text is not None else self.tokenizer.decode(ids) for text, ids in parsed.prompts]
 
     async def _next(self, call: _Call) -> tuple[float, list[TextDelta]]:
         remaining = call.deadline - time.monotonic()

@@ -4,12 +4,12 @@ Every problem raises `ApiError` (400 `invalid_request_error`, `param` = the fiel
 checked strictly (a bool is not an integer, a float is not an integer, NaN never parses), every
 list is bounded before it is copied, and range checks are left to `SamplingParams.validate()`,
 the one place that knows them. Fields this gateway does not know are ignored; fields it knows
-but cannot honour (echo, suffix, tools, structured output) are refused rather than silently
-dropped.
+but cannot honour (suffix, tools, structured output) are refused rather than silently dropped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +43,7 @@ class ParsedRequest:
     include_usage: bool
     logprobs: int | None
     include_stop_str_in_output: bool
+    echo: bool = False  # completions: each choice's text starts with its prompt (and logprobs with the prompt's)
 
     def to_generate_requests(self, request_id: str, model: str, reply_to: str, arrival_time: float) -> list[GenerateRequest]:
         """One GenerateRequest per prompt. A batch of k prompts becomes k requests in the mesh,
@@ -76,15 +77,16 @@ def _reject_constant(name: str):
 
 def parse_completion(body: dict) -> ParsedRequest:
     f = _Fields(body)
-    if f.bool("echo", False):
-        raise invalid("echo: not supported", "echo")
     if f.optional("suffix", str):
         raise invalid("suffix: not supported", "suffix")
     prompts = _prompts(body.get("prompt"))
     logprobs = f.int("logprobs", None)
     max_tokens = _max_tokens(f, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
     sampling = _sampling(f, max_tokens, logprobs, {})
-    return _parsed(f, "completion", prompts, None, sampling, logprobs)
+    echo = f.bool("echo", False)
+    if echo and logprobs is not None:  # the prompt's tokens come with logprobs too
+        sampling = dataclasses.replace(sampling, prompt_logprobs=logprobs)
+    return dataclasses.replace(_parsed(f, "completion", prompts, None, sampling, logprobs), echo=echo)
 
 
 def parse_chat(body: dict) -> ParsedRequest:

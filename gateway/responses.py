@@ -42,6 +42,7 @@ class _Choice:
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)  # chat: content entries; completions: (token, lp, top) triples
     text_offset: int = 0  # completions: characters of token text so far
+    echoed: bool = False  # echo: the prompt went out in front of the choice's first text
 
 
 class ResponseBuilder:
@@ -49,7 +50,7 @@ class ResponseBuilder:
 
     def __init__(self, *, kind: str, request_id: str, model: str, created: int, n: int,
                  logprobs: int | None, include_usage: bool, token_text: Callable[[int], str],
-                 choices_per_prompt: int | None = None):
+                 choices_per_prompt: int | None = None, echo: list[str] | None = None):
         self.kind, self.model, self.created = kind, model, created
         # Request ids are "cmpl-<hex>"; chat responses are named "chatcmpl-<hex>".
         self.id = request_id if kind == "completion" else "chat" + request_id
@@ -60,6 +61,8 @@ class ResponseBuilder:
         # a batch of prompts: choices i*k .. i*k+k-1 answer prompt i (k = n per prompt)
         self.choices_per_prompt = choices_per_prompt or n
         self._prompt_tokens: dict[int, int] = {}  # prompt index -> its length
+        self.echo = echo  # completions with echo: each prompt's text, put in front of its choices'
+        self._prompt_logprobs: dict[int, tuple[list[int], list[TokenLogprob]]] = {}  # prompt index -> ids, logprobs
 
     @property
     def prompt_tokens(self) -> int:
@@ -88,22 +91,31 @@ class ResponseBuilder:
         choice = self.choices[delta.index]
         if choice.finish_reason is not None:
             return None
-        self._prompt_tokens[delta.index // self.choices_per_prompt] = delta.prompt_tokens
+        prompt = delta.index // self.choices_per_prompt
+        self._prompt_tokens[prompt] = delta.prompt_tokens
+        if delta.prompt_logprobs is not None and delta.prompt_token_ids is not None:
+            self._prompt_logprobs[prompt] = (delta.prompt_token_ids, delta.prompt_logprobs)
         choice.completion_tokens = delta.completion_tokens
         choice.finish_reason = delta.finish_reason
-        choice.text.append(delta.text)
+        text, entries = delta.text, []
+        if self.echo is not None and not choice.echoed:
+            choice.echoed = True
+            text = self.echo[prompt] + text
+            if self.logprobs_on:
+                entries = self._prompt_entries(choice, prompt)
+        choice.text.append(text)
         logprobs = None
         if self.logprobs_on:
-            entries = self._logprob_entries(choice, delta.logprobs or [])
+            entries += self._logprob_entries(choice, delta.logprobs or [])
             choice.logprobs.extend(entries)
             logprobs = self._logprobs_body(entries) if entries else None
-        if not delta.text and logprobs is None and delta.finish_reason is None:
+        if not text and logprobs is None and delta.finish_reason is None:
             return None
         if self.kind == "completion":
-            body = {"index": delta.index, "text": delta.text, "logprobs": logprobs,
+            body = {"index": delta.index, "text": text, "logprobs": logprobs,
                     "finish_reason": delta.finish_reason}
         else:
-            body = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+            body = {"index": delta.index, "delta": {"content": text} if text else {},
                     "logprobs": logprobs, "finish_reason": delta.finish_reason}
         return self._chunk([body])
 
@@ -156,6 +168,17 @@ class ResponseBuilder:
             entries.append((text, _finite(lp.logprob), top, choice.text_offset))
             choice.text_offset += len(text)
         return entries
+
+    def _prompt_entries(self, choice: _Choice, prompt: int) -> list:
+        """Completions with echo and logprobs: the prompt's tokens, the first without a logprob
+        (nothing predicts it), as OpenAI's legacy API."""
+        ids, logprobs = self._prompt_logprobs.get(prompt, ([], []))
+        if not ids:
+            return []
+        text = self.token_text(ids[0])
+        entries = [(text, None, None, choice.text_offset)]
+        choice.text_offset += len(text)
+        return entries + self._logprob_entries(choice, logprobs)
 
     def _token_entry(self, token_id: int, logprob: float) -> dict:
         text = self.token_text(token_id)

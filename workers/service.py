@@ -314,12 +314,12 @@ class WorkerService:
             queue_time = None
             if out.queue_time is not None:
                 queue_time = out.queue_time + self.scheduler_queued.pop(out.request_id, 0.0)
+            prompt_logprobs = None if out.prompt_logprobs is None else _wire_logprobs(out.prompt_logprobs)
             for so in out.outputs:
-                lps = [TokenLogprob(lp.token_id, lp.logprob, lp.top_ids, lp.top_logprobs) for lp in so.logprobs] or None
-                batches.setdefault(reply_to, []).append(
-                    TokenDelta(out.request_id, so.index, so.new_token_ids, lps, so.finish_reason, out.num_prompt_tokens, queue_time)
-                )
-                queue_time = None
+                batches.setdefault(reply_to, []).append(TokenDelta(
+                    out.request_id, so.index, so.new_token_ids, _wire_logprobs(so.logprobs) or None, so.finish_reason,
+                    out.num_prompt_tokens, queue_time, prompt_logprobs))
+                queue_time = prompt_logprobs = None  # once per request
         for reply_to, deltas in batches.items():  # one message per step per destination
             await self._push(reply_to).send(TokenDeltaBatch(self.config.worker_id, deltas))
         for out in outputs:
@@ -395,3 +395,7 @@ class WorkerService:
             self.engine.release_prefilled(request_id)
             self.log.warning("kv transfer timed out", request_id=request_id)
             self._forget(request_id, "kv_timeout")
+
+
+def _wire_logprobs(logprobs: list) -> list[TokenLogprob]:
+    return [TokenLogprob(lp.token_id, lp.logprob, lp.top_ids, lp.top_logprobs) for lp in logprobs]

@@ -51,6 +51,7 @@ class _Request:
     prompt_tokens: int
     choices: list[_Choice]
     started: bool = False  # output has come from a worker
+    prompt_ids: list[int] | None = None  # kept when prompt logprobs are asked for (sent with them)
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,8 @@ class TokenizerCore:
         choices = [_Choice(IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=sampling.stop,
                                                   include_stop_str_in_output=request.include_stop_str_in_output))
                    for _ in range(sampling.n)]
-        self._requests[request.request_id] = _Request(request.reply_to, prompt_len, choices)
+        self._requests[request.request_id] = _Request(
+            request.reply_to, prompt_len, choices, prompt_ids=prompt_ids if sampling.prompt_logprobs is not None else None)
         return ScheduleRequest(request.request_id, prompt_ids, sampling, self.reply_to, request.arrival_time)
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
@@ -165,7 +167,8 @@ class TokenizerCore:
             choice.finished = finish_reason is not None
             by_gateway.setdefault(request.reply_to, []).append(TextDelta(
                 delta.request_id, delta.index, text, delta.token_ids, delta.logprobs, finish_reason,
-                request.prompt_tokens, choice.completion_tokens, delta.queue_time_s))
+                request.prompt_tokens, choice.completion_tokens, delta.queue_time_s,
+                request.prompt_ids if delta.prompt_logprobs is not None else None, delta.prompt_logprobs))
             if choice.finished and all(c.finished for c in request.choices):
                 del self._requests[delta.request_id]
                 if not all(c.worker_finished for c in request.choices):

@@ -40,12 +40,17 @@ def client(mesh):
 
 
 @pytest.fixture(scope="module")
-def offline():
-    """What the engine alone produces for the same prompts (fp32, greedy)."""
+def engine():
+    """An engine alone, as the mesh's workers run it (fp32)."""
     from workers.engine.config import EngineConfig
     from workers.engine.engine import Engine
 
-    engine = Engine(EngineConfig(dtype="float32", num_pages=512))
+    return Engine(EngineConfig(dtype="float32", num_pages=512))
+
+
+@pytest.fixture(scope="module")
+def offline(engine):
+    """What the engine alone produces for the same prompts (fp32, greedy)."""
     tok = engine.tokenizer
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     completions = engine.generate([tok.encode(p) for p in PROMPTS], params)
@@ -95,6 +100,20 @@ def test_a_batch_of_prompts_answers_each_as_alone(client, mesh, offline):
         client.completions.create(model=MODEL, prompt=["Count: one, two,", "word " * 9000], max_tokens=300,
                                   temperature=0, extra_body={"ignore_eos": True})
     assert wait_until(lambda: all(v == 0 for v in per_worker(metrics(mesh), "pagemesh_kv_cache_usage_ratio").values()), 2.0)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client, engine):
+    """The pattern of evaluation harnesses (lm-eval's loglikelihood): echo, logprobs, 1 token."""
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=1, temperature=0, echo=True, logprobs=1)
+    [choice] = r.choices
+    prompt_ids = engine.tokenizer.encode(PROMPTS[3])
+    [alone] = engine.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1))
+    assert choice.text == PROMPTS[3] + alone.texts[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(prompt_ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [x.logprob for x in alone.prompt_logprobs] + [alone.logprobs[0][0].logprob]
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], expected)) < 1e-3
+    assert lp.tokens == [engine.tokenizer.token_text(i) for i in prompt_ids + alone.token_ids[0]]
 
 
 def test_logit_bias_reaches_the_sampler(client):

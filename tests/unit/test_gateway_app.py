@@ -156,6 +156,37 @@ def test_a_batch_of_prompts_runs_as_one_request_per_prompt_with_choices_numbered
     run(tmp_path, test)
 
 
+def test_echo_puts_the_prompt_in_front_of_each_choice_with_its_logprobs(tmp_path):
+    async def test(fake: FakeMesh):
+        post = asyncio.create_task(fake.client.post("/v1/completions", json={
+            "prompt": [[9906, 1917]], "echo": True, "logprobs": 0, "max_tokens": 1, "n": 2}))
+        request = await fake.next_request()
+        assert request.sampling.prompt_logprobs == 0
+        prompt_lp = [TokenLogprob(1917, -2.5, [], [])]
+        sampled = [TokenLogprob(30, -0.5, [], [])]
+        await fake.reply(request, TextDeltaBatch([
+            TextDelta(request.request_id, 0, "?", [30], sampled, "length", 2, 1, None, [9906, 1917], prompt_lp),
+            TextDelta(request.request_id, 1, "?", [30], sampled, "length", 2, 1)]))
+        body = await (await post).json()
+        prompt_text = TOKENIZER.decode([9906, 1917])
+        for choice in body["choices"]:
+            assert choice["text"] == prompt_text + "?"
+            tokens = [TOKENIZER.token_text(i) for i in (9906, 1917, 30)]
+            assert choice["logprobs"]["tokens"] == tokens
+            assert choice["logprobs"]["token_logprobs"] == [None, -2.5, -0.5]
+            assert choice["logprobs"]["top_logprobs"][0] is None
+            assert choice["logprobs"]["text_offset"] == [0, len(tokens[0]), len(tokens[0]) + len(tokens[1])]
+        assert body["usage"]["prompt_tokens"] == 2
+
+        post = asyncio.create_task(fake.client.post("/v1/completions", json={"prompt": "Say", "echo": True, "stream": True}))
+        request = await fake.next_request()
+        assert request.sampling.prompt_logprobs is None
+        await fake.answer(request, " hi", " there")
+        events = sse_payloads(await (await post).text())
+        assert [e["choices"][0]["text"] for e in events[:-1]] == ["Say hi", " there"]
+    run(tmp_path, test)
+
+
 def test_one_failed_prompt_of_a_batch_fails_the_request_and_aborts_the_others(tmp_path):
     async def test(fake: FakeMesh):
         post = asyncio.create_task(fake.client.post("/v1/completions", json={"prompt": ["a", "b", "c"]}))

@@ -64,6 +64,13 @@ def test_prompt_forms(prompt, prompts):
     assert parse_completion(completion(prompt=prompt)).prompts == prompts
 
 
+def test_echo_asks_for_the_prompt_logprobs_when_logprobs_are_on():
+    assert (parse_completion(completion(echo=True)).echo, parse_completion(completion(echo=True)).sampling.prompt_logprobs) == (True, None)
+    p = parse_completion(completion(echo=True, logprobs=2))
+    assert (p.echo, p.sampling.logprobs, p.sampling.prompt_logprobs) == (True, 2, 2)
+    assert parse_completion(completion(logprobs=2)).sampling.prompt_logprobs is None
+
+
 def test_a_batch_of_prompts_becomes_one_request_per_prompt():
     p = parse_completion(completion(prompt=["a", [7, 8]], n=2))
     requests = p.to_generate_requests("cmpl-1", "served", "ipc:///r", 12.5)
@@ -162,7 +169,7 @@ BAD_COMPLETIONS = [
     (completion(stream=True, stream_options={"include_usage": 1}), "stream_options.include_usage"),
     (completion(include_stop_str_in_output=1), "include_stop_str_in_output"),
     (completion(model=5), "model"),
-    (completion(echo=True), "echo"),
+    (completion(echo="yes"), "echo"),
     (completion(suffix="x"), "suffix"),
     (completion(best_of=3, stream=True), "stream"),
     (completion(use_beam_search=True, logprobs=2), "logprobs"),

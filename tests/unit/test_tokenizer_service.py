@@ -223,6 +223,17 @@ def test_a_scheduler_restart_fails_only_the_requests_without_output():
     assert feed(c, tokens("queued", 0, ids_of(" y"))).aborts == [AbortRequest("queued", "unknown to the tokenizer", "w0")]
 
 
+def test_prompt_logprobs_pass_through_with_the_prompt_ids_once():
+    c = core()
+    c.admit(request(ids=[1, 2, 3], logprobs=0, prompt_logprobs=0))
+    lps = [TokenLogprob(2, -1.0, [], []), TokenLogprob(3, -2.0, [], [])]
+    first = TokenDelta("r1", 0, [5], None, None, 3, None, lps)
+    delta = c.on_tokens(TokenDeltaBatch("w0", [first])).batches[GATEWAY_A].deltas[0]
+    assert (delta.prompt_token_ids, delta.prompt_logprobs) == ([1, 2, 3], lps)
+    later = feed(c, tokens("r1", 0, [6])).batches[GATEWAY_A].deltas[0]
+    assert (later.prompt_token_ids, later.prompt_logprobs) == (None, None)
+
+
 def test_logprobs_and_counts_pass_through():
     c = core()
     c.admit(request(ids=[1, 2, 3], logprobs=1))
