@@ -25,7 +25,7 @@ from common.messages import (
 )
 from common.process import run_until_signalled
 from common.tokenizer import Tokenizer
-from common.transport import Dealer, Pull, Push, Router
+from common.transport import Dealer, Pull, Push, Router, UnknownPeer
 from services.tokenizer.config import TokenizerConfig, parse_args
 from services.tokenizer.core import TokenizerCore
 
@@ -68,7 +68,10 @@ async def _serve_gateways(frontend: Router, core: TokenizerCore, scheduler: Deal
     while True:
         identity, msg = await frontend.recv()
         if isinstance(msg, Ping):
-            await frontend.send(identity, Pong("tokenizer", instance))
+            try:
+                await frontend.send(identity, Pong("tokenizer", instance))
+            except UnknownPeer:  # that gateway is gone already
+                log.info("ping from a gateway that left", gateway=identity.decode(errors="replace"))
         elif isinstance(msg, GenerateRequest):
             result = core.admit(msg)
             if isinstance(result, ScheduleRequest):

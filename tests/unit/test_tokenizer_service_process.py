@@ -133,6 +133,34 @@ def test_pings_and_a_restarted_scheduler_over_sockets(tmp_path):
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
 
 
+def test_a_ping_from_a_gateway_that_left_does_not_stop_the_tokenizer():
+    from services.tokenizer.main import _serve_gateways
+
+    class Frontend:  # a Router whose first peer is gone by the time its Pong goes out
+        def __init__(self):
+            self.incoming = asyncio.Queue()
+            for peer in (b"gone", b"gw0"):
+                self.incoming.put_nowait((peer, Ping(peer.decode())))
+            self.sent = asyncio.Queue()
+
+        async def recv(self):
+            return await self.incoming.get()
+
+        async def send(self, identity, msg):
+            if identity == b"gone":
+                raise t.UnknownPeer("no connected peer with identity b'gone'")
+            self.sent.put_nowait((identity, msg))
+
+    async def main():
+        frontend = Frontend()
+        serving = asyncio.create_task(_serve_gateways(frontend, None, None, None, "inst"))
+        assert await asyncio.wait_for(frontend.sent.get(), TIMEOUT_S) == (b"gw0", Pong("tokenizer", "inst"))
+        assert not serving.done()
+        serving.cancel()
+
+    asyncio.run(main())
+
+
 def test_flags_and_env_build_the_config(monkeypatch):
     monkeypatch.setenv("PAGEMESH_SCHEDULER_ADDRESS", "tcp://127.0.0.1:5001")
     cfg = parse_args(["--address", "tcp://127.0.0.1:5002", "--output-address", "tcp://127.0.0.1:5003",
