@@ -27,7 +27,7 @@ from aiohttp import web
 from common.messages import RequestFailed, TextDelta
 from common.tokenizer import Tokenizer
 from gateway.config import GatewayConfig
-from gateway.errors import ApiError, from_request_failed, http_error, internal
+from gateway.errors import ApiError, from_request_failed, http_error, internal, invalid
 from gateway.mesh import MeshClient, Reply
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.parsing import ParsedRequest, check_model, parse_chat, parse_completion, parse_json
@@ -144,7 +144,10 @@ class Gateway:
         """With echo: each prompt's text (a prompt of token ids decoded)."""
         if not parsed.echo:
             return None
-        return [text if text is not None else self.tokenizer.decode(ids) for text, ids in parsed.prompts]
+        try:
+            return [text if text is not None else self.tokenizer.decode(ids) for text, ids in parsed.prompts]
+        except ValueError as e:  # an id outside the vocabulary
+            raise invalid(f"prompt: {str(e).partition(': ')[2]}", "prompt") from None
 
     async def _next(self, call: _Call) -> tuple[float, list[TextDelta]]:
         remaining = call.deadline - time.monotonic()

@@ -178,6 +178,9 @@ def test_echo_puts_the_prompt_in_front_of_each_choice_with_its_logprobs(tmp_path
             assert choice["logprobs"]["text_offset"] == [0, len(tokens[0]), len(tokens[0]) + len(tokens[1])]
         assert body["usage"]["prompt_tokens"] == 2
 
+        bad = await fake.client.post("/v1/completions", json={"prompt": [1, 2, 10**7], "echo": True})
+        assert bad.status == 400 and (await bad.json())["error"]["param"] == "prompt"
+
         post = asyncio.create_task(fake.client.post("/v1/completions", json={"prompt": "Say", "echo": True, "stream": True}))
         request = await fake.next_request()
         assert request.sampling.prompt_logprobs is None
