@@ -49,6 +49,33 @@ def test_preemption_under_memory_pressure_changes_no_greedy_output_and_leaks_no_
     assert not tight_engine.runner.host_pages and tight_engine.scheduler.swapped_pages == 0
 
 
+def test_prompt_logprobs_survive_preemption_and_forks_and_go_out_once(tiny_qwen2):
+    folder, _ = tiny_qwen2
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in (30, 45, 20, 38)]
+    params = SamplingParams(n=2, temperature=0.8, seed=9, max_tokens=30, ignore_eos=True, prompt_logprobs=2)
+
+    def run(engine):
+        sent: dict[str, list] = {}
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.prompt_logprobs is not None:
+                    sent.setdefault(o.request_id, []).append(o.prompt_logprobs)
+        assert all(len(v) == 1 for v in sent.values()) and len(sent) == len(prompts)  # once per request
+        return [sent[f"r{i}"][0] for i in range(len(prompts))]
+
+    roomy = run(tiny_engine(folder))
+    tight_engine = tiny_engine(folder, num_pages=20, page_size=8, max_num_batched_tokens=16, max_prefill_chunk=16)
+    tight = run(tight_engine)
+    assert tight_engine.scheduler.num_preemptions > 0
+    assert [[lp.token_id for lp in r] for r in roomy] == [p[1:] for p in prompts]
+    for a, b in zip(itertools.chain(*roomy), itertools.chain(*tight)):  # other chunk sizes: other rounding
+        assert (a.token_id, a.top_ids) == (b.token_id, b.top_ids) and abs(a.logprob - b.logprob) < 1e-3
+    assert tight_engine.blocks.num_used_pages == 0
+
+
 @pytest.fixture(scope="module")
 def tiny_vocab_model(tmp_path_factory):
     """A 16-token vocabulary, so beam search can be checked against exhaustive search."""

@@ -10,6 +10,8 @@ or incrementally with `add_request` / `step` / `abort`, which is what a worker p
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -328,6 +330,7 @@ class Engine:
             self.blocks.free_table(table)
             raise
         cached = self.blocks.cache_full_pages(table, prompt, 0, len(prompt))
+        params = dataclasses.replace(params, prompt_logprobs=None)  # the prefill worker sent them
         req = _Request(request_id, params, [], len(prompt))
         self.requests[request_id] = req
         for index, token in enumerate(first_token_ids):
@@ -416,6 +419,7 @@ class Engine:
             num_cached_pages=parent.num_cached_pages,
             num_prefix_hit_tokens=parent.num_prefix_hit_tokens,
             cumulative_logprob=parent.cumulative_logprob,
+            prompt_logprobs=parent.prompt_logprobs,  # collected: a recompute does not redo them
         )
         if generator is not None:
             self.generators[child.seq_id] = generator
