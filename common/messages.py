@@ -244,7 +244,8 @@ class RequestDone:
 
 @dataclass(frozen=True, slots=True)
 class TokenDelta:
-    """New token ids of one choice (`index`) of a request after one engine step."""
+    """New token ids of one choice (`index`) of a request after one engine step. A delta with no
+    tokens, no logprobs and no finish_reason says that a worker has taken the request."""
 
     request_id: str
     index: int

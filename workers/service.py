@@ -84,6 +84,7 @@ class WorkerService:
         self.kv_out: dict[str, Dealer] = {}
         self.pushes: dict[str, Push] = {}
         self.reply_to: dict[str, str] = {}
+        self.starting: dict[str, list[TokenDelta]] = {}  # reply_to -> start markers for the next batch
         self.incoming: dict[str, _Incoming] = {}
         self.outgoing: dict[str, _Outgoing] = {}
         self.outgoing_endpoints: dict[str, str] = {}  # prefill role: request -> decode KV endpoint
@@ -197,6 +198,9 @@ class WorkerService:
         if kv_endpoint:
             self.outgoing_endpoints[request_id] = kv_endpoint
             self.outgoing_skip[request_id] = skip_pages
+        # tell the tokenizer a worker holds it (before any of its tokens, in the next step's
+        # batch): a scheduler restart does not fail it from here on
+        self.starting.setdefault(reply_to, []).append(TokenDelta(request_id, 0, [], None, None, len(prompt_ids)))
 
     def _pin_prefix(self, request_id: str) -> None:
         """Decode role, on the DecodeTask: take references on the leading prompt pages the
@@ -306,7 +310,7 @@ class WorkerService:
             await self._publish(outputs)
 
     async def _publish(self, outputs: list[RequestOutput]) -> None:
-        batches: dict[str, list[TokenDelta]] = {}
+        batches, self.starting = self.starting, {}
         for out in outputs:
             reply_to = self.reply_to.get(out.request_id)
             if reply_to is None:

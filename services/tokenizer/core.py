@@ -4,7 +4,7 @@
     TokenDeltaBatch ──on_tokens()──▶ one TextDeltaBatch per gateway + AbortRequests (stop strings,
                                      and tokens of requests this process does not know)
     RequestFailed / AbortRequest ──▶ the request's state is dropped
-    scheduler restarted ──fail_unstarted()──▶ RequestFailed for requests without output yet
+    scheduler restarted ──fail_unstarted()──▶ RequestFailed for requests no worker said it holds
 
 State per request: one IncrementalDetokenizer per choice. A choice is finished when a stop string
 matched or its worker reported a finish_reason; the request's state goes when every choice is
@@ -50,7 +50,7 @@ class _Request:
     reply_to: str
     prompt_tokens: int
     choices: list[_Choice]
-    started: bool = False  # output has come from a worker
+    started: bool = False  # a worker has it (its first delta came: output or the start marker)
     prompt_ids: list[int] | None = None  # kept when prompt logprobs are asked for (sent with them)
 
 
@@ -151,6 +151,8 @@ class TokenizerCore:
             if not 0 <= delta.index < len(request.choices):
                 continue
             request.started = True
+            if not delta.token_ids and delta.finish_reason is None and delta.prompt_logprobs is None:
+                continue  # a worker took the request (or a step gave this choice nothing)
             choice = request.choices[delta.index]
             if delta.finish_reason is not None:
                 choice.worker_finished = True
@@ -199,9 +201,9 @@ class TokenizerCore:
         return self._requests.pop(request_id, None) is not None
 
     def fail_unstarted(self, why: str) -> list[tuple[str, RequestFailed]]:
-        """The scheduler was restarted: the requests without output may have been queued in the
-        process that is gone. Drop them; return (gateway reply_to, 503) for each. Requests with
-        output are on workers, which stream them to the end."""
+        """The scheduler was restarted: the requests no worker has said it holds may have been
+        queued in the process that is gone. Drop them; return (gateway reply_to, 503) for each.
+        The others are on workers, which run them to the end."""
         failed = []
         for request_id, request in list(self._requests.items()):
             if not request.started:

@@ -71,25 +71,31 @@ def queued_at_scheduler(url: str) -> float:
     return metrics(url).get("pagemesh_scheduler_queued_requests", 0.0)
 
 
-@pytest.mark.parametrize("processes", [("--mixed", "1", "--max-num-seqs", "1", "--heartbeat-timeout", "2")],
+@pytest.mark.parametrize("processes", [("--mixed", "1", "--max-num-seqs", "3", "--heartbeat-timeout", "2")],
                          indirect=True)
-def test_a_restarted_scheduler_fails_what_it_had_queued_and_placed_streams_go_on(processes):
+def test_a_restarted_scheduler_fails_what_it_had_queued_and_what_workers_hold_goes_on(processes):
     client = openai.OpenAI(base_url=processes.url + "/v1", api_key="none", max_retries=0, timeout=120)
     received = [0, 0]
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    running = lambda: per_worker(metrics(processes.url), "pagemesh_num_requests_running").get("mixed-0", 0)  # noqa: E731
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
         streaming = pool.submit(stream_counting, client, received, 0, model=DEFAULT_MODEL_NAME, prompt="Go on:",
                                 max_tokens=400, temperature=0, extra_body={"ignore_eos": True})
         assert wait_until(lambda: received[0] > 0, 60)
+        # two sequences that send nothing until they end (best_of): only the worker knows it runs
+        silent = pool.submit(client.completions.create, model=DEFAULT_MODEL_NAME, prompt="Hold on:", max_tokens=600,
+                             best_of=2, temperature=0.8, seed=1, extra_body={"ignore_eos": True})
+        assert wait_until(lambda: running() == 3, 30, 0.2)  # the worker is full
         queued = pool.submit(stream_counting, client, received, 1, model=DEFAULT_MODEL_NAME, prompt="Hi",
                              max_tokens=5, temperature=0)
-        assert wait_until(lambda: queued_at_scheduler(processes.url) == 1, 30, 0.2)  # the worker is full
+        assert wait_until(lambda: queued_at_scheduler(processes.url) == 1, 30, 0.2)
         restarted_at = time.monotonic()
         processes.restart("scheduler")
         pieces, error, ended = queued.result(timeout=120)
         assert pieces == 0 and isinstance(error, openai.APIStatusError) and error.status_code == 503, repr(error)
         assert "scheduler restarted" in str(error) and ended - restarted_at < 30  # not the 600 s timeout
         pieces, error, _ = streaming.result(timeout=120)
-    assert error is None and pieces > 300  # placed before the restart: streamed to its end
+        assert error is None and pieces > 300  # placed before the restart: streamed to its end
+        assert silent.result(timeout=120).usage.completion_tokens == 600  # held by the worker: not failed
     assert complete(client).usage.completion_tokens == 5
 
 
