@@ -80,15 +80,23 @@ def test_greedy_tokens_with_graphs_equal_eager_fp32():
     model = build_random_model(SMALL, torch.float32, DEVICE, seed=2)
     batch = prompts(7, seed=2)
     # different lengths: the batch shrinks 7 -> 1, through padded sizes 8, 4, 2 and 1
-    params = [SamplingParams(temperature=0, max_tokens=8 + 5 * i, ignore_eos=True, logprobs=1) for i in range(7)]
+    params = [SamplingParams(temperature=0, max_tokens=8 + 5 * i, ignore_eos=True, logprobs=2) for i in range(7)]
     eager = make_engine(model, graphs=False, dtype="float32").generate(batch, params)
     engine = make_engine(model, graphs=True, dtype="float32")
     replayed = engine.generate(batch, params)
     assert {1, 2, 4, 8} <= set(engine.runner.graphs.replays)
+    # Graph and eager steps split the KV differently (the graph's split count is fixed at capture)
+    # and round differently in fp32: tokens must agree except where the top two were a near-tie,
+    # after which that sequence's continuation may differ.
+    ties = 0
     for e, g in zip(eager, replayed):
-        assert g.token_ids == e.token_ids
         for a, b in zip(e.logprobs[0], g.logprobs[0]):
+            if a.token_id != b.token_id:
+                assert a.top_logprobs[0] - a.top_logprobs[1] < 1e-3, (a, b)
+                ties += 1
+                break
             assert b.logprob == pytest.approx(a.logprob, abs=1e-3)
+    assert ties <= 1
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 17, 32])
