@@ -48,6 +48,7 @@ class SamplingParams:
     priority: int = 0  # scheduling priority: lower runs first; FCFS within a priority
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids distinct
     prompt_logprobs: int | None = None  # top-k per prompt token (echo with logprobs); never prefix-cached
+    json_object: bool = False  # output constrained to one JSON object (response_format json_object)
 
     @property
     def greedy(self) -> bool:
@@ -88,6 +89,8 @@ class SamplingParams:
             and pair[0] >= 0 and _num(pair[1]) and -100.0 <= pair[1] <= 100.0 for pair in self.logit_bias),
             "logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100]")
         _check(len({pair[0] for pair in self.logit_bias}) == len(self.logit_bias), "logit_bias", "token ids must be distinct")
+        _check(isinstance(self.json_object, bool), "json_object", "must be a boolean")
+        _check(not (self.json_object and self.use_beam_search), "json_object", "cannot be combined with use_beam_search")
         _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS), "prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
         return self
 

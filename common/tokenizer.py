@@ -78,6 +78,7 @@ class Tokenizer:
         self.add_bos = bool(add_bos and bos_token_id is not None)
         special = {token.content: index for index, token in backend.get_added_tokens_decoder().items()
                    if token.special}
+        self.special_token_ids: frozenset[int] = frozenset(special.values())
         turn_ends = {special[text] for text in _END_OF_TURN_TEXTS if text in special}
         self.eos_token_ids: frozenset[int] = frozenset({eos_token_id, *stop_token_ids, *turn_ends})
         self.chat_template = ChatTemplate(chat_template, special_texts) if chat_template else None

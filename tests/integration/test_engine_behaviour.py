@@ -1,5 +1,6 @@
 """Engine behaviour on the real model: memory use, sharing, seeds, bad input, abort."""
 
+import json
 import random
 
 import pytest
@@ -141,3 +142,43 @@ def test_each_parallel_sample_continues_its_own_first_token(engine_fp32):
     assert sorted(streamed) == [0, 1, 2] and len(seqs) == 3
     for seq in seqs:
         assert seq.token_ids == prompt + streamed[seq.index]
+
+
+def test_json_mode_outputs_are_json_objects_or_valid_prefixes_of_one(engine_fp32):
+    from workers.engine import json_grammar
+
+    tok = engine_fp32.tokenizer
+    asks = ["Give me a JSON object describing a cat with its name and age.", "List three fruits as JSON.",
+            "What is the capital of France?"]
+    prompts = [tok.encode_chat([{"role": "user", "content": a}]) for a in asks]
+    results = engine_fp32.generate(prompts, SamplingParams(temperature=0, max_tokens=80, json_object=True))
+    results += engine_fp32.generate(prompts, SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=80, json_object=True))
+    finished = 0
+    for r in results:
+        for text, ids, reason in zip(r.texts, r.token_ids, r.finish_reasons):
+            if reason == "stop":  # an end token, allowed only once the object closed
+                assert isinstance(json.loads(text), dict), text
+                finished += 1
+            else:
+                assert reason == "length" and json_grammar.run(json_grammar.INITIAL, text) is not None, text
+    assert finished >= 3
+    plain = engine_fp32.generate(prompts[2:], SamplingParams(temperature=0, max_tokens=20))[0].texts[0]
+    assert not plain.lstrip().startswith("{")  # without JSON mode the model answers in prose
+    engine_fp32.blocks.check_invariants([])
+
+
+def test_json_mode_goes_on_after_a_handoff_from_the_first_token(engine_fp32):
+    """The decode side of 1P+1D: the grammar resumes after the prefill worker's first token. The
+    pages are not written here (they hold whatever they held), so only the grammar keeps the output JSON."""
+    from workers.engine import json_grammar
+
+    tok = engine_fp32.tokenizer
+    prompt = tok.encode_chat([{"role": "user", "content": "Describe a cat."}])
+    [brace] = tok.encode("{", add_special_tokens=False)
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=40, json_object=True)
+    engine_fp32.import_prefilled("handed-off", prompt, params, [brace], lambda pages: None)
+    ids = [brace]
+    while engine_fp32.has_unfinished():
+        for out in engine_fp32.step():
+            ids += [t for so in out.outputs for t in so.new_token_ids]
+    assert len(ids) > 1 and json_grammar.run(json_grammar.INITIAL, tok.decode(ids)) is not None

@@ -11,6 +11,7 @@ or incrementally with `add_request` / `step` / `abort`, which is what a worker p
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.model_runner import ModelRunner
 from workers.engine.outputs import CompletionResult, PrefillResult, RequestOutput, SeqOutput
+from workers.engine.json_mode import JsonCursor, JsonMasks
 from workers.engine.sampler import SampleRow, add_logit_bias, prompt_token_logprobs, sample
 from workers.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from workers.engine.sequence import Sequence
@@ -159,12 +161,22 @@ class Engine:
                 f"max_tokens: prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"exceeds the context length {self.max_model_len}"
             )
+        if params.json_object and self.json_masks is None:
+            raise ValueError("response_format: JSON mode needs the model's tokenizer")
         forks = 0 if params.use_beam_search else params.num_sequences - 1
-        seq = Sequence(request_id, 0, token_ids, len(token_ids), params, pending_forks=forks)
+        seq = Sequence(request_id, 0, token_ids, len(token_ids), params, pending_forks=forks,
+                       json=JsonCursor() if params.json_object else None)
         self._make_generator(seq)
         beam = BeamState(params.num_sequences, params.length_penalty) if params.use_beam_search else None
         self.requests[request_id] = _Request(request_id, params, [seq], len(token_ids), prefill_only=prefill_only, beam=beam)
         self.scheduler.add(seq)
+
+    @functools.cached_property
+    def json_masks(self) -> JsonMasks | None:
+        """JSON mode's token masks, built at its first use (None without a tokenizer)."""
+        if self.tokenizer is None:
+            return None
+        return JsonMasks.for_tokenizer(self.tokenizer, self.model_config.vocab_size, set(self.eos_token_ids))
 
     def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -258,6 +270,8 @@ class Engine:
             if lp is not None:
                 target.cumulative_logprob += lp.logprob
             target.append_token(token, lp if seq.sampling.logprobs is not None else None)
+            if target.json is not None:
+                target.json = self.json_masks.advance(target.json, token)
             self._check_stop(target)
             touched[seq.request_id] = req
         for request_id, items in beam_rows.items():
@@ -337,6 +351,7 @@ class Engine:
             seq = Sequence(
                 request_id, index, prompt + [token], len(prompt), params, block_table=self.blocks.fork(table),
                 num_computed=len(prompt), num_cached_pages=cached,
+                json=self.json_masks.advance(JsonCursor(), token) if params.json_object else None,
             )
             gen = self._new_generator(params, index)
             if gen is not None:  # the prefill worker drew the first token from this stream
@@ -360,13 +375,14 @@ class Engine:
     def _sample_row(self, seq: Sequence, generator: torch.Generator | None) -> SampleRow:
         p = seq.sampling
         banned: tuple[int, ...] = ()
-        if seq.num_output_tokens < p.min_tokens:
+        allowed = None if seq.json is None else self.json_masks.allowed(seq.json, self.device)
+        if seq.num_output_tokens < p.min_tokens and not (seq.json is not None and seq.json.complete):
             banned = tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))))
         # the token lists only feed penalties: no copies of long contexts per row and step without them
         repetition = p.repetition_penalty != 1.0
         prompt_ids = seq.token_ids[: seq.num_prompt_tokens] if repetition else []
         output_ids = seq.output_token_ids if repetition or p.frequency_penalty or p.presence_penalty else []
-        return SampleRow(p, prompt_ids, output_ids, generator, banned, want_logprob=not p.streams)
+        return SampleRow(p, prompt_ids, output_ids, generator, banned, allowed, want_logprob=not p.streams)
 
     def _stop_ids(self, params: SamplingParams) -> set[int]:
         return set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
@@ -420,6 +436,7 @@ class Engine:
             num_prefix_hit_tokens=parent.num_prefix_hit_tokens,
             cumulative_logprob=parent.cumulative_logprob,
             prompt_logprobs=parent.prompt_logprobs,  # collected: a recompute does not redo them
+            json=parent.json,
         )
         if generator is not None:
             self.generators[child.seq_id] = generator

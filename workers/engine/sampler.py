@@ -1,9 +1,9 @@
 """Turn each row of logits into a token under that row's own sampling parameters.
 
-Order: raw log-probabilities (reported to clients) → penalties → logit_bias → min_tokens masking → greedy or
-temperature → top-k / top-p / min-p → an exponential race (argmax of p / E, E ~ Exp(1)), which
-samples from p and lets each seeded row draw from its own generator, so its tokens do not depend
-on what else is in the batch.
+Order: raw log-probabilities (reported to clients) → penalties → logit_bias → JSON mode's mask →
+min_tokens masking → greedy or temperature → top-k / top-p / min-p → an exponential race (argmax
+of p / E, E ~ Exp(1)), which samples from p and lets each seeded row draw from its own generator,
+so its tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class SampleRow:
     output_ids: list[int]
     generator: torch.Generator | None
     banned_ids: tuple[int, ...] = ()  # EOS/stop ids while min_tokens is not reached
+    allowed: torch.Tensor | None = None  # bool [V]: the only tokens it may take (JSON mode)
     want_logprob: bool = False  # report the sampled token's logprob even without `logprobs`
 
 
@@ -46,6 +47,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
     for i, r in enumerate(rows):
         if r.params.logit_bias:
             add_logit_bias(logits[i], r.params.logit_bias)
+        if r.allowed is not None:
+            logits[i].masked_fill_(~r.allowed.to(logits.device, non_blocking=True), float("-inf"))
         if r.banned_ids:
             logits[i, list(r.banned_ids)] = float("-inf")
     tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
@@ -102,7 +105,7 @@ def argmax_only(row: SampleRow) -> bool:
     penalties, no logit bias, no banned ids, no logprobs."""
     p = row.params
     return (
-        p.greedy and not row.banned_ids and p.logprobs is None and not row.want_logprob
+        p.greedy and not row.banned_ids and row.allowed is None and p.logprobs is None and not row.want_logprob
         and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty and not p.logit_bias
     )
 

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.sampling import SamplingParams
+from workers.engine.json_mode import JsonCursor
 
 _seq_ids = itertools.count()
 
@@ -58,6 +59,7 @@ class Sequence:
     swapped_computed: int | None = None  # swapped to host: num_computed to restore
     cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs (best_of, beams)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1, 2, ... so far
+    json: JsonCursor | None = None  # JSON mode: where the output is in the JSON grammar
 
     def prompt_logprob_positions(self, start: int, num_tokens: int) -> range:
         """Positions of a chunk [start, start + num_tokens) whose logits give a prompt token's

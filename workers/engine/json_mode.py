@@ -1,0 +1,95 @@
+"""JSON mode (`response_format: {"type": "json_object"}`): which tokens may come next.
+
+A JSON-mode sequence carries a `JsonCursor`: its automaton state (`json_grammar`) and how many
+whitespace-only tokens it has just emitted between JSON tokens (at most MAX_WHITESPACE_TOKENS in a
+row, so a model cannot pad forever). `JsonMasks.allowed(cursor)` is a bool mask over the
+vocabulary: a token is allowed iff its whole text keeps the document valid JSON; the tokens that
+end generation are allowed once the object is closed. Masks are cached by state, so the walk over
+the vocabulary happens once per state kind (inside a string, after a key, ...), and tokens
+without quotes, backslashes or control characters pass through a string without a walk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.engine import json_grammar as g
+
+MAX_WHITESPACE_TOKENS = 2  # whitespace-only tokens in a row between JSON tokens
+
+
+@dataclass(frozen=True)
+class JsonCursor:
+    state: g.State = g.INITIAL
+    whitespace_run: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return g.is_complete(self.state)
+
+
+class JsonMasks:
+    """Token masks for one vocabulary. `texts[i]` is the text token i adds, None for special
+    tokens; `end_ids` are the tokens that end generation (allowed once the object is closed)."""
+
+    def __init__(self, texts: list[str | None], end_ids: set[int], vocab_size: int):
+        self.texts = texts
+        self.vocab_size = vocab_size
+        self.end_ids = sorted(i for i in end_ids if i < vocab_size)
+        self.whitespace_only = {i for i, t in enumerate(texts) if t and all(c in g.WHITESPACE for c in t)}
+        self.plain = [t is not None and t != "" and all(c not in '"\\' and ord(c) >= 0x20 for c in t) for t in texts]
+        self.by_first: dict[str, list[int]] = {}
+        for i, t in enumerate(texts):
+            if t:
+                self.by_first.setdefault(t[0], []).append(i)
+        self._cache: dict[tuple, torch.Tensor] = {}
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, vocab_size: int, end_ids: set[int]) -> JsonMasks:
+        special = tokenizer.special_token_ids
+        texts = [None if i in special or i >= tokenizer.vocab_size else tokenizer.token_text(i)
+                 for i in range(vocab_size)]
+        return cls(texts, end_ids, vocab_size)
+
+    def allowed(self, cursor: JsonCursor, device: torch.device | str = "cpu") -> torch.Tensor:
+        capped = cursor.whitespace_run >= MAX_WHITESPACE_TOKENS and cursor.state[0] != g.STRING
+        key = (cursor.state, capped, str(device))
+        mask = self._cache.get(key)
+        if mask is None:
+            ids = self._allowed_ids(cursor.state, capped)
+            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+            mask[torch.tensor(ids or self.end_ids, dtype=torch.int64)] = True
+            mask = self._cache[key] = mask.to(device)
+        return mask
+
+    def _allowed_ids(self, state: g.State, capped: bool) -> list[int]:
+        ids: list[int] = []
+        if state[0] == g.STRING and state[2][1] == "":  # most of the vocabulary stays in the string
+            ids = [i for i, plain in enumerate(self.plain) if plain]
+            walk = [i for i, t in enumerate(self.texts) if t and not self.plain[i]]
+            ids += [i for i in walk if g.run(state, self.texts[i]) is not None]
+        else:
+            for first, group in self.by_first.items():
+                after = g.step(state, first)
+                if after is None:
+                    continue
+                ids += [i for i in group if len(self.texts[i]) == 1 or g.run(after, self.texts[i][1:]) is not None]
+        if capped:
+            ids = [i for i in ids if i not in self.whitespace_only]
+        if g.is_complete(state):
+            ids += self.end_ids
+        return ids
+
+    def advance(self, cursor: JsonCursor, token_id: int) -> JsonCursor:
+        """The cursor after `token_id` (an end token leaves it as it is)."""
+        text = self.texts[token_id] if token_id < len(self.texts) else None
+        if not text:
+            return cursor
+        state = g.run(cursor.state, text)
+        if state is None:  # not allowed by the mask: cannot happen; keep the last valid state
+            return cursor
+        structural = cursor.state[0] != g.STRING
+        run = cursor.whitespace_run + 1 if structural and token_id in self.whitespace_only else 0
+        return JsonCursor(state, run)
