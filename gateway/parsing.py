@@ -4,7 +4,7 @@ Every problem raises `ApiError` (400 `invalid_request_error`, `param` = the fiel
 checked strictly (a bool is not an integer, a float is not an integer, NaN never parses), every
 list is bounded before it is copied, and range checks are left to `SamplingParams.validate()`,
 the one place that knows them. Fields this gateway does not know are ignored; fields it knows
-but cannot honour (suffix, tools, structured output) are refused rather than silently dropped.
+but cannot honour (suffix, tools, a JSON schema) are refused rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -93,9 +93,7 @@ def parse_chat(body: dict) -> ParsedRequest:
     f = _Fields(body)
     if body.get("tools") or body.get("functions"):
         raise invalid("tools: tool and function calling are not supported", "tools")
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise invalid('response_format: only {"type": "text"} is supported', "response_format")
+    json_object = _json_object(body.get("response_format"))
     messages = _messages(body.get("messages"))
     logprobs = None
     top_logprobs = f.int("top_logprobs", None)
@@ -106,6 +104,11 @@ def parse_chat(body: dict) -> ParsedRequest:
     limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _max_tokens(f, limit_field, MAX_TOKENS_FROM_CONTEXT)
     sampling = _sampling(f, max_tokens, logprobs, {"max_tokens": limit_field, "logprobs": "top_logprobs"})
+    if json_object:
+        try:
+            sampling = dataclasses.replace(sampling, json_object=True).validate()
+        except ValueError as e:
+            raise invalid(f"response_format: {str(e).partition(': ')[2]}", "response_format") from None
     return _parsed(f, "chat", (), messages, sampling, logprobs)
 
 
@@ -117,6 +120,19 @@ def check_model(parsed: ParsedRequest, accepted: tuple[str, ...]) -> None:
 
 
 # --------------------------------------------------------------------------- parts
+
+
+def _json_object(value: Any) -> bool:
+    """response_format: text (the default) or json_object (JSON mode); json_schema is refused."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if value is None or kind == "text":
+        return False
+    if kind == "json_object":
+        return True
+    if kind == "json_schema":
+        raise invalid('response_format: json_schema is not supported; {"type": "json_object"} constrains the '
+                      "output to a JSON object without a schema", "response_format")
+    raise invalid('response_format: must be {"type": "text"} or {"type": "json_object"}', "response_format")
 
 
 def _logit_bias(f: _Fields) -> tuple[tuple[int, float], ...]:

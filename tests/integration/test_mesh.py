@@ -116,6 +116,20 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client, engine)
     assert lp.tokens == [engine.tokenizer.token_text(i) for i in prompt_ids + alone.token_ids[0]]
 
 
+def test_json_mode_answers_with_a_json_object_across_the_handoff(client):
+    messages = [{"role": "user", "content": "Describe a cat with its name and age."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=80, temperature=0,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=80, temperature=0,
+                                            response_format={"type": "json_object"}, stream=True)
+    assert stream_text(stream, chat=True) == r.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="json_schema"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "cat", "schema": {"type": "object"}}})
+
+
 def test_logit_bias_reaches_the_sampler(client):
     tokenizer = Tokenizer.from_path(default_model_path())
     [sea] = tokenizer.encode(" sea", add_special_tokens=False)

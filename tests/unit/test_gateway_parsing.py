@@ -107,8 +107,9 @@ def test_chat_logprobs(fields, logprobs):
     assert p.logprobs == p.sampling.logprobs == logprobs
 
 
-def test_response_format_text_is_accepted():
-    assert parse_chat(chat(response_format={"type": "text"})).kind == "chat"
+def test_response_format_text_and_json_object():
+    assert parse_chat(chat(response_format={"type": "text"})).sampling.json_object is False
+    assert parse_chat(chat(response_format={"type": "json_object"})).sampling.json_object is True
 
 
 def test_to_generate_requests():
@@ -219,7 +220,10 @@ BAD_CHATS = [
     (chat(max_tokens=0), "max_tokens"),
     (chat(max_completion_tokens=10, min_tokens=11), "min_tokens"),
     (chat(tools=[{"type": "function"}]), "tools"),
-    (chat(response_format={"type": "json_object"}), "response_format"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), "response_format"),
+    (chat(response_format={"type": "yaml"}), "response_format"),
+    (chat(response_format="json"), "response_format"),
+    (chat(response_format={"type": "json_object"}, use_beam_search=True, n=2), "response_format"),
 ]
 
 
