@@ -91,6 +91,7 @@ class SamplingParams:
         _check(len({pair[0] for pair in self.logit_bias}) == len(self.logit_bias), "logit_bias", "token ids must be distinct")
         _check(isinstance(self.json_object, bool), "json_object", "must be a boolean")
         _check(not (self.json_object and self.use_beam_search), "json_object", "cannot be combined with use_beam_search")
+        _check(not (self.json_object and self.ignore_eos), "json_object", "cannot be combined with ignore_eos: the end of the object ends the output")
         _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS), "prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
         return self
 

@@ -126,3 +126,28 @@ def test_the_sampler_takes_only_allowed_tokens(masks):
     assert not argmax_only(rows[0])
     for token, _ in sample(logits, rows, torch.Generator()):
         assert allowed[token]
+
+
+def test_nesting_is_capped_and_deep_stacks_share_masks_without_growing_the_cache(masks):
+    deep = '{"a": ' + "[" * (g.MAX_DEPTH - 1)
+    assert g.run(g.INITIAL, deep) is not None and g.run(g.INITIAL, deep + "[") is None
+    assert json.loads(deep + "]" * (g.MAX_DEPTH - 1) + "}")  # the deepest allowed still loads
+    middle = [cursor_after(masks, '{"a": ' + "[" * depth) for depth in (20, 21, 30)]
+    assert masks.allowed(middle[0]) is masks.allowed(middle[1]) is masks.allowed(middle[2])  # one entry
+    rng = random.Random(1)
+    for _ in range(40):  # stacks that differ near the top: new entries, but the cache stays bounded
+        text = '{"a": ' + "".join(rng.choice(["[", '{"k": ']) for _ in range(rng.randint(1, 30)))
+        masks.allowed(cursor_after(masks, text))
+    assert len(masks._cache) <= 512
+
+
+def test_an_end_token_with_text_waits_for_the_object_to_close():
+    texts = ["{", "}", '"', "a", ":", "1", ","]
+    comma = 6
+    masks = JsonMasks(texts, {comma}, len(texts))  # a vocabulary whose end token is ","
+    cursor = JsonCursor()
+    for token in (0, 2, 3, 2, 4, 5):  # {"a":1
+        cursor = masks.advance(cursor, token)
+    assert not masks.allowed(cursor)[comma] and masks.allowed(cursor)[1]
+    done = masks.advance(cursor, 1)
+    assert masks.allowed(done).nonzero().flatten().tolist() == [comma]

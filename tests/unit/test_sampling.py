@@ -31,6 +31,8 @@ from workers.engine.sampler import SampleRow, argmax_only, sample
         ({"logit_bias": ((1, 1.0), (1, 2.0))}, "logit_bias"),
         ({"logit_bias": ((1, 1.0, 2.0),)}, "logit_bias"),
         ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"json_object": True, "ignore_eos": True}, "json_object"),
+        ({"json_object": True, "use_beam_search": True, "n": 2}, "json_object"),
         ({"prompt_logprobs": True}, "prompt_logprobs"),
     ],
 )

@@ -335,6 +335,8 @@ class Engine:
         table = list(prefix_pages)
         try:
             params.validate()
+            if params.json_object and self.json_masks is None:
+                raise ValueError("response_format: JSON mode needs the model's tokenizer")
             if request_id in self.requests:
                 raise ValueError(f"request_id: {request_id!r} is already running")
             prompt = self._prompt_ids(prompt_token_ids)

@@ -10,8 +10,9 @@ come next; `detail` refines it (inside a string: whether it is a key and the esc
 in a number: how far it got; in a literal: the characters still to come).
 
 `step(state, ch)` returns the next state or None when `ch` cannot continue valid JSON. The
-document is one object ("json_object"); whitespace is allowed wherever JSON allows it, and after
-the object closes only whitespace may follow (`is_complete` is then true). Characters beyond
+document is one object ("json_object"), nested at most MAX_DEPTH deep; whitespace is allowed
+wherever JSON allows it, and after the object closes only whitespace may follow (`is_complete` is
+then true). Characters beyond
 ASCII are only valid inside strings, which also covers tokens that end inside a UTF-8 sequence
 (their text holds U+FFFD).
 """
@@ -36,6 +37,7 @@ ESCAPES = '"\\/bfnrt'
 HEX = "0123456789abcdefABCDEF"
 DIGITS = "0123456789"
 LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
+MAX_DEPTH = 64  # open containers at most: deeper JSON fails to load in common parsers
 # number states that may end the number: after "0", digits, fraction digits, exponent digits
 NUMBER_ENDS = {"zero", "int", "frac", "exp"}
 
@@ -92,6 +94,8 @@ def step(state: State, ch: str) -> State | None:
 def _value_start(stack: str, ch: str) -> State | None:
     if ch == '"':
         return (STRING, stack, (False, ""))
+    if ch in "{[" and len(stack) >= MAX_DEPTH:
+        return None
     if ch == "{":
         return (KEY_OR_CLOSE, stack + "{", None)
     if ch == "[":

@@ -11,6 +11,7 @@ without quotes, backslashes or control characters pass through a string without 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from workers.engine import json_grammar as g
 
 MAX_WHITESPACE_TOKENS = 2  # whitespace-only tokens in a row between JSON tokens
+MAX_CACHED_MASKS = 512  # per device; least recently used go first
 
 
 @dataclass(frozen=True)
@@ -38,13 +40,19 @@ class JsonMasks:
         self.texts = texts
         self.vocab_size = vocab_size
         self.end_ids = sorted(i for i in end_ids if i < vocab_size)
+        self._end_set = set(self.end_ids)
         self.whitespace_only = {i for i, t in enumerate(texts) if t and all(c in g.WHITESPACE for c in t)}
         self.plain = [t is not None and t != "" and all(c not in '"\\' and ord(c) >= 0x20 for c in t) for t in texts]
         self.by_first: dict[str, list[int]] = {}
         for i, t in enumerate(texts):
             if t:
                 self.by_first.setdefault(t[0], []).append(i)
-        self._cache: dict[tuple, torch.Tensor] = {}
+        # A token closes at most `closers` containers and opens at most `openers`, so its validity
+        # depends on the innermost closers + 1 open containers, and on the depth only near the
+        # bottom or near MAX_DEPTH: masks are cached under just that much of the stack.
+        self._closers = max((t.count("]") + t.count("}") for t in texts if t), default=0)
+        self._openers = max((t.count("[") + t.count("{") for t in texts if t), default=0)
+        self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int, end_ids: set[int]) -> JsonMasks:
@@ -55,13 +63,20 @@ class JsonMasks:
 
     def allowed(self, cursor: JsonCursor, device: torch.device | str = "cpu") -> torch.Tensor:
         capped = cursor.whitespace_run >= MAX_WHITESPACE_TOKENS and cursor.state[0] != g.STRING
-        key = (cursor.state, capped, str(device))
+        mode, stack, detail = cursor.state
+        keep = self._closers + 1
+        exact = len(stack) <= keep or len(stack) >= g.MAX_DEPTH - self._openers
+        key = (mode, stack[-keep:], len(stack) if exact else -1, detail, capped, str(device))
         mask = self._cache.get(key)
         if mask is None:
             ids = self._allowed_ids(cursor.state, capped)
             mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-            mask[torch.tensor(ids or self.end_ids, dtype=torch.int64)] = True
+            mask[torch.tensor(ids or self.end_ids, dtype=torch.int64)] = True  # (never empty here)
             mask = self._cache[key] = mask.to(device)
+            if len(self._cache) > MAX_CACHED_MASKS:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
         return mask
 
     def _allowed_ids(self, state: g.State, capped: bool) -> list[int]:
@@ -79,7 +94,9 @@ class JsonMasks:
         if capped:
             ids = [i for i in ids if i not in self.whitespace_only]
         if g.is_complete(state):
-            ids += self.end_ids
+            ids += [i for i in self.end_ids if i not in ids]
+        else:  # an end token with text (some vocabularies) must not cut the object short
+            ids = [i for i in ids if i not in self._end_set]
         return ids
 
     def advance(self, cursor: JsonCursor, token_id: int) -> JsonCursor:
