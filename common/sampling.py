@@ -14,6 +14,7 @@ MAX_STOP_ITEMS = 16
 MAX_STOP_LEN = 256
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
+MAX_SCHEMA_LEN = 1 << 16  # characters of a response_format JSON Schema
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,12 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids distinct
     prompt_logprobs: int | None = None  # top-k per prompt token (echo with logprobs); never prefix-cached
     json_object: bool = False  # output constrained to one JSON object (response_format json_object)
+    json_schema: str | None = None  # output constrained to this JSON Schema (JSON text; common/json_schema.py)
+
+    @property
+    def constrained(self) -> bool:
+        """JSON mode: the output is held to a JSON object, any or of a schema."""
+        return self.json_object or self.json_schema is not None
 
     @property
     def greedy(self) -> bool:
@@ -90,8 +97,10 @@ class SamplingParams:
             "logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100]")
         _check(len({pair[0] for pair in self.logit_bias}) == len(self.logit_bias), "logit_bias", "token ids must be distinct")
         _check(isinstance(self.json_object, bool), "json_object", "must be a boolean")
-        _check(not (self.json_object and self.use_beam_search), "json_object", "cannot be combined with use_beam_search")
-        _check(not (self.json_object and self.ignore_eos), "json_object", "cannot be combined with ignore_eos: the end of the object ends the output")
+        _check(self.json_schema is None or (isinstance(self.json_schema, str) and len(self.json_schema) <= MAX_SCHEMA_LEN), "json_schema", f"must be JSON text of at most {MAX_SCHEMA_LEN} characters")
+        _check(not (self.json_object and self.json_schema is not None), "json_schema", "cannot be combined with json_object")
+        _check(not (self.constrained and self.use_beam_search), "json_object", "cannot be combined with use_beam_search")
+        _check(not (self.constrained and self.ignore_eos), "json_object", "cannot be combined with ignore_eos: the end of the object ends the output")
         _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS), "prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
         return self
 

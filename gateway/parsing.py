@@ -4,7 +4,8 @@ Every problem raises `ApiError` (400 `invalid_request_error`, `param` = the fiel
 checked strictly (a bool is not an integer, a float is not an integer, NaN never parses), every
 list is bounded before it is copied, and range checks are left to `SamplingParams.validate()`,
 the one place that knows them. Fields this gateway does not know are ignored; fields it knows
-but cannot honour (suffix, tools, a JSON schema) are refused rather than silently dropped.
+but cannot honour (suffix, tools, JSON Schema keywords the engine cannot enforce) are refused
+rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from common.json_schema import SchemaError, compile_schema
 from common.messages import MAX_ID, GenerateRequest
 from common.protocol import MAX_TOKEN_IDS
 from common.sampling import MAX_LOGIT_BIAS, MAX_STOP_ITEMS, SamplingParams
@@ -93,7 +95,7 @@ def parse_chat(body: dict) -> ParsedRequest:
     f = _Fields(body)
     if body.get("tools") or body.get("functions"):
         raise invalid("tools: tool and function calling are not supported", "tools")
-    json_object = _json_object(body.get("response_format"))
+    json_mode = _json_mode(body.get("response_format"))
     messages = _messages(body.get("messages"))
     logprobs = None
     top_logprobs = f.int("top_logprobs", None)
@@ -104,9 +106,9 @@ def parse_chat(body: dict) -> ParsedRequest:
     limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _max_tokens(f, limit_field, MAX_TOKENS_FROM_CONTEXT)
     sampling = _sampling(f, max_tokens, logprobs, {"max_tokens": limit_field, "logprobs": "top_logprobs"})
-    if json_object:
+    if json_mode:
         try:
-            sampling = dataclasses.replace(sampling, json_object=True).validate()
+            sampling = dataclasses.replace(sampling, **json_mode).validate()
         except ValueError as e:
             raise invalid(f"response_format: {str(e).partition(': ')[2]}", "response_format") from None
     return _parsed(f, "chat", (), messages, sampling, logprobs)
@@ -122,17 +124,25 @@ def check_model(parsed: ParsedRequest, accepted: tuple[str, ...]) -> None:
 # --------------------------------------------------------------------------- parts
 
 
-def _json_object(value: Any) -> bool:
-    """response_format: text (the default) or json_object (JSON mode); json_schema is refused."""
+def _json_mode(value: Any) -> dict:
+    """response_format -> the SamplingParams fields of JSON mode: {} for text (the default),
+    json_object, or json_schema (checked here: a schema the engine cannot enforce is a 400)."""
     kind = value.get("type") if isinstance(value, dict) else None
     if value is None or kind == "text":
-        return False
+        return {}
     if kind == "json_object":
-        return True
+        return {"json_object": True}
     if kind == "json_schema":
-        raise invalid('response_format: json_schema is not supported; {"type": "json_object"} constrains the '
-                      "output to a JSON object without a schema", "response_format")
-    raise invalid('response_format: must be {"type": "text"} or {"type": "json_object"}', "response_format")
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise invalid("response_format.json_schema.schema: required, a JSON Schema object", "response_format")
+        try:
+            compile_schema(schema)
+        except (SchemaError, RecursionError) as e:
+            raise invalid(f"response_format: this JSON Schema cannot be enforced: {e}", "response_format") from None
+        return {"json_schema": json.dumps(schema, ensure_ascii=False, separators=(",", ":"))}
+    raise invalid('response_format: type must be "text", "json_object" or "json_schema"', "response_format")
 
 
 def _logit_bias(f: _Fields) -> tuple[tuple[int, float], ...]:

@@ -145,7 +145,7 @@ def test_each_parallel_sample_continues_its_own_first_token(engine_fp32):
 
 
 def test_json_mode_outputs_are_json_objects_or_valid_prefixes_of_one(engine_fp32):
-    from workers.engine import json_grammar
+    from common import json_grammar
 
     tok = engine_fp32.tokenizer
     asks = ["Give me a JSON object describing a cat with its name and age.", "List three fruits as JSON.",
@@ -170,7 +170,7 @@ def test_json_mode_outputs_are_json_objects_or_valid_prefixes_of_one(engine_fp32
 def test_json_mode_goes_on_after_a_handoff_from_the_first_token(engine_fp32):
     """The decode side of 1P+1D: the grammar resumes after the prefill worker's first token. The
     pages are not written here (they hold whatever they held), so only the grammar keeps the output JSON."""
-    from workers.engine import json_grammar
+    from common import json_grammar
 
     tok = engine_fp32.tokenizer
     prompt = tok.encode_chat([{"role": "user", "content": "Describe a cat."}])
@@ -182,3 +182,27 @@ def test_json_mode_goes_on_after_a_handoff_from_the_first_token(engine_fp32):
         for out in engine_fp32.step():
             ids += [t for so in out.outputs for t in so.new_token_ids]
     assert len(ids) > 1 and json_grammar.run(json_grammar.INITIAL, tok.decode(ids)) is not None
+
+
+def test_json_schema_outputs_validate_against_the_schema(engine_fp32):
+    from typing import Literal, Optional
+
+    from pydantic import BaseModel
+
+    class Cat(BaseModel):
+        name: str
+        age: int
+        color: Literal["black", "white", "ginger"]
+        owner: Optional[str] = None
+
+    tok = engine_fp32.tokenizer
+    prompt = tok.encode_chat([{"role": "user", "content": "Describe a cat."}])
+    params = SamplingParams(temperature=0.9, seed=7, n=3, max_tokens=60, json_schema=json.dumps(Cat.model_json_schema()))
+    [result] = engine_fp32.generate([prompt], params)
+    finished = [text for text, reason in zip(result.texts, result.finish_reasons) if reason == "stop"]
+    assert finished
+    for text in finished:
+        Cat.model_validate_json(text, strict=True)
+    with pytest.raises(ValueError, match="pattern"):
+        engine_fp32.add_request("bad-schema", prompt, SamplingParams(
+            json_schema=json.dumps({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}})))

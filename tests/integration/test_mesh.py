@@ -116,7 +116,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client, engine)
     assert lp.tokens == [engine.tokenizer.token_text(i) for i in prompt_ids + alone.token_ids[0]]
 
 
-def test_json_mode_answers_with_a_json_object_across_the_handoff(client):
+def test_json_object_and_json_schema_answers_across_the_handoff(client):
     messages = [{"role": "user", "content": "Describe a cat with its name and age."}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=80, temperature=0,
                                        response_format={"type": "json_object"})
@@ -125,9 +125,18 @@ def test_json_mode_answers_with_a_json_object_across_the_handoff(client):
     stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=80, temperature=0,
                                             response_format={"type": "json_object"}, stream=True)
     assert stream_text(stream, chat=True) == r.choices[0].message.content
-    with pytest.raises(openai.BadRequestError, match="json_schema"):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                               "color": {"enum": ["black", "white", "ginger"]}},
+              "required": ["name", "age", "color"]}
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=80, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "cat", "schema": schema, "strict": True}})
+    cat = json.loads(r.choices[0].message.content)
+    assert list(cat) == ["name", "age", "color"] and isinstance(cat["age"], int) and cat["color"] in schema[
+        "properties"]["color"]["enum"]
+    with pytest.raises(openai.BadRequestError, match="pattern"):
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, response_format={
-            "type": "json_schema", "json_schema": {"name": "cat", "schema": {"type": "object"}}})
+            "type": "json_schema", "json_schema": {"name": "cat", "schema": {
+                "type": "object", "properties": {"name": {"type": "string", "pattern": "^[A-Z]"}}}}})
 
 
 def test_logit_bias_reaches_the_sampler(client):

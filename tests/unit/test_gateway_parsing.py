@@ -107,9 +107,15 @@ def test_chat_logprobs(fields, logprobs):
     assert p.logprobs == p.sampling.logprobs == logprobs
 
 
-def test_response_format_text_and_json_object():
-    assert parse_chat(chat(response_format={"type": "text"})).sampling.json_object is False
+def test_response_format_text_json_object_and_json_schema():
+    assert not parse_chat(chat(response_format={"type": "text"})).sampling.constrained
     assert parse_chat(chat(response_format={"type": "json_object"})).sampling.json_object is True
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}, "required": ["a"]}
+    sampling = parse_chat(chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})).sampling
+    assert sampling.json_schema == '{"type":"object","properties":{"b":{"type":"integer"},"a":{"type":"string"}},"required":["a"]}'
+    with pytest.raises(ApiError, match="pattern"):
+        parse_chat(chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}}}))
 
 
 def test_to_generate_requests():
@@ -220,7 +226,10 @@ BAD_CHATS = [
     (chat(max_tokens=0), "max_tokens"),
     (chat(max_completion_tokens=10, min_tokens=11), "min_tokens"),
     (chat(tools=[{"type": "function"}]), "tools"),
-    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), "response_format"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array"}}}), "response_format"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}}}), "response_format"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format"),
     (chat(response_format={"type": "yaml"}), "response_format"),
     (chat(response_format="json"), "response_format"),
     (chat(response_format={"type": "json_object"}, use_beam_search=True, n=2), "response_format"),

@@ -10,7 +10,7 @@ import torch
 
 from common.model_files import default_model_path
 from common.tokenizer import Tokenizer
-from workers.engine import json_grammar as g
+from common import json_grammar as g
 from workers.engine.json_mode import MAX_WHITESPACE_TOKENS, JsonCursor, JsonMasks
 
 TOKENIZER = Tokenizer.from_path(default_model_path())
@@ -54,6 +54,11 @@ def random_value(rng: random.Random, depth: int = 0):
     if r < 0.7:
         return rng.uniform(-1e6, 1e6) if rng.random() < 0.5 else rng.randint(-1000, 1000)
     return "".join(rng.choice("ab \\\"/\té✓\n\x01") for _ in range(rng.randint(0, 6)))
+
+
+def test_surrogate_escapes_are_refused_other_escapes_taken():
+    assert accepts('{"a": "\\u00e9\\uD7FF\\ue000"}')
+    assert not accepts('{"a": "\\ud800"}') and not accepts('{"a": "\\uDFFF"}')
 
 
 def test_every_prefix_of_any_dumped_object_stays_valid():

@@ -33,6 +33,9 @@ from workers.engine.sampler import SampleRow, argmax_only, sample
         ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"json_object": True, "ignore_eos": True}, "json_object"),
         ({"json_object": True, "use_beam_search": True, "n": 2}, "json_object"),
+        ({"json_schema": '{"type":"object"}', "ignore_eos": True}, "json_object"),
+        ({"json_schema": '{}', "json_object": True}, "json_schema"),
+        ({"json_schema": "x" * 70000}, "json_schema"),
         ({"prompt_logprobs": True}, "prompt_logprobs"),
     ],
 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,8 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.model_runner import ModelRunner
 from workers.engine.outputs import CompletionResult, PrefillResult, RequestOutput, SeqOutput
-from workers.engine.json_mode import JsonCursor, JsonMasks
+from common.json_schema import compile_schema
+from workers.engine.json_mode import JsonMasks
 from workers.engine.sampler import SampleRow, add_logit_bias, prompt_token_logprobs, sample
 from workers.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from workers.engine.sequence import Sequence
@@ -38,6 +40,7 @@ from workers.model.loader import load_model
 DEFAULT_CPU_KV_GB = 2.0
 GPU_FREE_SHARE = 0.9  # of the memory free when the pool is sized: the rest is for activations
 MAX_DEFAULT_MODEL_LEN = 8192
+SCHEMA_MASKS = 16  # JSON schemas whose token masks are kept (a schema's masks are rebuilt when needed again)
 
 
 def gpu_kv_budget(free: int, total: int, reserved: int, fraction: float) -> float:
@@ -109,6 +112,7 @@ class Engine:
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.stats = EngineStats()
         self.prefilled: dict[str, PrefillResult] = {}  # prefill-only requests awaiting transfer
+        self.schema_masks: dict[str, JsonMasks] = {}  # JSON Schema text -> its masks, least recent first
         self.stalled = False
 
     # ---- set-up ---------------------------------------------------------------------------
@@ -161,11 +165,10 @@ class Engine:
                 f"max_tokens: prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"exceeds the context length {self.max_model_len}"
             )
-        if params.json_object and self.json_masks is None:
-            raise ValueError("response_format: JSON mode needs the model's tokenizer")
+        masks = self._json_masks_for(params)
         forks = 0 if params.use_beam_search else params.num_sequences - 1
         seq = Sequence(request_id, 0, token_ids, len(token_ids), params, pending_forks=forks,
-                       json=JsonCursor() if params.json_object else None)
+                       json=masks.start() if masks is not None else None)
         self._make_generator(seq)
         beam = BeamState(params.num_sequences, params.length_penalty) if params.use_beam_search else None
         self.requests[request_id] = _Request(request_id, params, [seq], len(token_ids), prefill_only=prefill_only, beam=beam)
@@ -173,10 +176,30 @@ class Engine:
 
     @functools.cached_property
     def json_masks(self) -> JsonMasks | None:
-        """JSON mode's token masks, built at its first use (None without a tokenizer)."""
+        """JSON mode's token masks for any object, built at its first use (None without a tokenizer)."""
         if self.tokenizer is None:
             return None
         return JsonMasks.for_tokenizer(self.tokenizer, self.model_config.vocab_size, set(self.eos_token_ids))
+
+    def _json_masks_for(self, params: SamplingParams) -> JsonMasks | None:
+        """The masks of a request's JSON mode (one set per schema, the last SCHEMA_MASKS kept);
+        None when it has none. ValueError when its schema cannot be enforced."""
+        if not params.constrained:
+            return None
+        if self.json_masks is None:
+            raise ValueError("response_format: JSON mode needs the model's tokenizer")
+        if params.json_schema is None:
+            return self.json_masks
+        masks = self.schema_masks.pop(params.json_schema, None)
+        if masks is None:
+            try:
+                masks = self.json_masks.for_grammar(compile_schema(json.loads(params.json_schema)))
+            except (ValueError, RecursionError) as e:
+                raise ValueError(f"response_format: {e}") from None
+        self.schema_masks[params.json_schema] = masks  # most recently used last
+        while len(self.schema_masks) > SCHEMA_MASKS:
+            self.schema_masks.pop(next(iter(self.schema_masks)))
+        return masks
 
     def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -271,7 +294,7 @@ class Engine:
                 target.cumulative_logprob += lp.logprob
             target.append_token(token, lp if seq.sampling.logprobs is not None else None)
             if target.json is not None:
-                target.json = self.json_masks.advance(target.json, token)
+                target.json = self._json_masks_for(target.sampling).advance(target.json, token)
             self._check_stop(target)
             touched[seq.request_id] = req
         for request_id, items in beam_rows.items():
@@ -335,8 +358,7 @@ class Engine:
         table = list(prefix_pages)
         try:
             params.validate()
-            if params.json_object and self.json_masks is None:
-                raise ValueError("response_format: JSON mode needs the model's tokenizer")
+            masks = self._json_masks_for(params)
             if request_id in self.requests:
                 raise ValueError(f"request_id: {request_id!r} is already running")
             prompt = self._prompt_ids(prompt_token_ids)
@@ -353,7 +375,7 @@ class Engine:
             seq = Sequence(
                 request_id, index, prompt + [token], len(prompt), params, block_table=self.blocks.fork(table),
                 num_computed=len(prompt), num_cached_pages=cached,
-                json=self.json_masks.advance(JsonCursor(), token) if params.json_object else None,
+                json=masks.advance(masks.start(), token) if masks is not None else None,
             )
             gen = self._new_generator(params, index)
             if gen is not None:  # the prefill worker drew the first token from this stream
@@ -377,7 +399,7 @@ class Engine:
     def _sample_row(self, seq: Sequence, generator: torch.Generator | None) -> SampleRow:
         p = seq.sampling
         banned: tuple[int, ...] = ()
-        allowed = None if seq.json is None else self.json_masks.allowed(seq.json, self.device)
+        allowed = None if seq.json is None else self._json_masks_for(p).allowed(seq.json, self.device)
         if seq.num_output_tokens < p.min_tokens and not (seq.json is not None and seq.json.complete):
             banned = tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))))
         # the token lists only feed penalties: no copies of long contexts per row and step without them

@@ -1,6 +1,8 @@
-"""JSON mode (`response_format: {"type": "json_object"}`): which tokens may come next.
+"""JSON mode (`response_format` json_object or json_schema): which tokens may come next.
 
-A JSON-mode sequence carries a `JsonCursor`: its automaton state (`json_grammar`) and how many
+A JSON-mode sequence carries a `JsonCursor`: its automaton state (`json_grammar` for any object,
+a `json_schema.SchemaGrammar` for a schema; both expose INITIAL, step, run, is_complete,
+MAX_DEPTH and TEXT_MODES) and how many
 whitespace-only tokens it has just emitted between JSON tokens (at most MAX_WHITESPACE_TOKENS in a
 row, so a model cannot pad forever). `JsonMasks.allowed(cursor)` is a bool mask over the
 vocabulary: a token is allowed iff its whole text keeps the document valid JSON; the tokens that
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine import json_grammar as g
+from common import json_grammar as g
 
 MAX_WHITESPACE_TOKENS = 2  # whitespace-only tokens in a row between JSON tokens
 MAX_CACHED_MASKS = 512  # per device; least recently used go first
@@ -36,7 +38,8 @@ class JsonMasks:
     """Token masks for one vocabulary. `texts[i]` is the text token i adds, None for special
     tokens; `end_ids` are the tokens that end generation (allowed once the object is closed)."""
 
-    def __init__(self, texts: list[str | None], end_ids: set[int], vocab_size: int):
+    def __init__(self, texts: list[str | None], end_ids: set[int], vocab_size: int, grammar=g):
+        self.grammar = grammar
         self.texts = texts
         self.vocab_size = vocab_size
         self.end_ids = sorted(i for i in end_ids if i < vocab_size)
@@ -54,6 +57,16 @@ class JsonMasks:
         self._openers = max((t.count("[") + t.count("{") for t in texts if t), default=0)
         self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
+    def for_grammar(self, grammar) -> JsonMasks:
+        """Masks of another grammar over the same vocabulary (its tables shared, its own cache)."""
+        other = object.__new__(JsonMasks)
+        other.__dict__.update(self.__dict__)
+        other.grammar, other._cache = grammar, OrderedDict()
+        return other
+
+    def start(self) -> JsonCursor:
+        return JsonCursor(self.grammar.INITIAL)
+
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int, end_ids: set[int]) -> JsonMasks:
         special = tokenizer.special_token_ids
@@ -62,10 +75,10 @@ class JsonMasks:
         return cls(texts, end_ids, vocab_size)
 
     def allowed(self, cursor: JsonCursor, device: torch.device | str = "cpu") -> torch.Tensor:
-        capped = cursor.whitespace_run >= MAX_WHITESPACE_TOKENS and cursor.state[0] != g.STRING
+        capped = cursor.whitespace_run >= MAX_WHITESPACE_TOKENS and cursor.state[0] not in self.grammar.TEXT_MODES
         mode, stack, detail = cursor.state
         keep = self._closers + 1
-        exact = len(stack) <= keep or len(stack) >= g.MAX_DEPTH - self._openers
+        exact = len(stack) <= keep or len(stack) >= self.grammar.MAX_DEPTH - self._openers
         key = (mode, stack[-keep:], len(stack) if exact else -1, detail, capped, str(device))
         mask = self._cache.get(key)
         if mask is None:
@@ -81,19 +94,20 @@ class JsonMasks:
 
     def _allowed_ids(self, state: g.State, capped: bool) -> list[int]:
         ids: list[int] = []
+        grammar = self.grammar
         if state[0] == g.STRING and state[2][1] == "":  # most of the vocabulary stays in the string
             ids = [i for i, plain in enumerate(self.plain) if plain]
             walk = [i for i, t in enumerate(self.texts) if t and not self.plain[i]]
-            ids += [i for i in walk if g.run(state, self.texts[i]) is not None]
+            ids += [i for i in walk if grammar.run(state, self.texts[i]) is not None]
         else:
             for first, group in self.by_first.items():
-                after = g.step(state, first)
+                after = grammar.step(state, first)
                 if after is None:
                     continue
-                ids += [i for i in group if len(self.texts[i]) == 1 or g.run(after, self.texts[i][1:]) is not None]
+                ids += [i for i in group if len(self.texts[i]) == 1 or grammar.run(after, self.texts[i][1:]) is not None]
         if capped:
             ids = [i for i in ids if i not in self.whitespace_only]
-        if g.is_complete(state):
+        if grammar.is_complete(state):
             ids += [i for i in self.end_ids if i not in ids]
         else:  # an end token with text (some vocabularies) must not cut the object short
             ids = [i for i in ids if i not in self._end_set]
@@ -104,9 +118,9 @@ class JsonMasks:
         text = self.texts[token_id] if token_id < len(self.texts) else None
         if not text:
             return cursor
-        state = g.run(cursor.state, text)
+        state = self.grammar.run(cursor.state, text)
         if state is None:  # not allowed by the mask: cannot happen; keep the last valid state
             return cursor
-        structural = cursor.state[0] != g.STRING
+        structural = cursor.state[0] not in self.grammar.TEXT_MODES
         run = cursor.whitespace_run + 1 if structural and token_id in self.whitespace_only else 0
         return JsonCursor(state, run)

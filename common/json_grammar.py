@@ -1,4 +1,4 @@
-"""JSON as a character-level pushdown automaton, for `response_format: {"type": "json_object"}`.
+r"""JSON as a character-level pushdown automaton, for `response_format: {"type": "json_object"}`.
 
 Pure Python. A state is an immutable tuple, so a sequence's state is copied by assignment (forks)
 and states can key a cache of token masks (`workers/engine/json_mode.py`):
@@ -14,7 +14,8 @@ document is one object ("json_object"), nested at most MAX_DEPTH deep; whitespac
 wherever JSON allows it, and after the object closes only whitespace may follow (`is_complete` is
 then true). Characters beyond
 ASCII are only valid inside strings, which also covers tokens that end inside a UTF-8 sequence
-(their text holds U+FFFD).
+(their text holds U+FFFD). `\u` escapes of surrogates (D800-DFFF) are refused: many parsers
+reject a lone one, and characters outside the BMP can be written as they are.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ NUMBER_ENDS = {"zero", "int", "frac", "exp"}
 State = tuple
 
 INITIAL: State = (START, "", None)
+TEXT_MODES = frozenset({STRING})  # modes in which whitespace is text, not padding
 
 
 def is_complete(state: State) -> bool:
@@ -123,8 +125,12 @@ def _string(stack: str, detail: tuple, ch: str) -> State | None:
         if ch in ESCAPES:
             return (STRING, stack, (is_key, ""))
         return (STRING, stack, (is_key, "u0")) if ch == "u" else None
-    if ch not in HEX:  # "\uXXXX": escape is "u<hex digits so far>"
+    if ch not in HEX:  # "\uXXXX": escape is "u<hex digits so far>", "u1d" after a first "d"
         return None
+    if escape == "u1d" and ch not in "01234567":  # \uD800-\uDFFF: a surrogate, which many parsers refuse
+        return None
+    if escape == "u0" and ch in "dD":
+        return (STRING, stack, (is_key, "u1d"))
     done = int(escape[1]) + 1
     return (STRING, stack, (is_key, "" if done == 4 else f"u{done}"))
 
