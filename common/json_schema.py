@@ -32,7 +32,7 @@ ANY = -1  # node id of a free JSON value
 KEYLIT = "keylit"  # a declared key: detail (candidates ((prop index, '"name"'), ...), characters matched)
 ENUMLIT = "enumlit"  # an enum string: detail (candidate literals, characters matched)
 FIRST = "first"  # after '[': a value of the array's items, or ']'
-MAX_NODES = 4096
+MAX_NODES = 4096  # schema parts a schema may have (each definition counted once)
 
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
                "readOnly", "writeOnly", "$defs", "definitions", "additionalProperties"}
@@ -242,84 +242,158 @@ def compile_schema(schema: object) -> SchemaGrammar:
     """The automaton of a JSON Schema whose root is an object; SchemaError if unsupported."""
     if not isinstance(schema, dict):
         raise SchemaError("the schema must be a JSON object")
-    nodes: list[Node] = []
-    root = _Compiler(schema, nodes).node(schema, ())
-    if nodes[root].kind not in ("object", "anyobject"):
-        raise SchemaError("the schema's root must be an object")
-    return SchemaGrammar(nodes, root)
+    compiler = _Compiler(schema)
+    root = compiler.node(schema, (), 0)
+    if root == ANY or compiler.nodes[root].kind not in ("object", "anyobject"):
+        raise SchemaError("the schema's root must be an object (\"type\": \"object\")")
+    if _height(compiler.nodes, root, {}) > g.MAX_DEPTH:
+        raise SchemaError(f"nesting deeper than {g.MAX_DEPTH}")
+    return SchemaGrammar(compiler.nodes, root)
+
+
+def _height(nodes: list[Node], node_id: int, memo: dict[int, int]) -> int:
+    """Containers nested in a value of this node, itself included (definitions are shared)."""
+    if node_id == ANY:
+        return 1
+    if node_id not in memo:
+        node = nodes[node_id]
+        below = [n for _, n, _ in node.props] + ([node.items] if node.kind == "array" else []) + node.alternatives
+        own = 1 if node.kind in ("object", "anyobject", "array") else 0
+        memo[node_id] = own + max((_height(nodes, n, memo) for n in below), default=0)
+    return memo[node_id]
+
+
+def literals(grammar: SchemaGrammar) -> list[str]:
+    """Every property name and enum string the automaton writes as a fixed literal (unquoted)."""
+    out = []
+    for node in grammar.nodes:
+        out += [name for name, _, _ in node.props]
+        out += [json.loads(literal) for literal in node.enum or ()]
+    return out
+
+
+SIBLINGS = {  # the keywords that may stand beside each structural one (annotations aside)
+    "$ref": set(), "anyOf": set(), "oneOf": set(), "enum": {"type"}, "const": {"type"},
+}
 
 
 class _Compiler:
-    def __init__(self, root: dict, nodes: list[Node]):
-        self.defs = {**root.get("definitions", {}), **root.get("$defs", {})}
-        self.nodes = nodes
+    def __init__(self, root: dict):
+        self.defs: dict[str, dict] = {}
+        for where in ("definitions", "$defs"):
+            table = root.get(where, {})
+            if not isinstance(table, dict):
+                raise SchemaError(f"{where}: must be an object")
+            self.defs.update({f"#/{where}/{_escape(name)}": sub for name, sub in table.items()})
+        self.nodes: list[Node] = []
+        self.compiled: dict[str, int] = {}  # a definition is compiled once, then shared
+        self.budget = MAX_NODES  # schema parts visited: bounds the work on any input
 
     def add(self, node: Node) -> int:
-        if len(self.nodes) >= MAX_NODES:
-            raise SchemaError(f"more than {MAX_NODES} schema nodes")
         self.nodes.append(node)
         return len(self.nodes) - 1
 
-    def node(self, schema: object, refs: tuple[str, ...]) -> int:
+    def node(self, schema: object, refs: tuple[str, ...], depth: int) -> int:
+        self.budget -= 1
+        if self.budget < 0:
+            raise SchemaError(f"more than {MAX_NODES} schema parts")
+        if depth > g.MAX_DEPTH:
+            raise SchemaError(f"nesting deeper than {g.MAX_DEPTH}")
         if schema is True or schema == {}:
             return ANY
         if not isinstance(schema, dict):
             raise SchemaError(f"a schema must be an object, got {json.dumps(schema)[:60]}")
+        for keyword, allowed in SIBLINGS.items():
+            if keyword in schema:
+                extra = set(schema) - ANNOTATIONS - allowed - {keyword}
+                if extra:
+                    raise SchemaError(f"{keyword} beside {', '.join(sorted(extra))} is not supported")
         if "$ref" in schema:
-            ref = schema["$ref"]
-            name = ref.rsplit("/", 1)[-1] if isinstance(ref, str) else None
-            if not isinstance(ref, str) or not ref.startswith(("#/$defs/", "#/definitions/")) or name not in self.defs:
-                raise SchemaError(f"$ref {ref!r}: only references into $defs / definitions are supported")
-            if name in refs:
-                raise SchemaError(f"$ref {ref!r}: recursive schemas are not supported")
-            return self.node(self.defs[name], refs + (name,))
+            return self.ref(schema["$ref"], refs, depth)
         unknown = set(schema) - ANNOTATIONS - {"type", "properties", "required", "items", "enum", "const", "anyOf", "oneOf"}
         if unknown:
             raise SchemaError(f"unsupported keyword(s): {', '.join(sorted(unknown))}")
         for key in ("anyOf", "oneOf"):
             if key in schema:
-                return self.any_of([self.node(s, refs) for s in _list(schema[key], key)])
+                return self.any_of([self.node(sub, refs, depth) for sub in _list(schema[key], key)], key)
         if "enum" in schema or "const" in schema:
-            values = _list(schema["enum"], "enum") if "enum" in schema else [schema["const"]]
-            strings = [v for v in values if isinstance(v, str)]
-            others = [v for v in values if not isinstance(v, str)]
-            if any(v is not None for v in others) or not values:
-                raise SchemaError("enum / const: only strings (and null) are supported")
-            node = self.add(Node("string", enum=tuple(json.dumps(v, ensure_ascii=False) for v in strings))) if strings else None
-            null = self.add(Node("null")) if others else None
-            return self.any_of([n for n in (node, null) if n is not None])
+            return self.enum(schema)
         kind = schema.get("type")
+        if kind is None:
+            if set(schema) - ANNOTATIONS:
+                raise SchemaError(f"{', '.join(sorted(set(schema) - ANNOTATIONS))} without a type is not supported")
+            return ANY
         if isinstance(kind, list):
-            return self.any_of([self.node({**schema, "type": k}, refs) for k in kind])
+            return self.any_of([self.node({**schema, "type": k}, refs, depth) for k in kind], "type")
         if kind == "object":
-            return self.object(schema, refs)
+            return self.object(schema, refs, depth)
+        if "properties" in schema or "required" in schema:
+            raise SchemaError(f"properties / required on type {kind!r}")
         if kind == "array":
-            return self.add(Node("array", items=self.node(schema.get("items", {}), refs)))
+            items = schema.get("items", {})
+            if items is False:
+                raise SchemaError("items: false is not supported")
+            return self.add(Node("array", items=self.node(items, refs, depth + 1)))
+        if "items" in schema:
+            raise SchemaError(f"items on type {kind!r}")
         if kind in ("string", "integer", "number", "boolean", "null"):
             return self.add(Node(kind))
-        if kind is None:
-            return ANY
         raise SchemaError(f"type {kind!r} is not supported")
 
-    def object(self, schema: dict, refs: tuple[str, ...]) -> int:
-        if schema.get("additionalProperties") not in (None, False, True, {}):
+    def ref(self, ref: object, refs: tuple[str, ...], depth: int) -> int:
+        if not isinstance(ref, str) or ref not in self.defs:
+            raise SchemaError(f"$ref {ref!r}: only references to a $defs / definitions entry are supported")
+        if ref in refs:
+            raise SchemaError(f"$ref {ref!r}: recursive schemas are not supported")
+        if ref not in self.compiled:
+            self.compiled[ref] = self.node(self.defs[ref], refs + (ref,), depth)
+        return self.compiled[ref]
+
+    def enum(self, schema: dict) -> int:
+        values = _list(schema["enum"], "enum") if "enum" in schema else [schema["const"]]
+        if not values or not all(v is None or isinstance(v, str) for v in values):
+            raise SchemaError("enum / const: only strings (and null) are supported")
+        kinds = {"null" if v is None else "string" for v in values}
+        declared = schema.get("type")
+        if declared is not None and not kinds <= set(declared if isinstance(declared, list) else [declared]):
+            raise SchemaError(f"enum / const: values of type {sorted(kinds)} under type {declared!r}")
+        strings = [v for v in values if v is not None]
+        for text in strings:
+            if any(0xD800 <= ord(c) <= 0xDFFF for c in text):
+                raise SchemaError("enum / const: a string with a lone surrogate")
+        node = self.add(Node("string", enum=tuple(dict.fromkeys(json.dumps(v, ensure_ascii=False) for v in strings)))) if strings else None
+        null = self.add(Node("null")) if "null" in kinds else None
+        return self.any_of([n for n in (node, null) if n is not None], "enum")
+
+    def object(self, schema: dict, refs: tuple[str, ...], depth: int) -> int:
+        extra = schema.get("additionalProperties")
+        if extra not in (None, False, True, {}):
             raise SchemaError("additionalProperties: only true or false")
         properties = schema.get("properties")
         if properties is None:
+            if schema.get("required") or extra is False:
+                raise SchemaError("an object with required keys or no additional properties needs properties")
             return self.add(Node("anyobject"))
         if not isinstance(properties, dict):
             raise SchemaError("properties: must be an object")
-        required = set(_list(schema.get("required", []), "required"))
-        if required - set(properties):
-            raise SchemaError(f"required: {sorted(required - set(properties))} not among the properties")
-        props = [(name, self.node(sub, refs), name in required) for name, sub in properties.items()]
+        required = _list(schema.get("required", []), "required")
+        if not all(isinstance(name, str) for name in required):
+            raise SchemaError("required: must be a list of property names")
+        if set(required) - set(properties):
+            raise SchemaError(f"required: {sorted(set(required) - set(properties))} not among the properties")
+        for name in properties:
+            if any(0xD800 <= ord(c) <= 0xDFFF for c in name):
+                raise SchemaError("properties: a name with a lone surrogate")
+        props = [(name, self.node(sub, refs, depth + 1), name in required) for name, sub in properties.items()]
         return self.add(Node("object", props=props))
 
-    def any_of(self, alternatives: list[int]) -> int:
+    def any_of(self, alternatives: list[int], key: str) -> int:
+        if not alternatives:
+            raise SchemaError(f"{key}: no alternative")
         if len(alternatives) == 1:
             return alternatives[0]
         if ANY in alternatives:
-            raise SchemaError("anyOf / oneOf: an unconstrained alternative is not supported")
+            raise SchemaError(f"{key}: an unconstrained alternative is not supported")
         seen: set[str] = set()
         flat: list[int] = []
         for alt in alternatives:
@@ -328,9 +402,14 @@ class _Compiler:
             kind = self.nodes[alt].kind
             starts = set(STARTS.get("object" if kind == "anyobject" else kind) or "")
             if starts & seen:
-                raise SchemaError("anyOf / oneOf: alternatives must start differently (e.g. a type and null)")
+                raise SchemaError(f"{key}: alternatives must start differently (e.g. a type and null)")
             seen |= starts
         return self.add(Node("anyof", alternatives=flat))
+
+
+def _escape(name: str) -> str:
+    """A definition's name as a JSON Pointer segment."""
+    return name.replace("~", "~0").replace("/", "~1")
 
 
 def _list(value: object, name: str) -> list:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import structlog
 from aiohttp import web
 
+from common.json_schema import compile_schema, literals
 from common.messages import RequestFailed, TextDelta
 from common.tokenizer import Tokenizer
 from gateway.config import GatewayConfig
@@ -94,6 +96,8 @@ class Gateway:
             raise _too_large(self.config.max_body_bytes)
         parsed = parse(parse_json(await request.read()))
         check_model(parsed, self.config.model_names)
+        if parsed.sampling.json_schema is not None:
+            self._check_spellable(parsed.sampling.json_schema)
 
         request_id = f"cmpl-{uuid.uuid4().hex}"
         requests = parsed.to_generate_requests(request_id, self.config.served_model, self.mesh.reply_to, time.time())
@@ -139,6 +143,14 @@ class Gateway:
                         self.mesh.abort(r, abort_reason)
                 for r in offsets:
                     self.mesh.discard(r)
+
+    def _check_spellable(self, schema: str) -> None:
+        """Every key and enum string the schema fixes must be writable token by token in this
+        vocabulary; one made of byte tokens only (their texts are U+FFFD) would trap the output."""
+        for literal in literals(compile_schema(json.loads(schema))):
+            if "".join(map(self.tokenizer.token_text, self.tokenizer.encode(literal, add_special_tokens=False))) != literal:
+                raise invalid(f"response_format: {literal[:40]!r} cannot be written token by token with this "
+                              "model's vocabulary", "response_format")
 
     def _echo(self, parsed: ParsedRequest) -> list[str] | None:
         """With echo: each prompt's text (a prompt of token ids decoded)."""

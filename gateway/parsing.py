@@ -18,7 +18,7 @@ from typing import Any
 from common.json_schema import SchemaError, compile_schema
 from common.messages import MAX_ID, GenerateRequest
 from common.protocol import MAX_TOKEN_IDS
-from common.sampling import MAX_LOGIT_BIAS, MAX_STOP_ITEMS, SamplingParams
+from common.sampling import MAX_LOGIT_BIAS, MAX_SCHEMA_LEN, MAX_STOP_ITEMS, SamplingParams
 from gateway.errors import ApiError, from_value_error, invalid
 from services.tokenizer import MAX_TOKENS_FROM_CONTEXT
 
@@ -138,10 +138,13 @@ def _json_mode(value: Any) -> dict:
         if not isinstance(schema, dict):
             raise invalid("response_format.json_schema.schema: required, a JSON Schema object", "response_format")
         try:
+            text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+            if len(text) > MAX_SCHEMA_LEN:
+                raise SchemaError(f"longer than {MAX_SCHEMA_LEN} characters")
             compile_schema(schema)
         except (SchemaError, RecursionError) as e:
             raise invalid(f"response_format: this JSON Schema cannot be enforced: {e}", "response_format") from None
-        return {"json_schema": json.dumps(schema, ensure_ascii=False, separators=(",", ":"))}
+        return {"json_schema": text}
     raise invalid('response_format: type must be "text", "json_object" or "json_schema"', "response_format")
 
 

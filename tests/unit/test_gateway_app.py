@@ -190,6 +190,29 @@ def test_echo_puts_the_prompt_in_front_of_each_choice_with_its_logprobs(tmp_path
     run(tmp_path, test)
 
 
+def test_json_schemas_the_engine_cannot_enforce_are_400s_before_the_mesh(tmp_path):
+    def schema(**props):
+        return {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": props}}}
+
+    async def test(fake: FakeMesh):
+        for response_format, why in [
+            (schema(pet={"enum": ["cat", "🦜"]}), "cannot be written token by token"),  # only byte tokens
+            ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}, "root"),
+            (schema(a={"type": "string", "minLength": 2}), "minLength"),
+        ]:
+            r = await fake.client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "Hi"}], "response_format": response_format})
+            body = await r.json()
+            assert r.status == 400 and body["error"]["param"] == "response_format" and why in body["error"]["message"]
+        post = asyncio.create_task(fake.client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "response_format": schema(pet={"enum": ["cat", "é"]})}))
+        request = await fake.next_request()  # a schema it can write reaches the mesh
+        assert request.sampling.json_schema == '{"type":"object","properties":{"pet":{"enum":["cat","é"]}}}'
+        await fake.answer(request, '{"pet": "cat"}', finish="stop")
+        assert (await post).status == 200
+    run(tmp_path, test)
+
+
 def test_one_failed_prompt_of_a_batch_fails_the_request_and_aborts_the_others(tmp_path):
     async def test(fake: FakeMesh):
         post = asyncio.create_task(fake.client.post("/v1/completions", json={"prompt": ["a", "b", "c"]}))

@@ -103,10 +103,60 @@ def test_documents_outside_the_schema_are_refused(text):
     ({"type": "object", "properties": {"a": {"enum": [1, 2]}}}, "enum"),
     ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}, "required"),
     ("not a schema", "object"),
+    ({}, "root"),
+    ({"anyOf": [{}]}, "root"),
+    ({"type": "object", "$defs": []}, r"\$defs"),
+    ({"type": "object", "properties": {"a": {}}, "required": [["a"]]}, "required"),
+    ({"type": "object", "required": ["a"]}, "needs properties"),
+    ({"type": "object", "additionalProperties": False}, "needs properties"),
+    ({"type": "object", "additionalProperties": {"type": "integer"}}, "additionalProperties"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/S", "maxLength": 1}}, "$defs": {"S": {"type": "string"}}}, "beside"),
+    ({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"type": "null"}], "enum": ["x", None]}}}, "beside"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "enum": ["x"]}}}, "under type"),
+    ({"type": "object", "properties": {"a": {"properties": {"b": {"type": "integer"}}}}}, "without a type"),
+    ({"type": "object", "properties": {"a": {"type": []}}}, "no alternative"),
+    ({"type": "object", "properties": {"a": {"enum": ["\ud800"]}}}, "surrogate"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/S/properties/b"}},
+      "$defs": {"S": {"type": "object", "properties": {"b": {"type": "integer"}}}, "b": {"type": "string"}}}, "references"),
+    ({"type": "object", "properties": {"a": {"type": "array", "items": False}}}, "items"),
 ])
 def test_schemas_it_cannot_enforce_are_refused_with_the_reason(schema, why):
     with pytest.raises(SchemaError, match=why):
         compile_schema(schema)
+
+
+def nested(depth: int) -> dict:
+    schema = inner = {"type": "object", "properties": {}}
+    for _ in range(depth - 1):
+        inner["properties"]["a"] = {"type": "object", "properties": {}}
+        inner = inner["properties"]["a"]
+    return schema
+
+
+def test_nesting_beyond_the_automaton_depth_is_refused_up_front():
+    compile_schema(nested(g.MAX_DEPTH))
+    with pytest.raises(SchemaError, match="nesting"):
+        compile_schema(nested(g.MAX_DEPTH + 1))
+    # one definition used near the top (compiled there) and again 25 levels down: 1 + 25 + 40 > 64
+    chain = inner = nested(25)
+    while inner["properties"]:
+        inner = inner["properties"]["a"]
+    inner["properties"]["z"] = {"$ref": "#/$defs/Deep"}
+    shared = {"$defs": {"Deep": nested(40)}, "type": "object", "properties": {"x": {"$ref": "#/$defs/Deep"}, "y": chain}}
+    with pytest.raises(SchemaError, match="nesting"):
+        compile_schema(shared)
+    compile_schema({**shared, "$defs": {"Deep": nested(30)}})
+
+
+def test_definitions_compile_once_and_the_work_is_bounded():
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(50)}}
+    middle = {"type": "object", "properties": {f"b{i}": {"$ref": "#/$defs/A"} for i in range(50)}}
+    root = {"type": "object", "properties": {f"r{i}": {"$ref": "#/$defs/B"} for i in range(50)},
+            "$defs": {"A": wide, "B": middle}}
+    assert len(compile_schema(root).nodes) < 60  # 50 * 50 * 50 leaves if each use were expanded
+    root["$defs"]["A"] = {"type": "object", "properties": {f"p{i}": {} for i in range(5000)}}
+    with pytest.raises(SchemaError, match="schema parts"):
+        compile_schema(root)
 
 
 def test_a_free_object_schema_is_json_object_mode():
@@ -118,7 +168,9 @@ def test_a_free_object_schema_is_json_object_mode():
 
 def test_schema_masks_allow_exactly_the_tokens_that_keep_the_document_valid():
     tokenizer = Tokenizer.from_path(default_model_path())
-    masks = JsonMasks.for_tokenizer(tokenizer, tokenizer.vocab_size, set(tokenizer.eos_token_ids)).for_grammar(GRAMMAR)
+    plain = JsonMasks.for_tokenizer(tokenizer, tokenizer.vocab_size, set(tokenizer.eos_token_ids))
+    masks = plain.for_grammar(GRAMMAR)
+    assert masks._cache is plain._cache  # one bound for every schema's masks
     sample = random.Random(2).sample(range(tokenizer.vocab_size), 2000)
     for prefix in ('', '{"na', '{"name": "Al", "sc', '{"name": "Al", "score": 1', '{"name": "A", "score": 1, "pets": [{"kind": "c'):
         cursor = masks.start()

@@ -168,7 +168,7 @@ class Engine:
         masks = self._json_masks_for(params)
         forks = 0 if params.use_beam_search else params.num_sequences - 1
         seq = Sequence(request_id, 0, token_ids, len(token_ids), params, pending_forks=forks,
-                       json=masks.start() if masks is not None else None)
+                       json=masks.start() if masks is not None else None, json_masks=masks)
         self._make_generator(seq)
         beam = BeamState(params.num_sequences, params.length_penalty) if params.use_beam_search else None
         self.requests[request_id] = _Request(request_id, params, [seq], len(token_ids), prefill_only=prefill_only, beam=beam)
@@ -182,8 +182,9 @@ class Engine:
         return JsonMasks.for_tokenizer(self.tokenizer, self.model_config.vocab_size, set(self.eos_token_ids))
 
     def _json_masks_for(self, params: SamplingParams) -> JsonMasks | None:
-        """The masks of a request's JSON mode (one set per schema, the last SCHEMA_MASKS kept);
-        None when it has none. ValueError when its schema cannot be enforced."""
+        """The masks of a new request's JSON mode (its sequences keep them; the last SCHEMA_MASKS
+        schemas' are kept here for the next requests); None when it has none. ValueError when its
+        schema cannot be enforced."""
         if not params.constrained:
             return None
         if self.json_masks is None:
@@ -294,7 +295,7 @@ class Engine:
                 target.cumulative_logprob += lp.logprob
             target.append_token(token, lp if seq.sampling.logprobs is not None else None)
             if target.json is not None:
-                target.json = self._json_masks_for(target.sampling).advance(target.json, token)
+                target.json = target.json_masks.advance(target.json, token)
             self._check_stop(target)
             touched[seq.request_id] = req
         for request_id, items in beam_rows.items():
@@ -375,7 +376,7 @@ class Engine:
             seq = Sequence(
                 request_id, index, prompt + [token], len(prompt), params, block_table=self.blocks.fork(table),
                 num_computed=len(prompt), num_cached_pages=cached,
-                json=masks.advance(masks.start(), token) if masks is not None else None,
+                json=masks.advance(masks.start(), token) if masks is not None else None, json_masks=masks,
             )
             gen = self._new_generator(params, index)
             if gen is not None:  # the prefill worker drew the first token from this stream
@@ -399,7 +400,7 @@ class Engine:
     def _sample_row(self, seq: Sequence, generator: torch.Generator | None) -> SampleRow:
         p = seq.sampling
         banned: tuple[int, ...] = ()
-        allowed = None if seq.json is None else self._json_masks_for(p).allowed(seq.json, self.device)
+        allowed = None if seq.json is None else seq.json_masks.allowed(seq.json, self.device)
         if seq.num_output_tokens < p.min_tokens and not (seq.json is not None and seq.json.complete):
             banned = tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))))
         # the token lists only feed penalties: no copies of long contexts per row and step without them
@@ -461,6 +462,7 @@ class Engine:
             cumulative_logprob=parent.cumulative_logprob,
             prompt_logprobs=parent.prompt_logprobs,  # collected: a recompute does not redo them
             json=parent.json,
+            json_masks=parent.json_masks,
         )
         if generator is not None:
             self.generators[child.seq_id] = generator

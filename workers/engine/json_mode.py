@@ -13,6 +13,7 @@ without quotes, backslashes or control characters pass through a string without 
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -21,7 +22,8 @@ import torch
 from common import json_grammar as g
 
 MAX_WHITESPACE_TOKENS = 2  # whitespace-only tokens in a row between JSON tokens
-MAX_CACHED_MASKS = 512  # per device; least recently used go first
+MAX_CACHED_MASKS = 512  # for all grammars and devices of one vocabulary; least recently used go first
+_grammar_keys = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class JsonMasks:
     tokens; `end_ids` are the tokens that end generation (allowed once the object is closed)."""
 
     def __init__(self, texts: list[str | None], end_ids: set[int], vocab_size: int, grammar=g):
-        self.grammar = grammar
+        self.grammar, self._grammar_key = grammar, next(_grammar_keys)  # (an id() could be reused)
         self.texts = texts
         self.vocab_size = vocab_size
         self.end_ids = sorted(i for i in end_ids if i < vocab_size)
@@ -60,8 +62,8 @@ class JsonMasks:
     def for_grammar(self, grammar) -> JsonMasks:
         """Masks of another grammar over the same vocabulary (its tables shared, its own cache)."""
         other = object.__new__(JsonMasks)
-        other.__dict__.update(self.__dict__)
-        other.grammar, other._cache = grammar, OrderedDict()
+        other.__dict__.update(self.__dict__)  # the cache too: MAX_CACHED_MASKS bounds them all
+        other.grammar, other._grammar_key = grammar, next(_grammar_keys)
         return other
 
     def start(self) -> JsonCursor:
@@ -79,7 +81,7 @@ class JsonMasks:
         mode, stack, detail = cursor.state
         keep = self._closers + 1
         exact = len(stack) <= keep or len(stack) >= self.grammar.MAX_DEPTH - self._openers
-        key = (mode, stack[-keep:], len(stack) if exact else -1, detail, capped, str(device))
+        key = (self._grammar_key, mode, stack[-keep:], len(stack) if exact else -1, detail, capped, str(device))
         mask = self._cache.get(key)
         if mask is None:
             ids = self._allowed_ids(cursor.state, capped)

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.sampling import SamplingParams
-from workers.engine.json_mode import JsonCursor
+from workers.engine.json_mode import JsonCursor, JsonMasks
 
 _seq_ids = itertools.count()
 
@@ -60,6 +60,7 @@ class Sequence:
     cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs (best_of, beams)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1, 2, ... so far
     json: JsonCursor | None = None  # JSON mode: where the output is in the JSON grammar
+    json_masks: JsonMasks | None = None  # JSON mode: the token masks of its grammar
 
     def prompt_logprob_positions(self, start: int, num_tokens: int) -> range:
         """Positions of a chunk [start, start + num_tokens) whose logits give a prompt token's
