@@ -61,6 +61,7 @@ class _Call:
     offsets: dict[str, int]  # request in the mesh (one per prompt) -> index of its first choice
     ended: bool = False
     failed: str | None = None  # the request in the mesh that ended it with an error
+    submitted: set[str] = dataclasses.field(default_factory=set)  # requests sent into the mesh
 
 
 class Gateway:
@@ -114,6 +115,7 @@ class Gateway:
             try:
                 for r in requests:
                     await self.mesh.submit(r)
+                    call.submitted.add(r.request_id)
                 first = await self._next(call)  # errors before any output keep their HTTP status
                 if parsed.stream:
                     return await self._stream(request, call, first)
@@ -134,7 +136,7 @@ class Gateway:
             finally:
                 # stopped early: the client left, a timeout, or one prompt of a batch failed
                 unended = [r for r, start in offsets.items()
-                           if r != call.failed and not builder.choices_finished(start, n)]
+                           if r in call.submitted and r != call.failed and not builder.choices_finished(start, n)]
                 if unended:
                     if call.failed is not None:
                         abort_reason = "another prompt of the batch failed"

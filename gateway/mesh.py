@@ -9,7 +9,8 @@
 A background task per receiving socket does the routing; a request's queue holds
 `(arrival time, list[TextDelta] | RequestFailed)` items, one per incoming batch. When the
 tokenizer's instance changes, it was restarted and lost every request in flight: they end with a
-503 at once (and are aborted at the scheduler) instead of at the request timeout.
+503 at once (and are aborted at the scheduler) instead of at the request timeout. No request goes
+out before the first Pong, so the first instance seen is the one the requests went to.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from common.messages import (
     AbortRequest, ClusterStatus, GenerateRequest, Pong, RequestFailed, StatusRequest, TextDelta, TextDeltaBatch,
 )
 from common.transport import Dealer, Pull
+from gateway.errors import ApiError
 
 log = structlog.get_logger()
 
 Reply = tuple[float, "list[TextDelta] | RequestFailed"]
+TOKENIZER_WAIT_S = 10.0  # a request waits this long for a tokenizer that has not answered yet
 
 
 class MeshClient:
@@ -42,6 +45,9 @@ class MeshClient:
         self._queues: dict[str, asyncio.Queue[Reply]] = {}
         self._status_waiter: asyncio.Future[ClusterStatus] | None = None
         self._tasks: set[asyncio.Task] = set()
+        # set by the tokenizer's first Pong: requests go out only once its instance is known, so
+        # a restart is always seen as a change of instance
+        self._tokenizer_known = asyncio.Event()
 
     def start(self) -> None:
         for loop in (self._route_replies(), self._route_status(), self._watch_tokenizer(),
@@ -74,6 +80,12 @@ class MeshClient:
         self._queues.pop(request_id, None)
 
     async def submit(self, request: GenerateRequest) -> None:
+        if not self._tokenizer_known.is_set():
+            try:
+                await asyncio.wait_for(self._tokenizer_known.wait(), TOKENIZER_WAIT_S)
+            except asyncio.TimeoutError:
+                raise ApiError(503, "Service unavailable: the tokenizer does not answer; retry later.",
+                               "server_error", None, "service_unavailable") from None
         await self._tokenizer.send(request)
 
     def abort(self, request_id: str, reason: str) -> None:
@@ -112,8 +124,10 @@ class MeshClient:
             msg = await self._tokenizer.recv()
             if not isinstance(msg, Pong):
                 log.warning("unexpected message from the tokenizer", type=type(msg).__name__)
-            elif peer.restarted(msg.instance):
+                continue
+            if peer.restarted(msg.instance):
                 self._tokenizer_restarted()
+            self._tokenizer_known.set()
 
     def _tokenizer_restarted(self) -> None:
         """Every request in flight went through the tokenizer process that is gone."""

@@ -318,6 +318,23 @@ def test_a_restarted_tokenizer_ends_the_requests_in_flight_with_503_and_aborts_t
     run(tmp_path, test, request_timeout=8.0)
 
 
+def test_no_request_goes_out_before_the_tokenizer_answered_a_ping(tmp_path, monkeypatch):
+    from gateway import mesh as gateway_mesh
+
+    monkeypatch.setattr(gateway_mesh, "TOKENIZER_WAIT_S", 0.3)
+
+    async def test(fake: FakeMesh):  # the fake tokenizer reads nothing: no Pong comes
+        r = await fake.client.post("/v1/completions", json={"prompt": "Hi"})
+        assert r.status == 503 and (await r.json())["error"]["code"] == "service_unavailable"
+        with pytest.raises(asyncio.TimeoutError):  # only pings reached it, no GenerateRequest
+            await asyncio.wait_for(fake.from_tokenizer(), 0.5)
+        post = asyncio.create_task(fake.client.post("/v1/completions", json={"prompt": "Hi"}))
+        request = await fake.next_request()  # answering the pings lets it through
+        await fake.answer(request, "A")
+        assert (await post).status == 200
+    run(tmp_path, test)
+
+
 def test_client_leaving_before_any_output_aborts(tmp_path):
     async def test(fake: FakeMesh):
         async with aiohttp.ClientSession() as session:
