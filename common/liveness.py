@@ -33,8 +33,8 @@ class PeerInstance:
         return previous is not None and previous != instance
 
 
-async def ping_forever(socket, sender: str, interval: float = PING_INTERVAL_S) -> None:
-    """Send Ping(sender) on `socket` (anything with an async `send`) every `interval` seconds."""
+async def ping_forever(socket, sender: str, address: str | None = None, interval: float = PING_INTERVAL_S) -> None:
+    """Send Ping(sender, address) on `socket` (anything with an async `send`) every `interval` seconds."""
     while True:
-        await socket.send(Ping(sender))
+        await socket.send(Ping(sender, address))
         await asyncio.sleep(interval)

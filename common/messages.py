@@ -166,6 +166,14 @@ class GenerateTask:
 
 
 @dataclass(frozen=True, slots=True)
+class HeldRequest:
+    """A request a worker holds, as it reports when it registers again with a restarted scheduler."""
+
+    request_id: str
+    reply_to: str  # its tokenizer's token address
+
+
+@dataclass(frozen=True, slots=True)
 class RegisterWorker:
     """Worker -> scheduler, first message on its DEALER; answered by Registered."""
 
@@ -177,6 +185,7 @@ class RegisterWorker:
     kv_endpoint: str
     max_running: int
     instance: str = ""  # random per process start: a new one under a known worker id is a restart
+    held: list[HeldRequest] | None = None  # registering again: the requests it is working on
 
     def _check(self) -> None:
         if self.role not in WORKER_ROLES:
@@ -328,9 +337,11 @@ class Ready:
 
 @dataclass(frozen=True, slots=True)
 class Ping:
-    """Gateway -> tokenizer and tokenizer -> scheduler, every PING_INTERVAL_S: which process is there?"""
+    """Gateway -> tokenizer and tokenizer -> scheduler, every PING_INTERVAL_S: which process is there?
+    A tokenizer gives its token address: where the requests whose RequestFailed it must get reply."""
 
     sender: str
+    address: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -377,7 +388,7 @@ class ClusterStatus:
 
 MESSAGE_CLASSES: tuple[type, ...] = (
     GenerateRequest, TextDelta, TextDeltaBatch, RequestFailed, AbortRequest, ScheduleRequest,
-    PrefillTask, DecodeTask, GenerateTask, RegisterWorker, Registered, UnknownWorker, Heartbeat, PrefixCacheUpdate,
+    PrefillTask, DecodeTask, GenerateTask, HeldRequest, RegisterWorker, Registered, UnknownWorker, Heartbeat, PrefixCacheUpdate,
     RequestDone, TokenDelta, TokenDeltaBatch, KVPagesHeader, KVPagesAck, Ready, Ping, Pong, StatusRequest,
     WorkerStatus, ClusterStatus,
 )

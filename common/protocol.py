@@ -31,7 +31,7 @@ from common.messages import *  # noqa: F401,F403 - re-exported: the protocol's v
 from common.messages import MAX_ID, MESSAGE_CLASSES, MESSAGE_TYPES, TAGS, KVPagesHeader, Message, ProtocolError  # noqa: F401
 from common.sampling import SamplingParams
 
-PROTOCOL_VERSION = 3  # 2: RegisterWorker.instance, UnknownWorker; 3: Ping, Pong, AbortRequest.worker_id, prompt logprobs
+PROTOCOL_VERSION = 3  # 2: RegisterWorker.instance, UnknownWorker; 3: Ping, Pong, AbortRequest.worker_id, prompt logprobs, RegisterWorker.held
 
 MAX_STR_LEN = 4 << 20  # characters; a prompt of ~1M tokens of text fits
 MAX_TOKEN_IDS = 1 << 20  # length of any list[int] (token ids, page indices, shapes)

@@ -22,6 +22,7 @@ the zmq I/O threads keep receiving, and the loop takes the messages between step
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ import structlog
 from common import protocol as p
 from common.liveness import new_instance
 from common.messages import (
-    MAX_PAGE_HASHES, AbortRequest, DecodeTask, GenerateTask, Heartbeat, KVPagesAck, KVPagesHeader, PrefillTask,
+    MAX_PAGE_HASHES, AbortRequest, DecodeTask, GenerateTask, HeldRequest, Heartbeat, KVPagesAck, KVPagesHeader, PrefillTask,
     PrefixCacheUpdate, Ready, Registered, RegisterWorker, RequestDone, TokenDelta, TokenDeltaBatch, TokenLogprob,
     UnknownWorker,
 )
@@ -163,7 +164,7 @@ class WorkerService:
                     continue
                 self.registered_again_at = time.monotonic()
                 self.log.warning("scheduler does not know this worker: registering again")
-                await self.scheduler.send(self.registration)
+                await self.scheduler.send(dataclasses.replace(self.registration, held=self._held()))
                 self._post(self.engine.blocks.report_all_again)  # and tell it what the cache holds
             else:
                 self.log.warning("unexpected message", type=type(msg).__name__)
@@ -201,6 +202,14 @@ class WorkerService:
         # tell the tokenizer a worker holds it (before any of its tokens, in the next step's
         # batch): a scheduler restart does not fail it from here on
         self.starting.setdefault(reply_to, []).append(TokenDelta(request_id, 0, [], None, None, len(prompt_ids)))
+
+    def _held(self) -> list[HeldRequest]:
+        """The requests this worker works on (running, or waiting for their KV pages)."""
+        held = {rid: HeldRequest(rid, reply_to) for rid, reply_to in self.reply_to.items()}
+        for rid, entry in self.incoming.items():
+            if entry.task is not None and rid not in held:
+                held[rid] = HeldRequest(rid, entry.task.reply_to)
+        return list(held.values())
 
     def _pin_prefix(self, request_id: str) -> None:
         """Decode role, on the DecodeTask: take references on the leading prompt pages the

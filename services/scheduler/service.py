@@ -5,7 +5,9 @@ bookkeeping, and failure handling. One Router serves tokenizers, gateways and wo
                                                      └──▶ GenerateTask → mixed worker
     PrefixCacheUpdate ──▶ which prefix pages each worker holds (placement, pages D need not get)
     RequestDone / worker death / AbortRequest ──▶ forget, tell the other holders, fail if needed
-    Ping ──▶ Pong(instance): tokenizers learn that this process restarted (common/liveness.py)
+    Ping ──▶ Pong(instance): tokenizers learn that this process restarted (common/liveness.py);
+             a tokenizer's Ping gives its token address, where its requests' failures go
+    RegisterWorker.held ──▶ a restarted scheduler takes back the requests workers hold
 """
 
 from __future__ import annotations
@@ -37,10 +39,10 @@ FAILURES = {"kv_rejected": "the decode worker refused the KV pages", "kv_timeout
 
 @dataclass
 class Placed:
-    """A request on workers: who asked (tokenizer identity) and which workers hold it."""
+    """A request on workers: who asked (its tokenizer's token address) and which workers hold it."""
 
-    request: ScheduleRequest
-    origin: bytes
+    request_id: str
+    reply_to: str
     holders: set[str]
     prefill: str | None
 
@@ -54,6 +56,7 @@ class SchedulerService:
         self.queue: deque[tuple[bytes, ScheduleRequest, PromptPages]] = deque()
         self.enqueued_at: dict[str, float] = {}
         self.placed: dict[str, Placed] = {}
+        self.tokenizers: dict[str, bytes] = {}  # a tokenizer's token address -> its identity here
         self.instance = new_instance()
         self.log = log.bind(service="scheduler")
 
@@ -109,6 +112,10 @@ class SchedulerService:
         if replaced is not None:  # a new process under the id: the old one's requests are gone
             self.log.warning("worker restarted", worker=msg.worker_id, requests=len(replaced.requests))
             await self._fail_requests_of(replaced, f"worker {msg.worker_id} restarted")
+        for held in msg.held or ():  # placed by an earlier scheduler process: keep them in the books
+            placed = self.placed.setdefault(held.request_id, Placed(held.request_id, held.reply_to, set(), None))
+            placed.holders.add(msg.worker_id)
+            self.registry.workers[msg.worker_id].requests.add(held.request_id)
         await self._drain()
 
     async def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
@@ -131,6 +138,7 @@ class SchedulerService:
             return await self._reject(identity, msg.request_id, "no workers are available")
         if len(self.queue) >= self.config.max_queue:
             return await self._reject(identity, msg.request_id, "the request queue is full")
+        self.tokenizers[msg.reply_to] = identity
         self.queue.append((identity, msg, PromptPages(msg.prompt_token_ids)))
         self.enqueued_at[msg.request_id] = now
         await self._drain()
@@ -168,7 +176,7 @@ class SchedulerService:
                 ))
             for wid in holders:
                 self.registry.workers[wid].requests.add(req.request_id)
-            self.placed[req.request_id] = Placed(req, origin, holders, placement.prefill.worker_id if handoff else None)
+            self.placed[req.request_id] = Placed(req.request_id, req.reply_to, holders, placement.prefill.worker_id if handoff else None)
 
     # ---- endings --------------------------------------------------------------------------
     async def _on_done(self, identity: bytes, msg: RequestDone) -> None:
@@ -195,15 +203,19 @@ class SchedulerService:
             await self._send(msg.worker_id, AbortRequest(msg.request_id, msg.reason))
 
     async def _abort_holders(self, placed: Placed, reason: str) -> None:
-        rid = placed.request.request_id
+        rid = placed.request_id
         for wid in list(placed.holders):
             await self._send(wid, AbortRequest(rid, reason))
             self._release(wid, rid)
         self.placed.pop(rid, None)
 
     async def _fail(self, placed: Placed, why: str) -> None:
-        rid = placed.request.request_id
-        await self._send(placed.origin, RequestFailed(rid, 503, "server_error", f"Request failed: {why}; retry later.", None, "worker_failure"))
+        rid = placed.request_id
+        origin = self.tokenizers.get(placed.reply_to)
+        if origin is None:  # its tokenizer has not pinged this scheduler process (yet)
+            self.log.warning("cannot tell the tokenizer of a failed request", request_id=rid)
+        else:
+            await self._send(origin, RequestFailed(rid, 503, "server_error", f"Request failed: {why}; retry later.", None, "worker_failure"))
         await self._abort_holders(placed, why)
 
     def _release(self, worker_id: str, request_id: str) -> None:
@@ -229,6 +241,8 @@ class SchedulerService:
 
     # ---- status ---------------------------------------------------------------------------
     async def _on_ping(self, identity: bytes, msg: Ping) -> None:
+        if msg.address is not None:
+            self.tokenizers[msg.address] = identity
         await self._send(identity, Pong("scheduler", self.instance))
 
     async def _on_status(self, identity: bytes, msg: StatusRequest) -> None:

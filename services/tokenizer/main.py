@@ -57,7 +57,7 @@ async def run(config: TokenizerConfig) -> None:
                 _serve_gateways(frontend, core, scheduler, gateways, new_instance()),
                 _serve_tokens(tokens, core, scheduler, gateways),
                 _serve_scheduler(scheduler, core, gateways),
-                ping_forever(scheduler, config.name),
+                ping_forever(scheduler, config.name, tokens.address),
             )
         finally:
             await gateways.close()

@@ -115,3 +115,23 @@ def test_a_restarted_tokenizer_ends_its_streams_at_once_and_their_work_stops(pro
     assert ended - restarted_at < 30  # the new process's start-up, not the 600 s request timeout
     assert wait_until(lambda: running() == 0, 15, 0.2)  # the worker dropped it (3000 tokens take far longer)
     assert complete(client).usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize("processes", [("--mixed", "1", "--heartbeat-timeout", "2")], indirect=True)
+def test_after_a_scheduler_restart_a_worker_loss_still_ends_its_streams(processes):
+    """The worker tells the new scheduler which requests it holds when it registers again, so
+    losing it later fails them as it would have before the restart."""
+    client = openai.OpenAI(base_url=processes.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    received = [0]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        streaming = pool.submit(stream_counting, client, received, 0, model=DEFAULT_MODEL_NAME, prompt="Go on:",
+                                max_tokens=3000, temperature=0, extra_body={"ignore_eos": True})
+        assert wait_until(lambda: received[0] > 0, 60)
+        processes.restart("scheduler")
+        assert wait_until(lambda: "mixed-0" in per_worker(metrics(processes.url), "pagemesh_kv_cache_usage_ratio"), 30, 0.5)
+        streamed = received[0]
+        killed_at = time.monotonic()
+        processes.kill("mixed-0")
+        pieces, error, ended = streaming.result(timeout=60)
+    assert pieces >= streamed and isinstance(error, openai.APIError) and "stopped responding" in str(error), repr(error)
+    assert ended - killed_at < 20  # the 2 s heartbeat timeout, not the 600 s request timeout

@@ -17,7 +17,7 @@ from common.protocol import (
     AbortRequest, DecodeTask, GenerateRequest, GenerateTask, Heartbeat, KVPagesAck, KVPagesHeader,
     PrefillTask, PrefixCacheUpdate, ProtocolError, Ready, Registered, RegisterWorker, RequestDone, RequestFailed,
     ScheduleRequest, TextDelta, TextDeltaBatch, TokenDelta, TokenDeltaBatch, TokenLogprob, UnknownWorker,
-    ClusterStatus, Ping, Pong, StatusRequest, WorkerStatus,
+    ClusterStatus, HeldRequest, Ping, Pong, StatusRequest, WorkerStatus,
     decode, decode_tensor_frames, encode, encode_tensor_frames,
 )
 from common.sampling import SamplingParams
@@ -49,6 +49,8 @@ SAMPLES = [
     DecodeTask("r1", list(range(40)), SP, "tok-0", "p0", 2),
     GenerateTask("r1", [1, 2, 3], SP, "tok-0"),
     RegisterWorker("p0", "prefill", "smollm", 16, 1000, "tcp://10.0.0.1:7000", 64, "9f2c"),
+    RegisterWorker("p0", "prefill", "smollm", 16, 1000, "", 64, "9f2c", [HeldRequest("r1", "ipc:///tok-out")]),
+    HeldRequest("r1", "ipc:///tok-out"),
     Registered("p0"),
     UnknownWorker("p0"),
     Heartbeat("p0", 3, 1, 900, 1000, 100, 99.5, 4096, 0),
@@ -63,6 +65,7 @@ SAMPLES = [
     KVPagesAck("r1", False, "out of pages"),
     Ready("worker", "p0"),
     Ping("tok-0"),
+    Ping("tok-0", "ipc:///tok-out"),
     Pong("scheduler", "5d41402abc4b2a76"),
     StatusRequest("gw-1"),
     WorkerStatus("p0", "prefill", False, 0, 0, 0, 100, 8192, 0),

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 
 from common import transport as t
-from common.messages import AbortRequest, Ping, Pong, Registered, RegisterWorker
+from common.messages import AbortRequest, HeldRequest, Ping, Pong, Registered, RegisterWorker, RequestFailed
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.service import SchedulerService
 
@@ -27,9 +27,9 @@ async def scheduler(tmp_path):
         service.close()
 
 
-async def registered_worker(address: str, worker_id: str) -> t.Dealer:
+async def registered_worker(address: str, worker_id: str, instance: str = "", held=None) -> t.Dealer:
     worker = t.Dealer(address, worker_id)
-    await worker.send(RegisterWorker(worker_id, "mixed", "m", 16, 100, "", 8, f"{worker_id}-instance"))
+    await worker.send(RegisterWorker(worker_id, "mixed", "m", 16, 100, "", 8, instance or f"{worker_id}-instance", held))
     assert await worker.recv() == Registered(worker_id)
     return worker
 
@@ -61,5 +61,25 @@ def test_an_abort_of_an_unknown_request_goes_to_the_worker_it_names_only(tmp_pat
                 with contextlib.suppress(asyncio.TimeoutError):
                     extra = await asyncio.wait_for(w1.recv(), 0.3)
                     raise AssertionError(f"w1 got {extra}")
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+
+
+def test_requests_a_worker_reports_holding_are_failed_when_it_goes(tmp_path):
+    """A restarted scheduler learns from a worker registering again which requests it runs, and
+    from its tokenizers' pings where to report them: their streams end if the worker goes."""
+    async def main():
+        async with scheduler(tmp_path) as service:
+            with t.Dealer(service.config.address, "tok0") as tokenizer:
+                await tokenizer.send(Ping("tok0", "ipc:///tok0-out"))
+                assert isinstance(await tokenizer.recv(), Pong)
+                held = [HeldRequest("streaming", "ipc:///tok0-out")]
+                first = await registered_worker(service.config.address, "w0", "first", held)
+                first.close()
+                again = await registered_worker(service.config.address, "w0", "second")  # w0 restarted
+                with again:
+                    failed = await asyncio.wait_for(tokenizer.recv(), TIMEOUT_S)
+                    assert isinstance(failed, RequestFailed) and failed.request_id == "streaming"
+                    assert "w0 restarted" in failed.message and failed.status == 503
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
