@@ -277,3 +277,32 @@ def test_beam_search_fields_are_read():
     assert (p.sampling.n, p.sampling.best_of, p.sampling.use_beam_search) == (2, 4, True)
     assert (p.sampling.length_penalty, p.sampling.priority) == (0.5, -3)
     assert not p.sampling.streams
+
+
+def test_random_bodies_are_parsed_or_refused_with_an_api_error_never_a_crash():
+    import random
+
+    fields = ["prompt", "messages", "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
+              "stop", "stop_token_ids", "logprobs", "top_logprobs", "best_of", "use_beam_search", "logit_bias", "echo",
+              "stream", "stream_options", "response_format", "tools", "max_completion_tokens", "priority"]
+    values = [None, True, False, 0, 1, -1, 2**31, 2**64, 10**400, 0.5, "", "x", "0", "json_object", "json_schema",
+              {"type": "object"}, {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}]
+
+    def value(rng, depth=0):
+        if depth < 2 and rng.random() < 0.2:
+            return {rng.choice(fields + ["type", "schema", "json_schema", "include_usage", "7"]): value(rng, depth + 1)
+                    for _ in range(rng.randint(0, 3))}
+        if depth < 2 and rng.random() < 0.2:
+            return [value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+        return rng.choice(values)
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        body = {name: value(rng) for name in rng.sample(fields, rng.randint(0, 6))}
+        if rng.random() < 0.5:
+            body["prompt"], body["messages"] = rng.choice(["hi", [1, 2], ["a", [3]]]), CHAT
+        for parse in (parse_completion, parse_chat):
+            try:
+                parse(body)
+            except ApiError as e:
+                assert e.status == 400 and e.message

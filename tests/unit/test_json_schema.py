@@ -185,3 +185,51 @@ def test_schema_masks_allow_exactly_the_tokens_that_keep_the_document_valid():
             if cursor.whitespace_run >= 2 and token in masks.whitespace_only:
                 expected = False
             assert bool(allowed[token]) == expected, (prefix, tokenizer.token_text(token))
+
+
+def random_schema(rng: random.Random, depth: int = 0):
+    scalars = ["object", "array", "string", "integer", "number", "boolean", "null", "x", "#/$defs/A", "#/$defs/B",
+               None, True, False, 0, 1.5, "", {}, [], {"type": "string"}]
+    if depth > 4 or rng.random() < 0.2:
+        return rng.choice(scalars)
+    if rng.random() < 0.2:
+        return [random_schema(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    schema = {}
+    for key in rng.sample(["type", "properties", "required", "items", "enum", "const", "anyOf", "oneOf", "$ref",
+                           "$defs", "additionalProperties", "title"], rng.randint(0, 4)):
+        if key == "properties":
+            schema[key] = {rng.choice("abc"): random_schema(rng, depth + 1) for _ in range(rng.randint(0, 3))}
+        elif key == "required":
+            schema[key] = rng.sample(list("abcd"), rng.randint(0, 2))
+        elif key == "$defs":
+            schema[key] = {name: random_schema(rng, depth + 1) for name in rng.sample(["A", "B"], rng.randint(0, 2))}
+        elif key in ("anyOf", "oneOf", "enum"):
+            schema[key] = [random_schema(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+        elif key == "type":
+            schema[key] = rng.choice(scalars[:8] + [["string", "null"], ["object", "null"], []])
+        else:
+            schema[key] = random_schema(rng, depth + 1)
+    return schema
+
+
+def test_random_schemas_compile_or_are_refused_and_never_leave_a_dead_end():
+    rng = random.Random(3)
+    compiled = 0
+    for _ in range(3000):
+        schema = random_schema(rng)
+        if isinstance(schema, dict) and rng.random() < 0.7:
+            schema["type"] = "object"
+        try:
+            grammar = compile_schema(schema)
+        except SchemaError:
+            continue
+        compiled += 1
+        state = grammar.INITIAL
+        for _ in range(300):  # a walk from the start: some character must always lead on
+            if grammar.is_complete(state):
+                break
+            choices = [c for c in string.printable if grammar.step(state, c) is not None]
+            assert choices, (schema, state)
+            closing = [c for c in choices if c in '"]}0123456789elu']
+            state = grammar.step(state, rng.choice(closing if closing and rng.random() < 0.8 else choices))
+    assert compiled > 300
