@@ -249,6 +249,8 @@ class Gateway:
             raise ApiError(503, "the scheduler did not answer", "service_unavailable", None, "not_ready")
         if not status.ready:
             raise ApiError(503, "the mesh has no workers ready", "service_unavailable", None, "not_ready")
+        if not self.mesh.tokenizer_known:
+            raise ApiError(503, "the tokenizer did not answer", "service_unavailable", None, "not_ready")
         return web.json_response({"ready": True, "workers": len(status.workers), "queued": status.queued})
 
     async def metrics_text(self, request: web.Request) -> web.Response:

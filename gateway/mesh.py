@@ -79,6 +79,11 @@ class MeshClient:
     def discard(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
+    @property
+    def tokenizer_known(self) -> bool:
+        """The tokenizer has answered a ping."""
+        return self._tokenizer_known.is_set()
+
     async def submit(self, request: GenerateRequest) -> None:
         if not self._tokenizer_known.is_set():
             try:

@@ -164,7 +164,10 @@ class WorkerService:
                     continue
                 self.registered_again_at = time.monotonic()
                 self.log.warning("scheduler does not know this worker: registering again")
-                await self.scheduler.send(dataclasses.replace(self.registration, held=self._held()))
+                # from the engine loop, after the commands already queued (aborts, starts): the
+                # requests it lists are the ones it holds then
+                self._post(lambda: asyncio.ensure_future(
+                    self.scheduler.send(dataclasses.replace(self.registration, held=self._held()))))
                 self._post(self.engine.blocks.report_all_again)  # and tell it what the cache holds
             else:
                 self.log.warning("unexpected message", type=type(msg).__name__)

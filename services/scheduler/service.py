@@ -33,6 +33,7 @@ from services.scheduler.registry import Registry, WorkerInfo
 
 log = structlog.get_logger()
 
+MAX_UNREPORTED = 10_000  # failures kept per tokenizer that has not pinged yet
 # RequestDone reasons that end a request with an error for the client
 FAILURES = {"kv_rejected": "the decode worker refused the KV pages", "kv_timeout": "the KV handoff timed out"}
 
@@ -57,6 +58,7 @@ class SchedulerService:
         self.enqueued_at: dict[str, float] = {}
         self.placed: dict[str, Placed] = {}
         self.tokenizers: dict[str, bytes] = {}  # a tokenizer's token address -> its identity here
+        self.unreported: dict[str, list[RequestFailed]] = {}  # failures for tokenizers not heard from yet
         self.instance = new_instance()
         self.log = log.bind(service="scheduler")
 
@@ -115,6 +117,8 @@ class SchedulerService:
         for held in msg.held or ():  # placed by an earlier scheduler process: keep them in the books
             placed = self.placed.setdefault(held.request_id, Placed(held.request_id, held.reply_to, set(), None))
             placed.holders.add(msg.worker_id)
+            if msg.role == "prefill":
+                placed.prefill = msg.worker_id
             self.registry.workers[msg.worker_id].requests.add(held.request_id)
         await self._drain()
 
@@ -132,6 +136,8 @@ class SchedulerService:
         self.registry.prefix_update(msg.worker_id, msg.added, msg.removed)
 
     async def _on_schedule(self, identity: bytes, msg: ScheduleRequest) -> None:
+        if msg.request_id in self.placed or msg.request_id in self.enqueued_at:
+            return  # sent again by a tokenizer that saw this process start: it has it already
         now = time.monotonic()
         alive = {r: self.registry.alive(r, now) for r in ("prefill", "decode", "mixed")}
         if not (alive["mixed"] or (alive["prefill"] and alive["decode"])):
@@ -211,11 +217,14 @@ class SchedulerService:
 
     async def _fail(self, placed: Placed, why: str) -> None:
         rid = placed.request_id
+        failed = RequestFailed(rid, 503, "server_error", f"Request failed: {why}; retry later.", None, "worker_failure")
         origin = self.tokenizers.get(placed.reply_to)
-        if origin is None:  # its tokenizer has not pinged this scheduler process (yet)
-            self.log.warning("cannot tell the tokenizer of a failed request", request_id=rid)
-        else:
-            await self._send(origin, RequestFailed(rid, 503, "server_error", f"Request failed: {why}; retry later.", None, "worker_failure"))
+        if origin is not None:
+            await self._send(origin, failed)
+        else:  # its tokenizer has not pinged this scheduler process yet: tell it when it does
+            waiting = self.unreported.setdefault(placed.reply_to, [])
+            if len(waiting) < MAX_UNREPORTED:
+                waiting.append(failed)
         await self._abort_holders(placed, why)
 
     def _release(self, worker_id: str, request_id: str) -> None:
@@ -243,6 +252,8 @@ class SchedulerService:
     async def _on_ping(self, identity: bytes, msg: Ping) -> None:
         if msg.address is not None:
             self.tokenizers[msg.address] = identity
+            for failed in self.unreported.pop(msg.address, ()):
+                await self._send(identity, failed)
         await self._send(identity, Pong("scheduler", self.instance))
 
     async def _on_status(self, identity: bytes, msg: StatusRequest) -> None:

@@ -4,7 +4,7 @@
     TokenDeltaBatch ──on_tokens()──▶ one TextDeltaBatch per gateway + AbortRequests (stop strings,
                                      and tokens of requests this process does not know)
     RequestFailed / AbortRequest ──▶ the request's state is dropped
-    scheduler restarted ──fail_unstarted()──▶ RequestFailed for requests no worker said it holds
+    scheduler restarted ──unstarted()──▶ the ScheduleRequests no worker said it holds, to send again
 
 State per request: one IncrementalDetokenizer per choice. A choice is finished when a stop string
 matched or its worker reported a finish_reason; the request's state goes when every choice is
@@ -52,6 +52,7 @@ class _Request:
     choices: list[_Choice]
     started: bool = False  # a worker has it (its first delta came: output or the start marker)
     prompt_ids: list[int] | None = None  # kept when prompt logprobs are asked for (sent with them)
+    schedule: ScheduleRequest | None = None  # until it started: sent again if the scheduler restarts
 
 
 @dataclass(frozen=True)
@@ -111,9 +112,11 @@ class TokenizerCore:
         choices = [_Choice(IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=sampling.stop,
                                                   include_stop_str_in_output=request.include_stop_str_in_output))
                    for _ in range(sampling.n)]
+        schedule = ScheduleRequest(request.request_id, prompt_ids, sampling, self.reply_to, request.arrival_time)
         self._requests[request.request_id] = _Request(
-            request.reply_to, prompt_len, choices, prompt_ids=prompt_ids if sampling.prompt_logprobs is not None else None)
-        return ScheduleRequest(request.request_id, prompt_ids, sampling, self.reply_to, request.arrival_time)
+            request.reply_to, prompt_len, choices, prompt_ids=prompt_ids if sampling.prompt_logprobs is not None else None,
+            schedule=schedule)
+        return schedule
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
         if request.prompt_text is not None:
@@ -150,7 +153,7 @@ class TokenizerCore:
                 continue
             if not 0 <= delta.index < len(request.choices):
                 continue
-            request.started = True
+            request.started, request.schedule = True, None
             if not delta.token_ids and delta.finish_reason is None and delta.prompt_logprobs is None:
                 continue  # a worker took the request (or a step gave this choice nothing)
             choice = request.choices[delta.index]
@@ -200,17 +203,11 @@ class TokenizerCore:
         """The gateway gave up on the request (client gone): drop it; True if it was known."""
         return self._requests.pop(request_id, None) is not None
 
-    def fail_unstarted(self, why: str) -> list[tuple[str, RequestFailed]]:
+    def unstarted(self) -> list[ScheduleRequest]:
         """The scheduler was restarted: the requests no worker has said it holds may have been
-        queued in the process that is gone. Drop them; return (gateway reply_to, 503) for each.
-        The others are on workers, which run them to the end."""
-        failed = []
-        for request_id, request in list(self._requests.items()):
-            if not request.started:
-                del self._requests[request_id]
-                failed.append((request.reply_to, RequestFailed(
-                    request_id, 503, "server_error", f"Request failed: {why}; retry later.", None, "service_restarted")))
-        return failed
+        queued in the process that is gone. Their ScheduleRequests, to send again (the new
+        scheduler ignores the ones it already has); the others are on workers."""
+        return [r.schedule for r in self._requests.values() if r.schedule is not None]
 
 
 def _param_of(message: str, default: str) -> str:

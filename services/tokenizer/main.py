@@ -6,7 +6,7 @@
                                                                    └──▶ Push per gateway (reply_to)
 
 Gateways ping it (Ping ──▶ Pong with this process's instance id), and it pings the scheduler:
-when the scheduler's instance changes, the requests it may have lost end with a 503.
+when the scheduler's instance changes, the requests it may have lost are sent to it again.
 
 Replies to each gateway go through their own bounded queue and sender task, so a gateway that
 is gone stalls (and eventually loses) only its own replies, never the other gateways' streams.
@@ -111,20 +111,18 @@ async def _serve_scheduler(scheduler: Dealer, core: TokenizerCore, gateways: Gat
                 gateways.send(reply_to, msg)
         elif isinstance(msg, Pong):
             if peer.restarted(msg.instance):
-                await _scheduler_restarted(scheduler, core, gateways)
+                await _scheduler_restarted(scheduler, core)
         else:
             log.warning("unexpected message from the scheduler", type=type(msg).__name__)
 
 
-async def _scheduler_restarted(scheduler: Dealer, core: TokenizerCore, gateways: GatewayReplies) -> None:
-    """Requests without output may have been queued in the scheduler process that is gone: fail
-    them, and abort them at the new one (it may have them queued: sent while it was starting).
-    If the old one had placed them, their first tokens are an orphan's and get aborted then."""
-    failed = core.fail_unstarted("the scheduler restarted")
-    log.warning("scheduler restarted", failed_requests=len(failed))
-    for reply_to, failure in failed:
-        gateways.send(reply_to, failure)
-        await scheduler.send(AbortRequest(failure.request_id, "scheduler restarted"))
+async def _scheduler_restarted(scheduler: Dealer, core: TokenizerCore) -> None:
+    """Requests no worker has taken may have been queued in the scheduler process that is gone:
+    send them to the new one, which ignores those it already has (sent after it started)."""
+    again = core.unstarted()
+    log.warning("scheduler restarted", sent_again=len(again))
+    for schedule in again:
+        await scheduler.send(schedule)
 
 
 class GatewayReplies:

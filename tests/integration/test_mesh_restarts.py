@@ -2,8 +2,9 @@
 
 - a worker restarted under the same id (before its heartbeats are missed): the requests the old
   process held end with an error as soon as the new one registers, not at the heartbeat timeout;
-- a restarted scheduler: the workers register with it again and the mesh serves on; what it had
-  queued ends with a 503 at once, and the streams already on workers go on to their end;
+- a restarted scheduler: the workers register with it again (listing what they hold) and the mesh
+  serves on; what it had queued is sent to it again by the tokenizer, and the requests already on
+  workers go on to their end;
 - a restarted tokenizer: the streams that went through it end with a 503 at once, and their
   workers stop generating them.
 
@@ -73,7 +74,7 @@ def queued_at_scheduler(url: str) -> float:
 
 @pytest.mark.parametrize("processes", [("--mixed", "1", "--max-num-seqs", "3", "--heartbeat-timeout", "2")],
                          indirect=True)
-def test_a_restarted_scheduler_fails_what_it_had_queued_and_what_workers_hold_goes_on(processes):
+def test_a_restarted_scheduler_loses_nothing_queued_or_placed(processes):
     client = openai.OpenAI(base_url=processes.url + "/v1", api_key="none", max_retries=0, timeout=120)
     received = [0, 0]
     running = lambda: per_worker(metrics(processes.url), "pagemesh_num_requests_running").get("mixed-0", 0)  # noqa: E731
@@ -88,11 +89,9 @@ def test_a_restarted_scheduler_fails_what_it_had_queued_and_what_workers_hold_go
         queued = pool.submit(stream_counting, client, received, 1, model=DEFAULT_MODEL_NAME, prompt="Hi",
                              max_tokens=5, temperature=0)
         assert wait_until(lambda: queued_at_scheduler(processes.url) == 1, 30, 0.2)
-        restarted_at = time.monotonic()
         processes.restart("scheduler")
-        pieces, error, ended = queued.result(timeout=120)
-        assert pieces == 0 and isinstance(error, openai.APIStatusError) and error.status_code == 503, repr(error)
-        assert "scheduler restarted" in str(error) and ended - restarted_at < 30  # not the 600 s timeout
+        pieces, error, _ = queued.result(timeout=120)  # lost with the old process: sent to the new one
+        assert error is None and pieces > 0, repr(error)
         pieces, error, _ = streaming.result(timeout=120)
         assert error is None and pieces > 300  # placed before the restart: streamed to its end
         assert silent.result(timeout=120).usage.completion_tokens == 600  # held by the worker: not failed

@@ -435,8 +435,20 @@ def test_ready_and_metrics_ask_the_scheduler(tmp_path, monkeypatch):
     async def test(fake: FakeMesh):
         assert (await fake.client.get("/ready")).status == 503  # nobody answers
         answering = asyncio.create_task(answer_status(fake, STATUS))
-        assert (await fake.client.get("/ready")).status == 200
+        response = await fake.client.get("/ready")  # the scheduler is ready; the tokenizer has not answered
+        assert response.status == 503 and "tokenizer" in (await response.json())["error"]["message"]
         await answering
+        pinging = asyncio.create_task(fake.from_tokenizer())  # answers the pings from now on
+        answering = asyncio.create_task(answer_status(fake, STATUS))
+        for _ in range(30):
+            response = await fake.client.get("/ready")
+            if response.status == 200:
+                break
+            await asyncio.sleep(0.1)
+            answering = asyncio.create_task(answer_status(fake, STATUS))
+        assert response.status == 200
+        await answering
+        pinging.cancel()
         answering = asyncio.create_task(answer_status(fake, ClusterStatus(False, [], 0)))
         response = await fake.client.get("/ready")
         assert response.status == 503 and (await response.json())["error"]["code"] == "not_ready"

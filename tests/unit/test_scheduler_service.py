@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import pytest
+
 from common import transport as t
 from common.messages import AbortRequest, HeldRequest, Ping, Pong, Registered, RegisterWorker, RequestFailed
 from services.scheduler.config import SchedulerConfig
@@ -71,15 +73,35 @@ def test_requests_a_worker_reports_holding_are_failed_when_it_goes(tmp_path):
     async def main():
         async with scheduler(tmp_path) as service:
             with t.Dealer(service.config.address, "tok0") as tokenizer:
-                await tokenizer.send(Ping("tok0", "ipc:///tok0-out"))
-                assert isinstance(await tokenizer.recv(), Pong)
                 held = [HeldRequest("streaming", "ipc:///tok0-out")]
                 first = await registered_worker(service.config.address, "w0", "first", held)
                 first.close()
                 again = await registered_worker(service.config.address, "w0", "second")  # w0 restarted
-                with again:
+                with again:  # the failure waits for the tokenizer's first ping: it says where it is
+                    await tokenizer.send(Ping("tok0", "ipc:///tok0-out"))
                     failed = await asyncio.wait_for(tokenizer.recv(), TIMEOUT_S)
                     assert isinstance(failed, RequestFailed) and failed.request_id == "streaming"
                     assert "w0 restarted" in failed.message and failed.status == 503
+                    assert isinstance(await tokenizer.recv(), Pong)
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+
+
+def test_a_request_sent_again_after_a_restart_is_placed_once(tmp_path):
+    from common.messages import GenerateTask, ScheduleRequest
+    from common.sampling import SamplingParams
+
+    async def main():
+        async with scheduler(tmp_path) as service:
+            with await registered_worker(service.config.address, "w0") as worker, \
+                    t.Dealer(service.config.address, "tok0") as tokenizer:
+                request = ScheduleRequest("r1", [1, 2, 3], SamplingParams(), "ipc:///tok0-out", 1.0)
+                await tokenizer.send(request)
+                task = await asyncio.wait_for(worker.recv(), TIMEOUT_S)
+                assert isinstance(task, GenerateTask) and task.request_id == "r1"
+                await tokenizer.send(request)  # the tokenizer saw this process start: it sends it again
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(worker.recv(), 0.3)
+                assert len(service.placed) == 1
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
