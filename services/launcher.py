@@ -186,14 +186,20 @@ def main(argv: list[str]) -> None:
         await asyncio.wait([starting, stopped], return_when=asyncio.FIRST_COMPLETED)
         if stopped.done():
             starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
             return 0
         starting.result()  # raises if a process failed to start
         workers = f"{args.prefill} prefill + {args.decode} decode" if args.prefill else f"{args.mixed} mixed"
         print(f"pagemesh is up: http://{args.host}:{args.port}/v1  ({workers} worker(s); Ctrl-C stops)", flush=True)
         watching = asyncio.ensure_future(mesh.watch())
-        await asyncio.wait([watching, stopped], return_when=asyncio.FIRST_COMPLETED)
-        if watching.done():
-            watching.result()
+        try:
+            await asyncio.wait([watching, stopped], return_when=asyncio.FIRST_COMPLETED)
+            if watching.done():
+                watching.result()  # raises if a process exited
+        finally:  # the task still waiting is ended, not left pending when the loop closes
+            for task in (watching, stopped):
+                task.cancel()
+            await asyncio.gather(watching, stopped, return_exceptions=True)
         return 0
 
     code = 1
