@@ -60,6 +60,7 @@ class SchedulerService:
         self.tokenizers: dict[str, bytes] = {}  # a tokenizer's token address -> its identity here
         self.unreported: dict[str, list[RequestFailed]] = {}  # failures for tokenizers not heard from yet
         self.instance = new_instance()
+        self.started_at = time.monotonic()
         self.log = log.bind(service="scheduler")
 
     async def run(self) -> None:
@@ -139,8 +140,7 @@ class SchedulerService:
         if msg.request_id in self.placed or msg.request_id in self.enqueued_at:
             return  # sent again by a tokenizer that saw this process start: it has it already
         now = time.monotonic()
-        alive = {r: self.registry.alive(r, now) for r in ("prefill", "decode", "mixed")}
-        if not (alive["mixed"] or (alive["prefill"] and alive["decode"])):
+        if not self._can_serve(now) and not self._starting(now):
             return await self._reject(identity, msg.request_id, "no workers are available")
         if len(self.queue) >= self.config.max_queue:
             return await self._reject(identity, msg.request_id, "the request queue is full")
@@ -232,12 +232,27 @@ class SchedulerService:
         if info is not None:
             info.requests.discard(request_id)
 
+    def _can_serve(self, now: float) -> bool:
+        alive = {r: self.registry.alive(r, now) for r in ("prefill", "decode", "mixed")}
+        return bool(alive["mixed"] or (alive["prefill"] and alive["decode"]))
+
+    def _starting(self, now: float) -> bool:
+        """Within a heartbeat timeout of this process's start, workers may not have registered
+        yet (a restarted scheduler): requests wait for them rather than being refused."""
+        return now - self.started_at <= self.config.heartbeat_timeout
+
     async def _expiry_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.heartbeat_timeout / 4)
-            for dead in self.registry.expire(time.monotonic()):
+            now = time.monotonic()
+            for dead in self.registry.expire(now):
                 self.log.warning("worker lost", worker=dead.worker_id, requests=len(dead.requests))
                 await self._fail_requests_of(dead, f"worker {dead.worker_id} stopped responding")
+            if self.queue and not self._can_serve(now) and not self._starting(now):
+                waiting, self.queue = self.queue, deque()  # no worker came: refuse what waits
+                for identity, request, _ in waiting:
+                    self.enqueued_at.pop(request.request_id, None)
+                    await self._reject(identity, request.request_id, "no workers are available")
 
     async def _fail_requests_of(self, gone: WorkerInfo, why: str) -> None:
         """Fail every request placed on a worker process that is gone. The abort also goes to

@@ -17,8 +17,8 @@ TIMEOUT_S = 10.0
 
 
 @contextlib.asynccontextmanager
-async def scheduler(tmp_path):
-    service = SchedulerService(SchedulerConfig(t.ipc_address(str(tmp_path), "sched")))
+async def scheduler(tmp_path, heartbeat_timeout: float = 5.0):
+    service = SchedulerService(SchedulerConfig(t.ipc_address(str(tmp_path), "sched"), heartbeat_timeout=heartbeat_timeout))
     task = asyncio.create_task(service.run())
     try:
         yield service
@@ -103,5 +103,28 @@ def test_a_request_sent_again_after_a_restart_is_placed_once(tmp_path):
                 with pytest.raises(asyncio.TimeoutError):
                     await asyncio.wait_for(worker.recv(), 0.3)
                 assert len(service.placed) == 1
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+
+
+def test_a_just_started_scheduler_holds_requests_for_workers_yet_to_register(tmp_path):
+    """A restarted scheduler gets requests sent again before its workers have registered again:
+    they wait for a heartbeat timeout instead of being refused; then, with no worker, they are."""
+    from common.messages import GenerateTask, ScheduleRequest
+    from common.sampling import SamplingParams
+
+    async def main():
+        async with scheduler(tmp_path, heartbeat_timeout=0.5) as service:
+            with t.Dealer(service.config.address, "tok0") as tokenizer:
+                await tokenizer.send(ScheduleRequest("early", [1, 2], SamplingParams(), "ipc:///tok0-out", 1.0))
+                with await registered_worker(service.config.address, "w0") as worker:
+                    task = await asyncio.wait_for(worker.recv(), TIMEOUT_S)
+                    assert isinstance(task, GenerateTask) and task.request_id == "early"
+                await asyncio.sleep(1.0)  # w0 stops heartbeating: gone, and the start is long past
+                await tokenizer.send(ScheduleRequest("late", [1, 2], SamplingParams(), "ipc:///tok0-out", 1.0))
+                refused = await asyncio.wait_for(tokenizer.recv(), TIMEOUT_S)
+                while not (isinstance(refused, RequestFailed) and refused.request_id == "late"):
+                    refused = await asyncio.wait_for(tokenizer.recv(), TIMEOUT_S)  # (the early one failed too)
+                assert "no workers are available" in refused.message
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
