@@ -31,7 +31,7 @@ from common.sampling import SamplingParams  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.cuda_graphs import bucket_for  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
-from workers.model.config import ModelConfig  # noqa: E402
+from common.model_config import ModelConfig  # noqa: E402
 from workers.model.loader import build_random_model  # noqa: E402
 
 LLAMA3_8B = ModelConfig(

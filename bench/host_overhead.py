@@ -25,7 +25,7 @@ from common.sampling import SamplingParams  # noqa: E402
 from workers.engine import attention as attention_module  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
-from workers.model.config import ModelConfig  # noqa: E402
+from common.model_config import ModelConfig  # noqa: E402
 from workers.model.loader import build_random_model  # noqa: E402
 
 TINY = ModelConfig(

@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from services.bench import main as bench_main  # noqa: E402
+from bench.loadgen import main as bench_main  # noqa: E402
 
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", "/work/peers"))
 RESULTS = PEERS_DIR / "results"
@@ -167,7 +167,7 @@ def hf_static(concurrencies: list[int], dtype_name: str) -> dict:
 
     from common.model_files import default_model_path
     from common.tokenizer import Tokenizer
-    from services.bench.datasets import DatasetSpec, conversations
+    from bench.loadgen.datasets import DatasetSpec, conversations
 
     torch.set_num_threads(os.cpu_count() or 1)
     path = default_model_path()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from common.sampling import SamplingParams
 
 MAX_ID = (1 << 31) - 1  # list[int] fields hold ids and sizes: 0 <= x <= MAX_ID
-MAX_PAGE_HASH = (1 << 62) - 1  # prefix-cache page keys (workers.engine.block_manager.chain_hash)
+MAX_PAGE_HASH = (1 << 62) - 1  # prefix-cache page keys (common.page_hash.chain_hash)
 MAX_PAGE_HASHES = 4096  # keys per PrefixCacheUpdate list; a worker sends several when it has more
 WORKER_ROLES = ("prefill", "decode", "mixed")
 KV_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")

@@ -13,6 +13,10 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_ITEMS = 16
 MAX_STOP_LEN = 256
 MAX_TOKENS_LIMIT = 1 << 20
+# A request whose sampling.max_tokens equals this asks for as many tokens as the context leaves
+# after the prompt (OpenAI chat's default); only the tokenizer knows both lengths, so it resolves
+# the value before scheduling. Clients' explicit max_tokens stay below it.
+MAX_TOKENS_FROM_CONTEXT = MAX_TOKENS_LIMIT
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 MAX_SCHEMA_LEN = 1 << 16  # characters of a response_format JSON Schema
 

@@ -20,7 +20,7 @@ from common.messages import MAX_ID, GenerateRequest
 from common.protocol import MAX_TOKEN_IDS
 from common.sampling import MAX_LOGIT_BIAS, MAX_SCHEMA_LEN, MAX_STOP_ITEMS, SamplingParams
 from gateway.errors import ApiError, from_value_error, invalid
-from services.tokenizer import MAX_TOKENS_FROM_CONTEXT
+from common.sampling import MAX_TOKENS_FROM_CONTEXT
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 MAX_MESSAGES = 4096

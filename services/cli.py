@@ -22,8 +22,8 @@ COMMANDS = {
     "scheduler": ("services.scheduler.main", "the scheduler (registry, placement)"),
     "worker": ("workers.main", "an LLM worker: --role prefill|decode|mixed"),
     "generate": ("workers.engine.generate_cli", "offline generation through one engine"),
-    "bench": ("services.bench.main", "load any OpenAI-compatible server and report latencies"),
-    "experiment": ("services.experiments.main", "reproduce a paper's experiment: pagemesh experiment NAME --out DIR"),
+    "bench": ("bench.loadgen.main", "load any OpenAI-compatible server and report latencies"),
+    "experiment": ("bench.experiments.main", "reproduce a paper's experiment: pagemesh experiment NAME --out DIR"),
 }
 
 

@@ -22,6 +22,7 @@ from collections import Counter
 from common.cli_args import add
 from common.messages import Ready
 from common.transport import Pull, ipc_address
+from services.scheduler.config import add_policy_arguments, policy_args_to_argv
 from workers.engine.config import add_engine_arguments, engine_args_to_argv
 
 
@@ -36,11 +37,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add(parser, "--ready-timeout", 300.0, type=float, help="seconds to wait for every process")
     add(parser, "--threads-per-worker", None, type=int, help="torch threads per worker (default: cores / workers)")
     add(parser, "--transfer-timeout", 30.0, type=float)
-    add(parser, "--heartbeat-timeout", 5.0, type=float, help="seconds of silence before a worker is dropped")
-    add(parser, "--max-queue", 256, type=int)
-    add(parser, "--placement", "prefix", choices=["prefix", "load", "round-robin"], help="how the scheduler picks workers")
-    add(parser, "--prefix-weight", 1.0, type=float, help="prefix placement: weight of the cached share of the prompt")
-    add(parser, "--load-weight", 4.0, type=float, help="prefix placement: weight of running / max running")
+    add_policy_arguments(parser)
     add_engine_arguments(parser)
     args = parser.parse_args(argv)
     mixed_only = args.mixed > 0
@@ -64,9 +61,7 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
     workers = args.prefill + args.decode + args.mixed
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
     procs = [
-        ("scheduler", ["scheduler", "--address", sched, "--heartbeat-timeout", str(args.heartbeat_timeout),
-                       "--max-queue", str(args.max_queue), "--placement", args.placement,
-                       "--prefix-weight", str(args.prefix_weight), "--load-weight", str(args.load_weight), *common]),
+        ("scheduler", ["scheduler", "--address", sched, *policy_args_to_argv(args), *common]),
         ("tokenizer", ["tokenizer", "--address", tok, "--output-address", tok_out, "--scheduler-address", sched,
                        "--name", "tokenizer-0", *model, *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []), *common]),
     ]

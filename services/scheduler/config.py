@@ -1,10 +1,13 @@
-"""Scheduler process configuration."""
+"""Scheduler process configuration and its command-line flags (declared once: `pagemesh up`
+passes the same flags on to the scheduler it starts)."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
-from services.scheduler.placement import PlacementPolicy
+from common.cli_args import add
+from services.scheduler.placement import PLACEMENTS, PlacementPolicy
 
 
 @dataclass(frozen=True)
@@ -14,3 +17,33 @@ class SchedulerConfig:
     heartbeat_timeout: float = 5.0  # a worker silent this long leaves placement
     max_queue: int = 256  # requests waiting for a worker; more are refused with 503
     placement: PlacementPolicy = PlacementPolicy()
+
+
+# the policy flags, as `add_policy_arguments` declares them (dest names)
+POLICY_FLAGS = ("heartbeat_timeout", "max_queue", "placement", "prefix_weight", "load_weight")
+
+
+def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    """The scheduler's policy flags (everything but its addresses)."""
+    add(parser, "--heartbeat-timeout", 5.0, type=float, help="seconds of silence before a worker is dropped")
+    add(parser, "--max-queue", 256, type=int, help="queued requests before 503")
+    add(parser, "--placement", "prefix", choices=PLACEMENTS, help="how to pick workers (see placement.py)")
+    add(parser, "--prefix-weight", 1.0, type=float, help="prefix placement: weight of the cached share of the prompt")
+    add(parser, "--load-weight", 4.0, type=float, help="prefix placement: weight of running / max running")
+
+
+def policy_args_to_argv(args: argparse.Namespace) -> list[str]:
+    """The policy flags of `args`, as a command line for a scheduler process."""
+    argv: list[str] = []
+    for name in POLICY_FLAGS:
+        argv += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return argv
+
+
+def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> SchedulerConfig:
+    try:
+        policy = PlacementPolicy(args.placement, args.prefix_weight, args.load_weight)
+    except ValueError as e:
+        parser.error(str(e))
+    return SchedulerConfig(address=args.address, ready_address=args.ready_address,
+                           heartbeat_timeout=args.heartbeat_timeout, max_queue=args.max_queue, placement=policy)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from services.scheduler.registry import WorkerInfo
-from workers.engine.block_manager import prefix_page_hashes
+from common.page_hash import prefix_page_hashes
 
 
 class PromptPages:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import cli_args
+from common.model_config import read_model_config
 from common.model_files import resolve_model_path
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
@@ -57,6 +58,4 @@ def parse_args(argv: list[str]) -> TokenizerConfig:
 
 
 def _model_context_length(model: Path) -> int:
-    from workers.model.loader import read_model_config  # imports torch: only when needed
-
     return read_model_config(model).max_position_embeddings

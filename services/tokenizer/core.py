@@ -31,7 +31,7 @@ from common.messages import (
     TokenDeltaBatch,
 )
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
-from services.tokenizer import MAX_TOKENS_FROM_CONTEXT
+from common.sampling import MAX_TOKENS_FROM_CONTEXT
 
 ORPHAN_ABORT_INTERVAL_S = 1.0  # between aborts of one unknown request whose tokens keep coming
 MAX_ORPHANS_REMEMBERED = 4096

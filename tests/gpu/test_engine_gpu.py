@@ -15,7 +15,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import bucket_for
 from workers.engine.engine import Engine
 from workers.engine.model_runner import TritonAttentionBackend
-from workers.model.config import ModelConfig
+from common.model_config import ModelConfig
 from workers.model.llama import ForwardContext
 from workers.model.loader import build_random_model
 from workers.model.ops import TorchOps, TritonOps

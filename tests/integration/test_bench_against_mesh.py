@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.bench import main as bench_main
+from bench.loadgen import main as bench_main
 
 REPO = Path(__file__).resolve().parents[2]
 UP_TIMEOUT_S = 40.0

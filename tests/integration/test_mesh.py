@@ -14,7 +14,7 @@ import pytest
 from common.model_files import DEFAULT_MODEL_NAME, default_model_path
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
-from services.local_mesh import metrics, per_worker, running_mesh, wait_until
+from bench.local_mesh import metrics, per_worker, running_mesh, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = DEFAULT_MODEL_NAME

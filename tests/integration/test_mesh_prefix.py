@@ -8,7 +8,7 @@ import pytest
 
 from common.model_files import DEFAULT_MODEL_NAME
 from common.sampling import SamplingParams
-from services.local_mesh import metrics, running_mesh, wait_until
+from bench.local_mesh import metrics, running_mesh, wait_until
 
 pytestmark = pytest.mark.slow
 PAGE = 16

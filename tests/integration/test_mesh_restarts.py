@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from common.model_files import DEFAULT_MODEL_NAME
-from services.local_mesh import SeparateProcesses, metrics, per_worker, wait_until
+from bench.local_mesh import SeparateProcesses, metrics, per_worker, wait_until
 from tests.integration.conftest import stream_counting
 
 pytestmark = pytest.mark.slow

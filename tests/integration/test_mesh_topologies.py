@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from common.model_files import DEFAULT_MODEL_NAME
-from services.local_mesh import metrics, per_worker, running_mesh, wait_until
+from bench.local_mesh import metrics, per_worker, running_mesh, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""services.bench.arrivals: gap statistics of the arrival process with a seeded RNG."""
+"""bench.loadgen.arrivals: gap statistics of the arrival process with a seeded RNG."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from services.bench.arrivals import arrival_gaps, arrival_times
+from bench.loadgen.arrivals import arrival_gaps, arrival_times
 
 N = 20000
 

@@ -1,4 +1,4 @@
-"""services.bench.datasets with the default model's tokenizer: exact lengths, stable tokens."""
+"""bench.loadgen.datasets with the default model's tokenizer: exact lengths, stable tokens."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from common.model_files import default_model_path
 from common.tokenizer import Tokenizer
-from services.bench.datasets import (Conversation, DatasetSpec, Segment, Turn, build_prompt, chat_messages,
+from bench.loadgen.datasets import (Conversation, DatasetSpec, Segment, Turn, build_prompt, chat_messages,
                                      conversations, length_bounds, random_segment)
 
 TOKENIZER = Tokenizer.from_path(default_model_path())

@@ -1,11 +1,11 @@
-"""services.bench.metrics and .stream: summaries of hand-made timings, with exact numbers."""
+"""bench.loadgen.metrics and .stream: summaries of hand-made timings, with exact numbers."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.bench.metrics import latency_stats, parse_goodput, summarize
-from services.bench.stream import RequestResult, StreamAccumulator
+from bench.loadgen.metrics import latency_stats, parse_goodput, summarize
+from bench.loadgen.stream import RequestResult, StreamAccumulator
 
 
 def _result(prompt, out, ttft, latency, itl, success=True):

@@ -1,4 +1,4 @@
-"""services.bench runner and main against a fake OpenAI-compatible server on loopback."""
+"""bench.loadgen runner and main against a fake OpenAI-compatible server on loopback."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from aiohttp import web
 
 from common.model_files import default_model_path
 from common.tokenizer import Tokenizer
-from services.bench import main as bench_main
-from services.bench.datasets import DatasetSpec, Prompt, conversations
-from services.bench.runner import BenchError, LoadPoint, Target, request_body, run_point
+from bench.loadgen import main as bench_main
+from bench.loadgen.datasets import DatasetSpec, Prompt, conversations
+from bench.loadgen.runner import BenchError, LoadPoint, Target, request_body, run_point
 
 TOKENIZER = Tokenizer.from_path(default_model_path())
 

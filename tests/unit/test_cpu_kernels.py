@@ -123,7 +123,7 @@ def test_write_kv_fills_the_same_slots_as_the_torch_path(dtype):
 
 
 def test_packed_linear_weights_give_the_same_logits():
-    from workers.model.config import ModelConfig
+    from common.model_config import ModelConfig
     from workers.model.llama import LlamaForCausalLM
 
     cfg = ModelConfig(architecture="llama", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,

@@ -14,7 +14,7 @@ from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import DecodeGraphs, bucket_for, capture_sizes, pad_decode_batch
 from workers.engine.engine import Engine
 from workers.engine.model_runner import ModelRunner, TritonAttentionBackend
-from workers.model.config import ModelConfig
+from common.model_config import ModelConfig
 from workers.model.loader import build_random_model
 from workers.model.ops import TorchOps, TritonOps
 

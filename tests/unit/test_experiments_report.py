@@ -1,10 +1,10 @@
-"""services.experiments.report: markdown tables and the files a report writes."""
+"""bench.experiments.report: markdown tables and the files a report writes."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.experiments.report import Report, format_cell, markdown_table, new_figure
+from bench.experiments.report import Report, format_cell, markdown_table, new_figure
 
 
 def test_markdown_table_formats_cells():

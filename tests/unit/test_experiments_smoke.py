@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.experiments.main import main
+from bench.experiments.main import main
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ from common.messages import GenerateRequest
 from common.sampling import SamplingParams
 from gateway.errors import ApiError
 from gateway.parsing import check_model, parse_chat, parse_completion, parse_json
-from services.tokenizer import MAX_TOKENS_FROM_CONTEXT
+from common.sampling import MAX_TOKENS_FROM_CONTEXT
 
 CHAT = [{"role": "user", "content": "hi"}]
 

@@ -15,7 +15,8 @@ from services.scheduler.main import parse as parse_scheduler_flags
 from services.scheduler.placement import Placement, PlacementPolicy, Placer, score
 from services.scheduler.prefix_index import PromptPages
 from services.scheduler.registry import Registry, WorkerInfo
-from workers.engine.block_manager import HASH_BITS, BlockManager, chain_hash, prefix_page_hashes
+from common.page_hash import HASH_BITS, chain_hash, prefix_page_hashes
+from workers.engine.block_manager import BlockManager
 
 PAGE = 4
 PROMPT = list(range(100, 117))  # 17 tokens: 4 full pages, all reusable (one token stays to compute)
@@ -46,7 +47,7 @@ def test_keys_are_62_bit_chained_and_the_same_in_another_process():
     assert keys[0] == chain_hash(None, PROMPT[:4]) and keys[1] == chain_hash(keys[0], PROMPT[4:8])
     assert chain_hash(None, [1, 2, 3, 4]) != chain_hash(keys[0], [1, 2, 3, 4])  # the parent counts
     assert prefix_page_hashes(PROMPT[:16], PAGE) == keys[:3]  # 16 tokens: the 4th page is not reusable
-    code = f"from workers.engine.block_manager import prefix_page_hashes as f; print(f({PROMPT}, {PAGE}))"
+    code = f"from common.page_hash import prefix_page_hashes as f; print(f({PROMPT}, {PAGE}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout
     assert out.strip() == str(keys)
@@ -221,7 +222,7 @@ def test_placement_flags():
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from workers.model.config import ModelConfig
+    from common.model_config import ModelConfig
     from workers.model.loader import build_random_model
 
     cfg = ModelConfig(

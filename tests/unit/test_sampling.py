@@ -190,7 +190,7 @@ def test_the_engine_hands_the_sampler_the_token_lists_its_penalties_read(penalti
     contexts for every row at every step costs the host ~0.3 ms per step at 128 x 4096)."""
     from workers.engine.config import EngineConfig
     from workers.engine.engine import Engine
-    from workers.model.config import ModelConfig
+    from common.model_config import ModelConfig
     from workers.model.loader import build_random_model
 
     cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,

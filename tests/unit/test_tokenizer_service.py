@@ -13,7 +13,7 @@ from common.messages import (
 from common.model_files import default_model_path
 from common.sampling import SamplingParams
 from common.tokenizer import Tokenizer
-from services.tokenizer import MAX_TOKENS_FROM_CONTEXT
+from common.sampling import MAX_TOKENS_FROM_CONTEXT
 from services.tokenizer.core import TokenizerCore
 
 TOKENIZER = Tokenizer.from_path(default_model_path())

@@ -13,7 +13,7 @@ Pure Python (no torch): the model runner owns the tensors, this owns the page id
 Prefix cache: a full page is keyed by a hash chained over the parent page's hash and its own
 token ids, so equal keys mean equal whole prefixes; a hit also compares the token ids. The key
 is stable across processes (blake2b, not Python's `hash`), so the mesh scheduler computes the
-same keys from a prompt (`prefix_page_hashes`) and knows which worker holds which prefix: the
+same keys from a prompt (`common.page_hash.prefix_page_hashes`) and knows which worker holds which prefix: the
 manager records the keys it publishes and evicts until `take_cache_changes` collects them.
 Copy-on-write: `fork` shares every page of a block table; the first write into a shared page
 makes the writer move to a private copy (`ensure_writable` returns the copy to perform).
@@ -21,17 +21,13 @@ makes the writer move to a private copy (`ensure_writable` returns the copy to p
 
 from __future__ import annotations
 
-import hashlib
-import sys
-from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from common.page_hash import chain_hash
+
 NULL_PAGE = 0
-HASH_BITS = 62  # page keys are in [0, 2**62): non-negative, and they fit msgpack and the codec
-_HASH_MASK = (1 << HASH_BITS) - 1
-_NO_PARENT = (1 << HASH_BITS).to_bytes(8, "little")  # outside the key range: the first page
 
 
 class OutOfPages(RuntimeError):
@@ -44,28 +40,6 @@ class Page:
     ref_count: int = 0
     hash: int | None = None
     token_ids: tuple[int, ...] | None = None
-
-
-def chain_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Key of a full page: blake2b over the parent page's key and this page's token ids, cut to
-    62 bits. The same in every process and on every machine."""
-    tokens = array("q", token_ids)
-    if sys.byteorder == "big":
-        tokens.byteswap()
-    parent = _NO_PARENT if parent_hash is None else parent_hash.to_bytes(8, "little")
-    digest = hashlib.blake2b(parent + tokens.tobytes(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & _HASH_MASK
-
-
-def prefix_page_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
-    """Keys of the pages `match_prefix` could hit for this prompt, in order: every full page
-    except one that would leave no token to compute."""
-    keys: list[int] = []
-    parent: int | None = None
-    for i in range((len(token_ids) - 1) // page_size):
-        parent = chain_hash(parent, token_ids[i * page_size : (i + 1) * page_size])
-        keys.append(parent)
-    return keys
 
 
 @dataclass

@@ -1,14 +1,19 @@
-"""Engine configuration (frozen) and how `auto` choices resolve on this machine."""
+"""Engine configuration (frozen), its command-line flags, and how `auto` choices resolve here.
+
+Imports no torch (torch is imported only to resolve a device or dtype): `pagemesh up` parses
+the engine's flags without loading it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 
 
 @dataclass(frozen=True)
@@ -50,13 +55,17 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= 1")
 
     def resolve_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype != "auto":
-            return DTYPES[self.dtype]
+            return getattr(torch, self.dtype)
         if device.type == "cuda" or cpu_has_fast_bf16():
             return torch.bfloat16
         return torch.float32

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from workers.engine.attention import AttentionMetadata
-from workers.model.config import ModelConfig
+from common.model_config import ModelConfig
 from workers.model.layers import (
     ColumnParallelLinear,
     ParallelContext,

@@ -13,7 +13,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from workers.model.config import ModelConfig
+from common.model_config import ModelConfig, read_model_config
 from workers.model.layers import ParallelContext
 from workers.model.llama import LlamaForCausalLM
 
@@ -30,13 +30,6 @@ _GGUF_NAMES = {
 }
 _GGUF_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 _GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
-
-def read_model_config(path: Path) -> ModelConfig:
-    if path.is_dir():
-        return ModelConfig.from_hf_folder(path)
-    meta, names = _gguf_meta(path)
-    return ModelConfig.from_gguf_fields(meta, names)
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, tp: ParallelContext = ParallelContext()) -> LlamaForCausalLM:
@@ -85,22 +78,6 @@ def _hf_folder_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # ---- GGUF ----------------------------------------------------------------------------------
-def _gguf_meta(path: Path) -> tuple[dict, set[str]]:
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    meta = {}
-    for key, field in reader.fields.items():
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
-            meta[key] = range(len(field.data))  # only the length matters here
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception:  # an exotic field type we do not need
-            continue
-    return meta, {t.name for t in reader.tensors}
-
-
 def _gguf_weights(path: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     import gguf
     from gguf.quants import dequantize

@@ -13,9 +13,9 @@ import random
 from dataclasses import dataclass, fields
 
 from common.sampling import SamplingParams
-from services.experiments.driver import drive
-from services.experiments.report import new_figure
-from services.experiments.workload import Job, random_prompt
+from bench.experiments.driver import drive
+from bench.experiments.report import new_figure
+from bench.experiments.workload import Job, random_prompt
 from workers.engine.config import EngineConfig
 
 

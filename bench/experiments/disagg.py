@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 from common.model_files import resolve_model_path
 from common.tokenizer import Tokenizer
-from services.bench.datasets import DatasetSpec, conversations
-from services.experiments.mesh import bench
-from services.experiments.report import new_figure
-from services.local_mesh import metrics, running_mesh
+from bench.loadgen.datasets import DatasetSpec, conversations
+from bench.experiments.mesh import bench
+from bench.experiments.report import new_figure
+from bench.local_mesh import metrics, running_mesh
 
 
 @dataclass(frozen=True)

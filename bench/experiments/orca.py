@@ -14,10 +14,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from services.bench.arrivals import arrival_times
-from services.experiments.driver import drive, summarize
-from services.experiments.report import new_figure
-from services.experiments.workload import mixed_jobs
+from bench.loadgen.arrivals import arrival_times
+from bench.experiments.driver import drive, summarize
+from bench.experiments.report import new_figure
+from bench.experiments.workload import mixed_jobs
 
 
 @dataclass(frozen=True)

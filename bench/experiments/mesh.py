@@ -1,14 +1,14 @@
-"""One load point against a real `pagemesh up` (services.local_mesh) with `pagemesh bench`'s
+"""One load point against a real `pagemesh up` (bench.local_mesh) with `pagemesh bench`'s
 runner and metrics (streaming over HTTP, vLLM's metric definitions)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from services.bench.datasets import Conversation
-from services.bench.main import first_model
-from services.bench.metrics import summarize
-from services.bench.runner import LoadPoint, Target, run_point
+from bench.loadgen.datasets import Conversation
+from bench.loadgen.main import first_model
+from bench.loadgen.metrics import summarize
+from bench.loadgen.runner import LoadPoint, Target, run_point
 
 
 def bench(base_url: str, conversations: list[Conversation], tokenizer, rate: float, seed: int) -> tuple[dict, list]:

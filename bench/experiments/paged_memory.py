@@ -15,9 +15,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.experiments.driver import drive
-from services.experiments.report import new_figure
-from services.experiments.workload import mixed_jobs
+from bench.experiments.driver import drive
+from bench.experiments.report import new_figure
+from bench.experiments.workload import mixed_jobs
 
 
 @dataclass(frozen=True)

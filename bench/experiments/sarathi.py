@@ -14,10 +14,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from services.bench.metrics import latency_stats
-from services.experiments.driver import drive
-from services.experiments.report import new_figure
-from services.experiments.workload import Job, fixed_output, random_prompt
+from bench.loadgen.metrics import latency_stats
+from bench.experiments.driver import drive
+from bench.experiments.report import new_figure
+from bench.experiments.workload import Job, fixed_output, random_prompt
 
 NO_CHUNKING = 0
 

@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from common.tokenizer import Tokenizer
-from services.bench.arrivals import arrival_times
-from services.bench.client import new_session, stream_request
-from services.bench.datasets import Conversation, Prompt, build_prompt
-from services.bench.progress import progress_bar
-from services.bench.stream import RequestResult
+from bench.loadgen.arrivals import arrival_times
+from bench.loadgen.client import new_session, stream_request
+from bench.loadgen.datasets import Conversation, Prompt, build_prompt
+from bench.loadgen.progress import progress_bar
+from bench.loadgen.stream import RequestResult
 
 
 class BenchError(RuntimeError):

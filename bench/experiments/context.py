@@ -11,7 +11,7 @@ from pathlib import Path
 
 from common.model_files import resolve_model_path, served_model_name
 from common.sampling import SamplingParams
-from services.experiments.report import Report, load_average
+from bench.experiments.report import Report, load_average
 from workers.engine.config import EngineConfig
 
 

@@ -1,4 +1,6 @@
-"""The shape of a Llama-family model, read from an HF config.json or from GGUF metadata."""
+"""The shape of a Llama-family model, read from an HF config.json or from GGUF metadata.
+
+No torch: the tokenizer reads the context length from it, the workers build the model from it."""
 
 from __future__ import annotations
 
@@ -114,3 +116,27 @@ class ModelConfig:
 
 def _opt_int(x) -> int | None:
     return None if x is None else int(x)
+
+
+def read_model_config(path: Path) -> ModelConfig:
+    """The config of an HF folder (config.json) or a GGUF file (its metadata)."""
+    if path.is_dir():
+        return ModelConfig.from_hf_folder(path)
+    meta, names = _gguf_meta(path)
+    return ModelConfig.from_gguf_fields(meta, names)
+
+
+def _gguf_meta(path: Path) -> tuple[dict, set[str]]:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    meta = {}
+    for key, field in reader.fields.items():
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            meta[key] = range(len(field.data))  # only the length matters here
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:  # an exotic field type we do not need
+            continue
+    return meta, {t.name for t in reader.tensors}

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 from common.model_files import resolve_model_path
 from common.tokenizer import Tokenizer
-from services.bench.datasets import Conversation, Turn, random_segment
-from services.bench.metrics import latency_stats
-from services.experiments.driver import drive
-from services.experiments.mesh import bench
-from services.experiments.report import new_figure
-from services.experiments.workload import Job, fixed_output, random_prompt
-from services.local_mesh import metrics, per_worker, running_mesh
+from bench.loadgen.datasets import Conversation, Turn, random_segment
+from bench.loadgen.metrics import latency_stats
+from bench.experiments.driver import drive
+from bench.experiments.mesh import bench
+from bench.experiments.report import new_figure
+from bench.experiments.workload import Job, fixed_output, random_prompt
+from bench.local_mesh import metrics, per_worker, running_mesh
 
 PLACEMENTS = ("prefix", "round-robin")
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 from common.model_files import resolve_model_path
 from common.tokenizer import Tokenizer
-from services.bench.datasets import DATASETS, DatasetSpec, conversations
-from services.bench.metrics import DEFAULT_PERCENTILES, parse_goodput, summarize
-from services.bench.report import format_summary, plot_sweep, write_json
-from services.bench.runner import BenchError, LoadPoint, Target, run_point
+from bench.loadgen.datasets import DATASETS, DatasetSpec, conversations
+from bench.loadgen.metrics import DEFAULT_PERCENTILES, parse_goodput, summarize
+from bench.loadgen.report import format_summary, plot_sweep, write_json
+from bench.loadgen.runner import BenchError, LoadPoint, Target, run_point
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from services.bench.stream import RequestResult
+from bench.loadgen.stream import RequestResult
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)

@@ -14,16 +14,16 @@ import sys
 import time
 from pathlib import Path
 
-from services.experiments.context import Context, default_threads
+from bench.experiments.context import Context, default_threads
 
 EXPERIMENTS = {
-    "paged-memory": ("services.experiments.paged_memory", "KV utilization and sequences that fit: paged vs contiguous"),
-    "orca": ("services.experiments.orca", "iteration-level vs request-level batching across arrival rates"),
-    "sarathi": ("services.experiments.sarathi", "inter-token latency and throughput across prefill chunk sizes"),
-    "disagg": ("services.experiments.disagg", "disaggregated prefill/decode vs one mixed worker (HTTP)"),
-    "prefix": ("services.experiments.prefix", "prefix caching on/off; prefix-aware vs round-robin placement"),
-    "cow": ("services.experiments.cow", "pages for n=4 sampling and beam search, with and without copy-on-write"),
-    "page-size": ("services.experiments.page_size", "throughput and KV utilization across page sizes"),
+    "paged-memory": ("bench.experiments.paged_memory", "KV utilization and sequences that fit: paged vs contiguous"),
+    "orca": ("bench.experiments.orca", "iteration-level vs request-level batching across arrival rates"),
+    "sarathi": ("bench.experiments.sarathi", "inter-token latency and throughput across prefill chunk sizes"),
+    "disagg": ("bench.experiments.disagg", "disaggregated prefill/decode vs one mixed worker (HTTP)"),
+    "prefix": ("bench.experiments.prefix", "prefix caching on/off; prefix-aware vs round-robin placement"),
+    "cow": ("bench.experiments.cow", "pages for n=4 sampling and beam search, with and without copy-on-write"),
+    "page-size": ("bench.experiments.page_size", "throughput and KV utilization across page sizes"),
 }
 
 
