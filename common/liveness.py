@@ -36,5 +36,5 @@ class PeerInstance:
 async def ping_forever(socket, sender: str, address: str | None = None, interval: float = PING_INTERVAL_S) -> None:
     """Send Ping(sender, address) on `socket` (anything with an async `send`) every `interval` seconds."""
     while True:
-        await socket.send(Ping(sender, address))
+        await socket.send(Ping(sender=sender, address=address))
         await asyncio.sleep(interval)

@@ -44,7 +44,7 @@ async def run(config: GatewayConfig) -> None:
                  scheduler=config.scheduler_address, reply_to=mesh.reply_to)
         if config.ready_address:
             with Push(config.ready_address) as ready:
-                await ready.send(Ready("gateway", config.name))
+                await ready.send(Ready(service="gateway", name=config.name))
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()

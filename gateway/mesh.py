@@ -97,7 +97,7 @@ class MeshClient:
         """Stop the request everywhere and forget it. Does not wait, so a handler being cancelled
         (client gone) can call it from `finally`."""
         self.discard(request_id)
-        self._spawn(self._send_abort(AbortRequest(request_id, reason)))
+        self._spawn(self._send_abort(AbortRequest(request_id=request_id, reason=reason)))
 
     async def _send_abort(self, abort: AbortRequest) -> None:
         await self._scheduler.send(abort)
@@ -140,9 +140,9 @@ class MeshClient:
         now = time.monotonic()
         for request_id in list(self._queues):
             self._deliver(request_id, (now, RequestFailed(
-                request_id, 503, "server_error", "Request failed: the tokenizer restarted; retry later.", None,
-                "service_restarted")))
-            self._spawn(self._send_abort(AbortRequest(request_id, "tokenizer restarted")))
+                request_id=request_id, status=503, error_type="server_error", message="Request failed: the tokenizer restarted; retry later.", param=None,
+                code="service_restarted")))
+            self._spawn(self._send_abort(AbortRequest(request_id=request_id, reason="tokenizer restarted")))
 
     # ---- status
 
@@ -152,7 +152,7 @@ class MeshClient:
         waiter = self._status_waiter
         if waiter is None or waiter.done():
             waiter = self._status_waiter = asyncio.get_running_loop().create_future()
-            await self._scheduler.send(StatusRequest(self.identity))
+            await self._scheduler.send(StatusRequest(requester=self.identity))
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), timeout)
         except asyncio.TimeoutError:

@@ -58,8 +58,8 @@ class ParsedRequest:
                 for i, (text, ids) in enumerate(self.prompts)]
 
     def _request(self, request_id, text, ids, model, reply_to, arrival_time) -> GenerateRequest:
-        return GenerateRequest(request_id, model, text, ids, self.messages, self.sampling, self.stream, reply_to,
-                               arrival_time, self.include_stop_str_in_output)
+        return GenerateRequest(request_id=request_id, model=model, prompt_text=text, prompt_token_ids=ids, messages=self.messages, sampling=self.sampling, stream=self.stream, reply_to=reply_to,
+                               arrival_time=arrival_time, include_stop_str_in_output=self.include_stop_str_in_output)
 
 
 def parse_json(raw: bytes) -> dict:

@@ -106,7 +106,7 @@ class WorkerService:
             tasks.append(self._kv_loop())
         if self.config.ready_address:
             with Push(self.config.ready_address) as ready:
-                await ready.send(Ready("worker", self.config.worker_id))
+                await ready.send(Ready(service="worker", name=self.config.worker_id))
         self.log.info("worker ready", kv=self.config.kv_advertise, pages=self.engine.blocks.num_usable_pages)
         await asyncio.gather(*tasks)
 
@@ -116,8 +116,8 @@ class WorkerService:
         # `instance` tells the scheduler this process from an earlier one under the same id
         self.registered_again_at = float("-inf")
         msg = self.registration = RegisterWorker(
-            cfg.worker_id, self.role, served_model_name(path) if path else "custom", blocks.page_size,
-            blocks.num_usable_pages, cfg.kv_advertise or "", self.engine.config.max_num_seqs, new_instance(),
+            worker_id=cfg.worker_id, role=self.role, model=served_model_name(path) if path else "custom", page_size=blocks.page_size,
+            num_pages=blocks.num_usable_pages, kv_endpoint=cfg.kv_advertise or "", max_running=self.engine.config.max_num_seqs, instance=new_instance(),
         )
         while True:  # the scheduler may start after us: register until it answers
             await self.scheduler.send(msg)
@@ -204,14 +204,14 @@ class WorkerService:
             self.outgoing_skip[request_id] = skip_pages
         # tell the tokenizer a worker holds it (before any of its tokens, in the next step's
         # batch): a scheduler restart does not fail it from here on
-        self.starting.setdefault(reply_to, []).append(TokenDelta(request_id, 0, [], None, None, len(prompt_ids)))
+        self.starting.setdefault(reply_to, []).append(TokenDelta(request_id=request_id, index=0, token_ids=[], logprobs=None, finish_reason=None, num_prompt_tokens=len(prompt_ids)))
 
     def _held(self) -> list[HeldRequest]:
         """The requests this worker works on (running, or waiting for their KV pages)."""
-        held = {rid: HeldRequest(rid, reply_to) for rid, reply_to in self.reply_to.items()}
+        held = {rid: HeldRequest(request_id=rid, reply_to=reply_to) for rid, reply_to in self.reply_to.items()}
         for rid, entry in self.incoming.items():
             if entry.task is not None and rid not in held:
-                held[rid] = HeldRequest(rid, entry.task.reply_to)
+                held[rid] = HeldRequest(request_id=rid, reply_to=entry.task.reply_to)
         return list(held.values())
 
     def _pin_prefix(self, request_id: str) -> None:
@@ -257,7 +257,7 @@ class WorkerService:
             self.log.warning("kv import failed", request_id=request_id, error=error)
             self.engine.blocks.free_table(pinned)
             self._done(request_id, "kv_rejected")
-        asyncio.ensure_future(self.kv_in.send(entry.sender, KVPagesAck(request_id, error is None, error)))
+        asyncio.ensure_future(self.kv_in.send(entry.sender, KVPagesAck(request_id=request_id, ok=error is None, error=error)))
 
     def _acknowledged(self, ack: KVPagesAck) -> None:
         out = self.outgoing.pop(ack.request_id, None)
@@ -290,11 +290,11 @@ class WorkerService:
 
     def _done(self, request_id: str, reason: str) -> None:
         self.requests_finished += 1
-        asyncio.ensure_future(self.scheduler.send(RequestDone(self.config.worker_id, request_id, reason)))
+        asyncio.ensure_future(self.scheduler.send(RequestDone(worker_id=self.config.worker_id, request_id=request_id, reason=reason)))
 
     def _send_final(self, request_id: str, reply_to: str, n: int, reason: str) -> None:
-        deltas = [TokenDelta(request_id, i, [], None, reason, 0) for i in range(n)]
-        asyncio.ensure_future(self._push(reply_to).send(TokenDeltaBatch(self.config.worker_id, deltas)))
+        deltas = [TokenDelta(request_id=request_id, index=i, token_ids=[], logprobs=None, finish_reason=reason, num_prompt_tokens=0) for i in range(n)]
+        asyncio.ensure_future(self._push(reply_to).send(TokenDeltaBatch(worker_id=self.config.worker_id, deltas=deltas)))
 
     # ---- the engine loop ------------------------------------------------------------------
     async def _engine_loop(self) -> None:
@@ -333,11 +333,11 @@ class WorkerService:
             prompt_logprobs = None if out.prompt_logprobs is None else _wire_logprobs(out.prompt_logprobs)
             for so in out.outputs:
                 batches.setdefault(reply_to, []).append(TokenDelta(
-                    out.request_id, so.index, so.new_token_ids, _wire_logprobs(so.logprobs) or None, so.finish_reason,
-                    out.num_prompt_tokens, queue_time, prompt_logprobs))
+                    request_id=out.request_id, index=so.index, token_ids=so.new_token_ids, logprobs=_wire_logprobs(so.logprobs) or None, finish_reason=so.finish_reason,
+                    num_prompt_tokens=out.num_prompt_tokens, queue_time_s=queue_time, prompt_logprobs=prompt_logprobs))
                 queue_time = prompt_logprobs = None  # once per request
         for reply_to, deltas in batches.items():  # one message per step per destination
-            await self._push(reply_to).send(TokenDeltaBatch(self.config.worker_id, deltas))
+            await self._push(reply_to).send(TokenDeltaBatch(worker_id=self.config.worker_id, deltas=deltas))
         for out in outputs:
             if out.finished:
                 if self.engine.take_prefilled(out.request_id) is not None:
@@ -371,7 +371,7 @@ class WorkerService:
             added, removed = self.engine.blocks.take_cache_changes(MAX_PAGE_HASHES)
             if not added and not removed:
                 return
-            await self.scheduler.send(PrefixCacheUpdate(self.config.worker_id, tuple(added), tuple(removed)))
+            await self.scheduler.send(PrefixCacheUpdate(worker_id=self.config.worker_id, added=tuple(added), removed=tuple(removed)))
 
     # ---- timers ---------------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
@@ -379,9 +379,9 @@ class WorkerService:
             blocks, sched = self.engine.blocks, self.engine.scheduler
             await self.scheduler.send(
                 Heartbeat(
-                    self.config.worker_id, len(sched.running), len(sched.waiting), blocks.num_free_pages,
-                    blocks.num_usable_pages, blocks.num_used_pages, time.time(), self.kv_bytes_sent, self.kv_bytes_received,
-                    self.requests_finished,
+                    worker_id=self.config.worker_id, running=len(sched.running), waiting=len(sched.waiting), free_pages=blocks.num_free_pages,
+                    total_pages=blocks.num_usable_pages, used_pages=blocks.num_used_pages, time=time.time(), kv_bytes_sent=self.kv_bytes_sent, kv_bytes_received=self.kv_bytes_received,
+                    requests_finished=self.requests_finished,
                 )
             )
             await asyncio.sleep(self.config.heartbeat_interval)
@@ -414,4 +414,4 @@ class WorkerService:
 
 
 def _wire_logprobs(logprobs: list) -> list[TokenLogprob]:
-    return [TokenLogprob(lp.token_id, lp.logprob, lp.top_ids, lp.top_logprobs) for lp in logprobs]
+    return [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs) for lp in logprobs]

@@ -66,7 +66,7 @@ class SchedulerService:
     async def run(self) -> None:
         if self.config.ready_address:
             with Push(self.config.ready_address) as ready:
-                await ready.send(Ready("scheduler", "scheduler"))
+                await ready.send(Ready(service="scheduler", name="scheduler"))
         self.log.info("scheduler ready", address=self.config.address)
         await asyncio.gather(self._receive_loop(), self._expiry_loop())
 
@@ -111,7 +111,7 @@ class SchedulerService:
         )
         replaced = self.registry.register(info)
         self.log.info("worker registered", worker=msg.worker_id, role=msg.role, pages=msg.num_pages)
-        await self._send(identity, Registered(msg.worker_id))
+        await self._send(identity, Registered(worker_id=msg.worker_id))
         if replaced is not None:  # a new process under the id: the old one's requests are gone
             self.log.warning("worker restarted", worker=msg.worker_id, requests=len(replaced.requests))
             await self._fail_requests_of(replaced, f"worker {msg.worker_id} restarted")
@@ -131,7 +131,7 @@ class SchedulerService:
         if known:
             await self._drain()
         else:  # this scheduler was restarted, or dropped the worker: it must register again
-            await self._send(identity, UnknownWorker(msg.worker_id))
+            await self._send(identity, UnknownWorker(worker_id=msg.worker_id))
 
     async def _on_prefix_update(self, identity: bytes, msg: PrefixCacheUpdate) -> None:
         self.registry.prefix_update(msg.worker_id, msg.added, msg.removed)
@@ -151,7 +151,7 @@ class SchedulerService:
 
     async def _reject(self, identity: bytes, request_id: str, why: str) -> None:
         self.log.info("request rejected", request_id=request_id, reason=why)
-        await self._send(identity, RequestFailed(request_id, 503, "server_error", f"Service unavailable: {why}; retry later.", None, "overloaded"))
+        await self._send(identity, RequestFailed(request_id=request_id, status=503, error_type="server_error", message=f"Service unavailable: {why}; retry later.", param=None, code="overloaded"))
 
     async def _drain(self) -> None:
         """Place queued requests, oldest first, while some worker can take them."""
@@ -171,14 +171,14 @@ class SchedulerService:
             if not handoff:
                 # mixed worker, or beams / best_of whose state stays in one engine: no handoff
                 holders = {worker.worker_id}
-                await self._send(worker.worker_id, GenerateTask(req.request_id, req.prompt_token_ids, req.sampling, req.reply_to, queued))
+                await self._send(worker.worker_id, GenerateTask(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling, reply_to=req.reply_to, queued_s=queued))
             else:
                 p = placement.prefill
                 holders = {p.worker_id, worker.worker_id}
                 skip = placement.skip_pages
-                await self._send(worker.worker_id, DecodeTask(req.request_id, req.prompt_token_ids, req.sampling, req.reply_to, p.worker_id, skip))
+                await self._send(worker.worker_id, DecodeTask(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling, reply_to=req.reply_to, prefill_worker_id=p.worker_id, skip_pages=skip))
                 await self._send(p.worker_id, PrefillTask(
-                    req.request_id, req.prompt_token_ids, req.sampling, req.reply_to, worker.worker_id, worker.kv_endpoint, queued, skip,
+                    request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling, reply_to=req.reply_to, decode_worker_id=worker.worker_id, decode_kv_endpoint=worker.kv_endpoint, queued_s=queued, skip_pages=skip,
                 ))
             for wid in holders:
                 self.registry.workers[wid].requests.add(req.request_id)
@@ -206,18 +206,18 @@ class SchedulerService:
         if placed is not None:
             await self._abort_holders(placed, msg.reason)
         elif msg.worker_id in self.registry.workers:  # placed by an earlier scheduler process
-            await self._send(msg.worker_id, AbortRequest(msg.request_id, msg.reason))
+            await self._send(msg.worker_id, AbortRequest(request_id=msg.request_id, reason=msg.reason))
 
     async def _abort_holders(self, placed: Placed, reason: str) -> None:
         rid = placed.request_id
         for wid in list(placed.holders):
-            await self._send(wid, AbortRequest(rid, reason))
+            await self._send(wid, AbortRequest(request_id=rid, reason=reason))
             self._release(wid, rid)
         self.placed.pop(rid, None)
 
     async def _fail(self, placed: Placed, why: str) -> None:
         rid = placed.request_id
-        failed = RequestFailed(rid, 503, "server_error", f"Request failed: {why}; retry later.", None, "worker_failure")
+        failed = RequestFailed(request_id=rid, status=503, error_type="server_error", message=f"Request failed: {why}; retry later.", param=None, code="worker_failure")
         origin = self.tokenizers.get(placed.reply_to)
         if origin is not None:
             await self._send(origin, failed)
@@ -269,15 +269,15 @@ class SchedulerService:
             self.tokenizers[msg.address] = identity
             for failed in self.unreported.pop(msg.address, ()):
                 await self._send(identity, failed)
-        await self._send(identity, Pong("scheduler", self.instance))
+        await self._send(identity, Pong(service="scheduler", instance=self.instance))
 
     async def _on_status(self, identity: bytes, msg: StatusRequest) -> None:
         now = time.monotonic()
         workers = [
-            WorkerStatus(w.worker_id, w.role, self.registry.is_alive(w, now), w.running, w.waiting, w.used_pages,
-                         w.total_pages, w.kv_bytes_sent, w.kv_bytes_received, w.requests_finished)
+            WorkerStatus(worker_id=w.worker_id, role=w.role, alive=self.registry.is_alive(w, now), running=w.running, waiting=w.waiting, used_pages=w.used_pages,
+                         total_pages=w.total_pages, kv_bytes_sent=w.kv_bytes_sent, kv_bytes_received=w.kv_bytes_received, requests_finished=w.requests_finished)
             for w in self.registry.workers.values()
         ]
         alive = {w.role for w in workers if w.alive}
         ready = "mixed" in alive or {"prefill", "decode"} <= alive
-        await self._send(identity, ClusterStatus(ready, workers, len(self.queue)))
+        await self._send(identity, ClusterStatus(ready=ready, workers=workers, queued=len(self.queue)))

@@ -112,7 +112,7 @@ class TokenizerCore:
         choices = [_Choice(IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=sampling.stop,
                                                   include_stop_str_in_output=request.include_stop_str_in_output))
                    for _ in range(sampling.n)]
-        schedule = ScheduleRequest(request.request_id, prompt_ids, sampling, self.reply_to, request.arrival_time)
+        schedule = ScheduleRequest(request_id=request.request_id, prompt_token_ids=prompt_ids, sampling=sampling, reply_to=self.reply_to, arrival_time=request.arrival_time)
         self._requests[request.request_id] = _Request(
             request.reply_to, prompt_len, choices, prompt_ids=prompt_ids if sampling.prompt_logprobs is not None else None,
             schedule=schedule)
@@ -136,7 +136,7 @@ class TokenizerCore:
             message = (f"{head}you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
                        f"{where}, {max_tokens} in the completion). Please reduce the length of the "
                        f"{where} or completion.")
-        return RequestFailed(request_id, 400, "invalid_request_error", message, field_name, "context_length_exceeded")
+        return RequestFailed(request_id=request_id, status=400, error_type="invalid_request_error", message=message, param=field_name, code="context_length_exceeded")
 
     # ---- tokens in
 
@@ -149,7 +149,7 @@ class TokenizerCore:
             request = self._requests.get(delta.request_id)
             if request is None:
                 if delta.finish_reason is None and self._may_abort_orphan(delta.request_id, now):
-                    out.aborts.append(AbortRequest(delta.request_id, "unknown to the tokenizer", batch.worker_id))
+                    out.aborts.append(AbortRequest(request_id=delta.request_id, reason="unknown to the tokenizer", worker_id=batch.worker_id))
                 continue
             if not 0 <= delta.index < len(request.choices):
                 continue
@@ -171,14 +171,14 @@ class TokenizerCore:
                 finish_reason = delta.finish_reason
             choice.finished = finish_reason is not None
             by_gateway.setdefault(request.reply_to, []).append(TextDelta(
-                delta.request_id, delta.index, text, delta.token_ids, delta.logprobs, finish_reason,
-                request.prompt_tokens, choice.completion_tokens, delta.queue_time_s,
-                request.prompt_ids if delta.prompt_logprobs is not None else None, delta.prompt_logprobs))
+                request_id=delta.request_id, index=delta.index, text=text, token_ids=delta.token_ids, logprobs=delta.logprobs, finish_reason=finish_reason,
+                prompt_tokens=request.prompt_tokens, completion_tokens=choice.completion_tokens, queue_time_s=delta.queue_time_s,
+                prompt_token_ids=request.prompt_ids if delta.prompt_logprobs is not None else None, prompt_logprobs=delta.prompt_logprobs))
             if choice.finished and all(c.finished for c in request.choices):
                 del self._requests[delta.request_id]
                 if not all(c.worker_finished for c in request.choices):
-                    out.aborts.append(AbortRequest(delta.request_id, "stop string"))
-        out.batches.update((address, TextDeltaBatch(deltas)) for address, deltas in by_gateway.items())
+                    out.aborts.append(AbortRequest(request_id=delta.request_id, reason="stop string"))
+        out.batches.update((address, TextDeltaBatch(deltas=deltas)) for address, deltas in by_gateway.items())
         return out
 
     def _may_abort_orphan(self, request_id: str, now: float | None) -> bool:
@@ -217,4 +217,4 @@ def _param_of(message: str, default: str) -> str:
 
 
 def _invalid(request_id: str, message: str, param: str | None) -> RequestFailed:
-    return RequestFailed(request_id, 400, "invalid_request_error", message, param, None)
+    return RequestFailed(request_id=request_id, status=400, error_type="invalid_request_error", message=message, param=param, code=None)

@@ -52,7 +52,7 @@ async def run(config: TokenizerConfig) -> None:
                      max_model_len=config.max_model_len)
             if config.ready_address:
                 with Push(config.ready_address) as ready:
-                    await ready.send(Ready("tokenizer", config.name))
+                    await ready.send(Ready(service="tokenizer", name=config.name))
             await asyncio.gather(
                 _serve_gateways(frontend, core, scheduler, gateways, new_instance()),
                 _serve_tokens(tokens, core, scheduler, gateways),
@@ -69,7 +69,7 @@ async def _serve_gateways(frontend: Router, core: TokenizerCore, scheduler: Deal
         identity, msg = await frontend.recv()
         if isinstance(msg, Ping):
             try:
-                await frontend.send(identity, Pong("tokenizer", instance))
+                await frontend.send(identity, Pong(service="tokenizer", instance=instance))
             except UnknownPeer:  # that gateway is gone already
                 log.info("ping from a gateway that left", gateway=identity.decode(errors="replace"))
         elif isinstance(msg, GenerateRequest):

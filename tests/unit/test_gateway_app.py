@@ -46,7 +46,7 @@ class FakeMesh:
             identity, msg = await self.tokenizer.recv()
             if not isinstance(msg, Ping):
                 return identity, msg
-            await self.tokenizer.send(identity, Pong("tokenizer", self.tokenizer_instance))
+            await self.tokenizer.send(identity, Pong(service="tokenizer", instance=self.tokenizer_instance))
 
     async def next_request(self) -> GenerateRequest:
         _, msg = await self.from_tokenizer()
@@ -63,8 +63,8 @@ class FakeMesh:
         for i, text in enumerate(texts):
             last = i == len(texts) - 1
             for index in range(request.sampling.n):
-                await self.reply(request, TextDeltaBatch([TextDelta(
-                    request.request_id, index, text, [i + 10], None, finish if last else None, 4, i + 1)]))
+                await self.reply(request, TextDeltaBatch(deltas=[TextDelta(
+                    request_id=request.request_id, index=index, text=text, token_ids=[i + 10], logprobs=None, finish_reason=finish if last else None, prompt_tokens=4, completion_tokens=i + 1)]))
 
     def close(self) -> None:
         for push in self._pushes.values():
@@ -162,11 +162,11 @@ def test_echo_puts_the_prompt_in_front_of_each_choice_with_its_logprobs(tmp_path
             "prompt": [[9906, 1917]], "echo": True, "logprobs": 0, "max_tokens": 1, "n": 2}))
         request = await fake.next_request()
         assert request.sampling.prompt_logprobs == 0
-        prompt_lp = [TokenLogprob(1917, -2.5, [], [])]
-        sampled = [TokenLogprob(30, -0.5, [], [])]
-        await fake.reply(request, TextDeltaBatch([
-            TextDelta(request.request_id, 0, "?", [30], sampled, "length", 2, 1, None, [9906, 1917], prompt_lp),
-            TextDelta(request.request_id, 1, "?", [30], sampled, "length", 2, 1)]))
+        prompt_lp = [TokenLogprob(token_id=1917, logprob=-2.5, top_ids=[], top_logprobs=[])]
+        sampled = [TokenLogprob(token_id=30, logprob=-0.5, top_ids=[], top_logprobs=[])]
+        await fake.reply(request, TextDeltaBatch(deltas=[
+            TextDelta(request_id=request.request_id, index=0, text="?", token_ids=[30], logprobs=sampled, finish_reason="length", prompt_tokens=2, completion_tokens=1, queue_time_s=None, prompt_token_ids=[9906, 1917], prompt_logprobs=prompt_lp),
+            TextDelta(request_id=request.request_id, index=1, text="?", token_ids=[30], logprobs=sampled, finish_reason="length", prompt_tokens=2, completion_tokens=1)]))
         body = await (await post).json()
         prompt_text = TOKENIZER.decode([9906, 1917])
         for choice in body["choices"]:
@@ -218,11 +218,11 @@ def test_one_failed_prompt_of_a_batch_fails_the_request_and_aborts_the_others(tm
         post = asyncio.create_task(fake.client.post("/v1/completions", json={"prompt": ["a", "b", "c"]}))
         requests = [await fake.next_request() for _ in range(3)]
         await fake.answer(requests[0], "A")  # finished: nothing left to abort there
-        await fake.reply(requests[1], RequestFailed(requests[1].request_id, 400, "invalid_request_error",
-                                                    "prompt too long", "prompt", "context_length_exceeded"))
+        await fake.reply(requests[1], RequestFailed(request_id=requests[1].request_id, status=400, error_type="invalid_request_error",
+                                                    message="prompt too long", param="prompt", code="context_length_exceeded"))
         response = await post
         assert response.status == 400 and (await response.json())["error"]["message"] == "prompt too long"
-        assert await fake.scheduler.recv() == (b"gw0", AbortRequest(requests[2].request_id, "another prompt of the batch failed"))
+        assert await fake.scheduler.recv() == (b"gw0", AbortRequest(request_id=requests[2].request_id, reason="another prompt of the batch failed"))
         with contextlib.suppress(asyncio.TimeoutError):  # the others had ended
             extra = await asyncio.wait_for(fake.scheduler.recv(), 0.3)
             raise AssertionError(f"also aborted: {extra}")
@@ -256,8 +256,8 @@ def test_mesh_errors_before_output_keep_their_status(tmp_path, stream):
     async def test(fake: FakeMesh):
         post = asyncio.create_task(fake.client.post("/v1/completions", json={"prompt": "Hi", "stream": stream}))
         request = await fake.next_request()
-        await fake.reply(request, RequestFailed(request.request_id, 503, "service_unavailable",
-                                                "no capacity: queue full", None, "no_capacity"))
+        await fake.reply(request, RequestFailed(request_id=request.request_id, status=503, error_type="service_unavailable",
+                                                message="no capacity: queue full", param=None, code="no_capacity"))
         response = await post
         assert (response.status, response.headers["Retry-After"]) == (503, "1")
         assert await response.json() == {"error": {"message": "no capacity: queue full", "type": "service_unavailable",
@@ -269,8 +269,8 @@ def test_failure_mid_stream_is_an_error_event_then_done(tmp_path):
     async def test(fake: FakeMesh):
         post = asyncio.create_task(fake.client.post("/v1/completions", json={"prompt": "Hi", "stream": True}))
         request = await fake.next_request()
-        await fake.reply(request, TextDeltaBatch([TextDelta(request.request_id, 0, "A", [5], None, None, 4, 1)]))
-        await fake.reply(request, RequestFailed(request.request_id, 500, "server_error", "worker died", None, None))
+        await fake.reply(request, TextDeltaBatch(deltas=[TextDelta(request_id=request.request_id, index=0, text="A", token_ids=[5], logprobs=None, finish_reason=None, prompt_tokens=4, completion_tokens=1)]))
+        await fake.reply(request, RequestFailed(request_id=request.request_id, status=500, error_type="server_error", message="worker died", param=None, code=None))
         response = await post
         events = sse_payloads(await response.text())
         assert events[0]["choices"][0]["text"] == "A"
@@ -285,11 +285,11 @@ def test_client_disconnect_aborts_at_scheduler_and_tokenizer(tmp_path):
             pending = asyncio.create_task(session.post(fake.client.make_url("/v1/completions"),
                                                        json={"prompt": "Hi", "stream": True, "max_tokens": 100}))
             request = await fake.next_request()  # headers come with the first delta
-            await fake.reply(request, TextDeltaBatch([TextDelta(request.request_id, 0, "A", [5], None, None, 4, 1)]))
+            await fake.reply(request, TextDeltaBatch(deltas=[TextDelta(request_id=request.request_id, index=0, text="A", token_ids=[5], logprobs=None, finish_reason=None, prompt_tokens=4, completion_tokens=1)]))
             response = await pending
             assert (await response.content.readuntil(b"\n\n")).startswith(b"data: ")
             response.close()  # the client goes away mid-stream
-        abort = AbortRequest(request.request_id, "client disconnected")
+        abort = AbortRequest(request_id=request.request_id, reason="client disconnected")
         assert await fake.scheduler.recv() == (b"gw0", abort)
         assert await fake.from_tokenizer() == (b"gw0", abort)
     run(tmp_path, test)
@@ -302,7 +302,7 @@ def test_a_restarted_tokenizer_ends_the_requests_in_flight_with_503_and_aborts_t
         first, second = await fake.next_request(), await fake.next_request()
         if first.prompt_text != "Hi":
             first, second = second, first
-        await fake.reply(first, TextDeltaBatch([TextDelta(first.request_id, 0, "A", [5], None, None, 4, 1)]))
+        await fake.reply(first, TextDeltaBatch(deltas=[TextDelta(request_id=first.request_id, index=0, text="A", token_ids=[5], logprobs=None, finish_reason=None, prompt_tokens=4, completion_tokens=1)]))
         fake.tokenizer_instance = "second"  # the next pong comes from a new process
         pending = asyncio.create_task(fake.from_tokenizer())  # answers pings until the aborts come
         waited = await waiting
@@ -312,7 +312,7 @@ def test_a_restarted_tokenizer_ends_the_requests_in_flight_with_503_and_aborts_t
         assert events[0]["choices"][0]["text"] == "A"
         assert events[1]["error"]["code"] == "service_restarted" and events[2] == "[DONE]"
         aborts = {await pending, await fake.from_tokenizer()}
-        assert aborts == {(b"gw0", AbortRequest(r.request_id, "tokenizer restarted")) for r in (first, second)}
+        assert aborts == {(b"gw0", AbortRequest(request_id=r.request_id, reason="tokenizer restarted")) for r in (first, second)}
         at_scheduler = {await fake.scheduler.recv(), await fake.scheduler.recv()}
         assert at_scheduler == aborts
     run(tmp_path, test, request_timeout=8.0)
@@ -341,7 +341,7 @@ def test_client_leaving_before_any_output_aborts(tmp_path):
             pending = asyncio.create_task(session.post(fake.client.make_url("/v1/completions"), json={"prompt": "Hi"}))
             request = await fake.next_request()
             pending.cancel()  # the client closes the connection while the request is queued
-        assert await fake.scheduler.recv() == (b"gw0", AbortRequest(request.request_id, "client disconnected"))
+        assert await fake.scheduler.recv() == (b"gw0", AbortRequest(request_id=request.request_id, reason="client disconnected"))
     run(tmp_path, test)
 
 
@@ -352,7 +352,7 @@ def test_timeout_is_504_and_aborts(tmp_path):
         response = await post
         assert response.status == 504
         assert (await response.json())["error"]["code"] == "timeout"
-        assert await fake.scheduler.recv() == (b"gw0", AbortRequest(request.request_id, "timeout"))
+        assert await fake.scheduler.recv() == (b"gw0", AbortRequest(request_id=request.request_id, reason="timeout"))
     run(tmp_path, test, request_timeout=0.3)
 
 
@@ -364,8 +364,8 @@ def test_logprobs_token_texts_come_from_the_tokenizer(tmp_path):
             "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 1}))
         request = await fake.next_request()
         assert request.sampling.logprobs == 1
-        await fake.reply(request, TextDeltaBatch([TextDelta(
-            request.request_id, 0, "Hello", [hello], [TokenLogprob(hello, -0.5, [hello], [-0.5])], "length", 4, 1)]))
+        await fake.reply(request, TextDeltaBatch(deltas=[TextDelta(
+            request_id=request.request_id, index=0, text="Hello", token_ids=[hello], logprobs=[TokenLogprob(token_id=hello, logprob=-0.5, top_ids=[hello], top_logprobs=[-0.5])], finish_reason="length", prompt_tokens=4, completion_tokens=1)]))
         body = await (await post).json()
         entry = {"token": "Hello", "logprob": -0.5, "bytes": list(b"Hello")}
         assert body["choices"][0]["logprobs"] == {"content": [{**entry, "top_logprobs": [entry]}]}
@@ -420,12 +420,12 @@ def test_models_and_health(tmp_path):
     run(tmp_path, test)
 
 
-STATUS = ClusterStatus(True, [WorkerStatus("w0", "mixed", True, 2, 1, 30, 120, 0, 0)], queued=0)
+STATUS = ClusterStatus(ready=True, workers=[WorkerStatus(worker_id="w0", role="mixed", alive=True, running=2, waiting=1, used_pages=30, total_pages=120, kv_bytes_sent=0, kv_bytes_received=0)], queued=0)
 
 
 async def answer_status(fake: FakeMesh, status: ClusterStatus) -> None:
     identity, msg = await fake.scheduler.recv()
-    assert (identity, msg) == (b"gw0", StatusRequest("gw0"))
+    assert (identity, msg) == (b"gw0", StatusRequest(requester="gw0"))
     await fake.scheduler.send(identity, status)
 
 
@@ -449,7 +449,7 @@ def test_ready_and_metrics_ask_the_scheduler(tmp_path, monkeypatch):
         assert response.status == 200
         await answering
         pinging.cancel()
-        answering = asyncio.create_task(answer_status(fake, ClusterStatus(False, [], 0)))
+        answering = asyncio.create_task(answer_status(fake, ClusterStatus(ready=False, workers=[], queued=0)))
         response = await fake.client.get("/ready")
         assert response.status == 503 and (await response.json())["error"]["code"] == "not_ready"
         await answering

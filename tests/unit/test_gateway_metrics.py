@@ -39,7 +39,7 @@ def test_counter_and_gauge_labels_are_escaped():
 
 
 def delta(index, ids, finish=None) -> TextDelta:
-    return TextDelta("r", index, "x", ids, None, finish, 7, len(ids))
+    return TextDelta(request_id="r", index=index, text="x", token_ids=ids, logprobs=None, finish_reason=finish, prompt_tokens=7, completion_tokens=len(ids))
 
 
 def test_request_timer_observes_ttft_itl_e2e_and_counts():
@@ -62,9 +62,9 @@ def test_request_timer_observes_ttft_itl_e2e_and_counts():
 
 def test_cluster_status_gauges_and_kv_bytes():
     m = GatewayMetrics()
-    m.update_cluster(ClusterStatus(True, [
-        WorkerStatus("p0", "prefill", True, 1, 2, 25, 100, 4096, 0),
-        WorkerStatus("d0", "decode", True, 3, 0, 0, 0, 1024, 4096)], queued=5))
+    m.update_cluster(ClusterStatus(ready=True, workers=[
+        WorkerStatus(worker_id="p0", role="prefill", alive=True, running=1, waiting=2, used_pages=25, total_pages=100, kv_bytes_sent=4096, kv_bytes_received=0),
+        WorkerStatus(worker_id="d0", role="decode", alive=True, running=3, waiting=0, used_pages=0, total_pages=0, kv_bytes_sent=1024, kv_bytes_received=4096)], queued=5))
     text = m.render()
     for line in ['pagemesh_num_requests_running{worker="p0"} 1', 'pagemesh_num_requests_waiting{worker="p0"} 2',
                  'pagemesh_kv_cache_usage_ratio{worker="p0"} 0.25', 'pagemesh_kv_cache_usage_ratio{worker="d0"} 0.0',

@@ -121,7 +121,7 @@ def test_response_format_text_json_object_and_json_schema():
 def test_to_generate_requests():
     p = parse_chat(chat(stream=True, include_stop_str_in_output=True))
     assert p.to_generate_requests("cmpl-1", "served", "ipc:///r", 12.5) == [GenerateRequest(
-        "cmpl-1", "served", None, None, CHAT, p.sampling, True, "ipc:///r", 12.5, True)]
+        request_id="cmpl-1", model="served", prompt_text=None, prompt_token_ids=None, messages=CHAT, sampling=p.sampling, stream=True, reply_to="ipc:///r", arrival_time=12.5, include_stop_str_in_output=True)]
 
 
 # ---- refused

@@ -18,8 +18,8 @@ def builder(kind="completion", n=1, logprobs=None, include_usage=False) -> Respo
 
 
 def delta(text, ids, finish=None, index=0, completion_tokens=None, logprobs=None) -> TextDelta:
-    return TextDelta("cmpl-abc", index, text, ids, logprobs, finish, 3,
-                     completion_tokens if completion_tokens is not None else len(ids))
+    return TextDelta(request_id="cmpl-abc", index=index, text=text, token_ids=ids, logprobs=logprobs, finish_reason=finish, prompt_tokens=3,
+                     completion_tokens=completion_tokens if completion_tokens is not None else len(ids))
 
 
 def test_completion_response_and_chunks():
@@ -64,8 +64,8 @@ def test_chat_response_and_chunks_with_usage():
         "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}
 
 
-LOGPROBS = [TokenLogprob(1, -0.5, [1, 2], [-0.5, -1.0]), TokenLogprob(5, -math.inf, [], [])]
-LOGPROBS_TOP1 = [TokenLogprob(1, -0.5, [1], [-0.5]), TokenLogprob(5, -math.inf, [1], [-0.1])]
+LOGPROBS = [TokenLogprob(token_id=1, logprob=-0.5, top_ids=[1, 2], top_logprobs=[-0.5, -1.0]), TokenLogprob(token_id=5, logprob=-math.inf, top_ids=[], top_logprobs=[])]
+LOGPROBS_TOP1 = [TokenLogprob(token_id=1, logprob=-0.5, top_ids=[1], top_logprobs=[-0.5]), TokenLogprob(token_id=5, logprob=-math.inf, top_ids=[1], top_logprobs=[-0.1])]
 
 
 def test_completion_logprobs_shape_with_running_text_offsets():
@@ -75,7 +75,7 @@ def test_completion_logprobs_shape_with_running_text_offsets():
     assert first["choices"][0]["logprobs"] == {
         "tokens": ["He", "é"], "token_logprobs": [-0.5, -9999.0],
         "top_logprobs": [{"He": -0.5}, {"He": -0.1, "é": -9999.0}], "text_offset": [0, 2]}
-    b.add(delta("llo", [2], "stop", completion_tokens=3, logprobs=[TokenLogprob(2, -0.25, [], [])]))
+    b.add(delta("llo", [2], "stop", completion_tokens=3, logprobs=[TokenLogprob(token_id=2, logprob=-0.25, top_ids=[], top_logprobs=[])]))
     assert b.response()["choices"][0]["logprobs"] == {
         "tokens": ["He", "é", "llo"], "token_logprobs": [-0.5, -9999.0, -0.25],
         "top_logprobs": [{"He": -0.5}, {"He": -0.1, "é": -9999.0}, {"llo": -0.25}], "text_offset": [0, 2, 3]}
@@ -95,7 +95,7 @@ def test_chat_logprobs_shape():
 
 def test_held_text_with_logprobs_still_sends_a_chunk():
     b = builder("chat", logprobs=0)
-    chunk = b.add(delta("", [1], logprobs=[TokenLogprob(1, -0.5, [], [])]))
+    chunk = b.add(delta("", [1], logprobs=[TokenLogprob(token_id=1, logprob=-0.5, top_ids=[], top_logprobs=[])]))
     assert chunk["choices"][0]["delta"] == {} and chunk["choices"][0]["logprobs"]["content"][0]["token"] == "He"
 
 
@@ -105,9 +105,9 @@ def test_sse_framing():
 
 
 def test_request_failed_becomes_openai_error_with_retry_after_on_503():
-    e = from_request_failed(RequestFailed("r", 503, "service_unavailable", "no capacity", None, "no_capacity"))
+    e = from_request_failed(RequestFailed(request_id="r", status=503, error_type="service_unavailable", message="no capacity", param=None, code="no_capacity"))
     assert (e.status, e.headers) == (503, {"Retry-After": "1"})
     assert json.loads(sse_event(e.body())[6:]) == {
         "error": {"message": "no capacity", "type": "service_unavailable", "param": None, "code": "no_capacity"}}
-    e = from_request_failed(RequestFailed("r", 400, "invalid_request_error", "too long", "prompt", "context_length_exceeded"))
+    e = from_request_failed(RequestFailed(request_id="r", status=400, error_type="invalid_request_error", message="too long", param="prompt", code="context_length_exceeded"))
     assert (e.status, e.headers, e.param, e.code) == (400, {}, "prompt", "context_length_exceeded")

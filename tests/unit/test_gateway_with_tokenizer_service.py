@@ -39,18 +39,18 @@ async def fake_scheduler(router: t.Router, aborts: asyncio.Queue) -> None:
         if isinstance(msg, AbortRequest):
             aborts.put_nowait(msg)
         elif isinstance(msg, StatusRequest):
-            await router.send(identity, ClusterStatus(True, [], 0))
+            await router.send(identity, ClusterStatus(ready=True, workers=[], queued=0))
         elif isinstance(msg, ScheduleRequest):
             if TOKENIZER.encode("busy", add_special_tokens=False)[0] in msg.prompt_token_ids:
-                await router.send(identity, RequestFailed(msg.request_id, 503, "service_unavailable",
-                                                          "no capacity", None, "no_capacity"))
+                await router.send(identity, RequestFailed(request_id=msg.request_id, status=503, error_type="service_unavailable",
+                                                          message="no capacity", param=None, code="no_capacity"))
                 continue
             push = pushes.setdefault(msg.reply_to, t.Push(msg.reply_to))
             steps = min(len(REPLY), msg.sampling.max_tokens)
             for step in range(steps):
                 finish = "length" if step == steps - 1 else None
-                await push.send(TokenDeltaBatch("w0", [
-                    TokenDelta(msg.request_id, i, [REPLY[step]], None, finish, len(msg.prompt_token_ids))
+                await push.send(TokenDeltaBatch(worker_id="w0", deltas=[
+                    TokenDelta(request_id=msg.request_id, index=i, token_ids=[REPLY[step]], logprobs=None, finish_reason=finish, num_prompt_tokens=len(msg.prompt_token_ids))
                     for i in range(msg.sampling.n)]))
 
 
@@ -72,7 +72,7 @@ async def mesh(tmp_path):
         server = TestServer(Gateway(gw_cfg, client_mesh, TOKENIZER, GatewayMetrics()).app())
         await server.start_server()
         try:
-            assert await ready.recv() == Ready("tokenizer", "tok0")
+            assert await ready.recv() == Ready(service="tokenizer", name="tok0")
             client = openai.AsyncOpenAI(base_url=str(server.make_url("/v1")), api_key="none", max_retries=0)
             yield client, aborts
             await client.close()
@@ -100,7 +100,7 @@ def test_chat_and_completions_through_the_tokenizer_service(tmp_path):
             assert "".join(c.choices[0].text for c in chunks) == " Hello world,"
             assert chunks[-1].choices[0].finish_reason == "stop"
             request_id = chunks[-1].id
-            assert await aborts.get() == AbortRequest(request_id, "stop string")
+            assert await aborts.get() == AbortRequest(request_id=request_id, reason="stop string")
 
             with pytest.raises(openai.BadRequestError) as info:
                 await client.completions.create(model="smol", prompt="Hi", max_tokens=64)

@@ -25,51 +25,51 @@ from common.sampling import SamplingParams
 SP = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=40, seed=7, max_tokens=32,
                     stop_token_ids=(2, 3), stop=("\n\n",), logprobs=2, logit_bias=((3, -100.0), (17, 2.5)))
 LP = TokenLogprob(token_id=11, logprob=-0.25, top_ids=[11, 12], top_logprobs=[-0.25, -1.5])
-TEXT_DELTA = TextDelta("r1", 1, "héllo ✓", [11, 12], [LP, LP], "stop", 5, 2)
-TOKEN_DELTA = TokenDelta("r1", 0, [11], [LP], None, 5)
-HEADER = KVPagesHeader("r1", 0, 40, 0, 2, 3, "bfloat16", [2, 16, 2, 8], 0, [11], False, [0, 1, 2])
+TEXT_DELTA = TextDelta(request_id="r1", index=1, text="héllo ✓", token_ids=[11, 12], logprobs=[LP, LP], finish_reason="stop", prompt_tokens=5, completion_tokens=2)
+TOKEN_DELTA = TokenDelta(request_id="r1", index=0, token_ids=[11], logprobs=[LP], finish_reason=None, num_prompt_tokens=5)
+HEADER = KVPagesHeader(request_id="r1", seq_index=0, num_tokens=40, layer_start=0, layer_end=2, num_pages=3, dtype="bfloat16", page_shape=[2, 16, 2, 8], checksum=0, first_token_ids=[11], last=False, page_indices=[0, 1, 2])
 
 SAMPLES = [
-    GenerateRequest("r1", "smollm", "Hi", None, None, SP, True, "ipc:///tmp/gw", 1712.5, False),
-    GenerateRequest("r2", "smollm", None, [1, 2, 3], None, SamplingParams(), False, "gw-0", 0.0, True),
-    GenerateRequest("r3", "smollm", None, None, [{"role": "user", "content": "Hi"}], SP, True, "gw", 1.0, False),
+    GenerateRequest(request_id="r1", model="smollm", prompt_text="Hi", prompt_token_ids=None, messages=None, sampling=SP, stream=True, reply_to="ipc:///tmp/gw", arrival_time=1712.5, include_stop_str_in_output=False),
+    GenerateRequest(request_id="r2", model="smollm", prompt_text=None, prompt_token_ids=[1, 2, 3], messages=None, sampling=SamplingParams(), stream=False, reply_to="gw-0", arrival_time=0.0, include_stop_str_in_output=True),
+    GenerateRequest(request_id="r3", model="smollm", prompt_text=None, prompt_token_ids=None, messages=[{"role": "user", "content": "Hi"}], sampling=SP, stream=True, reply_to="gw", arrival_time=1.0, include_stop_str_in_output=False),
     TEXT_DELTA,
-    TextDelta("r1", 0, "Hi", [11], None, None, 3, 1, 0.25, [1, 2, 3], [LP, LP]),
-    TextDelta("r1", 0, "", [], None, None, 5, 0),
-    TextDeltaBatch([TEXT_DELTA, TEXT_DELTA]),
-    TextDeltaBatch([]),
-    RequestFailed("r1", 400, "invalid_request_error", "prompt too long", "prompt", None),
-    RequestFailed("r1", 503, "server_error", "no workers", None, "overloaded"),
-    AbortRequest("r1", "client disconnected"),
-    AbortRequest("r1", "unknown to the tokenizer", "d0"),
-    ScheduleRequest("r1", [1, 2, 3], SP, "tok-0", 12.25),
-    PrefillTask("r1", [1, 2, 3], SP, "tok-0", "d0", "tcp://10.0.0.2:7001"),
-    PrefillTask("r1", list(range(40)), SP, "tok-0", "d0", "tcp://10.0.0.2:7001", 0.5, 2),
-    DecodeTask("r1", [1, 2, 3], SP, "tok-0", "p0"),
-    DecodeTask("r1", list(range(40)), SP, "tok-0", "p0", 2),
-    GenerateTask("r1", [1, 2, 3], SP, "tok-0"),
-    RegisterWorker("p0", "prefill", "smollm", 16, 1000, "tcp://10.0.0.1:7000", 64, "9f2c"),
-    RegisterWorker("p0", "prefill", "smollm", 16, 1000, "", 64, "9f2c", [HeldRequest("r1", "ipc:///tok-out")]),
-    HeldRequest("r1", "ipc:///tok-out"),
-    Registered("p0"),
-    UnknownWorker("p0"),
-    Heartbeat("p0", 3, 1, 900, 1000, 100, 99.5, 4096, 0),
-    PrefixCacheUpdate("p0", (0, 1 << 40, p.MAX_PAGE_HASH), (7,)),
-    PrefixCacheUpdate("d0", (), ()),
-    RequestDone("p0", "r1", "finished"),
+    TextDelta(request_id="r1", index=0, text="Hi", token_ids=[11], logprobs=None, finish_reason=None, prompt_tokens=3, completion_tokens=1, queue_time_s=0.25, prompt_token_ids=[1, 2, 3], prompt_logprobs=[LP, LP]),
+    TextDelta(request_id="r1", index=0, text="", token_ids=[], logprobs=None, finish_reason=None, prompt_tokens=5, completion_tokens=0),
+    TextDeltaBatch(deltas=[TEXT_DELTA, TEXT_DELTA]),
+    TextDeltaBatch(deltas=[]),
+    RequestFailed(request_id="r1", status=400, error_type="invalid_request_error", message="prompt too long", param="prompt", code=None),
+    RequestFailed(request_id="r1", status=503, error_type="server_error", message="no workers", param=None, code="overloaded"),
+    AbortRequest(request_id="r1", reason="client disconnected"),
+    AbortRequest(request_id="r1", reason="unknown to the tokenizer", worker_id="d0"),
+    ScheduleRequest(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SP, reply_to="tok-0", arrival_time=12.25),
+    PrefillTask(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SP, reply_to="tok-0", decode_worker_id="d0", decode_kv_endpoint="tcp://10.0.0.2:7001"),
+    PrefillTask(request_id="r1", prompt_token_ids=list(range(40)), sampling=SP, reply_to="tok-0", decode_worker_id="d0", decode_kv_endpoint="tcp://10.0.0.2:7001", queued_s=0.5, skip_pages=2),
+    DecodeTask(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SP, reply_to="tok-0", prefill_worker_id="p0"),
+    DecodeTask(request_id="r1", prompt_token_ids=list(range(40)), sampling=SP, reply_to="tok-0", prefill_worker_id="p0", skip_pages=2),
+    GenerateTask(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SP, reply_to="tok-0"),
+    RegisterWorker(worker_id="p0", role="prefill", model="smollm", page_size=16, num_pages=1000, kv_endpoint="tcp://10.0.0.1:7000", max_running=64, instance="9f2c"),
+    RegisterWorker(worker_id="p0", role="prefill", model="smollm", page_size=16, num_pages=1000, kv_endpoint="", max_running=64, instance="9f2c", held=[HeldRequest(request_id="r1", reply_to="ipc:///tok-out")]),
+    HeldRequest(request_id="r1", reply_to="ipc:///tok-out"),
+    Registered(worker_id="p0"),
+    UnknownWorker(worker_id="p0"),
+    Heartbeat(worker_id="p0", running=3, waiting=1, free_pages=900, total_pages=1000, used_pages=100, time=99.5, kv_bytes_sent=4096, kv_bytes_received=0),
+    PrefixCacheUpdate(worker_id="p0", added=(0, 1 << 40, p.MAX_PAGE_HASH), removed=(7,)),
+    PrefixCacheUpdate(worker_id="d0", added=(), removed=()),
+    RequestDone(worker_id="p0", request_id="r1", reason="finished"),
     TOKEN_DELTA,
-    TokenDelta("r1", 0, [11], None, None, 3, 0.5, [LP, LP]),
-    TokenDeltaBatch("d0", [TOKEN_DELTA, TokenDelta("r2", 1, [5, 6], None, "length", 3)]),
+    TokenDelta(request_id="r1", index=0, token_ids=[11], logprobs=None, finish_reason=None, num_prompt_tokens=3, queue_time_s=0.5, prompt_logprobs=[LP, LP]),
+    TokenDeltaBatch(worker_id="d0", deltas=[TOKEN_DELTA, TokenDelta(request_id="r2", index=1, token_ids=[5, 6], logprobs=None, finish_reason="length", num_prompt_tokens=3)]),
     HEADER,
-    KVPagesAck("r1", True, None),
-    KVPagesAck("r1", False, "out of pages"),
-    Ready("worker", "p0"),
-    Ping("tok-0"),
-    Ping("tok-0", "ipc:///tok-out"),
-    Pong("scheduler", "5d41402abc4b2a76"),
-    StatusRequest("gw-1"),
-    WorkerStatus("p0", "prefill", False, 0, 0, 0, 100, 8192, 0),
-    ClusterStatus(True, [WorkerStatus("d0", "decode", True, 2, 0, 10, 100, 0, 8192)], 3),
+    KVPagesAck(request_id="r1", ok=True, error=None),
+    KVPagesAck(request_id="r1", ok=False, error="out of pages"),
+    Ready(service="worker", name="p0"),
+    Ping(sender="tok-0"),
+    Ping(sender="tok-0", address="ipc:///tok-out"),
+    Pong(service="scheduler", instance="5d41402abc4b2a76"),
+    StatusRequest(requester="gw-1"),
+    WorkerStatus(worker_id="p0", role="prefill", alive=False, running=0, waiting=0, used_pages=0, total_pages=100, kv_bytes_sent=8192, kv_bytes_received=0),
+    ClusterStatus(ready=True, workers=[WorkerStatus(worker_id="d0", role="decode", alive=True, running=2, waiting=0, used_pages=10, total_pages=100, kv_bytes_sent=0, kv_bytes_received=8192)], queued=3),
 ]
 
 
@@ -115,14 +115,14 @@ def test_round_trip_is_exact(msg):
 
 
 def test_decode_accepts_memoryviews_and_converts_int_to_float():
-    frames = with_fields(Heartbeat("w", 0, 0, 0, 0, 0, 1.0, 0, 0), time=3)
+    frames = with_fields(Heartbeat(worker_id="w", running=0, waiting=0, free_pages=0, total_pages=0, used_pages=0, time=1.0, kv_bytes_sent=0, kv_bytes_received=0), time=3)
     out = decode([memoryview(f) for f in frames])
     assert out.time == 3.0 and type(out.time) is float
 
 
 # --------------------------------------------------------------------------- malformed input
 
-GOOD = encode(Ready("worker", "p0"))
+GOOD = encode(Ready(service="worker", name="p0"))
 
 MALFORMED = {
     "no frames": [],
@@ -144,38 +144,38 @@ MALFORMED = {
     "bin value": [GOOD[0], msgpack.packb([p.PROTOCOL_VERSION, {"service": b"w", "name": "n"}], use_bin_type=True)],
     "invalid utf-8": [GOOD[0], GOOD[1].replace(b"worker", b"\xff\xfe\xfd\xfc\xfb\xfa")],
     "int map key": [GOOD[0], msgpack.packb([p.PROTOCOL_VERSION, {1: "w", "name": "n"}])],
-    "missing field": with_fields(Ready("w", "n"), name=_DELETE),
-    "unexpected field": with_fields(Ready("w", "n"), extra=1),
-    "str for int": with_fields(Registered("w"), worker_id=5),
-    "bool for int": with_fields(RegisterWorker("p0", "mixed", "m", 16, 10, "e", 4), page_size=True),
-    "float for int": with_fields(RegisterWorker("p0", "mixed", "m", 16, 10, "e", 4), num_pages=1.5),
-    "int for bool": with_fields(KVPagesAck("r", True, None), ok=1),
-    "bool for float": with_fields(Heartbeat("w", 0, 0, 0, 0, 0, 1.0, 0, 0), time=False),
-    "None for str": with_fields(AbortRequest("r", "x"), reason=None),
-    "str for optional str": with_fields(KVPagesAck("r", False, None), error=3),
-    "token id not int": with_fields(GenerateTask("r", [1], SP, "t"), prompt_token_ids=[1, "2"]),
-    "negative token id": with_fields(GenerateTask("r", [1], SP, "t"), prompt_token_ids=[1, -2]),
-    "token id too big": with_fields(GenerateTask("r", [1], SP, "t"), prompt_token_ids=[1 << 40]),
-    "token ids not a list": with_fields(GenerateTask("r", [1], SP, "t"), prompt_token_ids={"a": 1}),
-    "oversize token ids": with_fields(GenerateTask("r", [1], SP, "t"), prompt_token_ids=[0] * (p.MAX_TOKEN_IDS + 1)),
-    "sampling not a map": with_fields(GenerateTask("r", [1], SP, "t"), sampling=[1]),
-    "invalid sampling": with_fields(GenerateTask("r", [1], SP, "t"), sampling={"temperature": -1.0}),
-    "unknown sampling key": with_fields(GenerateTask("r", [1], SP, "t"), sampling={"temp": 1.0}),
-    "sampling wrong type": with_fields(GenerateTask("r", [1], SP, "t"), sampling={"stop": "x"}),
-    "nested wrong type": with_fields(TokenDeltaBatch("w", [TOKEN_DELTA]), deltas=[{**body_of(TOKEN_DELTA)[1], "index": "0"}]),
-    "nested not a map": with_fields(TokenDeltaBatch("w", [TOKEN_DELTA]), deltas=[[1, 2]]),
-    "nested missing field": with_fields(TextDeltaBatch([TEXT_DELTA]), deltas=[{"request_id": "r"}]),
+    "missing field": with_fields(Ready(service="w", name="n"), name=_DELETE),
+    "unexpected field": with_fields(Ready(service="w", name="n"), extra=1),
+    "str for int": with_fields(Registered(worker_id="w"), worker_id=5),
+    "bool for int": with_fields(RegisterWorker(worker_id="p0", role="mixed", model="m", page_size=16, num_pages=10, kv_endpoint="e", max_running=4), page_size=True),
+    "float for int": with_fields(RegisterWorker(worker_id="p0", role="mixed", model="m", page_size=16, num_pages=10, kv_endpoint="e", max_running=4), num_pages=1.5),
+    "int for bool": with_fields(KVPagesAck(request_id="r", ok=True, error=None), ok=1),
+    "bool for float": with_fields(Heartbeat(worker_id="w", running=0, waiting=0, free_pages=0, total_pages=0, used_pages=0, time=1.0, kv_bytes_sent=0, kv_bytes_received=0), time=False),
+    "None for str": with_fields(AbortRequest(request_id="r", reason="x"), reason=None),
+    "str for optional str": with_fields(KVPagesAck(request_id="r", ok=False, error=None), error=3),
+    "token id not int": with_fields(GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), prompt_token_ids=[1, "2"]),
+    "negative token id": with_fields(GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), prompt_token_ids=[1, -2]),
+    "token id too big": with_fields(GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), prompt_token_ids=[1 << 40]),
+    "token ids not a list": with_fields(GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), prompt_token_ids={"a": 1}),
+    "oversize token ids": with_fields(GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), prompt_token_ids=[0] * (p.MAX_TOKEN_IDS + 1)),
+    "sampling not a map": with_fields(GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), sampling=[1]),
+    "invalid sampling": with_fields(GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), sampling={"temperature": -1.0}),
+    "unknown sampling key": with_fields(GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), sampling={"temp": 1.0}),
+    "sampling wrong type": with_fields(GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), sampling={"stop": "x"}),
+    "nested wrong type": with_fields(TokenDeltaBatch(worker_id="w", deltas=[TOKEN_DELTA]), deltas=[{**body_of(TOKEN_DELTA)[1], "index": "0"}]),
+    "nested not a map": with_fields(TokenDeltaBatch(worker_id="w", deltas=[TOKEN_DELTA]), deltas=[[1, 2]]),
+    "nested missing field": with_fields(TextDeltaBatch(deltas=[TEXT_DELTA]), deltas=[{"request_id": "r"}]),
     "chat message not str": with_fields(SAMPLES[2], messages=[{"role": 1}]),
     "logprob lengths differ": with_fields(TOKEN_DELTA, logprobs=[{"token_id": 1, "logprob": 0.0, "top_ids": [1], "top_logprobs": []}]),
     "two prompts": with_fields(SAMPLES[0], prompt_token_ids=[1]),
     "no prompt": with_fields(SAMPLES[0], prompt_text=None),
-    "bad worker role": with_fields(RegisterWorker("p0", "mixed", "m", 16, 10, "e", 4), role="boss"),
-    "negative skip_pages": with_fields(DecodeTask("r", [1], SP, "t", "p0"), skip_pages=-1),
-    "page hash negative": with_fields(PrefixCacheUpdate("w", (), ()), added=[-1]),
-    "page hash over 62 bits": with_fields(PrefixCacheUpdate("w", (), ()), removed=[1 << 62]),
-    "page hash not int": with_fields(PrefixCacheUpdate("w", (), ()), added=[1.0]),
-    "page hash bool": with_fields(PrefixCacheUpdate("w", (), ()), added=[True]),
-    "too many page hashes": with_fields(PrefixCacheUpdate("w", (), ()), added=list(range(p.MAX_PAGE_HASHES + 1))),
+    "bad worker role": with_fields(RegisterWorker(worker_id="p0", role="mixed", model="m", page_size=16, num_pages=10, kv_endpoint="e", max_running=4), role="boss"),
+    "negative skip_pages": with_fields(DecodeTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t", prefill_worker_id="p0"), skip_pages=-1),
+    "page hash negative": with_fields(PrefixCacheUpdate(worker_id="w", added=(), removed=()), added=[-1]),
+    "page hash over 62 bits": with_fields(PrefixCacheUpdate(worker_id="w", added=(), removed=()), removed=[1 << 62]),
+    "page hash not int": with_fields(PrefixCacheUpdate(worker_id="w", added=(), removed=()), added=[1.0]),
+    "page hash bool": with_fields(PrefixCacheUpdate(worker_id="w", added=(), removed=()), added=[True]),
+    "too many page hashes": with_fields(PrefixCacheUpdate(worker_id="w", added=(), removed=()), added=list(range(p.MAX_PAGE_HASHES + 1))),
     "kv pages != page ids": with_fields(HEADER, num_pages=2) + [b""] * 2,
     "kv unknown dtype": with_fields(HEADER, dtype="complex64") + [b""] * 2,
     "kv layer range reversed": with_fields(HEADER, layer_start=3, layer_end=1),
@@ -191,8 +191,8 @@ def test_malformed_raises_protocol_error(frames):
 
 
 @pytest.mark.parametrize("limit, field_value, msg", [
-    ("MAX_LIST_LEN", {"deltas": [body_of(TOKEN_DELTA)[1]] * 5}, TokenDeltaBatch("w", [])),
-    ("MAX_STR_LEN", {"reason": "x" * 5}, AbortRequest("r", "")),
+    ("MAX_LIST_LEN", {"deltas": [body_of(TOKEN_DELTA)[1]] * 5}, TokenDeltaBatch(worker_id="w", deltas=[])),
+    ("MAX_STR_LEN", {"reason": "x" * 5}, AbortRequest(request_id="r", reason="")),
     ("MAX_DICT_LEN", {"messages": [{str(i): "v" for i in range(5)}]}, SAMPLES[2]),
 ])
 def test_size_bounds(monkeypatch, limit, field_value, msg):
@@ -202,7 +202,7 @@ def test_size_bounds(monkeypatch, limit, field_value, msg):
 
 
 def test_error_names_the_field_path():
-    bad = with_fields(TokenDeltaBatch("w", [TOKEN_DELTA]), deltas=[body_of(TOKEN_DELTA)[1], {**body_of(TOKEN_DELTA)[1], "token_ids": ["x"]}])
+    bad = with_fields(TokenDeltaBatch(worker_id="w", deltas=[TOKEN_DELTA]), deltas=[body_of(TOKEN_DELTA)[1], {**body_of(TOKEN_DELTA)[1], "token_ids": ["x"]}])
     with pytest.raises(ProtocolError, match=r"TokenDeltaBatch\.deltas\[1\]\.token_ids: expected integers"):
         decode(bad)
 

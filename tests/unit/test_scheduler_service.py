@@ -31,8 +31,8 @@ async def scheduler(tmp_path, heartbeat_timeout: float = 5.0):
 
 async def registered_worker(address: str, worker_id: str, instance: str = "", held=None) -> t.Dealer:
     worker = t.Dealer(address, worker_id)
-    await worker.send(RegisterWorker(worker_id, "mixed", "m", 16, 100, "", 8, instance or f"{worker_id}-instance", held))
-    assert await worker.recv() == Registered(worker_id)
+    await worker.send(RegisterWorker(worker_id=worker_id, role="mixed", model="m", page_size=16, num_pages=100, kv_endpoint="", max_running=8, instance=instance or f"{worker_id}-instance", held=held))
+    assert await worker.recv() == Registered(worker_id=worker_id)
     return worker
 
 
@@ -40,8 +40,8 @@ def test_pings_are_answered_with_the_process_instance(tmp_path):
     async def main():
         async with scheduler(tmp_path) as service:
             with t.Dealer(service.config.address, "tok0") as tokenizer:
-                await tokenizer.send(Ping("tok0"))
-                assert await tokenizer.recv() == Pong("scheduler", service.instance)
+                await tokenizer.send(Ping(sender="tok0"))
+                assert await tokenizer.recv() == Pong(service="scheduler", instance=service.instance)
         assert len(service.instance) == 32
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
@@ -54,12 +54,12 @@ def test_an_abort_of_an_unknown_request_goes_to_the_worker_it_names_only(tmp_pat
             w1 = await registered_worker(service.config.address, "w1")
             with w0, w1, t.Dealer(service.config.address, "tok0") as tokenizer:
                 # placed by an earlier scheduler process: this one only knows where from the abort
-                await tokenizer.send(AbortRequest("lost", "unknown to the tokenizer", "w1"))
-                assert await w1.recv() == AbortRequest("lost", "unknown to the tokenizer")
-                await tokenizer.send(AbortRequest("gone", "client disconnected"))  # names no worker
-                await tokenizer.send(AbortRequest("x", "unknown to the tokenizer", "nobody"))  # not registered
-                await tokenizer.send(AbortRequest("lost2", "unknown to the tokenizer", "w0"))
-                assert await w0.recv() == AbortRequest("lost2", "unknown to the tokenizer")
+                await tokenizer.send(AbortRequest(request_id="lost", reason="unknown to the tokenizer", worker_id="w1"))
+                assert await w1.recv() == AbortRequest(request_id="lost", reason="unknown to the tokenizer")
+                await tokenizer.send(AbortRequest(request_id="gone", reason="client disconnected"))  # names no worker
+                await tokenizer.send(AbortRequest(request_id="x", reason="unknown to the tokenizer", worker_id="nobody"))  # not registered
+                await tokenizer.send(AbortRequest(request_id="lost2", reason="unknown to the tokenizer", worker_id="w0"))
+                assert await w0.recv() == AbortRequest(request_id="lost2", reason="unknown to the tokenizer")
                 with contextlib.suppress(asyncio.TimeoutError):
                     extra = await asyncio.wait_for(w1.recv(), 0.3)
                     raise AssertionError(f"w1 got {extra}")
@@ -73,12 +73,12 @@ def test_requests_a_worker_reports_holding_are_failed_when_it_goes(tmp_path):
     async def main():
         async with scheduler(tmp_path) as service:
             with t.Dealer(service.config.address, "tok0") as tokenizer:
-                held = [HeldRequest("streaming", "ipc:///tok0-out")]
+                held = [HeldRequest(request_id="streaming", reply_to="ipc:///tok0-out")]
                 first = await registered_worker(service.config.address, "w0", "first", held)
                 first.close()
                 again = await registered_worker(service.config.address, "w0", "second")  # w0 restarted
                 with again:  # the failure waits for the tokenizer's first ping: it says where it is
-                    await tokenizer.send(Ping("tok0", "ipc:///tok0-out"))
+                    await tokenizer.send(Ping(sender="tok0", address="ipc:///tok0-out"))
                     failed = await asyncio.wait_for(tokenizer.recv(), TIMEOUT_S)
                     assert isinstance(failed, RequestFailed) and failed.request_id == "streaming"
                     assert "w0 restarted" in failed.message and failed.status == 503
@@ -95,7 +95,7 @@ def test_a_request_sent_again_after_a_restart_is_placed_once(tmp_path):
         async with scheduler(tmp_path) as service:
             with await registered_worker(service.config.address, "w0") as worker, \
                     t.Dealer(service.config.address, "tok0") as tokenizer:
-                request = ScheduleRequest("r1", [1, 2, 3], SamplingParams(), "ipc:///tok0-out", 1.0)
+                request = ScheduleRequest(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(), reply_to="ipc:///tok0-out", arrival_time=1.0)
                 await tokenizer.send(request)
                 task = await asyncio.wait_for(worker.recv(), TIMEOUT_S)
                 assert isinstance(task, GenerateTask) and task.request_id == "r1"
@@ -116,12 +116,12 @@ def test_a_just_started_scheduler_holds_requests_for_workers_yet_to_register(tmp
     async def main():
         async with scheduler(tmp_path, heartbeat_timeout=0.5) as service:
             with t.Dealer(service.config.address, "tok0") as tokenizer:
-                await tokenizer.send(ScheduleRequest("early", [1, 2], SamplingParams(), "ipc:///tok0-out", 1.0))
+                await tokenizer.send(ScheduleRequest(request_id="early", prompt_token_ids=[1, 2], sampling=SamplingParams(), reply_to="ipc:///tok0-out", arrival_time=1.0))
                 with await registered_worker(service.config.address, "w0") as worker:
                     task = await asyncio.wait_for(worker.recv(), TIMEOUT_S)
                     assert isinstance(task, GenerateTask) and task.request_id == "early"
                 await asyncio.sleep(1.0)  # w0 stops heartbeating: gone, and the start is long past
-                await tokenizer.send(ScheduleRequest("late", [1, 2], SamplingParams(), "ipc:///tok0-out", 1.0))
+                await tokenizer.send(ScheduleRequest(request_id="late", prompt_token_ids=[1, 2], sampling=SamplingParams(), reply_to="ipc:///tok0-out", arrival_time=1.0))
                 refused = await asyncio.wait_for(tokenizer.recv(), TIMEOUT_S)
                 while not (isinstance(refused, RequestFailed) and refused.request_id == "late"):
                     refused = await asyncio.wait_for(tokenizer.recv(), TIMEOUT_S)  # (the early one failed too)

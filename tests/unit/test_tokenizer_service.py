@@ -25,8 +25,8 @@ def request(request_id="r1", *, text=None, ids=None, messages=None, reply_to=GAT
             include_stop=False, **sampling) -> GenerateRequest:
     if text is None and ids is None and messages is None:
         text = "Hello"
-    return GenerateRequest(request_id, "m", text, ids, messages, SamplingParams(**sampling).validate(),
-                           True, reply_to, 1000.0, include_stop)
+    return GenerateRequest(request_id=request_id, model="m", prompt_text=text, prompt_token_ids=ids, messages=messages, sampling=SamplingParams(**sampling).validate(),
+                           stream=True, reply_to=reply_to, arrival_time=1000.0, include_stop_str_in_output=include_stop)
 
 
 def core(max_model_len: int = 64) -> TokenizerCore:
@@ -34,11 +34,11 @@ def core(max_model_len: int = 64) -> TokenizerCore:
 
 
 def tokens(request_id, index, ids, finish=None, logprobs=None) -> TokenDelta:
-    return TokenDelta(request_id, index, list(ids), logprobs, finish, 0)
+    return TokenDelta(request_id=request_id, index=index, token_ids=list(ids), logprobs=logprobs, finish_reason=finish, num_prompt_tokens=0)
 
 
 def feed(c: TokenizerCore, *deltas: TokenDelta):
-    return c.on_tokens(TokenDeltaBatch("w0", list(deltas)))
+    return c.on_tokens(TokenDeltaBatch(worker_id="w0", deltas=list(deltas)))
 
 
 def ids_of(text: str) -> list[int]:
@@ -51,8 +51,8 @@ def ids_of(text: str) -> list[int]:
 def test_prompt_text_is_encoded_and_scheduled_with_own_reply_address():
     c = core()
     out = c.admit(request(text="Hello world", max_tokens=5, stop=("x",)))
-    assert out == ScheduleRequest("r1", TOKENIZER.encode("Hello world"),
-                                  SamplingParams(max_tokens=5, stop=("x",)), OUTPUT, 1000.0)
+    assert out == ScheduleRequest(request_id="r1", prompt_token_ids=TOKENIZER.encode("Hello world"),
+                                  sampling=SamplingParams(max_tokens=5, stop=("x",)), reply_to=OUTPUT, arrival_time=1000.0)
     assert "r1" in c and len(c) == 1
 
 
@@ -75,17 +75,17 @@ def test_token_ids_and_messages_are_used_as_given():
 ])
 def test_bad_prompts_fail_with_400_naming_the_field(kwargs, param, message):
     c = core()
-    assert c.admit(request(**kwargs)) == RequestFailed("r1", 400, "invalid_request_error", message, param, None)
+    assert c.admit(request(**kwargs)) == RequestFailed(request_id="r1", status=400, error_type="invalid_request_error", message=message, param=param, code=None)
     assert len(c) == 0
 
 
 def test_context_length_exceeded_message_for_prompt_and_messages():
     c = core(max_model_len=10)
     assert c.admit(request(ids=[1] * 5, max_tokens=6)) == RequestFailed(
-        "r1", 400, "invalid_request_error",
-        "This model's maximum context length is 10 tokens. However, you requested 11 tokens "
+        request_id="r1", status=400, error_type="invalid_request_error",
+        message="This model's maximum context length is 10 tokens. However, you requested 11 tokens "
         "(5 in the prompt, 6 in the completion). Please reduce the length of the prompt or completion.",
-        "prompt", "context_length_exceeded")
+        param="prompt", code="context_length_exceeded")
     chat = [{"role": "user", "content": "hi"}]
     n = len(TOKENIZER.encode_chat(chat))
     failed = c.admit(request(messages=chat, max_tokens=MAX_TOKENS_FROM_CONTEXT))
@@ -120,9 +120,9 @@ def test_text_streams_and_finish_flushes():
     ids = ids_of(" Hello there")
     out = feed(c, tokens("r1", 0, ids[:1]))
     assert out.aborts == []
-    assert out.batches[GATEWAY_A].deltas == [TextDelta("r1", 0, " Hello", ids[:1], None, None, 1, 1)]
+    assert out.batches[GATEWAY_A].deltas == [TextDelta(request_id="r1", index=0, text=" Hello", token_ids=ids[:1], logprobs=None, finish_reason=None, prompt_tokens=1, completion_tokens=1)]
     out = feed(c, tokens("r1", 0, ids[1:], finish="length"))
-    assert out.batches[GATEWAY_A].deltas == [TextDelta("r1", 0, " there", ids[1:], None, "length", 1, len(ids))]
+    assert out.batches[GATEWAY_A].deltas == [TextDelta(request_id="r1", index=0, text=" there", token_ids=ids[1:], logprobs=None, finish_reason="length", prompt_tokens=1, completion_tokens=len(ids))]
     assert out.aborts == [] and len(c) == 0
 
 
@@ -136,7 +136,7 @@ def test_stop_string_across_deltas_cuts_text_and_aborts_the_request():
         texts += [d.text for d in out.batches[GATEWAY_A].deltas]
         finishes += [d.finish_reason for d in out.batches[GATEWAY_A].deltas]
         if out.aborts:
-            assert out.aborts == [AbortRequest("r1", "stop string")]
+            assert out.aborts == [AbortRequest(request_id="r1", reason="stop string")]
             break
     assert "".join(texts) == " Hello "
     assert finishes[-1] == "stop" and finishes[:-1] == [None] * (len(finishes) - 1)
@@ -173,7 +173,7 @@ def test_n_choices_finish_separately_and_abort_only_when_all_are_done():
     assert [(d.index, d.text, d.finish_reason, d.completion_tokens) for d in out.batches[GATEWAY_A].deltas] == [
         (1, " c", "length", 2)]
     # choice 0 is still running on the worker: the request is aborted
-    assert out.aborts == [AbortRequest("r1", "stop string")] and len(c) == 0
+    assert out.aborts == [AbortRequest(request_id="r1", reason="stop string")] and len(c) == 0
 
 
 def test_no_abort_when_the_worker_finished_every_choice():
@@ -196,17 +196,17 @@ def test_one_batch_per_gateway_and_unknown_deltas_go_to_no_gateway():
                tokens("a", 5, x), tokens("b", 0, x))
     assert {gw: [(d.request_id, d.completion_tokens) for d in batch.deltas] for gw, batch in out.batches.items()} == {
         GATEWAY_A: [("a", 1), ("c", 1)], GATEWAY_B: [("b", 1), ("b", 2)]}
-    assert out.aborts == [AbortRequest("ghost", "unknown to the tokenizer", "w0")]
+    assert out.aborts == [AbortRequest(request_id="ghost", reason="unknown to the tokenizer", worker_id="w0")]
 
 
 def test_a_worker_generating_an_unknown_request_is_told_to_stop_it_once_a_second():
     c = core()
     x = ids_of(" x")
-    orphan = lambda now: c.on_tokens(TokenDeltaBatch("d1", [tokens("lost", 0, x)]), now).aborts  # noqa: E731
-    assert orphan(100.0) == [AbortRequest("lost", "unknown to the tokenizer", "d1")]
+    orphan = lambda now: c.on_tokens(TokenDeltaBatch(worker_id="d1", deltas=[tokens("lost", 0, x)]), now).aborts  # noqa: E731
+    assert orphan(100.0) == [AbortRequest(request_id="lost", reason="unknown to the tokenizer", worker_id="d1")]
     assert orphan(100.5) == []  # its next tokens, before the abort can have reached the worker
-    assert orphan(101.2) == [AbortRequest("lost", "unknown to the tokenizer", "d1")]  # that abort was lost
-    finished = c.on_tokens(TokenDeltaBatch("d1", [tokens("done", 0, x, finish="abort")]), 200.0)
+    assert orphan(101.2) == [AbortRequest(request_id="lost", reason="unknown to the tokenizer", worker_id="d1")]  # that abort was lost
+    finished = c.on_tokens(TokenDeltaBatch(worker_id="d1", deltas=[tokens("done", 0, x, finish="abort")]), 200.0)
     assert finished.aborts == [] and finished.batches == {}  # the worker has already stopped it
 
 
@@ -223,9 +223,9 @@ def test_after_a_scheduler_restart_the_requests_no_worker_holds_are_sent_again()
 def test_prompt_logprobs_pass_through_with_the_prompt_ids_once():
     c = core()
     c.admit(request(ids=[1, 2, 3], logprobs=0, prompt_logprobs=0))
-    lps = [TokenLogprob(2, -1.0, [], []), TokenLogprob(3, -2.0, [], [])]
-    first = TokenDelta("r1", 0, [5], None, None, 3, None, lps)
-    delta = c.on_tokens(TokenDeltaBatch("w0", [first])).batches[GATEWAY_A].deltas[0]
+    lps = [TokenLogprob(token_id=2, logprob=-1.0, top_ids=[], top_logprobs=[]), TokenLogprob(token_id=3, logprob=-2.0, top_ids=[], top_logprobs=[])]
+    first = TokenDelta(request_id="r1", index=0, token_ids=[5], logprobs=None, finish_reason=None, num_prompt_tokens=3, queue_time_s=None, prompt_logprobs=lps)
+    delta = c.on_tokens(TokenDeltaBatch(worker_id="w0", deltas=[first])).batches[GATEWAY_A].deltas[0]
     assert (delta.prompt_token_ids, delta.prompt_logprobs) == ([1, 2, 3], lps)
     later = feed(c, tokens("r1", 0, [6])).batches[GATEWAY_A].deltas[0]
     assert (later.prompt_token_ids, later.prompt_logprobs) == (None, None)
@@ -234,7 +234,7 @@ def test_prompt_logprobs_pass_through_with_the_prompt_ids_once():
 def test_logprobs_and_counts_pass_through():
     c = core()
     c.admit(request(ids=[1, 2, 3], logprobs=1))
-    lp = [TokenLogprob(5, -0.5, [5], [-0.5]), TokenLogprob(6, -1.5, [7], [-0.25])]
+    lp = [TokenLogprob(token_id=5, logprob=-0.5, top_ids=[5], top_logprobs=[-0.5]), TokenLogprob(token_id=6, logprob=-1.5, top_ids=[7], top_logprobs=[-0.25])]
     delta = feed(c, tokens("r1", 0, [5, 6], logprobs=lp)).batches[GATEWAY_A].deltas[0]
     assert (delta.logprobs, delta.prompt_tokens, delta.completion_tokens, delta.token_ids) == (lp, 3, 2, [5, 6])
 
@@ -243,7 +243,7 @@ def test_failure_and_abort_drop_the_state():
     c = core()
     c.admit(request("a", reply_to=GATEWAY_B))
     c.admit(request("b"))
-    failed = RequestFailed("a", 503, "service_unavailable", "no capacity", None, "no_capacity")
+    failed = RequestFailed(request_id="a", status=503, error_type="service_unavailable", message="no capacity", param=None, code="no_capacity")
     assert c.on_failed(failed) == GATEWAY_B and c.on_failed(failed) is None
     assert c.on_abort("b") is True and c.on_abort("b") is False
     assert len(c) == 0

@@ -31,7 +31,7 @@ def config(tmp_path, **overrides) -> TokenizerConfig:
 
 
 def generate(request_id: str, reply_to: str, **sampling) -> GenerateRequest:
-    return GenerateRequest(request_id, "m", "Hi", None, None, SamplingParams(**sampling), True, reply_to, 1.0, False)
+    return GenerateRequest(request_id=request_id, model="m", prompt_text="Hi", prompt_token_ids=None, messages=None, sampling=SamplingParams(**sampling), stream=True, reply_to=reply_to, arrival_time=1.0, include_stop_str_in_output=False)
 
 
 class FakeScheduler:
@@ -46,7 +46,7 @@ class FakeScheduler:
             identity, msg = await self.router.recv()
             if not isinstance(msg, Ping):
                 return identity, msg
-            await self.router.send(identity, Pong("scheduler", self.instance))
+            await self.router.send(identity, Pong(service="scheduler", instance=self.instance))
 
     async def send(self, identity: bytes, msg) -> None:
         await self.router.send(identity, msg)
@@ -59,7 +59,7 @@ async def mesh(cfg: TokenizerConfig, reply_address: str):
             t.Pull(reply_address) as replies, t.Dealer(cfg.address, "gw0") as gateway:
         service = asyncio.create_task(run(cfg))
         try:
-            assert await asyncio.wait_for(ready.recv(), TIMEOUT_S) == Ready("tokenizer", "tok0")
+            assert await asyncio.wait_for(ready.recv(), TIMEOUT_S) == Ready(service="tokenizer", name="tok0")
             yield FakeScheduler(scheduler), gateway, replies
         finally:
             service.cancel()
@@ -77,21 +77,21 @@ def test_request_tokens_text_stop_abort_and_503_over_sockets(tmp_path):
             await gateway.send(generate("r1", reply_address, stop=("world",)))
             identity, scheduled = await scheduler.recv()
             assert identity == b"tok0"
-            assert scheduled == ScheduleRequest("r1", TOKENIZER.encode("Hi"), SamplingParams(stop=("world",)),
-                                                cfg.output_address, 1.0)
+            assert scheduled == ScheduleRequest(request_id="r1", prompt_token_ids=TOKENIZER.encode("Hi"), sampling=SamplingParams(stop=("world",)),
+                                                reply_to=cfg.output_address, arrival_time=1.0)
             # a worker streams tokens; the stop string ends the request and aborts it
             with t.Push(scheduled.reply_to) as worker:
                 ids = TOKENIZER.encode(" Hello world", add_special_tokens=False)
-                await worker.send(TokenDeltaBatch("w0", [TokenDelta("r1", 0, ids, None, None, 2)]))
+                await worker.send(TokenDeltaBatch(worker_id="w0", deltas=[TokenDelta(request_id="r1", index=0, token_ids=ids, logprobs=None, finish_reason=None, num_prompt_tokens=2)]))
                 batch = await replies.recv()
                 assert isinstance(batch, TextDeltaBatch)
                 assert [(d.text, d.finish_reason, d.completion_tokens) for d in batch.deltas] == [(" Hello ", "stop", 2)]
-                assert await scheduler.recv() == (b"tok0", AbortRequest("r1", "stop string"))
+                assert await scheduler.recv() == (b"tok0", AbortRequest(request_id="r1", reason="stop string"))
 
             # the scheduler refuses a request: the gateway gets the failure
             await gateway.send(generate("r2", reply_address))
             identity, _ = await scheduler.recv()
-            failed = RequestFailed("r2", 503, "service_unavailable", "no capacity", None, "no_capacity")
+            failed = RequestFailed(request_id="r2", status=503, error_type="service_unavailable", message="no capacity", param=None, code="no_capacity")
             await scheduler.send(identity, failed)
             assert await replies.recv() == failed
 
@@ -102,9 +102,9 @@ def test_request_tokens_text_stop_abort_and_503_over_sockets(tmp_path):
 
             # a gateway abort of a known request is forwarded (after its ScheduleRequest)
             await gateway.send(generate("r4", reply_address))
-            await gateway.send(AbortRequest("r4", "client disconnected"))
+            await gateway.send(AbortRequest(request_id="r4", reason="client disconnected"))
             assert (await scheduler.recv())[1].request_id == "r4"
-            assert await scheduler.recv() == (b"tok0", AbortRequest("r4", "client disconnected"))
+            assert await scheduler.recv() == (b"tok0", AbortRequest(request_id="r4", reason="client disconnected"))
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
 
@@ -115,17 +115,17 @@ def test_pings_and_a_restarted_scheduler_over_sockets(tmp_path):
 
     async def main():
         async with mesh(cfg, reply_address) as (scheduler, gateway, replies):
-            await gateway.send(Ping("gw0"))  # a gateway's ping: the tokenizer's instance comes back
+            await gateway.send(Ping(sender="gw0"))  # a gateway's ping: the tokenizer's instance comes back
             pong = await gateway.recv()
             assert pong.service == "tokenizer" and len(pong.instance) == 32
-            await gateway.send(Ping("gw0"))
+            await gateway.send(Ping(sender="gw0"))
             assert await gateway.recv() == pong  # the same process
 
             for rid in ("streaming", "queued"):
                 await gateway.send(generate(rid, reply_address))
                 assert (await scheduler.recv())[1].request_id == rid
             with t.Push(cfg.output_address) as worker:
-                await worker.send(TokenDeltaBatch("w0", [TokenDelta("streaming", 0, [28], None, None, 2)]))
+                await worker.send(TokenDeltaBatch(worker_id="w0", deltas=[TokenDelta(request_id="streaming", index=0, token_ids=[28], logprobs=None, finish_reason=None, num_prompt_tokens=2)]))
                 assert isinstance(await replies.recv(), TextDeltaBatch)
             scheduler.instance = "second"  # pings now reach a new scheduler process
             identity, again = await scheduler.recv()  # what no worker took is sent to it again
@@ -143,7 +143,7 @@ def test_a_ping_from_a_gateway_that_left_does_not_stop_the_tokenizer():
         def __init__(self):
             self.incoming = asyncio.Queue()
             for peer in (b"gone", b"gw0"):
-                self.incoming.put_nowait((peer, Ping(peer.decode())))
+                self.incoming.put_nowait((peer, Ping(sender=peer.decode())))
             self.sent = asyncio.Queue()
 
         async def recv(self):
@@ -157,7 +157,7 @@ def test_a_ping_from_a_gateway_that_left_does_not_stop_the_tokenizer():
     async def main():
         frontend = Frontend()
         serving = asyncio.create_task(_serve_gateways(frontend, None, None, None, "inst"))
-        assert await asyncio.wait_for(frontend.sent.get(), TIMEOUT_S) == (b"gw0", Pong("tokenizer", "inst"))
+        assert await asyncio.wait_for(frontend.sent.get(), TIMEOUT_S) == (b"gw0", Pong(service="tokenizer", instance="inst"))
         assert not serving.done()
         serving.cancel()
 

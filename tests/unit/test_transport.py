@@ -43,23 +43,23 @@ def address(request, tmp_path):
 def test_router_dealer_request_reply(address):
     async def main():
         with t.Router(address) as router, t.Dealer(address, "p0") as p0, t.Dealer(address, "d0") as d0:
-            await p0.send(RegisterWorker("p0", "prefill", "m", 16, 100, "tcp://10.0.0.1:7000", 8))
-            await d0.send(RegisterWorker("d0", "decode", "m", 16, 100, "tcp://10.0.0.2:7000", 8))
+            await p0.send(RegisterWorker(worker_id="p0", role="prefill", model="m", page_size=16, num_pages=100, kv_endpoint="tcp://10.0.0.1:7000", max_running=8))
+            await d0.send(RegisterWorker(worker_id="d0", role="decode", model="m", page_size=16, num_pages=100, kv_endpoint="tcp://10.0.0.2:7000", max_running=8))
             seen = {}
             for _ in range(2):
                 identity, msg = await router.recv()
                 seen[identity] = msg
-                await router.send(identity, Registered(msg.worker_id))
+                await router.send(identity, Registered(worker_id=msg.worker_id))
             assert {k: v.role for k, v in seen.items()} == {b"p0": "prefill", b"d0": "decode"}
-            assert await p0.recv() == Registered("p0")
-            assert await d0.recv() == Registered("d0")
+            assert await p0.recv() == Registered(worker_id="p0")
+            assert await d0.recv() == Registered(worker_id="d0")
     run(main())
 
 
 def test_push_pull_stream_in_order(address):
     async def main():
         with t.Pull(address) as pull, t.Push(address) as push:
-            sent = [TokenDeltaBatch("w0", [TokenDelta(f"r{i}", 0, [i], None, None, 3)]) for i in range(100)]
+            sent = [TokenDeltaBatch(worker_id="w0", deltas=[TokenDelta(request_id=f"r{i}", index=0, token_ids=[i], logprobs=None, finish_reason=None, num_prompt_tokens=3)]) for i in range(100)]
             for msg in sent:
                 await push.send(msg)
             assert [await pull.recv() for _ in sent] == sent
@@ -69,16 +69,16 @@ def test_push_pull_stream_in_order(address):
 def test_push_may_bind_and_pull_connect(address):
     async def main():
         with t.Push(address, bind=True) as push, t.Pull(address, bind=False) as pull:
-            await push.send(AbortRequest("r1", "client gone"))
-            assert await pull.recv() == AbortRequest("r1", "client gone")
+            await push.send(AbortRequest(request_id="r1", reason="client gone"))
+            assert await pull.recv() == AbortRequest(request_id="r1", reason="client gone")
     run(main())
 
 
 @pytest.mark.parametrize("garbage", [
     [b"not a message"],
     [b"Ready", b"\xc1"],
-    [b"Nope", encode(Ready("a", "b"))[1]],
-    [*encode(Ready("a", "b")), b"extra"],
+    [b"Nope", encode(Ready(service="a", name="b"))[1]],
+    [*encode(Ready(service="a", name="b")), b"extra"],
 ])
 def test_malformed_frames_are_dropped_and_the_next_message_arrives(garbage, tmp_path):
     routed, stream = t.ipc_address(str(tmp_path), "routed"), t.ipc_address(str(tmp_path), "stream")
@@ -86,12 +86,12 @@ def test_malformed_frames_are_dropped_and_the_next_message_arrives(garbage, tmp_
     async def main():
         with t.Router(routed) as router, t.Dealer(routed, "w") as dealer, t.Pull(stream) as pull, t.Push(stream) as push:
             await dealer.send_frames(garbage)
-            await dealer.send(Ready("worker", "w"))
-            assert await router.recv() == (b"w", Ready("worker", "w"))
+            await dealer.send(Ready(service="worker", name="w"))
+            assert await router.recv() == (b"w", Ready(service="worker", name="w"))
             assert router.dropped == 1
             await push.send_frames(garbage)
-            await push.send(Ready("worker", "w"))
-            assert await pull.recv() == Ready("worker", "w")
+            await push.send(Ready(service="worker", name="w"))
+            assert await pull.recv() == Ready(service="worker", name="w")
             assert pull.dropped == 1
     run(main())
 
@@ -100,12 +100,12 @@ def test_router_send_to_unknown_identity_raises():
     async def main(address):
         with t.Router(address) as router:
             with pytest.raises(t.UnknownPeer, match="ghost"):
-                await router.send(b"ghost", Registered("ghost"))
+                await router.send(b"ghost", Registered(worker_id="ghost"))
     run(main(t.tcp_address("127.0.0.1", free_tcp_port())))
 
 
 def test_kv_pages_travel_intact_without_copy_on_receive(address):
-    header = KVPagesHeader("r1", 0, 40, 0, 3, 2, "bfloat16", [2, 16, 2, 64], 0, [7], True, [0, 1])
+    header = KVPagesHeader(request_id="r1", seq_index=0, num_tokens=40, layer_start=0, layer_end=3, num_pages=2, dtype="bfloat16", page_shape=[2, 16, 2, 64], checksum=0, first_token_ids=[7], last=True, page_indices=[0, 1])
     pages = [torch.randn(2, 2, 16, 2, 64).to(torch.bfloat16) for _ in range(3)]  # 64 KiB a layer
 
     async def main():
@@ -116,19 +116,19 @@ def test_kv_pages_travel_intact_without_copy_on_receive(address):
             received = decode_tensor_frames(got, frames)
             assert all(torch.equal(a, b) for a, b in zip(pages, received, strict=True))
             assert [r.data_ptr() for r in received] == [address_of(f) for f in frames]  # no copy
-            await decode_side.send(identity, KVPagesAck("r1", True, None))
-            assert await prefill_side.recv() == KVPagesAck("r1", True, None)
+            await decode_side.send(identity, KVPagesAck(request_id="r1", ok=True, error=None))
+            assert await prefill_side.recv() == KVPagesAck(request_id="r1", ok=True, error=None)
     run(main())
 
 
 def test_tensor_message_on_plain_recv_is_dropped():
-    header = KVPagesHeader("r1", 0, 16, 0, 1, 1, "float32", [4], 0, [], True, [0])
+    header = KVPagesHeader(request_id="r1", seq_index=0, num_tokens=16, layer_start=0, layer_end=1, num_pages=1, dtype="float32", page_shape=[4], checksum=0, first_token_ids=[], last=True, page_indices=[0])
 
     async def main(address):
         with t.Pull(address, options=t.KV) as pull, t.Push(address, options=t.KV) as push:
             await push.send_frames(encode_tensor_frames(header, [torch.ones(1, 4)]))
-            await push.send(Heartbeat("w", 0, 0, 1, 1, 0, 1.0, 0, 0))
-            assert await pull.recv() == Heartbeat("w", 0, 0, 1, 1, 0, 1.0, 0, 0)
+            await push.send(Heartbeat(worker_id="w", running=0, waiting=0, free_pages=1, total_pages=1, used_pages=0, time=1.0, kv_bytes_sent=0, kv_bytes_received=0))
+            assert await pull.recv() == Heartbeat(worker_id="w", running=0, waiting=0, free_pages=1, total_pages=1, used_pages=0, time=1.0, kv_bytes_sent=0, kv_bytes_received=0)
             assert pull.dropped == 1
     run(main(t.tcp_address("127.0.0.1", free_tcp_port())))
 
