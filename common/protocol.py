@@ -18,6 +18,7 @@ torch is imported lazily, inside the tensor-frame helpers only.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import types
 import typing
@@ -31,7 +32,9 @@ from common.messages import *  # noqa: F401,F403 - re-exported: the protocol's v
 from common.messages import MAX_ID, MESSAGE_CLASSES, MESSAGE_TYPES, TAGS, KVPagesHeader, Message, ProtocolError  # noqa: F401
 from common.sampling import SamplingParams
 
-PROTOCOL_VERSION = 3  # 2: RegisterWorker.instance, UnknownWorker; 3: Ping, Pong, AbortRequest.worker_id, prompt logprobs, RegisterWorker.held
+# 2: RegisterWorker.instance, UnknownWorker; 3: Ping, Pong, AbortRequest.worker_id, prompt logprobs,
+# RegisterWorker.held; 4: messages by channel, enums, worker kinds, KVPoolInfo/KVPoolLoad, RequestStarted
+PROTOCOL_VERSION = 4
 
 MAX_STR_LEN = 4 << 20  # characters; a prompt of ~1M tokens of text fits
 MAX_TOKEN_IDS = 1 << 20  # length of any list[int] (token ids, page indices, shapes)
@@ -241,9 +244,22 @@ _SCALAR_DECODERS: dict[object, _Codec] = {
 }
 
 
+def _dec_enum(cls: type[enum.Enum]) -> _Codec:
+    values = {m.value: m for m in cls}
+
+    def dec(v):
+        member = values.get(v) if type(v) is str else None
+        if member is None:
+            raise _Invalid(f"expected one of {sorted(values)}, got {v!r}")
+        return member
+    return dec
+
+
 def _decoder_for(tp: object) -> _Codec:
     if tp in _SCALAR_DECODERS:
         return _SCALAR_DECODERS[tp]
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return _dec_enum(tp)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (types.UnionType, typing.Union) and len(args) == 2 and type(None) in args:
         return _dec_optional(_decoder_for(next(a for a in args if a is not type(None))))
@@ -264,6 +280,8 @@ def _encoder_for(tp: object) -> _Codec | None:
     """None where msgpack takes the value as it is (scalars, lists of scalars, dicts of str)."""
     if tp is SamplingParams:
         return SamplingParams.to_dict
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return lambda v: v.value if isinstance(v, enum.Enum) else v  # a plain str is checked on decode
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (types.UnionType, typing.Union):
         inner = _encoder_for(next(a for a in args if a is not type(None)))

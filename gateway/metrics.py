@@ -176,9 +176,9 @@ class GatewayMetrics:
         by_worker = {w.worker_id: w for w in workers}
         self.running.replace({(("worker", i),): w.running for i, w in by_worker.items()})
         self.waiting.replace({(("worker", i),): w.waiting for i, w in by_worker.items()})
-        self.kv_usage.replace({(("worker", i),): w.used_pages / w.total_pages if w.total_pages else 0.0
-                               for i, w in by_worker.items()})
-        self.kv_bytes.mirror({(): sum(w.kv_bytes_sent for w in workers)} if status is not None else {})
+        self.kv_usage.replace({(("worker", i),): w.kv.used_pages / w.kv.total_pages if w.kv.total_pages else 0.0
+                               for i, w in by_worker.items() if w.kv is not None})
+        self.kv_bytes.mirror({(): sum(w.kv.bytes_sent for w in workers if w.kv is not None)} if status is not None else {})
         self.scheduler_queued.replace({(): status.queued} if status is not None else {})
         self.worker_requests.mirror({(("worker", i),): w.requests_finished for i, w in by_worker.items()})
 

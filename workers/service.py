@@ -35,7 +35,7 @@ from common.liveness import new_instance
 from common.messages import (
     MAX_PAGE_HASHES, AbortRequest, DecodeTask, GenerateTask, HeldRequest, Heartbeat, KVPagesAck, KVPagesHeader, PrefillTask,
     PrefixCacheUpdate, Ready, Registered, RegisterWorker, RequestDone, TokenDelta, TokenDeltaBatch, TokenLogprob,
-    UnknownWorker,
+    UnknownWorker, WorkerKind, WorkerRole, KVPoolInfo, KVPoolLoad, RequestStarted, DoneReason, FinishReason,
 )
 from common.model_files import served_model_name
 from common.transport import KV, Dealer, Push, Router
@@ -85,7 +85,7 @@ class WorkerService:
         self.kv_out: dict[str, Dealer] = {}
         self.pushes: dict[str, Push] = {}
         self.reply_to: dict[str, str] = {}
-        self.starting: dict[str, list[TokenDelta]] = {}  # reply_to -> start markers for the next batch
+        self.starting: dict[str, list[RequestStarted]] = {}  # reply_to -> start markers for the next batch
         self.incoming: dict[str, _Incoming] = {}
         self.outgoing: dict[str, _Outgoing] = {}
         self.outgoing_endpoints: dict[str, str] = {}  # prefill role: request -> decode KV endpoint
@@ -116,8 +116,9 @@ class WorkerService:
         # `instance` tells the scheduler this process from an earlier one under the same id
         self.registered_again_at = float("-inf")
         msg = self.registration = RegisterWorker(
-            worker_id=cfg.worker_id, role=self.role, model=served_model_name(path) if path else "custom", page_size=blocks.page_size,
-            num_pages=blocks.num_usable_pages, kv_endpoint=cfg.kv_advertise or "", max_running=self.engine.config.max_num_seqs, instance=new_instance(),
+            worker_id=cfg.worker_id, kind=WorkerKind.LLM, role=WorkerRole(self.role), model=served_model_name(path) if path else "custom",
+            max_running=self.engine.config.max_num_seqs, instance=new_instance(),
+            kv=KVPoolInfo(page_size=blocks.page_size, num_pages=blocks.num_usable_pages, kv_endpoint=cfg.kv_advertise or ""),
         )
         while True:  # the scheduler may start after us: register until it answers
             await self.scheduler.send(msg)
@@ -195,8 +196,8 @@ class WorkerService:
             self.engine.add_request(request_id, prompt_ids, sampling, prefill_only=prefill_only)
         except ValueError as e:
             self.log.warning("request refused", request_id=request_id, error=str(e))
-            self._done(request_id, f"rejected: {e}")
-            self._send_final(request_id, reply_to, sampling.n, "abort")
+            self._done(request_id, DoneReason.REJECTED, str(e))
+            self._send_final(request_id, reply_to, sampling.n, FinishReason.ABORT)
             return
         self.reply_to[request_id] = reply_to
         if kv_endpoint:
@@ -204,7 +205,7 @@ class WorkerService:
             self.outgoing_skip[request_id] = skip_pages
         # tell the tokenizer a worker holds it (before any of its tokens, in the next step's
         # batch): a scheduler restart does not fail it from here on
-        self.starting.setdefault(reply_to, []).append(TokenDelta(request_id=request_id, index=0, token_ids=[], logprobs=None, finish_reason=None, num_prompt_tokens=len(prompt_ids)))
+        self.starting.setdefault(reply_to, []).append(RequestStarted(request_id=request_id, num_prompt_tokens=len(prompt_ids)))
 
     def _held(self) -> list[HeldRequest]:
         """The requests this worker works on (running, or waiting for their KV pages)."""
@@ -251,12 +252,12 @@ class WorkerService:
             )
             self.reply_to[request_id] = task.reply_to
             if request_id not in self.engine.requests:  # every choice ended on its first token
-                self._forget(request_id, "finished")
+                self._forget(request_id, DoneReason.FINISHED)
         except Exception as e:  # a bad transfer must not take the worker down
             error = f"{type(e).__name__}: {e}"
             self.log.warning("kv import failed", request_id=request_id, error=error)
             self.engine.blocks.free_table(pinned)
-            self._done(request_id, "kv_rejected")
+            self._done(request_id, DoneReason.KV_REJECTED)
         asyncio.ensure_future(self.kv_in.send(entry.sender, KVPagesAck(request_id=request_id, ok=error is None, error=error)))
 
     def _acknowledged(self, ack: KVPagesAck) -> None:
@@ -264,7 +265,7 @@ class WorkerService:
         if out is None:
             return
         self.engine.release_prefilled(ack.request_id)
-        self._forget(ack.request_id, "handed_off" if ack.ok else "kv_rejected")
+        self._forget(ack.request_id, DoneReason.HANDED_OFF if ack.ok else DoneReason.KV_REJECTED)
         if not ack.ok:
             self.log.warning("decode worker refused pages", request_id=ack.request_id, error=ack.error)
 
@@ -277,10 +278,10 @@ class WorkerService:
         if entry is not None:
             self.engine.blocks.free_table(entry.pinned)
         if known and reply_to:
-            self._send_final(request_id, reply_to, n, "abort")
+            self._send_final(request_id, reply_to, n, FinishReason.ABORT)
         self._forget(request_id, None)
 
-    def _forget(self, request_id: str, reason: str | None) -> None:
+    def _forget(self, request_id: str, reason: DoneReason | None) -> None:
         self.reply_to.pop(request_id, None)
         self.scheduler_queued.pop(request_id, None)
         self.outgoing_endpoints.pop(request_id, None)
@@ -288,11 +289,12 @@ class WorkerService:
         if reason is not None:
             self._done(request_id, reason)
 
-    def _done(self, request_id: str, reason: str) -> None:
+    def _done(self, request_id: str, reason: DoneReason, detail: str | None = None) -> None:
         self.requests_finished += 1
-        asyncio.ensure_future(self.scheduler.send(RequestDone(worker_id=self.config.worker_id, request_id=request_id, reason=reason)))
+        asyncio.ensure_future(self.scheduler.send(
+            RequestDone(worker_id=self.config.worker_id, request_id=request_id, reason=reason, detail=detail)))
 
-    def _send_final(self, request_id: str, reply_to: str, n: int, reason: str) -> None:
+    def _send_final(self, request_id: str, reply_to: str, n: int, reason: FinishReason) -> None:
         deltas = [TokenDelta(request_id=request_id, index=i, token_ids=[], logprobs=None, finish_reason=reason, num_prompt_tokens=0) for i in range(n)]
         asyncio.ensure_future(self._push(reply_to).send(TokenDeltaBatch(worker_id=self.config.worker_id, deltas=deltas)))
 
@@ -322,7 +324,8 @@ class WorkerService:
             await self._publish(outputs)
 
     async def _publish(self, outputs: list[RequestOutput]) -> None:
-        batches, self.starting = self.starting, {}
+        starting, self.starting = self.starting, {}
+        batches: dict[str, list[TokenDelta]] = {reply_to: [] for reply_to in starting}
         for out in outputs:
             reply_to = self.reply_to.get(out.request_id)
             if reply_to is None:
@@ -337,13 +340,14 @@ class WorkerService:
                     num_prompt_tokens=out.num_prompt_tokens, queue_time_s=queue_time, prompt_logprobs=prompt_logprobs))
                 queue_time = prompt_logprobs = None  # once per request
         for reply_to, deltas in batches.items():  # one message per step per destination
-            await self._push(reply_to).send(TokenDeltaBatch(worker_id=self.config.worker_id, deltas=deltas))
+            batch = TokenDeltaBatch(worker_id=self.config.worker_id, deltas=deltas, started=starting.get(reply_to, []))
+            await self._push(reply_to).send(batch)
         for out in outputs:
             if out.finished:
                 if self.engine.take_prefilled(out.request_id) is not None:
                     await self._send_pages(out.request_id)
                 else:
-                    self._forget(out.request_id, "finished")
+                    self._forget(out.request_id, DoneReason.FINISHED)
 
     async def _send_pages(self, request_id: str) -> None:
         result = self.engine.take_prefilled(request_id)
@@ -379,9 +383,10 @@ class WorkerService:
             blocks, sched = self.engine.blocks, self.engine.scheduler
             await self.scheduler.send(
                 Heartbeat(
-                    worker_id=self.config.worker_id, running=len(sched.running), waiting=len(sched.waiting), free_pages=blocks.num_free_pages,
-                    total_pages=blocks.num_usable_pages, used_pages=blocks.num_used_pages, time=time.time(), kv_bytes_sent=self.kv_bytes_sent, kv_bytes_received=self.kv_bytes_received,
+                    worker_id=self.config.worker_id, running=len(sched.running), waiting=len(sched.waiting), time=time.time(),
                     requests_finished=self.requests_finished,
+                    kv=KVPoolLoad(free_pages=blocks.num_free_pages, used_pages=blocks.num_used_pages, total_pages=blocks.num_usable_pages,
+                                  bytes_sent=self.kv_bytes_sent, bytes_received=self.kv_bytes_received),
                 )
             )
             await asyncio.sleep(self.config.heartbeat_interval)
@@ -404,13 +409,13 @@ class WorkerService:
         del self.incoming[request_id]
         self.engine.blocks.free_table(entry.pinned)
         self.log.warning("handoff expired", request_id=request_id)
-        self._done(request_id, "kv_timeout")
+        self._done(request_id, DoneReason.KV_TIMEOUT)
 
     def _expire_outgoing(self, request_id: str) -> None:
         if self.outgoing.pop(request_id, None) is not None:
             self.engine.release_prefilled(request_id)
             self.log.warning("kv transfer timed out", request_id=request_id)
-            self._forget(request_id, "kv_timeout")
+            self._forget(request_id, DoneReason.KV_TIMEOUT)
 
 
 def _wire_logprobs(logprobs: list) -> list[TokenLogprob]:

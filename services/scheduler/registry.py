@@ -26,6 +26,7 @@ class WorkerInfo:
     kv_bytes_sent: int = 0
     kv_bytes_received: int = 0
     requests_finished: int = 0
+    kind: str = "llm"  # WorkerKind
     requests: set[str] = field(default_factory=set)  # placed here and not yet done
     page_hashes: set[int] = field(default_factory=set)  # prefix-cache keys it reported holding
 

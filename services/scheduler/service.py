@@ -23,7 +23,7 @@ from common.liveness import new_instance
 from common.messages import (
     AbortRequest, ClusterStatus, DecodeTask, GenerateTask, Heartbeat, Ping, Pong, PrefillTask, PrefixCacheUpdate,
     Ready, Registered, RegisterWorker, RequestDone, RequestFailed, ScheduleRequest, StatusRequest, UnknownWorker,
-    WorkerStatus,
+    WorkerStatus, DoneReason, KVPoolInfo, KVPoolLoad,
 )
 from common.transport import Push, Router, UnknownPeer
 from services.scheduler.config import SchedulerConfig
@@ -35,7 +35,7 @@ log = structlog.get_logger()
 
 MAX_UNREPORTED = 10_000  # failures kept per tokenizer that has not pinged yet
 # RequestDone reasons that end a request with an error for the client
-FAILURES = {"kv_rejected": "the decode worker refused the KV pages", "kv_timeout": "the KV handoff timed out"}
+FAILURES = {DoneReason.KV_REJECTED: "the decode worker refused the KV pages", DoneReason.KV_TIMEOUT: "the KV handoff timed out"}
 
 
 @dataclass
@@ -105,12 +105,13 @@ class SchedulerService:
             self.log.warning("cannot reach peer", peer=identity.decode(errors="replace"), type=type(msg).__name__)
 
     async def _on_register(self, identity: bytes, msg: RegisterWorker) -> None:
+        kv = msg.kv if msg.kv is not None else KVPoolInfo(page_size=1, num_pages=0, kv_endpoint="")
         info = WorkerInfo(
-            msg.worker_id, msg.role, msg.model, msg.page_size, msg.num_pages, msg.kv_endpoint, msg.max_running,
-            last_seen=time.monotonic(), free_pages=msg.num_pages, instance=msg.instance,
+            msg.worker_id, msg.role, msg.model, kv.page_size, kv.num_pages, kv.kv_endpoint, msg.max_running,
+            last_seen=time.monotonic(), free_pages=kv.num_pages, instance=msg.instance, kind=msg.kind,
         )
         replaced = self.registry.register(info)
-        self.log.info("worker registered", worker=msg.worker_id, role=msg.role, pages=msg.num_pages)
+        self.log.info("worker registered", worker=msg.worker_id, kind=msg.kind, role=msg.role, pages=kv.num_pages)
         await self._send(identity, Registered(worker_id=msg.worker_id))
         if replaced is not None:  # a new process under the id: the old one's requests are gone
             self.log.warning("worker restarted", worker=msg.worker_id, requests=len(replaced.requests))
@@ -125,8 +126,9 @@ class SchedulerService:
 
     async def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
         known = self.registry.heartbeat(
-            msg.worker_id, time.monotonic(), msg.running, msg.waiting, msg.used_pages, msg.free_pages,
-            msg.kv_bytes_sent, msg.kv_bytes_received, msg.requests_finished,
+            msg.worker_id, time.monotonic(), msg.running, msg.waiting, *(
+                (msg.kv.used_pages, msg.kv.free_pages, msg.kv.bytes_sent, msg.kv.bytes_received) if msg.kv else (0, 0, 0, 0)),
+            msg.requests_finished,
         )
         if known:
             await self._drain()
@@ -191,9 +193,9 @@ class SchedulerService:
         if placed is None:
             return
         placed.holders.discard(msg.worker_id)
-        if msg.reason in FAILURES or msg.reason.startswith("rejected"):
-            await self._fail(placed, FAILURES.get(msg.reason, msg.reason))
-        elif msg.reason == "finished" and msg.worker_id == placed.prefill:
+        if msg.reason.failed:
+            await self._fail(placed, FAILURES.get(msg.reason) or f"rejected: {msg.detail}")
+        elif msg.reason is DoneReason.FINISHED and msg.worker_id == placed.prefill:
             await self._abort_holders(placed, "finished at the first token")  # no handoff needed
         if not placed.holders:
             self.placed.pop(msg.request_id, None)
@@ -274,8 +276,10 @@ class SchedulerService:
     async def _on_status(self, identity: bytes, msg: StatusRequest) -> None:
         now = time.monotonic()
         workers = [
-            WorkerStatus(worker_id=w.worker_id, role=w.role, alive=self.registry.is_alive(w, now), running=w.running, waiting=w.waiting, used_pages=w.used_pages,
-                         total_pages=w.total_pages, kv_bytes_sent=w.kv_bytes_sent, kv_bytes_received=w.kv_bytes_received, requests_finished=w.requests_finished)
+            WorkerStatus(worker_id=w.worker_id, kind=w.kind, role=w.role, alive=self.registry.is_alive(w, now), running=w.running,
+                         waiting=w.waiting, requests_finished=w.requests_finished,
+                         kv=KVPoolLoad(free_pages=w.free_pages, used_pages=w.used_pages, total_pages=w.total_pages,
+                                       bytes_sent=w.kv_bytes_sent, bytes_received=w.kv_bytes_received))
             for w in self.registry.workers.values()
         ]
         alive = {w.role for w in workers if w.alive}

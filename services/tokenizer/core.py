@@ -145,6 +145,12 @@ class TokenizerCore:
         told to stop the request if it is still generating it (see the module's docstring)."""
         out = TokenOutputs()
         by_gateway: dict[str, list[TextDelta]] = {}
+        for started in batch.started:
+            request = self._requests.get(started.request_id)
+            if request is not None:
+                request.started, request.schedule = True, None
+            elif self._may_abort_orphan(started.request_id, now):
+                out.aborts.append(AbortRequest(request_id=started.request_id, reason="unknown to the tokenizer", worker_id=batch.worker_id))
         for delta in batch.deltas:
             request = self._requests.get(delta.request_id)
             if request is None:
@@ -155,7 +161,7 @@ class TokenizerCore:
                 continue
             request.started, request.schedule = True, None
             if not delta.token_ids and delta.finish_reason is None and delta.prompt_logprobs is None:
-                continue  # a worker took the request (or a step gave this choice nothing)
+                continue  # a step gave this choice nothing
             choice = request.choices[delta.index]
             if delta.finish_reason is not None:
                 choice.worker_finished = True

@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from common import transport as t
 from common.messages import (
+    KVPoolLoad,
     AbortRequest, ClusterStatus, GenerateRequest, Ping, Pong, RequestFailed, StatusRequest, TextDelta,
     TextDeltaBatch, TokenLogprob, WorkerStatus,
 )
@@ -420,7 +421,7 @@ def test_models_and_health(tmp_path):
     run(tmp_path, test)
 
 
-STATUS = ClusterStatus(ready=True, workers=[WorkerStatus(worker_id="w0", role="mixed", alive=True, running=2, waiting=1, used_pages=30, total_pages=120, kv_bytes_sent=0, kv_bytes_received=0)], queued=0)
+STATUS = ClusterStatus(ready=True, workers=[WorkerStatus(worker_id='w0', kind='llm', role='mixed', alive=True, running=2, waiting=1, requests_finished=0, kv=KVPoolLoad(free_pages=0, used_pages=30, total_pages=120, bytes_sent=0, bytes_received=0))], queued=0)
 
 
 async def answer_status(fake: FakeMesh, status: ClusterStatus) -> None:

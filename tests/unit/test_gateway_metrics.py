@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.messages import ClusterStatus, TextDelta, WorkerStatus
+from common.messages import ClusterStatus, KVPoolLoad, TextDelta, WorkerStatus
 from gateway.metrics import Counter, Gauge, GatewayMetrics, Histogram, render
 
 
@@ -63,8 +63,8 @@ def test_request_timer_observes_ttft_itl_e2e_and_counts():
 def test_cluster_status_gauges_and_kv_bytes():
     m = GatewayMetrics()
     m.update_cluster(ClusterStatus(ready=True, workers=[
-        WorkerStatus(worker_id="p0", role="prefill", alive=True, running=1, waiting=2, used_pages=25, total_pages=100, kv_bytes_sent=4096, kv_bytes_received=0),
-        WorkerStatus(worker_id="d0", role="decode", alive=True, running=3, waiting=0, used_pages=0, total_pages=0, kv_bytes_sent=1024, kv_bytes_received=4096)], queued=5))
+        WorkerStatus(worker_id='p0', kind='llm', role='prefill', alive=True, running=1, waiting=2, requests_finished=0, kv=KVPoolLoad(free_pages=0, used_pages=25, total_pages=100, bytes_sent=4096, bytes_received=0)),
+        WorkerStatus(worker_id='d0', kind='llm', role='decode', alive=True, running=3, waiting=0, requests_finished=0, kv=KVPoolLoad(free_pages=0, used_pages=0, total_pages=0, bytes_sent=1024, bytes_received=4096))], queued=5))
     text = m.render()
     for line in ['pagemesh_num_requests_running{worker="p0"} 1', 'pagemesh_num_requests_waiting{worker="p0"} 2',
                  'pagemesh_kv_cache_usage_ratio{worker="p0"} 0.25', 'pagemesh_kv_cache_usage_ratio{worker="d0"} 0.0',

@@ -9,7 +9,7 @@ import contextlib
 import pytest
 
 from common import transport as t
-from common.messages import AbortRequest, HeldRequest, Ping, Pong, Registered, RegisterWorker, RequestFailed
+from common.messages import AbortRequest, HeldRequest, KVPoolInfo, Ping, Pong, Registered, RegisterWorker, RequestFailed
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.service import SchedulerService
 
@@ -31,7 +31,7 @@ async def scheduler(tmp_path, heartbeat_timeout: float = 5.0):
 
 async def registered_worker(address: str, worker_id: str, instance: str = "", held=None) -> t.Dealer:
     worker = t.Dealer(address, worker_id)
-    await worker.send(RegisterWorker(worker_id=worker_id, role="mixed", model="m", page_size=16, num_pages=100, kv_endpoint="", max_running=8, instance=instance or f"{worker_id}-instance", held=held))
+    await worker.send(RegisterWorker(worker_id=worker_id, kind='llm', role='mixed', model='m', max_running=8, kv=KVPoolInfo(page_size=16, num_pages=100, kv_endpoint=''), instance=instance or f'{worker_id}-instance', held=held))
     assert await worker.recv() == Registered(worker_id=worker_id)
     return worker
 

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from common.messages import (
+    RequestStarted,
     AbortRequest, GenerateRequest, RequestFailed, ScheduleRequest, TextDelta, TokenDelta,
     TokenDeltaBatch, TokenLogprob,
 )
@@ -208,13 +209,16 @@ def test_a_worker_generating_an_unknown_request_is_told_to_stop_it_once_a_second
     assert orphan(101.2) == [AbortRequest(request_id="lost", reason="unknown to the tokenizer", worker_id="d1")]  # that abort was lost
     finished = c.on_tokens(TokenDeltaBatch(worker_id="d1", deltas=[tokens("done", 0, x, finish="abort")]), 200.0)
     assert finished.aborts == [] and finished.batches == {}  # the worker has already stopped it
+    started = c.on_tokens(TokenDeltaBatch(worker_id="d1", deltas=[], started=[RequestStarted(request_id="new", num_prompt_tokens=3)]), 300.0)
+    assert started.aborts == [AbortRequest(request_id="new", reason="unknown to the tokenizer", worker_id="d1")]
 
 
 def test_after_a_scheduler_restart_the_requests_no_worker_holds_are_sent_again():
     c = core()
     scheduled = {rid: c.admit(request(rid, reply_to=GATEWAY_B)) for rid in ("streaming", "silent", "queued")}
     feed(c, tokens("streaming", 0, ids_of(" x")))
-    marker = feed(c, tokens("silent", 0, []))  # a worker took it (best_of, a long prefill: no output yet)
+    started = RequestStarted(request_id="silent", num_prompt_tokens=4)  # a worker took it (best_of: no output yet)
+    marker = c.on_tokens(TokenDeltaBatch(worker_id="w0", deltas=[], started=[started]))
     assert marker.batches == {} and marker.aborts == []
     assert c.unstarted() == [scheduled["queued"]]
     assert "queued" in c and "streaming" in c and "silent" in c  # nothing is failed

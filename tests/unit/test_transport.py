@@ -12,6 +12,7 @@ import torch
 
 from common import transport as t
 from common.protocol import (
+    KVPoolInfo, KVPoolLoad,
     AbortRequest, Heartbeat, KVPagesAck, KVPagesHeader, Ready, Registered, RegisterWorker,
     TokenDelta, TokenDeltaBatch, decode_tensor_frames, encode, encode_tensor_frames,
 )
@@ -43,8 +44,8 @@ def address(request, tmp_path):
 def test_router_dealer_request_reply(address):
     async def main():
         with t.Router(address) as router, t.Dealer(address, "p0") as p0, t.Dealer(address, "d0") as d0:
-            await p0.send(RegisterWorker(worker_id="p0", role="prefill", model="m", page_size=16, num_pages=100, kv_endpoint="tcp://10.0.0.1:7000", max_running=8))
-            await d0.send(RegisterWorker(worker_id="d0", role="decode", model="m", page_size=16, num_pages=100, kv_endpoint="tcp://10.0.0.2:7000", max_running=8))
+            await p0.send(RegisterWorker(worker_id='p0', kind='llm', role='prefill', model='m', max_running=8, kv=KVPoolInfo(page_size=16, num_pages=100, kv_endpoint='tcp://10.0.0.1:7000')))
+            await d0.send(RegisterWorker(worker_id='d0', kind='llm', role='decode', model='m', max_running=8, kv=KVPoolInfo(page_size=16, num_pages=100, kv_endpoint='tcp://10.0.0.2:7000')))
             seen = {}
             for _ in range(2):
                 identity, msg = await router.recv()
@@ -127,8 +128,8 @@ def test_tensor_message_on_plain_recv_is_dropped():
     async def main(address):
         with t.Pull(address, options=t.KV) as pull, t.Push(address, options=t.KV) as push:
             await push.send_frames(encode_tensor_frames(header, [torch.ones(1, 4)]))
-            await push.send(Heartbeat(worker_id="w", running=0, waiting=0, free_pages=1, total_pages=1, used_pages=0, time=1.0, kv_bytes_sent=0, kv_bytes_received=0))
-            assert await pull.recv() == Heartbeat(worker_id="w", running=0, waiting=0, free_pages=1, total_pages=1, used_pages=0, time=1.0, kv_bytes_sent=0, kv_bytes_received=0)
+            await push.send(Heartbeat(worker_id='w', running=0, waiting=0, time=1.0, requests_finished=0, kv=KVPoolLoad(free_pages=1, used_pages=0, total_pages=1, bytes_sent=0, bytes_received=0)))
+            assert await pull.recv() == Heartbeat(worker_id='w', running=0, waiting=0, time=1.0, requests_finished=0, kv=KVPoolLoad(free_pages=1, used_pages=0, total_pages=1, bytes_sent=0, bytes_received=0))
             assert pull.dropped == 1
     run(main(t.tcp_address("127.0.0.1", free_tcp_port())))
 

@@ -1,0 +1,43 @@
+"""Every message that crosses a process boundary: small frozen keyword-only dataclasses, one
+module per channel, one registry (tag -> class) that the codec (`common.protocol`) reads.
+
+    base.py            the @message / @record decorators, the registry, the wire's enums
+    requests.py        gateway ⇄ tokenizer ⇄ scheduler, and worker -> tokenizer tokens
+    worker_control.py  scheduler ⇄ workers: registration, heartbeats, tasks, endings
+    kv_transfer.py     prefill worker -> decode worker: KV pages and their acknowledgement
+    liveness.py        READY, Ping/Pong, the mesh's status
+A new channel (images, say) is a new module imported here.
+"""
+
+from __future__ import annotations
+
+import typing
+
+from common.messages.base import (
+    MAX_ID, REGISTRY, DoneReason, FinishReason, ProtocolError, WorkerKind, WorkerRole, message, record,
+)
+from common.messages.kv_transfer import KV_DTYPES, KVPagesAck, KVPagesHeader
+from common.messages.liveness import ClusterStatus, Ping, Pong, Ready, StatusRequest, WorkerStatus
+from common.messages.requests import (
+    AbortRequest, GenerateRequest, RequestFailed, RequestStarted, ScheduleRequest, TextDelta, TextDeltaBatch, TokenDelta,
+    TokenDeltaBatch, TokenLogprob,
+)
+from common.messages.worker_control import (
+    MAX_PAGE_HASH, MAX_PAGE_HASHES, DecodeTask, GenerateTask, HeldRequest, Heartbeat, KVPoolInfo, KVPoolLoad, PrefillTask,
+    PrefixCacheUpdate, Registered, RegisterWorker, RequestDone, UnknownWorker,
+)
+
+MESSAGE_TYPES: dict[bytes, type] = dict(REGISTRY)  # tag -> class
+MESSAGE_CLASSES: tuple[type, ...] = tuple(MESSAGE_TYPES.values())
+TAGS: dict[type, bytes] = {cls: tag for tag, cls in MESSAGE_TYPES.items()}
+Message = typing.Union[MESSAGE_CLASSES]  # noqa: UP007 - built from the registry
+
+__all__ = [
+    "MAX_ID", "MAX_PAGE_HASH", "MAX_PAGE_HASHES", "KV_DTYPES", "MESSAGE_CLASSES", "MESSAGE_TYPES", "TAGS", "Message",
+    "ProtocolError", "message", "record", "DoneReason", "FinishReason", "WorkerKind", "WorkerRole",
+    "AbortRequest", "GenerateRequest", "RequestFailed", "RequestStarted", "ScheduleRequest", "TextDelta", "TextDeltaBatch",
+    "TokenDelta", "TokenDeltaBatch", "TokenLogprob",
+    "DecodeTask", "GenerateTask", "HeldRequest", "Heartbeat", "KVPoolInfo", "KVPoolLoad", "PrefillTask",
+    "PrefixCacheUpdate", "Registered", "RegisterWorker", "RequestDone", "UnknownWorker",
+    "KVPagesAck", "KVPagesHeader", "ClusterStatus", "Ping", "Pong", "Ready", "StatusRequest", "WorkerStatus",
+]

@@ -1,0 +1,78 @@
+"""What every message module shares: the registry, the enums of the wire, the size bounds.
+
+    @message   a frozen, slotted, keyword-only dataclass that travels on its own: registered
+               under its class name, which is its tag on the wire (frame 0)
+    @record    the same kind of dataclass, but only ever inside a message (no tag)
+
+A channel's module (requests, worker_control, kv_transfer, liveness, ...) declares its classes
+with these decorators; `common.messages` imports every channel module, so importing it fills
+the registry. The codec (`common.protocol`) builds its encoders and decoders from the registry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import typing
+
+MAX_ID = (1 << 31) - 1  # list[int] fields hold ids and sizes: 0 <= x <= MAX_ID
+
+_T = typing.TypeVar("_T", bound=type)
+REGISTRY: dict[bytes, type] = {}  # tag -> message class, in declaration order
+
+
+class ProtocolError(ValueError):
+    """A frame list that is not a valid message of this protocol version."""
+
+
+def record(cls: _T) -> _T:
+    """A frozen, keyword-only dataclass carried inside messages."""
+    return dataclasses.dataclass(frozen=True, slots=True, kw_only=True)(cls)
+
+
+def message(cls: _T) -> _T:
+    """A frozen, keyword-only dataclass registered as a message under its class name."""
+    cls = record(cls)
+    tag = cls.__name__.encode("ascii")
+    if tag in REGISTRY:
+        raise TypeError(f"message {cls.__name__} registered twice")
+    REGISTRY[tag] = cls
+    return cls
+
+
+class WorkerKind(enum.StrEnum):
+    """What a worker serves."""
+
+    LLM = "llm"
+    DIFFUSION = "diffusion"
+
+
+class WorkerRole(enum.StrEnum):
+    """An LLM worker's part in a request: the prompt, the decode after it, or both."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+
+class FinishReason(enum.StrEnum):
+    """Why a choice ended, as OpenAI names it."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class DoneReason(enum.StrEnum):
+    """Why a request left a worker (RequestDone)."""
+
+    FINISHED = "finished"  # generated to its end (or, on a prefill worker, ended at its first token)
+    HANDED_OFF = "handed_off"  # prefill worker: the decode worker took its pages
+    REJECTED = "rejected"  # the worker refused it (RequestDone.detail says why)
+    KV_REJECTED = "kv_rejected"  # the decode worker refused the KV pages
+    KV_TIMEOUT = "kv_timeout"  # the handoff did not complete in time
+
+    @property
+    def failed(self) -> bool:
+        """The request ends with an error for its client."""
+        return self in (DoneReason.REJECTED, DoneReason.KV_REJECTED, DoneReason.KV_TIMEOUT)

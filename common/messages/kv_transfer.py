@@ -1,0 +1,65 @@
+"""The KV channel: prefill worker ──KVPagesHeader + tensor frames──▶ decode worker ──KVPagesAck──▶.
+
+A DEALER per destination at the prefill worker, a ROUTER at the decode worker's KV address.
+"""
+
+from __future__ import annotations
+
+import typing
+
+from common.messages.base import MAX_ID, ProtocolError, message
+
+KV_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
+
+
+@message
+class KVPagesHeader:
+    """Prefill -> decode: KV pages of one request, followed by one tensor frame per layer.
+
+    Frame i (0 <= i < layer_end - layer_start) holds layer `layer_start + i` as a C-contiguous
+    tensor of shape [num_pages, *page_shape] in `dtype`; its page j is the request's logical page
+    `page_indices[j]` (pages the decode worker already holds are skipped). `checksum` is the
+    CRC-32 of all tensor frames' bytes in order (see `encode_tensor_frames`). `seq_index` numbers
+    the transfers of one request from 0; `last` marks the final one. `first_token_ids` are the
+    tokens the prefill worker sampled (one per choice).
+    """
+
+    TENSOR_FRAMES: typing.ClassVar[bool] = True
+
+    request_id: str
+    seq_index: int
+    num_tokens: int
+    layer_start: int
+    layer_end: int
+    num_pages: int
+    dtype: str
+    page_shape: list[int]
+    checksum: int
+    first_token_ids: list[int]
+    last: bool
+    page_indices: list[int]
+
+    @property
+    def num_frames(self) -> int:
+        return self.layer_end - self.layer_start
+
+    def _check(self) -> None:
+        if not 0 <= self.layer_start <= self.layer_end <= MAX_ID:
+            raise ProtocolError("KVPagesHeader: need 0 <= layer_start <= layer_end")
+        if not 0 <= self.num_pages == len(self.page_indices):
+            raise ProtocolError("KVPagesHeader: num_pages must equal len(page_indices)")
+        if self.dtype not in KV_DTYPES:
+            raise ProtocolError(f"KVPagesHeader.dtype: must be one of {KV_DTYPES}")
+        if not 1 <= len(self.page_shape) <= 8 or 0 in self.page_shape:
+            raise ProtocolError("KVPagesHeader.page_shape: 1 to 8 positive dimensions")
+        if not 0 <= self.checksum <= 0xFFFFFFFF:
+            raise ProtocolError("KVPagesHeader.checksum: must be a 32-bit unsigned integer")
+
+
+@message
+class KVPagesAck:
+    """Decode -> prefill: the pages of `request_id` were written (ok) or refused (error)."""
+
+    request_id: str
+    ok: bool
+    error: str | None

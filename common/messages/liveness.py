@@ -1,0 +1,68 @@
+"""Liveness and status: READY to the launcher, Ping/Pong between neighbours, the mesh's state.
+
+    any process ──Ready──▶ launcher                (once serving)
+    gateway ──Ping──▶ tokenizer ──Ping──▶ scheduler (every second; Pong says which process answers)
+    gateway ──StatusRequest──▶ scheduler ──ClusterStatus──▶ gateway (/ready, /metrics)
+"""
+
+from __future__ import annotations
+
+from common.messages.base import WorkerKind, WorkerRole, message, record
+from common.messages.worker_control import KVPoolLoad
+
+
+@message
+class Ready:
+    """Any process -> launcher: started and serving."""
+
+    service: str
+    name: str
+
+
+@message
+class Ping:
+    """Gateway -> tokenizer and tokenizer -> scheduler, every PING_INTERVAL_S: which process is there?
+    A tokenizer gives its token address: where the requests whose RequestFailed it must get reply."""
+
+    sender: str
+    address: str | None = None
+
+
+@message
+class Pong:
+    """The answer to Ping. `instance` is random per process start: a new one means the process
+    was restarted and has forgotten the requests the old one held."""
+
+    service: str
+    instance: str
+
+
+@message
+class StatusRequest:
+    """Gateway -> scheduler: asks for the mesh's state (readiness, per-worker load)."""
+
+    requester: str
+
+
+@record
+class WorkerStatus:
+    """One worker's last report, as the scheduler knows it."""
+
+    worker_id: str
+    kind: WorkerKind
+    role: WorkerRole
+    alive: bool
+    running: int
+    waiting: int
+    requests_finished: int
+    kv: KVPoolLoad | None
+
+
+@message
+class ClusterStatus:
+    """Scheduler -> gateway: reply to StatusRequest. `ready` when every needed role has a live
+    worker (prefill + decode, or mixed)."""
+
+    ready: bool
+    workers: list[WorkerStatus]
+    queued: int

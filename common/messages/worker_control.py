@@ -1,0 +1,171 @@
+"""The worker channel: scheduler ⇄ workers (one ROUTER at the scheduler, a DEALER per worker).
+
+    worker    ──RegisterWorker──▶ scheduler ──Registered / UnknownWorker──▶ worker
+    worker    ──Heartbeat / PrefixCacheUpdate / RequestDone──▶ scheduler
+    scheduler ──GenerateTask / PrefillTask / DecodeTask / AbortRequest──▶ worker
+
+A worker is of a kind (llm, diffusion) and, for an LLM worker, a role. What only a worker with a
+paged KV pool has (pages, its KV endpoint, transfer counters) sits in `KVPoolInfo` /
+`KVPoolLoad`, which other kinds leave out.
+"""
+
+from __future__ import annotations
+
+from common.messages.base import DoneReason, ProtocolError, WorkerKind, WorkerRole, message, record
+from common.sampling import SamplingParams
+
+MAX_PAGE_HASH = (1 << 62) - 1  # prefix-cache page keys (common.page_hash.chain_hash)
+MAX_PAGE_HASHES = 4096  # keys per PrefixCacheUpdate list; a worker sends several when it has more
+
+
+def _check_skip(name: str, skip_pages: int) -> None:
+    if skip_pages < 0:
+        raise ProtocolError(f"{name}.skip_pages: must be >= 0")
+
+
+@message
+class GenerateTask:
+    """Scheduler -> mixed worker: prefill and decode in the same engine."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    reply_to: str
+    queued_s: float = 0.0  # time the request waited in the scheduler
+
+
+@message
+class PrefillTask:
+    """Scheduler -> prefill worker: run the prompt, send the first token to `reply_to` and the
+    KV pages to the decode worker at `decode_kv_endpoint`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    reply_to: str
+    decode_worker_id: str
+    decode_kv_endpoint: str
+    queued_s: float = 0.0  # time the request waited in the scheduler
+    skip_pages: int = 0  # leading prompt pages the decode worker already holds: not sent
+
+    def _check(self) -> None:
+        _check_skip("PrefillTask", self.skip_pages)
+
+
+@message
+class DecodeTask:
+    """Scheduler -> decode worker: allocate pages, await KV from `prefill_worker_id`, decode.
+    The first `skip_pages` prompt pages will not come: the worker takes them from its own
+    prefix cache (and refuses the transfer if it no longer holds them)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    reply_to: str
+    prefill_worker_id: str
+    skip_pages: int = 0
+
+    def _check(self) -> None:
+        _check_skip("DecodeTask", self.skip_pages)
+
+
+@record
+class HeldRequest:
+    """A request a worker holds, as it reports when it registers again with a restarted scheduler."""
+
+    request_id: str
+    reply_to: str  # its tokenizer's token address
+
+
+@record
+class KVPoolInfo:
+    """The paged KV pool of an LLM worker, as it registers."""
+
+    page_size: int
+    num_pages: int
+    kv_endpoint: str  # where prefill workers push pages to it ("" unless a decode worker)
+
+
+@record
+class KVPoolLoad:
+    """The paged KV pool's state, in each heartbeat (and the scheduler's status)."""
+
+    free_pages: int
+    used_pages: int
+    total_pages: int
+    bytes_sent: int  # KV pages sent to other workers, ever
+    bytes_received: int
+
+
+@message
+class RegisterWorker:
+    """Worker -> scheduler, first message on its DEALER; answered by Registered."""
+
+    worker_id: str
+    kind: WorkerKind
+    role: WorkerRole
+    model: str
+    max_running: int
+    kv: KVPoolInfo | None  # LLM workers
+    instance: str = ""  # random per process start: a new one under a known worker id is a restart
+    held: list[HeldRequest] | None = None  # registering again: the requests it is working on
+
+    def _check(self) -> None:
+        if (self.kind == WorkerKind.LLM) != (self.kv is not None):
+            raise ProtocolError("RegisterWorker.kv: an LLM worker has a KV pool, others none")
+
+
+@message
+class Registered:
+    """Scheduler -> worker: registration accepted."""
+
+    worker_id: str
+
+
+@message
+class UnknownWorker:
+    """Scheduler -> worker: answers a heartbeat from a worker it does not know (the scheduler was
+    restarted, or dropped the worker after missed heartbeats): register again."""
+
+    worker_id: str
+
+
+@message
+class Heartbeat:
+    """Worker -> scheduler, periodic load report."""
+
+    worker_id: str
+    running: int
+    waiting: int
+    time: float
+    requests_finished: int  # requests that left this worker, ever
+    kv: KVPoolLoad | None  # LLM workers
+
+
+@message
+class PrefixCacheUpdate:
+    """Worker -> scheduler: prefix-cache page keys published (`added`) and evicted (`removed`)
+    since the previous update. Applied in order, the updates give the keys the worker holds;
+    the scheduler places requests by them and skips sending pages a decode worker holds."""
+
+    worker_id: str
+    added: tuple[int, ...]
+    removed: tuple[int, ...]
+
+    def _check(self) -> None:
+        for name in ("added", "removed"):
+            keys = getattr(self, name)
+            if len(keys) > MAX_PAGE_HASHES:
+                raise ProtocolError(f"PrefixCacheUpdate.{name}: more than {MAX_PAGE_HASHES} keys")
+            if keys and not (0 <= min(keys) and max(keys) <= MAX_PAGE_HASH):
+                raise ProtocolError(f"PrefixCacheUpdate.{name}: keys must be in [0, {MAX_PAGE_HASH}]")
+
+
+@message
+class RequestDone:
+    """Worker -> scheduler: the request left the worker."""
+
+    worker_id: str
+    request_id: str
+    reason: DoneReason
+    detail: str | None = None  # REJECTED: why, in words the client may read
