@@ -20,7 +20,7 @@ COMMANDS = {
     "gateway": ("gateway.main", "the OpenAI-compatible HTTP gateway"),
     "tokenizer": ("services.tokenizer.main", "the tokenizer service"),
     "scheduler": ("services.scheduler.main", "the scheduler (registry, placement)"),
-    "worker": ("workers.main", "an LLM worker: --role prefill|decode|mixed"),
+    "worker": ("workers.llm.main", "an LLM worker: --role prefill|decode|mixed"),
     "generate": ("workers.engine.generate_cli", "offline generation through one engine"),
     "bench": ("bench.loadgen.main", "load any OpenAI-compatible server and report latencies"),
     "experiment": ("bench.experiments.main", "reproduce a paper's experiment: pagemesh experiment NAME --out DIR"),

@@ -59,11 +59,11 @@ def test_each_command_parses_with_its_process_flags(name, monkeypatch):
         assert cfg.scheduler_address == "tcp://scheduler:5557" and cfg.tokenizer_address == "tcp://tokenizer:5560"
         assert cfg.port == 8000
     else:
-        from workers.main import parse
+        from workers.llm.main import parse
 
         cfg = parse(argv[1:])
-        assert cfg.scheduler_address == "tcp://scheduler:5557"
-        assert cfg.worker_id.endswith("container1")  # unique per replica: pools scale
+        assert cfg.shell.scheduler_address == "tcp://scheduler:5557"
+        assert cfg.shell.worker_id.endswith("container1")  # unique per replica: pools scale
         if cfg.role == "decode":
             assert cfg.kv_advertise == "tcp://container1:5600"
 

@@ -6,7 +6,7 @@ import pytest
 
 from services import launcher
 from workers.engine.engine import gpu_kv_budget
-from workers.main import parse as parse_worker
+from workers.llm.main import parse as parse_worker
 
 GB = 2**30
 

@@ -253,7 +253,7 @@ def hand_off(p_engine, d_engine, rid, prompt, params, skip_pages):
     """What the two worker services do: the decode side pins, the prefill side packs the tail,
     the decode side checks and imports. Returns the header."""
     from common import protocol
-    from workers.kv_transfer import check_header, pack_pages, write_pages
+    from workers.llm.kv_pages import check_header, pack_pages, write_pages
 
     hits = d_engine.blocks.match_prefix(prompt) if skip_pages else []
     pinned = hits[:skip_pages]

@@ -1,0 +1,151 @@
+"""The worker shell over real sockets, with the scheduler's side played by a Router in the test
+and the smallest worker kind there is (a counter): what every worker kind gets from the shell."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from common import transport as t
+from common.messages import (
+    AbortRequest, DoneReason, GenerateTask, Heartbeat, HeldRequest, Registered, RegisterWorker, RequestDone, UnknownWorker,
+    WorkerKind, WorkerRole,
+)
+from common.sampling import SamplingParams
+from workers.shell.backend import Load, Registration
+from workers.shell.config import ShellConfig
+from workers.shell.shell import WorkerShell
+
+TIMEOUT_S = 20.0
+
+
+class CountingBackend:
+    """Each task is `max_tokens` steps of work; a step does one unit of every task."""
+
+    task_types = (GenerateTask,)
+    step_inline = True
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.left: dict[str, int] = {}
+        self.steps = 0
+        self.events: list[str] = []
+        self.finished_at: dict[str, tuple[int, dict[str, int]]] = {}  # request -> (step, what the others had left)
+
+    def registration(self):
+        return Registration(kind=WorkerKind.DIFFUSION, role=WorkerRole.MIXED, model="counter", max_running=4)
+
+    def add(self, task):
+        self.left[task.request_id] = task.sampling.max_tokens
+        self.events.append(f"add {task.request_id}")
+
+    def abort(self, request_id):
+        self.events.append(f"abort {request_id}")
+        if self.left.pop(request_id, None) is not None:
+            self.ctx.done(request_id, DoneReason.FINISHED)
+
+    def has_work(self):
+        return bool(self.left)
+
+    def step(self):
+        self.steps += 1
+        for rid in list(self.left):
+            self.left[rid] -= 1
+        return [rid for rid, n in self.left.items() if n == 0]
+
+    def stalled(self):
+        return False
+
+    async def publish(self, finished):
+        for rid in finished:
+            del self.left[rid]
+            self.finished_at[rid] = (self.steps, dict(self.left))
+            self.ctx.done(rid, DoneReason.FINISHED)
+
+    async def between_steps(self):
+        pass
+
+    def load(self):
+        return Load(running=len(self.left), waiting=0)
+
+    def held(self):
+        return [HeldRequest(request_id=rid, reply_to="tok") for rid in sorted(self.left)]
+
+    def registered_again(self):
+        self.events.append("registered again")
+
+    def background(self):
+        return []
+
+    def close(self):
+        pass
+
+
+def task(rid: str, steps: int) -> GenerateTask:
+    return GenerateTask(request_id=rid, prompt_token_ids=[1], sampling=SamplingParams(max_tokens=steps), reply_to="tok")
+
+
+@contextlib.asynccontextmanager
+async def worker_and_scheduler(tmp_path):
+    with t.Router(t.ipc_address(str(tmp_path), "sched")) as scheduler:
+        shell = WorkerShell(ShellConfig(worker_id="w0", scheduler_address=t.ipc_address(str(tmp_path), "sched"),
+                                        heartbeat_interval=0.05), CountingBackend)
+        running = asyncio.create_task(shell.run())
+        try:
+            yield shell, scheduler
+        finally:
+            running.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await running
+            shell.close()
+
+
+async def next_of(router: t.Router, kind: type):
+    while True:
+        identity, msg = await router.recv()
+        if isinstance(msg, kind):
+            return identity, msg
+
+
+def test_registration_tasks_aborts_and_heartbeats(tmp_path):
+    async def main():
+        async with worker_and_scheduler(tmp_path) as (shell, scheduler):
+            identity, reg = await next_of(scheduler, RegisterWorker)
+            assert (reg.worker_id, reg.kind, reg.role, reg.model, reg.kv, reg.held) == (
+                "w0", WorkerKind.DIFFUSION, WorkerRole.MIXED, "counter", None, None)
+            await scheduler.send(identity, Registered(worker_id="w0"))
+            await scheduler.send(identity, task("a", 3))
+            await scheduler.send(identity, task("b", 100_000))
+            _, done = await next_of(scheduler, RequestDone)
+            assert done == RequestDone(worker_id="w0", request_id="a", reason=DoneReason.FINISHED)
+            assert shell.backend.finished_at["a"] == (3, {"b": 100_000 - 3})  # a and b advanced together
+            await scheduler.send(identity, AbortRequest(request_id="b", reason="client gone"))
+            _, done = await next_of(scheduler, RequestDone)
+            assert done.request_id == "b"
+            while True:  # the heartbeats count what left, and the load is the backend's
+                _, beat = await next_of(scheduler, Heartbeat)
+                if beat.requests_finished == 2:
+                    break
+            assert (beat.running, beat.waiting, beat.kv) == (0, 0, None)
+            assert shell.backend.events == ["add a", "add b", "abort b"]
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+
+
+def test_a_restarted_scheduler_gets_the_registration_again_with_what_the_worker_holds(tmp_path):
+    async def main():
+        async with worker_and_scheduler(tmp_path) as (shell, scheduler):
+            identity, reg = await next_of(scheduler, RegisterWorker)
+            await scheduler.send(identity, Registered(worker_id="w0"))
+            await scheduler.send(identity, task("long", 100_000))
+            await scheduler.send(identity, task("other", 100_000))
+            for _ in range(3):  # every heartbeat after a restart gets this answer: one registration
+                await scheduler.send(identity, UnknownWorker(worker_id="w0"))
+            _, again = await next_of(scheduler, RegisterWorker)
+            assert again.instance == reg.instance  # the same process
+            assert again.held == [HeldRequest(request_id="long", reply_to="tok"), HeldRequest(request_id="other", reply_to="tok")]
+            await scheduler.send(identity, AbortRequest(request_id="long", reason="x"))
+            await next_of(scheduler, RequestDone)
+            assert shell.backend.events.count("registered again") == 1
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))

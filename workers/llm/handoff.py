@@ -1,0 +1,205 @@
+"""The prefill→decode handoff of KV pages: the one owner of a handoff's page lifecycle.
+
+    prefill side (HandoffOut)                         decode side (HandoffIn)
+    PrefillTask ─expect(endpoint, skip)               DecodeTask ─task(): pin the `skip_pages`
+    prefill done ─send(): pages held by the engine         leading prompt pages it holds
+       ─pack─▶ KVPagesHeader + frames ══════════════▶ pages(): header + frames arrive
+                                                        both halves here ─▶ import: write the
+    ack ◀─────────────────────── KVPagesAck ◀────────── pages into new ones, start decoding
+    acknowledged(): engine frees the pages;            (or refuse: free the pinned pages)
+      done(HANDED_OFF | KV_REJECTED)
+    deadline passed: free, done(KV_TIMEOUT)            deadline passed: free pinned, done(KV_TIMEOUT)
+
+The scheduler tells both sides how many leading prompt pages the decode worker holds
+(`skip_pages`): the decode side pins them when its task comes (eviction cannot take them), the
+prefill side sends only the rest, and the import builds the block table from the pinned pages
+plus the received ones (or refuses if they are gone). Every method runs in the shell's engine
+loop, between steps; the socket loops only post commands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from common import protocol as p
+from common.messages import DecodeTask, DoneReason, HeldRequest, KVPagesAck, KVPagesHeader
+from common.transport import KV, Dealer, Router
+from workers.engine.engine import Engine
+from workers.llm.kv_pages import check_header, pack_pages, write_pages
+from workers.shell.backend import WorkerContext
+
+
+@dataclass
+class _Outgoing:
+    """Prefill side: pages sent, waiting for the decode worker's acknowledgement."""
+
+    frames: list  # kept alive until acknowledged: zero-copy frames point into them
+    deadline: float
+
+
+class HandoffOut:
+    """Prefill side: sends each prefilled request's pages to its decode worker and frees them
+    when the decode worker acknowledges (or the deadline passes)."""
+
+    def __init__(self, ctx: WorkerContext, engine: Engine, timeout: float, on_done: Callable[[str, DoneReason], None]):
+        self.ctx, self.engine, self.timeout = ctx, engine, timeout
+        self.on_done = on_done  # the request left this worker: handed off, refused or timed out
+        self.targets: dict[str, tuple[str, int]] = {}  # request -> (decode KV endpoint, pages not to send)
+        self.outgoing: dict[str, _Outgoing] = {}
+        self.dealers: dict[str, Dealer] = {}
+        self.bytes_sent = 0
+
+    def expect(self, request_id: str, endpoint: str, skip_pages: int) -> None:
+        self.targets[request_id] = (endpoint, skip_pages)
+
+    def has_pages(self, request_id: str) -> bool:
+        """The engine holds this finished request's pages for the transfer."""
+        return self.engine.take_prefilled(request_id) is not None
+
+    async def send(self, request_id: str) -> None:
+        endpoint, skip = self.targets.pop(request_id)
+        header, layers = pack_pages(self.engine.runner.kv_cache, self.engine.take_prefilled(request_id), skip)
+        frames = p.encode_tensor_frames(header, layers)
+        dealer = self.dealers.get(endpoint)
+        if dealer is None:
+            dealer = self.dealers[endpoint] = Dealer(endpoint, self.ctx.worker_id, options=KV)
+            asyncio.ensure_future(self._ack_loop(dealer))
+        self.outgoing[request_id] = _Outgoing(frames, time.monotonic() + self.timeout)
+        await dealer.send_frames(frames)
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in layers)
+
+    async def _ack_loop(self, dealer: Dealer) -> None:
+        while True:
+            msg = await dealer.recv()
+            if isinstance(msg, KVPagesAck):
+                self.ctx.post(lambda m=msg: self._acknowledged(m))
+
+    def _acknowledged(self, ack: KVPagesAck) -> None:
+        if self.outgoing.pop(ack.request_id, None) is None:
+            return
+        self.engine.release_prefilled(ack.request_id)
+        self.on_done(ack.request_id, DoneReason.HANDED_OFF if ack.ok else DoneReason.KV_REJECTED)
+        if not ack.ok:
+            self.ctx.log.warning("decode worker refused pages", request_id=ack.request_id, error=ack.error)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended here some other way (aborted, finished at its first token)."""
+        self.targets.pop(request_id, None)
+        self.outgoing.pop(request_id, None)
+
+    def expire(self, now: float) -> None:
+        for rid in [r for r, o in self.outgoing.items() if o.deadline < now]:
+            del self.outgoing[rid]
+            self.engine.release_prefilled(rid)
+            self.ctx.log.warning("kv transfer timed out", request_id=rid)
+            self.on_done(rid, DoneReason.KV_TIMEOUT)
+
+    def close(self) -> None:
+        for dealer in self.dealers.values():
+            dealer.close()
+
+
+@dataclass
+class _Incoming:
+    """Decode side: the two halves of a handoff, which may arrive in either order."""
+
+    task: DecodeTask | None = None
+    header: KVPagesHeader | None = None
+    frames: list | None = None
+    sender: bytes | None = None
+    deadline: float = 0.0
+    pinned: list[int] = field(default_factory=list)  # our cached pages for the task's skip_pages
+
+
+class HandoffIn:
+    """Decode side: receives pages on its KV address, writes them into its own pages and starts
+    decoding; owns the pages it pins for a task until the engine takes them."""
+
+    def __init__(self, ctx: WorkerContext, engine: Engine, address: str, timeout: float,
+                 on_imported: Callable[[DecodeTask], None]):
+        self.ctx, self.engine, self.timeout = ctx, engine, timeout
+        self.on_imported = on_imported  # the engine runs the request from here on
+        self.router = Router(address, options=KV, allow_wildcard=True)
+        self.incoming: dict[str, _Incoming] = {}
+        self.bytes_received = 0
+
+    async def receive_loop(self) -> None:
+        while True:
+            sender, msg, frames = await self.router.recv_with_frames()
+            if isinstance(msg, KVPagesHeader):
+                self.bytes_received += sum(memoryview(f).nbytes for f in frames)
+                self.ctx.post(lambda m=msg, f=frames, s=sender: self.pages(m, f, s))
+
+    def task(self, task: DecodeTask) -> None:
+        """Take references on the leading prompt pages the scheduler counted on us holding, so
+        that they survive until the pages arrive."""
+        entry = self.incoming.setdefault(task.request_id, _Incoming())
+        entry.task = task
+        entry.deadline = max(entry.deadline, time.monotonic() + self.timeout)
+        skip = task.skip_pages
+        if skip and not entry.pinned:
+            hits = self.engine.blocks.match_prefix(task.prompt_token_ids)
+            entry.pinned = hits[:skip]
+            self.engine.blocks.free_table(hits[skip:])
+            if len(entry.pinned) < skip:
+                self.ctx.log.warning("prefix pages evicted before the handoff", request_id=task.request_id,
+                                     held=len(entry.pinned), expected=skip)
+        self._maybe_import(task.request_id)
+
+    def pages(self, header: KVPagesHeader, frames: list, sender: bytes) -> None:
+        entry = self.incoming.setdefault(header.request_id, _Incoming())
+        entry.header, entry.frames, entry.sender = header, frames, sender
+        entry.deadline = max(entry.deadline, time.monotonic() + self.timeout)
+        self._maybe_import(header.request_id)
+
+    def _maybe_import(self, request_id: str) -> None:
+        entry = self.incoming.get(request_id)
+        if entry is None or entry.task is None or entry.header is None:
+            return
+        del self.incoming[request_id]
+        task, header, pinned = entry.task, entry.header, entry.pinned  # pinned: ours until the engine takes them
+        error = None
+        try:
+            kv_cache = self.engine.runner.kv_cache
+            skip = check_header(header, kv_cache, len(task.prompt_token_ids))
+            if skip > len(pinned):
+                raise ValueError(f"kv: {skip} leading pages not sent, but this worker holds {len(pinned)} of them")
+            self.engine.blocks.free_table(pinned[skip:])
+            del pinned[skip:]
+            layers = p.decode_tensor_frames(header, entry.frames)
+            prefix, pinned = pinned, []
+            self.engine.import_prefilled(
+                request_id, list(task.prompt_token_ids), task.sampling, list(header.first_token_ids),
+                lambda table: write_pages(kv_cache, table, layers), prefix,
+            )
+        except Exception as e:  # a bad transfer must not take the worker down
+            error = f"{type(e).__name__}: {e}"
+            self.ctx.log.warning("kv import failed", request_id=request_id, error=error)
+            self.engine.blocks.free_table(pinned)
+            self.ctx.done(request_id, DoneReason.KV_REJECTED)
+        else:
+            self.on_imported(task)
+        ack = KVPagesAck(request_id=request_id, ok=error is None, error=error)
+        asyncio.ensure_future(self.router.send(entry.sender, ack))
+
+    def held(self) -> list[HeldRequest]:
+        return [HeldRequest(request_id=rid, reply_to=e.task.reply_to) for rid, e in self.incoming.items() if e.task is not None]
+
+    def forget(self, request_id: str) -> None:
+        """Aborted: give back the pages pinned for it."""
+        entry = self.incoming.pop(request_id, None)
+        if entry is not None:
+            self.engine.blocks.free_table(entry.pinned)
+
+    def expire(self, now: float) -> None:
+        for rid in [r for r, i in self.incoming.items() if i.deadline < now]:
+            entry = self.incoming.pop(rid)
+            self.engine.blocks.free_table(entry.pinned)
+            self.ctx.log.warning("handoff expired", request_id=rid)
+            self.ctx.done(rid, DoneReason.KV_TIMEOUT)
+
+    def close(self) -> None:
+        self.router.close()

@@ -1,0 +1,52 @@
+"""`pagemesh worker --role prefill|decode|mixed`: one engine serving the mesh."""
+
+from __future__ import annotations
+
+import argparse
+
+from common.cli_args import add
+from common.logging import configure_logging
+from common.messages import WorkerRole
+from common.process import run_until_signalled
+from workers.engine.config import add_engine_arguments, engine_config_from_args
+from workers.llm.config import LLMWorkerConfig
+from workers.shell.config import add_shell_arguments, shell_config_from_args
+
+
+def parse(argv: list[str]) -> LLMWorkerConfig:
+    parser = argparse.ArgumentParser(prog="pagemesh worker", description=__doc__)
+    add(parser, "--role", "mixed", choices=[r.value for r in WorkerRole])
+    add_shell_arguments(parser)
+    add(parser, "--kv-address", None, help="decode role: bind address for incoming KV pages")
+    add(parser, "--kv-advertise", None, help="address prefill workers use to reach --kv-address")
+    add(parser, "--transfer-timeout", 30.0, type=float, help="seconds before an unacknowledged KV handoff is dropped")
+    add(parser, "--threads", None, type=int, help="torch CPU threads (default: all cores)")
+    add_engine_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return LLMWorkerConfig(
+            shell=shell_config_from_args(args, args.role), role=WorkerRole(args.role), engine=engine_config_from_args(args),
+            kv_address=args.kv_address, kv_advertise=args.kv_advertise or args.kv_address,
+            transfer_timeout=args.transfer_timeout, threads=args.threads,
+        )
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def main(argv: list[str]) -> None:
+    import torch
+
+    from workers.engine.engine import Engine
+    from workers.llm.worker import LLMWorker
+    from workers.shell.shell import WorkerShell
+
+    config = parse(argv)
+    configure_logging("worker", config.shell.worker_id)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    engine = Engine(config.engine)
+    shell = WorkerShell(config.shell, lambda ctx: LLMWorker(config, engine, ctx))
+    try:
+        run_until_signalled(shell.run())
+    finally:
+        shell.close()

@@ -1,0 +1,210 @@
+"""The LLM worker: an `Engine` behind the worker shell, in one of three roles.
+
+    mixed    GenerateTask ─▶ engine (prefill + decode) ─▶ TokenDeltaBatch per step
+    prefill  PrefillTask  ─▶ engine, prefill only ─▶ first token(s) at once, then HandoffOut
+                             sends the prompt's pages to the decode worker
+    decode   DecodeTask   ─▶ HandoffIn pins the cached prefix, awaits the pages, imports them
+                             into the engine ─▶ decodes, TokenDeltaBatch per step
+
+Every step it sends one TokenDeltaBatch per destination (a tokenizer's token address), carrying
+the requests that started on it since the last step (`started`), and tells the scheduler of
+requests that left (RequestDone) and of prefix-cache keys that came and went.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from common.messages import (
+    MAX_PAGE_HASHES, DecodeTask, DoneReason, FinishReason, GenerateTask, HeldRequest, KVPoolInfo, KVPoolLoad,
+    PrefillTask, PrefixCacheUpdate, RequestStarted, TokenDelta, TokenDeltaBatch, TokenLogprob, WorkerKind, WorkerRole,
+)
+from common.model_files import served_model_name
+from workers.engine.engine import Engine, RequestOutput
+from workers.llm.config import LLMWorkerConfig
+from workers.llm.handoff import HandoffIn, HandoffOut
+from workers.shell.backend import Load, Registration, WorkerContext
+
+
+class LLMWorker:
+    """A `WorkerBackend` around one engine."""
+
+    task_types = (GenerateTask, PrefillTask, DecodeTask)
+
+    def __init__(self, config: LLMWorkerConfig, engine: Engine, ctx: WorkerContext):
+        self.config, self.engine, self.ctx = config, engine, ctx
+        # On a CPU the step runs on the event loop's own thread: a step of a few tens of ms is
+        # hundreds of torch/C calls, and handing the GIL and the step's result between two
+        # threads cost ~5% of decode throughput at 32 streams here. On CUDA the step stays in
+        # the compute thread (a first Triton compile can take seconds; heartbeats go on).
+        self.step_inline = engine.device.type == "cpu"
+        self.out = HandoffOut(ctx, engine, config.transfer_timeout, self._left)
+        self.incoming = None
+        if config.role is WorkerRole.DECODE:
+            self.incoming = HandoffIn(ctx, engine, config.kv_address, config.transfer_timeout, self._imported)
+        self.reply_to: dict[str, str] = {}  # request -> its tokenizer's token address
+        self.starting: dict[str, list[RequestStarted]] = {}  # reply_to -> started since the last batch
+        self.scheduler_queued: dict[str, float] = {}  # request -> seconds it waited in the scheduler
+
+    # ---- WorkerBackend ----------------------------------------------------------------------
+    def registration(self) -> Registration:
+        path, blocks = self.engine.model_path, self.engine.blocks
+        return Registration(
+            kind=WorkerKind.LLM, role=self.config.role, model=served_model_name(path) if path else "custom",
+            max_running=self.engine.config.max_num_seqs,
+            kv=KVPoolInfo(page_size=blocks.page_size, num_pages=blocks.num_usable_pages,
+                          kv_endpoint=self.config.kv_advertise or ""),
+        )
+
+    def add(self, task: GenerateTask | PrefillTask | DecodeTask) -> None:
+        if isinstance(task, DecodeTask):
+            if self.incoming is None:
+                self.ctx.log.warning("decode task for a worker without a KV address", request_id=task.request_id)
+                return self.ctx.done(task.request_id, DoneReason.REJECTED, "this worker takes no KV pages")
+            return self.incoming.task(task)
+        self.scheduler_queued[task.request_id] = task.queued_s
+        prefill_only = isinstance(task, PrefillTask)
+        try:
+            self.engine.add_request(task.request_id, task.prompt_token_ids, task.sampling, prefill_only=prefill_only)
+        except ValueError as e:
+            self.ctx.log.warning("request refused", request_id=task.request_id, error=str(e))
+            self.scheduler_queued.pop(task.request_id, None)
+            self.ctx.done(task.request_id, DoneReason.REJECTED, str(e))
+            self._send_final(task.request_id, task.reply_to, task.sampling.n)
+            return
+        if prefill_only:
+            self.out.expect(task.request_id, task.decode_kv_endpoint, task.skip_pages)
+        self._started(task.request_id, task.reply_to, len(task.prompt_token_ids))
+
+    def abort(self, request_id: str) -> None:
+        reply_to = self.reply_to.get(request_id)
+        running = self.engine.requests.get(request_id)
+        n = running.params.n if running is not None else 1
+        known = self.engine.abort(request_id)  # frees its pages, those held for a transfer too
+        self.out.forget(request_id)
+        if self.incoming is not None:
+            self.incoming.forget(request_id)
+        if known and reply_to:
+            self._send_final(request_id, reply_to, n)
+        self._forget(request_id)
+
+    def has_work(self) -> bool:
+        return self.engine.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        return self.engine.step()
+
+    def stalled(self) -> bool:
+        return self.engine.stalled
+
+    async def publish(self, outputs: list[RequestOutput]) -> None:
+        starting, self.starting = self.starting, {}
+        batches: dict[str, list[TokenDelta]] = {reply_to: [] for reply_to in starting}
+        for out in outputs:
+            reply_to = self.reply_to.get(out.request_id)
+            if reply_to is None:
+                continue
+            queue_time = None
+            if out.queue_time is not None:
+                queue_time = out.queue_time + self.scheduler_queued.pop(out.request_id, 0.0)
+            prompt_logprobs = None if out.prompt_logprobs is None else _wire_logprobs(out.prompt_logprobs)
+            for so in out.outputs:
+                batches.setdefault(reply_to, []).append(TokenDelta(
+                    request_id=out.request_id, index=so.index, token_ids=so.new_token_ids,
+                    logprobs=_wire_logprobs(so.logprobs) or None, finish_reason=so.finish_reason,
+                    num_prompt_tokens=out.num_prompt_tokens, queue_time_s=queue_time, prompt_logprobs=prompt_logprobs))
+                queue_time = prompt_logprobs = None  # once per request
+        for reply_to, deltas in batches.items():  # one message per step per destination
+            batch = TokenDeltaBatch(worker_id=self.ctx.worker_id, deltas=deltas, started=starting.get(reply_to, []))
+            await self.ctx.push(reply_to, batch)
+        for out in outputs:
+            if out.finished:
+                if self.out.has_pages(out.request_id):
+                    await self.out.send(out.request_id)
+                else:
+                    self._finished(out.request_id)
+
+    async def between_steps(self) -> None:
+        """Tell the scheduler which prefix-cache keys came and went since the last report (in
+        bounded messages, sent in order on the one scheduler socket)."""
+        while True:
+            added, removed = self.engine.blocks.take_cache_changes(MAX_PAGE_HASHES)
+            if not added and not removed:
+                return
+            self.ctx.to_scheduler(PrefixCacheUpdate(worker_id=self.ctx.worker_id, added=tuple(added), removed=tuple(removed)))
+
+    def load(self) -> Load:
+        blocks, sched = self.engine.blocks, self.engine.scheduler
+        received = self.incoming.bytes_received if self.incoming is not None else 0
+        return Load(running=len(sched.running), waiting=len(sched.waiting), kv=KVPoolLoad(
+            free_pages=blocks.num_free_pages, used_pages=blocks.num_used_pages, total_pages=blocks.num_usable_pages,
+            bytes_sent=self.out.bytes_sent, bytes_received=received))
+
+    def held(self) -> list[HeldRequest]:
+        held = {rid: HeldRequest(request_id=rid, reply_to=reply_to) for rid, reply_to in self.reply_to.items()}
+        for h in self.incoming.held() if self.incoming is not None else ():
+            held.setdefault(h.request_id, h)
+        return list(held.values())
+
+    def registered_again(self) -> None:
+        self.engine.blocks.report_all_again()
+
+    def background(self) -> list:
+        loops = [self._deadline_loop()]
+        if self.incoming is not None:
+            loops.append(self.incoming.receive_loop())
+        return loops
+
+    def close(self) -> None:
+        self.out.close()
+        if self.incoming is not None:
+            self.incoming.close()
+
+    # ---- inside -----------------------------------------------------------------------------
+    def _started(self, request_id: str, reply_to: str, num_prompt_tokens: int) -> None:
+        """Tell the tokenizer a worker holds it (before any of its tokens, in the next step's
+        batch): a scheduler restart does not fail it from here on."""
+        self.reply_to[request_id] = reply_to
+        started = RequestStarted(request_id=request_id, num_prompt_tokens=num_prompt_tokens)
+        self.starting.setdefault(reply_to, []).append(started)
+
+    def _imported(self, task: DecodeTask) -> None:
+        self.reply_to[task.request_id] = task.reply_to
+        if task.request_id not in self.engine.requests:  # every choice ended on its first token
+            self._finished(task.request_id)
+
+    def _finished(self, request_id: str) -> None:
+        self._left(request_id, DoneReason.FINISHED)
+
+    def _left(self, request_id: str, reason: DoneReason) -> None:
+        self._forget(request_id)
+        self.ctx.done(request_id, reason)
+
+    def _forget(self, request_id: str) -> None:
+        self.reply_to.pop(request_id, None)
+        self.scheduler_queued.pop(request_id, None)
+        self.out.forget(request_id)
+
+    def _send_final(self, request_id: str, reply_to: str, n: int) -> None:
+        deltas = [TokenDelta(request_id=request_id, index=i, token_ids=[], logprobs=None, finish_reason=FinishReason.ABORT,
+                             num_prompt_tokens=0) for i in range(n)]
+        asyncio.ensure_future(self.ctx.push(reply_to, TokenDeltaBatch(worker_id=self.ctx.worker_id, deltas=deltas)))
+
+    async def _deadline_loop(self) -> None:
+        """Transfers that were not acknowledged, and handoff halves whose partner never came,
+        give their pages back after `transfer_timeout`."""
+        while True:
+            await asyncio.sleep(min(1.0, self.config.transfer_timeout / 4))
+            self.ctx.post(self._expire)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        self.out.expire(now)
+        if self.incoming is not None:
+            self.incoming.expire(now)
+
+
+def _wire_logprobs(logprobs: list) -> list[TokenLogprob]:
+    return [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+            for lp in logprobs]

@@ -1,0 +1,173 @@
+"""The worker shell: one worker process, whatever it serves, around a `WorkerBackend`.
+
+    scheduler ──tasks / AbortRequest / Registered / UnknownWorker──▶ [control loop] ─┐
+    the backend's own loops (KV pages, deadlines) ──post(command)───────────────────┤ inbox
+                                                                                     ▼
+    [engine loop]  run the inbox → backend.between_steps() → backend.step() → backend.publish()
+    [heartbeat loop] Heartbeat(backend.load()) every interval
+
+Only the engine loop touches the backend, and only between steps; every other loop queues
+commands in the inbox. On a CPU the step runs on the loop's own thread (zmq's I/O threads
+receive meanwhile); on CUDA in a compute thread, so heartbeats go on during a long step.
+Messages are dispatched by type through one table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import structlog
+
+from common.liveness import new_instance
+from common.messages import (
+    AbortRequest, DoneReason, Heartbeat, Message, Ready, Registered, RegisterWorker, RequestDone, UnknownWorker,
+)
+from common.transport import Dealer, Push
+from workers.shell.backend import WorkerBackend
+from workers.shell.config import ShellConfig
+
+STALL_WAIT = 0.05  # seconds a stalled backend waits for news before trying again
+REGISTER_RETRY = 1.0  # seconds between registrations while the scheduler does not answer
+
+log = structlog.get_logger()
+
+
+class WorkerShell:
+    """Runs one backend in the mesh; is the backend's `WorkerContext`."""
+
+    def __init__(self, config: ShellConfig, backend_factory: Callable[["WorkerShell"], WorkerBackend]):
+        self.config = config
+        self.worker_id = config.worker_id
+        self.scheduler = Dealer(config.scheduler_address, config.worker_id)
+        self.pushes: dict[str, Push] = {}
+        self.inbox: list[Callable[[], None]] = []
+        self.wake = asyncio.Event()
+        self.requests_finished = 0
+        self.instance = new_instance()  # tells the scheduler this process from an earlier one
+        self.registered_again_at = float("-inf")
+        self.compute = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.backend = backend_factory(self)
+        reg = self.backend.registration()
+        self.log = log.bind(worker=config.worker_id, kind=reg.kind, role=reg.role)
+        self.registration = RegisterWorker(
+            worker_id=config.worker_id, kind=reg.kind, role=reg.role, model=reg.model, max_running=reg.max_running,
+            kv=reg.kv, instance=self.instance,
+        )
+        self.handlers: dict[type, Callable[[Any], None]] = {
+            **{t: self._on_task for t in self.backend.task_types},
+            AbortRequest: self._on_abort,
+            Registered: lambda msg: None,
+            UnknownWorker: self._on_unknown,
+        }
+
+    # ---- WorkerContext ----------------------------------------------------------------------
+    def post(self, command: Callable[[], None]) -> None:
+        self.inbox.append(command)
+        self.wake.set()
+
+    def to_scheduler(self, msg: Message) -> None:
+        asyncio.ensure_future(self.scheduler.send(msg))
+
+    def push(self, address: str, msg: Message):
+        sock = self.pushes.get(address)
+        if sock is None:
+            sock = self.pushes[address] = Push(address)
+        return sock.send(msg)
+
+    def done(self, request_id: str, reason: DoneReason, detail: str | None = None) -> None:
+        self.requests_finished += 1
+        self.to_scheduler(RequestDone(worker_id=self.worker_id, request_id=request_id, reason=reason, detail=detail))
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    async def run(self) -> None:
+        await self._register()
+        loops = [self._control_loop(), self._heartbeat_loop(), self._engine_loop(), *self.backend.background()]
+        if self.config.ready_address:
+            with Push(self.config.ready_address) as ready:
+                await ready.send(Ready(service="worker", name=self.worker_id))
+        self.log.info("worker ready", kv=self.registration.kv)
+        await asyncio.gather(*loops)
+
+    async def _register(self) -> None:
+        while True:  # the scheduler may start after us: register until it answers
+            await self.scheduler.send(self.registration)
+            try:
+                reply = await asyncio.wait_for(self.scheduler.recv(), timeout=REGISTER_RETRY)
+            except asyncio.TimeoutError:
+                continue
+            if isinstance(reply, Registered):
+                return
+
+    def close(self) -> None:
+        self.backend.close()
+        for sock in [self.scheduler, *self.pushes.values()]:
+            sock.close()
+        self.compute.shutdown(wait=False)
+
+    # ---- the scheduler's messages -----------------------------------------------------------
+    async def _control_loop(self) -> None:
+        while True:
+            msg = await self.scheduler.recv()
+            handler = self.handlers.get(type(msg))
+            if handler is None:
+                self.log.warning("unexpected message", type=type(msg).__name__)
+            else:
+                handler(msg)
+
+    def _on_task(self, task: Message) -> None:
+        self.post(lambda: self.backend.add(task))
+
+    def _on_abort(self, msg: AbortRequest) -> None:
+        self.post(lambda: self.backend.abort(msg.request_id))
+
+    def _on_unknown(self, msg: UnknownWorker) -> None:
+        """A restarted scheduler: register with it again. Every heartbeat queued while it was
+        down gets this answer: register at most once a second."""
+        if time.monotonic() - self.registered_again_at < REGISTER_RETRY:
+            return
+        self.registered_again_at = time.monotonic()
+        self.log.warning("scheduler does not know this worker: registering again")
+
+        def register_again() -> None:  # after the commands already queued: it lists what it holds then
+            self.to_scheduler(dataclasses.replace(self.registration, held=self.backend.held()))
+            self.backend.registered_again()
+        self.post(register_again)
+
+    # ---- the engine loop --------------------------------------------------------------------
+    async def _engine_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        backend = self.backend
+        while True:
+            while self.inbox:
+                self.inbox.pop(0)()
+            await backend.between_steps()
+            if not backend.has_work():
+                self.wake.clear()
+                if not self.inbox:
+                    await self.wake.wait()
+                continue
+            if backend.step_inline:
+                result = backend.step()
+                await asyncio.sleep(0)  # the other loops take their messages between steps
+            else:
+                result = await loop.run_in_executor(self.compute, backend.step)
+            if backend.stalled():  # nothing could run: wait for a message (an ack frees pages)
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), STALL_WAIT)
+                except asyncio.TimeoutError:
+                    pass
+            await backend.publish(result)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            load = self.backend.load()
+            await self.scheduler.send(Heartbeat(
+                worker_id=self.worker_id, running=load.running, waiting=load.waiting, time=time.time(),
+                requests_finished=self.requests_finished, kv=load.kv,
+            ))
+            await asyncio.sleep(self.config.heartbeat_interval)
