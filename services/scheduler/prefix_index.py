@@ -10,7 +10,7 @@ Pure Python: no torch, no sockets.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from services.scheduler.registry import WorkerInfo
 from common.page_hash import prefix_page_hashes

@@ -1,34 +1,56 @@
-"""Which workers exist, how loaded they are, and which requests each holds. Pure Python."""
+"""Which workers exist, how loaded they are, and which requests each holds. Pure Python.
+
+Workers fall into pools keyed by (kind, role): (llm, prefill), (llm, decode), (llm, mixed), and
+(diffusion, mixed) for diffusion workers. Placement asks for the live workers of one pool.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from collections.abc import Iterable
+
+from common.messages import Heartbeat, RegisterWorker, WorkerKind, WorkerRole
+
+# what a registration renews on a worker the registry knows (same process); its load figures stay
+_RENEWED = ("kind", "role", "model", "max_running", "last_seen", "page_size", "total_pages", "kv_endpoint")
 
 
 @dataclass
 class WorkerInfo:
-    """What the scheduler knows of one worker: its registration and its last heartbeat."""
+    """What the scheduler knows of one worker: its registration and its last heartbeat.
+
+    The KV-pool figures (page_size .. kv_bytes_received) are an LLM worker's paged pool, from
+    `RegisterWorker.kv` and `Heartbeat.kv`; a worker of another kind has none and keeps zeros."""
 
     worker_id: str
-    role: str
+    kind: WorkerKind
+    role: WorkerRole
     model: str
-    page_size: int
-    total_pages: int
-    kv_endpoint: str
     max_running: int
     last_seen: float
     instance: str = ""  # the registering process's start id (RegisterWorker.instance)
     running: int = 0
     waiting: int = 0
+    requests_finished: int = 0
+    page_size: int = 1
+    total_pages: int = 0
+    kv_endpoint: str = ""
     used_pages: int = 0
     free_pages: int = 0
     kv_bytes_sent: int = 0
     kv_bytes_received: int = 0
-    requests_finished: int = 0
-    kind: str = "llm"  # WorkerKind
     requests: set[str] = field(default_factory=set)  # placed here and not yet done
     page_hashes: set[int] = field(default_factory=set)  # prefix-cache keys it reported holding
+
+    @classmethod
+    def registered(cls, msg: RegisterWorker, now: float) -> WorkerInfo:
+        """A worker as it registers; its pool counts as free until its first heartbeat."""
+        info = cls(worker_id=msg.worker_id, kind=msg.kind, role=msg.role, model=msg.model,
+                   max_running=msg.max_running, last_seen=now, instance=msg.instance)
+        if msg.kv is not None:
+            info.page_size, info.total_pages, info.kv_endpoint = msg.kv.page_size, msg.kv.num_pages, msg.kv.kv_endpoint
+            info.free_pages = msg.kv.num_pages
+        return info
 
     @property
     def load(self) -> int:
@@ -48,21 +70,23 @@ class Registry:
         prefix keys; another process under a known id is a restart: returns the entry it
         replaced, whose requests died with the old process."""
         old = self.workers.get(info.worker_id)
-        if old is not None and old.instance == info.instance:  # renew; its load figures stay
-            for name in ("role", "model", "page_size", "total_pages", "kv_endpoint", "max_running", "last_seen"):
+        if old is not None and old.instance == info.instance:
+            for name in _RENEWED:
                 setattr(old, name, getattr(info, name))
             return None
         self.workers[info.worker_id] = info
         return old
 
-    def heartbeat(self, worker_id: str, now: float, running: int, waiting: int, used: int, free: int, sent: int, received: int, finished: int = 0) -> bool:
-        info = self.workers.get(worker_id)
+    def heartbeat(self, msg: Heartbeat, now: float) -> bool:
+        """Apply a load report; False for a worker it does not know (it must register again)."""
+        info = self.workers.get(msg.worker_id)
         if info is None:
-            return False  # unknown: it must register (again)
-        info.last_seen, info.running, info.waiting = now, running, waiting
-        info.used_pages, info.free_pages = used, free
-        info.kv_bytes_sent, info.kv_bytes_received = sent, received
-        info.requests_finished = finished
+            return False
+        info.last_seen, info.running, info.waiting = now, msg.running, msg.waiting
+        info.requests_finished = msg.requests_finished
+        if msg.kv is not None:
+            info.used_pages, info.free_pages = msg.kv.used_pages, msg.kv.free_pages
+            info.kv_bytes_sent, info.kv_bytes_received = msg.kv.bytes_sent, msg.kv.bytes_received
         return True
 
     def prefix_update(self, worker_id: str, added: Iterable[int], removed: Iterable[int]) -> bool:
@@ -74,12 +98,13 @@ class Registry:
         info.page_hashes.update(added)
         return True
 
-    def alive(self, role: str, now: float) -> list[WorkerInfo]:
-        return [w for w in self.workers.values() if w.role == role and now - w.last_seen <= self.timeout]
+    def alive(self, kind: WorkerKind, role: WorkerRole, now: float) -> list[WorkerInfo]:
+        """The live workers of the pool (kind, role)."""
+        return [w for w in self.workers.values() if w.kind == kind and w.role == role and self.is_alive(w, now)]
 
     def expire(self, now: float) -> list[WorkerInfo]:
         """Remove and return the workers whose heartbeats stopped."""
-        dead = [w for w in self.workers.values() if now - w.last_seen > self.timeout]
+        dead = [w for w in self.workers.values() if not self.is_alive(w, now)]
         for w in dead:
             del self.workers[w.worker_id]
         return dead

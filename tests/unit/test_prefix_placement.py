@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from common.messages import Heartbeat, KVPoolLoad, WorkerKind
 from common.sampling import SamplingParams
 from services.scheduler.main import parse as parse_scheduler_flags
 from services.scheduler.placement import Placement, PlacementPolicy, Placer, score
@@ -24,7 +25,9 @@ PROMPT = list(range(100, 117))  # 17 tokens: 4 full pages, all reusable (one tok
 
 def worker(worker_id: str, role: str = "prefill", load: int = 0, held: int = 0, prompt=PROMPT, **kw) -> WorkerInfo:
     """A registered worker holding the first `held` pages of `prompt`."""
-    info = WorkerInfo(worker_id, role, "m", PAGE, 100, f"ipc://{worker_id}", kw.pop("max_running", 8), 0.0, free_pages=kw.pop("free_pages", 100), **kw)
+    info = WorkerInfo(worker_id=worker_id, kind=WorkerKind.LLM, role=role, model="m", max_running=kw.pop("max_running", 8),
+                      last_seen=0.0, page_size=PAGE, total_pages=100, kv_endpoint=f"ipc://{worker_id}",
+                      free_pages=kw.pop("free_pages", 100), **kw)
     info.running = load
     info.page_hashes = set(prefix_page_hashes(prompt, PAGE)[:held])
     return info
@@ -137,7 +140,8 @@ def test_registry_applies_updates_in_order():
     assert reg.workers["d0"].page_hashes == {1, 3, 4}
     assert not reg.prefix_update("ghost", [1], [])
     reg.workers["d0"].requests.add("r1")
-    reg.heartbeat("d0", 5.0, running=3, waiting=1, used=40, free=60, sent=0, received=7, finished=9)
+    load = KVPoolLoad(free_pages=60, used_pages=40, total_pages=100, bytes_sent=0, bytes_received=7)
+    reg.heartbeat(Heartbeat(worker_id="d0", running=3, waiting=1, time=5.0, requests_finished=9, kv=load), now=5.0)
     assert reg.register(worker("d0", "decode")) is None  # the same process registering again
     d0 = reg.workers["d0"]
     assert d0.page_hashes == {1, 3, 4} and d0.requests == {"r1"}

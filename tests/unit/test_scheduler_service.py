@@ -102,7 +102,7 @@ def test_a_request_sent_again_after_a_restart_is_placed_once(tmp_path):
                 await tokenizer.send(request)  # the tokenizer saw this process start: it sends it again
                 with pytest.raises(asyncio.TimeoutError):
                     await asyncio.wait_for(worker.recv(), 0.3)
-                assert len(service.placed) == 1
+                assert len(service.core.placed) == 1
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
 

@@ -1,0 +1,310 @@
+"""The scheduler without sockets: worker registry, admission, placement, the prefill→decode
+handoff's bookkeeping, and failure handling.
+
+    ScheduleRequest ──▶ admit (queue bound) ──▶ place ──▶ PrefillTask → P, DecodeTask → D
+                                                     └──▶ GenerateTask → mixed worker
+    PrefixCacheUpdate ──▶ which prefix pages each worker holds (placement, pages D need not get)
+    RequestDone / worker death / AbortRequest ──▶ forget, tell the other holders, fail if needed
+    Ping ──▶ Pong(instance): tokenizers learn that this process restarted (common/liveness.py);
+             a tokenizer's Ping gives its token address, where its requests' failures go
+    RegisterWorker.held ──▶ a restarted scheduler takes back the requests workers hold
+
+`handle(identity, msg, now)` and `tick(now)` return what to send, in order, as (destination,
+message) pairs: a destination is a peer's identity on the scheduler's Router (bytes) or a worker
+id (str; a worker's identity is its id). `now` is monotonic seconds from the caller: nothing here
+reads a clock, sleeps or touches a socket.
+
+Workers are pooled by (kind, role). A request is placed by its kind: an LLM request on (llm,
+prefill) + (llm, decode) workers, or on one (llm, mixed) worker. Only LLM requests exist yet
+(ScheduleRequest); another kind adds its entries to `_placers` and `_readiness`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from common.messages import (
+    AbortRequest, ClusterStatus, DecodeTask, DoneReason, GenerateTask, Heartbeat, KVPoolLoad, Message, Ping, Pong,
+    PrefillTask, PrefixCacheUpdate, Registered, RegisterWorker, RequestDone, RequestFailed, ScheduleRequest,
+    StatusRequest, UnknownWorker, WorkerKind, WorkerRole, WorkerStatus,
+)
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.placement import Placer
+from services.scheduler.prefix_index import PromptPages
+from services.scheduler.registry import Registry, WorkerInfo
+
+log = structlog.get_logger()
+
+Destination = bytes | str  # a peer's Router identity, or a worker id
+Outputs = list[tuple[Destination, Message]]
+
+MAX_UNREPORTED = 10_000  # failures kept per tokenizer that has not pinged yet
+# RequestDone reasons that end a request with an error for the client (REJECTED says its own why)
+FAILURES = {DoneReason.KV_REJECTED: "the decode worker refused the KV pages",
+            DoneReason.KV_TIMEOUT: "the KV handoff timed out"}
+
+
+@dataclass
+class Placed:
+    """A request on workers: who asked (its tokenizer's token address) and which workers hold it.
+    `prefill` is the prefill worker of a handoff not yet done (None: no handoff)."""
+
+    request_id: str
+    reply_to: str
+    holders: set[str]
+    prefill: str | None
+
+
+@dataclass
+class Queued:
+    """A request admitted and waiting for a worker of its kind."""
+
+    origin: bytes  # the identity of the tokenizer that sent it
+    request: ScheduleRequest
+    prompt: PromptPages
+    kind: WorkerKind
+    enqueued_at: float
+
+
+class SchedulerCore:
+    """All of one scheduler process's state and decisions. Each message is handled whole (no
+    call sees another half done); what to send comes back as Outputs. `instance` is the process's
+    start id (answered in Pong); `now` at construction is its start, which opens the grace window
+    (a heartbeat timeout) in which requests wait for workers that have not registered yet."""
+
+    def __init__(self, config: SchedulerConfig, instance: str, now: float):
+        self.config = config
+        self.instance = instance
+        self.started_at = now
+        self.registry = Registry(config.heartbeat_timeout)
+        self.placer = Placer(config.placement)
+        self.queue: OrderedDict[str, Queued] = OrderedDict()  # request id -> entry, oldest first
+        self.placed: dict[str, Placed] = {}
+        self.tokenizers: dict[str, bytes] = {}  # a tokenizer's token address -> its identity here
+        self.unreported: dict[str, list[RequestFailed]] = {}  # failures for tokenizers not heard from yet
+        self.log = log.bind(service="scheduler")
+        self._handlers: dict[type, Callable[[bytes, Message, float, Outputs], None]] = {
+            RegisterWorker: self._on_register,
+            Heartbeat: self._on_heartbeat,
+            PrefixCacheUpdate: self._on_prefix_update,
+            ScheduleRequest: self._on_schedule,
+            RequestDone: self._on_done,
+            AbortRequest: self._on_abort,
+            StatusRequest: self._on_status,
+            Ping: self._on_ping,
+        }
+        self._placers: dict[WorkerKind, Callable[[Queued, float, Outputs], bool]] = {WorkerKind.LLM: self._place_llm}
+        self._readiness: dict[WorkerKind, Callable[[float], bool]] = {WorkerKind.LLM: self._llm_can_serve}
+
+    def handle(self, identity: bytes, msg: Message, now: float) -> Outputs:
+        """One message from the peer `identity`; returns what to send."""
+        handler = self._handlers.get(type(msg))
+        out: Outputs = []
+        if handler is None:
+            self.log.warning("unexpected message", type=type(msg).__name__)
+        else:
+            handler(identity, msg, now, out)
+        return out
+
+    def tick(self, now: float) -> Outputs:
+        """Periodic: drop workers whose heartbeats stopped (failing their requests) and, once the
+        start-up grace window is over, refuse what waits for a kind of worker no one serves."""
+        out: Outputs = []
+        for dead in self.registry.expire(now):
+            self.log.warning("worker lost", worker=dead.worker_id, requests=len(dead.requests))
+            self._fail_requests_of(dead, f"worker {dead.worker_id} stopped responding", out)
+        if not self._starting(now):
+            for entry in [e for e in self.queue.values() if not self.can_serve(e.kind, now)]:
+                del self.queue[entry.request.request_id]  # no worker came
+                self._reject(entry.origin, entry.request.request_id, "no workers are available", out)
+        return out
+
+    def can_serve(self, kind: WorkerKind, now: float) -> bool:
+        """Some live workers can take a request of this kind."""
+        ready = self._readiness.get(kind)
+        return ready is not None and ready(now)
+
+    def status(self, now: float) -> ClusterStatus:
+        """`ready` is the LLM pools' readiness (a mixed worker, or a prefill and a decode one)."""
+        workers = [
+            WorkerStatus(worker_id=w.worker_id, kind=w.kind, role=w.role, alive=self.registry.is_alive(w, now),
+                         running=w.running, waiting=w.waiting, requests_finished=w.requests_finished,
+                         kv=_kv_load(w) if w.kind == WorkerKind.LLM else None)
+            for w in self.registry.workers.values()
+        ]
+        return ClusterStatus(ready=self.can_serve(WorkerKind.LLM, now), workers=workers, queued=len(self.queue))
+
+    # ---- workers --------------------------------------------------------------------------
+    def _on_register(self, identity: bytes, msg: RegisterWorker, now: float, out: Outputs) -> None:
+        replaced = self.registry.register(WorkerInfo.registered(msg, now))
+        self.log.info("worker registered", worker=msg.worker_id, kind=msg.kind, role=msg.role,
+                      pages=msg.kv.num_pages if msg.kv else 0)
+        out.append((identity, Registered(worker_id=msg.worker_id)))
+        if replaced is not None:  # a new process under the id: the old one's requests are gone
+            self.log.warning("worker restarted", worker=msg.worker_id, requests=len(replaced.requests))
+            self._fail_requests_of(replaced, f"worker {msg.worker_id} restarted", out)
+        for held in msg.held or ():  # placed by an earlier scheduler process: keep them in the books
+            placed = self.placed.setdefault(held.request_id, Placed(held.request_id, held.reply_to, set(), None))
+            placed.holders.add(msg.worker_id)
+            if msg.role == WorkerRole.PREFILL:
+                placed.prefill = msg.worker_id
+            self.registry.workers[msg.worker_id].requests.add(held.request_id)
+        self._drain(now, out)
+
+    def _on_heartbeat(self, identity: bytes, msg: Heartbeat, now: float, out: Outputs) -> None:
+        if self.registry.heartbeat(msg, now):
+            self._drain(now, out)
+        else:  # this scheduler was restarted, or dropped the worker: it must register again
+            out.append((identity, UnknownWorker(worker_id=msg.worker_id)))
+
+    def _on_prefix_update(self, identity: bytes, msg: PrefixCacheUpdate, now: float, out: Outputs) -> None:
+        self.registry.prefix_update(msg.worker_id, msg.added, msg.removed)
+
+    # ---- admission and placement ----------------------------------------------------------
+    def _on_schedule(self, identity: bytes, msg: ScheduleRequest, now: float, out: Outputs) -> None:
+        if msg.request_id in self.placed or msg.request_id in self.queue:
+            return  # sent again by a tokenizer that saw this process start: it has it already
+        kind = WorkerKind.LLM  # a ScheduleRequest is an LLM request
+        if not self.can_serve(kind, now) and not self._starting(now):
+            return self._reject(identity, msg.request_id, "no workers are available", out)
+        if len(self.queue) >= self.config.max_queue:
+            return self._reject(identity, msg.request_id, "the request queue is full", out)
+        self.tokenizers[msg.reply_to] = identity
+        self.queue[msg.request_id] = Queued(identity, msg, PromptPages(msg.prompt_token_ids), kind, now)
+        self._drain(now, out)
+
+    def _reject(self, identity: bytes, request_id: str, why: str, out: Outputs) -> None:
+        self.log.info("request rejected", request_id=request_id, reason=why)
+        out.append((identity, RequestFailed(request_id=request_id, status=503, error_type="server_error",
+                                            message=f"Service unavailable: {why}; retry later.", param=None,
+                                            code="overloaded")))
+
+    def _drain(self, now: float, out: Outputs) -> None:
+        """Place queued requests, oldest first, while some worker can take them."""
+        while self.queue:
+            entry = next(iter(self.queue.values()))
+            if not self._placers[entry.kind](entry, now, out):
+                return
+
+    def _place_llm(self, entry: Queued, now: float, out: Outputs) -> bool:
+        """Place an LLM request (disaggregated, or on a mixed worker); False if none can take it now."""
+        def alive(role: WorkerRole) -> list[WorkerInfo]:
+            return self.registry.alive(WorkerKind.LLM, role, now)
+
+        placement = self.placer.place(alive(WorkerRole.PREFILL), alive(WorkerRole.DECODE), alive(WorkerRole.MIXED),
+                                      entry.prompt)
+        if placement is None:
+            return False
+        req = entry.request
+        del self.queue[req.request_id]
+        queued = now - entry.enqueued_at
+        worker, prefill = placement.worker, placement.prefill
+        handoff = prefill is not None and req.sampling.streams
+        if not handoff:
+            # mixed worker, or beams / best_of whose state stays in one engine: no handoff
+            holders = {worker.worker_id}
+            out.append((worker.worker_id, GenerateTask(
+                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
+                reply_to=req.reply_to, queued_s=queued)))
+        else:
+            holders = {prefill.worker_id, worker.worker_id}
+            skip = placement.skip_pages
+            out.append((worker.worker_id, DecodeTask(
+                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
+                reply_to=req.reply_to, prefill_worker_id=prefill.worker_id, skip_pages=skip)))
+            out.append((prefill.worker_id, PrefillTask(
+                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
+                reply_to=req.reply_to, decode_worker_id=worker.worker_id, decode_kv_endpoint=worker.kv_endpoint,
+                queued_s=queued, skip_pages=skip)))
+        for wid in holders:
+            self.registry.workers[wid].requests.add(req.request_id)
+        self.placed[req.request_id] = Placed(req.request_id, req.reply_to, holders,
+                                             prefill.worker_id if handoff else None)
+        return True
+
+    def _llm_can_serve(self, now: float) -> bool:
+        def alive(role: WorkerRole) -> bool:
+            return bool(self.registry.alive(WorkerKind.LLM, role, now))
+
+        return alive(WorkerRole.MIXED) or (alive(WorkerRole.PREFILL) and alive(WorkerRole.DECODE))
+
+    def _starting(self, now: float) -> bool:
+        """Within a heartbeat timeout of this process's start, workers may not have registered
+        yet (a restarted scheduler): requests wait for them rather than being refused."""
+        return now - self.started_at <= self.config.heartbeat_timeout
+
+    # ---- endings --------------------------------------------------------------------------
+    def _on_done(self, identity: bytes, msg: RequestDone, now: float, out: Outputs) -> None:
+        placed = self.placed.get(msg.request_id)
+        self._release(msg.worker_id, msg.request_id)
+        if placed is None:
+            return
+        placed.holders.discard(msg.worker_id)
+        if msg.reason.failed:
+            self._fail(placed, FAILURES.get(msg.reason) or f"rejected: {msg.detail}", out)
+        elif msg.reason is DoneReason.FINISHED and msg.worker_id == placed.prefill:
+            self._abort_holders(placed, "finished at the first token", out)  # no handoff needed
+        if not placed.holders:
+            self.placed.pop(msg.request_id, None)
+        self._drain(now, out)
+
+    def _on_abort(self, identity: bytes, msg: AbortRequest, now: float, out: Outputs) -> None:
+        self.queue.pop(msg.request_id, None)
+        placed = self.placed.get(msg.request_id)
+        if placed is not None:
+            self._abort_holders(placed, msg.reason, out)
+        elif msg.worker_id in self.registry.workers:  # placed by an earlier scheduler process
+            out.append((msg.worker_id, AbortRequest(request_id=msg.request_id, reason=msg.reason)))
+
+    def _abort_holders(self, placed: Placed, reason: str, out: Outputs) -> None:
+        rid = placed.request_id
+        for wid in list(placed.holders):
+            out.append((wid, AbortRequest(request_id=rid, reason=reason)))
+            self._release(wid, rid)
+        self.placed.pop(rid, None)
+
+    def _fail(self, placed: Placed, why: str, out: Outputs) -> None:
+        """Tell the request's tokenizer it failed (or keep that until it pings), abort it everywhere."""
+        failed = RequestFailed(request_id=placed.request_id, status=503, error_type="server_error",
+                               message=f"Request failed: {why}; retry later.", param=None, code="worker_failure")
+        origin = self.tokenizers.get(placed.reply_to)
+        if origin is not None:
+            out.append((origin, failed))
+        else:  # its tokenizer has not pinged this scheduler process yet: tell it when it does
+            waiting = self.unreported.setdefault(placed.reply_to, [])
+            if len(waiting) < MAX_UNREPORTED:
+                waiting.append(failed)
+        self._abort_holders(placed, why, out)
+
+    def _fail_requests_of(self, gone: WorkerInfo, why: str, out: Outputs) -> None:
+        """Fail every request placed on a worker process that is gone. The abort also goes to
+        the gone worker's id: a worker only silent for a while stops computing them, and a
+        process restarted under the id does not know them."""
+        for rid in list(gone.requests):
+            placed = self.placed.get(rid)
+            if placed is not None:
+                self._fail(placed, why, out)
+
+    def _release(self, worker_id: str, request_id: str) -> None:
+        info = self.registry.workers.get(worker_id)
+        if info is not None:
+            info.requests.discard(request_id)
+
+    # ---- peers ----------------------------------------------------------------------------
+    def _on_ping(self, identity: bytes, msg: Ping, now: float, out: Outputs) -> None:
+        if msg.address is not None:
+            self.tokenizers[msg.address] = identity
+            out.extend((identity, failed) for failed in self.unreported.pop(msg.address, ()))
+        out.append((identity, Pong(service="scheduler", instance=self.instance)))
+
+    def _on_status(self, identity: bytes, msg: StatusRequest, now: float, out: Outputs) -> None:
+        out.append((identity, self.status(now)))
+
+
+def _kv_load(w: WorkerInfo) -> KVPoolLoad:
+    return KVPoolLoad(free_pages=w.free_pages, used_pages=w.used_pages, total_pages=w.total_pages,
+                      bytes_sent=w.kv_bytes_sent, bytes_received=w.kv_bytes_received)
