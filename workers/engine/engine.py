@@ -31,7 +31,7 @@ from workers.engine.outputs import CompletionResult, PrefillResult, RequestOutpu
 from common.json_schema import compile_schema
 from workers.engine.json_mode import JsonMasks
 from workers.engine.sampler import SampleRow, add_logit_bias, prompt_token_logprobs, sample
-from workers.engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from workers.engine.scheduler import Scheduler, StepSchedulerConfig, StepPlan
 from workers.engine.sequence import Sequence
 from workers.engine.stats import EngineStats
 from workers.model.llama import LlamaForCausalLM
@@ -86,18 +86,7 @@ class Engine:
         num_pages = config.num_pages or self._pages_from_budget(model)
         self.blocks = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_prefill_chunk=config.max_prefill_chunk,
-                max_num_partial_prefills=config.max_num_partial_prefills,
-                max_long_partial_prefills=config.max_long_partial_prefills,
-                long_prefill_threshold=config.long_prefill_threshold or max(64, self.max_model_len * 4 // 100),
-                batching=config.batching,
-                preemption_mode=config.preemption_mode,
-                swap_pages=int(config.swap_space_gb * 2**30 // self._page_bytes(model)),
-            ),
-            self.blocks,
+            StepSchedulerConfig.for_engine(config, self.max_model_len, self._page_bytes(model)), self.blocks
         )
         self.runner = ModelRunner(
             model, num_pages, config.page_size, self.device,

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Sequence as Seq
 
 from common.sampling import SamplingParams
 from workers.engine.outputs import CompletionResult
-from workers.engine.sequence import TokenLogprobs
+from common.messages import TokenLogprob
 
 if TYPE_CHECKING:
     from workers.engine.engine import Engine
@@ -22,10 +22,10 @@ def generate(
     ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     for rid, prompt, params in zip(ids, prompts, sampling_params):
         engine.add_request(rid, prompt, params)
-    collected: dict[str, dict[int, tuple[list[int], list[TokenLogprobs], str | None]]] = {r: {} for r in ids}
+    collected: dict[str, dict[int, tuple[list[int], list[TokenLogprob], str | None]]] = {r: {} for r in ids}
     prompt_ids = {rid: list(engine.requests[rid].seqs[0].token_ids) for rid in ids}
     pending = set(ids)
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+    prompt_logprobs: dict[str, list[TokenLogprob]] = {}
     while pending:
         for out in engine.step():
             if out.prompt_logprobs is not None:

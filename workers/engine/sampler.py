@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from common.sampling import SamplingParams
-from workers.engine.sequence import TokenLogprobs
+from common.messages import TokenLogprob
 
 
 @dataclass
@@ -30,7 +30,7 @@ class SampleRow:
     want_logprob: bool = False  # report the sampled token's logprob even without `logprobs`
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator) -> list[tuple[int, TokenLogprobs | None]]:
+def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator) -> list[tuple[int, TokenLogprob | None]]:
     """logits: [R, V] fp32 (modified in place). Returns (token, logprobs or None) per row.
 
     Everything runs on the logits' device; only tokens and the logprobs asked for come to the
@@ -66,13 +66,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
 
 
 def _report_logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
-                     rows: list[SampleRow]) -> dict[int, TokenLogprobs]:
+                     rows: list[SampleRow]) -> dict[int, TokenLogprob]:
     """The sampled token's logprob and the top-k of each row that asks, read to the host in a
     few batched copies (one for the sampled tokens, two per distinct k), not a few per row."""
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None or r.want_logprob]
     index = torch.tensor(want, device=raw.device)
     chosen = raw.index_select(0, index).gather(1, tokens.index_select(0, index).unsqueeze(1))
-    out = {i: TokenLogprobs(token_id=token_list[i], logprob=lp, top_ids=[], top_logprobs=[])
+    out = {i: TokenLogprob(token_id=token_list[i], logprob=lp, top_ids=[], top_logprobs=[])
            for i, lp in zip(want, chosen.squeeze(1).tolist())}
     by_k: dict[int, list[int]] = {}
     for i in want:
@@ -86,12 +86,12 @@ def _report_logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[i
     return out
 
 
-def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
     """logits: [P, V], row j the model's prediction for prompt token `targets[j]`. Each target's
     logprob and the top-k, as for sampled tokens (raw log-softmax, no sampling parameters)."""
     raw = torch.log_softmax(logits.float(), dim=-1)
     chosen = raw.gather(1, torch.tensor(targets, device=raw.device).unsqueeze(1)).squeeze(1).tolist()
-    out = [TokenLogprobs(t, lp, [], []) for t, lp in zip(targets, chosen)]
+    out = [TokenLogprob(t, lp, [], []) for t, lp in zip(targets, chosen)]
     if k:
         top = raw.topk(k)
         for entry, ids, values in zip(out, top.indices.tolist(), top.values.tolist()):

@@ -1,0 +1,53 @@
+"""Pure logic imports neither torch nor zmq (STYLE.md: habits 1; DESIGN.md §3): each module listed
+here is imported in a fresh interpreter where importing torch or zmq (or any of their submodules)
+raises ImportError."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCKED = ("torch", "zmq")
+PURE_MODULES = [
+    "workers.engine.block_manager",
+    "workers.engine.scheduler",
+    "workers.engine.sequence",
+]
+
+GUARD = """
+import importlib, sys
+
+class Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ImportError(f"{{name}} is blocked: this module must stay pure")
+        return None
+
+sys.meta_path.insert(0, Blocked())
+importlib.import_module({module!r})
+leaked = sorted(m for m in sys.modules if m.split(".")[0] in {blocked!r})
+assert not leaked, leaked
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("module", PURE_MODULES)
+def test_module_imports_without_torch_or_zmq(module):
+    code = GUARD.format(blocked=BLOCKED, module=module)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["ok"]
+
+
+def test_the_guard_blocks_torch():
+    """The finder really refuses what it should (a test that could not fail would prove nothing)."""
+    code = GUARD.format(blocked=BLOCKED, module="torch.nn")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode != 0 and "torch is blocked" in done.stderr
