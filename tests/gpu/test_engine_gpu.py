@@ -14,7 +14,7 @@ from workers.engine.attention import AttentionMetadata
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import bucket_for
 from workers.engine.engine import Engine
-from workers.engine.model_runner import TritonAttentionBackend
+from workers.engine.backend import TritonAttentionBackend
 from common.model_config import ModelConfig
 from workers.model.llama import ForwardContext
 from workers.model.loader import build_random_model

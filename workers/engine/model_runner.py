@@ -6,109 +6,25 @@ engine's.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from kernels.cpu.memory import keep_freed_memory_for_reuse
-from workers.engine.attention import (
-    AttentionMetadata,
-    paged_attention_torch,
-    prefill_attention_torch,
-    write_kv_torch,
-)
+from workers.engine.attention import AttentionMetadata
+from workers.engine.backend import Backend, select_backend
 from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.scheduler import StepPlan
 from workers.model.llama import ForwardContext, LlamaForCausalLM
 from workers.model.layers import pack_linear_weights
-from workers.model.ops import cpu_kernels_usable, ops_for
 
 DEFAULT_MAX_GRAPH_BATCH = 256
-log = logging.getLogger(__name__)  # stdlib: the engine imports without the mesh's packages
-
-
-class TorchAttentionBackend:
-    """The CPU path without a C compiler: gather pages with index ops, attend with torch SDPA."""
-
-    builds_cpu_indices = True
-    decode_gather = True
-
-    def write_kv(self, k, v, kv_layer, md):
-        write_kv_torch(k, v, kv_layer, md)
-
-    def attend(self, q, kv_layer, md, scale, k=None, v=None):
-        return paged_attention_torch(q, kv_layer, md, scale, k, v)
-
-
-class CpuKernelAttentionBackend:
-    """The CPU path: the C kernels of `kernels.cpu` write K/V into their slots and attend the
-    decodes reading pages in place; prefill chunks (long query runs, where a matmul-based SDPA
-    wins) gather their pages and use torch SDPA."""
-
-    builds_cpu_indices = True
-    decode_gather = False
-
-    def __init__(self) -> None:
-        import kernels.cpu
-
-        self.kernels = kernels.cpu
-
-    def write_kv(self, k, v, kv_layer, md):
-        self.kernels.write_kv(k, v, kv_layer, md.slot_mapping)
-
-    def attend(self, q, kv_layer, md, scale, k=None, v=None):
-        nd = md.num_decodes
-        if nd == q.shape[0]:
-            return self.kernels.paged_attention(
-                q, kv_layer, md.block_tables, md.seq_lens, md.query_start_loc, scale
-            )
-        out = torch.empty_like(q)
-        if nd:
-            out[:nd] = self.kernels.paged_attention(
-                q[:nd], kv_layer, md.block_tables[:nd], md.seq_lens[:nd], md.query_start_loc[: nd + 1], scale
-            )
-        prefill_attention_torch(q, kv_layer, md, scale, out, k, v)
-        return out
-
-
-class TritonAttentionBackend:
-    """The GPU path: the Triton kernels of `kernels/` read pages through block tables."""
-
-    builds_cpu_indices = False
-    decode_gather = False
-
-    def __init__(self) -> None:
-        import kernels
-
-        self.kernels = kernels
-
-    def write_kv(self, k, v, kv_layer, md):
-        self.kernels.write_kv(k, v, kv_layer, md.slot_mapping)
-
-    def attend(self, q, kv_layer, md, scale, k=None, v=None):  # reads K/V from the pages
-        return self.kernels.paged_attention(
-            q, kv_layer, md.block_tables, md.seq_lens, md.query_start_loc, scale, md.max_query_len, md.max_seq_len
-        )
-
-
-def make_attention_backend(device: torch.device, dtype: torch.dtype):
-    if device.type == "cuda":
-        return TritonAttentionBackend()
-    if cpu_kernels_usable(dtype):
-        return CpuKernelAttentionBackend()
-    import kernels.cpu
-
-    reason = kernels.cpu.load_error() or f"no C kernels for {dtype}"
-    log.warning("cpu_kernels_unavailable (%s): attention falls back to torch SDPA over gathered pages", reason)
-    return TorchAttentionBackend()
 
 
 class ModelRunner:
     """Holds the model and the KV pool `[layers, pages, 2, page_size, kv_heads, head_dim]`.
 
-    The device picks, once, the attention backend and the ops: Triton on CUDA; on a CPU the C
-    kernels of `kernels.cpu` where they build (plain torch where they do not), linear
-    weights repacked once (`pack_linear_weights`), and glibc told to keep freed activations
+    `backend` (default: `select_backend` for the model's device and dtype) gives the attention
+    backend and the ops (`self.attention`, `self.ops`) and says whether the linear weights are
+    repacked once (`pack_linear_weights`); on a CPU glibc is told to keep freed activations
     (`keep_freed_memory_for_reuse`). On CUDA with `cuda_graphs`, decode-only steps of up to
     `max_num_seqs` sequences replay CUDA graphs (`DecodeGraphs`), everything else runs eagerly. `max_model_len` (default: the
     model's) sizes the graphs' block tables and fixes their attention split count.
@@ -124,6 +40,7 @@ class ModelRunner:
         cuda_graphs: bool = True,
         max_num_seqs: int = DEFAULT_MAX_GRAPH_BATCH,
         max_model_len: int | None = None,
+        backend: Backend | None = None,
     ):
         cfg = model.config
         self.model = model
@@ -135,15 +52,16 @@ class ModelRunner:
             cfg.num_layers, num_pages, 2, page_size, kv_heads, cfg.head_dim, dtype=self.dtype, device=device
         )
         self.host_pages: dict[int, torch.Tensor] = {}  # swapped-out sequences' pages
-        self.backend = make_attention_backend(device, self.dtype)
-        self.ops = ops_for(device, self.dtype)
+        self.backend = backend or select_backend(device, self.dtype)
+        self.attention, self.ops = self.backend.attention, self.backend.ops
+        if self.backend.pack_linears:
+            pack_linear_weights(model, amx=self.backend.amx)
         if device.type == "cpu":
-            pack_linear_weights(model)
             keep_freed_memory_for_reuse()
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda":
             self.graphs = DecodeGraphs(
-                model, self.kv_cache, self.backend, self.ops, page_size, max_num_seqs,
+                model, self.kv_cache, self.attention, self.ops, page_size, max_num_seqs,
                 max_model_len or cfg.max_position_embeddings,
             )
 
@@ -189,9 +107,9 @@ class ModelRunner:
             return self.graphs.run(token_ids, seq_lens, block_tables)
         md = AttentionMetadata.build(
             query_lens, seq_lens, block_tables, self.page_size, self.device,
-            for_cpu=self.backend.builds_cpu_indices, decode_gather=self.backend.decode_gather,
+            for_cpu=self.attention.builds_cpu_indices, decode_gather=self.attention.decode_gather,
         )
         ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         rows = torch.tensor(logit_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        ctx = ForwardContext(self.kv_cache, md, self.backend, self.ops)
+        ctx = ForwardContext(self.kv_cache, md, self.attention, self.ops)
         return self.model(ids, ctx, rows)
