@@ -36,18 +36,19 @@ print("ok")
 """
 
 
+def import_guarded(module: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", GUARD.format(blocked=BLOCKED, module=module)], check=False, cwd=ROOT,
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
 @pytest.mark.parametrize("module", PURE_MODULES)
 def test_module_imports_without_torch_or_zmq(module):
-    code = GUARD.format(blocked=BLOCKED, module=module)
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    done = import_guarded(module)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["ok"]
 
 
 def test_the_guard_blocks_torch():
     """The finder really refuses what it should (a test that could not fail would prove nothing)."""
-    code = GUARD.format(blocked=BLOCKED, module="torch.nn")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    done = import_guarded("torch.nn")
     assert done.returncode != 0 and "torch is blocked" in done.stderr

@@ -13,8 +13,8 @@ from workers.engine.attention import AttentionMetadata
 from workers.engine.backend import Backend, select_backend
 from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.scheduler import StepPlan
-from workers.model.llama import ForwardContext, LlamaForCausalLM
 from workers.model.layers import pack_linear_weights
+from workers.model.llama import ForwardContext, LlamaForCausalLM
 
 DEFAULT_MAX_GRAPH_BATCH = 256
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.sampling import SamplingParams
 from common.messages import TokenLogprob
+from common.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from workers.engine.backend import Backend
