@@ -17,6 +17,7 @@ PURE_MODULES = [
     "workers.engine.block_manager",
     "workers.engine.scheduler",
     "workers.engine.sequence",
+    "workers.engine.model_input",
 ]
 
 GUARD = """

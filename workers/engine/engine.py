@@ -13,25 +13,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence as Seq
 
 import torch
 
+from common.json_schema import compile_schema
 from common.model_files import resolve_model_path
 from common.sampling import SamplingParams
 from workers.engine.beam import BeamState, expand
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
+from workers.engine.json_mode import JsonMasks
+from workers.engine.model_input import build_model_input
 from workers.engine.model_runner import ModelRunner
 from workers.engine.outputs import CompletionResult, PrefillResult, RequestOutput, SeqOutput
-from common.json_schema import compile_schema
-from workers.engine.json_mode import JsonMasks
 from workers.engine.sampler import SampleRow, add_logit_bias, prompt_token_logprobs, sample
-from workers.engine.scheduler import Scheduler, StepSchedulerConfig, StepPlan
+from workers.engine.scheduler import Scheduler, StepPlan, StepSchedulerConfig
 from workers.engine.sequence import Sequence
 from workers.engine.stats import EngineStats
 from workers.model.llama import LlamaForCausalLM
@@ -235,7 +235,7 @@ class Engine:
         if plan.empty:
             return []
         started = time.perf_counter()
-        logits = self.runner.execute(plan)
+        logits = self.runner.execute(build_model_input(plan))
         touched = self._update(plan, logits)
         self.stats.record_step(plan, self.scheduler, self.blocks, time.perf_counter() - started)
         return self._outputs(touched)

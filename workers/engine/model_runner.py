@@ -1,7 +1,8 @@
-"""Runs one step plan through the model: builds the flat batch, owns the KV pool tensor.
+"""Runs one step through the model and owns the KV pool tensor.
 
-It decides nothing: which tokens run is the scheduler's call, what to do with logits is the
-engine's.
+Its input is a `ModelInput` (workers/engine/model_input.py): plain data built from the step plan,
+no `Sequence` crosses into here. It decides nothing: which tokens run is the scheduler's call,
+what to do with logits is the engine's.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from kernels.cpu.memory import keep_freed_memory_for_reuse
 from workers.engine.attention import AttentionMetadata
 from workers.engine.backend import Backend, select_backend
 from workers.engine.cuda_graphs import DecodeGraphs
-from workers.engine.scheduler import StepPlan
+from workers.engine.model_input import ModelInput
 from workers.model.layers import pack_linear_weights
 from workers.model.llama import ForwardContext, LlamaForCausalLM
 
@@ -70,46 +71,32 @@ class ModelRunner:
         """Bytes of one page across all layers."""
         return self.kv_cache[:, 0].numel() * self.kv_cache.element_size()
 
-    def move_pages(self, plan: StepPlan) -> None:
+    def move_pages(self, step: ModelInput) -> None:
         """Before the forward pass: swap preempted pages out to host memory (their page ids may
         be reused by this very step), bring resumed ones back, copy pages for copy-on-write."""
-        for seq_id in plan.swap_discard:
+        for seq_id in step.swap_discard:
             self.host_pages.pop(seq_id, None)
-        for seq_id, pages in plan.swap_out:
+        for seq_id, pages in step.swap_out:
             self.host_pages[seq_id] = self.kv_cache[:, pages].to("cpu", copy=True)
-        for seq_id, pages in plan.swap_in:
+        for seq_id, pages in step.swap_in:
             self.kv_cache[:, pages] = self.host_pages.pop(seq_id).to(self.device)
-        for src, dst in plan.page_copies:
+        for src, dst in step.page_copies:
             self.kv_cache[:, dst].copy_(self.kv_cache[:, src])
 
-    def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Run the plan; return fp32 logits for each chunk that samples, in plan order, on the
-        model's device (on CUDA a replayed graph's output buffer: read it before the next step).
-        After them come the rows of prompt positions whose logprobs are asked for
-        (`Sequence.prompt_logprob_positions`), chunk by chunk in plan order."""
-        self.move_pages(plan)
-        token_ids: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        logit_rows: list[int] = []
-        prompt_rows: list[int] = []
-        for chunk in plan.chunks:
-            first = len(token_ids)
-            token_ids.extend(chunk.seq.token_ids[chunk.start : chunk.start + chunk.num_tokens])
-            query_lens.append(chunk.num_tokens)
-            seq_lens.append(chunk.start + chunk.num_tokens)
-            if chunk.samples:
-                logit_rows.append(len(token_ids) - 1)
-            prompt_rows.extend(first + p - chunk.start for p in chunk.seq.prompt_logprob_positions(chunk.start, chunk.num_tokens))
-        block_tables = [c.seq.block_table for c in plan.chunks]
-        logit_rows += prompt_rows
-        if self.graphs is not None and not prompt_rows and self.graphs.can_run(query_lens, block_tables, len(logit_rows)):
-            return self.graphs.run(token_ids, seq_lens, block_tables)
+    def execute(self, step: ModelInput) -> torch.Tensor:
+        """Run one step (`build_model_input(plan)`); return fp32 logits for `step.logit_rows`:
+        each sampled row in plan order, then the prompt-logprob rows, on the model's device (on
+        CUDA a replayed graph's output buffer: read it before the next step)."""
+        self.move_pages(step)
+        logit_rows = step.logit_rows
+        if self.graphs is not None and not step.prompt_logprob_rows \
+                and self.graphs.can_run(step.query_lens, step.block_tables, len(logit_rows)):
+            return self.graphs.run(step.token_ids, step.seq_lens, step.block_tables)
         md = AttentionMetadata.build(
-            query_lens, seq_lens, block_tables, self.page_size, self.device,
+            step.query_lens, step.seq_lens, step.block_tables, self.page_size, self.device,
             for_cpu=self.attention.builds_cpu_indices, decode_gather=self.attention.decode_gather,
         )
-        ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        ids = torch.tensor(step.token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         rows = torch.tensor(logit_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         ctx = ForwardContext(self.kv_cache, md, self.attention, self.ops)
         return self.model(ids, ctx, rows)
