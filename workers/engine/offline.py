@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Sequence as Seq
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
+from common.messages import TokenLogprob
 from common.sampling import SamplingParams
 from workers.engine.outputs import CompletionResult
-from common.messages import TokenLogprob
 
 if TYPE_CHECKING:
     from workers.engine.engine import Engine
 
 
 def generate(
-    engine: "Engine", prompts: Seq[str | Seq[int]], sampling_params: SamplingParams | Seq[SamplingParams]
+    engine: Engine, prompts: Seq[str | Seq[int]], sampling_params: SamplingParams | Seq[SamplingParams]
 ) -> list[CompletionResult]:
     """Add every prompt, step until all are done, collect each choice's tokens in prompt order."""
     if isinstance(sampling_params, SamplingParams):

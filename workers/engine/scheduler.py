@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field, fields
 
 from workers.engine.block_manager import BlockManager
-from workers.engine.sequence import Sequence, SeqStatus
+from workers.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""A sequence: one stream of tokens being generated, and the request that owns its siblings.
+"""A sequence: one stream of tokens being generated, and the request that owns its siblings
+(`EngineRequest`).
 
 Pure Python (no torch, no zmq), as the scheduler that reads it."""
 
@@ -8,13 +9,13 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 from common.messages import TokenLogprob
 from common.sampling import SamplingParams
 
-if TYPE_CHECKING:  # JSON mode's masks are torch tensors; a sequence only carries them
+if TYPE_CHECKING:  # JSON mode's masks and beam search's scores are torch code; here they are only carried
+    from workers.engine.beam import BeamState
     from workers.engine.json_mode import JsonCursor, JsonMasks
 
 _seq_ids = itertools.count()
@@ -107,3 +108,24 @@ class Sequence:
         ids, lps = self.new_token_ids, self.new_logprobs
         self.new_token_ids, self.new_logprobs = [], []
         return ids, lps
+
+
+@dataclass
+class EngineRequest:
+    """One request inside the engine: its sequences (one per choice, or per live beam) and what
+    has been reported of it. Sequences are appended as they fork (n > 1, best_of, beams)."""
+
+    request_id: str
+    params: SamplingParams
+    seqs: list[Sequence]
+    num_prompt_tokens: int
+    finished_sent: set[int] = field(default_factory=set)  # choices whose finish was reported
+    prefill_only: bool = False  # disaggregated prefill: keep the pages after the first token
+    reported_queue_time: bool = False
+    sent_prompt_logprobs: bool = False
+    beam: BeamState | None = None  # beam search: finished hypotheses
+    next_index: int = 1  # choice index of the next forked sequence
+
+    @property
+    def done(self) -> bool:
+        return all(s.finished for s in self.seqs) and not any(s.pending_forks for s in self.seqs)
