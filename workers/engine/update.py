@@ -86,7 +86,8 @@ class StepUpdate:
             if seq.sampling.use_beam_search:
                 beam_rows.setdefault(seq.request_id, []).append((seq, row))
                 continue
-            for k, gen in self.forks.choices(seq):
+            choices = self.forks.choices(seq) if seq.pending_forks else ((0, self.generators.get(seq)),)
+            for k, gen in choices:
                 rows.append(self.sample_row(seq, gen))
                 logit_index.append(row)
                 owners.append((seq, k, gen))
