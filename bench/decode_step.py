@@ -54,7 +54,7 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
     print(f"batch {args.batch}, context ~{args.prompt_len + 4 + args.steps // 2}, {args.dtype}: "
           f"decode step {statistics.median(times) * 1000:.1f} ms (median of {args.steps}), "
-          f"{args.batch / statistics.median(times):.0f} tok/s; attention backend {type(engine.runner.backend).__name__}")
+          f"{args.batch / statistics.median(times):.0f} tok/s; attention backend {type(engine.runner.attention).__name__}")
     if args.profile:
         with torch.profiler.profile() as prof:
             for _ in range(args.steps):

@@ -9,13 +9,14 @@
 import pytest
 import torch
 
+from common.model_config import ModelConfig
 from common.sampling import SamplingParams
 from workers.engine.attention import AttentionMetadata
+from workers.engine.backend import TritonAttentionBackend
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import bucket_for
 from workers.engine.engine import Engine
-from workers.engine.model_runner import TritonAttentionBackend
-from common.model_config import ModelConfig
+from workers.engine.model_input import build_model_input
 from workers.model.llama import ForwardContext
 from workers.model.loader import build_random_model
 from workers.model.ops import TorchOps, TritonOps
@@ -110,9 +111,10 @@ def test_replayed_decode_step_matches_eager_step_bf16(batch_size):
     plan = engine.scheduler.schedule()
     assert plan.num_decodes == len(plan.chunks) == batch_size
     runner = engine.runner
-    replayed = runner.execute(plan)  # each run writes this step's K/V before reading it
+    step = build_model_input(plan)
+    replayed = runner.execute(step)  # each run writes this step's K/V before reading it
     graphs, runner.graphs = runner.graphs, None
-    eager = runner.execute(plan)
+    eager = runner.execute(step)
     runner.graphs = graphs
     assert replayed.shape == eager.shape == (batch_size, SMALL.vocab_size)
     assert graphs.replays[bucket_for(batch_size, graphs.sizes)] == 3  # two steps and this one

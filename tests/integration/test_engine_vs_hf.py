@@ -92,11 +92,10 @@ def test_logprobs_agree_with_hf_logits_within_fp32_tolerance(engine_fp32, hf_mod
 def test_tiny_qwen2_safetensors_matches_hf(tiny_qwen2, cpu_kernels, monkeypatch):
     folder, hf = tiny_qwen2
     if not cpu_kernels:  # the path taken where no C compiler is found
-        monkeypatch.setattr("workers.engine.model_runner.cpu_kernels_usable", lambda dtype: False)
-        monkeypatch.setattr("workers.model.ops.cpu_kernels_usable", lambda dtype: False)
+        monkeypatch.setattr("workers.engine.backend.cpu_kernels_usable", lambda dtype: False)
     engine = Engine(EngineConfig(model=str(folder), dtype="float32", max_num_batched_tokens=32, max_prefill_chunk=32, num_pages=256))
     assert engine.model_config.architecture == "qwen2" and engine.model_config.attention_bias
-    backend = type(engine.runner.backend).__name__
+    backend = type(engine.runner.attention).__name__
     assert backend == ("CpuKernelAttentionBackend" if cpu_kernels else "TorchAttentionBackend")
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in (3, 17, 40, 64, 90, 5, 33, 120)]

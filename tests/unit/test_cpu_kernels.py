@@ -134,11 +134,11 @@ def test_packed_linear_weights_give_the_same_logits():
     x = torch.randn(5, 64).to(torch.bfloat16)
     layer = model.layers[0].mlp.gate_up_proj
     before, head_before = layer(x), torch.nn.functional.linear(x, model.lm_head.weight)
-    assert pack_linear_weights(model)
+    assert pack_linear_weights(model, amx=ck.amx_available())
     assert layer.packed is not None and layer.weight.numel() == 0
     assert torch.equal(layer(x), before)
     packed = layer.packed
-    assert pack_linear_weights(model) and layer.packed is packed  # a second engine on the model
+    assert pack_linear_weights(model, amx=ck.amx_available()) and layer.packed is packed  # a second engine on the model
     assert torch.equal(layer(x), before)
     assert torch.equal(torch.ops.mkldnn._linear_pointwise(x, model.lm_head.packed.onednn, None, "none", [], ""), head_before)
     assert not pack_linear_weights(LlamaForCausalLM(cfg))  # fp32 stays dense
@@ -226,10 +226,9 @@ def test_malloc_keeps_freed_activations_for_reuse():
 
 def test_disabling_the_kernels_falls_back_to_torch():
     code = (
-        "import torch; from workers.model.ops import ops_for; "
-        "from workers.engine.model_runner import make_attention_backend as m; "
-        "print(type(ops_for(torch.device('cpu'), torch.float32)).__name__, "
-        "type(m(torch.device('cpu'), torch.float32)).__name__)"
+        "import torch; from workers.engine.backend import select_backend; "
+        "b = select_backend(torch.device('cpu'), torch.float32); "
+        "print(type(b.ops).__name__, type(b.attention).__name__)"
     )
     env = dict(os.environ, PAGEMESH_CPU_KERNELS="0")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

@@ -13,7 +13,8 @@ from workers.engine.attention import AttentionMetadata
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import DecodeGraphs, bucket_for, capture_sizes, pad_decode_batch
 from workers.engine.engine import Engine
-from workers.engine.model_runner import ModelRunner, TritonAttentionBackend
+from workers.engine.backend import TritonAttentionBackend
+from workers.engine.model_runner import ModelRunner
 from common.model_config import ModelConfig
 from workers.model.loader import build_random_model
 from workers.model.ops import TorchOps, TritonOps
@@ -77,7 +78,7 @@ def test_padding_rows_are_null_page_sequences_of_one_token():
 def test_only_decode_only_batches_that_fit_run_as_graphs(tiny_model):
     runner = ModelRunner(tiny_model, 16, PAGE, torch.device("cpu"))
     assert runner.graphs is None  # CPU: always eager
-    graphs = DecodeGraphs(tiny_model, runner.kv_cache, runner.backend, TorchOps(), PAGE, 8, 32, capture=no_capture)
+    graphs = DecodeGraphs(tiny_model, runner.kv_cache, runner.attention, TorchOps(), PAGE, 8, 32, capture=no_capture)
     assert graphs.sizes == sorted(graphs.graphs) == [1, 2, 4, 8]
     assert graphs.block_tables.shape == (8, 8)
     decode = ([1, 1, 1], [[1], [2, 3], [4]], 3)
@@ -107,9 +108,9 @@ def test_padded_static_buffer_path_matches_the_torch_path(tiny_model, interprete
 
     graph_engine = Engine(config, model=tiny_model)
     runner = graph_engine.runner
-    runner.backend, runner.ops = TritonAttentionBackend(), TritonOps()
+    runner.attention, runner.ops = TritonAttentionBackend(), TritonOps()
     runner.graphs = DecodeGraphs(
-        tiny_model, runner.kv_cache, runner.backend, runner.ops, PAGE, 8, 64, capture=eager_capture
+        tiny_model, runner.kv_cache, runner.attention, runner.ops, PAGE, 8, 64, capture=eager_capture
     )
     got = graph_engine.generate(prompts, params)
 

@@ -202,6 +202,6 @@ def test_the_engine_hands_the_sampler_the_token_lists_its_penalties_read(penalti
     engine.step()
     engine.step()
     [seq] = engine.requests["r"].seqs
-    row = engine._sample_row(seq, None)
+    row = engine.updater.sample_row(seq, None)
     assert row.prompt_ids == ([5, 6, 7] if prompt_read else [])
     assert row.output_ids == (seq.output_token_ids if output_read else []) and len(seq.output_token_ids) == 2

@@ -2,7 +2,7 @@
 
 from common.sampling import SamplingParams
 from workers.engine.block_manager import BlockManager
-from workers.engine.scheduler import Scheduler, SchedulerConfig
+from workers.engine.scheduler import Scheduler, StepSchedulerConfig
 from workers.engine.sequence import Sequence, SeqStatus
 
 
@@ -20,7 +20,7 @@ def run_plan(plan, next_token=7):
 
 def test_prompt_is_chunked_to_the_budget_and_decodes_go_first():
     bm = BlockManager(100, 4)
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_prefill_chunk=8), bm)
+    s = Scheduler(StepSchedulerConfig(max_num_batched_tokens=8, max_prefill_chunk=8), bm)
     short, long = make_seq(3, "short"), make_seq(20, "long")
     s.add(short)
     s.add(long)
@@ -43,7 +43,7 @@ def test_prompt_is_chunked_to_the_budget_and_decodes_go_first():
 
 def test_out_of_pages_preempts_the_newest_and_recomputes_it_later():
     bm = BlockManager(4, 4)  # 3 usable pages
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_prefill_chunk=64), bm)
+    s = Scheduler(StepSchedulerConfig(max_num_batched_tokens=64, max_prefill_chunk=64), bm)
     a, b = make_seq(4, "a"), make_seq(4, "b")
     s.add(a)
     s.add(b)
@@ -64,13 +64,13 @@ def test_out_of_pages_preempts_the_newest_and_recomputes_it_later():
 
 def test_admission_respects_max_num_seqs_and_partial_prefill_cap():
     bm = BlockManager(100, 4)
-    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100, max_prefill_chunk=100), bm)
+    s = Scheduler(StepSchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100, max_prefill_chunk=100), bm)
     for i in range(3):
         s.add(make_seq(5, f"r{i}"))
     plan = s.schedule()
     assert [c.seq.request_id for c in plan.chunks] == ["r0", "r1"]
     assert [x.request_id for x in s.waiting] == ["r2"]
-    s2 = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_prefill_chunk=4, max_num_partial_prefills=1), BlockManager(100, 4))
+    s2 = Scheduler(StepSchedulerConfig(max_num_batched_tokens=8, max_prefill_chunk=4, max_num_partial_prefills=1), BlockManager(100, 4))
     for i in range(2):
         s2.add(make_seq(10, f"p{i}"))
     plan = s2.schedule()  # p0 is mid-prefill: p1 waits although budget remains
@@ -79,7 +79,7 @@ def test_admission_respects_max_num_seqs_and_partial_prefill_cap():
 
 def test_prefix_cache_hit_skips_computed_pages():
     bm = BlockManager(100, 4)
-    s = Scheduler(SchedulerConfig(), bm)
+    s = Scheduler(StepSchedulerConfig(), bm)
     first = make_seq(10, "first")
     s.add(first)
     plan = s.schedule()
@@ -99,7 +99,7 @@ def make_prio(n: int, rid: str, priority: int) -> Sequence:
 
 def test_waiting_is_ordered_by_priority_then_arrival_and_victims_are_lowest_priority():
     bm = BlockManager(100, 4)
-    s = Scheduler(SchedulerConfig(max_num_seqs=2), bm)
+    s = Scheduler(StepSchedulerConfig(max_num_seqs=2), bm)
     for rid, prio in (("late-normal", 0), ("urgent", -1), ("background", 5), ("normal", 0)):
         s.add(make_prio(4, rid, prio))
     assert [x.request_id for x in s.waiting] == ["urgent", "late-normal", "normal", "background"]
@@ -109,7 +109,7 @@ def test_waiting_is_ordered_by_priority_then_arrival_and_victims_are_lowest_prio
 
 def test_preemption_picks_the_lowest_priority_running_sequence():
     bm = BlockManager(4, 4)  # 3 usable pages
-    s = Scheduler(SchedulerConfig(), bm)
+    s = Scheduler(StepSchedulerConfig(), bm)
     low, high = make_prio(4, "low", 3), make_prio(4, "high", 0)
     s.add(low)
     s.add(high)
@@ -121,7 +121,7 @@ def test_preemption_picks_the_lowest_priority_running_sequence():
 
 def test_short_prompts_pass_a_long_one_when_long_prefills_are_capped():
     bm = BlockManager(1000, 4)
-    cfg = SchedulerConfig(max_num_batched_tokens=64, max_prefill_chunk=32, long_prefill_threshold=100, max_long_partial_prefills=1)
+    cfg = StepSchedulerConfig(max_num_batched_tokens=64, max_prefill_chunk=32, long_prefill_threshold=100, max_long_partial_prefills=1)
     s = Scheduler(cfg, bm)
     for rid, n in (("long-1", 300), ("long-2", 300), ("short", 10)):
         s.add(make_seq(n, rid))
@@ -131,7 +131,7 @@ def test_short_prompts_pass_a_long_one_when_long_prefills_are_capped():
 
 def test_request_level_batching_admits_nothing_until_the_batch_is_done():
     bm = BlockManager(100, 4)
-    s = Scheduler(SchedulerConfig(max_num_seqs=2, batching="request"), bm)
+    s = Scheduler(StepSchedulerConfig(max_num_seqs=2, batching="request"), bm)
     a, b, c = make_seq(4, "a"), make_seq(4, "b"), make_seq(4, "c")
     for x in (a, b, c):
         s.add(x)
@@ -146,7 +146,7 @@ def test_request_level_batching_admits_nothing_until_the_batch_is_done():
 
 def test_swap_preemption_moves_pages_to_host_and_back():
     bm = BlockManager(4, 4)
-    s = Scheduler(SchedulerConfig(preemption_mode="swap", swap_pages=8), bm)
+    s = Scheduler(StepSchedulerConfig(preemption_mode="swap", swap_pages=8), bm)
     a, b = make_seq(4, "a"), make_seq(4, "b")
     s.add(a)
     s.add(b)
@@ -167,7 +167,7 @@ def test_swap_preemption_moves_pages_to_host_and_back():
 def test_a_waiting_sequence_that_does_not_fit_gives_back_its_prefix_hits():
     """Regression: waiting sequences kept the cached pages they matched and starved everyone."""
     bm = BlockManager(5, 4)  # 4 usable pages
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_prefill_chunk=64), bm)
+    s = Scheduler(StepSchedulerConfig(max_num_batched_tokens=64, max_prefill_chunk=64), bm)
     first = make_seq(9, "first")
     s.add(first)
     run_plan(s.schedule())

@@ -1,5 +1,5 @@
 """Beam search over the engine's sequences: every live beam is a Sequence; beams that continue
-the same parent share its pages copy-on-write (the engine forks them).
+the same parent share its pages copy-on-write (`Forks.fork`).
 
 One step of a request:  cumulative logprob of each beam + log_softmax of its next-token logits
 → the best 2W continuations overall → those ending in EOS become finished hypotheses, the best W
@@ -10,10 +10,17 @@ can still beat the worst of them (or at max_tokens); the n best hypotheses are i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from workers.engine.sequence import Sequence
+from workers.engine.sampler import add_logit_bias
+from workers.engine.sequence import EngineRequest, Sequence
+
+if TYPE_CHECKING:
+    from workers.engine.forks import Forks
+    from workers.engine.scheduler import Scheduler
+    from workers.engine.stopping import StopRules
 
 
 @dataclass
@@ -81,3 +88,47 @@ def expand(
         elif len(live) < width:
             live.append(c)
     return live, ended
+
+
+class BeamSearch:
+    """Extends beam-search requests by one token a step: forks the continuing beams, finishes
+    the pruned ones, and ends the request as `BeamState.done` says (or at its length limit)."""
+
+    def __init__(self, scheduler: Scheduler, forks: Forks, stops: StopRules) -> None:
+        self.scheduler = scheduler
+        self.forks = forks
+        self.stops = stops
+
+    def step(self, req: EngineRequest, beams: list[Sequence], logits: torch.Tensor) -> None:
+        """logits: [len(beams), vocab] fp32 on the host, the beams' next-token rows."""
+        p, state = req.params, req.beam
+        stop = self.stops.stop_ids(p)
+        banned = stop if beams[0].num_output_tokens < p.min_tokens else set()
+        if p.logit_bias:  # the search scores the biased distribution
+            add_logit_bias(logits, p.logit_bias)
+        live, ended = expand(beams, logits, state.width, stop, banned)
+        for c in ended:
+            state.add(c.parent.output_token_ids + [c.token], c.cumulative, "stop")
+        by_parent: dict[int, list[Continuation]] = {}
+        for c in live:
+            by_parent.setdefault(c.parent.seq_id, []).append(c)
+        for parent in beams:
+            continuations = by_parent.get(parent.seq_id)
+            if not continuations:
+                self.scheduler.finish(parent, "pruned")
+                continue
+            for c in continuations[1:]:  # siblings share the parent's pages copy-on-write
+                child = self.forks.fork(req, parent, req.next_index, None)
+                req.next_index += 1
+                child.append_token(c.token, None)
+                child.cumulative_logprob = c.cumulative
+            parent.append_token(continuations[0].token, None)
+            parent.cumulative_logprob = continuations[0].cumulative
+        alive = [s for s in req.seqs if not s.finished]
+        if alive and (alive[0].num_output_tokens >= p.max_tokens or alive[0].num_tokens >= self.stops.max_model_len):
+            for s in alive:
+                state.add(s.output_token_ids, s.cumulative_logprob, "length")
+                self.scheduler.finish(s, "length")
+        elif state.done(max((state.score(s.cumulative_logprob, s.num_output_tokens) for s in alive), default=None)):
+            for s in alive:
+                self.scheduler.finish(s, "pruned")

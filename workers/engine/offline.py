@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Sequence as Seq
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
+from common.messages import TokenLogprob
 from common.sampling import SamplingParams
 from workers.engine.outputs import CompletionResult
-from workers.engine.sequence import TokenLogprobs
 
 if TYPE_CHECKING:
     from workers.engine.engine import Engine
 
 
 def generate(
-    engine: "Engine", prompts: Seq[str | Seq[int]], sampling_params: SamplingParams | Seq[SamplingParams]
+    engine: Engine, prompts: Seq[str | Seq[int]], sampling_params: SamplingParams | Seq[SamplingParams]
 ) -> list[CompletionResult]:
     """Add every prompt, step until all are done, collect each choice's tokens in prompt order."""
     if isinstance(sampling_params, SamplingParams):
@@ -22,10 +23,10 @@ def generate(
     ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     for rid, prompt, params in zip(ids, prompts, sampling_params):
         engine.add_request(rid, prompt, params)
-    collected: dict[str, dict[int, tuple[list[int], list[TokenLogprobs], str | None]]] = {r: {} for r in ids}
+    collected: dict[str, dict[int, tuple[list[int], list[TokenLogprob], str | None]]] = {r: {} for r in ids}
     prompt_ids = {rid: list(engine.requests[rid].seqs[0].token_ids) for rid in ids}
     pending = set(ids)
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+    prompt_logprobs: dict[str, list[TokenLogprob]] = {}
     while pending:
         for out in engine.step():
             if out.prompt_logprobs is not None:

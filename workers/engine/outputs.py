@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.engine.sequence import TokenLogprobs
+from common.messages import TokenLogprob
 
 
 @dataclass
@@ -13,7 +13,7 @@ class SeqOutput:
 
     index: int
     new_token_ids: list[int]
-    logprobs: list[TokenLogprobs]
+    logprobs: list[TokenLogprob]
     finish_reason: str | None
 
 
@@ -25,7 +25,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     queue_time: float | None = None  # on the request's first output: seconds it waited for a step
-    prompt_logprobs: list[TokenLogprobs] | None = None  # once, with the first token, when asked for
+    prompt_logprobs: list[TokenLogprob] | None = None  # once, with the first token, when asked for
 
 
 @dataclass
@@ -37,8 +37,8 @@ class CompletionResult:
     token_ids: list[list[int]]  # one list per choice
     texts: list[str]
     finish_reasons: list[str]
-    logprobs: list[list[TokenLogprobs]]
-    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.. (SamplingParams.prompt_logprobs)
+    logprobs: list[list[TokenLogprob]]
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (SamplingParams.prompt_logprobs)
 
 
 @dataclass

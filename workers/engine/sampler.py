@@ -8,13 +8,16 @@ so its tokens do not depend on what else is in the batch.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from common.messages import TokenLogprob
 from common.sampling import SamplingParams
-from workers.engine.sequence import TokenLogprobs
+
+if TYPE_CHECKING:
+    from workers.engine.backend import Backend
 
 
 @dataclass
@@ -30,14 +33,15 @@ class SampleRow:
     want_logprob: bool = False  # report the sampled token's logprob even without `logprobs`
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator) -> list[tuple[int, TokenLogprobs | None]]:
+def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator,
+           backend: Backend | None = None) -> list[tuple[int, TokenLogprob | None]]:
     """logits: [R, V] fp32 (modified in place). Returns (token, logprobs or None) per row.
 
     Everything runs on the logits' device; only tokens and the logprobs asked for come to the
     host. A batch of plain greedy rows (`argmax_only`) is one argmax. `default_generator` draws
     for unseeded rows and should live on that device; a seeded row's own generator may be a host
     generator (its draws are then made on the host and copied, so they do not depend on the
-    device either)."""
+    device either). `backend` picks greedy rows' argmax (`Backend.first_max`; without one, torch's)."""
     if logits.device.type != "cpu" and all(argmax_only(r) for r in rows):
         return [(tok, None) for tok in logits.argmax(dim=-1).tolist()]
     raw_logprobs = None
@@ -53,10 +57,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
             logits[i, list(r.banned_ids)] = float("-inf")
     tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    first_max = backend.first_max if backend is not None else _torch_first_max
     if len(greedy) == len(rows):
-        tokens = _first_max(logits)
+        tokens = first_max(logits)
     elif greedy:
-        tokens[greedy] = _first_max(logits[greedy])
+        tokens[greedy] = first_max(logits[greedy])
     random = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random:
         tokens[random] = _sample_random(logits[random], [rows[i] for i in random], default_generator)
@@ -66,13 +71,13 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
 
 
 def _report_logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
-                     rows: list[SampleRow]) -> dict[int, TokenLogprobs]:
+                     rows: list[SampleRow]) -> dict[int, TokenLogprob]:
     """The sampled token's logprob and the top-k of each row that asks, read to the host in a
     few batched copies (one for the sampled tokens, two per distinct k), not a few per row."""
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None or r.want_logprob]
     index = torch.tensor(want, device=raw.device)
     chosen = raw.index_select(0, index).gather(1, tokens.index_select(0, index).unsqueeze(1))
-    out = {i: TokenLogprobs(token_id=token_list[i], logprob=lp, top_ids=[], top_logprobs=[])
+    out = {i: TokenLogprob(token_id=token_list[i], logprob=lp, top_ids=[], top_logprobs=[])
            for i, lp in zip(want, chosen.squeeze(1).tolist())}
     by_k: dict[int, list[int]] = {}
     for i in want:
@@ -86,12 +91,12 @@ def _report_logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[i
     return out
 
 
-def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
     """logits: [P, V], row j the model's prediction for prompt token `targets[j]`. Each target's
     logprob and the top-k, as for sampled tokens (raw log-softmax, no sampling parameters)."""
     raw = torch.log_softmax(logits.float(), dim=-1)
     chosen = raw.gather(1, torch.tensor(targets, device=raw.device).unsqueeze(1)).squeeze(1).tolist()
-    out = [TokenLogprobs(t, lp, [], []) for t, lp in zip(targets, chosen)]
+    out = [TokenLogprob(t, lp, [], []) for t, lp in zip(targets, chosen)]
     if k:
         top = raw.topk(k)
         for entry, ids, values in zip(out, top.indices.tolist(), top.values.tolist()):
@@ -116,21 +121,8 @@ def add_logit_bias(logits: torch.Tensor, logit_bias: tuple[tuple[int, float], ..
     logits[..., ids] += torch.tensor([b for _, b in logit_bias], dtype=logits.dtype, device=logits.device)
 
 
-def _first_max(logits: torch.Tensor) -> torch.Tensor:
-    """Greedy tokens: each row's first maximum, as argmax. On a CPU the C kernel does it in one
-    pass (0.1 ms on [32, 49152] here); torch's max().indices is 0.4 ms, argmax 1.1 ms."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1 and _cpu_kernels():
-        import kernels.cpu
-
-        return kernels.cpu.argmax_rows(logits)
+def _torch_first_max(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
-
-
-@functools.cache
-def _cpu_kernels() -> bool:
-    import kernels.cpu
-
-    return kernels.cpu.available()
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:

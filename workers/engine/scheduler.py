@@ -1,6 +1,6 @@
 """The local iteration-level scheduler (ORCA) with stall-free chunked prefill (Sarathi-Serve).
 
-Pure Python. Every step it builds one plan from scratch:
+Pure Python (no torch, no zmq: tests/unit/test_purity.py). Every step it builds one plan from scratch:
   1. every running decode gets its one token (oldest first); if a page is missing and none is
      free, the lowest-priority newest running sequence is preempted: by recompute (pages freed,
      tokens kept) or by swap (pages copied to host memory first), and requeued;
@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from workers.engine.block_manager import BlockManager
-from workers.engine.sequence import Sequence, SeqStatus
+from workers.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class StepSchedulerConfig:
+    """Limits of one engine's step planning (not the mesh's scheduler: `services.scheduler`)."""
+
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # the per-step token budget
     max_prefill_chunk: int = 512  # largest chunk of one prompt in one step
@@ -39,6 +41,16 @@ class SchedulerConfig:
             raise ValueError("batching: must be iteration or request")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError("preemption_mode: must be recompute or swap")
+
+    @classmethod
+    def for_engine(cls, config, max_model_len: int, page_bytes: int) -> StepSchedulerConfig:
+        """From an `EngineConfig`: every field of the same name, the long-prompt threshold's
+        default (4% of the context length, at least 64 tokens) and the host pages that
+        `swap_space_gb` holds at `page_bytes` a page."""
+        shared = {f.name: getattr(config, f.name) for f in fields(cls) if hasattr(config, f.name)}
+        shared["long_prefill_threshold"] = config.long_prefill_threshold or max(64, max_model_len * 4 // 100)
+        shared["swap_pages"] = int(config.swap_space_gb * 2**30 // page_bytes)
+        return cls(**shared)
 
 
 @dataclass
@@ -81,7 +93,7 @@ def _order(seq: Sequence) -> tuple[int, float, int]:
 class Scheduler:
     """Decides, each step, which tokens of which sequences run."""
 
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(self, config: StepSchedulerConfig, blocks: BlockManager) -> None:
         self.config = config
         self.blocks = blocks
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)

@@ -1,4 +1,7 @@
-"""A sequence: one stream of tokens being generated, and the request that owns its siblings."""
+"""A sequence: one stream of tokens being generated, and the request that owns its siblings
+(`EngineRequest`).
+
+Pure Python (no torch, no zmq), as the scheduler that reads it."""
 
 from __future__ import annotations
 
@@ -6,9 +9,14 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from common.messages import TokenLogprob
 from common.sampling import SamplingParams
-from workers.engine.json_mode import JsonCursor, JsonMasks
+
+if TYPE_CHECKING:  # JSON mode's masks and beam search's scores are torch code; here they are only carried
+    from workers.engine.beam import BeamState
+    from workers.engine.json_mode import JsonCursor, JsonMasks
 
 _seq_ids = itertools.count()
 
@@ -17,16 +25,6 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class TokenLogprobs:
-    """Log-probability of a sampled token and the top alternatives at that position."""
-
-    token_id: int
-    logprob: float
-    top_ids: list[int]
-    top_logprobs: list[float]
 
 
 @dataclass(eq=False)
@@ -53,12 +51,12 @@ class Sequence:
     finish_reason: str | None = None
     pending_forks: int = 0  # siblings still to be forked off after the prompt (n > 1)
     new_token_ids: list[int] = field(default_factory=list)  # sampled since the last output
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
     num_preemptions: int = 0
     first_scheduled: float | None = None  # monotonic time of its first step
     swapped_computed: int | None = None  # swapped to host: num_computed to restore
     cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs (best_of, beams)
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1, 2, ... so far
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1, 2, ... so far
     json: JsonCursor | None = None  # JSON mode: where the output is in the JSON grammar
     json_masks: JsonMasks | None = None  # JSON mode: the token masks of its grammar
 
@@ -100,13 +98,34 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
-    def append_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
+    def append_token(self, token_id: int, logprobs: TokenLogprob | None) -> None:
         self.token_ids.append(token_id)
         self.new_token_ids.append(token_id)
         if logprobs is not None:
             self.new_logprobs.append(logprobs)
 
-    def take_new_tokens(self) -> tuple[list[int], list[TokenLogprobs]]:
+    def take_new_tokens(self) -> tuple[list[int], list[TokenLogprob]]:
         ids, lps = self.new_token_ids, self.new_logprobs
         self.new_token_ids, self.new_logprobs = [], []
         return ids, lps
+
+
+@dataclass
+class EngineRequest:
+    """One request inside the engine: its sequences (one per choice, or per live beam) and what
+    has been reported of it. Sequences are appended as they fork (n > 1, best_of, beams)."""
+
+    request_id: str
+    params: SamplingParams
+    seqs: list[Sequence]
+    num_prompt_tokens: int
+    finished_sent: set[int] = field(default_factory=set)  # choices whose finish was reported
+    prefill_only: bool = False  # disaggregated prefill: keep the pages after the first token
+    reported_queue_time: bool = False
+    sent_prompt_logprobs: bool = False
+    beam: BeamState | None = None  # beam search: finished hypotheses
+    next_index: int = 1  # choice index of the next forked sequence
+
+    @property
+    def done(self) -> bool:
+        return all(s.finished for s in self.seqs) and not any(s.pending_forks for s in self.seqs)

@@ -105,10 +105,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     return y if out_dtype is None else y.to(out_dtype)
 
 
-def pack_linear_weights(model: nn.Module, batch_hint: int = 32) -> bool:
+def pack_linear_weights(model: nn.Module, batch_hint: int = 32, *, amx: bool = False) -> bool:
     """On a CPU, repack every bf16 linear weight (and the LM head) once: for oneDNN's blocked
     layout, so that a matmul no longer reorders its weight on every call (~1.6x faster at decode
-    batch sizes here), and, where the CPU has AMX, for `kernels.cpu.amx_linear`, which streams
+    batch sizes here), and, with `amx` (the backend's choice: the CPU has AMX), for `kernels.cpu.amx_linear`, which streams
     each weight once per decode step (~1.3x faster than oneDNN at 1-32 rows). oneDNN's results are
     bit-identical to F.linear; the AMX kernel's differ by one bf16 step in a rare value (<1%).
     The dense weights are released: call after loading; a model already packed (a second engine
@@ -126,11 +126,9 @@ def pack_linear_weights(model: nn.Module, batch_hint: int = 32) -> bool:
         return False
     import kernels.cpu
 
-    use_amx = kernels.cpu.amx_available()
-
     def pack(w: torch.Tensor) -> PackedWeight:
-        amx = kernels.cpu.amx_pack(w) if use_amx and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0 else None
-        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, batch_hint), amx)
+        tiles = kernels.cpu.amx_pack(w) if amx and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0 else None
+        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, batch_hint), tiles)
 
     for m in modules:
         m.packed = pack(m.weight.detach())

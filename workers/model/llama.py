@@ -38,7 +38,7 @@ class AttentionBackend(Protocol):
 @dataclass
 class ForwardContext:
     """What one forward pass reads besides the tokens: the KV pool and where things are in it,
-    and the device's attention backend and ops (chosen once by the model runner)."""
+    and the device's attention backend and ops (chosen once: `workers.engine.backend.select_backend`)."""
 
     kv_cache: torch.Tensor  # [layers, pages, 2, page_size, kv_heads, head_dim]
     metadata: AttentionMetadata

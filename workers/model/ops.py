@@ -1,5 +1,6 @@
-"""The model's non-attention math, chosen once per device: Triton kernels on CUDA; on a CPU the
-C kernels of `kernels.cpu` (plain torch where no C compiler is found, or PAGEMESH_CPU_KERNELS=0).
+"""The model's non-attention math: Triton kernels on CUDA; on a CPU the C kernels of `kernels.cpu`
+(plain torch where no C compiler is found, or PAGEMESH_CPU_KERNELS=0). Which one runs is chosen
+once, with the attention backend, by `workers.engine.backend.select_backend`.
 
 Both classes have the same methods; the model reaches them through `ForwardContext.ops`, so no
 layer knows which device it runs on (attention goes through `ForwardContext.backend` the same way).
@@ -97,19 +98,6 @@ class TritonOps:
 
 
 ModelOps = TorchOps | CpuKernelOps | TritonOps
-
-
-def cpu_kernels_usable(dtype: torch.dtype) -> bool:
-    """Whether the C kernels run this dtype here (building them on first call)."""
-    import kernels.cpu
-
-    return kernels.cpu.supports(dtype) and kernels.cpu.available()
-
-
-def ops_for(device: torch.device, dtype: torch.dtype) -> ModelOps:
-    if device.type == "cuda":
-        return TritonOps()
-    return CpuKernelOps() if cpu_kernels_usable(dtype) else TorchOps()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,73 @@
+"""The executor boundary: what the model runner is told to do in one step, as plain data.
+
+`build_model_input(plan)` flattens a `StepPlan` into a `ModelInput`: Python ints and lists only
+(no `Sequence`, no tensors), so it can be sent as it is (msgpack) to the other ranks of a
+tensor-parallel group or the next pipeline stage, and a speculative verifier can build one too.
+Pure Python (no torch, no zmq: tests/unit/test_purity.py).
+
+    plan.chunks  (seq, start, n)          ModelInput
+    ─────────────────────────────         ──────────────────────────────────────────────────
+    A decode   (A, 40, 1)         ──▶     token_ids    [a40 | b7 | c0 c1 c2 c3]
+    B decode   (B, 7, 1)                  query_lens   [1, 1, 4]      seq_lens [41, 8, 4]
+    C prompt   (C, 0, 4), samples         block_tables [A's, B's, C's pages]
+                                          sample_rows  [0, 1, 5]      (then prompt-logprob rows)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workers.engine.scheduler import StepPlan
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInput:
+    """One step of the model, in plan order (decodes first). Page moves run before the forward
+    pass: swap_discard, swap_out, swap_in, then page_copies (see `ModelRunner.move_pages`).
+
+    `block_tables` are the sequences' own lists, not copies (building this costs no more than
+    the loop it replaces): a ModelInput is consumed within its step, before the engine's update
+    grows or forks a table. Serialize it to keep it longer."""
+
+    token_ids: list[int]  # [T] every chunk's tokens back to back
+    query_lens: list[int]  # [S] tokens of each chunk
+    seq_lens: list[int]  # [S] the sequence's context length after this step
+    block_tables: list[list[int]]  # [S][pages] each sequence's pages
+    sample_rows: list[int]  # rows of token_ids whose logits are sampled: the last of each sampling chunk
+    prompt_logprob_rows: list[int]  # rows whose logits score a prompt token, chunk by chunk
+    num_decodes: int = 0  # the first num_decodes chunks are single-token decodes
+    page_copies: list[tuple[int, int]]= field(default_factory=list)  # (src, dst): copy-on-write before running
+    swap_out: list[tuple[int, list[int]]]= field(default_factory=list)  # (seq_id, pages) to host memory
+    swap_in: list[tuple[int, list[int]]]= field(default_factory=list)  # (seq_id, new pages) from host memory
+    swap_discard: list[int]= field(default_factory=list)  # seq_ids whose host copy is no longer needed
+
+    @property
+    def logit_rows(self) -> list[int]:
+        """The rows the model returns logits for: sampled rows, then prompt-logprob rows."""
+        return self.sample_rows + self.prompt_logprob_rows
+
+
+def build_model_input(plan: StepPlan) -> ModelInput:
+    """The plan's work for the runner: its tokens, lengths, block tables and logit rows (the
+    prompt positions whose logprobs are asked for: `Sequence.prompt_logprob_positions`)."""
+    token_ids: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    block_tables: list[list[int]] = []
+    sample_rows: list[int] = []
+    prompt_rows: list[int] = []
+    for chunk in plan.chunks:
+        seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
+        first = len(token_ids)
+        token_ids += seq.token_ids[start : start + n]
+        query_lens.append(n)
+        seq_lens.append(start + n)
+        block_tables.append(seq.block_table)
+        if start + n == seq.num_tokens:  # chunk.samples
+            sample_rows.append(first + n - 1)
+        if seq.sampling.prompt_logprobs is not None:
+            prompt_rows.extend(first + p - start for p in seq.prompt_logprob_positions(start, n))
+    return ModelInput(token_ids, query_lens, seq_lens, block_tables, sample_rows, prompt_rows, plan.num_decodes,
+                      plan.page_copies, plan.swap_out, plan.swap_in, plan.swap_discard)

@@ -1,0 +1,116 @@
+"""Disaggregated prefill: both ends of handing a request's KV pages from a prefill worker to a
+decode worker (DESIGN.md §1). The transfer itself is the worker's (workers/kv_transfer.py).
+
+    prefill side:  add_request(prefill_only) → first token(s) sampled → `hold`: the prompt's pages
+                   are kept (one reference) and the choices leave scheduling → `take` → transfer →
+                   `release`
+    decode side:   `import_request`: take pages, have the caller write them, start every choice
+                   from its first token
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Container
+from collections.abc import Sequence as Seq
+
+import torch
+
+from common.sampling import SamplingParams
+from workers.engine.block_manager import BlockManager
+from workers.engine.forks import SeqGenerators
+from workers.engine.json_cache import JsonMaskCache
+from workers.engine.outputs import PrefillResult
+from workers.engine.scheduler import Scheduler
+from workers.engine.sequence import EngineRequest, Sequence
+from workers.engine.stopping import StopRules
+from workers.engine.validation import RequestValidator
+
+
+class PrefillHandoff:
+    """The prefilled requests this engine holds pages for (prefill side), and the import of
+    requests prefilled elsewhere (decode side)."""
+
+    def __init__(self, blocks: BlockManager, scheduler: Scheduler, validator: RequestValidator,
+                 json_masks: JsonMaskCache, generators: SeqGenerators, stops: StopRules) -> None:
+        self.blocks = blocks
+        self.scheduler = scheduler
+        self.validator = validator
+        self.json_masks = json_masks
+        self.generators = generators
+        self.stops = stops
+        self.held: dict[str, PrefillResult] = {}  # prefill-only requests awaiting transfer
+
+    # ---- prefill side ---------------------------------------------------------------------
+    def hold(self, req: EngineRequest) -> None:
+        """Prefill-only: every choice has its first token. Unless all already stopped, keep the
+        prompt's pages for the transfer and take the choices out of scheduling."""
+        if all(s.finished for s in req.seqs):
+            return
+        first = req.seqs[0]
+        table = self.blocks.fork(first.block_table[: -(-req.num_prompt_tokens // self.blocks.page_size)])
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq, "prefilled")
+        self.held[req.request_id] = PrefillResult(
+            req.request_id, first.token_ids[: req.num_prompt_tokens], table,
+            [s.token_ids[-1] for s in sorted(req.seqs, key=lambda s: s.index)],
+        )
+
+    def take(self, request_id: str) -> PrefillResult | None:
+        return self.held.get(request_id)
+
+    def release(self, request_id: str) -> None:
+        """The transfer is over (acknowledged, failed or timed out): free the held pages."""
+        held = self.held.pop(request_id, None)
+        if held is not None:
+            self.blocks.free_table(held.block_table)
+
+    # ---- decode side ----------------------------------------------------------------------
+    def import_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        first_token_ids: list[int],
+        write_pages: Callable[[list[int]], None],
+        prefix_pages: Seq[int],
+        running: Container[str],
+    ) -> EngineRequest | None:
+        """See `Engine.import_prefilled`. Returns the new request, or None when every choice's
+        first token already ended it (`running`: the ids of the engine's live requests)."""
+        table = list(prefix_pages)
+        try:
+            params.validate()
+            masks = self.json_masks.for_params(params)
+            self.validator.not_running(request_id, running)
+            prompt = self.validator.prompt_ids(prompt_token_ids)
+            self.blocks.grow(table, len(prompt))
+            write_pages(table[len(prefix_pages):])
+        except Exception:
+            self.blocks.free_table(table)
+            raise
+        cached = self.blocks.cache_full_pages(table, prompt, 0, len(prompt))
+        params = dataclasses.replace(params, prompt_logprobs=None)  # the prefill worker sent them
+        req = EngineRequest(request_id, params, [], len(prompt))
+        for index, token in enumerate(first_token_ids):
+            seq = Sequence(
+                request_id, index, prompt + [token], len(prompt), params, block_table=self.blocks.fork(table),
+                num_computed=len(prompt), num_cached_pages=cached,
+                json=masks.advance(masks.start(), token) if masks is not None else None, json_masks=masks,
+            )
+            gen = self.generators.new(params, index)
+            if gen is not None:  # the prefill worker drew the first token from this stream
+                torch.empty(self.validator.vocab_size).exponential_(generator=gen)
+                self.generators.adopt(seq, gen)
+            req.seqs.append(seq)
+            req.finished_sent.add(index)  # the prefill worker reported the first token
+            self.stops.check(seq)
+            if not seq.finished:
+                req.finished_sent.discard(index)
+                self.scheduler.add_running(seq)
+        self.blocks.free_table(table)
+        if all(s.finished for s in req.seqs):
+            self.generators.drop(req.seqs)
+            return None
+        return req

@@ -1,0 +1,120 @@
+"""The update after a forward pass: sequences advance by the tokens that ran, sample their next
+token from the logits (each row under its own sampling parameters), and stop when they should.
+
+    logits rows: [ sampled rows, one per chunk that reaches its sequence's end ][ prompt-logprob rows ]
+                   │ n > 1 after the prompt: the row is sampled once per choice (forks)
+                   │ beam search: a request's rows go to `BeamSearch.step` together
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.engine.backend import Backend
+from workers.engine.beam import BeamSearch
+from workers.engine.block_manager import BlockManager
+from workers.engine.forks import Forks, SeqGenerators
+from workers.engine.sampler import SampleRow, prompt_token_logprobs, sample
+from workers.engine.scheduler import StepPlan
+from workers.engine.sequence import EngineRequest, Sequence
+from workers.engine.stopping import StopRules
+
+Owner = tuple[Sequence, int, "torch.Generator | None"]  # (sequence, fork k, generator) of a sampled row
+
+
+class StepUpdate:
+    """Applies one step's logits to the plan's sequences. `requests` is the engine's table of live
+    requests (read here, to find a sequence's request)."""
+
+    def __init__(self, requests: dict[str, EngineRequest], blocks: BlockManager, backend: Backend,
+                 generators: SeqGenerators, forks: Forks, beams: BeamSearch, stops: StopRules) -> None:
+        self.requests = requests
+        self.blocks = blocks
+        self.backend = backend
+        self.generators = generators
+        self.forks = forks
+        self.beams = beams
+        self.stops = stops
+
+    def apply(self, plan: StepPlan, logits: torch.Tensor) -> list[EngineRequest]:
+        """logits: `ModelRunner.execute`'s rows for this plan. Returns the requests that got tokens
+        (or ended), in the order of their first sampled row."""
+        rows, logit_index, owners, beam_rows, num_sampled = self._advance(plan)
+        if num_sampled < logits.shape[0]:  # rows after the sampled ones are prompt positions
+            with torch.inference_mode():
+                self._collect_prompt_logprobs(plan, logits[num_sampled:])
+        if logit_index != list(range(num_sampled)):
+            logits_for_rows = logits[logit_index]
+        else:  # each row sampled once (the usual step): no [rows, vocab] copy
+            logits_for_rows = logits[:num_sampled]
+        with torch.inference_mode():  # the model's logits are inference tensors; sampling edits them
+            results = sample(logits_for_rows, rows, self.generators.default, self.backend) if rows else []
+        touched: dict[str, EngineRequest] = {}
+        # fork every sibling before any of them takes its token: a fork copies the parent's tokens
+        targets = [seq if k == 0 else self.forks.fork(self.requests[seq.request_id], seq, seq.index + k, gen)
+                   for seq, k, gen in owners]
+        for (seq, _, _), target, (token, lp) in zip(owners, targets, results):
+            if lp is not None:
+                target.cumulative_logprob += lp.logprob
+            target.append_token(token, lp if seq.sampling.logprobs is not None else None)
+            if target.json is not None:
+                target.json = target.json_masks.advance(target.json, token)
+            self.stops.check(target)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        for request_id, items in beam_rows.items():
+            req = touched[request_id] = self.requests[request_id]
+            self.beams.step(req, [s for s, _ in items], logits[[r for _, r in items]].cpu())
+        return list(touched.values())
+
+    def _advance(self, plan: StepPlan):
+        """Mark the plan's tokens computed (publishing full pages to the prefix cache) and list
+        the rows to sample: (rows, their logits row, owners, beam rows by request, sampled rows)."""
+        rows: list[SampleRow] = []
+        logit_index: list[int] = []
+        owners: list[Owner] = []
+        beam_rows: dict[str, list[tuple[Sequence, int]]] = {}
+        row = -1
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            seq.num_computed += chunk.num_tokens
+            seq.num_cached_pages = self.blocks.cache_full_pages(
+                seq.block_table, seq.token_ids, seq.num_cached_pages, seq.num_computed
+            )
+            if not chunk.samples:
+                continue
+            row += 1
+            if seq.sampling.use_beam_search:
+                beam_rows.setdefault(seq.request_id, []).append((seq, row))
+                continue
+            choices = self.forks.choices(seq) if seq.pending_forks else ((0, self.generators.get(seq)),)
+            for k, gen in choices:
+                rows.append(self.sample_row(seq, gen))
+                logit_index.append(row)
+                owners.append((seq, k, gen))
+        return rows, logit_index, owners, beam_rows, row + 1
+
+    def _collect_prompt_logprobs(self, plan: StepPlan, logits: torch.Tensor) -> None:
+        """The prompt logprobs of this step's chunks, from their rows after the sampled ones;
+        they go out with the request's first token."""
+        at = 0
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            positions = seq.prompt_logprob_positions(chunk.start, chunk.num_tokens)
+            if positions:
+                targets = seq.token_ids[positions.start + 1 : positions.stop + 1]
+                seq.prompt_logprobs += prompt_token_logprobs(logits[at : at + len(positions)], targets,
+                                                             seq.sampling.prompt_logprobs)
+                at += len(positions)
+
+    def sample_row(self, seq: Sequence, generator: torch.Generator | None) -> SampleRow:
+        """What the sampler needs to know to pick `seq`'s next token."""
+        p = seq.sampling
+        banned: tuple[int, ...] = ()
+        allowed = None if seq.json is None else seq.json_masks.allowed(seq.json, self.backend.device)
+        if seq.num_output_tokens < p.min_tokens and not (seq.json is not None and seq.json.complete):
+            banned = tuple(sorted(self.stops.stop_ids(p)))
+        # the token lists only feed penalties: no copies of long contexts per row and step without them
+        repetition = p.repetition_penalty != 1.0
+        prompt_ids = seq.token_ids[: seq.num_prompt_tokens] if repetition else []
+        output_ids = seq.output_token_ids if repetition or p.frequency_penalty or p.presence_penalty else []
+        return SampleRow(p, prompt_ids, output_ids, generator, banned, allowed, want_logprob=not p.streams)

@@ -1,0 +1,68 @@
+"""Checks of what a request asks for against this engine's model: token ids inside the vocabulary,
+prompt and output inside the context length. Raises ValueError naming the field."""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from collections.abc import Sequence as Seq
+
+from common.sampling import SamplingParams
+
+
+class RequestValidator:
+    """The limits of one model: `vocab_size`, `max_model_len`, and its tokenizer (None: token
+    ids only)."""
+
+    def __init__(self, vocab_size: int, max_model_len: int, tokenizer=None) -> None:
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+
+    def new_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
+                    running: Container[str]) -> list[int]:
+        """A request to queue: its prompt's token ids, once everything about it is valid."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id: must be a non-empty string")
+        self.not_running(request_id, running)
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params: must be a SamplingParams")  # noqa: TRY004 (the field's error)
+        params.validate()
+        token_ids = self.prompt_ids(prompt)
+        vocab = self.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [i for i, _ in params.logit_bias])):
+            for t in ids:
+                if t >= vocab:
+                    raise ValueError(f"{name}: token id {t} outside vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens leave no room in the context length {self.max_model_len}"
+            )
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds the context length {self.max_model_len}"
+            )
+        return token_ids
+
+    @staticmethod
+    def not_running(request_id: str, running: Container[str]) -> None:
+        if request_id in running:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+
+    def prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
+        """The prompt's token ids (text goes through the tokenizer), each inside the vocabulary."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt: text needs a tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt: token id {t!r} outside vocabulary [0, {vocab})")
+        return ids
