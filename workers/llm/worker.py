@@ -18,7 +18,7 @@ import time
 
 from common.messages import (
     MAX_PAGE_HASHES, DecodeTask, DoneReason, FinishReason, GenerateTask, HeldRequest, KVPoolInfo, KVPoolLoad,
-    PrefillTask, PrefixCacheUpdate, RequestStarted, TokenDelta, TokenDeltaBatch, TokenLogprob, WorkerKind, WorkerRole,
+    PrefillTask, PrefixCacheUpdate, RequestStarted, TokenDelta, TokenDeltaBatch, WorkerKind, WorkerRole,
 )
 from common.model_files import served_model_name
 from workers.engine.engine import Engine, RequestOutput
@@ -108,11 +108,11 @@ class LLMWorker:
             queue_time = None
             if out.queue_time is not None:
                 queue_time = out.queue_time + self.scheduler_queued.pop(out.request_id, 0.0)
-            prompt_logprobs = None if out.prompt_logprobs is None else _wire_logprobs(out.prompt_logprobs)
+            prompt_logprobs = out.prompt_logprobs  # TokenLogprob records: they travel as they are
             for so in out.outputs:
                 batches.setdefault(reply_to, []).append(TokenDelta(
                     request_id=out.request_id, index=so.index, token_ids=so.new_token_ids,
-                    logprobs=_wire_logprobs(so.logprobs) or None, finish_reason=so.finish_reason,
+                    logprobs=so.logprobs or None, finish_reason=so.finish_reason,
                     num_prompt_tokens=out.num_prompt_tokens, queue_time_s=queue_time, prompt_logprobs=prompt_logprobs))
                 queue_time = prompt_logprobs = None  # once per request
         for reply_to, deltas in batches.items():  # one message per step per destination
@@ -204,7 +204,3 @@ class LLMWorker:
         if self.incoming is not None:
             self.incoming.expire(now)
 
-
-def _wire_logprobs(logprobs: list) -> list[TokenLogprob]:
-    return [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
-            for lp in logprobs]
