@@ -35,8 +35,10 @@ def main() -> None:
     pages_per_seq = -(-args.context // PAGE)
     num_pages = max(600, args.batch * pages_per_seq + 8)
     gen = torch.Generator().manual_seed(0)
-    pools = [torch.randn(num_pages, 2, PAGE, KV_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
-             for _ in range(args.layers)]
+    pools = [
+        torch.randn(num_pages, 2, PAGE, KV_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+        for _ in range(args.layers)
+    ]
     tables = torch.randperm(num_pages, generator=gen)[: args.batch * pages_per_seq].view(args.batch, -1)
     tables = tables.to(torch.int32).contiguous()
     seq_lens = torch.full((args.batch,), args.context, dtype=torch.int32)
@@ -57,8 +59,10 @@ def main() -> None:
             one_pass()
         best = min(best, (time.perf_counter() - t0) / reps / args.layers)
     kv_bytes = args.batch * args.context * 2 * KV_HEADS * HEAD_DIM * 2
-    print(f"batch {args.batch} x {args.context} tokens, {args.layers} pools, {torch.get_num_threads()} threads: "
-          f"{best * 1e6:.1f} us per call, {kv_bytes / best / 1e9:.1f} GB/s of K/V")
+    print(
+        f"batch {args.batch} x {args.context} tokens, {args.layers} pools, {torch.get_num_threads()} threads: "
+        f"{best * 1e6:.1f} us per call, {kv_bytes / best / 1e9:.1f} GB/s of K/V"
+    )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.prefill:
         return time_prefill(args)
-    engine = Engine(EngineConfig(dtype=args.dtype, max_num_seqs=args.batch, max_num_batched_tokens=512,
-                                 enable_prefix_caching=False))
+    engine = Engine(
+        EngineConfig(dtype=args.dtype, max_num_seqs=args.batch, max_num_batched_tokens=512, enable_prefix_caching=False)
+    )
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
     for i in range(args.batch):
@@ -52,9 +53,11 @@ def main() -> None:
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
-    print(f"batch {args.batch}, context ~{args.prompt_len + 4 + args.steps // 2}, {args.dtype}: "
-          f"decode step {statistics.median(times) * 1000:.1f} ms (median of {args.steps}), "
-          f"{args.batch / statistics.median(times):.0f} tok/s; attention backend {type(engine.runner.attention).__name__}")
+    print(
+        f"batch {args.batch}, context ~{args.prompt_len + 4 + args.steps // 2}, {args.dtype}: "
+        f"decode step {statistics.median(times) * 1000:.1f} ms (median of {args.steps}), "
+        f"{args.batch / statistics.median(times):.0f} tok/s; attention backend {type(engine.runner.attention).__name__}"
+    )
     if args.profile:
         with torch.profiler.profile() as prof:
             for _ in range(args.steps):
@@ -67,8 +70,14 @@ def main() -> None:
 
 def time_prefill(args) -> None:
     tokens = args.batch * args.prompt_len
-    engine = Engine(EngineConfig(dtype=args.dtype, max_num_seqs=args.batch, max_num_batched_tokens=max(2048, tokens),
-                                 enable_prefix_caching=False))
+    engine = Engine(
+        EngineConfig(
+            dtype=args.dtype,
+            max_num_seqs=args.batch,
+            max_num_batched_tokens=max(2048, tokens),
+            enable_prefix_caching=False,
+        )
+    )
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     times = []
@@ -81,8 +90,10 @@ def time_prefill(args) -> None:
         while engine.has_unfinished():
             engine.step()
     step = statistics.median(times[2:])
-    print(f"prefill step of {args.batch} x {args.prompt_len} tokens, {args.dtype}: {step * 1000:.1f} ms "
-          f"(median of {args.steps}), {tokens / step:.0f} tok/s")
+    print(
+        f"prefill step of {args.batch} x {args.prompt_len} tokens, {args.dtype}: {step * 1000:.1f} ms "
+        f"(median of {args.steps}), {tokens / step:.0f} tok/s"
+    )
 
 
 if __name__ == "__main__":

@@ -59,7 +59,9 @@ def run_hf(model, work: list[tuple[list[int], int]], batch: int) -> tuple[float,
             mask[row, width - len(p) :] = 1
         new = max(n for _, n in group)
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+            )
         useful += sum(n for _, n in group)
     return time.perf_counter() - started, useful
 
@@ -88,7 +90,14 @@ def main() -> None:
     path = default_model_path()
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
-    engine = Engine(EngineConfig(dtype=args.dtype, max_num_seqs=32, max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False))
+    engine = Engine(
+        EngineConfig(
+            dtype=args.dtype,
+            max_num_seqs=32,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=False,
+        )
+    )
     print(f"model {path.name}, dtype {args.dtype}, torch threads {torch.get_num_threads()}")
     engine.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
     run_hf(hf, [([5, 6, 7, 8], 8)], 1)
@@ -98,11 +107,17 @@ def main() -> None:
     t_e, n_e = run_engine(engine, a)
     t_h, n_h = run_hf(hf, a, 32)
     ratio_a = (n_e / t_e) / (n_h / t_h)
-    print(f"(a) 32x128 -> 128: pagemesh {n_e / t_e:.1f} tok/s ({t_e:.1f}s), HF {n_h / t_h:.1f} tok/s ({t_h:.1f}s), ratio {ratio_a:.2f}")
+    print(
+        f"(a) 32x128 -> 128: pagemesh {n_e / t_e:.1f} tok/s ({t_e:.1f}s), HF {n_h / t_h:.1f} tok/s ({t_h:.1f}s), "
+        f"ratio {ratio_a:.2f}"
+    )
 
     b = workload_b(random.Random(1), 32 if args.quick else 128)
     t_e, n_e = run_engine(engine, b)
-    print(f"(b) pagemesh {n_e / t_e:.1f} tok/s ({n_e} tokens in {t_e:.1f}s), mean KV utilization {engine.stats.mean_kv_utilization:.3f}")
+    print(
+        f"(b) pagemesh {n_e / t_e:.1f} tok/s ({n_e} tokens in {t_e:.1f}s), mean KV utilization "
+        f"{engine.stats.mean_kv_utilization:.3f}"
+    )
     t_h, n_h = run_hf(hf, b, 32)
     print(f"(b) HF static batches of 32: {n_h / t_h:.1f} useful tok/s ({n_h} tokens in {t_h:.1f}s)")
     ours, theirs = single_stream(engine, hf, 64)

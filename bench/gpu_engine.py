@@ -27,19 +27,33 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.model_config import ModelConfig  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.cuda_graphs import bucket_for  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
-from common.model_config import ModelConfig  # noqa: E402
 from workers.model.loader import build_random_model  # noqa: E402
 
 LLAMA3_8B = ModelConfig(
-    architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-    num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-    max_position_embeddings=131072, tie_word_embeddings=False,
-    rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
-                  ("original_max_position_embeddings", 8192), ("rope_type", "llama3")),
+    architecture="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    max_position_embeddings=131072,
+    tie_word_embeddings=False,
+    rope_scaling=(
+        ("factor", 8.0),
+        ("high_freq_factor", 4.0),
+        ("low_freq_factor", 1.0),
+        ("original_max_position_embeddings", 8192),
+        ("rope_type", "llama3"),
+    ),
 )
 BATCHES = (1, 32, 128)
 PROMPT_LEN, DECODE_STEPS, WARMUP_STEPS, TTFT_LEN = 512, 128, 3, 2048
@@ -49,10 +63,16 @@ PAGE = 16
 def make_engine(model, max_batch: int, prompt_len: int, steps: int, ttft_len: int) -> Engine:
     per_seq = -(-(prompt_len + WARMUP_STEPS + steps + 2) // PAGE)
     config = EngineConfig(
-        device=model.embed_tokens.weight.device.type, dtype="bfloat16", page_size=PAGE,
-        num_pages=max_batch * per_seq + -(-ttft_len // PAGE) + 16, max_model_len=4096,
-        max_num_seqs=max_batch, max_num_batched_tokens=max(16384, ttft_len), max_prefill_chunk=ttft_len,
-        max_num_partial_prefills=max_batch, enable_prefix_caching=False,
+        device=model.embed_tokens.weight.device.type,
+        dtype="bfloat16",
+        page_size=PAGE,
+        num_pages=max_batch * per_seq + -(-ttft_len // PAGE) + 16,
+        max_model_len=4096,
+        max_num_seqs=max_batch,
+        max_num_batched_tokens=max(16384, ttft_len),
+        max_prefill_chunk=ttft_len,
+        max_num_partial_prefills=max_batch,
+        enable_prefix_caching=False,
     )
     return Engine(config, model=model)
 
@@ -119,8 +139,11 @@ def weight_bytes_per_step(model) -> int:
 
 def ttft_run(engine: Engine, prompt_len: int, gen: torch.Generator) -> float:
     rid = f"ttft-{time.monotonic_ns()}"
-    engine.add_request(rid, random_prompt(prompt_len, engine.model_config.vocab_size, gen),
-                       SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    engine.add_request(
+        rid,
+        random_prompt(prompt_len, engine.model_config.vocab_size, gen),
+        SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+    )
     sync(engine.device)
     t0 = time.perf_counter()
     while not any(out.request_id == rid and out.outputs for out in engine.step()):
@@ -136,8 +159,9 @@ def prefill_flops(cfg: ModelConfig, weights_bytes: int, dtype_bytes: int, tokens
     return matmul + attention
 
 
-def run(model, copy_gbs: float | None, batches=BATCHES, prompt_len=PROMPT_LEN, steps=DECODE_STEPS,
-        ttft_len=TTFT_LEN) -> list[str]:
+def run(
+    model, copy_gbs: float | None, batches=BATCHES, prompt_len=PROMPT_LEN, steps=DECODE_STEPS, ttft_len=TTFT_LEN
+) -> list[str]:
     """All measurements on `model`; returns the markdown lines."""
     cfg = model.config
     dtype_bytes = model.embed_tokens.weight.element_size()
@@ -145,14 +169,17 @@ def run(model, copy_gbs: float | None, batches=BATCHES, prompt_len=PROMPT_LEN, s
     gen = torch.Generator().manual_seed(0)
     weights = weight_bytes_per_step(model)
     kv_per_token = cfg.kv_bytes_per_token(dtype_bytes)
-    out = [f"Model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q / {cfg.num_kv_heads} kv "
-           f"heads, vocab {cfg.vocab_size}, random {model.embed_tokens.weight.dtype} weights "
-           f"({weights / 1e9:.2f} GB read per decode step); page {PAGE}; prompts of {prompt_len} tokens, "
-           f"{steps} timed decode steps after {WARMUP_STEPS} warm-up; device copy bandwidth "
-           f"**{copy_gbs or 0:.0f} GB/s**.", "",
-           "| batch | mode | end-to-end tok/s | ms/step | forward ms (graph replay) | roofline ms | "
-           "forward % of roofline | roofline tok/s |",
-           "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    out = [
+        f"Model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} q / {cfg.num_kv_heads} kv "
+        f"heads, vocab {cfg.vocab_size}, random {model.embed_tokens.weight.dtype} weights "
+        f"({weights / 1e9:.2f} GB read per decode step); page {PAGE}; prompts of {prompt_len} tokens, "
+        f"{steps} timed decode steps after {WARMUP_STEPS} warm-up; device copy bandwidth "
+        f"**{copy_gbs or 0:.0f} GB/s**.",
+        "",
+        "| batch | mode | end-to-end tok/s | ms/step | forward ms (graph replay) | roofline ms | "
+        "forward % of roofline | roofline tok/s |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     runs = [(b, True) for b in batches] + [(1, False)]
     for batch, graphs_on in runs:
         saved = engine.runner.graphs
@@ -166,22 +193,27 @@ def run(model, copy_gbs: float | None, batches=BATCHES, prompt_len=PROMPT_LEN, s
         pct = f"{100 * roof_s / r['forward_s']:.0f}%" if r["forward_s"] and roof_s else "—"
         roof_ms = f"{roof_s * 1e3:.2f}" if roof_s else "—"
         roof_tps = f"{batch / roof_s:.0f}" if roof_s else "—"
-        out.append(f"| {batch} | {mode} | {batch / r['step_s']:.0f} | "
-                   f"{r['step_s'] * 1e3:.2f} | {fwd} | {roof_ms} | {pct} | {roof_tps} |")
+        out.append(
+            f"| {batch} | {mode} | {batch / r['step_s']:.0f} | "
+            f"{r['step_s'] * 1e3:.2f} | {fwd} | {roof_ms} | {pct} | {roof_tps} |"
+        )
     ttft_run(engine, ttft_len, gen)  # warm-up: compiles the prefill kernels at this shape
     ttft = statistics.median(ttft_run(engine, ttft_len, gen) for _ in range(3))
     tflops = prefill_flops(cfg, weights, dtype_bytes, ttft_len) / ttft / 1e12
-    out += ["", f"TTFT of a {ttft_len}-token prompt (one prefill step, in the engine): "
-            f"**{ttft * 1e3:.1f} ms** ({ttft_len / ttft:.0f} tok/s, {tflops:.0f} TFLOP/s achieved).", "",
-            "End-to-end includes the scheduler and greedy sampling (argmax on the GPU, ids to the host); "
-            "roofline = (weight bytes + K/V bytes read at the mean context) / copy bandwidth."]
+    out += [
+        "",
+        f"TTFT of a {ttft_len}-token prompt (one prefill step, in the engine): "
+        f"**{ttft * 1e3:.1f} ms** ({ttft_len / ttft:.0f} tok/s, {tflops:.0f} TFLOP/s achieved).",
+        "",
+        "End-to-end includes the scheduler and greedy sampling (argmax on the GPU, ids to the host); "
+        "roofline = (weight bytes + K/V bytes read at the mean context) / copy bandwidth.",
+    ]
     return out
 
 
 def main() -> int:
     if not torch.cuda.is_available():
-        print("gpu_engine: needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.",
-              file=sys.stderr)
+        print("gpu_engine: needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.", file=sys.stderr)
         return 2
     from bench.kernel_bench import Timer, copy_bandwidth
 
@@ -190,8 +222,11 @@ def main() -> int:
     torch.cuda.empty_cache()
     model = build_random_model(LLAMA3_8B, torch.bfloat16, torch.device("cuda"))
     lines = run(model, copy_gbs)
-    lines += ["", f"_gpu_engine ran in {time.time() - started:.0f} s "
-              f"(peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB)._"]
+    lines += [
+        "",
+        f"_gpu_engine ran in {time.time() - started:.0f} s "
+        f"(peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB)._",
+    ]
     print("\n".join(lines))
     return 0
 

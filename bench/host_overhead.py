@@ -21,17 +21,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.model_config import ModelConfig  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
 from workers.engine import attention as attention_module  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.engine import Engine  # noqa: E402
-from common.model_config import ModelConfig  # noqa: E402
 from workers.model.loader import build_random_model  # noqa: E402
 
 TINY = ModelConfig(
-    architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=1,
-    num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=500000.0,
-    max_position_embeddings=16384, tie_word_embeddings=False,
+    architecture="llama",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    max_position_embeddings=16384,
+    tie_word_embeddings=False,
 )
 CASES = [(1, 1024), (32, 1024), (128, 1024), (128, 4096), (256, 2048)]
 PAGE = 16
@@ -53,10 +62,21 @@ class Timed:
 
 def measure(model, batch: int, context: int, steps: int) -> dict[str, float]:
     pages = batch * (-(-(context + steps + 8) // PAGE)) + 8
-    engine = Engine(EngineConfig(device="cpu", dtype="float32", page_size=PAGE, num_pages=pages,
-                                 max_model_len=context + steps + 16, max_num_seqs=batch,
-                                 max_num_batched_tokens=max(8192, context), max_prefill_chunk=context,
-                                 max_num_partial_prefills=batch, enable_prefix_caching=False), model=model)
+    engine = Engine(
+        EngineConfig(
+            device="cpu",
+            dtype="float32",
+            page_size=PAGE,
+            num_pages=pages,
+            max_model_len=context + steps + 16,
+            max_num_seqs=batch,
+            max_num_batched_tokens=max(8192, context),
+            max_prefill_chunk=context,
+            max_num_partial_prefills=batch,
+            enable_prefix_caching=False,
+        ),
+        model=model,
+    )
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"r{i}", [(i + j) % 255 + 1 for j in range(context)], params)
@@ -78,9 +98,13 @@ def measure(model, batch: int, context: int, steps: int) -> dict[str, float]:
     finally:
         metadata_cls.build = original_build
     ms = lambda s: 1e3 * s / steps  # noqa: E731
-    return {"step": ms(total), "forward": ms(forward.seconds), "metadata": ms(build.seconds),
-            "schedule": ms(schedule.seconds),
-            "rest": ms(total - forward.seconds - build.seconds - schedule.seconds)}
+    return {
+        "step": ms(total),
+        "forward": ms(forward.seconds),
+        "metadata": ms(build.seconds),
+        "schedule": ms(schedule.seconds),
+        "rest": ms(total - forward.seconds - build.seconds - schedule.seconds),
+    }
 
 
 def main() -> int:
@@ -93,8 +117,11 @@ def main() -> int:
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for batch, context in CASES:
         r = measure(model, batch, context, opts.steps)
-        print(f"| {batch} | {context} | {r['step']:.2f} | {r['forward']:.2f} | {r['step'] - r['forward']:.2f} | "
-              f"{r['metadata']:.2f} | {r['schedule']:.2f} | {r['rest']:.2f} |", flush=True)
+        print(
+            f"| {batch} | {context} | {r['step']:.2f} | {r['forward']:.2f} | {r['step'] - r['forward']:.2f} | "
+            f"{r['metadata']:.2f} | {r['schedule']:.2f} | {r['rest']:.2f} |",
+            flush=True,
+        )
     return 0
 
 

@@ -27,9 +27,15 @@ from workers.engine.engine import Engine  # noqa: E402
 from workers.engine.json_mode import JsonMasks  # noqa: E402
 
 STATES = ["", "{", '{"na', '{"name": ', '{"name": "Al', '{"name": "Al", "age": 4', '{"a": [1, {"b": tr']
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                                           "color": {"enum": ["black", "white", "ginger"]}},
-          "required": ["name", "age", "color"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "color": {"enum": ["black", "white", "ginger"]},
+    },
+    "required": ["name", "age", "color"],
+}
 
 
 def bench_masks(tokenizer) -> None:
@@ -77,10 +83,16 @@ def main() -> None:
     opts = parser.parse_args()
     engine = Engine(EngineConfig(dtype="bfloat16", num_pages=1024))
     bench_masks(engine.tokenizer)
-    asks = ["Describe a cat.", "Give me a JSON object about a city.", "Describe your favourite book.",
-            "List facts about the moon."]
-    prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": f"{asks[i % len(asks)]} ({i})"}])
-               for i in range(opts.prompts)]
+    asks = [
+        "Describe a cat.",
+        "Give me a JSON object about a city.",
+        "Describe your favourite book.",
+        "List facts about the moon.",
+    ]
+    prompts = [
+        engine.tokenizer.encode_chat([{"role": "user", "content": f"{asks[i % len(asks)]} ({i})"}])
+        for i in range(opts.prompts)
+    ]
     bench_engine(engine, prompts, opts.tokens)
 
 

@@ -54,18 +54,28 @@ BATCHES = [1, 8, 32, 64, 128, 256]
 CONTEXTS = [512, 2048, 4096, 8192, 16384, 32768]
 # (label, decodes, decode context, prefills, prefill length); prefills are fresh prompts so
 # SDPA's top-left causal mask is the right one.
-MIXED_CASES = [("128 decodes @ 2k + 4 prefills x 1024", 128, 2048, 4, 1024),
-               ("32 decodes @ 8k + 1 prefill x 4096", 32, 8192, 1, 4096),
-               ("64 decodes @ 4k + 2 prefills x 2048", 64, 4096, 2, 2048),
-               ("prefill only: 8 x 2048", 0, 0, 8, 2048)]
-MIXED_CONFIGS = [AttentionConfig(64, 64, 4, 2), AttentionConfig(64, 64, 4, 3),
-                 AttentionConfig(128, 64, 8, 2), AttentionConfig(128, 32, 8, 3),
-                 AttentionConfig(64, 32, 4, 3)]
+MIXED_CASES = [
+    ("128 decodes @ 2k + 4 prefills x 1024", 128, 2048, 4, 1024),
+    ("32 decodes @ 8k + 1 prefill x 4096", 32, 8192, 1, 4096),
+    ("64 decodes @ 4k + 2 prefills x 2048", 64, 4096, 2, 2048),
+    ("prefill only: 8 x 2048", 0, 0, 8, 2048),
+]
+MIXED_CONFIGS = [
+    AttentionConfig(64, 64, 4, 2),
+    AttentionConfig(64, 64, 4, 3),
+    AttentionConfig(128, 64, 8, 2),
+    AttentionConfig(128, 32, 8, 3),
+    AttentionConfig(64, 32, 4, 3),
+]
 # (batch, context) points of the decode target, and the tile shapes and split counts to try.
 DECODE_SWEEP_CASES = [(1, 32768), (32, 4096), (32, 16384), (128, 4096), (256, 4096)]
-DECODE_CONFIGS = [AttentionConfig(16, 32, 4, 3), AttentionConfig(16, 64, 4, 3),
-                  AttentionConfig(16, 64, 4, 4), AttentionConfig(16, 128, 4, 2),
-                  AttentionConfig(16, 64, 8, 3)]
+DECODE_CONFIGS = [
+    AttentionConfig(16, 32, 4, 3),
+    AttentionConfig(16, 64, 4, 3),
+    AttentionConfig(16, 64, 4, 4),
+    AttentionConfig(16, 128, 4, 2),
+    AttentionConfig(16, 64, 8, 3),
+]
 SPLIT_COUNTS = [1, 2, 4, 8, 16]
 
 
@@ -105,15 +115,16 @@ def copy_bandwidth(timer: Timer, gib: float = 4.0) -> float:
     """GB/s of a device-to-device copy of `gib` GiB in all (bytes read + bytes written)."""
     src = torch.empty(int(gib * 2**29), dtype=torch.bfloat16, device=timer.device).normal_()
     dst = torch.empty_like(src)
-    ms = timer(lambda: dst.copy_(src))
+    ms = timer(lambda: dst.copy_(src))  # noqa: F821 - ruff misreads the `del` below as preceding the call
     nbytes = 2 * src.numel() * src.element_size()
     del src, dst
     return nbytes / ms / 1e6
 
 
 def make_pool(geo: Geometry, max_tokens: int, device: str, gen: torch.Generator) -> torch.Tensor:
-    return torch.empty(max_tokens // geo.page + 1, 2, geo.page, geo.kv_heads, geo.head_dim,
-                       dtype=geo.dtype, device=device).normal_(generator=gen)
+    return torch.empty(
+        max_tokens // geo.page + 1, 2, geo.page, geo.kv_heads, geo.head_dim, dtype=geo.dtype, device=device
+    ).normal_(generator=gen)
 
 
 def paged_inputs(geo: Geometry, pool, query_lens, seq_lens, gen):
@@ -125,12 +136,11 @@ def paged_inputs(geo: Geometry, pool, query_lens, seq_lens, gen):
     table = torch.zeros(len(seq_lens), max(pages_per_seq), dtype=torch.int32, device=device)
     used = 0
     for s, n in enumerate(pages_per_seq):
-        table[s, :n] = pages[used: used + n].to(torch.int32)
+        table[s, :n] = pages[used : used + n].to(torch.int32)
         used += n
     starts = torch.tensor([0] + query_lens, device=device).cumsum(0).to(torch.int32)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    q = torch.randn(sum(query_lens), geo.heads, geo.head_dim, device=device, dtype=geo.dtype,
-                    generator=gen)
+    q = torch.randn(sum(query_lens), geo.heads, geo.head_dim, device=device, dtype=geo.dtype, generator=gen)
     return q, table, seq_lens_t, starts
 
 
@@ -152,8 +162,10 @@ def bench_decode(timer: Timer, copy_gbs: float, geo: Geometry, batches, contexts
     from kernels._util import sm_count
     from kernels.attention import choose_num_splits, paged_attention
 
-    rows = ["| batch | context | splits | ms | GB/s | % copy BW | no-split ms | no-split % |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = [
+        "| batch | context | splits | ms | GB/s | % copy BW | no-split ms | no-split % |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for batch in batches:
         for ctx in contexts:
             if not fits(geo, pool, batch, ctx):
@@ -164,8 +176,10 @@ def bench_decode(timer: Timer, copy_gbs: float, geo: Geometry, batches, contexts
             ms1 = ms if splits == 1 else timer(lambda: paged_attention(*args, num_splits=1))
             nbytes = decode_bytes(geo, batch, ctx)
             gbs, gbs1 = nbytes / ms / 1e6, nbytes / ms1 / 1e6
-            rows.append(f"| {batch} | {ctx} | {splits} | {ms:.3f} | {gbs:.0f} | "
-                        f"{100 * gbs / copy_gbs:.0f}% | {ms1:.3f} | {100 * gbs1 / copy_gbs:.0f}% |")
+            rows.append(
+                f"| {batch} | {ctx} | {splits} | {ms:.3f} | {gbs:.0f} | "
+                f"{100 * gbs / copy_gbs:.0f}% | {ms1:.3f} | {100 * gbs1 / copy_gbs:.0f}% |"
+            )
     return rows
 
 
@@ -173,8 +187,17 @@ def config_label(c: AttentionConfig) -> str:
     return f"m{c.block_m} n{c.tile_n} w{c.num_warps} s{c.num_stages}"
 
 
-def bench_decode_sweep(timer: Timer, copy_gbs: float, geo: Geometry, cases, configs, split_counts,
-                       pool, gen, deadline: float = float("inf")):
+def bench_decode_sweep(
+    timer: Timer,
+    copy_gbs: float,
+    geo: Geometry,
+    cases,
+    configs,
+    split_counts,
+    pool,
+    gen,
+    deadline: float = float("inf"),
+):
     """For each (batch, context), yields its lines: ms of every tile config x split count, the
     best cell, and the launcher's own choice (`choose_config` + `choose_num_splits`). Past
     `deadline` (time.time()) no cell is timed ("—") and no further case starts."""
@@ -190,8 +213,10 @@ def bench_decode_sweep(timer: Timer, copy_gbs: float, geo: Geometry, cases, conf
         nbytes = decode_bytes(geo, batch, ctx)
         heuristic = timer(lambda: paged_attention(*args))
         usable = [s for s in split_counts if s == 1 or ctx // s >= 64]
-        rows = [f"| {batch} x {ctx} | " + " | ".join(f"splits {s}" for s in usable) + " |",
-                "| --- |" + " ---: |" * len(usable)]
+        rows = [
+            f"| {batch} x {ctx} | " + " | ".join(f"splits {s}" for s in usable) + " |",
+            "| --- |" + " ---: |" * len(usable),
+        ]
         best = (float("inf"), "", 0)
         for cfg in configs:
             cells = []
@@ -199,17 +224,23 @@ def bench_decode_sweep(timer: Timer, copy_gbs: float, geo: Geometry, cases, conf
                 if time.time() > deadline:
                     cells.append("—")
                     continue
-                ms = time_or_none(timer, lambda cfg=cfg, s=s: paged_attention(*args, num_splits=s, config=cfg),
-                                  f"{config_label(cfg)} splits {s}")
+                ms = time_or_none(
+                    timer,
+                    lambda cfg=cfg, s=s: paged_attention(*args, num_splits=s, config=cfg),
+                    f"{config_label(cfg)} splits {s}",
+                )
                 cells.append("err" if ms is None else f"{ms:.3f}")
                 if ms is not None and ms < best[0]:
                     best = (ms, config_label(cfg), s)
             rows.append(f"| {config_label(cfg)} | " + " | ".join(cells) + " |")
         pct = lambda ms: f"{100 * nbytes / ms / 1e6 / copy_gbs:.0f}%"  # noqa: E731
-        head = (f"Batch {batch}, context {ctx}: launcher's choice {heuristic:.3f} ms "
-                f"({pct(heuristic)} of copy BW); best {best[1]} splits {best[2]} "
-                f"{best[0]:.3f} ms ({pct(best[0])})." if best[1] else
-                f"Batch {batch}, context {ctx}: launcher's choice {heuristic:.3f} ms; no sweep cell ran.")
+        head = (
+            f"Batch {batch}, context {ctx}: launcher's choice {heuristic:.3f} ms "
+            f"({pct(heuristic)} of copy BW); best {best[1]} splits {best[2]} "
+            f"{best[0]:.3f} ms ({pct(best[0])})."
+            if best[1]
+            else f"Batch {batch}, context {ctx}: launcher's choice {heuristic:.3f} ms; no sweep cell ran."
+        )
         yield [head, ""] + rows + [""]
 
 
@@ -244,11 +275,11 @@ def mixed_case(geo: Geometry, pool, num_decodes, decode_ctx, num_prefills, prefi
     seq_lens = [decode_ctx] * num_decodes + [prefill_len] * num_prefills
     q, table, lens, starts = paged_inputs(geo, pool, query_lens, seq_lens, gen)
     dense = {}
-    for name, count, length in (("decode", num_decodes, decode_ctx),
-                                ("prefill", num_prefills, prefill_len)):
+    for name, count, length in (("decode", num_decodes, decode_ctx), ("prefill", num_prefills, prefill_len)):
         if count:
-            dense[name] = torch.randn(2, count, length, geo.kv_heads, geo.head_dim, device=device,
-                                      dtype=geo.dtype, generator=gen)
+            dense[name] = torch.randn(
+                2, count, length, geo.kv_heads, geo.head_dim, device=device, dtype=geo.dtype, generator=gen
+            )
     # Scatter the contiguous K/V into the sequences' pages with write_kv.
     for s, seq_len in enumerate(seq_lens):
         name, idx = ("decode", s) if s < num_decodes else ("prefill", s - num_decodes)
@@ -256,20 +287,27 @@ def mixed_case(geo: Geometry, pool, num_decodes, decode_ctx, num_prefills, prefi
         pos = torch.arange(seq_len, device=device)
         slots = table[s, pos // geo.page].long() * geo.page + pos % geo.page
         write_kv(kv[0], kv[1], pool, slots)
-    return query_lens, seq_lens, (q, pool, table, lens, starts, geo.head_dim**-0.5,
-                                  max(query_lens), max(seq_lens)), dense
+    return (
+        query_lens,
+        seq_lens,
+        (q, pool, table, lens, starts, geo.head_dim**-0.5, max(query_lens), max(seq_lens)),
+        dense,
+    )
 
 
-def bench_mixed(timer: Timer, geo: Geometry, cases, configs, pool, gen,
-                deadline: float = float("inf")) -> list[str]:
+def bench_mixed(timer: Timer, geo: Geometry, cases, configs, pool, gen, deadline: float = float("inf")) -> list[str]:
     """Our one launch against SDPA flash per case; `configs` (may be empty): a tile sweep, whose
     cells past `deadline` (time.time()) are not timed ("—")."""
     from kernels.attention import paged_attention
 
-    rows = ["| batch | ours ms | SDPA flash ms | ours / SDPA | max abs diff | SDPA GQA |",
-            "| --- | ---: | ---: | ---: | ---: | --- |"]
-    sweep_rows = ["| batch | " + " | ".join(config_label(c) for c in configs) + " |",
-                  "| --- |" + " ---: |" * len(configs)]
+    rows = [
+        "| batch | ours ms | SDPA flash ms | ours / SDPA | max abs diff | SDPA GQA |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    sweep_rows = [
+        "| batch | " + " | ".join(config_label(c) for c in configs) + " |",
+        "| --- |" + " ---: |" * len(configs),
+    ]
     for label, n_dec, dec_ctx, n_pre, pre_len in cases:
         query_lens, _, args, dense = mixed_case(geo, pool, n_dec, dec_ctx, n_pre, pre_len, gen)
         q = args[0]
@@ -291,8 +329,7 @@ def bench_mixed(timer: Timer, geo: Geometry, cases, configs, pool, gen,
             sdpa_ms = timer(lambda: [c() for c in calls])
             expect = torch.cat([r() for r in reference])
         diff = (paged_attention(*args).float() - expect.float()).abs().max().item()
-        rows.append(f"| {label} | {ours_ms:.3f} | {sdpa_ms:.3f} | {ours_ms / sdpa_ms:.2f}x | "
-                    f"{diff:.2e} | {gqa} |")
+        rows.append(f"| {label} | {ours_ms:.3f} | {sdpa_ms:.3f} | {ours_ms / sdpa_ms:.2f}x | {diff:.2e} | {gqa} |")
         if configs:
             cells = []
             for c in configs:
@@ -324,13 +361,15 @@ def emit(lines: list[str]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller grid, fewer repetitions, no sweeps")
-    parser.add_argument("--deadline-at", type=float, default=float("inf"),
-                        help="a time (seconds since the epoch, as `date +%%s`) after which the "
-                             "sweeps time nothing more")
+    parser.add_argument(
+        "--deadline-at",
+        type=float,
+        default=float("inf"),
+        help="a time (seconds since the epoch, as `date +%%s`) after which the sweeps time nothing more",
+    )
     opts = parser.parse_args()
     if not torch.cuda.is_available():
-        print("kernel_bench: needs a CUDA GPU (torch.cuda.is_available() is False); "
-              "nothing measured.", file=sys.stderr)
+        print("kernel_bench: needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.", file=sys.stderr)
         return 2
 
     started = time.time()
@@ -341,19 +380,33 @@ def main() -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_gbs = copy_bandwidth(timer)
     pool = make_pool(geo, max(b * c for b in batches for c in contexts), "cuda", gen)
-    emit([f"Device copy bandwidth (4 GiB `copy_`, read + write): **{copy_gbs:.0f} GB/s**", "",
-          f"### Decode attention (bf16, {geo.heads} q / {geo.kv_heads} kv heads, head_dim "
-          f"{geo.head_dim}, page {geo.page}; target >= 80% of copy BW at context >= 4k, batch >= 32)", ""])
+    emit(
+        [
+            f"Device copy bandwidth (4 GiB `copy_`, read + write): **{copy_gbs:.0f} GB/s**",
+            "",
+            f"### Decode attention (bf16, {geo.heads} q / {geo.kv_heads} kv heads, head_dim "
+            f"{geo.head_dim}, page {geo.page}; target >= 80% of copy BW at context >= 4k, batch >= 32)",
+            "",
+        ]
+    )
     emit(bench_decode(timer, copy_gbs, geo, batches, contexts, pool, gen))
     emit(["", "### Mixed prefill + decode vs torch SDPA flash (target <= 1.3x)", ""])
-    emit(bench_mixed(timer, geo, MIXED_CASES, [] if opts.quick else MIXED_CONFIGS, pool, gen,
-                     opts.deadline_at))
+    emit(bench_mixed(timer, geo, MIXED_CASES, [] if opts.quick else MIXED_CONFIGS, pool, gen, opts.deadline_at))
     if opts.quick:
         emit(["", "_--quick: no tile sweeps._"])
     else:
         emit(["", "### Decode sweep: tile config x split count (ms; cold L2, median of 5)", ""])
-        for lines in bench_decode_sweep(Timer(warmup=2, reps=5), copy_gbs, geo, DECODE_SWEEP_CASES,
-                                        DECODE_CONFIGS, SPLIT_COUNTS, pool, gen, opts.deadline_at):
+        for lines in bench_decode_sweep(
+            Timer(warmup=2, reps=5),
+            copy_gbs,
+            geo,
+            DECODE_SWEEP_CASES,
+            DECODE_CONFIGS,
+            SPLIT_COUNTS,
+            pool,
+            gen,
+            opts.deadline_at,
+        ):
             emit(lines)
     emit(["", f"_kernel_bench ran in {time.time() - started:.0f} s._"])
     return 0

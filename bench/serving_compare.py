@@ -41,8 +41,8 @@ INPUT_LEN = OUTPUT_LEN = 128
 @dataclass
 class System:
     name: str
-    command: list[str]             # {port} is filled in
-    ready_path: str                # GET until 200
+    command: list[str]  # {port} is filled in
+    ready_path: str  # GET until 200
     needs: list[Path] = field(default_factory=list)
     extra_body: dict = field(default_factory=dict)
     start_timeout_s: float = 300.0
@@ -58,15 +58,40 @@ def systems() -> list[System]:
     return [
         System("pagemesh mixed", up + ["--mixed", "1"], "/ready"),
         System("pagemesh 1P+1D", up, "/ready"),
-        System("llama.cpp Q4_1", ["bash", "bench/peers/llama_cpp.sh", "serve", "{port}", "q4_1", "32"], "/health",
-               [llama], {"cache_prompt": False}, 180),
+        System(
+            "llama.cpp Q4_1",
+            ["bash", "bench/peers/llama_cpp.sh", "serve", "{port}", "q4_1", "32"],
+            "/health",
+            [llama],
+            {"cache_prompt": False},
+            180,
+        ),
         # Its thread pool spins while it waits: on a loaded 2-core machine one thread can beat two.
-        System("llama.cpp Q4_1 -t 1", ["bash", "bench/peers/llama_cpp.sh", "serve", "{port}", "q4_1", "32"],
-               "/health", [llama], {"cache_prompt": False}, 180, {"THREADS": "1"}),
-        System("vLLM CPU bf16", ["bash", "bench/peers/vllm_cpu.sh", "serve", "{port}", "bfloat16"], "/health",
-               [vllm / "venv" / "bin" / "python", vllm / "SmolLM2-135M-Instruct-hf" / "config.json"], {}, 900),
-        System("llama.cpp F16", ["bash", "bench/peers/llama_cpp.sh", "serve", "{port}", "f16", "32"], "/health",
-               [llama, f16], {"cache_prompt": False}, 180),
+        System(
+            "llama.cpp Q4_1 -t 1",
+            ["bash", "bench/peers/llama_cpp.sh", "serve", "{port}", "q4_1", "32"],
+            "/health",
+            [llama],
+            {"cache_prompt": False},
+            180,
+            {"THREADS": "1"},
+        ),
+        System(
+            "vLLM CPU bf16",
+            ["bash", "bench/peers/vllm_cpu.sh", "serve", "{port}", "bfloat16"],
+            "/health",
+            [vllm / "venv" / "bin" / "python", vllm / "SmolLM2-135M-Instruct-hf" / "config.json"],
+            {},
+            900,
+        ),
+        System(
+            "llama.cpp F16",
+            ["bash", "bench/peers/llama_cpp.sh", "serve", "{port}", "f16", "32"],
+            "/health",
+            [llama, f16],
+            {"cache_prompt": False},
+            180,
+        ),
     ]
 
 
@@ -92,8 +117,14 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         command = [part.format(port=self.port) for part in system.command]
         self.log = log.open("w")
-        self.proc = subprocess.Popen(command, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env=os.environ | system.env)
+        self.proc = subprocess.Popen(
+            command,
+            cwd=REPO,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=os.environ | system.env,
+        )
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.system.start_timeout_s
@@ -123,10 +154,29 @@ def prompts_for(concurrency: int) -> int:
 
 def bench_point(system: System, url: str, concurrency: int, tag: str) -> dict:
     out = RESULTS / f"{tag}-c{concurrency}.json"
-    argv = ["--base-url", url, "--dataset", "random", "--random-input-len", str(INPUT_LEN),
-            "--random-output-len", str(OUTPUT_LEN), "--prompt-as-token-ids", "--max-concurrency", str(concurrency),
-            "--num-prompts", str(prompts_for(concurrency)), "--fresh-connection", "--label", system.name,
-            "--extra-body", json.dumps(system.extra_body), "--result-json", str(out), "--no-progress"]
+    argv = [
+        "--base-url",
+        url,
+        "--dataset",
+        "random",
+        "--random-input-len",
+        str(INPUT_LEN),
+        "--random-output-len",
+        str(OUTPUT_LEN),
+        "--prompt-as-token-ids",
+        "--max-concurrency",
+        str(concurrency),
+        "--num-prompts",
+        str(prompts_for(concurrency)),
+        "--fresh-connection",
+        "--label",
+        system.name,
+        "--extra-body",
+        json.dumps(system.extra_body),
+        "--result-json",
+        str(out),
+        "--no-progress",
+    ]
     bench_main.main(argv)
     return json.loads(out.read_text())["points"][0]["summary"]
 
@@ -150,7 +200,7 @@ def run_system(system: System, concurrencies: list[int]) -> dict:
             print(f"== {system.name}: concurrency {c}", flush=True)
             row["points"][c] = bench_point(system, server.url, c, tag)
         row["status"] = "ok"
-    except SystemExit as e:   # pagemesh bench could not run a point (e.g. the server stopped answering)
+    except SystemExit as e:  # pagemesh bench could not run a point (e.g. the server stopped answering)
         row["status"] = f"failed: pagemesh bench exited with {e.code} (log {server.log.name})"
     except (RuntimeError, OSError) as e:
         row["status"] = f"failed: {e} (log {server.log.name})"
@@ -165,9 +215,9 @@ def hf_static(concurrencies: list[int], dtype_name: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from bench.loadgen.datasets import DatasetSpec, conversations
     from common.model_files import default_model_path
     from common.tokenizer import Tokenizer
-    from bench.loadgen.datasets import DatasetSpec, conversations
 
     torch.set_num_threads(os.cpu_count() or 1)
     path = default_model_path()
@@ -180,18 +230,28 @@ def hf_static(concurrencies: list[int], dtype_name: str) -> dict:
         ids = torch.tensor(batch)
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
         return time.perf_counter() - start
 
-    generate([list(next(stream).turns[0].user.ids)], 4)   # warm-up
+    generate([list(next(stream).turns[0].user.ids)], 4)  # warm-up
     for c in concurrencies:
         print(f"== HF transformers {dtype_name}: batch {c}", flush=True)
         batch = [list(next(stream).turns[0].user.ids) for _ in range(c)]
         prefill = generate(batch, 1)
         total = generate(batch, OUTPUT_LEN)
-        row["points"][c] = {"output_throughput": c * OUTPUT_LEN / total, "median_ttft_ms": prefill * 1000,
-                            "p99_itl_ms": None, "median_tpot_ms": (total - prefill) / (OUTPUT_LEN - 1) * 1000}
+        row["points"][c] = {
+            "output_throughput": c * OUTPUT_LEN / total,
+            "median_ttft_ms": prefill * 1000,
+            "p99_itl_ms": None,
+            "median_tpot_ms": (total - prefill) / (OUTPUT_LEN - 1) * 1000,
+        }
     row["load_after"] = load_average()
     return row
 
@@ -202,8 +262,11 @@ def _fmt(value, unit="") -> str:
 
 def table(rows: dict[str, dict], concurrencies: list[int], reference: str) -> str:
     ref = rows.get(reference, {}).get("points", {})
-    lines = ["| system | streams | output tok/s | × ref tok/s | TTFT p50 (ms) | ITL p99 (ms) | × ref ITL p99 | TPOT p50 (ms) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| system | streams | output tok/s | × ref tok/s | TTFT p50 (ms) | ITL p99 (ms) | × ref ITL p99 | TPOT p50 "
+        "(ms) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for name, row in rows.items():
         if row.get("status") != "ok":
             lines.append(f"| {name} | — | {row.get('status')} | | | | | |")
@@ -213,17 +276,21 @@ def table(rows: dict[str, dict], concurrencies: list[int], reference: str) -> st
             if s is None:
                 continue
             tok_ratio = f"{s['output_throughput'] / r['output_throughput']:.2f}" if r else "—"
-            itl_ratio = (f"{s['p99_itl_ms'] / r['p99_itl_ms']:.2f}" if r and s.get("p99_itl_ms") and r.get("p99_itl_ms")
-                         else "—")
-            lines.append(f"| {name} | {c} | {_fmt(s['output_throughput'])} | {tok_ratio} | {_fmt(s['median_ttft_ms'])} | "
-                         f"{_fmt(s.get('p99_itl_ms'))} | {itl_ratio} | {_fmt(s.get('median_tpot_ms'))} |")
+            itl_ratio = (
+                f"{s['p99_itl_ms'] / r['p99_itl_ms']:.2f}" if r and s.get("p99_itl_ms") and r.get("p99_itl_ms") else "—"
+            )
+            lines.append(
+                f"| {name} | {c} | {_fmt(s['output_throughput'])} | {tok_ratio} | {_fmt(s['median_ttft_ms'])} | "
+                f"{_fmt(s.get('p99_itl_ms'))} | {itl_ratio} | {_fmt(s.get('median_tpot_ms'))} |"
+            )
     return "\n".join(lines)
 
 
 def machine() -> str:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), "?")
-    return f"{model}, {os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, {platform.system()} {platform.release()}"
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{model}, {os.cpu_count()} cores, {memory_gib:.0f} GiB, {platform.system()} {platform.release()}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -258,8 +325,10 @@ def write_doc(text: str, date: str, loads: str, command: str) -> None:
     """Replace the measured block of docs/perf/cpu.md (between the markers), keeping the notes."""
     doc = REPO / "docs" / "perf" / "cpu.md"
     begin, end = "<!-- measured: begin -->", "<!-- measured: end -->"
-    block = (f"{begin}\nCommand: `{command}`  \nMachine: {machine()}  \nDate: {date}  \n"
-             f"Load averages (1/5/15 min) before → after each system: {loads}\n\n{text}\n{end}")
+    block = (
+        f"{begin}\nCommand: `{command}`  \nMachine: {machine()}  \nDate: {date}  \n"
+        f"Load averages (1/5/15 min) before → after each system: {loads}\n\n{text}\n{end}"
+    )
     current = doc.read_text() if doc.exists() else f"# pagemesh on CPU, side by side with its peers\n\n{begin}\n{end}\n"
     head, _, rest = current.partition(begin)
     _, _, tail = rest.partition(end)

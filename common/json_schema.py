@@ -34,10 +34,31 @@ ENUMLIT = "enumlit"  # an enum string: detail (candidate literals, characters ma
 FIRST = "first"  # after '[': a value of the array's items, or ']'
 MAX_NODES = 4096  # schema parts a schema may have (each definition counted once)
 
-ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
-               "readOnly", "writeOnly", "$defs", "definitions", "additionalProperties"}
-STARTS = {"object": "{", "array": "[", "string": '"', "integer": "-0123456789", "number": "-0123456789",
-          "boolean": "tf", "null": "n", "any": None}
+ANNOTATIONS = {
+    "title",
+    "description",
+    "default",
+    "examples",
+    "$schema",
+    "$id",
+    "$comment",
+    "deprecated",
+    "readOnly",
+    "writeOnly",
+    "$defs",
+    "definitions",
+    "additionalProperties",
+}
+STARTS = {
+    "object": "{",
+    "array": "[",
+    "string": '"',
+    "integer": "-0123456789",
+    "number": "-0123456789",
+    "boolean": "tf",
+    "null": "n",
+    "any": None,
+}
 
 
 class SchemaError(ValueError):
@@ -245,7 +266,7 @@ def compile_schema(schema: object) -> SchemaGrammar:
     compiler = _Compiler(schema)
     root = compiler.node(schema, (), 0)
     if root == ANY or compiler.nodes[root].kind not in ("object", "anyobject"):
-        raise SchemaError("the schema's root must be an object (\"type\": \"object\")")
+        raise SchemaError('the schema\'s root must be an object ("type": "object")')
     if _height(compiler.nodes, root, {}) > g.MAX_DEPTH:
         raise SchemaError(f"nesting deeper than {g.MAX_DEPTH}")
     return SchemaGrammar(compiler.nodes, root)
@@ -273,7 +294,11 @@ def literals(grammar: SchemaGrammar) -> list[str]:
 
 
 SIBLINGS = {  # the keywords that may stand beside each structural one (annotations aside)
-    "$ref": set(), "anyOf": set(), "oneOf": set(), "enum": {"type"}, "const": {"type"},
+    "$ref": set(),
+    "anyOf": set(),
+    "oneOf": set(),
+    "enum": {"type"},
+    "const": {"type"},
 }
 
 
@@ -310,7 +335,9 @@ class _Compiler:
                     raise SchemaError(f"{keyword} beside {', '.join(sorted(extra))} is not supported")
         if "$ref" in schema:
             return self.ref(schema["$ref"], refs, depth)
-        unknown = set(schema) - ANNOTATIONS - {"type", "properties", "required", "items", "enum", "const", "anyOf", "oneOf"}
+        unknown = (
+            set(schema) - ANNOTATIONS - {"type", "properties", "required", "items", "enum", "const", "anyOf", "oneOf"}
+        )
         if unknown:
             raise SchemaError(f"unsupported keyword(s): {', '.join(sorted(unknown))}")
         for key in ("anyOf", "oneOf"):
@@ -361,7 +388,11 @@ class _Compiler:
         for text in strings:
             if any(0xD800 <= ord(c) <= 0xDFFF for c in text):
                 raise SchemaError("enum / const: a string with a lone surrogate")
-        node = self.add(Node("string", enum=tuple(dict.fromkeys(json.dumps(v, ensure_ascii=False) for v in strings)))) if strings else None
+        node = (
+            self.add(Node("string", enum=tuple(dict.fromkeys(json.dumps(v, ensure_ascii=False) for v in strings))))
+            if strings
+            else None
+        )
         null = self.add(Node("null")) if "null" in kinds else None
         return self.any_of([n for n in (node, null) if n is not None], "enum")
 

@@ -41,11 +41,13 @@ class ModelConfig:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict) -> ModelConfig:
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         arch = SUPPORTED_ARCHITECTURES.get(archs[0])
         if arch is None:
-            raise ValueError(f"model: unsupported architecture {archs[0]!r} (supported: {sorted(SUPPORTED_ARCHITECTURES)})")
+            raise ValueError(
+                f"model: unsupported architecture {archs[0]!r} (supported: {sorted(SUPPORTED_ARCHITECTURES)})"
+            )
         heads = cfg["num_attention_heads"]
         scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
         if scaling:
@@ -76,11 +78,11 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_hf_folder(cls, folder: Path) -> "ModelConfig":
+    def from_hf_folder(cls, folder: Path) -> ModelConfig:
         return cls.from_hf_dict(json.loads((folder / "config.json").read_text()))
 
     @classmethod
-    def from_gguf_fields(cls, meta: dict, tensor_names: set[str]) -> "ModelConfig":
+    def from_gguf_fields(cls, meta: dict, tensor_names: set[str]) -> ModelConfig:
         arch = meta["general.architecture"]
         if arch not in ("llama", "mistral", "qwen2"):
             raise ValueError(f"model: unsupported GGUF architecture {arch!r}")
@@ -132,7 +134,12 @@ def _gguf_meta(path: Path) -> tuple[dict, set[str]]:
     reader = gguf.GGUFReader(str(path))
     meta = {}
     for key, field in reader.fields.items():
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+        if key in (
+            "tokenizer.ggml.tokens",
+            "tokenizer.ggml.merges",
+            "tokenizer.ggml.token_type",
+            "tokenizer.ggml.scores",
+        ):
             meta[key] = range(len(field.data))  # only the length matters here
             continue
         try:

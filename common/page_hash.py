@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 HASH_BITS = 62  # page keys are in [0, 2**62): non-negative, and they fit msgpack and the codec
 _HASH_MASK = (1 << HASH_BITS) - 1

@@ -47,7 +47,11 @@ MAX_TAG_LEN = 64
 # msgpack's own bounds: a coarse first guard, so a tiny body cannot claim a huge container.
 # The validators below apply the exact per-field limits.
 _UNPACK_OPTIONS = dict(
-    raw=False, strict_map_key=True, use_list=True, max_bin_len=0, max_ext_len=0,
+    raw=False,
+    strict_map_key=True,
+    use_list=True,
+    max_bin_len=0,
+    max_ext_len=0,
     max_str_len=4 * MAX_STR_LEN,  # UTF-8 bytes
     max_array_len=max(MAX_TOKEN_IDS, MAX_LIST_LEN),
     max_map_len=max(MAX_DICT_LEN, 32),  # 32 >= the fields of any message or SamplingParams
@@ -181,12 +185,13 @@ def _dec_list(item: _Codec, as_tuple: bool) -> _Codec:
             raise _Invalid(f"more than {MAX_LIST_LEN} items")
         out, i = [], 0
         try:
-            for i, x in enumerate(v):
+            for i, x in enumerate(v):  # noqa: B007 - `i` names the bad item in the except below
                 out.append(item(x))
         except _Invalid as e:
             e.path.append(f"[{i}]")
             raise
         return tuple(out) if as_tuple else out
+
     return dec
 
 
@@ -204,6 +209,7 @@ def _dec_dict(item: _Codec) -> _Codec:
                 e.path.append(f"[{k!r}]")
                 raise
         return out
+
     return dec
 
 
@@ -236,11 +242,16 @@ def _dec_dataclass(cls: type) -> _Codec:
             except ProtocolError as e:
                 raise _Invalid(str(e)) from None
         return obj
+
     return dec
 
 
 _SCALAR_DECODERS: dict[object, _Codec] = {
-    int: _dec_int, float: _dec_float, str: _dec_str, bool: _dec_bool, SamplingParams: _dec_sampling,
+    int: _dec_int,
+    float: _dec_float,
+    str: _dec_str,
+    bool: _dec_bool,
+    SamplingParams: _dec_sampling,
 }
 
 
@@ -252,6 +263,7 @@ def _dec_enum(cls: type[enum.Enum]) -> _Codec:
         if member is None:
             raise _Invalid(f"expected one of {sorted(values)}, got {v!r}")
         return member
+
     return dec
 
 
@@ -299,6 +311,7 @@ def _enc_dataclass(cls: type) -> _Codec:
 
     def enc(obj):
         return {name: getattr(obj, name) if e is None else e(getattr(obj, name)) for name, e in encoders}
+
     return enc
 
 
@@ -358,7 +371,10 @@ def decode_tensor_frames(header: KVPagesHeader, frames: Sequence[object]) -> lis
         except (TypeError, ValueError):
             raise ProtocolError(f"KV {header.request_id}: tensor frame {i} is not a byte buffer") from None
         if view.nbytes != nbytes:
-            raise ProtocolError(f"KV {header.request_id}: tensor frame {i} has {view.nbytes} bytes, shape {shape} {header.dtype} needs {nbytes}")
+            raise ProtocolError(
+                f"KV {header.request_id}: tensor frame {i} has {view.nbytes} bytes, shape {shape} {header.dtype} "
+                f"needs {nbytes}"
+            )
         checksum = zlib.crc32(view, checksum)
         views.append(view)
     if checksum != header.checksum:
@@ -378,4 +394,3 @@ def _tensor_from_view(torch, view: memoryview, dtype, shape: tuple[int, ...]):
     if raw.data_ptr() % dtype.itemsize:  # misaligned buffer: one copy beats unaligned kernels
         raw = raw.clone()
     return raw.view(dtype).view(shape)
-

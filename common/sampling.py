@@ -75,37 +75,125 @@ class SamplingParams:
         """Whether tokens can be sent as they come: not when the n outputs are chosen at the end."""
         return not self.use_beam_search and self.num_sequences == self.n
 
-    def validate(self) -> "SamplingParams":
+    def validate(self) -> SamplingParams:
         _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
         _check(_num(self.temperature) and 0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
         _check(_num(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "top_k", "must be -1 (off) or >= 1")
+        _check(
+            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "top_k", "must be -1 (off) or >= 1"
+        )
         _check(_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
-        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed", "must be a non-negative 63-bit integer")
-        _check(_num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]")
-        _check(_num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
-        _check(_num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
-        _check(isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= MAX_TOKENS_LIMIT, "max_tokens", "must be an integer >= 1")
-        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be in [0, max_tokens]")
-        _check(len(self.stop_token_ids) <= MAX_STOP_ITEMS and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", f"must be at most {MAX_STOP_ITEMS} non-negative token ids")
-        _check(len(self.stop) <= MAX_STOP_ITEMS and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in self.stop), "stop", f"must be at most {MAX_STOP_ITEMS} non-empty strings of at most {MAX_STOP_LEN} characters")
+        _check(
+            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+            "seed",
+            "must be a non-negative 63-bit integer",
+        )
+        _check(
+            _num(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+            "repetition_penalty",
+            "must be in (0, 10]",
+        )
+        _check(
+            _num(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            "must be in [-2, 2]",
+        )
+        _check(
+            _num(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            "must be in [-2, 2]",
+        )
+        _check(
+            isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= MAX_TOKENS_LIMIT,
+            "max_tokens",
+            "must be an integer >= 1",
+        )
+        _check(
+            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            "must be in [0, max_tokens]",
+        )
+        _check(
+            len(self.stop_token_ids) <= MAX_STOP_ITEMS
+            and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            f"must be at most {MAX_STOP_ITEMS} non-negative token ids",
+        )
+        _check(
+            len(self.stop) <= MAX_STOP_ITEMS
+            and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in self.stop),
+            "stop",
+            f"must be at most {MAX_STOP_ITEMS} non-empty strings of at most {MAX_STOP_LEN} characters",
+        )
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS), "logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
-        _check(self.best_of is None or (isinstance(self.best_of, int) and self.n <= self.best_of <= MAX_N), "best_of", f"must be an integer in [n, {MAX_N}]")
+        _check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+            "logprobs",
+            f"must be in [0, {MAX_TOP_LOGPROBS}]",
+        )
+        _check(
+            self.best_of is None or (isinstance(self.best_of, int) and self.n <= self.best_of <= MAX_N),
+            "best_of",
+            f"must be an integer in [n, {MAX_N}]",
+        )
         _check(isinstance(self.use_beam_search, bool), "use_beam_search", "must be a boolean")
-        _check(_num(self.length_penalty) and -10.0 <= self.length_penalty <= 10.0, "length_penalty", "must be in [-10, 10]")
-        _check(isinstance(self.priority, int) and not isinstance(self.priority, bool) and -(2**31) < self.priority < 2**31, "priority", "must be a 32-bit integer")
-        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS and all(
-            isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], int) and not isinstance(pair[0], bool)
-            and pair[0] >= 0 and _num(pair[1]) and -100.0 <= pair[1] <= 100.0 for pair in self.logit_bias),
-            "logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100]")
-        _check(len({pair[0] for pair in self.logit_bias}) == len(self.logit_bias), "logit_bias", "token ids must be distinct")
+        _check(
+            _num(self.length_penalty) and -10.0 <= self.length_penalty <= 10.0, "length_penalty", "must be in [-10, 10]"
+        )
+        _check(
+            isinstance(self.priority, int) and not isinstance(self.priority, bool) and -(2**31) < self.priority < 2**31,
+            "priority",
+            "must be a 32-bit integer",
+        )
+        _check(
+            len(self.logit_bias) <= MAX_LOGIT_BIAS
+            and all(
+                isinstance(pair, tuple)
+                and len(pair) == 2
+                and isinstance(pair[0], int)
+                and not isinstance(pair[0], bool)
+                and pair[0] >= 0
+                and _num(pair[1])
+                and -100.0 <= pair[1] <= 100.0
+                for pair in self.logit_bias
+            ),
+            "logit_bias",
+            f"must map at most {MAX_LOGIT_BIAS} token ids to numbers in [-100, 100]",
+        )
+        _check(
+            len({pair[0] for pair in self.logit_bias}) == len(self.logit_bias),
+            "logit_bias",
+            "token ids must be distinct",
+        )
         _check(isinstance(self.json_object, bool), "json_object", "must be a boolean")
-        _check(self.json_schema is None or (isinstance(self.json_schema, str) and len(self.json_schema) <= MAX_SCHEMA_LEN), "json_schema", f"must be JSON text of at most {MAX_SCHEMA_LEN} characters")
-        _check(not (self.json_object and self.json_schema is not None), "json_schema", "cannot be combined with json_object")
-        _check(not (self.constrained and self.use_beam_search), "json_object", "cannot be combined with use_beam_search")
-        _check(not (self.constrained and self.ignore_eos), "json_object", "cannot be combined with ignore_eos: the end of the object ends the output")
-        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS), "prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        _check(
+            self.json_schema is None or (isinstance(self.json_schema, str) and len(self.json_schema) <= MAX_SCHEMA_LEN),
+            "json_schema",
+            f"must be JSON text of at most {MAX_SCHEMA_LEN} characters",
+        )
+        _check(
+            not (self.json_object and self.json_schema is not None),
+            "json_schema",
+            "cannot be combined with json_object",
+        )
+        _check(
+            not (self.constrained and self.use_beam_search), "json_object", "cannot be combined with use_beam_search"
+        )
+        _check(
+            not (self.constrained and self.ignore_eos),
+            "json_object",
+            "cannot be combined with ignore_eos: the end of the object ends the output",
+        )
+        _check(
+            self.prompt_logprobs is None
+            or (
+                isinstance(self.prompt_logprobs, int)
+                and not isinstance(self.prompt_logprobs, bool)
+                and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+            ),
+            "prompt_logprobs",
+            f"must be in [0, {MAX_TOP_LOGPROBS}]",
+        )
         return self
 
     def to_dict(self) -> dict:
@@ -114,7 +202,7 @@ class SamplingParams:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict) -> "SamplingParams":
+    def from_dict(cls, data: dict) -> SamplingParams:
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:

@@ -26,19 +26,32 @@ from common.chat_template import ChatTemplate, validate_messages
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
 
 # Special tokens that end an assistant turn in common chat formats; the model stops on any of them.
-_END_OF_TURN_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
-                      "<|endoftext|>", "<|end_of_text|>")
+_END_OF_TURN_TEXTS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+)
 
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 
 
 def _byte_level(split: str | None = None, digits: bool = False) -> pre_tokenizers.PreTokenizer:
     """GPT-2's regex and byte mapping, optionally preceded by a custom split or one-digit split."""
     if split is not None:
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if digits:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
@@ -48,10 +61,14 @@ def _byte_level(split: str | None = None, digits: bool = False) -> pre_tokenizer
 # GGUF `tokenizer.ggml.pre` -> (pre-tokenizer, ignore_merges), following llama.cpp's grouping.
 _BYTE_LEVEL_PRE = {
     **dict.fromkeys(("default", "gpt2", "gpt-2", "mpt", "olmo", "jais"), (_byte_level, False)),
-    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
-                    (lambda: _byte_level(digits=True), False)),
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"),
-                    (lambda: _byte_level(_LLAMA3_SPLIT), True)),
+    **dict.fromkeys(
+        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"),
+        (lambda: _byte_level(digits=True), False),
+    ),
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"),
+        (lambda: _byte_level(_LLAMA3_SPLIT), True),
+    ),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), (lambda: _byte_level(_QWEN2_SPLIT), False)),
 }
 
@@ -68,16 +85,23 @@ class Tokenizer:
     that ends generation (EOS and the end-of-turn token of the chat format).
     """
 
-    def __init__(self, backend: Backend, *, bos_token_id: int | None, eos_token_id: int,
-                 add_bos: bool, special_texts: dict[str, str | None], stop_token_ids: Sequence[int] = (),
-                 chat_template: str | None = None):
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int,
+        add_bos: bool,
+        special_texts: dict[str, str | None],
+        stop_token_ids: Sequence[int] = (),
+        chat_template: str | None = None,
+    ):
         self._backend = backend
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.add_bos = bool(add_bos and bos_token_id is not None)
-        special = {token.content: index for index, token in backend.get_added_tokens_decoder().items()
-                   if token.special}
+        special = {token.content: index for index, token in backend.get_added_tokens_decoder().items() if token.special}
         self.special_token_ids: frozenset[int] = frozenset(special.values())
         turn_ends = {special[text] for text in _END_OF_TURN_TEXTS if text in special}
         self.eos_token_ids: frozenset[int] = frozenset({eos_token_id, *stop_token_ids, *turn_ends})
@@ -126,7 +150,7 @@ class Tokenizer:
         if text is None:
             self.check_ids([token_id], "token_id")
             joined = self._backend.decode(self._anchor + [token_id], skip_special_tokens=False)
-            text = joined[len(self._anchor_text):]
+            text = joined[len(self._anchor_text) :]
             self._token_texts[token_id] = text
         return text
 
@@ -138,8 +162,7 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered chat; like transformers, the template writes any BOS itself."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt),
-                           add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
 
 class IncrementalDetokenizer:
@@ -159,8 +182,14 @@ class IncrementalDetokenizer:
     # Prompt tokens kept as left context, so the first generated token decodes as it would mid-text.
     _PROMPT_CONTEXT = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), stop: Sequence[str] = (),
-                 skip_special_tokens: bool = True, include_stop_str_in_output: bool = False):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
+    ):
         if isinstance(stop, str):
             stop = (stop,)
         if any(not isinstance(s, str) or not s for s in stop):
@@ -169,7 +198,7 @@ class IncrementalDetokenizer:
         self._skip_special = skip_special_tokens
         self._stops = tuple(stop)
         self._include_stop = include_stop_str_in_output
-        self._window = list(prompt_ids[-self._PROMPT_CONTEXT:]) if len(prompt_ids) else []
+        self._window = list(prompt_ids[-self._PROMPT_CONTEXT :]) if len(prompt_ids) else []
         self._read = len(self._window)  # window[:_read] has been emitted (or is prompt)
         self._read_text = self._decode(self._window)
         self._held = ""  # decoded text withheld because it may begin a stop string
@@ -186,8 +215,8 @@ class IncrementalDetokenizer:
         full = self._decode(self._window)
         if len(full) <= len(self._read_text) or full.endswith("\ufffd"):
             return "", None  # nothing new yet, or an incomplete character at the end
-        delta = full[len(self._read_text):]
-        self._window = self._window[self._read:]
+        delta = full[len(self._read_text) :]
+        self._window = self._window[self._read :]
         self._read = len(self._window)
         self._read_text = self._decode(self._window)
         return self._release(delta, final=False), self.matched_stop
@@ -198,7 +227,7 @@ class IncrementalDetokenizer:
             return ""
         delta = ""
         if self._read < len(self._window):
-            delta = self._decode(self._window)[len(self._read_text):]
+            delta = self._decode(self._window)[len(self._read_text) :]
             self._window, self._read, self._read_text = [], 0, ""
         return self._release(delta, final=True)
 
@@ -208,13 +237,13 @@ class IncrementalDetokenizer:
         hit = min(((pending.find(s), -len(s), s) for s in self._stops if s in pending), default=None)
         if hit is not None:
             position, _, stop = hit
-            out = pending[:position + len(stop) if self._include_stop else position]
+            out = pending[: position + len(stop) if self._include_stop else position]
             self.matched_stop = stop
         elif final:
             out = pending
         else:
             keep = self._stop_prefix_length(pending)
-            out, self._held = pending[:len(pending) - keep], pending[len(pending) - keep:]
+            out, self._held = pending[: len(pending) - keep], pending[len(pending) - keep :]
         self.text += out
         return out
 
@@ -230,6 +259,7 @@ class IncrementalDetokenizer:
 
 
 # ---- loading ----------------------------------------------------------------------------------
+
 
 def _gguf_parts(path: Path) -> dict[str, Any]:
     import gguf  # imported here: only GGUF loading needs it
@@ -249,39 +279,53 @@ def _gguf_parts(path: Path) -> dict[str, Any]:
     if kind == "gpt2":
         pre = meta("tokenizer.ggml.pre", "default")
         if pre not in _BYTE_LEVEL_PRE:
-            raise ValueError(f"{path.name}: tokenizer.ggml.pre {pre!r} is not supported "
-                             f"(supported: {', '.join(sorted(_BYTE_LEVEL_PRE))}); use an HF folder")
+            raise ValueError(
+                f"{path.name}: tokenizer.ggml.pre {pre!r} is not supported "
+                f"(supported: {', '.join(sorted(_BYTE_LEVEL_PRE))}); use an HF folder"
+            )
         make_pre, ignore_merges = _BYTE_LEVEL_PRE[pre]
-        backend = Backend(models.BPE({t: i for i, t in enumerate(tokens)}, merges,
-                                     ignore_merges=ignore_merges))
+        backend = Backend(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=ignore_merges))
         backend.pre_tokenizer = make_pre()
         backend.decoder = decoders.ByteLevel()
         add_bos_default = False
     elif kind == "llama":
         architecture = meta("general.architecture")
         if architecture in _UNSUPPORTED_SPM_ARCHITECTURES:
-            raise ValueError(f"{path.name}: the {architecture} SentencePiece vocabulary is not "
-                             "supported from GGUF; use the model's HF folder")
+            raise ValueError(
+                f"{path.name}: the {architecture} SentencePiece vocabulary is not "
+                "supported from GGUF; use the model's HF folder"
+            )
         if not merges:
             merges = _merges_from_scores(tokens, meta("tokenizer.ggml.scores"))
-        backend = Backend(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=True,
-                                     byte_fallback=True,
-                                     unk_token=tokens[unk_id] if unk_id is not None else None))
+        backend = Backend(
+            models.BPE(
+                {t: i for i, t in enumerate(tokens)},
+                merges,
+                fuse_unk=True,
+                byte_fallback=True,
+                unk_token=tokens[unk_id] if unk_id is not None else None,
+            )
+        )
         space_prefix = meta("tokenizer.ggml.add_space_prefix", True)
         backend.pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement="\u2581", prepend_scheme="first" if space_prefix else "never", split=False)
+            replacement="\u2581", prepend_scheme="first" if space_prefix else "never", split=False
+        )
         steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
         backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
         add_bos_default = True
     else:
-        raise ValueError(f"{path.name}: tokenizer.ggml.model {kind!r} is not supported "
-                         "(supported: gpt2, llama); use the model's HF folder")
+        raise ValueError(
+            f"{path.name}: tokenizer.ggml.model {kind!r} is not supported "
+            "(supported: gpt2, llama); use the model's HF folder"
+        )
 
     typed = list(zip(tokens, token_types))
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, token_type in typed if token_type in (_UNKNOWN, _CONTROL)])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, token_type in typed if token_type == _USER_DEFINED])
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, token_type in typed if token_type in (_UNKNOWN, _CONTROL)]
+    )
+    backend.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, token_type in typed if token_type == _USER_DEFINED]
+    )
 
     def token_at(key: str) -> str | None:
         index = meta(key)
@@ -295,12 +339,15 @@ def _gguf_parts(path: Path) -> dict[str, Any]:
         bos_token_id=meta("tokenizer.ggml.bos_token_id"),
         eos_token_id=eos_id,
         add_bos=meta("tokenizer.ggml.add_bos_token", add_bos_default),
-        special_texts={"bos_token": token_at("tokenizer.ggml.bos_token_id"),
-                       "eos_token": token_at("tokenizer.ggml.eos_token_id"),
-                       "unk_token": token_at("tokenizer.ggml.unknown_token_id"),
-                       "pad_token": token_at("tokenizer.ggml.padding_token_id")},
-        stop_token_ids=[i for i in (meta("tokenizer.ggml.eot_token_id"), meta("tokenizer.ggml.eom_token_id"))
-                        if i is not None],
+        special_texts={
+            "bos_token": token_at("tokenizer.ggml.bos_token_id"),
+            "eos_token": token_at("tokenizer.ggml.eos_token_id"),
+            "unk_token": token_at("tokenizer.ggml.unknown_token_id"),
+            "pad_token": token_at("tokenizer.ggml.padding_token_id"),
+        },
+        stop_token_ids=[
+            i for i in (meta("tokenizer.ggml.eot_token_id"), meta("tokenizer.ggml.eom_token_id")) if i is not None
+        ],
         chat_template=meta("tokenizer.chat_template"),
     )
 
@@ -313,8 +360,7 @@ def _merges_from_scores(tokens: list[str], scores: list[float] | None) -> list[t
     ids = {token: index for index, token in enumerate(tokens)}
     candidates = []
     for token, score in zip(tokens, scores):
-        pairs = [(token[:k], token[k:]) for k in range(1, len(token))
-                 if token[:k] in ids and token[k:] in ids]
+        pairs = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in ids and token[k:] in ids]
         pairs.sort(key=lambda pair: (ids[pair[0]], ids[pair[1]]))
         candidates += [(score, left, right) for left, right in pairs]
     candidates.sort(key=lambda c: (c[0], len(c[1]), len(c[2])), reverse=True)
@@ -326,8 +372,7 @@ def _hf_folder_parts(folder: Path) -> dict[str, Any]:
         raise ValueError(f"model path: {folder} has no tokenizer.json")
     backend = Backend.from_file(str(folder / "tokenizer.json"))
     config = _read_json(folder / "tokenizer_config.json")
-    texts = {name: _token_content(config.get(name))
-             for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    texts = {name: _token_content(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
     ids = {name: backend.token_to_id(text) if text is not None else None for name, text in texts.items()}
     generation = _read_json(folder / "generation_config.json").get("eos_token_id")
     generation_eos = [generation] if isinstance(generation, int) else list(generation or [])
@@ -343,8 +388,15 @@ def _hf_folder_parts(folder: Path) -> dict[str, Any]:
         template = {t.get("name"): t.get("template") for t in template}.get("default")
     if (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
-    return dict(backend=backend, bos_token_id=bos_id, eos_token_id=eos_id, add_bos=add_bos,
-                special_texts=texts, stop_token_ids=generation_eos, chat_template=template)
+    return dict(
+        backend=backend,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        add_bos=add_bos,
+        special_texts=texts,
+        stop_token_ids=generation_eos,
+        chat_template=template,
+    )
 
 
 def _read_json(path: Path) -> dict:

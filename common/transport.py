@@ -84,19 +84,21 @@ def validate_address(address: str, *, allow_wildcard: bool = False) -> str:
     """Accept `ipc://PATH` or `tcp://HOST:PORT`; a wildcard host (`*`, 0.0.0.0, [::]) only
     with allow_wildcard. Returns the address unchanged; raises ValueError saying what is wrong."""
     if address.startswith("ipc://"):
-        path = address[len("ipc://"):]
+        path = address[len("ipc://") :]
         if not path or "\0" in path:
             raise ValueError(f"{address!r}: empty or invalid ipc path")
         if len(path.encode()) > MAX_IPC_PATH:
             raise ValueError(f"{address!r}: ipc path longer than {MAX_IPC_PATH} bytes; use a shorter run dir")
         return address
     if address.startswith("tcp://"):
-        host, sep, port = address[len("tcp://"):].rpartition(":")
+        host, sep, port = address[len("tcp://") :].rpartition(":")
         if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
             raise ValueError(f"{address!r}: expected tcp://HOST:PORT with a port in 1..65535")
         if host in _WILDCARD_HOSTS:
             if not allow_wildcard:
-                raise ValueError(f"{address!r}: binds every interface; configure one host (or allow the wildcard explicitly)")
+                raise ValueError(
+                    f"{address!r}: binds every interface; configure one host (or allow the wildcard explicitly)"
+                )
         elif not _HOST.fullmatch(host):
             raise ValueError(f"{address!r}: invalid host {host!r}")
         return address
@@ -109,7 +111,7 @@ def bindable(address: str) -> str:
     reach each other by name). Anything that does not resolve is left to zmq (e.g. `eth0`)."""
     if not address.startswith("tcp://"):
         return address
-    host, _, port = address[len("tcp://"):].rpartition(":")
+    host, _, port = address[len("tcp://") :].rpartition(":")
     if host in _WILDCARD_HOSTS or host.startswith("[") or host.replace(".", "").isdigit():
         return address
     try:
@@ -124,9 +126,17 @@ def bindable(address: str) -> str:
 class _Socket:
     """One zmq.asyncio socket with the options set, bound or connected, that decodes on receive."""
 
-    def __init__(self, kind: int, address: str, *, bind: bool, options: SocketOptions,
-                 allow_wildcard: bool = False, identity: bytes | None = None,
-                 context: zmq.asyncio.Context | None = None):
+    def __init__(
+        self,
+        kind: int,
+        address: str,
+        *,
+        bind: bool,
+        options: SocketOptions,
+        allow_wildcard: bool = False,
+        identity: bytes | None = None,
+        context: zmq.asyncio.Context | None = None,
+    ):
         validate_address(address, allow_wildcard=allow_wildcard and bind)
         self.options = options
         self.dropped = 0  # malformed messages skipped
@@ -173,8 +183,9 @@ class _Socket:
 
     def _drop(self, identity: bytes | None, error: str) -> None:
         self.dropped += 1
-        log.warning("dropped malformed message", socket=type(self).__name__, address=self.address,
-                    peer=identity, error=error)
+        log.warning(
+            "dropped malformed message", socket=type(self).__name__, address=self.address, peer=identity, error=error
+        )
 
     def close(self) -> None:
         self._sock.close()
@@ -196,10 +207,17 @@ class Router(_Socket):
     """Binds; serves many DEALER peers addressed by their identity. Sending to an identity
     that is not connected raises UnknownPeer instead of dropping silently."""
 
-    def __init__(self, address: str, *, options: SocketOptions = CONTROL, allow_wildcard: bool = False,
-                 context: zmq.asyncio.Context | None = None):
-        super().__init__(zmq.ROUTER, address, bind=True, options=options,
-                         allow_wildcard=allow_wildcard, context=context)
+    def __init__(
+        self,
+        address: str,
+        *,
+        options: SocketOptions = CONTROL,
+        allow_wildcard: bool = False,
+        context: zmq.asyncio.Context | None = None,
+    ):
+        super().__init__(
+            zmq.ROUTER, address, bind=True, options=options, allow_wildcard=allow_wildcard, context=context
+        )
 
     async def recv(self) -> tuple[bytes, Message]:
         identity, msg, _ = await self._recv(routed=True, want_frames=False)
@@ -224,8 +242,14 @@ class Router(_Socket):
 class Dealer(_Socket):
     """Connects to a Router under a fixed identity (the worker or service id)."""
 
-    def __init__(self, address: str, identity: str, *, options: SocketOptions = CONTROL,
-                 context: zmq.asyncio.Context | None = None):
+    def __init__(
+        self,
+        address: str,
+        identity: str,
+        *,
+        options: SocketOptions = CONTROL,
+        context: zmq.asyncio.Context | None = None,
+    ):
         raw = identity.encode()
         if not 1 <= len(raw) <= 255 or raw[0] == 0:
             raise ValueError(f"identity {identity!r}: 1 to 255 bytes, not starting with NUL")
@@ -249,10 +273,16 @@ class Dealer(_Socket):
 class Push(_Socket):
     """One-way stream sender; connects by default (the receiver binds)."""
 
-    def __init__(self, address: str, *, bind: bool = False, options: SocketOptions = CONTROL,
-                 allow_wildcard: bool = False, context: zmq.asyncio.Context | None = None):
-        super().__init__(zmq.PUSH, address, bind=bind, options=options,
-                         allow_wildcard=allow_wildcard, context=context)
+    def __init__(
+        self,
+        address: str,
+        *,
+        bind: bool = False,
+        options: SocketOptions = CONTROL,
+        allow_wildcard: bool = False,
+        context: zmq.asyncio.Context | None = None,
+    ):
+        super().__init__(zmq.PUSH, address, bind=bind, options=options, allow_wildcard=allow_wildcard, context=context)
 
     async def send(self, msg: Message) -> None:
         await self._send(encode(msg))
@@ -264,10 +294,16 @@ class Push(_Socket):
 class Pull(_Socket):
     """One-way stream receiver; binds by default (many pushers fan in)."""
 
-    def __init__(self, address: str, *, bind: bool = True, options: SocketOptions = CONTROL,
-                 allow_wildcard: bool = False, context: zmq.asyncio.Context | None = None):
-        super().__init__(zmq.PULL, address, bind=bind, options=options,
-                         allow_wildcard=allow_wildcard, context=context)
+    def __init__(
+        self,
+        address: str,
+        *,
+        bind: bool = True,
+        options: SocketOptions = CONTROL,
+        allow_wildcard: bool = False,
+        context: zmq.asyncio.Context | None = None,
+    ):
+        super().__init__(zmq.PULL, address, bind=bind, options=options, allow_wildcard=allow_wildcard, context=context)
 
     async def recv(self) -> Message:
         return (await self._recv(routed=False, want_frames=False))[1]

@@ -103,13 +103,27 @@ class Gateway:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         requests = parsed.to_generate_requests(request_id, self.config.served_model, self.mesh.reply_to, time.time())
         n = parsed.sampling.n
-        builder = ResponseBuilder(kind=parsed.kind, request_id=request_id, model=self.config.served_model,
-                                  created=int(time.time()), n=n * len(requests), logprobs=parsed.logprobs,
-                                  include_usage=parsed.include_usage, token_text=self.tokenizer.token_text,
-                                  choices_per_prompt=n, echo=self._echo(parsed))
+        builder = ResponseBuilder(
+            kind=parsed.kind,
+            request_id=request_id,
+            model=self.config.served_model,
+            created=int(time.time()),
+            n=n * len(requests),
+            logprobs=parsed.logprobs,
+            include_usage=parsed.include_usage,
+            token_text=self.tokenizer.token_text,
+            choices_per_prompt=n,
+            echo=self._echo(parsed),
+        )
         offsets = {r.request_id: i * n for i, r in enumerate(requests)}
-        call = _Call(request_id, self.mesh.open(list(offsets)), arrival + self.config.request_timeout,
-                     builder, self.metrics.request(arrival), offsets)
+        call = _Call(
+            request_id,
+            self.mesh.open(list(offsets)),
+            arrival + self.config.request_timeout,
+            builder,
+            self.metrics.request(arrival),
+            offsets,
+        )
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             abort_reason = "gateway error"
             try:
@@ -122,8 +136,12 @@ class Gateway:
                 self._apply(call, first)
                 while not call.ended:
                     self._apply(call, await self._next(call))
-                log.info("request done", kind=parsed.kind, completion_tokens=builder.completion_tokens,
-                         seconds=round(time.monotonic() - arrival, 4))
+                log.info(
+                    "request done",
+                    kind=parsed.kind,
+                    completion_tokens=builder.completion_tokens,
+                    seconds=round(time.monotonic() - arrival, 4),
+                )
                 return web.Response(body=to_json(builder.response()), content_type="application/json")
             except RequestEnded as e:
                 raise e.error from None
@@ -135,8 +153,11 @@ class Gateway:
                 raise
             finally:
                 # stopped early: the client left, a timeout, or one prompt of a batch failed
-                unended = [r for r, start in offsets.items()
-                           if r in call.submitted and r != call.failed and not builder.choices_finished(start, n)]
+                unended = [
+                    r
+                    for r, start in offsets.items()
+                    if r in call.submitted and r != call.failed and not builder.choices_finished(start, n)
+                ]
                 if unended:
                     if call.failed is not None:
                         abort_reason = "another prompt of the batch failed"
@@ -150,9 +171,14 @@ class Gateway:
         """Every key and enum string the schema fixes must be writable token by token in this
         vocabulary; one made of byte tokens only (their texts are U+FFFD) would trap the output."""
         for literal in literals(compile_schema(json.loads(schema))):
-            if "".join(map(self.tokenizer.token_text, self.tokenizer.encode(literal, add_special_tokens=False))) != literal:
-                raise invalid(f"response_format: {literal[:40]!r} cannot be written token by token with this "
-                              "model's vocabulary", "response_format")
+            if (
+                "".join(map(self.tokenizer.token_text, self.tokenizer.encode(literal, add_special_tokens=False)))
+                != literal
+            ):
+                raise invalid(
+                    f"response_format: {literal[:40]!r} cannot be written token by token with this model's vocabulary",
+                    "response_format",
+                )
 
     def _echo(self, parsed: ParsedRequest) -> list[str] | None:
         """With echo: each prompt's text (a prompt of token ids decoded)."""
@@ -167,9 +193,10 @@ class Gateway:
         remaining = call.deadline - time.monotonic()
         try:
             now, item = await asyncio.wait_for(call.queue.get(), max(remaining, 0.0))
-        except asyncio.TimeoutError:
-            raise ApiError(504, f"request timed out after {self.config.request_timeout:g} s",
-                           "server_error", None, "timeout") from None
+        except TimeoutError:
+            raise ApiError(
+                504, f"request timed out after {self.config.request_timeout:g} s", "server_error", None, "timeout"
+            ) from None
         if isinstance(item, RequestFailed):
             call.ended, call.failed = True, item.request_id
             log.info("request failed", status=item.status, error=item.message)
@@ -193,7 +220,9 @@ class Gateway:
             call.timer.on_finished(now)
         return chunks
 
-    async def _stream(self, request: web.Request, call: _Call, first: tuple[float, list[TextDelta]]) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, call: _Call, first: tuple[float, list[TextDelta]]
+    ) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         builder = call.builder
@@ -222,8 +251,7 @@ class Gateway:
         out += SSE_DONE
         await response.write(bytes(out))
         await response.write_eof()
-        log.info("request done", stream=True, completion_tokens=builder.completion_tokens,
-                 ended=call.ended)
+        log.info("request done", stream=True, completion_tokens=builder.completion_tokens, ended=call.ended)
         return response
 
     # ---- other endpoints
@@ -233,8 +261,13 @@ class Gateway:
 
     async def model(self, request: web.Request) -> web.Response:
         if request.match_info["model"] not in self.config.model_names:
-            raise ApiError(404, f"The model `{request.match_info['model']}` does not exist.",
-                           "invalid_request_error", "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"The model `{request.match_info['model']}` does not exist.",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
         return web.json_response(self._model_card())
 
     def _model_card(self) -> dict:
@@ -283,6 +316,8 @@ def _error_middleware(max_body_bytes: int):
         except Exception:
             log.exception("unhandled error", path=request.path)
             error = internal()
-        return web.Response(status=error.status, body=to_json(error.body()), content_type="application/json",
-                            headers=error.headers)
+        return web.Response(
+            status=error.status, body=to_json(error.body()), content_type="application/json", headers=error.headers
+        )
+
     return errors

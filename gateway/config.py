@@ -48,8 +48,12 @@ def parse_args(argv: list[str]) -> GatewayConfig:
     cli_args.add(parser, "--model", None, help="GGUF file or HF folder (default: the embedded model)")
     cli_args.add(parser, "--max-body-bytes", DEFAULT_MAX_BODY_BYTES, type=int, help="larger bodies get 413")
     cli_args.add(parser, "--request-timeout", 600.0, type=float, help="seconds a request may take in all")
-    cli_args.add(parser, "--name", f"gateway-{socket.gethostname()}-{os.getpid()}",
-                 help="replica name (also its Dealer identity)")
+    cli_args.add(
+        parser,
+        "--name",
+        f"gateway-{socket.gethostname()}-{os.getpid()}",
+        help="replica name (also its Dealer identity)",
+    )
     cli_args.add(parser, "--ready-address", None, help="push Ready here once serving")
     cli_args.add(parser, "--log-level", "INFO", help="DEBUG, INFO, WARNING or ERROR")
     args = parser.parse_args(argv)
@@ -64,8 +68,17 @@ def parse_args(argv: list[str]) -> GatewayConfig:
         parser.error("--request-timeout must be positive")
     model = resolve_model_path(args.model)
     names = dict.fromkeys([served_model_name(model), str(model)] + ([args.model] if args.model else []))
-    return GatewayConfig(host=args.host, port=args.port, tokenizer_address=args.tokenizer_address,
-                         scheduler_address=args.scheduler_address, reply_address=args.reply_address,
-                         model=model, model_names=tuple(names), max_body_bytes=args.max_body_bytes,
-                         request_timeout=args.request_timeout, name=args.name,
-                         ready_address=args.ready_address, log_level=args.log_level)
+    return GatewayConfig(
+        host=args.host,
+        port=args.port,
+        tokenizer_address=args.tokenizer_address,
+        scheduler_address=args.scheduler_address,
+        reply_address=args.reply_address,
+        model=model,
+        model_names=tuple(names),
+        max_body_bytes=args.max_body_bytes,
+        request_timeout=args.request_timeout,
+        name=args.name,
+        ready_address=args.ready_address,
+        log_level=args.log_level,
+    )

@@ -48,8 +48,11 @@ def from_request_failed(failed: RequestFailed, retry_after_s: int = 1) -> ApiErr
 
 def http_error(status: int, reason: str) -> ApiError:
     """Errors aiohttp itself raises (unknown route, wrong method, body too large)."""
-    kind = {404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "method_not_allowed"),
-            413: ("invalid_request_error", "request_too_large")}.get(status)
+    kind = {
+        404: ("not_found_error", "not_found"),
+        405: ("invalid_request_error", "method_not_allowed"),
+        413: ("invalid_request_error", "request_too_large"),
+    }.get(status)
     if kind is None:
         kind = ("invalid_request_error", None) if status < 500 else ("server_error", None)
     return ApiError(status, reason, kind[0], None, kind[1])

@@ -1,6 +1,6 @@
 """The gateway process: aiohttp on uvloop in front of the mesh.
 
-    python -c "from gateway.main import main; main(['--tokenizer-address', ..., ...])"
+python -c "from gateway.main import main; main(['--tokenizer-address', ..., ...])"
 """
 
 from __future__ import annotations
@@ -33,15 +33,21 @@ async def run(config: GatewayConfig) -> None:
     """Serve until cancelled."""
     tokenizer = Tokenizer.from_path(config.model)  # logprob token texts
     mesh = MeshClient(config.tokenizer_address, config.scheduler_address, config.reply_address, config.name)
-    runner = web.AppRunner(Gateway(config, mesh, tokenizer, GatewayMetrics()).app(),
-                           handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        Gateway(config, mesh, tokenizer, GatewayMetrics()).app(), handler_cancellation=True, access_log=None
+    )
     try:
         mesh.start()
         await runner.setup()
         await web.TCPSite(runner, config.host, config.port).start()
-        log.info("serving", http=[f"{host}:{port}" for host, port, *_ in runner.addresses],
-                 model=config.served_model, tokenizer=config.tokenizer_address,
-                 scheduler=config.scheduler_address, reply_to=mesh.reply_to)
+        log.info(
+            "serving",
+            http=[f"{host}:{port}" for host, port, *_ in runner.addresses],
+            model=config.served_model,
+            tokenizer=config.tokenizer_address,
+            scheduler=config.scheduler_address,
+            reply_to=mesh.reply_to,
+        )
         if config.ready_address:
             with Push(config.ready_address) as ready:
                 await ready.send(Ready(service="gateway", name=config.name))

@@ -22,7 +22,14 @@ import structlog
 
 from common.liveness import PeerInstance, ping_forever
 from common.messages import (
-    AbortRequest, ClusterStatus, GenerateRequest, Pong, RequestFailed, StatusRequest, TextDelta, TextDeltaBatch,
+    AbortRequest,
+    ClusterStatus,
+    GenerateRequest,
+    Pong,
+    RequestFailed,
+    StatusRequest,
+    TextDelta,
+    TextDeltaBatch,
 )
 from common.transport import Dealer, Pull
 from gateway.errors import ApiError
@@ -50,8 +57,12 @@ class MeshClient:
         self._tokenizer_known = asyncio.Event()
 
     def start(self) -> None:
-        for loop in (self._route_replies(), self._route_status(), self._watch_tokenizer(),
-                     ping_forever(self._tokenizer, self.identity)):
+        for loop in (
+            self._route_replies(),
+            self._route_status(),
+            self._watch_tokenizer(),
+            ping_forever(self._tokenizer, self.identity),
+        ):
             self._spawn(loop)
 
     async def close(self) -> None:
@@ -88,9 +99,14 @@ class MeshClient:
         if not self._tokenizer_known.is_set():
             try:
                 await asyncio.wait_for(self._tokenizer_known.wait(), TOKENIZER_WAIT_S)
-            except asyncio.TimeoutError:
-                raise ApiError(503, "Service unavailable: the tokenizer does not answer; retry later.",
-                               "server_error", None, "service_unavailable") from None
+            except TimeoutError:
+                raise ApiError(
+                    503,
+                    "Service unavailable: the tokenizer does not answer; retry later.",
+                    "server_error",
+                    None,
+                    "service_unavailable",
+                ) from None
         await self._tokenizer.send(request)
 
     def abort(self, request_id: str, reason: str) -> None:
@@ -139,9 +155,20 @@ class MeshClient:
         log.warning("tokenizer restarted", failed_requests=len(self._queues))
         now = time.monotonic()
         for request_id in list(self._queues):
-            self._deliver(request_id, (now, RequestFailed(
-                request_id=request_id, status=503, error_type="server_error", message="Request failed: the tokenizer restarted; retry later.", param=None,
-                code="service_restarted")))
+            self._deliver(
+                request_id,
+                (
+                    now,
+                    RequestFailed(
+                        request_id=request_id,
+                        status=503,
+                        error_type="server_error",
+                        message="Request failed: the tokenizer restarted; retry later.",
+                        param=None,
+                        code="service_restarted",
+                    ),
+                ),
+            )
             self._spawn(self._send_abort(AbortRequest(request_id=request_id, reason="tokenizer restarted")))
 
     # ---- status
@@ -155,7 +182,7 @@ class MeshClient:
             await self._scheduler.send(StatusRequest(requester=self.identity))
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if self._status_waiter is waiter:  # lost query: let the next caller ask again
                 self._status_waiter = None
             return None

@@ -140,15 +140,26 @@ class GatewayMetrics:
 
     def __init__(self):
         p = "pagemesh_"
-        self.ttft = Histogram(p + "time_to_first_token_seconds",
-                              "Time from the request's arrival at the gateway to its first token.", LATENCY_BUCKETS)
-        self.itl = Histogram(p + "inter_token_latency_seconds",
-                             "Time between successive token deltas of one choice.", INTER_TOKEN_BUCKETS)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds",
-                             "Time from arrival to the last token of a successful request.", E2E_BUCKETS)
-        self.queue_time = Histogram(p + "request_queue_time_seconds",
-                                    "Time a request waited before its first step: in the scheduler's queue "
-                                    "plus in its worker's waiting queue.", LATENCY_BUCKETS)
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds",
+            "Time from the request's arrival at the gateway to its first token.",
+            LATENCY_BUCKETS,
+        )
+        self.itl = Histogram(
+            p + "inter_token_latency_seconds",
+            "Time between successive token deltas of one choice.",
+            INTER_TOKEN_BUCKETS,
+        )
+        self.e2e = Histogram(
+            p + "e2e_request_latency_seconds",
+            "Time from arrival to the last token of a successful request.",
+            E2E_BUCKETS,
+        )
+        self.queue_time = Histogram(
+            p + "request_queue_time_seconds",
+            "Time a request waited before its first step: in the scheduler's queue plus in its worker's waiting queue.",
+            LATENCY_BUCKETS,
+        )
         self.success = Counter(p + "request_success_total", "Choices finished, by finish reason.")
         self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens of requests that started generating.")
         self.generation_tokens = Counter(p + "generation_tokens_total", "Tokens generated.")
@@ -157,12 +168,26 @@ class GatewayMetrics:
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Used KV-cache pages / total pages, per worker.")
         self.kv_bytes = Counter(p + "kv_transfer_bytes_total", "KV-cache bytes sent by all workers.")
         self.scheduler_queued = Gauge(p + "scheduler_queued_requests", "Requests waiting in the scheduler.")
-        self.worker_requests = Counter(p + "worker_requests_total", "Requests each worker has finished (or handed off).")
+        self.worker_requests = Counter(
+            p + "worker_requests_total", "Requests each worker has finished (or handed off)."
+        )
 
     def all(self) -> list[_Metric]:
-        return [self.ttft, self.itl, self.e2e, self.queue_time, self.success, self.prompt_tokens,
-                self.generation_tokens, self.running, self.waiting, self.kv_usage, self.kv_bytes,
-                self.scheduler_queued, self.worker_requests]
+        return [
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue_time,
+            self.success,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.running,
+            self.waiting,
+            self.kv_usage,
+            self.kv_bytes,
+            self.scheduler_queued,
+            self.worker_requests,
+        ]
 
     def render(self) -> str:
         return render(self.all())
@@ -176,9 +201,16 @@ class GatewayMetrics:
         by_worker = {w.worker_id: w for w in workers}
         self.running.replace({(("worker", i),): w.running for i, w in by_worker.items()})
         self.waiting.replace({(("worker", i),): w.waiting for i, w in by_worker.items()})
-        self.kv_usage.replace({(("worker", i),): w.kv.used_pages / w.kv.total_pages if w.kv.total_pages else 0.0
-                               for i, w in by_worker.items() if w.kv is not None})
-        self.kv_bytes.mirror({(): sum(w.kv.bytes_sent for w in workers if w.kv is not None)} if status is not None else {})
+        self.kv_usage.replace(
+            {
+                (("worker", i),): w.kv.used_pages / w.kv.total_pages if w.kv.total_pages else 0.0
+                for i, w in by_worker.items()
+                if w.kv is not None
+            }
+        )
+        self.kv_bytes.mirror(
+            {(): sum(w.kv.bytes_sent for w in workers if w.kv is not None)} if status is not None else {}
+        )
         self.scheduler_queued.replace({(): status.queued} if status is not None else {})
         self.worker_requests.mirror({(("worker", i),): w.requests_finished for i, w in by_worker.items()})
 

@@ -18,9 +18,8 @@ from typing import Any
 from common.json_schema import SchemaError, compile_schema
 from common.messages import MAX_ID, GenerateRequest
 from common.protocol import MAX_TOKEN_IDS
-from common.sampling import MAX_LOGIT_BIAS, MAX_SCHEMA_LEN, MAX_STOP_ITEMS, SamplingParams
+from common.sampling import MAX_LOGIT_BIAS, MAX_SCHEMA_LEN, MAX_STOP_ITEMS, MAX_TOKENS_FROM_CONTEXT, SamplingParams
 from gateway.errors import ApiError, from_value_error, invalid
-from common.sampling import MAX_TOKENS_FROM_CONTEXT
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 MAX_MESSAGES = 4096
@@ -47,19 +46,33 @@ class ParsedRequest:
     include_stop_str_in_output: bool
     echo: bool = False  # completions: each choice's text starts with its prompt (and logprobs with the prompt's)
 
-    def to_generate_requests(self, request_id: str, model: str, reply_to: str, arrival_time: float) -> list[GenerateRequest]:
+    def to_generate_requests(
+        self, request_id: str, model: str, reply_to: str, arrival_time: float
+    ) -> list[GenerateRequest]:
         """One GenerateRequest per prompt. A batch of k prompts becomes k requests in the mesh,
         `<request_id>-<i>`; their choices are the response's choices i*n .. i*n+n-1 (vLLM's order)."""
         if self.messages is not None:
             return [self._request(request_id, None, None, model, reply_to, arrival_time)]
         if len(self.prompts) == 1:
             return [self._request(request_id, *self.prompts[0], model, reply_to, arrival_time)]
-        return [self._request(f"{request_id}-{i}", text, ids, model, reply_to, arrival_time)
-                for i, (text, ids) in enumerate(self.prompts)]
+        return [
+            self._request(f"{request_id}-{i}", text, ids, model, reply_to, arrival_time)
+            for i, (text, ids) in enumerate(self.prompts)
+        ]
 
     def _request(self, request_id, text, ids, model, reply_to, arrival_time) -> GenerateRequest:
-        return GenerateRequest(request_id=request_id, model=model, prompt_text=text, prompt_token_ids=ids, messages=self.messages, sampling=self.sampling, stream=self.stream, reply_to=reply_to,
-                               arrival_time=arrival_time, include_stop_str_in_output=self.include_stop_str_in_output)
+        return GenerateRequest(
+            request_id=request_id,
+            model=model,
+            prompt_text=text,
+            prompt_token_ids=ids,
+            messages=self.messages,
+            sampling=self.sampling,
+            stream=self.stream,
+            reply_to=reply_to,
+            arrival_time=arrival_time,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
 
 
 def parse_json(raw: bytes) -> dict:
@@ -117,8 +130,9 @@ def parse_chat(body: dict) -> ParsedRequest:
 def check_model(parsed: ParsedRequest, accepted: tuple[str, ...]) -> None:
     """404 unless the request names one of the served model's names (or none)."""
     if parsed.model is not None and parsed.model not in accepted:
-        raise ApiError(404, f"The model `{parsed.model}` does not exist.", "invalid_request_error",
-                       "model", "model_not_found")
+        raise ApiError(
+            404, f"The model `{parsed.model}` does not exist.", "invalid_request_error", "model", "model_not_found"
+        )
 
 
 # --------------------------------------------------------------------------- parts
@@ -173,8 +187,17 @@ def _parsed(f: _Fields, kind: str, prompts, messages, sampling, logprobs) -> Par
     if options is not None and not stream:
         raise invalid("stream_options: only allowed when stream is true", "stream_options")
     include_usage = _Fields(options or {}, "stream_options.").bool("include_usage", False)
-    return ParsedRequest(kind, f.optional("model", str), prompts, messages, sampling,
-                         stream, include_usage, logprobs, f.bool("include_stop_str_in_output", False))
+    return ParsedRequest(
+        kind,
+        f.optional("model", str),
+        prompts,
+        messages,
+        sampling,
+        stream,
+        include_usage,
+        logprobs,
+        f.bool("include_stop_str_in_output", False),
+    )
 
 
 def _max_tokens(f: _Fields, name: str, default: int) -> int:

@@ -31,8 +31,11 @@ def to_json(payload: dict) -> bytes:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 @dataclass
@@ -48,9 +51,20 @@ class _Choice:
 class ResponseBuilder:
     """Builds one request's response (kind "completion" or "chat") from its deltas."""
 
-    def __init__(self, *, kind: str, request_id: str, model: str, created: int, n: int,
-                 logprobs: int | None, include_usage: bool, token_text: Callable[[int], str],
-                 choices_per_prompt: int | None = None, echo: list[str] | None = None):
+    def __init__(
+        self,
+        *,
+        kind: str,
+        request_id: str,
+        model: str,
+        created: int,
+        n: int,
+        logprobs: int | None,
+        include_usage: bool,
+        token_text: Callable[[int], str],
+        choices_per_prompt: int | None = None,
+        echo: list[str] | None = None,
+    ):
         self.kind, self.model, self.created = kind, model, created
         # Request ids are "cmpl-<hex>"; chat responses are named "chatcmpl-<hex>".
         self.id = request_id if kind == "completion" else "chat" + request_id
@@ -73,7 +87,7 @@ class ResponseBuilder:
         return all(c.finish_reason is not None for c in self.choices)
 
     def choices_finished(self, first: int, count: int) -> bool:
-        return all(c.finish_reason is not None for c in self.choices[first:first + count])
+        return all(c.finish_reason is not None for c in self.choices[first : first + count])
 
     @property
     def completion_tokens(self) -> int:
@@ -112,27 +126,39 @@ class ResponseBuilder:
         if not text and logprobs is None and delta.finish_reason is None:
             return None
         if self.kind == "completion":
-            body = {"index": delta.index, "text": text, "logprobs": logprobs,
-                    "finish_reason": delta.finish_reason}
+            body = {"index": delta.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
         else:
-            body = {"index": delta.index, "delta": {"content": text} if text else {},
-                    "logprobs": logprobs, "finish_reason": delta.finish_reason}
+            body = {
+                "index": delta.index,
+                "delta": {"content": text} if text else {},
+                "logprobs": logprobs,
+                "finish_reason": delta.finish_reason,
+            }
         return self._chunk([body])
 
     def first_chunks(self) -> list[dict]:
         """Chat streams open each choice with the assistant role; completions have no opener."""
         if self.kind == "completion":
             return []
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}]) for i in range(len(self.choices))]
+        return [
+            self._chunk(
+                [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+            )
+            for i in range(len(self.choices))
+        ]
 
     def usage_chunk(self) -> dict:
         """The last chunk when stream_options.include_usage: no choices, the request's usage."""
         return {**self._chunk([]), "usage": self.usage()}
 
     def _chunk(self, choices: list[dict]) -> dict:
-        chunk = {"id": self.id, "object": "text_completion" if self.kind == "completion" else "chat.completion.chunk",
-                 "created": self.created, "model": self.model, "choices": choices}
+        chunk = {
+            "id": self.id,
+            "object": "text_completion" if self.kind == "completion" else "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if self.include_usage:
             chunk["usage"] = None
         return chunk
@@ -147,18 +173,34 @@ class ResponseBuilder:
             if self.kind == "completion":
                 choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
             else:
-                choices.append({"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
-                                "logprobs": logprobs, "finish_reason": c.finish_reason})
-        return {"id": self.id, "object": "text_completion" if self.kind == "completion" else "chat.completion",
-                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
+                choices.append(
+                    {
+                        "index": index,
+                        "message": {"role": "assistant", "content": text, "refusal": None},
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
+        return {
+            "id": self.id,
+            "object": "text_completion" if self.kind == "completion" else "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(),
+        }
 
     # ---- logprobs
 
     def _logprob_entries(self, choice: _Choice, logprobs: list[TokenLogprob]) -> list:
         if self.kind == "chat":
-            return [{**self._token_entry(lp.token_id, lp.logprob),
-                     "top_logprobs": [self._token_entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs)]}
-                    for lp in logprobs]
+            return [
+                {
+                    **self._token_entry(lp.token_id, lp.logprob),
+                    "top_logprobs": [self._token_entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs)],
+                }
+                for lp in logprobs
+            ]
         entries = []
         for lp in logprobs:
             text = self.token_text(lp.token_id)
@@ -187,8 +229,12 @@ class ResponseBuilder:
     def _logprobs_body(self, entries: list) -> dict:
         if self.kind == "chat":
             return {"content": entries}
-        return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
-                "top_logprobs": [e[2] for e in entries], "text_offset": [e[3] for e in entries]}
+        return {
+            "tokens": [e[0] for e in entries],
+            "token_logprobs": [e[1] for e in entries],
+            "top_logprobs": [e[2] for e in entries],
+            "text_offset": [e[3] for e in entries],
+        }
 
 
 def _finite(logprob: float) -> float:

@@ -15,7 +15,9 @@ BLOCK = 1024
 def _silu_and_mul_kernel(
     out_ptr,  # [T, I]
     x_ptr,  # [T, 2 * I]: gate in [:, :I], up in [:, I:]
-    stride_out, stride_x, inter,
+    stride_out,
+    stride_x,
+    inter,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)

@@ -81,15 +81,28 @@ def _dot(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
 
 @triton.jit
 def _attend_tiles(
-    acc, m_i, l_i,  # running output [M, D], row max [M], row sum [M] (fp32, log2 domain)
+    acc,
+    m_i,
+    l_i,  # running output [M, D], row max [M], row sum [M] (fp32, log2 domain)
     q,  # [M, D]
     q_pos,  # [M] absolute position of each row's token
     kv_ptr,  # [num_pages, 2, PAGE_SIZE, KVH, D]
     bt_row_ptr,  # [max_pages] this sequence's block-table row
-    tile_lo, tile_hi, kv_end, qk_scale,
-    kv_head_off, stride_kv_kind, stride_kv_page, stride_kv_slot,
-    BLOCK_M: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, UPCAST_DOT: tl.constexpr, IEEE_DOT: tl.constexpr,
+    tile_lo,
+    tile_hi,
+    kv_end,
+    qk_scale,
+    kv_head_off,
+    stride_kv_kind,
+    stride_kv_page,
+    stride_kv_slot,
+    BLOCK_M: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
 ):
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -100,8 +113,7 @@ def _attend_tiles(
             page = tl.load(bt_row_ptr + key_pos // PAGE_SIZE, mask=key_ok, other=0)
         else:
             page = tl.load(bt_row_ptr + key_pos // PAGE_SIZE)
-        key_off = (page.to(tl.int64) * stride_kv_page
-                   + (key_pos % PAGE_SIZE).to(tl.int64) * stride_kv_slot + kv_head_off)
+        key_off = page.to(tl.int64) * stride_kv_page + (key_pos % PAGE_SIZE).to(tl.int64) * stride_kv_slot + kv_head_off
         k_ptrs = kv_ptr + key_off[None, :] + offs_d[:, None]  # [D, TILE_N]
         v_ptrs = kv_ptr + stride_kv_kind + key_off[:, None] + offs_d[None, :]  # [TILE_N, D]
         if MASKED:
@@ -155,10 +167,18 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_pages] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
-    num_seqs, num_splits, qk_scale,
-    stride_q_tok, stride_q_head,
-    stride_o_tok, stride_o_head, stride_o_split,
-    stride_kv_page, stride_kv_kind, stride_kv_slot, stride_kv_head,
+    num_seqs,
+    num_splits,
+    qk_scale,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_o_split,
+    stride_kv_page,
+    stride_kv_kind,
+    stride_kv_slot,
+    stride_kv_head,
     stride_bt_seq,
     QPK: tl.constexpr,  # query heads per kv head
     QPK_PAD: tl.constexpr,  # next power of two of QPK
@@ -217,16 +237,52 @@ def _paged_attention_kernel(
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     kv_head_off = kv_head.to(tl.int64) * stride_kv_head
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, q_pos, kv_ptr, bt_row_ptr,
-        tile_lo, tl.minimum(tile_hi, num_full), kv_end, qk_scale,
-        kv_head_off, stride_kv_kind, stride_kv_page, stride_kv_slot,
-        BLOCK_M, PAGE_SIZE, TILE_N, HEAD_DIM, False, UPCAST_DOT, IEEE_DOT,
+        acc,
+        m_i,
+        l_i,
+        q,
+        q_pos,
+        kv_ptr,
+        bt_row_ptr,
+        tile_lo,
+        tl.minimum(tile_hi, num_full),
+        kv_end,
+        qk_scale,
+        kv_head_off,
+        stride_kv_kind,
+        stride_kv_page,
+        stride_kv_slot,
+        BLOCK_M,
+        PAGE_SIZE,
+        TILE_N,
+        HEAD_DIM,
+        False,
+        UPCAST_DOT,
+        IEEE_DOT,
     )
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, q_pos, kv_ptr, bt_row_ptr,
-        tl.maximum(tile_lo, num_full), tile_hi, kv_end, qk_scale,
-        kv_head_off, stride_kv_kind, stride_kv_page, stride_kv_slot,
-        BLOCK_M, PAGE_SIZE, TILE_N, HEAD_DIM, True, UPCAST_DOT, IEEE_DOT,
+        acc,
+        m_i,
+        l_i,
+        q,
+        q_pos,
+        kv_ptr,
+        bt_row_ptr,
+        tl.maximum(tile_lo, num_full),
+        tile_hi,
+        kv_end,
+        qk_scale,
+        kv_head_off,
+        stride_kv_kind,
+        stride_kv_page,
+        stride_kv_slot,
+        BLOCK_M,
+        PAGE_SIZE,
+        TILE_N,
+        HEAD_DIM,
+        True,
+        UPCAST_DOT,
+        IEEE_DOT,
     )
 
     out_off = (q_start + tok).to(tl.int64) * stride_o_tok + head.to(tl.int64) * stride_o_head
@@ -236,12 +292,10 @@ def _paged_attention_kernel(
         lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
         part_off = out_off + split * stride_o_split
         tl.store(lse_ptr + part_off // HEAD_DIM, lse, mask=row_ok)
-        tl.store(out_ptr + part_off[:, None] + offs_d[None, :], acc / l_safe[:, None],
-                 mask=row_ok[:, None])
+        tl.store(out_ptr + part_off[:, None] + offs_d[None, :], acc / l_safe[:, None], mask=row_ok[:, None])
     else:
         out = acc / l_i[:, None]
-        tl.store(out_ptr + out_off[:, None] + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(out_ptr + out_off[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -249,8 +303,10 @@ def _reduce_splits_kernel(
     out_ptr,  # [T, H, D] model dtype
     part_ptr,  # [T, H, S, D] fp32
     lse_ptr,  # [T, H, S] fp32
-    num_heads, num_splits,
-    stride_o_tok, stride_o_head,
+    num_heads,
+    num_splits,
+    stride_o_tok,
+    stride_o_head,
     HEAD_DIM: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
@@ -262,8 +318,7 @@ def _reduce_splits_kernel(
     row = (tok.to(tl.int64) * num_heads + head) * num_splits + offs_s  # [SPLITS_PAD]
     lse = tl.load(lse_ptr + row, mask=split_ok, other=float("-inf"))
     weight = tl.math.exp2(lse - tl.max(lse, 0))  # empty splits: exp2(-inf) = 0
-    part = tl.load(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                   mask=split_ok[:, None], other=0.0)
+    part = tl.load(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=split_ok[:, None], other=0.0)
     out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
     out_off = tok.to(tl.int64) * stride_o_tok + head.to(tl.int64) * stride_o_head
     tl.store(out_ptr + out_off + offs_d, out.to(out_ptr.dtype.element_ty))
@@ -321,8 +376,7 @@ def paged_attention(
     grid = (num_q_blocks, num_kv_heads, num_splits)
     split = num_splits > 1
     if split:
-        part = torch.empty(num_tokens, num_heads, num_splits, head_dim,
-                           dtype=torch.float32, device=q.device)
+        part = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
         target, o_strides = part, part.stride()[:3]
     else:
@@ -330,21 +384,48 @@ def paged_attention(
         target, o_strides = out, (out.stride(0), out.stride(1), 0)
 
     _paged_attention_kernel[grid](
-        target, lse, q, kv_layer, block_tables, seq_lens, query_start_loc,
-        num_seqs, num_splits, scale * math.log2(math.e),
-        q.stride(0), q.stride(1),
+        target,
+        lse,
+        q,
+        kv_layer,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        num_seqs,
+        num_splits,
+        scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
         *o_strides,
-        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+        kv_layer.stride(0),
+        kv_layer.stride(1),
+        kv_layer.stride(2),
+        kv_layer.stride(3),
         block_tables.stride(0),
-        QPK=group, QPK_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
-        PAGE_SIZE=page_size, TILE_N=cfg.tile_n,
-        ONE_BLOCK_PER_SEQ=one_block_per_seq, SPLIT=split,
-        UPCAST_DOT=upcast_bf16_dot(q.dtype), IEEE_DOT=q.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        QPK=group,
+        QPK_PAD=group_pad,
+        BLOCK_Q=block_q,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        TILE_N=cfg.tile_n,
+        ONE_BLOCK_PER_SEQ=one_block_per_seq,
+        SPLIT=split,
+        UPCAST_DOT=upcast_bf16_dot(q.dtype),
+        IEEE_DOT=q.dtype == torch.float32,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if split:
         _reduce_splits_kernel[(num_tokens, num_heads)](
-            out, part, lse, num_heads, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, SPLITS_PAD=next_power_of_2(num_splits), num_warps=4,
+            out,
+            part,
+            lse,
+            num_heads,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            SPLITS_PAD=next_power_of_2(num_splits),
+            num_warps=4,
         )
     return out

@@ -15,8 +15,14 @@ def _write_kv_kernel(
     k_ptr,  # [T, KVH, D]
     v_ptr,  # [T, KVH, D]
     slot_mapping_ptr,  # [T] int64: page * PAGE_SIZE + slot, negative = skip
-    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-    stride_kv_page, stride_kv_kind, stride_kv_slot, stride_kv_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_kv_page,
+    stride_kv_kind,
+    stride_kv_slot,
+    stride_kv_head,
     NUM_KV_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -29,12 +35,14 @@ def _write_kv_kernel(
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     mask = (offs_h < NUM_KV_HEADS)[:, None]
-    dst = ((slot // PAGE_SIZE) * stride_kv_page + (slot % PAGE_SIZE) * stride_kv_slot
-           + offs_h[:, None] * stride_kv_head + offs_d[None, :])  # [HEADS_PAD, D]
-    k = tl.load(k_ptr + tok * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :],
-                mask=mask)
-    v = tl.load(v_ptr + tok * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :],
-                mask=mask)
+    dst = (
+        (slot // PAGE_SIZE) * stride_kv_page
+        + (slot % PAGE_SIZE) * stride_kv_slot
+        + offs_h[:, None] * stride_kv_head
+        + offs_d[None, :]
+    )  # [HEADS_PAD, D]
+    k = tl.load(k_ptr + tok * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + tok * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :], mask=mask)
     tl.store(kv_ptr + dst, k, mask=mask)
     tl.store(kv_ptr + stride_kv_kind + dst, v, mask=mask)
 
@@ -50,8 +58,7 @@ def write_kv(
     check_launchable("write_kv", k, v, kv_layer)
     num_tokens, num_kv_heads, head_dim = k.shape
     if v.shape != k.shape or kv_layer.shape[3:] != k.shape[1:] or kv_layer.shape[1] != 2:
-        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)} do not match kv_layer "
-                         f"{tuple(kv_layer.shape)}")
+        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)} do not match kv_layer {tuple(kv_layer.shape)}")
     if k.dtype != kv_layer.dtype or v.dtype != kv_layer.dtype:
         raise ValueError(f"k/v are {k.dtype}/{v.dtype} but kv_layer is {kv_layer.dtype}")
     if k.stride(-1) != 1 or v.stride(-1) != 1 or kv_layer.stride(-1) != 1:
@@ -59,9 +66,21 @@ def write_kv(
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](
-        kv_layer, k, v, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
-        NUM_KV_HEADS=num_kv_heads, HEADS_PAD=next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, PAGE_SIZE=kv_layer.shape[2], num_warps=4,
+        kv_layer,
+        k,
+        v,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kv_layer.stride(0),
+        kv_layer.stride(1),
+        kv_layer.stride(2),
+        kv_layer.stride(3),
+        NUM_KV_HEADS=num_kv_heads,
+        HEADS_PAD=next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=kv_layer.shape[2],
+        num_warps=4,
     )

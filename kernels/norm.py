@@ -16,8 +16,12 @@ def _rms_norm_kernel(
     x_ptr,  # [T, N]
     residual_ptr,  # [T, N] (HAS_RESIDUAL only)
     weight_ptr,  # [N]
-    stride_out, stride_res_out, stride_x, stride_res,
-    n_cols, eps,
+    stride_out,
+    stride_res_out,
+    stride_x,
+    stride_res,
+    n_cols,
+    eps,
     BLOCK_N: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
 ):
@@ -33,8 +37,7 @@ def _rms_norm_kernel(
         x = summed.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols,
-             (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(x, residual, weight, eps):
@@ -50,10 +53,20 @@ def _launch(x, residual, weight, eps):
     num_warps = 4 if block_n <= 1024 else (8 if block_n <= 8192 else 16)
     res_in = residual if residual is not None else x
     _rms_norm_kernel[(num_rows,)](
-        out, res_out, x, res_in, weight,
-        out.stride(0), res_out.stride(0), x.stride(0), res_in.stride(0),
-        n_cols, eps,
-        BLOCK_N=block_n, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
+        out,
+        res_out,
+        x,
+        res_in,
+        weight,
+        out.stride(0),
+        res_out.stride(0),
+        x.stride(0),
+        res_in.stride(0),
+        n_cols,
+        eps,
+        BLOCK_N=block_n,
+        HAS_RESIDUAL=residual is not None,
+        num_warps=num_warps,
     )
     return out, res_out
 

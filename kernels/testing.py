@@ -28,8 +28,16 @@ class PagedBatch:
     max_seq_len: int
 
     def attention_args(self) -> tuple:
-        return (self.q, self.kv_layer, self.block_tables, self.seq_lens, self.query_start_loc,
-                self.scale, self.max_query_len, self.max_seq_len)
+        return (
+            self.q,
+            self.kv_layer,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.scale,
+            self.max_query_len,
+            self.max_seq_len,
+        )
 
 
 def make_paged_batch(
@@ -68,7 +76,9 @@ def make_paged_batch(
         order = torch.randperm(num_pages - 1, generator=gen)[:needed] + 1
 
     pool_shape = (num_pages, 2, page_size, num_kv_heads, head_dim)
-    kv_layer = torch.zeros(pool_shape, dtype=dtype, device=device)  # unowned slots: 0, as in the engine, unless poisoned
+    kv_layer = torch.zeros(
+        pool_shape, dtype=dtype, device=device
+    )  # unowned slots: 0, as in the engine, unless poisoned
     if poison and not pages_at_end:
         kv_layer.fill_(float("nan"))
     elif poison:
@@ -79,14 +89,13 @@ def make_paged_batch(
     slots = []
     used = 0
     for s, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens)):
-        pages = order[used: used + pages_per_seq[s]]
+        pages = order[used : used + pages_per_seq[s]]
         used += pages_per_seq[s]
         block_tables[s, : len(pages)] = pages.to(torch.int32)
-        values = torch.randn((len(pages), 2, page_size, num_kv_heads, head_dim),
-                             generator=dev_gen, device=device)
+        values = torch.randn((len(pages), 2, page_size, num_kv_heads, head_dim), generator=dev_gen, device=device)
         tail = len(pages) * page_size - seq_len
         if poison and tail:
-            values[-1, :, page_size - tail:] = float("nan")
+            values[-1, :, page_size - tail :] = float("nan")
         kv_layer[pages.to(device)] = values.to(dtype)
         positions = torch.arange(seq_len - q_len, seq_len)
         slots.append(pages[positions // page_size].long() * page_size + positions % page_size)

@@ -1,13 +1,13 @@
 """`pagemesh <command>`: one entry for every process kind and tool.
 
-    pagemesh up          the whole mesh on this machine (gateway, tokenizer, scheduler, workers)
-    pagemesh gateway     one process of a kind (what compose runs) ...
-    pagemesh tokenizer
-    pagemesh scheduler
-    pagemesh worker --role prefill|decode|mixed
-    pagemesh generate    offline: run prompts through one in-process engine and print them
-    pagemesh bench       load generator for any OpenAI-compatible server
-    pagemesh experiment  the experiments of the papers (paged-memory, orca, sarathi, ...)
+pagemesh up          the whole mesh on this machine (gateway, tokenizer, scheduler, workers)
+pagemesh gateway     one process of a kind (what compose runs) ...
+pagemesh tokenizer
+pagemesh scheduler
+pagemesh worker --role prefill|decode|mixed
+pagemesh generate    offline: run prompts through one in-process engine and print them
+pagemesh bench       load generator for any OpenAI-compatible server
+pagemesh experiment  the experiments of the papers (paged-memory, orca, sarathi, ...)
 """
 
 from __future__ import annotations

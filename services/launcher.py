@@ -62,18 +62,71 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
     procs = [
         ("scheduler", ["scheduler", "--address", sched, *policy_args_to_argv(args), *common]),
-        ("tokenizer", ["tokenizer", "--address", tok, "--output-address", tok_out, "--scheduler-address", sched,
-                       "--name", "tokenizer-0", *model, *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []), *common]),
+        (
+            "tokenizer",
+            [
+                "tokenizer",
+                "--address",
+                tok,
+                "--output-address",
+                tok_out,
+                "--scheduler-address",
+                sched,
+                "--name",
+                "tokenizer-0",
+                *model,
+                *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
+                *common,
+            ],
+        ),
     ]
     for role, count in (("prefill", args.prefill), ("decode", args.decode), ("mixed", args.mixed)):
         for i in range(count):
             name = f"{role}-{i}"
             kv = ["--kv-address", ipc_address(run_dir, f"kv-{name}")] if role == "decode" else []
-            procs.append((name, ["worker", "--role", role, "--worker-id", name, "--scheduler-address", sched,
-                                 "--threads", str(threads), "--transfer-timeout", str(args.transfer_timeout), *kv, *engine, *common]))
-    procs.append(("gateway", ["gateway", "--host", args.host, "--port", str(args.port), "--tokenizer-address", tok,
-                              "--scheduler-address", sched, "--reply-address", ipc_address(run_dir, "gateway-0"),
-                              "--name", "gateway-0", *model, *common]))
+            procs.append(
+                (
+                    name,
+                    [
+                        "worker",
+                        "--role",
+                        role,
+                        "--worker-id",
+                        name,
+                        "--scheduler-address",
+                        sched,
+                        "--threads",
+                        str(threads),
+                        "--transfer-timeout",
+                        str(args.transfer_timeout),
+                        *kv,
+                        *engine,
+                        *common,
+                    ],
+                )
+            )
+    procs.append(
+        (
+            "gateway",
+            [
+                "gateway",
+                "--host",
+                args.host,
+                "--port",
+                str(args.port),
+                "--tokenizer-address",
+                tok,
+                "--scheduler-address",
+                sched,
+                "--reply-address",
+                ipc_address(run_dir, "gateway-0"),
+                "--name",
+                "gateway-0",
+                *model,
+                *common,
+            ],
+        )
+    )
     return procs
 
 
@@ -100,7 +153,9 @@ def visible_gpus(device: str) -> list[str]:
     return listed[:count] if listed else [str(i) for i in range(count)]
 
 
-def on_gpus(args: argparse.Namespace, procs: list[tuple[str, list[str]]]) -> list[tuple[str, list[str], dict[str, str]]]:
+def on_gpus(
+    args: argparse.Namespace, procs: list[tuple[str, list[str]]]
+) -> list[tuple[str, list[str], dict[str, str]]]:
     """(name, argv, environment overrides) per process: a worker on CUDA sees its one GPU, and
     its argv ends with its share of that GPU's memory when others share it."""
     workers = [name for name, argv in procs if argv[0] == "worker"]
@@ -129,17 +184,20 @@ class Mesh:
     async def start(self) -> None:
         with Pull(ipc_address(self.run_dir, "ready")) as ready:
             for name, argv, env in on_gpus(self.args, plan(self.args, self.run_dir)):
-                self.children[name] = subprocess.Popen([sys.executable, "-m", "services.cli", *argv],
-                                                       env={**os.environ, **env} if env else None)
+                self.children[name] = subprocess.Popen(
+                    [sys.executable, "-m", "services.cli", *argv], env={**os.environ, **env} if env else None
+                )
             waiting = set(self.children)
             deadline = time.monotonic() + self.args.ready_timeout
             while waiting:
                 self._check_alive()
                 try:
                     msg = await asyncio.wait_for(ready.recv(), timeout=0.5)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"not ready after {self.args.ready_timeout:.0f}s: {sorted(waiting)}")
+                        raise RuntimeError(
+                            f"not ready after {self.args.ready_timeout:.0f}s: {sorted(waiting)}"
+                        ) from None
                     continue
                 if isinstance(msg, Ready):
                     waiting.discard(msg.name if msg.name in waiting else msg.service)

@@ -9,11 +9,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.experiments.report import Report, load_average
 from common.model_files import resolve_model_path, served_model_name
 from common.sampling import SamplingParams
-from bench.experiments.report import Report, load_average
 from workers.engine.config import EngineConfig
-
 
 DEFAULT_NUM_PAGES = 1025  # 16,384 token slots at 16 per page: ample for every workload here
 
@@ -37,8 +36,16 @@ class Context:
         return served_model_name(resolve_model_path(self.model_path))
 
     def report(self, title: str) -> Report:
-        return Report(self.name, title, self.command, model=self.model_label(), seed=self.seed,
-                      threads=self.threads, started=self.started, load_at_start=self.load_at_start)
+        return Report(
+            self.name,
+            title,
+            self.command,
+            model=self.model_label(),
+            seed=self.seed,
+            threads=self.threads,
+            started=self.started,
+            load_at_start=self.load_at_start,
+        )
 
     def model_label(self) -> str:
         dtype = self._dtype or str(EngineConfig().resolve_dtype(EngineConfig().resolve_device())).removeprefix("torch.")

@@ -12,10 +12,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, fields
 
-from common.sampling import SamplingParams
 from bench.experiments.driver import drive
 from bench.experiments.report import new_figure
 from bench.experiments.workload import Job, random_prompt
+from common.sampling import SamplingParams
 from workers.engine.config import EngineConfig
 
 
@@ -44,10 +44,13 @@ def run_one(ctx, setup: Setup, prompt_len: int, output_len: int, kind: str) -> d
     if kind == "parallel":
         params = SamplingParams(n=setup.width, temperature=1.0, seed=ctx.seed, max_tokens=output_len, ignore_eos=True)
     else:
-        params = SamplingParams(n=setup.width, use_beam_search=True, temperature=0.0, max_tokens=output_len,
-                                ignore_eos=True)
-    jobs = [Job(f"{kind}{i}", random_prompt(rng, prompt_len, engine.model_config.vocab_size), params)
-            for i in range(setup.num_requests)]
+        params = SamplingParams(
+            n=setup.width, use_beam_search=True, temperature=0.0, max_tokens=output_len, ignore_eos=True
+        )
+    jobs = [
+        Job(f"{kind}{i}", random_prompt(rng, prompt_len, engine.model_config.vocab_size), params)
+        for i in range(setup.num_requests)
+    ]
     peak = {"with": 0, "without": 0}
 
     def record(engine, now: float) -> None:
@@ -67,16 +70,32 @@ def run(ctx):
     report = ctx.report("Copy-on-write: pages for parallel sampling and beam search")
     report.text(__doc__.split("\n\n", 1)[1])
     if not has_beam_search():
-        report.text("**Beam search is not measured:** `SamplingParams(use_beam_search=True)` did not exist in the "
-                    "engine when this ran; only parallel sampling (n samples) is shown.")
-    report.text(f"{setup.num_requests} requests at once, each with n = {setup.width} (temperature 1, seeded) "
-                f"or beam width {setup.width}; EOS ignored, so every sequence runs to its output length; "
-                f"{page_size} tokens per page.")
+        report.text(
+            "**Beam search is not measured:** `SamplingParams(use_beam_search=True)` did not exist in the "
+            "engine when this ran; only parallel sampling (n samples) is shown."
+        )
+    report.text(
+        f"{setup.num_requests} requests at once, each with n = {setup.width} (temperature 1, seeded) "
+        f"or beam width {setup.width}; EOS ignored, so every sequence runs to its output length; "
+        f"{page_size} tokens per page."
+    )
     names = {"parallel": f"parallel sampling, n={setup.width}", "beam": f"beam search, width {setup.width}"}
-    rows = [(names[p["kind"]], p["prompt"], p["output"], p["with"], p["without"], f"{saving(p['with'], p['without']):.1%}")
-            for p in points]
-    report.table(("decoding", "prompt tokens", "output tokens", "peak pages, copy-on-write (engine)",
-                  "peak pages, one copy per sequence", "memory saved"), rows, caption="Result")
+    rows = [
+        (names[p["kind"]], p["prompt"], p["output"], p["with"], p["without"], f"{saving(p['with'], p['without']):.1%}")
+        for p in points
+    ]
+    report.table(
+        (
+            "decoding",
+            "prompt tokens",
+            "output tokens",
+            "peak pages, copy-on-write (engine)",
+            "peak pages, one copy per sequence",
+            "memory saved",
+        ),
+        rows,
+        caption="Result",
+    )
     figure, (axis,) = new_figure(1, width=7)
     labels = [f"{p['kind']}\n{p['prompt']}+{p['output']}" for p in points]
     x = range(len(points))
@@ -88,10 +107,14 @@ def run(ctx):
     report.figure("pages", figure, "Peak pages in use with sharing, and what private copies would take.")
     report.text(
         "The saving is about the prompt's share of a sequence's pages times (n-1)/n: large for a long prompt with a "
-        "short output, small for a short prompt with a long output. The paper (§6.3) reports 6.1–9.8% saved for parallel "
+        "short output, small for a short prompt with a long output. The paper (§6.3) reports 6.1–9.8% saved for "
+        "parallel "
         "sampling and 37.6–55.2% for beam search on Alpaca, whose prompts are short (beams also share their "
         "common output). Page counts do not depend on CPU speed."
     )
-    report.key = "cow: " + "; ".join(f"{p['kind']} {p['prompt']}+{p['output']}: {p['with']} vs {p['without']} pages "
-                                     f"({saving(p['with'], p['without']):.0%} saved)" for p in points)
+    report.key = "cow: " + "; ".join(
+        f"{p['kind']} {p['prompt']}+{p['output']}: {p['with']} vs {p['without']} pages "
+        f"({saving(p['with'], p['without']):.0%} saved)"
+        for p in points
+    )
     return report

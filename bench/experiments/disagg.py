@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.model_files import resolve_model_path
-from common.tokenizer import Tokenizer
-from bench.loadgen.datasets import DatasetSpec, conversations
 from bench.experiments.mesh import bench
 from bench.experiments.report import new_figure
+from bench.loadgen.datasets import DatasetSpec, conversations
 from bench.local_mesh import metrics, running_mesh
+from common.model_files import resolve_model_path
+from common.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,10 @@ def stall_share(itls: list[float]) -> float:
 def topologies(threads: int) -> list[tuple[str, list[str]]]:
     """(label, `pagemesh up` flags): the same threads in all when there are two or more to split;
     with one (a busy machine), one per worker, so the disaggregated mesh runs two."""
-    return [("disaggregated 1P+1D", ["--threads-per-worker", str(max(1, threads // 2))]),
-            ("mixed 1", ["--mixed", "1", "--threads-per-worker", str(threads)])]
+    return [
+        ("disaggregated 1P+1D", ["--threads-per-worker", str(max(1, threads // 2))]),
+        ("mixed 1", ["--mixed", "1", "--threads-per-worker", str(threads)]),
+    ]
 
 
 def run(ctx):
@@ -58,24 +60,68 @@ def run(ctx):
         with running_mesh(*flags, "--seed", str(ctx.seed), *model) as url:
             summary, results = bench(url, workload, tokenizer, setup.rate, ctx.seed)
             kv_bytes = metrics(url).get("pagemesh_kv_transfer_bytes_total", 0.0)
-        points.append({"label": label, "flags": " ".join(flags), "summary": summary, "kv_bytes": kv_bytes,
-                       "itls": sorted(gap for r in results if r.success for gap in r.itl)})
+        points.append(
+            {
+                "label": label,
+                "flags": " ".join(flags),
+                "summary": summary,
+                "kv_bytes": kv_bytes,
+                "itls": sorted(gap for r in results if r.success for gap in r.itl),
+            }
+        )
 
     report = ctx.report("Disaggregated prefill/decode vs one mixed worker")
     report.text(__doc__.split("\n\n", 1)[1])
-    report.table(("", "value"), [
-        ("requests", f"{setup.num_requests} (+1 unmeasured warm-up), Poisson at {setup.rate:g} req/s"),
-        ("prompt / output tokens", f"{setup.input_len} / {setup.output_len} (random real tokens, sent as ids, EOS ignored)"),
-        ("torch threads per worker", ", ".join(f"{label}: {flags[flags.index('--threads-per-worker') + 1]}"
-                                               for label, flags in topologies(ctx.threads))),
-    ] + [(f"`pagemesh up` for {p['label']}", f"`{p['flags']}`") for p in points], caption="Workload")
+    report.table(
+        ("", "value"),
+        [
+            ("requests", f"{setup.num_requests} (+1 unmeasured warm-up), Poisson at {setup.rate:g} req/s"),
+            (
+                "prompt / output tokens",
+                f"{setup.input_len} / {setup.output_len} (random real tokens, sent as ids, EOS ignored)",
+            ),
+            (
+                "torch threads per worker",
+                ", ".join(
+                    f"{label}: {flags[flags.index('--threads-per-worker') + 1]}"
+                    for label, flags in topologies(ctx.threads)
+                ),
+            ),
+        ]
+        + [(f"`pagemesh up` for {p['label']}", f"`{p['flags']}`") for p in points],
+        caption="Workload",
+    )
     rows = []
     for p in points:
         s = p["summary"]
-        rows.append((p["label"], s["completed"], s["median_ttft_ms"], s["p99_ttft_ms"], s["median_itl_ms"], s["p90_itl_ms"],
-                     s["p99_itl_ms"], s["output_throughput"], p["kv_bytes"] / 2**20))
-    report.table(("topology", "completed", "p50 TTFT (ms)", "p99 TTFT (ms)", "p50 ITL (ms)", "p90 ITL (ms)", "p99 ITL (ms)",
-                  "output tok/s", "KV sent (MiB)"), rows, caption="Result")
+        rows.append(
+            (
+                p["label"],
+                s["completed"],
+                s["median_ttft_ms"],
+                s["p99_ttft_ms"],
+                s["median_itl_ms"],
+                s["p90_itl_ms"],
+                s["p99_itl_ms"],
+                s["output_throughput"],
+                p["kv_bytes"] / 2**20,
+            )
+        )
+    report.table(
+        (
+            "topology",
+            "completed",
+            "p50 TTFT (ms)",
+            "p99 TTFT (ms)",
+            "p50 ITL (ms)",
+            "p90 ITL (ms)",
+            "p99 ITL (ms)",
+            "output tok/s",
+            "KV sent (MiB)",
+        ),
+        rows,
+        caption="Result",
+    )
     figure, (left, right) = new_figure(2)
     labels = [p["label"] for p in points]
     for axis, metric in ((left, "ttft"), (right, "itl")):
@@ -90,7 +136,12 @@ def run(ctx):
     for p in points:
         n = len(p["itls"])
         axis.plot([g * 1000 for g in p["itls"]], [(i + 1) / n for i in range(n)], label=p["label"])
-    axis.set(xscale="log", xlabel="inter-token latency (ms, log scale)", ylabel="fraction of gaps ≤ x", title="ITL distribution")
+    axis.set(
+        xscale="log",
+        xlabel="inter-token latency (ms, log scale)",
+        ylabel="fraction of gaps ≤ x",
+        title="ITL distribution",
+    )
     axis.legend()
     report.figure("itl_cdf", figure, "Cumulative distribution of every inter-token gap: prefill stalls are the tail.")
     d, m = points[0]["summary"], points[1]["summary"]
@@ -98,16 +149,23 @@ def run(ctx):
     if 2 * split == mixed:
         cores = f"Both topologies ran {mixed} torch threads in all."
     else:
-        cores = (f"The machine was busy, so every worker ran {split} thread: {2 * split} threads for the "
-                 f"disaggregated mesh against {mixed} for the mixed worker, on the same 2 shared cores.")
+        cores = (
+            f"The machine was busy, so every worker ran {split} thread: {2 * split} threads for the "
+            f"disaggregated mesh against {mixed} for the mixed worker, on the same 2 shared cores."
+        )
     stalls = [stall_share(p["itls"]) for p in points]
     per_request_mib = points[0]["kv_bytes"] / 2**20 / (setup.num_requests + 1)
-    medians = ("The split also wins on the medians here." if d["median_itl_ms"] <= m["median_itl_ms"]
-               and d["median_ttft_ms"] <= m["median_ttft_ms"] else
-               "On the medians the split costs more than it saves here: the two processes compete for the same "
-               "cores and the decode worker also takes in the KV pages.")
-    verdict = ("Keeping prompts off the decode worker removes most of those stalls: the effect the papers build on."
-               if stalls[0] < stalls[1] else "The split did not remove the stalls here.")
+    medians = (
+        "The split also wins on the medians here."
+        if d["median_itl_ms"] <= m["median_itl_ms"] and d["median_ttft_ms"] <= m["median_ttft_ms"]
+        else "On the medians the split costs more than it saves here: the two processes compete for the same "
+        "cores and the decode worker also takes in the KV pages."
+    )
+    verdict = (
+        "Keeping prompts off the decode worker removes most of those stalls: the effect the papers build on."
+        if stalls[0] < stalls[1]
+        else "The split did not remove the stalls here."
+    )
     report.text(
         f"**Stalls.** In the mixed worker {stalls[1]:.0%} of the inter-token gaps are more than twice its median "
         f"(a prompt chunk in the decode step), against {stalls[0]:.0%} on the decode worker; p90 / p99 ITL "
@@ -121,8 +179,11 @@ def run(ctx):
         f"DistServe and Splitwise gain because each phase gets its own GPUs, sized and parallelized for it; one small "
         f"CPU machine cannot add hardware, so here the split can only move work off the decode steps."
     )
-    report.key = (f"disagg: gaps > 2x median {stalls[0]:.0%} vs {stalls[1]:.0%}, p50 ITL {d['median_itl_ms']:.0f} vs "
-                  f"{m['median_itl_ms']:.0f} ms, p99 ITL {d['p99_itl_ms']:.0f} vs {m['p99_itl_ms']:.0f} ms, p50 TTFT {d['median_ttft_ms']:.0f} vs "
-                  f"{m['median_ttft_ms']:.0f} ms, {d['output_throughput']:.1f} vs {m['output_throughput']:.1f} tok/s "
-                  f"(1P+1D vs mixed)")
+    report.key = (
+        f"disagg: gaps > 2x median {stalls[0]:.0%} vs {stalls[1]:.0%}, p50 ITL {d['median_itl_ms']:.0f} vs "
+        f"{m['median_itl_ms']:.0f} ms, p99 ITL {d['p99_itl_ms']:.0f} vs {m['p99_itl_ms']:.0f} ms, p50 TTFT "
+        f"{d['median_ttft_ms']:.0f} vs "
+        f"{m['median_ttft_ms']:.0f} ms, {d['output_throughput']:.1f} vs {m['output_throughput']:.1f} tok/s "
+        f"(1P+1D vs mixed)"
+    )
     return report

@@ -12,8 +12,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from bench.loadgen.metrics import latency_stats
 from bench.experiments.workload import Job
+from bench.loadgen.metrics import latency_stats
 
 
 @dataclass
@@ -72,7 +72,9 @@ def summarize(run: Run, percentiles: Sequence[float] = (50.0, 99.0)) -> dict[str
         "completed": len(done),
         "duration_s": run.duration,
         "output_throughput": out_tokens / run.duration if run.duration > 0 else 0.0,
-        "total_token_throughput": (out_tokens + sum(t.prompt_len for t in done)) / run.duration if run.duration > 0 else 0.0,
+        "total_token_throughput": (out_tokens + sum(t.prompt_len for t in done)) / run.duration
+        if run.duration > 0
+        else 0.0,
     }
     summary |= latency_stats("ttft", [t.ttft for t in done if t.ttft is not None], percentiles)
     summary |= latency_stats("itl", [g for t in done for g in t.itls()], percentiles)
@@ -82,9 +84,14 @@ def summarize(run: Run, percentiles: Sequence[float] = (50.0, 99.0)) -> dict[str
     return summary
 
 
-def drive(engine, jobs: Sequence[Job], *, on_step: Callable[[object, float], None] | None = None,
-          inject: Callable[[Run, float], list[Job]] | None = None,
-          until: Callable[[Run], bool] | None = None) -> Run:
+def drive(
+    engine,
+    jobs: Sequence[Job],
+    *,
+    on_step: Callable[[object, float], None] | None = None,
+    inject: Callable[[Run, float], list[Job]] | None = None,
+    until: Callable[[Run], bool] | None = None,
+) -> Run:
     """Run `jobs` (added at their arrival times) to completion.
 
     `on_step(engine, now)` runs after every step; `inject(run, now)` may return more jobs to
@@ -110,8 +117,15 @@ def drive(engine, jobs: Sequence[Job], *, on_step: Callable[[object, float], Non
         began = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter() - start
-        run.steps.append(StepRecord(now, time.perf_counter() - began, engine.stats.tokens - tokens,
-                                    engine.stats.decode_tokens - decodes, len(engine.scheduler.running)))
+        run.steps.append(
+            StepRecord(
+                now,
+                time.perf_counter() - began,
+                engine.stats.tokens - tokens,
+                engine.stats.decode_tokens - decodes,
+                len(engine.scheduler.running),
+            )
+        )
         for out in outputs:
             trace = run.traces[out.request_id]
             for choice in out.outputs:

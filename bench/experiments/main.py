@@ -28,15 +28,20 @@ EXPERIMENTS = {
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pagemesh experiment", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pagemesh experiment", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("name", choices=[*EXPERIMENTS, "list"], help="experiment to run ('list' shows them)")
     p.add_argument("--out", default="experiments-out", help="folder for NAME.md and NAME_*.png")
     p.add_argument("--quick", action="store_true", help="a much smaller workload (smoke test; figures not meaningful)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the embedded SmolLM2-135M)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per engine (default: all cores if the machine is idle, else 1)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per engine (default: all cores if the machine is idle, else 1)",
+    )
     return p.parse_args(argv)
 
 
@@ -52,8 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     threads = args.threads or default_threads()
     torch.set_num_threads(threads)
     command = "pagemesh experiment " + shlex.join(argv)
-    context = Context(args.name, Path(args.out), command, quick=args.quick, seed=args.seed, model_path=args.model,
-                      threads=threads)
+    context = Context(
+        args.name, Path(args.out), command, quick=args.quick, seed=args.seed, model_path=args.model, threads=threads
+    )
     module = importlib.import_module(EXPERIMENTS[args.name][0])
     started = time.monotonic()
     report = module.run(context)

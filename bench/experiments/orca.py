@@ -14,10 +14,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from bench.loadgen.arrivals import arrival_times
 from bench.experiments.driver import drive, summarize
 from bench.experiments.report import new_figure
 from bench.experiments.workload import mixed_jobs
+from bench.loadgen.arrivals import arrival_times
 
 
 @dataclass(frozen=True)
@@ -40,15 +40,22 @@ def run_point(ctx, setup: Setup, mode: str, rate: float, seed: int) -> dict:
     rng = random.Random(seed)
     times = arrival_times(rate, 1.0, random.Random(seed + 1))
     arrivals = [next(times) for _ in range(setup.num_requests)]
-    jobs = mixed_jobs(rng, setup.num_requests, setup.prompt_range, setup.output_range,
-                      engine.model_config.vocab_size, arrivals)
+    jobs = mixed_jobs(
+        rng, setup.num_requests, setup.prompt_range, setup.output_range, engine.model_config.vocab_size, arrivals
+    )
     result = drive(engine, jobs)
     mean_batch = sum(s.decodes for s in result.steps) / max(1, sum(1 for s in result.steps if s.decodes))
     summary = summarize(result)
     tokens_per_step = sum(t.num_output_tokens for t in result.traces.values()) / max(1, len(result.steps))
-    return {"mode": mode, "rate": rate, "summary": summary, "steps": len(result.steps), "mean_batch": mean_batch,
-            "tokens_per_step": tokens_per_step,
-            "decode_step_seconds": decode_step_seconds(result.steps)}
+    return {
+        "mode": mode,
+        "rate": rate,
+        "summary": summary,
+        "steps": len(result.steps),
+        "mean_batch": mean_batch,
+        "tokens_per_step": tokens_per_step,
+        "decode_step_seconds": decode_step_seconds(result.steps),
+    }
 
 
 def decode_step_seconds(steps) -> dict[int, float]:
@@ -71,26 +78,61 @@ def run(ctx):
 
     report = ctx.report("ORCA: iteration-level vs request-level batching")
     report.text(__doc__.split("\n\n", 1)[1])
-    report.text("Request-level batching is the engine's `EngineConfig(batching=\"request\")`: a batch (up to "
-                "`max_num_seqs`) is formed when nothing runs, and nobody joins until all its members are done.")
-    report.table(("", "value"), [
-        ("requests per point", setup.num_requests),
-        ("prompt / output tokens (uniform)", f"{setup.prompt_range[0]}–{setup.prompt_range[1]} / "
-                                             f"{setup.output_range[0]}–{setup.output_range[1]}"),
-        ("batch limit (max_num_seqs)", setup.max_batch),
-        ("measured capacity (iteration-level, all at once)", f"{capacity:.2f} req/s"),
-        ("request rates", ", ".join(f"{f:g}× = {f * capacity:.2f} req/s" for f in setup.load_fractions) + ", all at once"),
-    ], caption="Workload")
+    report.text(
+        'Request-level batching is the engine\'s `EngineConfig(batching="request")`: a batch (up to '
+        "`max_num_seqs`) is formed when nothing runs, and nobody joins until all its members are done."
+    )
+    report.table(
+        ("", "value"),
+        [
+            ("requests per point", setup.num_requests),
+            (
+                "prompt / output tokens (uniform)",
+                f"{setup.prompt_range[0]}–{setup.prompt_range[1]} / {setup.output_range[0]}–{setup.output_range[1]}",
+            ),
+            ("batch limit (max_num_seqs)", setup.max_batch),
+            ("measured capacity (iteration-level, all at once)", f"{capacity:.2f} req/s"),
+            (
+                "request rates",
+                ", ".join(f"{f:g}× = {f * capacity:.2f} req/s" for f in setup.load_fractions) + ", all at once",
+            ),
+        ],
+        caption="Workload",
+    )
     rows = []
     for p in points:
         s = p["summary"]
         rate = "all at once" if p["rate"] == float("inf") else f"{p['rate']:.2f}"
-        rows.append((p["mode"], rate, s["output_throughput"], s["mean_e2el_ms"] / 1000, s["p99_e2el_ms"] / 1000,
-                     s["mean_norm_latency_ms"], s["median_ttft_ms"] / 1000, p["mean_batch"], p["steps"], p["tokens_per_step"]))
-    report.table(("batching", "rate (req/s)", "output tok/s", "mean latency (s)", "p99 latency (s)",
-                  "mean normalized latency (ms/token)", "p50 TTFT (s)", "mean decode batch", "steps",
-                  "output tokens per step"), rows,
-                 caption="Result (latency = arrival to last token; normalized = latency / output tokens, ORCA's metric)")
+        rows.append(
+            (
+                p["mode"],
+                rate,
+                s["output_throughput"],
+                s["mean_e2el_ms"] / 1000,
+                s["p99_e2el_ms"] / 1000,
+                s["mean_norm_latency_ms"],
+                s["median_ttft_ms"] / 1000,
+                p["mean_batch"],
+                p["steps"],
+                p["tokens_per_step"],
+            )
+        )
+    report.table(
+        (
+            "batching",
+            "rate (req/s)",
+            "output tok/s",
+            "mean latency (s)",
+            "p99 latency (s)",
+            "mean normalized latency (ms/token)",
+            "p50 TTFT (s)",
+            "mean decode batch",
+            "steps",
+            "output tokens per step",
+        ),
+        rows,
+        caption="Result (latency = arrival to last token; normalized = latency / output tokens, ORCA's metric)",
+    )
     figure, (left, right) = new_figure(2)
     for mode, style in zip(MODES, ("o-", "s--")):
         mine = [p for p in points if p["mode"] == mode]
@@ -99,20 +141,27 @@ def run(ctx):
         right.plot(x, [p["summary"]["p99_e2el_ms"] / 1000 for p in mine], style, label=mode)
         for xi, p in zip(x, mine):
             label = "inf" if p["rate"] == float("inf") else f"{p['rate']:.2f}"
-            left.annotate(label, (xi, p["summary"]["mean_norm_latency_ms"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            left.annotate(
+                label, (xi, p["summary"]["mean_norm_latency_ms"]), fontsize=7, xytext=(3, 3), textcoords="offset points"
+            )
     left.set(xlabel="output throughput (tok/s)", ylabel="mean normalized latency (ms/token)", title="latency per token")
     right.set(xlabel="output throughput (tok/s)", ylabel="p99 latency (s)", title="tail latency")
     left.legend()
     right.legend()
-    report.figure("latency", figure, "Each point is one arrival rate (labels: req/s); lower and further right is better.")
+    report.figure(
+        "latency", figure, "Each point is one arrival rate (labels: req/s); lower and further right is better."
+    )
 
     it_sat, rq_sat = saturated
     hi = [p for p in points if p["rate"] == setup.load_fractions[-1] * capacity]
     it_hi, rq_hi = hi[0]["summary"], hi[1]["summary"]
     cost = it_sat["decode_step_seconds"]
     smallest, largest = min(cost), max(cost)
-    batch_cost = ("so a fuller batch is almost free here too and throughput follows tokens per step"
-                  if cost[largest] < 1.3 * cost[smallest] else "so a fuller batch costs more here than on a GPU, where it is nearly free")
+    batch_cost = (
+        "so a fuller batch is almost free here too and throughput follows tokens per step"
+        if cost[largest] < 1.3 * cost[smallest]
+        else "so a fuller batch costs more here than on a GPU, where it is nearly free"
+    )
     report.text(
         f"At {setup.load_fractions[-1]:g}× capacity, iteration-level batching gives a mean normalized latency of "
         f"{it_hi['mean_norm_latency_ms']:.0f} ms/token against {rq_hi['mean_norm_latency_ms']:.0f} for request-level "
@@ -123,13 +172,16 @@ def run(ctx):
         f"finish and nobody refills them. Tokens per step depend only on the schedule; the measured throughput, "
         f"{it_sat['summary']['output_throughput']:.1f} vs {rq_sat['summary']['output_throughput']:.1f} tok/s, also "
         f"carries the noise of the shared CPU. A decode-only step took {cost[smallest] * 1000:.0f} ms at batch "
-        f"{smallest} and {cost[largest] * 1000:.0f} ms at batch {largest} here ({cost[largest] / cost[smallest]:.2f}×), "
+        f"{smallest} and {cost[largest] * 1000:.0f} ms at batch {largest} here "
+        f"({cost[largest] / cost[smallest]:.2f}×), "
         f"{batch_cost}. ORCA reports 36.9× throughput at the same latency on GPT-3 175B against FasterTransformer, "
         f"whose baseline also pads every request to the longest; the baseline here does no padding, so the gap is "
         f"smaller."
     )
-    report.key = (f"orca: at {setup.load_fractions[-1]:g}x capacity mean normalized latency iteration "
-                  f"{it_hi['mean_norm_latency_ms']:.0f} vs request {rq_hi['mean_norm_latency_ms']:.0f} ms/token; "
-                  f"all at once {it_sat['tokens_per_step']:.2f} vs {rq_sat['tokens_per_step']:.2f} output tokens/step, "
-                  f"{it_sat['summary']['output_throughput']:.1f} vs {rq_sat['summary']['output_throughput']:.1f} tok/s")
+    report.key = (
+        f"orca: at {setup.load_fractions[-1]:g}x capacity mean normalized latency iteration "
+        f"{it_hi['mean_norm_latency_ms']:.0f} vs request {rq_hi['mean_norm_latency_ms']:.0f} ms/token; "
+        f"all at once {it_sat['tokens_per_step']:.2f} vs {rq_sat['tokens_per_step']:.2f} output tokens/step, "
+        f"{it_sat['summary']['output_throughput']:.1f} vs {rq_sat['summary']['output_throughput']:.1f} tok/s"
+    )
     return report

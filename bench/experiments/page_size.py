@@ -31,10 +31,16 @@ QUICK = Setup(4, (8, 32), (2, 6), 256, (16, 64))
 
 
 def run_page_size(ctx, setup: Setup, page_size: int) -> dict:
-    engine = ctx.engine(page_size=page_size, num_pages=setup.slots // page_size + 1, max_num_seqs=64,
-                        enable_prefix_caching=False)
-    jobs = mixed_jobs(random.Random(ctx.seed), setup.num_requests, setup.prompt_range, setup.output_range,
-                      engine.model_config.vocab_size)
+    engine = ctx.engine(
+        page_size=page_size, num_pages=setup.slots // page_size + 1, max_num_seqs=64, enable_prefix_caching=False
+    )
+    jobs = mixed_jobs(
+        random.Random(ctx.seed),
+        setup.num_requests,
+        setup.prompt_range,
+        setup.output_range,
+        engine.model_config.vocab_size,
+    )
     peak = {"running": 0}
 
     def record(engine, now: float) -> None:
@@ -43,10 +49,16 @@ def run_page_size(ctx, setup: Setup, page_size: int) -> dict:
     result = drive(engine, jobs, on_step=record)
     summary = summarize(result)
     stats = engine.stats
-    return {"page_size": page_size, "throughput": summary["output_throughput"],
-            "total_throughput": summary["total_token_throughput"], "utilization": stats.mean_kv_utilization,
-            "preemptions": stats.preemptions, "peak_running": peak["running"], "steps": stats.steps,
-            "step_ms": 1000 * stats.step_seconds / stats.steps if stats.steps else 0.0}
+    return {
+        "page_size": page_size,
+        "throughput": summary["output_throughput"],
+        "total_throughput": summary["total_token_throughput"],
+        "utilization": stats.mean_kv_utilization,
+        "preemptions": stats.preemptions,
+        "peak_running": peak["running"],
+        "steps": stats.steps,
+        "step_ms": 1000 * stats.step_seconds / stats.steps if stats.steps else 0.0,
+    }
 
 
 def run(ctx):
@@ -55,16 +67,45 @@ def run(ctx):
 
     report = ctx.report("Page size: throughput and KV utilization")
     report.text(__doc__.split("\n\n", 1)[1])
-    report.table(("", "value"), [
-        ("requests (all at t=0)", setup.num_requests),
-        ("prompt / output tokens (uniform)", f"{setup.prompt_range[0]}–{setup.prompt_range[1]} / "
-                                             f"{setup.output_range[0]}–{setup.output_range[1]}"),
-        ("KV budget", f"{setup.slots} token slots (num_pages = slots / page size + the null page)"),
-    ], caption="Workload")
-    rows = [(p["page_size"], p["throughput"], p["total_throughput"], f"{p['utilization']:.1%}", p["peak_running"],
-             p["preemptions"], p["steps"], p["step_ms"]) for p in points]
-    report.table(("page size", "output tok/s", "total tok/s", "mean KV utilization", "peak running sequences",
-                  "preemptions", "steps", "mean step (ms)"), rows, caption="Result")
+    report.table(
+        ("", "value"),
+        [
+            ("requests (all at t=0)", setup.num_requests),
+            (
+                "prompt / output tokens (uniform)",
+                f"{setup.prompt_range[0]}–{setup.prompt_range[1]} / {setup.output_range[0]}–{setup.output_range[1]}",
+            ),
+            ("KV budget", f"{setup.slots} token slots (num_pages = slots / page size + the null page)"),
+        ],
+        caption="Workload",
+    )
+    rows = [
+        (
+            p["page_size"],
+            p["throughput"],
+            p["total_throughput"],
+            f"{p['utilization']:.1%}",
+            p["peak_running"],
+            p["preemptions"],
+            p["steps"],
+            p["step_ms"],
+        )
+        for p in points
+    ]
+    report.table(
+        (
+            "page size",
+            "output tok/s",
+            "total tok/s",
+            "mean KV utilization",
+            "peak running sequences",
+            "preemptions",
+            "steps",
+            "mean step (ms)",
+        ),
+        rows,
+        caption="Result",
+    )
     figure, (left, right) = new_figure(2)
     labels = [str(p["page_size"]) for p in points]
     left.plot(labels, [p["throughput"] for p in points], "o-")
@@ -80,6 +121,9 @@ def run(ctx):
         f"on lengths and the schedule; the throughput differences are within the noise of a shared CPU unless "
         f"they are large, so read them with the load average in the header."
     )
-    report.key = ("page-size: " + ", ".join(f"{p['page_size']}: {p['throughput']:.0f} tok/s {p['utilization']:.0%}"
-                                             for p in points) + " (output throughput, KV utilization)")
+    report.key = (
+        "page-size: "
+        + ", ".join(f"{p['page_size']}: {p['throughput']:.0f} tok/s {p['utilization']:.0%}" for p in points)
+        + " (output throughput, KV utilization)"
+    )
     return report

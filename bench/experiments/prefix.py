@@ -15,15 +15,15 @@ import random
 import time
 from dataclasses import dataclass
 
-from common.model_files import resolve_model_path
-from common.tokenizer import Tokenizer
-from bench.loadgen.datasets import Conversation, Turn, random_segment
-from bench.loadgen.metrics import latency_stats
 from bench.experiments.driver import drive
 from bench.experiments.mesh import bench
 from bench.experiments.report import new_figure
 from bench.experiments.workload import Job, fixed_output, random_prompt
+from bench.loadgen.datasets import Conversation, Turn, random_segment
+from bench.loadgen.metrics import latency_stats
 from bench.local_mesh import metrics, per_worker, running_mesh
+from common.model_files import resolve_model_path
+from common.tokenizer import Tokenizer
 
 PLACEMENTS = ("prefix", "round-robin")
 
@@ -49,8 +49,10 @@ def engine_ttfts(ctx, setup: Setup, caching: bool) -> dict:
     rng = random.Random(ctx.seed)
     vocab = engine.model_config.vocab_size
     system = random_prompt(rng, setup.system_len, vocab)
-    jobs = [Job(f"p{i}", system + random_prompt(rng, setup.user_len, vocab), fixed_output(setup.output_len))
-            for i in range(setup.num_requests)]
+    jobs = [
+        Job(f"p{i}", system + random_prompt(rng, setup.user_len, vocab), fixed_output(setup.output_len))
+        for i in range(setup.num_requests)
+    ]
     queue = list(jobs[1:])
 
     def next_job(run, now: float) -> list:
@@ -61,15 +63,24 @@ def engine_ttfts(ctx, setup: Setup, caching: bool) -> dict:
     result = drive(engine, jobs[:1], inject=next_job)
     ttfts = [result.traces[j.request_id].ttft for j in jobs]
     hit_rate = engine.blocks.prefix_hits / engine.blocks.prefix_queries if engine.blocks.prefix_queries else 0.0
-    return {"caching": caching, "first": ttfts[0], "rest": latency_stats("ttft", ttfts[1:], (50.0, 99.0)),
-            "hit_rate": hit_rate, "ttfts": ttfts}
+    return {
+        "caching": caching,
+        "first": ttfts[0],
+        "rest": latency_stats("ttft", ttfts[1:], (50.0, 99.0)),
+        "hit_rate": hit_rate,
+        "ttfts": ttfts,
+    }
 
 
 def mesh_workload(ctx, setup: Setup, tokenizer) -> list[Conversation]:
     rng = random.Random(ctx.seed)
     systems = [random_segment(tokenizer, setup.system_len, rng) for _ in range(setup.mesh_prefixes)]
-    return [Conversation((Turn(random_segment(tokenizer, setup.user_len, rng), setup.output_len),),
-                         system=rng.choice(systems)) for _ in range(setup.mesh_requests + 1)]
+    return [
+        Conversation(
+            (Turn(random_segment(tokenizer, setup.user_len, rng), setup.output_len),), system=rng.choice(systems)
+        )
+        for _ in range(setup.mesh_requests + 1)
+    ]
 
 
 def prefill_counts(url: str, expected: int, timeout: float = 10.0) -> dict[str, float]:
@@ -77,8 +88,11 @@ def prefill_counts(url: str, expected: int, timeout: float = 10.0) -> dict[str, 
     (workers report them with their heartbeats)."""
     deadline = time.monotonic() + timeout
     while True:
-        per = {w: v for w, v in per_worker(metrics(url), "pagemesh_worker_requests_total").items()
-               if w.startswith("prefill")}
+        per = {
+            w: v
+            for w, v in per_worker(metrics(url), "pagemesh_worker_requests_total").items()
+            if w.startswith("prefill")
+        }
         if sum(per.values()) >= expected or time.monotonic() > deadline:
             return per
         time.sleep(0.5)
@@ -90,12 +104,25 @@ def mesh_points(ctx, setup: Setup) -> tuple[list[dict], str | None]:
     model = ["--model", ctx.model_path] if ctx.model_path else []
     points = []
     for policy in PLACEMENTS:
-        flags = ["--prefill", "2", "--decode", "1", "--threads-per-worker", "1", "--seed", str(ctx.seed),
-                 "--placement", policy, *model]
+        flags = [
+            "--prefill",
+            "2",
+            "--decode",
+            "1",
+            "--threads-per-worker",
+            "1",
+            "--seed",
+            str(ctx.seed),
+            "--placement",
+            policy,
+            *model,
+        ]
         with running_mesh(*flags) as url:
             summary, _ = bench(url, workload, tokenizer, setup.mesh_rate, ctx.seed)
             per = prefill_counts(url, expected=len(workload))
-        points.append({"policy": policy, "command": "pagemesh up " + " ".join(flags), "summary": summary, "prefill_requests": per})
+        points.append(
+            {"policy": policy, "command": "pagemesh up " + " ".join(flags), "summary": summary, "prefill_requests": per}
+        )
     return points
 
 
@@ -106,15 +133,38 @@ def run(ctx):
 
     report = ctx.report("Prefix caching and prefix-aware placement")
     report.text(__doc__.split("\n\n", 1)[1])
-    report.text(f"## Part 1: one engine\n\n{setup.num_requests} requests, each a {setup.system_len}-token system prompt "
-                f"(the same for all) + {setup.user_len} new tokens, {setup.output_len} output tokens, one at a time.")
-    rows = [("on" if p["caching"] else "off", p["first"] * 1000, p["rest"]["median_ttft_ms"], p["rest"]["p99_ttft_ms"],
-             f"{p['hit_rate']:.0%}") for p in engine_points]
-    report.table(("prefix cache", "TTFT of the first request (ms)", "p50 TTFT of the rest (ms)", "p99 TTFT of the rest (ms)",
-                  "prefix pages hit / looked up"), rows)
+    report.text(
+        f"## Part 1: one engine\n\n{setup.num_requests} requests, each a {setup.system_len}-token system prompt "
+        f"(the same for all) + {setup.user_len} new tokens, {setup.output_len} output tokens, one at a time."
+    )
+    rows = [
+        (
+            "on" if p["caching"] else "off",
+            p["first"] * 1000,
+            p["rest"]["median_ttft_ms"],
+            p["rest"]["p99_ttft_ms"],
+            f"{p['hit_rate']:.0%}",
+        )
+        for p in engine_points
+    ]
+    report.table(
+        (
+            "prefix cache",
+            "TTFT of the first request (ms)",
+            "p50 TTFT of the rest (ms)",
+            "p99 TTFT of the rest (ms)",
+            "prefix pages hit / looked up",
+        ),
+        rows,
+    )
     figure, (left, right) = new_figure(2)
     for p in engine_points:
-        left.plot(range(len(p["ttfts"])), [t * 1000 for t in p["ttfts"]], "o-", label=f"cache {'on' if p['caching'] else 'off'}")
+        left.plot(
+            range(len(p["ttfts"])),
+            [t * 1000 for t in p["ttfts"]],
+            "o-",
+            label=f"cache {'on' if p['caching'] else 'off'}",
+        )
     left.set(xlabel="request", ylabel="TTFT (ms)", title="one engine, shared system prompt")
     left.legend()
     x = range(len(mesh))
@@ -123,22 +173,44 @@ def run(ctx):
     right.set_xticks(list(x), [p["policy"] for p in mesh])
     right.set(ylabel="TTFT (ms)", title="mesh, 2 prefill workers")
     right.legend()
-    report.figure("ttft", figure, "Left: TTFT per request with the cache off and on. Right: TTFT on the mesh by placement.")
+    report.figure(
+        "ttft", figure, "Left: TTFT per request with the cache off and on. Right: TTFT on the mesh by placement."
+    )
 
-    report.text(f"## Part 2: placement on a mesh (2 prefill + 1 decode workers)\n\n{setup.mesh_requests} requests "
-                f"(+1 unmeasured warm-up), Poisson at {setup.mesh_rate:g} req/s, each one of {setup.mesh_prefixes} "
-                f"system prompts of {setup.system_len} tokens (seeded random order) + {setup.user_len} new tokens, "
-                f"{setup.output_len} output tokens; token ids streamed over HTTP.")
-    report.table(("placement", "command", "p50 TTFT (ms)", "p99 TTFT (ms)", "p50 ITL (ms)", "requests per prefill worker (with the warm-up)"),
-                 [(p["policy"], f"`{p['command']}`", p["summary"]["median_ttft_ms"], p["summary"]["p99_ttft_ms"],
-                   p["summary"]["median_itl_ms"], ", ".join(f"{w}: {v:.0f}" for w, v in sorted(p["prefill_requests"].items())))
-                  for p in mesh])
+    report.text(
+        f"## Part 2: placement on a mesh (2 prefill + 1 decode workers)\n\n{setup.mesh_requests} requests "
+        f"(+1 unmeasured warm-up), Poisson at {setup.mesh_rate:g} req/s, each one of {setup.mesh_prefixes} "
+        f"system prompts of {setup.system_len} tokens (seeded random order) + {setup.user_len} new tokens, "
+        f"{setup.output_len} output tokens; token ids streamed over HTTP."
+    )
+    report.table(
+        (
+            "placement",
+            "command",
+            "p50 TTFT (ms)",
+            "p99 TTFT (ms)",
+            "p50 ITL (ms)",
+            "requests per prefill worker (with the warm-up)",
+        ),
+        [
+            (
+                p["policy"],
+                f"`{p['command']}`",
+                p["summary"]["median_ttft_ms"],
+                p["summary"]["p99_ttft_ms"],
+                p["summary"]["median_itl_ms"],
+                ", ".join(f"{w}: {v:.0f}" for w, v in sorted(p["prefill_requests"].items())),
+            )
+            for p in mesh
+        ],
+    )
     off, on = engine_points
     cached = setup.system_len // 16 * 16 / (setup.system_len + setup.user_len)
     report.text(
         f"With the cache, every request after the first finds its system prompt's full pages cached ({cached:.0%} of "
         f"its tokens) and prefills only the rest: p50 TTFT {on['rest']['median_ttft_ms']:.0f} ms against "
-        f"{off['rest']['median_ttft_ms']:.0f} ms without ({off['rest']['median_ttft_ms'] / max(on['rest']['median_ttft_ms'], 1e-9):.1f}× "
+        f"{off['rest']['median_ttft_ms']:.0f} ms without "
+        f"({off['rest']['median_ttft_ms'] / max(on['rest']['median_ttft_ms'], 1e-9):.1f}× "
         f"faster). What remains is the new tokens, attention over the cached prefix, and the fixed cost of a step."
     )
     if len(mesh) == 2:
@@ -151,7 +223,10 @@ def run(ctx):
             f"evicted). With {setup.mesh_requests} requests that is a few misses more; TTFT also includes queueing "
             f"behind other prefills, which is noisy on a shared CPU."
         )
-    key = (f"prefix: engine p50 TTFT cache on {on['rest']['median_ttft_ms']:.0f} ms vs off {off['rest']['median_ttft_ms']:.0f} ms; "
-           f"mesh p50 TTFT " + ", ".join(f"{p['policy']} {p['summary']['median_ttft_ms']:.0f} ms" for p in mesh))
+    key = (
+        f"prefix: engine p50 TTFT cache on {on['rest']['median_ttft_ms']:.0f} ms vs off "
+        f"{off['rest']['median_ttft_ms']:.0f} ms; "
+        f"mesh p50 TTFT " + ", ".join(f"{p['policy']} {p['summary']['median_ttft_ms']:.0f} ms" for p in mesh)
+    )
     report.key = key
     return report

@@ -96,8 +96,10 @@ class Report:
             ("wall time", f"{seconds:.0f} s"),
             ("load average (1/5/15 min) at start → end", f"{self.load_at_start} → {load_average()}"),
         ]
-        note = ("The CPU is shared with other work (see the load average), so absolute times are noisy; "
-                "compare rows within one report.")
+        note = (
+            "The CPU is shared with other work (see the load average), so absolute times are noisy; "
+            "compare rows within one report."
+        )
         return f"# {self.title}\n\n" + markdown_table(("", ""), rows) + f"\n\n{note}"
 
     def write(self, out_dir: str | Path) -> list[Path]:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from bench.loadgen.metrics import latency_stats
 from bench.experiments.driver import drive
 from bench.experiments.report import new_figure
 from bench.experiments.workload import Job, fixed_output, random_prompt
+from bench.loadgen.metrics import latency_stats
 
 NO_CHUNKING = 0
 
@@ -51,10 +51,18 @@ def run_budget(ctx, setup: Setup, budget: int) -> dict:
     tokens = big if budget == NO_CHUNKING else budget
     engine = ctx.engine(max_num_batched_tokens=tokens, max_prefill_chunk=tokens, enable_prefix_caching=False)
     vocab = engine.model_config.vocab_size
-    decodes = [Job(f"decode{i}", random_prompt(rng, setup.decode_prompt_len, vocab), fixed_output(engine.max_model_len // 2))
-               for i in range(setup.num_decodes)]
-    longs = [Job(f"long{i}", random_prompt(rng, rng.randint(*setup.long_prompt_range), vocab), fixed_output(setup.long_output))
-             for i in range(setup.num_long_prompts)]
+    decodes = [
+        Job(f"decode{i}", random_prompt(rng, setup.decode_prompt_len, vocab), fixed_output(engine.max_model_len // 2))
+        for i in range(setup.num_decodes)
+    ]
+    longs = [
+        Job(
+            f"long{i}",
+            random_prompt(rng, rng.randint(*setup.long_prompt_range), vocab),
+            fixed_output(setup.long_output),
+        )
+        for i in range(setup.num_long_prompts)
+    ]
     state = {"sent": 0, "quiet_steps": 0}
 
     def inject(run, now: float) -> list[Job]:
@@ -78,18 +86,29 @@ def run_budget(ctx, setup: Setup, budget: int) -> dict:
     first_long = min(result.traces[j.request_id].arrival for j in longs)
     decode_traces = [result.traces[d.request_id] for d in decodes]
     # ITL while long prompts arrive: from the first long prompt's arrival to the end
-    gaps = [b - a for t in decode_traces for times in t.token_times.values()
-            for a, b in zip(times, times[1:]) if a >= first_long]
-    series = sorted((b, b - a) for t in decode_traces[:1] for times in t.token_times.values() for a, b in zip(times, times[1:]))
+    gaps = [
+        b - a
+        for t in decode_traces
+        for times in t.token_times.values()
+        for a, b in zip(times, times[1:])
+        if a >= first_long
+    ]
+    series = sorted(
+        (b, b - a) for t in decode_traces[:1] for times in t.token_times.values() for a, b in zip(times, times[1:])
+    )
     window = [s for s in result.steps if s.end > first_long]
     seconds = sum(s.seconds for s in window)
     decode_only = [s.seconds for s in result.steps if s.tokens == s.decodes == setup.num_decodes]
     return {
-        "budget": budget, "itl": latency_stats("itl", gaps, (50.0, 99.0)),
+        "budget": budget,
+        "itl": latency_stats("itl", gaps, (50.0, 99.0)),
         "ttft_long": [result.traces[j.request_id].ttft for j in longs],
         "throughput": sum(s.tokens for s in window) / seconds if seconds else 0.0,
         "decode_throughput": sum(s.decodes for s in window) / seconds if seconds else 0.0,
-        "steps": len(window), "max_step": max(s.seconds for s in window), "series": series, "first_long": first_long,
+        "steps": len(window),
+        "max_step": max(s.seconds for s in window),
+        "series": series,
+        "first_long": first_long,
         "decode_only_step": sum(decode_only) / len(decode_only) if decode_only else float("nan"),
         "long_lens": [j.prompt_len for j in longs],
     }
@@ -101,18 +120,49 @@ def run(ctx):
 
     report = ctx.report("Sarathi-Serve: inter-token latency and throughput across prefill chunk sizes")
     report.text(__doc__.split("\n\n", 1)[1])
-    report.table(("", "value"), [
-        ("running decodes", f"{setup.num_decodes} (prompt {setup.decode_prompt_len} tokens, decoding throughout)"),
-        ("long prompts", f"{setup.num_long_prompts}, of {', '.join(map(str, points[0]['long_lens']))} tokens, "
-                         f"{setup.long_output} output tokens each"),
-        ("next long prompt", f"{setup.gap_steps} decode-only steps after the previous one's first token"),
-        ("measured window", "from the first long prompt's arrival to the last one's finish"),
-    ], caption="Workload")
-    rows = [(budget_label(p["budget"]), p["itl"]["median_itl_ms"], p["itl"]["p99_itl_ms"], p["max_step"] * 1000,
-             p["decode_only_step"] * 1000, p["throughput"], p["decode_throughput"], mean_ttft(p), p["steps"]) for p in points]
-    report.table(("token budget (chunk)", "p50 ITL (ms)", "p99 ITL (ms)", "longest step (ms)", "decode-only step (ms)",
-                  "tokens/s (prefill+decode)", "decode tokens/s", "mean TTFT of long prompts (s)", "steps"), rows,
-                 caption="Result (throughput and steps over the measured window)")
+    report.table(
+        ("", "value"),
+        [
+            ("running decodes", f"{setup.num_decodes} (prompt {setup.decode_prompt_len} tokens, decoding throughout)"),
+            (
+                "long prompts",
+                f"{setup.num_long_prompts}, of {', '.join(map(str, points[0]['long_lens']))} tokens, "
+                f"{setup.long_output} output tokens each",
+            ),
+            ("next long prompt", f"{setup.gap_steps} decode-only steps after the previous one's first token"),
+            ("measured window", "from the first long prompt's arrival to the last one's finish"),
+        ],
+        caption="Workload",
+    )
+    rows = [
+        (
+            budget_label(p["budget"]),
+            p["itl"]["median_itl_ms"],
+            p["itl"]["p99_itl_ms"],
+            p["max_step"] * 1000,
+            p["decode_only_step"] * 1000,
+            p["throughput"],
+            p["decode_throughput"],
+            mean_ttft(p),
+            p["steps"],
+        )
+        for p in points
+    ]
+    report.table(
+        (
+            "token budget (chunk)",
+            "p50 ITL (ms)",
+            "p99 ITL (ms)",
+            "longest step (ms)",
+            "decode-only step (ms)",
+            "tokens/s (prefill+decode)",
+            "decode tokens/s",
+            "mean TTFT of long prompts (s)",
+            "steps",
+        ),
+        rows,
+        caption="Result (throughput and steps over the measured window)",
+    )
     figure, (left, right) = new_figure(2)
     labels = [budget_label(p["budget"]) for p in points]
     left.plot(labels, [p["itl"]["median_itl_ms"] for p in points], "o-", label="p50 ITL")
@@ -124,28 +174,43 @@ def run(ctx):
     report.figure("itl", figure, "Decode inter-token latency and throughput for each token budget.")
     figure, (axis,) = new_figure(1, width=9)
     for p in (points[0], points[-1]):
-        axis.plot([t - p["first_long"] for t, _ in p["series"]], [g * 1000 for _, g in p["series"]],
-                  label=f"budget {budget_label(p['budget'])}", lw=1)
-    axis.set(xlabel="time since the first long prompt arrived (s)", ylabel="gap before this token (ms)",
-             title="one decode's inter-token gaps")
+        axis.plot(
+            [t - p["first_long"] for t, _ in p["series"]],
+            [g * 1000 for _, g in p["series"]],
+            label=f"budget {budget_label(p['budget'])}",
+            lw=1,
+        )
+    axis.set(
+        xlabel="time since the first long prompt arrived (s)",
+        ylabel="gap before this token (ms)",
+        title="one decode's inter-token gaps",
+    )
     axis.legend()
-    report.figure("timeline", figure, "Without chunking every long prompt shows up as one spike; with chunking, as "
-                                      "a stretch of slower steps.")
+    report.figure(
+        "timeline",
+        figure,
+        "Without chunking every long prompt shows up as one spike; with chunking, as a stretch of slower steps.",
+    )
     small, none = points[0], points[-1]
     report.text(
         f"Without chunking, the step that carries a whole long prompt is as slow as its prefill, so every running "
         f"decode waits for it: p99 ITL {none['itl']['p99_itl_ms']:.0f} ms, against {small['itl']['p99_itl_ms']:.0f} ms "
-        f"with a budget of {small['budget']} tokens ({none['itl']['p99_itl_ms'] / small['itl']['p99_itl_ms']:.1f}× lower). "
+        f"with a budget of {small['budget']} tokens ({none['itl']['p99_itl_ms'] / small['itl']['p99_itl_ms']:.1f}× "
+        "lower). "
         f"The price is paid by the long prompts and by throughput: their TTFT grows from {mean_ttft(none):.1f} s to "
         f"{mean_ttft(small):.1f} s and the step throughput falls from {none['throughput']:.0f} to "
         f"{small['throughput']:.0f} tokens/s, because every chunk attends over the whole prompt so far (the CPU path "
         f"gathers all of its pages again for each chunk), and every step pays a fixed cost: a step of just the "
         f"{setup.num_decodes} decodes took {small['decode_only_step'] * 1000:.0f} ms, while a whole long prompt "
-        f"took at most {none['max_step'] * 1000:.0f} ms in one step. This is the trade-off the paper tunes with the token budget "
+        f"took at most {none['max_step'] * 1000:.0f} ms in one step. This is the trade-off the paper tunes with the "
+        "token budget "
         f"(it uses budgets of 512–2048 on GPUs, where a step below a few hundred tokens leaves the hardware idle); "
         f"here the knee is where p99 ITL stops falling while throughput still does."
     )
     per_budget = ", ".join(f"{budget_label(p['budget'])}: {p['itl']['p99_itl_ms']:.0f} ms" for p in points)
-    report.key = (f"sarathi: p99 ITL {per_budget}; "
-                  f"throughput {small['throughput']:.0f} vs {none['throughput']:.0f} tok/s ({budget_label(small['budget'])} vs no chunking)")
+    report.key = (
+        f"sarathi: p99 ITL {per_budget}; "
+        f"throughput {small['throughput']:.0f} vs {none['throughput']:.0f} tok/s ({budget_label(small['budget'])} vs "
+        "no chunking)"
+    )
     return report

@@ -34,8 +34,15 @@ def fixed_output(max_tokens: int, **extra) -> SamplingParams:
     return SamplingParams(**({"temperature": 0.0} | extra), max_tokens=max_tokens, min_tokens=0, ignore_eos=True)
 
 
-def mixed_jobs(rng: random.Random, count: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
-               vocab_size: int, arrivals: list[float] | None = None, prefix: str = "r") -> list[Job]:
+def mixed_jobs(
+    rng: random.Random,
+    count: int,
+    prompt_range: tuple[int, int],
+    output_range: tuple[int, int],
+    vocab_size: int,
+    arrivals: list[float] | None = None,
+    prefix: str = "r",
+) -> list[Job]:
     """`count` jobs with prompt and output lengths uniform in the inclusive ranges."""
     arrivals = arrivals or [0.0] * count
     jobs = []

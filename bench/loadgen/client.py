@@ -13,12 +13,18 @@ from bench.loadgen.stream import RequestResult, StreamAccumulator
 def new_session(*, fresh_connection: bool, timeout_s: float) -> aiohttp.ClientSession:
     """`fresh_connection` opens one TCP connection per request (llama-server drops reused ones)."""
     connector = aiohttp.TCPConnector(limit=0, force_close=fresh_connection)
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s),
-                                 read_bufsize=1 << 20)
+    return aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s), read_bufsize=1 << 20
+    )
 
 
-async def stream_request(session: aiohttp.ClientSession, url: str, payload: dict, result: RequestResult,
-                         headers: dict[str, str] | None = None) -> RequestResult:
+async def stream_request(
+    session: aiohttp.ClientSession,
+    url: str,
+    payload: dict,
+    result: RequestResult,
+    headers: dict[str, str] | None = None,
+) -> RequestResult:
     """POST `payload` with stream on; fills and returns `result` (errors are recorded, not raised)."""
     result.start = time.perf_counter()
     accumulator = StreamAccumulator(result)
@@ -31,7 +37,7 @@ async def stream_request(session: aiohttp.ClientSession, url: str, payload: dict
                 async for raw in response.content:
                     line = raw.strip()
                     if not line.startswith(b"data:"):
-                        continue                       # blank separators, comments, event: lines
+                        continue  # blank separators, comments, event: lines
                     data = line[5:].strip()
                     if data == b"[DONE]":
                         break

@@ -125,8 +125,15 @@ def chat_messages(conversation: Conversation, turn: int, replies: Sequence[str])
     return messages
 
 
-def build_prompt(conversation: Conversation, turn: int, replies: Sequence[str], tokenizer: Tokenizer,
-                 *, chat_endpoint: bool, as_token_ids: bool) -> Prompt:
+def build_prompt(
+    conversation: Conversation,
+    turn: int,
+    replies: Sequence[str],
+    tokenizer: Tokenizer,
+    *,
+    chat_endpoint: bool,
+    as_token_ids: bool,
+) -> Prompt:
     """The prompt of request `turn` for the endpoint kind, with its length in tokens."""
     if chat_endpoint:
         if as_token_ids:

@@ -17,12 +17,12 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from common.model_files import resolve_model_path
-from common.tokenizer import Tokenizer
 from bench.loadgen.datasets import DATASETS, DatasetSpec, conversations
 from bench.loadgen.metrics import DEFAULT_PERCENTILES, parse_goodput, summarize
 from bench.loadgen.report import format_summary, plot_sweep, write_json
 from bench.loadgen.runner import BenchError, LoadPoint, Target, run_point
+from common.model_files import resolve_model_path
+from common.tokenizer import Tokenizer
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
@@ -30,14 +30,17 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 def _adder(parser: argparse.ArgumentParser):
     """`add(flag, default, ...)`. Plain flags, no PAGEMESH_* defaults: the bench is a client, and
     names like PAGEMESH_MODEL mean something else to the services."""
+
     def add(flag: str, default=None, **kwargs) -> None:
         parser.add_argument(flag, default=default, **kwargs)
+
     return add
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pagemesh bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="pagemesh bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add = _adder(p)
     add("--base-url", None, required=False, help="server URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
     add("--endpoint", "/v1/completions", choices=ENDPOINTS)
@@ -49,8 +52,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add("--random-range-ratio", 0.0, type=float, help="lengths uniform in [L*(1-r), L*(1+r)]")
     add("--shared-prefix-len", 256, type=int, help="shared-prefix: tokens of the common system prompt")
     add("--turns", 3, type=int, help="multi-turn: user turns per conversation")
-    add("--prompt-as-token-ids", False, action="store_true",
-        help="send prompts as token ids (/v1/completions) so every server sees the same tokens")
+    add(
+        "--prompt-as-token-ids",
+        False,
+        action="store_true",
+        help="send prompts as token ids (/v1/completions) so every server sees the same tokens",
+    )
     add("--num-prompts", None, type=int, help="conversations to send (default 100 unless --duration)")
     add("--duration", None, type=float, help="stop launching new requests after this many seconds")
     add("--request-rate", math.inf, type=float, help="requests per second (inf: all at once)")
@@ -58,8 +65,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add("--max-concurrency", None, type=int)
     add("--sweep-rates", None, help="comma-separated request rates: one point each, and a plot")
     add("--sweep-concurrency", None, help="comma-separated concurrency caps: one point each, and a plot")
-    p.add_argument("--ignore-eos", default=True, action=argparse.BooleanOptionalAction,
-                   help="force output lengths: ignore_eos + min_tokens (default on)")
+    p.add_argument(
+        "--ignore-eos",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="force output lengths: ignore_eos + min_tokens (default on)",
+    )
     add("--temperature", 0.0, type=float)
     add("--extra-body", "{}", help="JSON object merged into every request, e.g. '{\"cache_prompt\": false}'")
     add("--goodput", None, nargs="+", help="SLOs in ms: ttft:MS tpot:MS e2el:MS")
@@ -100,8 +111,14 @@ def first_model(root: str, headers: dict) -> str:
 
 def sweep_points(args: argparse.Namespace) -> tuple[str | None, list[tuple[float | None, LoadPoint]]]:
     def point(rate: float, concurrency: int | None) -> LoadPoint:
-        return LoadPoint(request_rate=rate, burstiness=args.burstiness, max_concurrency=concurrency,
-                         num_prompts=args.num_prompts, duration_s=args.duration, seed=args.seed)
+        return LoadPoint(
+            request_rate=rate,
+            burstiness=args.burstiness,
+            max_concurrency=concurrency,
+            num_prompts=args.num_prompts,
+            duration_s=args.duration,
+            seed=args.seed,
+        )
 
     if args.sweep_rates:
         return "rate", [(r, point(r, args.max_concurrency)) for r in _floats(args.sweep_rates)]
@@ -121,12 +138,28 @@ def run(args: argparse.Namespace) -> dict:
     percentiles = sorted(set(_floats(args.percentiles)) | {50.0, 99.0})
     tokenizer = Tokenizer.from_path(resolve_model_path(args.tokenizer))
     model = args.model or first_model(root, headers)
-    target = Target(url=root + args.endpoint, model=model, prompt_as_token_ids=args.prompt_as_token_ids, ignore_eos=args.ignore_eos,
-                    temperature=args.temperature, extra_body=extra_body, headers=headers,
-                    fresh_connection=args.fresh_connection, timeout_s=args.request_timeout,
-                    warmup=args.warmup, progress=not args.no_progress)
-    spec = DatasetSpec(args.dataset, args.random_input_len, args.random_output_len, args.random_range_ratio,
-                       args.shared_prefix_len, args.turns, args.seed)
+    target = Target(
+        url=root + args.endpoint,
+        model=model,
+        prompt_as_token_ids=args.prompt_as_token_ids,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        extra_body=extra_body,
+        headers=headers,
+        fresh_connection=args.fresh_connection,
+        timeout_s=args.request_timeout,
+        warmup=args.warmup,
+        progress=not args.no_progress,
+    )
+    spec = DatasetSpec(
+        args.dataset,
+        args.random_input_len,
+        args.random_output_len,
+        args.random_range_ratio,
+        args.shared_prefix_len,
+        args.turns,
+        args.seed,
+    )
     sweep_name, points = sweep_points(args)
     config = {k: v for k, v in vars(args).items() if k not in ("api_key",)}
     config |= {"model": model, "url": target.url, "date": datetime.datetime.now().isoformat(timespec="seconds")}
@@ -134,26 +167,44 @@ def run(args: argparse.Namespace) -> dict:
     for value, load in points:
         desc = f"{sweep_name}={value:g}" if sweep_name else "bench"
         results, duration = asyncio.run(run_point(target, load, conversations(spec, tokenizer), tokenizer, desc))
-        summary = summarize(results, duration, count_tokens=lambda text: len(tokenizer.encode(text, False)),
-                            goodput_ms=goodput or None, percentiles=percentiles)
+        summary = summarize(
+            results,
+            duration,
+            count_tokens=lambda text: len(tokenizer.encode(text, False)),
+            goodput_ms=goodput or None,
+            percentiles=percentiles,
+        )
         title = f"{args.label or model} {desc}" if sweep_name else (args.label or "Serving benchmark result")
         print(format_summary(summary, title), flush=True)
         errors = sorted({r.error for r in results if not r.success})
-        out["points"].append({
-            "sweep_value": value, "request_rate": load.request_rate, "max_concurrency": load.max_concurrency,
-            "summary": summary, "errors": errors[:20],
-            "requests": {"input_lens": [r.prompt_len for r in results],
-                         "output_lens": [r.output_tokens for r in results],
-                         "ttfts": [r.ttft for r in results], "latencies": [r.latency for r in results],
-                         "itls": [r.itl for r in results], "chunks": [r.chunks for r in results],
-                         "errors": [r.error for r in results]},
-        })
+        out["points"].append(
+            {
+                "sweep_value": value,
+                "request_rate": load.request_rate,
+                "max_concurrency": load.max_concurrency,
+                "summary": summary,
+                "errors": errors[:20],
+                "requests": {
+                    "input_lens": [r.prompt_len for r in results],
+                    "output_lens": [r.output_tokens for r in results],
+                    "ttfts": [r.ttft for r in results],
+                    "latencies": [r.latency for r in results],
+                    "itls": [r.itl for r in results],
+                    "chunks": [r.chunks for r in results],
+                    "errors": [r.error for r in results],
+                },
+            }
+        )
     if args.result_json:
         write_json(args.result_json, out)
     if sweep_name:
         plot = args.plot or (str(Path(args.result_json).with_suffix(".png")) if args.result_json else "bench_sweep.png")
-        plot_sweep(out["points"], plot, sweep_name, f"{args.label or model}: {args.dataset} "
-                   f"{args.random_input_len} in / {args.random_output_len} out")
+        plot_sweep(
+            out["points"],
+            plot,
+            sweep_name,
+            f"{args.label or model}: {args.dataset} {args.random_input_len} in / {args.random_output_len} out",
+        )
         out["plot"] = plot
         print(f"plot: {plot}")
     return out

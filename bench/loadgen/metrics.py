@@ -46,8 +46,11 @@ def _label(p: float) -> str:
 def latency_stats(name: str, seconds: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:
     """mean/median/std and percentiles of `seconds`, as `{mean_<name>_ms: ...}` (0 when empty)."""
     ms = np.asarray(seconds, dtype=np.float64) * 1000.0 if len(seconds) else np.zeros(1)
-    stats = {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
-             f"std_{name}_ms": float(ms.std())}
+    stats = {
+        f"mean_{name}_ms": float(ms.mean()),
+        f"median_{name}_ms": float(np.median(ms)),
+        f"std_{name}_ms": float(ms.std()),
+    }
     for p in percentiles:
         stats[f"p{_label(p)}_{name}_ms"] = float(np.percentile(ms, p))
     return stats
@@ -59,9 +62,14 @@ def request_tpot(result: RequestResult) -> float | None:
     return (result.latency - result.ttft) / (result.output_tokens - 1)
 
 
-def summarize(results: Sequence[RequestResult], duration_s: float, *, count_tokens: Callable[[str], int],
-              goodput_ms: dict[str, float] | None = None,
-              percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict:
+def summarize(
+    results: Sequence[RequestResult],
+    duration_s: float,
+    *,
+    count_tokens: Callable[[str], int],
+    goodput_ms: dict[str, float] | None = None,
+    percentiles: Sequence[float] = DEFAULT_PERCENTILES,
+) -> dict:
     """The summary as a flat dict of numbers. Fills a missing `output_tokens` with
     `count_tokens(text)` (servers that send no usage)."""
     if duration_s <= 0:

@@ -13,12 +13,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from common.tokenizer import Tokenizer
 from bench.loadgen.arrivals import arrival_times
 from bench.loadgen.client import new_session, stream_request
 from bench.loadgen.datasets import Conversation, Prompt, build_prompt
 from bench.loadgen.progress import progress_bar
 from bench.loadgen.stream import RequestResult
+from common.tokenizer import Tokenizer
 
 
 class BenchError(RuntimeError):
@@ -32,7 +32,7 @@ class LoadPoint:
     request_rate: float = math.inf
     burstiness: float = 1.0
     max_concurrency: int | None = None
-    num_prompts: int | None = 100          # conversations (one request each, except multi-turn)
+    num_prompts: int | None = 100  # conversations (one request each, except multi-turn)
     duration_s: float | None = None
     seed: int = 0
 
@@ -49,7 +49,7 @@ class LoadPoint:
 class Target:
     """The server and what each request asks of it."""
 
-    url: str                              # base URL + endpoint
+    url: str  # base URL + endpoint
     model: str
     prompt_as_token_ids: bool = False
     ignore_eos: bool = True
@@ -68,8 +68,13 @@ class Target:
 
 def request_body(target: Target, prompt: Prompt, output_len: int) -> dict:
     """The JSON body: streamed, usage requested, output length forced when `ignore_eos`."""
-    body = {"model": target.model, "stream": True, "stream_options": {"include_usage": True},
-            "max_tokens": output_len, "temperature": target.temperature}
+    body = {
+        "model": target.model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": output_len,
+        "temperature": target.temperature,
+    }
     if prompt.messages is not None:
         body["messages"] = prompt.messages
     else:
@@ -84,14 +89,22 @@ class _Run:
         self.target, self.tokenizer, self.session, self.deadline = target, tokenizer, session, deadline
 
     async def request(self, conversation: Conversation, turn: int, replies: list[str]) -> RequestResult:
-        prompt = build_prompt(conversation, turn, replies, self.tokenizer,
-                              chat_endpoint=self.target.chat_endpoint, as_token_ids=self.target.prompt_as_token_ids)
+        prompt = build_prompt(
+            conversation,
+            turn,
+            replies,
+            self.tokenizer,
+            chat_endpoint=self.target.chat_endpoint,
+            as_token_ids=self.target.prompt_as_token_ids,
+        )
         output_len = conversation.turns[turn].output_len
         result = RequestResult(prompt_len=prompt.prompt_len, output_len=output_len)
         body = request_body(self.target, prompt, output_len)
         return await stream_request(self.session, self.target.url, body, result, self.target.headers)
 
-    async def conversation(self, conversation: Conversation, bar, slot: asyncio.Semaphore | None) -> list[RequestResult]:
+    async def conversation(
+        self, conversation: Conversation, bar, slot: asyncio.Semaphore | None
+    ) -> list[RequestResult]:
         results, replies = [], []
         try:
             for turn in range(len(conversation.turns)):
@@ -109,12 +122,13 @@ class _Run:
         return results
 
 
-async def run_point(target: Target, load: LoadPoint, conversations: Iterator[Conversation],
-                    tokenizer: Tokenizer, desc: str = "bench") -> tuple[list[RequestResult], float]:
+async def run_point(
+    target: Target, load: LoadPoint, conversations: Iterator[Conversation], tokenizer: Tokenizer, desc: str = "bench"
+) -> tuple[list[RequestResult], float]:
     """Send the load; returns every measured request's result and the wall time in seconds."""
     warmups = [next(conversations) for _ in range(target.warmup)]
     total = None
-    if load.num_prompts is not None:   # made before the clock starts, so generating costs nothing
+    if load.num_prompts is not None:  # made before the clock starts, so generating costs nothing
         measured = [next(conversations) for _ in range(load.num_prompts)]
         total = sum(len(c.turns) for c in measured)
         conversations = iter(measured)

@@ -17,17 +17,17 @@ class RequestResult:
     """What one request measured. Times in seconds; `output_tokens` None until known."""
 
     prompt_len: int = 0
-    output_len: int = 0                # requested max_tokens
+    output_len: int = 0  # requested max_tokens
     success: bool = False
     error: str = ""
-    start: float = 0.0                 # perf_counter at send
+    start: float = 0.0  # perf_counter at send
     ttft: float = 0.0
-    latency: float = 0.0               # end-to-end
+    latency: float = 0.0  # end-to-end
     itl: list[float] = field(default_factory=list)
     text: str = ""
     output_tokens: int | None = None
     server_prompt_tokens: int | None = None
-    chunks: int = 0                    # chunks that carried output
+    chunks: int = 0  # chunks that carried output
 
 
 def _choice_text(choice: dict) -> str:
@@ -43,7 +43,7 @@ def _choice_token_count(choice: dict) -> int | None:
         return len(ids)
     logprobs = choice.get("logprobs")
     if isinstance(logprobs, dict):
-        for key in ("content", "tokens"):         # chat, then legacy completions
+        for key in ("content", "tokens"):  # chat, then legacy completions
             if isinstance(logprobs.get(key), list):
                 return len(logprobs[key])
     return None
@@ -56,7 +56,7 @@ class StreamAccumulator:
         self.result = result
         self._last_output_at: float | None = None
         self._usage_seen = False
-        self._usage_tokens = 0            # completion_tokens of the latest usage seen
+        self._usage_tokens = 0  # completion_tokens of the latest usage seen
 
     def feed(self, payload: dict, now: float) -> None:
         result = self.result

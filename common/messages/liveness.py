@@ -1,8 +1,8 @@
 """Liveness and status: READY to the launcher, Ping/Pong between neighbours, the mesh's state.
 
-    any process ──Ready──▶ launcher                (once serving)
-    gateway ──Ping──▶ tokenizer ──Ping──▶ scheduler (every second; Pong says which process answers)
-    gateway ──StatusRequest──▶ scheduler ──ClusterStatus──▶ gateway (/ready, /metrics)
+any process ──Ready──▶ launcher                (once serving)
+gateway ──Ping──▶ tokenizer ──Ping──▶ scheduler (every second; Pong says which process answers)
+gateway ──StatusRequest──▶ scheduler ──ClusterStatus──▶ gateway (/ready, /metrics)
 """
 
 from __future__ import annotations

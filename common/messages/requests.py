@@ -1,8 +1,8 @@
 """The request channel: gateway ⇄ tokenizer ⇄ scheduler, and the tokens workers send back.
 
-    gateway ──GenerateRequest──▶ tokenizer ──ScheduleRequest──▶ scheduler
-    gateway ◀──TextDeltaBatch─── tokenizer ◀──TokenDeltaBatch── worker (one per step)
-    anyone  ──AbortRequest──▶ ...          anyone ──RequestFailed──▶ gateway / tokenizer
+gateway ──GenerateRequest──▶ tokenizer ──ScheduleRequest──▶ scheduler
+gateway ◀──TextDeltaBatch─── tokenizer ◀──TokenDeltaBatch── worker (one per step)
+anyone  ──AbortRequest──▶ ...          anyone ──RequestFailed──▶ gateway / tokenizer
 """
 
 from __future__ import annotations

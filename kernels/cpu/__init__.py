@@ -104,8 +104,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     cols = x.shape[-1]
     out = torch.empty_like(x)
     _lib.pm_add_rms_norm(
-        x.data_ptr(), residual.data_ptr() if residual is not None else None, out.data_ptr(), weight.data_ptr(),
-        x.numel() // cols, cols, eps, dt,
+        x.data_ptr(),
+        residual.data_ptr() if residual is not None else None,
+        out.data_ptr(),
+        weight.data_ptr(),
+        x.numel() // cols,
+        cols,
+        eps,
+        dt,
     )
     return out, (x if residual is None else residual)
 
@@ -131,8 +137,17 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_c
     if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous() or cos_sin_cache.shape[1] != dim:
         raise ValueError("rotary_: cos_sin_cache must be a contiguous fp32 [max_pos, head_dim]")
     _lib.pm_rotary(
-        q.data_ptr(), _rows(q, "q"), k.data_ptr(), _rows(k, "k"), tokens, heads, k.shape[1], dim,
-        positions.data_ptr(), cos_sin_cache.data_ptr(), dt,
+        q.data_ptr(),
+        _rows(q, "q"),
+        k.data_ptr(),
+        _rows(k, "k"),
+        tokens,
+        heads,
+        k.shape[1],
+        dim,
+        positions.data_ptr(),
+        cos_sin_cache.data_ptr(),
+        dt,
     )
     return q, k
 
@@ -145,8 +160,16 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapp
     if not kv_layer.is_contiguous() or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
         raise ValueError("write_kv: contiguous KV layer and int64 slot mapping required")
     _lib.pm_write_kv(
-        k.data_ptr(), _rows(k, "k"), v.data_ptr(), _rows(v, "v"), k.shape[0], k.shape[1] * k.shape[2],
-        kv_layer.data_ptr(), slot_mapping.data_ptr(), kv_layer.shape[2], dt,
+        k.data_ptr(),
+        _rows(k, "k"),
+        v.data_ptr(),
+        _rows(v, "v"),
+        k.shape[0],
+        k.shape[1] * k.shape[2],
+        kv_layer.data_ptr(),
+        slot_mapping.data_ptr(),
+        kv_layer.shape[2],
+        dt,
     )
 
 
@@ -176,9 +199,21 @@ def paged_attention(
         raise ValueError("paged_attention: query_start_loc[-1] must equal the number of query rows")
     out = q.new_empty(tokens, heads, dim)
     _lib.pm_paged_attention(
-        q.data_ptr(), _rows(q, "q"), out.data_ptr(), kv_layer.data_ptr(), block_tables.data_ptr(),
-        block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), num_seqs, heads,
-        num_kv_heads, dim, kv_layer.shape[2], scale, dt,
+        q.data_ptr(),
+        _rows(q, "q"),
+        out.data_ptr(),
+        kv_layer.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        query_start_loc.data_ptr(),
+        num_seqs,
+        heads,
+        num_kv_heads,
+        dim,
+        kv_layer.shape[2],
+        scale,
+        dt,
     )
     return out
 
@@ -205,8 +240,9 @@ def amx_pack(w: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def amx_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """x [M, K] W^T (+ bias) in bf16 with fp32 sums, W as amx_pack left it. out_dtype float32:
     the same bf16 values, widened (as `.float()` of the bf16 result, without the second pass)."""
     nb, kb = packed.shape[0], packed.shape[1]
@@ -219,8 +255,16 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
         raise ValueError("amx_linear: out_dtype is bfloat16 or float32")
     x = x.contiguous()
     out = x.new_empty(x.shape[0], n, dtype=out_dtype)
-    _lib.pm_amx_linear(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
-                       out.data_ptr(), int(out_dtype == torch.float32), x.shape[0], n, k)
+    _lib.pm_amx_linear(
+        x.data_ptr(),
+        packed.data_ptr(),
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+        int(out_dtype == torch.float32),
+        x.shape[0],
+        n,
+        k,
+    )
     return out
 
 

@@ -19,7 +19,16 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("pagemesh_cpu.c")
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+FLAGS = [
+    "-O3",
+    "-march=native",
+    "-mprefer-vector-width=512",
+    "-ffast-math",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    "-std=gnu11",
+]
 
 
 class BuildError(RuntimeError):

@@ -45,5 +45,10 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         policy = PlacementPolicy(args.placement, args.prefix_weight, args.load_weight)
     except ValueError as e:
         parser.error(str(e))
-    return SchedulerConfig(address=args.address, ready_address=args.ready_address,
-                           heartbeat_timeout=args.heartbeat_timeout, max_queue=args.max_queue, placement=policy)
+    return SchedulerConfig(
+        address=args.address,
+        ready_address=args.ready_address,
+        heartbeat_timeout=args.heartbeat_timeout,
+        max_queue=args.max_queue,
+        placement=policy,
+    )

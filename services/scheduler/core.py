@@ -28,9 +28,28 @@ from dataclasses import dataclass
 import structlog
 
 from common.messages import (
-    AbortRequest, ClusterStatus, DecodeTask, DoneReason, GenerateTask, Heartbeat, KVPoolLoad, Message, Ping, Pong,
-    PrefillTask, PrefixCacheUpdate, Registered, RegisterWorker, RequestDone, RequestFailed, ScheduleRequest,
-    StatusRequest, UnknownWorker, WorkerKind, WorkerRole, WorkerStatus,
+    AbortRequest,
+    ClusterStatus,
+    DecodeTask,
+    DoneReason,
+    GenerateTask,
+    Heartbeat,
+    KVPoolLoad,
+    Message,
+    Ping,
+    Pong,
+    PrefillTask,
+    PrefixCacheUpdate,
+    Registered,
+    RegisterWorker,
+    RequestDone,
+    RequestFailed,
+    ScheduleRequest,
+    StatusRequest,
+    UnknownWorker,
+    WorkerKind,
+    WorkerRole,
+    WorkerStatus,
 )
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.placement import Placer
@@ -44,8 +63,10 @@ Outputs = list[tuple[Destination, Message]]
 
 MAX_UNREPORTED = 10_000  # failures kept per tokenizer that has not pinged yet
 # RequestDone reasons that end a request with an error for the client (REJECTED says its own why)
-FAILURES = {DoneReason.KV_REJECTED: "the decode worker refused the KV pages",
-            DoneReason.KV_TIMEOUT: "the KV handoff timed out"}
+FAILURES = {
+    DoneReason.KV_REJECTED: "the decode worker refused the KV pages",
+    DoneReason.KV_TIMEOUT: "the KV handoff timed out",
+}
 
 
 @dataclass
@@ -131,9 +152,16 @@ class SchedulerCore:
     def status(self, now: float) -> ClusterStatus:
         """`ready` is the LLM pools' readiness (a mixed worker, or a prefill and a decode one)."""
         workers = [
-            WorkerStatus(worker_id=w.worker_id, kind=w.kind, role=w.role, alive=self.registry.is_alive(w, now),
-                         running=w.running, waiting=w.waiting, requests_finished=w.requests_finished,
-                         kv=_kv_load(w) if w.kind == WorkerKind.LLM else None)
+            WorkerStatus(
+                worker_id=w.worker_id,
+                kind=w.kind,
+                role=w.role,
+                alive=self.registry.is_alive(w, now),
+                running=w.running,
+                waiting=w.waiting,
+                requests_finished=w.requests_finished,
+                kv=_kv_load(w) if w.kind == WorkerKind.LLM else None,
+            )
             for w in self.registry.workers.values()
         ]
         return ClusterStatus(ready=self.can_serve(WorkerKind.LLM, now), workers=workers, queued=len(self.queue))
@@ -141,8 +169,13 @@ class SchedulerCore:
     # ---- workers --------------------------------------------------------------------------
     def _on_register(self, identity: bytes, msg: RegisterWorker, now: float, out: Outputs) -> None:
         replaced = self.registry.register(WorkerInfo.registered(msg, now))
-        self.log.info("worker registered", worker=msg.worker_id, kind=msg.kind, role=msg.role,
-                      pages=msg.kv.num_pages if msg.kv else 0)
+        self.log.info(
+            "worker registered",
+            worker=msg.worker_id,
+            kind=msg.kind,
+            role=msg.role,
+            pages=msg.kv.num_pages if msg.kv else 0,
+        )
         out.append((identity, Registered(worker_id=msg.worker_id)))
         if replaced is not None:  # a new process under the id: the old one's requests are gone
             self.log.warning("worker restarted", worker=msg.worker_id, requests=len(replaced.requests))
@@ -179,9 +212,19 @@ class SchedulerCore:
 
     def _reject(self, identity: bytes, request_id: str, why: str, out: Outputs) -> None:
         self.log.info("request rejected", request_id=request_id, reason=why)
-        out.append((identity, RequestFailed(request_id=request_id, status=503, error_type="server_error",
-                                            message=f"Service unavailable: {why}; retry later.", param=None,
-                                            code="overloaded")))
+        out.append(
+            (
+                identity,
+                RequestFailed(
+                    request_id=request_id,
+                    status=503,
+                    error_type="server_error",
+                    message=f"Service unavailable: {why}; retry later.",
+                    param=None,
+                    code="overloaded",
+                ),
+            )
+        )
 
     def _drain(self, now: float, out: Outputs) -> None:
         """Place queued requests, oldest first, while some worker can take them."""
@@ -192,11 +235,13 @@ class SchedulerCore:
 
     def _place_llm(self, entry: Queued, now: float, out: Outputs) -> bool:
         """Place an LLM request (disaggregated, or on a mixed worker); False if none can take it now."""
+
         def alive(role: WorkerRole) -> list[WorkerInfo]:
             return self.registry.alive(WorkerKind.LLM, role, now)
 
-        placement = self.placer.place(alive(WorkerRole.PREFILL), alive(WorkerRole.DECODE), alive(WorkerRole.MIXED),
-                                      entry.prompt)
+        placement = self.placer.place(
+            alive(WorkerRole.PREFILL), alive(WorkerRole.DECODE), alive(WorkerRole.MIXED), entry.prompt
+        )
         if placement is None:
             return False
         req = entry.request
@@ -207,23 +252,54 @@ class SchedulerCore:
         if not handoff:
             # mixed worker, or beams / best_of whose state stays in one engine: no handoff
             holders = {worker.worker_id}
-            out.append((worker.worker_id, GenerateTask(
-                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
-                reply_to=req.reply_to, queued_s=queued)))
+            out.append(
+                (
+                    worker.worker_id,
+                    GenerateTask(
+                        request_id=req.request_id,
+                        prompt_token_ids=req.prompt_token_ids,
+                        sampling=req.sampling,
+                        reply_to=req.reply_to,
+                        queued_s=queued,
+                    ),
+                )
+            )
         else:
             holders = {prefill.worker_id, worker.worker_id}
             skip = placement.skip_pages
-            out.append((worker.worker_id, DecodeTask(
-                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
-                reply_to=req.reply_to, prefill_worker_id=prefill.worker_id, skip_pages=skip)))
-            out.append((prefill.worker_id, PrefillTask(
-                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
-                reply_to=req.reply_to, decode_worker_id=worker.worker_id, decode_kv_endpoint=worker.kv_endpoint,
-                queued_s=queued, skip_pages=skip)))
+            out.append(
+                (
+                    worker.worker_id,
+                    DecodeTask(
+                        request_id=req.request_id,
+                        prompt_token_ids=req.prompt_token_ids,
+                        sampling=req.sampling,
+                        reply_to=req.reply_to,
+                        prefill_worker_id=prefill.worker_id,
+                        skip_pages=skip,
+                    ),
+                )
+            )
+            out.append(
+                (
+                    prefill.worker_id,
+                    PrefillTask(
+                        request_id=req.request_id,
+                        prompt_token_ids=req.prompt_token_ids,
+                        sampling=req.sampling,
+                        reply_to=req.reply_to,
+                        decode_worker_id=worker.worker_id,
+                        decode_kv_endpoint=worker.kv_endpoint,
+                        queued_s=queued,
+                        skip_pages=skip,
+                    ),
+                )
+            )
         for wid in holders:
             self.registry.workers[wid].requests.add(req.request_id)
-        self.placed[req.request_id] = Placed(req.request_id, req.reply_to, holders,
-                                             prefill.worker_id if handoff else None)
+        self.placed[req.request_id] = Placed(
+            req.request_id, req.reply_to, holders, prefill.worker_id if handoff else None
+        )
         return True
 
     def _llm_can_serve(self, now: float) -> bool:
@@ -269,8 +345,14 @@ class SchedulerCore:
 
     def _fail(self, placed: Placed, why: str, out: Outputs) -> None:
         """Tell the request's tokenizer it failed (or keep that until it pings), abort it everywhere."""
-        failed = RequestFailed(request_id=placed.request_id, status=503, error_type="server_error",
-                               message=f"Request failed: {why}; retry later.", param=None, code="worker_failure")
+        failed = RequestFailed(
+            request_id=placed.request_id,
+            status=503,
+            error_type="server_error",
+            message=f"Request failed: {why}; retry later.",
+            param=None,
+            code="worker_failure",
+        )
         origin = self.tokenizers.get(placed.reply_to)
         if origin is not None:
             out.append((origin, failed))
@@ -306,5 +388,10 @@ class SchedulerCore:
 
 
 def _kv_load(w: WorkerInfo) -> KVPoolLoad:
-    return KVPoolLoad(free_pages=w.free_pages, used_pages=w.used_pages, total_pages=w.total_pages,
-                      bytes_sent=w.kv_bytes_sent, bytes_received=w.kv_bytes_received)
+    return KVPoolLoad(
+        free_pages=w.free_pages,
+        used_pages=w.used_pages,
+        total_pages=w.total_pages,
+        bytes_sent=w.kv_bytes_sent,
+        bytes_received=w.kv_bytes_received,
+    )

@@ -70,8 +70,9 @@ class Placer:
         self.policy = policy
         self.last: dict[str, str] = {}  # pool -> worker id picked last
 
-    def place(self, prefill: list[WorkerInfo], decode: list[WorkerInfo], mixed: list[WorkerInfo],
-              prompt: PromptPages) -> Placement | None:
+    def place(
+        self, prefill: list[WorkerInfo], decode: list[WorkerInfo], mixed: list[WorkerInfo], prompt: PromptPages
+    ) -> Placement | None:
         """Disaggregated when both pools have a worker with room, else mixed; None = none can
         take it now (the caller queues or rejects)."""
         n = len(prompt.token_ids)

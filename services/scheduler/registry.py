@@ -6,8 +6,8 @@ Workers fall into pools keyed by (kind, role): (llm, prefill), (llm, decode), (l
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from common.messages import Heartbeat, RegisterWorker, WorkerKind, WorkerRole
 
@@ -45,8 +45,15 @@ class WorkerInfo:
     @classmethod
     def registered(cls, msg: RegisterWorker, now: float) -> WorkerInfo:
         """A worker as it registers; its pool counts as free until its first heartbeat."""
-        info = cls(worker_id=msg.worker_id, kind=msg.kind, role=msg.role, model=msg.model,
-                   max_running=msg.max_running, last_seen=now, instance=msg.instance)
+        info = cls(
+            worker_id=msg.worker_id,
+            kind=msg.kind,
+            role=msg.role,
+            model=msg.model,
+            max_running=msg.max_running,
+            last_seen=now,
+            instance=msg.instance,
+        )
         if msg.kv is not None:
             info.page_size, info.total_pages, info.kv_endpoint = msg.kv.page_size, msg.kv.num_pages, msg.kv.kv_endpoint
             info.free_pages = msg.kv.num_pages

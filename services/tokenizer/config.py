@@ -36,10 +36,19 @@ def parse_args(argv: list[str]) -> TokenizerConfig:
     cli_args.add(parser, "--address", help="Router bind address for gateways")
     cli_args.add(parser, "--output-address", help="Pull bind address for workers' tokens")
     cli_args.add(parser, "--scheduler-address", help="scheduler Router address")
-    cli_args.add(parser, "--max-model-len", None, type=int,
-                 help=f"context length (default: the model's, capped at {DEFAULT_MAX_MODEL_LEN_CAP})")
-    cli_args.add(parser, "--name", f"tokenizer-{socket.gethostname()}-{os.getpid()}",
-                 help="replica name (also its Dealer identity at the scheduler)")
+    cli_args.add(
+        parser,
+        "--max-model-len",
+        None,
+        type=int,
+        help=f"context length (default: the model's, capped at {DEFAULT_MAX_MODEL_LEN_CAP})",
+    )
+    cli_args.add(
+        parser,
+        "--name",
+        f"tokenizer-{socket.gethostname()}-{os.getpid()}",
+        help="replica name (also its Dealer identity at the scheduler)",
+    )
     cli_args.add(parser, "--ready-address", None, help="push Ready here once serving")
     cli_args.add(parser, "--log-level", "INFO", help="DEBUG, INFO, WARNING or ERROR")
     args = parser.parse_args(argv)
@@ -52,9 +61,16 @@ def parse_args(argv: list[str]) -> TokenizerConfig:
         max_model_len = min(_model_context_length(model), DEFAULT_MAX_MODEL_LEN_CAP)
     if max_model_len < 2:
         parser.error("--max-model-len must be at least 2")
-    return TokenizerConfig(model=model, address=args.address, output_address=args.output_address,
-                           scheduler_address=args.scheduler_address, max_model_len=max_model_len,
-                           name=args.name, ready_address=args.ready_address, log_level=args.log_level)
+    return TokenizerConfig(
+        model=model,
+        address=args.address,
+        output_address=args.output_address,
+        scheduler_address=args.scheduler_address,
+        max_model_len=max_model_len,
+        name=args.name,
+        ready_address=args.ready_address,
+        log_level=args.log_level,
+    )
 
 
 def _model_context_length(model: Path) -> int:

@@ -27,11 +27,16 @@ from dataclasses import dataclass, field
 import jinja2
 
 from common.messages import (
-    AbortRequest, GenerateRequest, RequestFailed, ScheduleRequest, TextDelta, TextDeltaBatch,
+    AbortRequest,
+    GenerateRequest,
+    RequestFailed,
+    ScheduleRequest,
+    TextDelta,
+    TextDeltaBatch,
     TokenDeltaBatch,
 )
-from common.tokenizer import IncrementalDetokenizer, Tokenizer
 from common.sampling import MAX_TOKENS_FROM_CONTEXT
+from common.tokenizer import IncrementalDetokenizer, Tokenizer
 
 ORPHAN_ABORT_INTERVAL_S = 1.0  # between aborts of one unknown request whose tokens keep coming
 MAX_ORPHANS_REMEMBERED = 4096
@@ -109,13 +114,31 @@ class TokenizerCore:
         elif prompt_len + sampling.max_tokens > limit:
             return self._too_long(request.request_id, field_name, prompt_len, sampling.max_tokens)
 
-        choices = [_Choice(IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=sampling.stop,
-                                                  include_stop_str_in_output=request.include_stop_str_in_output))
-                   for _ in range(sampling.n)]
-        schedule = ScheduleRequest(request_id=request.request_id, prompt_token_ids=prompt_ids, sampling=sampling, reply_to=self.reply_to, arrival_time=request.arrival_time)
+        choices = [
+            _Choice(
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_ids,
+                    stop=sampling.stop,
+                    include_stop_str_in_output=request.include_stop_str_in_output,
+                )
+            )
+            for _ in range(sampling.n)
+        ]
+        schedule = ScheduleRequest(
+            request_id=request.request_id,
+            prompt_token_ids=prompt_ids,
+            sampling=sampling,
+            reply_to=self.reply_to,
+            arrival_time=request.arrival_time,
+        )
         self._requests[request.request_id] = _Request(
-            request.reply_to, prompt_len, choices, prompt_ids=prompt_ids if sampling.prompt_logprobs is not None else None,
-            schedule=schedule)
+            request.reply_to,
+            prompt_len,
+            choices,
+            prompt_ids=prompt_ids if sampling.prompt_logprobs is not None else None,
+            schedule=schedule,
+        )
         return schedule
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
@@ -130,13 +153,21 @@ class TokenizerCore:
         where = "messages" if field_name == "messages" else "prompt"
         head = f"This model's maximum context length is {self.max_model_len} tokens. However, "
         if max_tokens is None:
-            message = (f"{head}your {where} resulted in {prompt_len} tokens. "
-                       f"Please reduce the length of the {where}.")
+            message = f"{head}your {where} resulted in {prompt_len} tokens. Please reduce the length of the {where}."
         else:
-            message = (f"{head}you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
-                       f"{where}, {max_tokens} in the completion). Please reduce the length of the "
-                       f"{where} or completion.")
-        return RequestFailed(request_id=request_id, status=400, error_type="invalid_request_error", message=message, param=field_name, code="context_length_exceeded")
+            message = (
+                f"{head}you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
+                f"{where}, {max_tokens} in the completion). Please reduce the length of the "
+                f"{where} or completion."
+            )
+        return RequestFailed(
+            request_id=request_id,
+            status=400,
+            error_type="invalid_request_error",
+            message=message,
+            param=field_name,
+            code="context_length_exceeded",
+        )
 
     # ---- tokens in
 
@@ -150,12 +181,20 @@ class TokenizerCore:
             if request is not None:
                 request.started, request.schedule = True, None
             elif self._may_abort_orphan(started.request_id, now):
-                out.aborts.append(AbortRequest(request_id=started.request_id, reason="unknown to the tokenizer", worker_id=batch.worker_id))
+                out.aborts.append(
+                    AbortRequest(
+                        request_id=started.request_id, reason="unknown to the tokenizer", worker_id=batch.worker_id
+                    )
+                )
         for delta in batch.deltas:
             request = self._requests.get(delta.request_id)
             if request is None:
                 if delta.finish_reason is None and self._may_abort_orphan(delta.request_id, now):
-                    out.aborts.append(AbortRequest(request_id=delta.request_id, reason="unknown to the tokenizer", worker_id=batch.worker_id))
+                    out.aborts.append(
+                        AbortRequest(
+                            request_id=delta.request_id, reason="unknown to the tokenizer", worker_id=batch.worker_id
+                        )
+                    )
                 continue
             if not 0 <= delta.index < len(request.choices):
                 continue
@@ -176,10 +215,21 @@ class TokenizerCore:
                 text += choice.detokenizer.flush()
                 finish_reason = delta.finish_reason
             choice.finished = finish_reason is not None
-            by_gateway.setdefault(request.reply_to, []).append(TextDelta(
-                request_id=delta.request_id, index=delta.index, text=text, token_ids=delta.token_ids, logprobs=delta.logprobs, finish_reason=finish_reason,
-                prompt_tokens=request.prompt_tokens, completion_tokens=choice.completion_tokens, queue_time_s=delta.queue_time_s,
-                prompt_token_ids=request.prompt_ids if delta.prompt_logprobs is not None else None, prompt_logprobs=delta.prompt_logprobs))
+            by_gateway.setdefault(request.reply_to, []).append(
+                TextDelta(
+                    request_id=delta.request_id,
+                    index=delta.index,
+                    text=text,
+                    token_ids=delta.token_ids,
+                    logprobs=delta.logprobs,
+                    finish_reason=finish_reason,
+                    prompt_tokens=request.prompt_tokens,
+                    completion_tokens=choice.completion_tokens,
+                    queue_time_s=delta.queue_time_s,
+                    prompt_token_ids=request.prompt_ids if delta.prompt_logprobs is not None else None,
+                    prompt_logprobs=delta.prompt_logprobs,
+                )
+            )
             if choice.finished and all(c.finished for c in request.choices):
                 del self._requests[delta.request_id]
                 if not all(c.worker_finished for c in request.choices):
@@ -223,4 +273,6 @@ def _param_of(message: str, default: str) -> str:
 
 
 def _invalid(request_id: str, message: str, param: str | None) -> RequestFailed:
-    return RequestFailed(request_id=request_id, status=400, error_type="invalid_request_error", message=message, param=param, code=None)
+    return RequestFailed(
+        request_id=request_id, status=400, error_type="invalid_request_error", message=message, param=param, code=None
+    )

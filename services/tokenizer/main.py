@@ -21,7 +21,14 @@ import structlog
 from common.liveness import PeerInstance, new_instance, ping_forever
 from common.logging import configure_logging
 from common.messages import (
-    AbortRequest, GenerateRequest, Ping, Pong, Ready, RequestFailed, ScheduleRequest, TokenDeltaBatch,
+    AbortRequest,
+    GenerateRequest,
+    Ping,
+    Pong,
+    Ready,
+    RequestFailed,
+    ScheduleRequest,
+    TokenDeltaBatch,
 )
 from common.process import run_until_signalled
 from common.tokenizer import Tokenizer
@@ -42,14 +49,22 @@ def main(argv: list[str]) -> None:
 
 async def run(config: TokenizerConfig) -> None:
     tokenizer = Tokenizer.from_path(config.model)
-    with Router(config.address) as frontend, Pull(config.output_address) as tokens, \
-            Dealer(config.scheduler_address, config.name) as scheduler:
+    with (
+        Router(config.address) as frontend,
+        Pull(config.output_address) as tokens,
+        Dealer(config.scheduler_address, config.name) as scheduler,
+    ):
         core = TokenizerCore(tokenizer, config.max_model_len, reply_to=tokens.address)
         gateways = GatewayReplies()
         try:
-            log.info("serving", address=frontend.address, output_address=tokens.address,
-                     scheduler=config.scheduler_address, model=str(config.model),
-                     max_model_len=config.max_model_len)
+            log.info(
+                "serving",
+                address=frontend.address,
+                output_address=tokens.address,
+                scheduler=config.scheduler_address,
+                model=str(config.model),
+                max_model_len=config.max_model_len,
+            )
             if config.ready_address:
                 with Push(config.ready_address) as ready:
                     await ready.send(Ready(service="tokenizer", name=config.name))
@@ -63,8 +78,9 @@ async def run(config: TokenizerConfig) -> None:
             await gateways.close()
 
 
-async def _serve_gateways(frontend: Router, core: TokenizerCore, scheduler: Dealer,
-                          gateways: GatewayReplies, instance: str) -> None:
+async def _serve_gateways(
+    frontend: Router, core: TokenizerCore, scheduler: Dealer, gateways: GatewayReplies, instance: str
+) -> None:
     while True:
         identity, msg = await frontend.recv()
         if isinstance(msg, Ping):

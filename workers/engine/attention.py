@@ -57,7 +57,7 @@ class AttentionMetadata:
         device: torch.device,
         for_cpu: bool,
         decode_gather: bool = True,
-    ) -> "AttentionMetadata":
+    ) -> AttentionMetadata:
         """for_cpu: build the prefill slices (and, with decode_gather, the row indices of the
         torch decode path); the GPU kernels and the C decode kernel read block tables.
 
@@ -116,7 +116,7 @@ class AttentionMetadata:
             start = int(self.query_start_loc[s])
             self.prefills.append(PrefillSlice(start, q, key_index, mask))
 
-    def to(self, device: torch.device) -> "AttentionMetadata":
+    def to(self, device: torch.device) -> AttentionMetadata:
         if device.type == "cpu":
             return self
         for name in ("positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
@@ -131,8 +131,12 @@ def write_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, md:
 
 
 def paged_attention_torch(
-    q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata, scale: float,
-    k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; kv_layer: [P, 2, S, KVH, D] with this step's K/V already written (k, v
     [T, KVH, D]: the same rows, optional, see prefill_attention_torch)."""
@@ -157,8 +161,13 @@ def paged_attention_torch(
 
 
 def prefill_attention_torch(
-    q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata, scale: float, out: torch.Tensor,
-    k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> None:
     """The prefill chunks of the batch (after its decodes), into `out`.
 
@@ -174,16 +183,21 @@ def prefill_attention_torch(
         p = prefills[i]
         if k is not None and p.mask is None:
             j = i + 1  # a run of fresh prompts of p's length, rows back to back
-            while (j < len(prefills) and prefills[j].mask is None and prefills[j].query_len == p.query_len
-                   and prefills[j].query_start == p.query_start + (j - i) * p.query_len):
+            while (
+                j < len(prefills)
+                and prefills[j].mask is None
+                and prefills[j].query_len == p.query_len
+                and prefills[j].query_start == p.query_start + (j - i) * p.query_len
+            ):
                 j += 1
             n, rows = j - i, slice(p.query_start, p.query_start + (j - i) * p.query_len)
 
             def heads_first(t: torch.Tensor) -> torch.Tensor:  # [n * L, H, D] -> [n, H, L, D]
                 return t[rows].view(n, p.query_len, t.shape[1], head_dim).transpose(1, 2)
 
-            o = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), is_causal=True,
-                                               scale=scale, enable_gqa=group > 1)
+            o = F.scaled_dot_product_attention(
+                heads_first(q), heads_first(k), heads_first(v), is_causal=True, scale=scale, enable_gqa=group > 1
+            )
             out[rows] = o.transpose(1, 2).reshape(-1, q.shape[1], head_dim)
             i = j
             continue

@@ -56,9 +56,7 @@ class CpuKernelAttentionBackend:
     def attend(self, q, kv_layer, md, scale, k=None, v=None):
         nd = md.num_decodes
         if nd == q.shape[0]:
-            return self.kernels.paged_attention(
-                q, kv_layer, md.block_tables, md.seq_lens, md.query_start_loc, scale
-            )
+            return self.kernels.paged_attention(q, kv_layer, md.block_tables, md.seq_lens, md.query_start_loc, scale)
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self.kernels.paged_attention(
@@ -131,5 +129,12 @@ def select_backend(device: torch.device, dtype: torch.dtype) -> Backend:
         reason = kernels.cpu.load_error() or f"no C kernels for {dtype}"
         log.warning("cpu_kernels_unavailable (%s): attention falls back to torch SDPA over gathered pages", reason)
         attention, ops = TorchAttentionBackend(), TorchOps()
-    return Backend(device, dtype, attention, ops, pack_linears=dtype == torch.bfloat16,
-                   amx=dtype == torch.bfloat16 and kernels.cpu.amx_available(), cpu_argmax=kernels.cpu.available())
+    return Backend(
+        device,
+        dtype,
+        attention,
+        ops,
+        pack_linears=dtype == torch.bfloat16,
+        amx=dtype == torch.bfloat16 and kernels.cpu.amx_available(),
+        cpu_argmax=kernels.cpu.available(),
+    )

@@ -22,8 +22,8 @@ makes the writer move to a private copy (`ensure_writable` returns the copy to p
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 from common.page_hash import chain_hash
 

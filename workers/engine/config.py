@@ -90,14 +90,30 @@ def add_engine_arguments(parser) -> None:
     add(parser, "--device", "auto", choices=["auto", "cpu", "cuda"])
     add(parser, "--page-size", 16, type=int, help="tokens per KV page")
     add(parser, "--num-pages", None, type=int, help="KV pool size in pages (overrides --kv-cache-gb)")
-    add(parser, "--kv-cache-gb", None, type=float, help="KV pool memory (default 2 on CPU; on a GPU see --gpu-memory-fraction)")
-    add(parser, "--gpu-memory-fraction", 0.9, type=float,
+    add(
+        parser,
+        "--kv-cache-gb",
+        None,
+        type=float,
+        help="KV pool memory (default 2 on CPU; on a GPU see --gpu-memory-fraction)",
+    )
+    add(
+        parser,
+        "--gpu-memory-fraction",
+        0.9,
+        type=float,
         help="share of the GPU's memory for this worker's weights and KV pool (`pagemesh up` divides "
-             "it among workers sharing a GPU)")
+        "it among workers sharing a GPU)",
+    )
     add(parser, "--max-model-len", None, type=int, help="context length (default: the model's, at most 8192)")
     add(parser, "--max-num-seqs", 64, type=int, help="sequences running at once")
-    add(parser, "--max-num-batched-tokens", 2048, type=int,
-        help="token budget of one step (smaller: shorter steps while prompts arrive, smoother ITL)")
+    add(
+        parser,
+        "--max-num-batched-tokens",
+        2048,
+        type=int,
+        help="token budget of one step (smaller: shorter steps while prompts arrive, smoother ITL)",
+    )
     add(parser, "--max-prefill-chunk", 512, type=int, help="largest prompt chunk in one step")
     add(parser, "--max-num-partial-prefills", 4, type=int, help="prompts prefilled at once")
     add(parser, "--no-prefix-caching", False, action="store_true", help="turn the prefix cache off")
@@ -107,14 +123,35 @@ def add_engine_arguments(parser) -> None:
     add(parser, "--preemption-mode", "recompute", choices=["recompute", "swap"], help="when KV pages run out")
     add(parser, "--swap-space-gb", 1.0, type=float, help="host memory for swapped-out pages")
     add(parser, "--max-long-partial-prefills", 1, type=int, help="long prompts prefilled at once")
-    add(parser, "--long-prefill-threshold", None, type=int, help="tokens that make a prompt long (default 4%% of the context)")
+    add(
+        parser,
+        "--long-prefill-threshold",
+        None,
+        type=int,
+        help="tokens that make a prompt long (default 4%% of the context)",
+    )
 
 
 ENGINE_FLAGS = (
-    "model", "dtype", "device", "page_size", "num_pages", "kv_cache_gb", "gpu_memory_fraction", "max_model_len",
+    "model",
+    "dtype",
+    "device",
+    "page_size",
+    "num_pages",
+    "kv_cache_gb",
+    "gpu_memory_fraction",
+    "max_model_len",
     "max_num_seqs",
-    "max_num_batched_tokens", "max_prefill_chunk", "max_num_partial_prefills", "no_prefix_caching", "seed",
-    "no_cuda_graphs", "batching", "preemption_mode", "swap_space_gb", "max_long_partial_prefills",
+    "max_num_batched_tokens",
+    "max_prefill_chunk",
+    "max_num_partial_prefills",
+    "no_prefix_caching",
+    "seed",
+    "no_cuda_graphs",
+    "batching",
+    "preemption_mode",
+    "swap_space_gb",
+    "max_long_partial_prefills",
     "long_prefill_threshold",
 )
 

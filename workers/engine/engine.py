@@ -93,8 +93,14 @@ class Engine:
         )
         self.backend = select_backend(self.device, model.embed_tokens.weight.dtype)
         self.runner = ModelRunner(
-            model, num_pages, config.page_size, self.device, backend=self.backend,
-            cuda_graphs=config.cuda_graphs, max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+            model,
+            num_pages,
+            config.page_size,
+            self.device,
+            backend=self.backend,
+            cuda_graphs=config.cuda_graphs,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
         )
         self.requests: dict[str, EngineRequest] = {}
         self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len, self.tokenizer)
@@ -103,10 +109,18 @@ class Engine:
         self.generators = SeqGenerators(self.device, config.seed)
         self.stops = StopRules(self.scheduler, self.eos_token_ids, self.max_model_len)
         self.forks = Forks(self.blocks, self.scheduler, self.generators)
-        self.updater = StepUpdate(self.requests, self.blocks, self.backend, self.generators, self.forks,
-                                  BeamSearch(self.scheduler, self.forks, self.stops), self.stops)
-        self.handoff = PrefillHandoff(self.blocks, self.scheduler, self.validator, self.json_masks,
-                                      self.generators, self.stops)
+        self.updater = StepUpdate(
+            self.requests,
+            self.blocks,
+            self.backend,
+            self.generators,
+            self.forks,
+            BeamSearch(self.scheduler, self.forks, self.stops),
+            self.stops,
+        )
+        self.handoff = PrefillHandoff(
+            self.blocks, self.scheduler, self.validator, self.json_masks, self.generators, self.stops
+        )
         self.stats = EngineStats()
         self.stalled = False
 
@@ -129,24 +143,37 @@ class Engine:
             budget = self.config.kv_cache_memory_gb * 2**30
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = gpu_kv_budget(free, total, torch.cuda.memory_reserved(self.device), self.config.gpu_memory_fraction)
+            budget = gpu_kv_budget(
+                free, total, torch.cuda.memory_reserved(self.device), self.config.gpu_memory_fraction
+            )
         else:
             budget = DEFAULT_CPU_KV_GB * 2**30
         return max(2, int(budget // page_bytes))
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams, prefill_only: bool = False) -> None:
+    def add_request(
+        self, request_id: str, prompt: str | Seq[int], params: SamplingParams, prefill_only: bool = False
+    ) -> None:
         """Queue a request. Raises ValueError naming the field if anything is invalid.
         `prefill_only`: stop after the first token(s) and hold the pages (see `take_prefilled`)."""
         token_ids = self.validator.new_request(request_id, prompt, params, self.requests)
         masks = self.json_masks.for_params(params)
         forks = 0 if params.use_beam_search else params.num_sequences - 1
-        seq = Sequence(request_id, 0, token_ids, len(token_ids), params, pending_forks=forks,
-                       json=masks.start() if masks is not None else None, json_masks=masks)
+        seq = Sequence(
+            request_id,
+            0,
+            token_ids,
+            len(token_ids),
+            params,
+            pending_forks=forks,
+            json=masks.start() if masks is not None else None,
+            json_masks=masks,
+        )
         self.generators.start(seq)
         beam = BeamState(params.num_sequences, params.length_penalty) if params.use_beam_search else None
-        self.requests[request_id] = EngineRequest(request_id, params, [seq], len(token_ids),
-                                                  prefill_only=prefill_only, beam=beam)
+        self.requests[request_id] = EngineRequest(
+            request_id, params, [seq], len(token_ids), prefill_only=prefill_only, beam=beam
+        )
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -208,8 +235,9 @@ class Engine:
         calls `write_pages(new_pages)` to fill them, publishes the prompt's full pages to the
         prefix cache, and starts every choice whose first token did not already end it.
         Raises OutOfPages if the pool cannot hold the prompt."""
-        req = self.handoff.import_request(request_id, prompt_token_ids, params, first_token_ids, write_pages,
-                                          prefix_pages, running=self.requests)
+        req = self.handoff.import_request(
+            request_id, prompt_token_ids, params, first_token_ids, write_pages, prefix_pages, running=self.requests
+        )
         if req is not None:
             self.requests[request_id] = req
 

@@ -15,7 +15,9 @@ DEFAULT_PROMPTS = ["What is paged attention, in one sentence?", "Write a haiku a
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="pagemesh generate", description=__doc__)
     parser.add_argument("prompts", nargs="*", help="user messages (chat template applied)")
-    parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -31,6 +33,8 @@ def main(argv: list[str]) -> None:
         print(f"> {prompt}\n{result.texts[0].strip()}\n")
     tokens = sum(len(r.token_ids[0]) for r in results)
     print(
-        f"[{engine.model_config.architecture}, {engine.runner.dtype}, {engine.device}] loaded in {loaded - started:.1f}s; "
-        f"{tokens} tokens in {done - loaded:.1f}s; KV pages {engine.blocks.num_usable_pages} x {engine.config.page_size} tokens"
+        f"[{engine.model_config.architecture}, {engine.runner.dtype}, {engine.device}] loaded in "
+        f"{loaded - started:.1f}s; "
+        f"{tokens} tokens in {done - loaded:.1f}s; KV pages {engine.blocks.num_usable_pages} x "
+        f"{engine.config.page_size} tokens"
     )

@@ -72,8 +72,9 @@ class JsonMasks:
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int, end_ids: set[int]) -> JsonMasks:
         special = tokenizer.special_token_ids
-        texts = [None if i in special or i >= tokenizer.vocab_size else tokenizer.token_text(i)
-                 for i in range(vocab_size)]
+        texts = [
+            None if i in special or i >= tokenizer.vocab_size else tokenizer.token_text(i) for i in range(vocab_size)
+        ]
         return cls(texts, end_ids, vocab_size)
 
     def allowed(self, cursor: JsonCursor, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -106,7 +107,9 @@ class JsonMasks:
                 after = grammar.step(state, first)
                 if after is None:
                     continue
-                ids += [i for i in group if len(self.texts[i]) == 1 or grammar.run(after, self.texts[i][1:]) is not None]
+                ids += [
+                    i for i in group if len(self.texts[i]) == 1 or grammar.run(after, self.texts[i][1:]) is not None
+                ]
         if capped:
             ids = [i for i in ids if i not in self.whitespace_only]
         if grammar.is_complete(state):

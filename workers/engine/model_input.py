@@ -38,10 +38,10 @@ class ModelInput:
     sample_rows: list[int]  # rows of token_ids whose logits are sampled: the last of each sampling chunk
     prompt_logprob_rows: list[int]  # rows whose logits score a prompt token, chunk by chunk
     num_decodes: int = 0  # the first num_decodes chunks are single-token decodes
-    page_copies: list[tuple[int, int]]= field(default_factory=list)  # (src, dst): copy-on-write before running
-    swap_out: list[tuple[int, list[int]]]= field(default_factory=list)  # (seq_id, pages) to host memory
-    swap_in: list[tuple[int, list[int]]]= field(default_factory=list)  # (seq_id, new pages) from host memory
-    swap_discard: list[int]= field(default_factory=list)  # seq_ids whose host copy is no longer needed
+    page_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy-on-write before running
+    swap_out: list[tuple[int, list[int]]] = field(default_factory=list)  # (seq_id, pages) to host memory
+    swap_in: list[tuple[int, list[int]]] = field(default_factory=list)  # (seq_id, new pages) from host memory
+    swap_discard: list[int] = field(default_factory=list)  # seq_ids whose host copy is no longer needed
 
     @property
     def logit_rows(self) -> list[int]:
@@ -69,5 +69,16 @@ def build_model_input(plan: StepPlan) -> ModelInput:
             sample_rows.append(first + n - 1)
         if seq.sampling.prompt_logprobs is not None:
             prompt_rows.extend(first + p - start for p in seq.prompt_logprob_positions(start, n))
-    return ModelInput(token_ids, query_lens, seq_lens, block_tables, sample_rows, prompt_rows, plan.num_decodes,
-                      plan.page_copies, plan.swap_out, plan.swap_in, plan.swap_discard)
+    return ModelInput(
+        token_ids,
+        query_lens,
+        seq_lens,
+        block_tables,
+        sample_rows,
+        prompt_rows,
+        plan.num_decodes,
+        plan.page_copies,
+        plan.swap_out,
+        plan.swap_in,
+        plan.swap_discard,
+    )

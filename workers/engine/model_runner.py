@@ -27,8 +27,8 @@ class ModelRunner:
     backend and the ops (`self.attention`, `self.ops`) and says whether the linear weights are
     repacked once (`pack_linear_weights`); on a CPU glibc is told to keep freed activations
     (`keep_freed_memory_for_reuse`). On CUDA with `cuda_graphs`, decode-only steps of up to
-    `max_num_seqs` sequences replay CUDA graphs (`DecodeGraphs`), everything else runs eagerly. `max_model_len` (default: the
-    model's) sizes the graphs' block tables and fixes their attention split count.
+    `max_num_seqs` sequences replay CUDA graphs (`DecodeGraphs`), everything else runs eagerly.
+    `max_model_len` (default: the model's) sizes the graphs' block tables and fixes their attention split count.
     """
 
     def __init__(
@@ -62,7 +62,12 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda":
             self.graphs = DecodeGraphs(
-                model, self.kv_cache, self.attention, self.ops, page_size, max_num_seqs,
+                model,
+                self.kv_cache,
+                self.attention,
+                self.ops,
+                page_size,
+                max_num_seqs,
                 max_model_len or cfg.max_position_embeddings,
             )
 
@@ -89,12 +94,20 @@ class ModelRunner:
         CUDA a replayed graph's output buffer: read it before the next step)."""
         self.move_pages(step)
         logit_rows = step.logit_rows
-        if self.graphs is not None and not step.prompt_logprob_rows \
-                and self.graphs.can_run(step.query_lens, step.block_tables, len(logit_rows)):
+        if (
+            self.graphs is not None
+            and not step.prompt_logprob_rows
+            and self.graphs.can_run(step.query_lens, step.block_tables, len(logit_rows))
+        ):
             return self.graphs.run(step.token_ids, step.seq_lens, step.block_tables)
         md = AttentionMetadata.build(
-            step.query_lens, step.seq_lens, step.block_tables, self.page_size, self.device,
-            for_cpu=self.attention.builds_cpu_indices, decode_gather=self.attention.decode_gather,
+            step.query_lens,
+            step.seq_lens,
+            step.block_tables,
+            self.page_size,
+            self.device,
+            for_cpu=self.attention.builds_cpu_indices,
+            decode_gather=self.attention.decode_gather,
         )
         ids = torch.tensor(step.token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         rows = torch.tensor(logit_rows, dtype=torch.int64).to(self.device, non_blocking=True)

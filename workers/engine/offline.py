@@ -41,7 +41,14 @@ def generate(
         choices = [collected[rid][i] for i in sorted(collected[rid])]
         texts = [engine.tokenizer.decode(c[0]) if engine.tokenizer else "" for c in choices]
         results.append(
-            CompletionResult(rid, prompt_ids[rid], [c[0] for c in choices], texts, [c[2] for c in choices], [c[1] for c in choices],
-                             prompt_logprobs.get(rid))
+            CompletionResult(
+                rid,
+                prompt_ids[rid],
+                [c[0] for c in choices],
+                texts,
+                [c[2] for c in choices],
+                [c[1] for c in choices],
+                prompt_logprobs.get(rid),
+            )
         )
     return results

@@ -24,11 +24,24 @@ def build_outputs(touched: list[EngineRequest]) -> list[RequestOutput]:
         if not req.reported_queue_time and first.first_scheduled is not None:
             queue_time, req.reported_queue_time = first.first_scheduled - first.arrival_time, True
         prompt_logprobs = None
-        if req.params.prompt_logprobs is not None and not req.sent_prompt_logprobs and seq_outputs \
-                and not first.needs_prompt_logprobs:
+        if (
+            req.params.prompt_logprobs is not None
+            and not req.sent_prompt_logprobs
+            and seq_outputs
+            and not first.needs_prompt_logprobs
+        ):
             prompt_logprobs, req.sent_prompt_logprobs = first.prompt_logprobs, True
-        outputs.append(RequestOutput(req.request_id, seq_outputs, done, req.num_prompt_tokens,
-                                     first.num_prefix_hit_tokens, queue_time, prompt_logprobs))
+        outputs.append(
+            RequestOutput(
+                req.request_id,
+                seq_outputs,
+                done,
+                req.num_prompt_tokens,
+                first.num_prefix_hit_tokens,
+                queue_time,
+                prompt_logprobs,
+            )
+        )
     return outputs
 
 

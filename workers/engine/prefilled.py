@@ -31,8 +31,15 @@ class PrefillHandoff:
     """The prefilled requests this engine holds pages for (prefill side), and the import of
     requests prefilled elsewhere (decode side)."""
 
-    def __init__(self, blocks: BlockManager, scheduler: Scheduler, validator: RequestValidator,
-                 json_masks: JsonMaskCache, generators: SeqGenerators, stops: StopRules) -> None:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        scheduler: Scheduler,
+        validator: RequestValidator,
+        json_masks: JsonMaskCache,
+        generators: SeqGenerators,
+        stops: StopRules,
+    ) -> None:
         self.blocks = blocks
         self.scheduler = scheduler
         self.validator = validator
@@ -53,7 +60,9 @@ class PrefillHandoff:
             if not seq.finished:
                 self.scheduler.finish(seq, "prefilled")
         self.held[req.request_id] = PrefillResult(
-            req.request_id, first.token_ids[: req.num_prompt_tokens], table,
+            req.request_id,
+            first.token_ids[: req.num_prompt_tokens],
+            table,
             [s.token_ids[-1] for s in sorted(req.seqs, key=lambda s: s.index)],
         )
 
@@ -86,7 +95,7 @@ class PrefillHandoff:
             self.validator.not_running(request_id, running)
             prompt = self.validator.prompt_ids(prompt_token_ids)
             self.blocks.grow(table, len(prompt))
-            write_pages(table[len(prefix_pages):])
+            write_pages(table[len(prefix_pages) :])
         except Exception:
             self.blocks.free_table(table)
             raise
@@ -95,9 +104,16 @@ class PrefillHandoff:
         req = EngineRequest(request_id, params, [], len(prompt))
         for index, token in enumerate(first_token_ids):
             seq = Sequence(
-                request_id, index, prompt + [token], len(prompt), params, block_table=self.blocks.fork(table),
-                num_computed=len(prompt), num_cached_pages=cached,
-                json=masks.advance(masks.start(), token) if masks is not None else None, json_masks=masks,
+                request_id,
+                index,
+                prompt + [token],
+                len(prompt),
+                params,
+                block_table=self.blocks.fork(table),
+                num_computed=len(prompt),
+                num_cached_pages=cached,
+                json=masks.advance(masks.start(), token) if masks is not None else None,
+                json_masks=masks,
             )
             gen = self.generators.new(params, index)
             if gen is not None:  # the prefill worker drew the first token from this stream

@@ -33,8 +33,9 @@ class SampleRow:
     want_logprob: bool = False  # report the sampled token's logprob even without `logprobs`
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator,
-           backend: Backend | None = None) -> list[tuple[int, TokenLogprob | None]]:
+def sample(
+    logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator, backend: Backend | None = None
+) -> list[tuple[int, TokenLogprob | None]]:
     """logits: [R, V] fp32 (modified in place). Returns (token, logprobs or None) per row.
 
     Everything runs on the logits' device; only tokens and the logprobs asked for come to the
@@ -70,15 +71,18 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
     return [(tok, logprobs.get(i)) for i, tok in enumerate(token_list)]
 
 
-def _report_logprobs(raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int],
-                     rows: list[SampleRow]) -> dict[int, TokenLogprob]:
+def _report_logprobs(
+    raw: torch.Tensor, tokens: torch.Tensor, token_list: list[int], rows: list[SampleRow]
+) -> dict[int, TokenLogprob]:
     """The sampled token's logprob and the top-k of each row that asks, read to the host in a
     few batched copies (one for the sampled tokens, two per distinct k), not a few per row."""
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None or r.want_logprob]
     index = torch.tensor(want, device=raw.device)
     chosen = raw.index_select(0, index).gather(1, tokens.index_select(0, index).unsqueeze(1))
-    out = {i: TokenLogprob(token_id=token_list[i], logprob=lp, top_ids=[], top_logprobs=[])
-           for i, lp in zip(want, chosen.squeeze(1).tolist())}
+    out = {
+        i: TokenLogprob(token_id=token_list[i], logprob=lp, top_ids=[], top_logprobs=[])
+        for i, lp in zip(want, chosen.squeeze(1).tolist())
+    }
     by_k: dict[int, list[int]] = {}
     for i in want:
         if rows[i].params.logprobs:
@@ -110,8 +114,15 @@ def argmax_only(row: SampleRow) -> bool:
     penalties, no logit bias, no banned ids, no logprobs."""
     p = row.params
     return (
-        p.greedy and not row.banned_ids and row.allowed is None and p.logprobs is None and not row.want_logprob
-        and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty and not p.logit_bias
+        p.greedy
+        and not row.banned_ids
+        and row.allowed is None
+        and p.logprobs is None
+        and not row.want_logprob
+        and p.repetition_penalty == 1.0
+        and not p.frequency_penalty
+        and not p.presence_penalty
+        and not p.logit_bias
     )
 
 

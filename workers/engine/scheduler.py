@@ -194,8 +194,12 @@ class Scheduler:
                 break
             if self.batch is not None and cfg.batching == "request" and seq.seq_id not in self.batch:
                 break
-            if seq.swapped_computed is None and not seq.block_table and seq.num_computed == 0 \
-                    and not seq.needs_prompt_logprobs:
+            if (
+                seq.swapped_computed is None
+                and not seq.block_table
+                and seq.num_computed == 0
+                and not seq.needs_prompt_logprobs
+            ):
                 self._match_prefix(seq)
             long = self._is_long(seq)
             if long and long_partial >= cfg.max_long_partial_prefills:

@@ -26,8 +26,16 @@ class StepUpdate:
     """Applies one step's logits to the plan's sequences. `requests` is the engine's table of live
     requests (read here, to find a sequence's request)."""
 
-    def __init__(self, requests: dict[str, EngineRequest], blocks: BlockManager, backend: Backend,
-                 generators: SeqGenerators, forks: Forks, beams: BeamSearch, stops: StopRules) -> None:
+    def __init__(
+        self,
+        requests: dict[str, EngineRequest],
+        blocks: BlockManager,
+        backend: Backend,
+        generators: SeqGenerators,
+        forks: Forks,
+        beams: BeamSearch,
+        stops: StopRules,
+    ) -> None:
         self.requests = requests
         self.blocks = blocks
         self.backend = backend
@@ -51,8 +59,10 @@ class StepUpdate:
             results = sample(logits_for_rows, rows, self.generators.default, self.backend) if rows else []
         touched: dict[str, EngineRequest] = {}
         # fork every sibling before any of them takes its token: a fork copies the parent's tokens
-        targets = [seq if k == 0 else self.forks.fork(self.requests[seq.request_id], seq, seq.index + k, gen)
-                   for seq, k, gen in owners]
+        targets = [
+            seq if k == 0 else self.forks.fork(self.requests[seq.request_id], seq, seq.index + k, gen)
+            for seq, k, gen in owners
+        ]
         for (seq, _, _), target, (token, lp) in zip(owners, targets, results):
             if lp is not None:
                 target.cumulative_logprob += lp.logprob
@@ -102,8 +112,9 @@ class StepUpdate:
             positions = seq.prompt_logprob_positions(chunk.start, chunk.num_tokens)
             if positions:
                 targets = seq.token_ids[positions.start + 1 : positions.stop + 1]
-                seq.prompt_logprobs += prompt_token_logprobs(logits[at : at + len(positions)], targets,
-                                                             seq.sampling.prompt_logprobs)
+                seq.prompt_logprobs += prompt_token_logprobs(
+                    logits[at : at + len(positions)], targets, seq.sampling.prompt_logprobs
+                )
                 at += len(positions)
 
     def sample_row(self, seq: Sequence, generator: torch.Generator | None) -> SampleRow:

@@ -18,8 +18,9 @@ class RequestValidator:
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
 
-    def new_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
-                    running: Container[str]) -> list[int]:
+    def new_request(
+        self, request_id: str, prompt: str | Seq[int], params: SamplingParams, running: Container[str]
+    ) -> list[int]:
         """A request to queue: its prompt's token ids, once everything about it is valid."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")

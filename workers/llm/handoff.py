@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from common import protocol as p
 from common.messages import DecodeTask, DoneReason, HeldRequest, KVPagesAck, KVPagesHeader
@@ -118,8 +118,14 @@ class HandoffIn:
     """Decode side: receives pages on its KV address, writes them into its own pages and starts
     decoding; owns the pages it pins for a task until the engine takes them."""
 
-    def __init__(self, ctx: WorkerContext, engine: Engine, address: str, timeout: float,
-                 on_imported: Callable[[DecodeTask], None]):
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        engine: Engine,
+        address: str,
+        timeout: float,
+        on_imported: Callable[[DecodeTask], None],
+    ):
         self.ctx, self.engine, self.timeout = ctx, engine, timeout
         self.on_imported = on_imported  # the engine runs the request from here on
         self.router = Router(address, options=KV, allow_wildcard=True)
@@ -145,8 +151,12 @@ class HandoffIn:
             entry.pinned = hits[:skip]
             self.engine.blocks.free_table(hits[skip:])
             if len(entry.pinned) < skip:
-                self.ctx.log.warning("prefix pages evicted before the handoff", request_id=task.request_id,
-                                     held=len(entry.pinned), expected=skip)
+                self.ctx.log.warning(
+                    "prefix pages evicted before the handoff",
+                    request_id=task.request_id,
+                    held=len(entry.pinned),
+                    expected=skip,
+                )
         self._maybe_import(task.request_id)
 
     def pages(self, header: KVPagesHeader, frames: list, sender: bytes) -> None:
@@ -172,8 +182,12 @@ class HandoffIn:
             layers = p.decode_tensor_frames(header, entry.frames)
             prefix, pinned = pinned, []
             self.engine.import_prefilled(
-                request_id, list(task.prompt_token_ids), task.sampling, list(header.first_token_ids),
-                lambda table: write_pages(kv_cache, table, layers), prefix,
+                request_id,
+                list(task.prompt_token_ids),
+                task.sampling,
+                list(header.first_token_ids),
+                lambda table: write_pages(kv_cache, table, layers),
+                prefix,
             )
         except Exception as e:  # a bad transfer must not take the worker down
             error = f"{type(e).__name__}: {e}"
@@ -186,7 +200,11 @@ class HandoffIn:
         asyncio.ensure_future(self.router.send(entry.sender, ack))
 
     def held(self) -> list[HeldRequest]:
-        return [HeldRequest(request_id=rid, reply_to=e.task.reply_to) for rid, e in self.incoming.items() if e.task is not None]
+        return [
+            HeldRequest(request_id=rid, reply_to=e.task.reply_to)
+            for rid, e in self.incoming.items()
+            if e.task is not None
+        ]
 
     def forget(self, request_id: str) -> None:
         """Aborted: give back the pages pinned for it."""

@@ -19,7 +19,9 @@ from workers.engine.engine import PrefillResult
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def pack_pages(kv_cache: torch.Tensor, result: PrefillResult, skip_pages: int = 0) -> tuple[KVPagesHeader, list[torch.Tensor]]:
+def pack_pages(
+    kv_cache: torch.Tensor, result: PrefillResult, skip_pages: int = 0
+) -> tuple[KVPagesHeader, list[torch.Tensor]]:
     """One contiguous CPU tensor per layer holding the request's prompt pages from `skip_pages`
     on, and the header. At least the last page is always sent."""
     total = len(result.block_table)

@@ -25,9 +25,13 @@ def parse(argv: list[str]) -> LLMWorkerConfig:
     args = parser.parse_args(argv)
     try:
         return LLMWorkerConfig(
-            shell=shell_config_from_args(args, args.role), role=WorkerRole(args.role), engine=engine_config_from_args(args),
-            kv_address=args.kv_address, kv_advertise=args.kv_advertise or args.kv_address,
-            transfer_timeout=args.transfer_timeout, threads=args.threads,
+            shell=shell_config_from_args(args, args.role),
+            role=WorkerRole(args.role),
+            engine=engine_config_from_args(args),
+            kv_address=args.kv_address,
+            kv_advertise=args.kv_advertise or args.kv_address,
+            transfer_timeout=args.transfer_timeout,
+            threads=args.threads,
         )
     except ValueError as e:
         parser.error(str(e))

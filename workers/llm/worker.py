@@ -17,8 +17,21 @@ import asyncio
 import time
 
 from common.messages import (
-    MAX_PAGE_HASHES, DecodeTask, DoneReason, FinishReason, GenerateTask, HeldRequest, KVPoolInfo, KVPoolLoad,
-    PrefillTask, PrefixCacheUpdate, RequestStarted, TokenDelta, TokenDeltaBatch, WorkerKind, WorkerRole,
+    MAX_PAGE_HASHES,
+    DecodeTask,
+    DoneReason,
+    FinishReason,
+    GenerateTask,
+    HeldRequest,
+    KVPoolInfo,
+    KVPoolLoad,
+    PrefillTask,
+    PrefixCacheUpdate,
+    RequestStarted,
+    TokenDelta,
+    TokenDeltaBatch,
+    WorkerKind,
+    WorkerRole,
 )
 from common.model_files import served_model_name
 from workers.engine.engine import Engine, RequestOutput
@@ -51,10 +64,15 @@ class LLMWorker:
     def registration(self) -> Registration:
         path, blocks = self.engine.model_path, self.engine.blocks
         return Registration(
-            kind=WorkerKind.LLM, role=self.config.role, model=served_model_name(path) if path else "custom",
+            kind=WorkerKind.LLM,
+            role=self.config.role,
+            model=served_model_name(path) if path else "custom",
             max_running=self.engine.config.max_num_seqs,
-            kv=KVPoolInfo(page_size=blocks.page_size, num_pages=blocks.num_usable_pages,
-                          kv_endpoint=self.config.kv_advertise or ""),
+            kv=KVPoolInfo(
+                page_size=blocks.page_size,
+                num_pages=blocks.num_usable_pages,
+                kv_endpoint=self.config.kv_advertise or "",
+            ),
         )
 
     def add(self, task: GenerateTask | PrefillTask | DecodeTask) -> None:
@@ -110,10 +128,18 @@ class LLMWorker:
                 queue_time = out.queue_time + self.scheduler_queued.pop(out.request_id, 0.0)
             prompt_logprobs = out.prompt_logprobs  # TokenLogprob records: they travel as they are
             for so in out.outputs:
-                batches.setdefault(reply_to, []).append(TokenDelta(
-                    request_id=out.request_id, index=so.index, token_ids=so.new_token_ids,
-                    logprobs=so.logprobs or None, finish_reason=so.finish_reason,
-                    num_prompt_tokens=out.num_prompt_tokens, queue_time_s=queue_time, prompt_logprobs=prompt_logprobs))
+                batches.setdefault(reply_to, []).append(
+                    TokenDelta(
+                        request_id=out.request_id,
+                        index=so.index,
+                        token_ids=so.new_token_ids,
+                        logprobs=so.logprobs or None,
+                        finish_reason=so.finish_reason,
+                        num_prompt_tokens=out.num_prompt_tokens,
+                        queue_time_s=queue_time,
+                        prompt_logprobs=prompt_logprobs,
+                    )
+                )
                 queue_time = prompt_logprobs = None  # once per request
         for reply_to, deltas in batches.items():  # one message per step per destination
             batch = TokenDeltaBatch(worker_id=self.ctx.worker_id, deltas=deltas, started=starting.get(reply_to, []))
@@ -132,14 +158,24 @@ class LLMWorker:
             added, removed = self.engine.blocks.take_cache_changes(MAX_PAGE_HASHES)
             if not added and not removed:
                 return
-            self.ctx.to_scheduler(PrefixCacheUpdate(worker_id=self.ctx.worker_id, added=tuple(added), removed=tuple(removed)))
+            self.ctx.to_scheduler(
+                PrefixCacheUpdate(worker_id=self.ctx.worker_id, added=tuple(added), removed=tuple(removed))
+            )
 
     def load(self) -> Load:
         blocks, sched = self.engine.blocks, self.engine.scheduler
         received = self.incoming.bytes_received if self.incoming is not None else 0
-        return Load(running=len(sched.running), waiting=len(sched.waiting), kv=KVPoolLoad(
-            free_pages=blocks.num_free_pages, used_pages=blocks.num_used_pages, total_pages=blocks.num_usable_pages,
-            bytes_sent=self.out.bytes_sent, bytes_received=received))
+        return Load(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            kv=KVPoolLoad(
+                free_pages=blocks.num_free_pages,
+                used_pages=blocks.num_used_pages,
+                total_pages=blocks.num_usable_pages,
+                bytes_sent=self.out.bytes_sent,
+                bytes_received=received,
+            ),
+        )
 
     def held(self) -> list[HeldRequest]:
         held = {rid: HeldRequest(request_id=rid, reply_to=reply_to) for rid, reply_to in self.reply_to.items()}
@@ -187,8 +223,17 @@ class LLMWorker:
         self.out.forget(request_id)
 
     def _send_final(self, request_id: str, reply_to: str, n: int) -> None:
-        deltas = [TokenDelta(request_id=request_id, index=i, token_ids=[], logprobs=None, finish_reason=FinishReason.ABORT,
-                             num_prompt_tokens=0) for i in range(n)]
+        deltas = [
+            TokenDelta(
+                request_id=request_id,
+                index=i,
+                token_ids=[],
+                logprobs=None,
+                finish_reason=FinishReason.ABORT,
+                num_prompt_tokens=0,
+            )
+            for i in range(n)
+        ]
         asyncio.ensure_future(self.ctx.push(reply_to, TokenDeltaBatch(worker_id=self.ctx.worker_id, deltas=deltas)))
 
     async def _deadline_loop(self) -> None:
@@ -203,4 +248,3 @@ class LLMWorker:
         self.out.expire(now)
         if self.incoming is not None:
             self.incoming.expire(now)
-

@@ -90,8 +90,13 @@ class PackedWeight:
 AMX_MAX_ROWS = 64  # up to here (decode steps) the AMX kernel streams each weight once; above, oneDNN
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: PackedWeight | None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """x W^T (+ b) in x's dtype, then cast to out_dtype if given; through a packed copy of W when
     there is one (the AMX kernel writes the widened values itself, no second pass)."""
     if packed is not None and packed.amx is not None and x.shape[0] <= AMX_MAX_ROWS:
@@ -108,9 +113,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
 def pack_linear_weights(model: nn.Module, batch_hint: int = 32, *, amx: bool = False) -> bool:
     """On a CPU, repack every bf16 linear weight (and the LM head) once: for oneDNN's blocked
     layout, so that a matmul no longer reorders its weight on every call (~1.6x faster at decode
-    batch sizes here), and, with `amx` (the backend's choice: the CPU has AMX), for `kernels.cpu.amx_linear`, which streams
-    each weight once per decode step (~1.3x faster than oneDNN at 1-32 rows). oneDNN's results are
-    bit-identical to F.linear; the AMX kernel's differ by one bf16 step in a rare value (<1%).
+    batch sizes here), and, with `amx` (the backend's choice: the CPU has AMX), for
+    `kernels.cpu.amx_linear`, which streams each weight once per decode step (~1.3x faster than
+    oneDNN at 1-32 rows). oneDNN's results are bit-identical to F.linear; the AMX kernel's differ
+    by one bf16 step in a rare value (<1%).
     The dense weights are released: call after loading; a model already packed (a second engine
     on it) is left as it is. fp32 keeps the dense path (its packed matmuls round differently from
     the HF reference). Returns whether the model's linears are packed."""
@@ -121,7 +127,9 @@ def pack_linear_weights(model: nn.Module, batch_hint: int = 32, *, amx: bool = F
         return False
     try:
         probe = torch.ops.mkldnn._reorder_linear_weight(modules[0].weight.detach(), batch_hint)
-        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, probe.shape[1], dtype=torch.bfloat16), probe, None, "none", [], "")
+        torch.ops.mkldnn._linear_pointwise(
+            torch.zeros(1, probe.shape[1], dtype=torch.bfloat16), probe, None, "none", [], ""
+        )
     except (RuntimeError, AttributeError):
         return False
     import kernels.cpu

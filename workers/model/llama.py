@@ -7,14 +7,15 @@ attention goes through the backend, which reads and writes the paged KV pool.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from workers.engine.attention import AttentionMetadata
 from common.model_config import ModelConfig
+from workers.engine.attention import AttentionMetadata
 from workers.model.layers import (
     ColumnParallelLinear,
     ParallelContext,
@@ -30,8 +31,15 @@ from workers.model.ops import ModelOps
 class AttentionBackend(Protocol):
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata) -> None: ...
 
-    def attend(self, q: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata, scale: float,
-               k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """k, v: this step's rows, already in the pages; a backend may read them from here."""
 
 

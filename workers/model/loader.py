@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -28,11 +28,17 @@ _GGUF_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-_GGUF_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_GGUF_TOP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device, tp: ParallelContext = ParallelContext()) -> LlamaForCausalLM:
+def load_model(
+    path: Path, dtype: torch.dtype, device: torch.device, tp: ParallelContext = ParallelContext()
+) -> LlamaForCausalLM:
     cfg = read_model_config(path)
     with torch.device(device), _default_dtype(dtype):
         model = LlamaForCausalLM(cfg, tp)

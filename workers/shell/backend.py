@@ -9,8 +9,9 @@ state has one writer), except `step()`, which on CUDA runs in a compute thread.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Callable, Coroutine, Protocol
+from typing import Any, Protocol
 
 import structlog
 
@@ -71,14 +72,19 @@ class WorkerBackend(Protocol):
     def step(self) -> Any: ...
     def stalled(self) -> bool:
         """The last step could run nothing (it waits for news: an acknowledgement frees pages)."""
+
     async def publish(self, result: Any) -> None: ...
     async def between_steps(self) -> None:
         """After the inbox ran, before the next step (e.g. prefix-cache reports)."""
+
     def load(self) -> Load: ...
     def held(self) -> list[HeldRequest]:
         """The requests it works on, for registering again with a restarted scheduler."""
+
     def registered_again(self) -> None:
         """A restarted scheduler took the registration: resend what it must know (cache keys)."""
+
     def background(self) -> list[Coroutine[Any, Any, None]]:
         """The kind's own loops (KV transfer, deadlines), run beside the shell's."""
+
     def close(self) -> None: ...

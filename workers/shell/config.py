@@ -30,5 +30,9 @@ def add_shell_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def shell_config_from_args(args: argparse.Namespace, role: str) -> ShellConfig:
-    return ShellConfig(worker_id=args.worker_id or default_worker_id(role), scheduler_address=args.scheduler_address,
-                       ready_address=args.ready_address, heartbeat_interval=args.heartbeat_interval)
+    return ShellConfig(
+        worker_id=args.worker_id or default_worker_id(role),
+        scheduler_address=args.scheduler_address,
+        ready_address=args.ready_address,
+        heartbeat_interval=args.heartbeat_interval,
+    )

@@ -17,14 +17,23 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import structlog
 
 from common.liveness import new_instance
 from common.messages import (
-    AbortRequest, DoneReason, Heartbeat, Message, Ready, Registered, RegisterWorker, RequestDone, UnknownWorker,
+    AbortRequest,
+    DoneReason,
+    Heartbeat,
+    Message,
+    Ready,
+    Registered,
+    RegisterWorker,
+    RequestDone,
+    UnknownWorker,
 )
 from common.transport import Dealer, Push
 from workers.shell.backend import WorkerBackend
@@ -39,7 +48,7 @@ log = structlog.get_logger()
 class WorkerShell:
     """Runs one backend in the mesh; is the backend's `WorkerContext`."""
 
-    def __init__(self, config: ShellConfig, backend_factory: Callable[["WorkerShell"], WorkerBackend]):
+    def __init__(self, config: ShellConfig, backend_factory: Callable[[WorkerShell], WorkerBackend]):
         self.config = config
         self.worker_id = config.worker_id
         self.scheduler = Dealer(config.scheduler_address, config.worker_id)
@@ -54,8 +63,13 @@ class WorkerShell:
         reg = self.backend.registration()
         self.log = log.bind(worker=config.worker_id, kind=reg.kind, role=reg.role)
         self.registration = RegisterWorker(
-            worker_id=config.worker_id, kind=reg.kind, role=reg.role, model=reg.model, max_running=reg.max_running,
-            kv=reg.kv, instance=self.instance,
+            worker_id=config.worker_id,
+            kind=reg.kind,
+            role=reg.role,
+            model=reg.model,
+            max_running=reg.max_running,
+            kv=reg.kv,
+            instance=self.instance,
         )
         self.handlers: dict[type, Callable[[Any], None]] = {
             **{t: self._on_task for t in self.backend.task_types},
@@ -97,7 +111,7 @@ class WorkerShell:
             await self.scheduler.send(self.registration)
             try:
                 reply = await asyncio.wait_for(self.scheduler.recv(), timeout=REGISTER_RETRY)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
             if isinstance(reply, Registered):
                 return
@@ -135,6 +149,7 @@ class WorkerShell:
         def register_again() -> None:  # after the commands already queued: it lists what it holds then
             self.to_scheduler(dataclasses.replace(self.registration, held=self.backend.held()))
             self.backend.registered_again()
+
         self.post(register_again)
 
     # ---- the engine loop --------------------------------------------------------------------
@@ -159,15 +174,21 @@ class WorkerShell:
                 self.wake.clear()
                 try:
                     await asyncio.wait_for(self.wake.wait(), STALL_WAIT)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
             await backend.publish(result)
 
     async def _heartbeat_loop(self) -> None:
         while True:
             load = self.backend.load()
-            await self.scheduler.send(Heartbeat(
-                worker_id=self.worker_id, running=load.running, waiting=load.waiting, time=time.time(),
-                requests_finished=self.requests_finished, kv=load.kv,
-            ))
+            await self.scheduler.send(
+                Heartbeat(
+                    worker_id=self.worker_id,
+                    running=load.running,
+                    waiting=load.waiting,
+                    time=time.time(),
+                    requests_finished=self.requests_finished,
+                    kv=load.kv,
+                )
+            )
             await asyncio.sleep(self.config.heartbeat_interval)
