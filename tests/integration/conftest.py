@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from common.model_files import default_model_path
+from tests import default_model
 
 
 @pytest.fixture(scope="session")
@@ -23,10 +24,8 @@ def hf_model(model_path):
 
 
 @pytest.fixture(scope="session")
-def hf_tokenizer(model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name)
+def hf_tokenizer():
+    return default_model.hf_tokenizer()  # the one tests/unit/test_tokenizer.py compares with
 
 
 @pytest.fixture(scope="session")

@@ -11,9 +11,9 @@ import urllib.request
 import openai
 import pytest
 
-from common.model_files import DEFAULT_MODEL_NAME, default_model_path
+from common.model_files import DEFAULT_MODEL_NAME
 from common.sampling import SamplingParams
-from common.tokenizer import Tokenizer
+from tests.default_model import tokenizer as default_tokenizer
 from bench.local_mesh import HANG_S, metrics, pages_free, per_worker, running_mesh, sample_until, wait_until
 
 pytestmark = pytest.mark.slow
@@ -88,7 +88,7 @@ def test_a_batch_of_prompts_answers_each_as_alone(client, mesh, offline):
     r = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0)
     assert [c.index for c in r.choices] == list(range(len(PROMPTS)))
     assert [c.text for c in r.choices] == completions
-    tokenizer = Tokenizer.from_path(default_model_path())
+    tokenizer = default_tokenizer()
     assert r.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in PROMPTS)
     texts, chunks, sent = [""] * len(PROMPTS), [0] * len(PROMPTS), time.monotonic()
     for chunk in client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0,
@@ -148,7 +148,7 @@ def test_json_object_and_json_schema_answers_across_the_handoff(client):
 
 
 def test_logit_bias_reaches_the_sampler(client):
-    tokenizer = Tokenizer.from_path(default_model_path())
+    tokenizer = default_tokenizer()
     [sea] = tokenizer.encode(" sea", add_special_tokens=False)
     r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0.7, seed=1,
                                   logit_bias={str(sea): 100}, logprobs=1)
