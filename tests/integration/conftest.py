@@ -46,6 +46,15 @@ def hf_greedy(hf_model, prompt_ids, max_new_tokens, **generate_kwargs):
     return out[0, len(prompt_ids):].tolist()
 
 
+def hf_argmax_after_each(hf_model, prompt_ids, tokens) -> list[int]:
+    """HF's greedy choice after the prompt and each prefix of `tokens`, from one teacher-forced
+    forward pass. Equal to `tokens` exactly when `tokens` is HF's greedy continuation (by
+    induction on the prefix), at the cost of one pass instead of `len(tokens)` decode steps."""
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([list(prompt_ids) + list(tokens)])).logits[0]
+    return logits[len(prompt_ids) - 1: len(prompt_ids) - 1 + len(tokens)].argmax(-1).tolist()
+
+
 def stream_counting(client, received: list[int], k: int, **request) -> tuple[int, Exception | None, float]:
     """Stream a completion to its end, counting its text chunks in `received[k]` as they come
     (another thread can wait for them); returns (chunks, the error that ended it or None, when)."""
