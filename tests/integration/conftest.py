@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from common.model_files import default_model_path
+from tests import default_model
 
 
 @pytest.fixture(scope="session")
@@ -23,10 +24,8 @@ def hf_model(model_path):
 
 
 @pytest.fixture(scope="session")
-def hf_tokenizer(model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name)
+def hf_tokenizer():
+    return default_model.hf_tokenizer()  # the one tests/unit/test_tokenizer.py compares with
 
 
 @pytest.fixture(scope="session")
@@ -45,6 +44,15 @@ def hf_greedy(hf_model, prompt_ids, max_new_tokens, **generate_kwargs):
             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, **generate_kwargs,
         )
     return out[0, len(prompt_ids):].tolist()
+
+
+def hf_argmax_after_each(hf_model, prompt_ids, tokens) -> list[int]:
+    """HF's greedy choice after the prompt and each prefix of `tokens`, from one teacher-forced
+    forward pass. Equal to `tokens` exactly when `tokens` is HF's greedy continuation (by
+    induction on the prefix), at the cost of one pass instead of `len(tokens)` decode steps."""
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([list(prompt_ids) + list(tokens)])).logits[0]
+    return logits[len(prompt_ids) - 1: len(prompt_ids) - 1 + len(tokens)].argmax(-1).tolist()
 
 
 def stream_counting(client, received: list[int], k: int, **request) -> tuple[int, Exception | None, float]:

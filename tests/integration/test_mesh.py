@@ -11,10 +11,10 @@ import urllib.request
 import openai
 import pytest
 
-from common.model_files import DEFAULT_MODEL_NAME, default_model_path
+from common.model_files import DEFAULT_MODEL_NAME
 from common.sampling import SamplingParams
-from common.tokenizer import Tokenizer
-from bench.local_mesh import metrics, per_worker, running_mesh, wait_until
+from tests.default_model import tokenizer as default_tokenizer
+from bench.local_mesh import HANG_S, metrics, pages_free, per_worker, running_mesh, sample_until, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = DEFAULT_MODEL_NAME
@@ -26,6 +26,7 @@ PROMPTS = [
 ]
 CHATS = ["What is 2 + 2?", "Name a fruit that is yellow.", "Write one sentence about rain."]
 MAX_TOKENS = 24
+WORKERS = {"prefill-0", "decode-0"}  # `pagemesh up`'s default mesh
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def mesh():
 
 @pytest.fixture(scope="module")
 def client(mesh):
-    return openai.OpenAI(base_url=mesh + "/v1", api_key="none", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=mesh + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
 
 
 @pytest.fixture(scope="module")
@@ -87,19 +88,26 @@ def test_a_batch_of_prompts_answers_each_as_alone(client, mesh, offline):
     r = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0)
     assert [c.index for c in r.choices] == list(range(len(PROMPTS)))
     assert [c.text for c in r.choices] == completions
-    tokenizer = Tokenizer.from_path(default_model_path())
+    tokenizer = default_tokenizer()
     assert r.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in PROMPTS)
-    texts = [""] * len(PROMPTS)
+    texts, chunks, sent = [""] * len(PROMPTS), [0] * len(PROMPTS), time.monotonic()
     for chunk in client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0,
                                            stream=True):
         for choice in chunk.choices:
             texts[choice.index] += choice.text
+            chunks[choice.index] += bool(choice.text)
+    # a decode step of this machine as loaded now, over-estimated (the prefill is in it) so that
+    # chunks the client read together never make it short
+    step_s = (time.monotonic() - sent) / max(chunks)
     assert texts == completions
-    # one prompt too long: a 400 for the batch, and the others are stopped (no page stays used)
+    # one prompt too long: a 400 for the batch, and the others are stopped (no page stays used):
+    # their pages are free long before the 300 tokens of the first could have been decoded
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.completions.create(model=MODEL, prompt=["Count: one, two,", "word " * 9000], max_tokens=300,
                                   temperature=0, extra_body={"ignore_eos": True})
-    assert wait_until(lambda: all(v == 0 for v in per_worker(metrics(mesh), "pagemesh_kv_cache_usage_ratio").values()), 2.0)
+    refused = time.monotonic()
+    assert wait_until(lambda: pages_free(metrics(mesh), WORKERS))
+    assert time.monotonic() - refused < 300 * step_s / 4
 
 
 def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client, engine):
@@ -140,7 +148,7 @@ def test_json_object_and_json_schema_answers_across_the_handoff(client):
 
 
 def test_logit_bias_reaches_the_sampler(client):
-    tokenizer = Tokenizer.from_path(default_model_path())
+    tokenizer = default_tokenizer()
     [sea] = tokenizer.encode(" sea", add_special_tokens=False)
     r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0.7, seed=1,
                                   logit_bias={str(sea): 100}, logprobs=1)
@@ -168,27 +176,33 @@ def test_sixteen_concurrent_streams_all_complete(client, mesh):
         results = list(pool.map(one, range(16)))
     assert [n for _, n in results] == [20] * 16
     assert all(text for text, _ in results)
-    assert wait_until(lambda: all(v == 0 for v in per_worker(metrics(mesh), "pagemesh_kv_cache_usage_ratio").values()), 2.0)
+    assert wait_until(lambda: pages_free(metrics(mesh), WORKERS))
 
 
-def test_a_dropped_stream_frees_its_pages_everywhere_within_a_second(client, mesh):
+def test_a_dropped_stream_frees_its_pages_everywhere_at_once(client, mesh):
+    """At once: in a small part of the time the rest of its 400 tokens would take at the rate it
+    was streaming (an idle machine frees them within a second; a loaded one is slower at both,
+    and a fixed second failed there)."""
     stream = client.completions.create(
         model=MODEL, prompt="Count slowly: one, two,", max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
     )
+    sent = time.monotonic()
     for i, _ in enumerate(stream):
         if i == 5:
             break
-    assert max(per_worker(metrics(mesh), "pagemesh_kv_cache_usage_ratio").values()) > 0
+    step_s = (time.monotonic() - sent) / 6  # a decode step as loaded now, over-estimated (prefill in it)
+    usage = sample_until(lambda: per_worker(metrics(mesh), "pagemesh_kv_cache_usage_ratio"), lambda u: set(u) == WORKERS)
+    assert usage and max(usage.values()) > 0
     stream.close()
     dropped = time.monotonic()
-    assert wait_until(lambda: all(v == 0 for v in per_worker(metrics(mesh), "pagemesh_kv_cache_usage_ratio").values()), 1.0)
-    assert time.monotonic() - dropped <= 1.0
+    assert wait_until(lambda: pages_free(metrics(mesh), WORKERS))
+    assert time.monotonic() - dropped < (400 - 6) * step_s / 8
 
 
 def post(mesh: str, path: str, body: bytes, content_type: str = "application/json") -> tuple[int, dict, dict]:
     req = urllib.request.Request(mesh + path, data=body, headers={"content-type": content_type}, method="POST")
     try:
-        with urllib.request.urlopen(req, timeout=60) as r:
+        with urllib.request.urlopen(req, timeout=HANG_S) as r:
             return r.status, dict(r.headers), json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), json.loads(e.read())
@@ -227,7 +241,7 @@ def test_errors_have_the_openai_shape_and_the_mesh_keeps_serving(mesh, client, b
 
 
 def test_models_health_ready(mesh):
-    models = json.loads(urllib.request.urlopen(mesh + "/v1/models", timeout=10).read())
+    models = json.loads(urllib.request.urlopen(mesh + "/v1/models", timeout=HANG_S).read())
     assert [m["id"] for m in models["data"]] == [MODEL]
-    assert urllib.request.urlopen(mesh + "/health", timeout=10).status == 200
-    assert urllib.request.urlopen(mesh + "/ready", timeout=10).status == 200
+    assert urllib.request.urlopen(mesh + "/health", timeout=HANG_S).status == 200
+    assert urllib.request.urlopen(mesh + "/ready", timeout=HANG_S).status == 200

@@ -8,7 +8,7 @@ import pytest
 
 from common.model_files import DEFAULT_MODEL_NAME
 from common.sampling import SamplingParams
-from bench.local_mesh import metrics, running_mesh, wait_until
+from bench.local_mesh import HANG_S, metrics, running_mesh, wait_until
 
 pytestmark = pytest.mark.slow
 PAGE = 16
@@ -27,7 +27,7 @@ def test_a_shared_prefix_is_not_sent_again_and_outputs_equal_the_engine_without_
     del reference
 
     with running_mesh("--dtype", "float32") as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
 
         def kv_bytes() -> float:
             return metrics(url).get("pagemesh_kv_transfer_bytes_total", 0.0)
@@ -37,7 +37,7 @@ def test_a_shared_prefix_is_not_sent_again_and_outputs_equal_the_engine_without_
             before = kv_bytes()
             r = client.completions.create(model=DEFAULT_MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                           extra_body={"ignore_eos": True})
-            assert wait_until(lambda: kv_bytes() > before, 5.0)  # the prefill worker's next heartbeat
+            assert wait_until(lambda: kv_bytes() > before)  # the prefill worker's next heartbeat
             return r.choices[0].text, kv_bytes() - before
 
         text1, sent1 = complete(PROMPTS[0])  # 210 tokens: all 14 pages travel

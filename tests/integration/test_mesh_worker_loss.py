@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from common.model_files import DEFAULT_MODEL_NAME
-from bench.local_mesh import SeparateProcesses, metrics, per_worker, wait_until
+from bench.local_mesh import HANG_S, LATE_S, SeparateProcesses, metrics, per_worker, sample_until, wait_until
 from tests.integration.conftest import stream_counting
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ def two_worker_mesh(tmp_path, request):
 
 def test_a_killed_worker_fails_its_requests_and_the_other_serves_on(two_worker_mesh):
     url, children = two_worker_mesh.url, two_worker_mesh.children
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
     request = dict(model=DEFAULT_MODEL_NAME, prompt="Count on and on:", max_tokens=400, temperature=0,
                    extra_body={"ignore_eos": True})
 
@@ -47,20 +47,22 @@ def test_a_killed_worker_fails_its_requests_and_the_other_serves_on(two_worker_m
 
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         streams = [pool.submit(stream_counting, client, received, k, **request) for k in range(3)]
-        assert wait_until(lambda: sum(running().values()) == 3 and all(received), 60)  # tokens flow
-        counts = running()
+        counts = sample_until(running, lambda c: sum(c.values()) == 3 and all(received))  # tokens flow
+        assert counts
         victim = max(counts, key=counts.get)
         lost = int(counts[victim])
         killed_at = time.monotonic()
         two_worker_mesh.kill(victim)
-        results = [s.result(timeout=120) for s in streams]
+        results = [s.result(timeout=HANG_S) for s in streams]
 
     failed = [r for r in results if r[1] is not None]
     assert len(failed) == lost >= 1, results
     for pieces, error, ended in failed:
         assert pieces > 0  # it was streaming when its worker died
         assert isinstance(error, openai.APIError) and "stopped responding" in str(error), repr(error)
-        assert ended - killed_at < HEARTBEAT_TIMEOUT_S * 2 + 5  # not hung: dropped at the heartbeat timeout
+        # not hung until the client's or the request's timeout: ended at the heartbeat timeout,
+        # however late a loaded machine notices it
+        assert ended - killed_at < HEARTBEAT_TIMEOUT_S + LATE_S
     assert all(pieces > 0 for pieces, error, _ in results if error is None)  # the survivor's ran on
 
     assert children[victim].poll() is not None
@@ -69,6 +71,6 @@ def test_a_killed_worker_fails_its_requests_and_the_other_serves_on(two_worker_m
                                   extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 5
     finished = 3 - lost + 1  # the streams that ran on, and this one
-    assert wait_until(lambda: per_worker(metrics(url), "pagemesh_worker_requests_total").get(alive) == finished, 5)
-    assert victim not in per_worker(metrics(url), "pagemesh_kv_cache_usage_ratio")
-    assert alive in per_worker(metrics(url), "pagemesh_kv_cache_usage_ratio")
+    assert wait_until(lambda: per_worker(metrics(url), "pagemesh_worker_requests_total").get(alive) == finished)
+    usage = sample_until(lambda: per_worker(metrics(url), "pagemesh_kv_cache_usage_ratio"), lambda u: alive in u)
+    assert usage is not None and victim not in usage  # one answer that lists the survivor

@@ -7,26 +7,23 @@ import random
 
 import pytest
 
-from common.model_files import default_model_path
-from common.tokenizer import Tokenizer
 from bench.loadgen.datasets import (Conversation, DatasetSpec, Segment, Turn, build_prompt, chat_messages,
                                      conversations, length_bounds, random_segment)
-
-TOKENIZER = Tokenizer.from_path(default_model_path())
+from tests.default_model import tokenizer as default_tokenizer
 
 
 def _take(spec, n):
-    return list(itertools.islice(conversations(spec, TOKENIZER), n))
+    return list(itertools.islice(conversations(spec, default_tokenizer()), n))
 
 
 @pytest.mark.parametrize("length", [1, 7, 32, 128, 512])
 def test_random_segment_has_the_length_and_reencodes_to_the_same_ids(length):
     rng = random.Random(length)
     for _ in range(5):
-        segment = random_segment(TOKENIZER, length, rng)
+        segment = random_segment(default_tokenizer(), length, rng)
         assert len(segment.ids) == length
-        assert TOKENIZER.encode(segment.text, add_special_tokens=False) == list(segment.ids)
-        assert TOKENIZER.decode(segment.ids) == segment.text
+        assert default_tokenizer().encode(segment.text, add_special_tokens=False) == list(segment.ids)
+        assert default_tokenizer().decode(segment.ids) == segment.text
 
 
 def test_random_dataset_lengths_are_fixed_without_a_range():
@@ -35,10 +32,10 @@ def test_random_dataset_lengths_are_fixed_without_a_range():
     assert {len(c.turns[0].user.ids) for c in convs} == {128}
     assert {c.turns[0].output_len for c in convs} == {16}
     for c in convs[:5]:
-        text_prompt = build_prompt(c, 0, [], TOKENIZER, chat_endpoint=False, as_token_ids=False)
-        id_prompt = build_prompt(c, 0, [], TOKENIZER, chat_endpoint=False, as_token_ids=True)
+        text_prompt = build_prompt(c, 0, [], default_tokenizer(), chat_endpoint=False, as_token_ids=False)
+        id_prompt = build_prompt(c, 0, [], default_tokenizer(), chat_endpoint=False, as_token_ids=True)
         assert text_prompt.prompt_len == id_prompt.prompt_len == 128
-        assert TOKENIZER.encode(text_prompt.text) == id_prompt.ids
+        assert default_tokenizer().encode(text_prompt.text) == id_prompt.ids
 
 
 def test_range_ratio_bounds_and_spread():
@@ -62,12 +59,12 @@ def test_shared_prefix_is_one_system_prompt_with_distinct_suffixes():
     convs = _take(DatasetSpec("shared-prefix", input_len=16, output_len=4, prefix_len=64), 4)
     assert len({c.system for c in convs}) == 1 and len(convs[0].system.ids) == 64
     assert len({c.turns[0].user for c in convs}) == 4
-    prompt = build_prompt(convs[0], 0, [], TOKENIZER, chat_endpoint=False, as_token_ids=True)
+    prompt = build_prompt(convs[0], 0, [], default_tokenizer(), chat_endpoint=False, as_token_ids=True)
     assert prompt.ids == list(convs[0].system.ids) + list(convs[0].turns[0].user.ids) and prompt.prompt_len == 80
-    chat = build_prompt(convs[0], 0, [], TOKENIZER, chat_endpoint=True, as_token_ids=False)
+    chat = build_prompt(convs[0], 0, [], default_tokenizer(), chat_endpoint=True, as_token_ids=False)
     assert chat.messages == [{"role": "system", "content": convs[0].system.text},
                              {"role": "user", "content": convs[0].turns[0].user.text}]
-    assert chat.prompt_len == len(TOKENIZER.encode_chat(chat.messages))
+    assert chat.prompt_len == len(default_tokenizer().encode_chat(chat.messages))
 
 
 def test_multi_turn_prompts_carry_earlier_replies():
@@ -78,11 +75,11 @@ def test_multi_turn_prompts_carry_earlier_replies():
     assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant", "user"]
     assert [messages[1]["content"], messages[3]["content"]] == replies
     assert messages[4]["content"] == conv.turns[2].user.text
-    lens = [build_prompt(conv, t, replies[:t], TOKENIZER, chat_endpoint=False, as_token_ids=True).prompt_len
+    lens = [build_prompt(conv, t, replies[:t], default_tokenizer(), chat_endpoint=False, as_token_ids=True).prompt_len
             for t in range(3)]
     assert lens[0] < lens[1] < lens[2]
-    text = build_prompt(conv, 1, replies[:1], TOKENIZER, chat_endpoint=False, as_token_ids=False)
-    assert text.text == TOKENIZER.apply_chat_template(chat_messages(conv, 1, replies[:1]))
+    text = build_prompt(conv, 1, replies[:1], default_tokenizer(), chat_endpoint=False, as_token_ids=False)
+    assert text.text == default_tokenizer().apply_chat_template(chat_messages(conv, 1, replies[:1]))
     with pytest.raises(ValueError, match="earlier replies"):
         chat_messages(conv, 2, replies[:1])
 
@@ -90,7 +87,7 @@ def test_multi_turn_prompts_carry_earlier_replies():
 def test_token_ids_need_the_completions_endpoint_and_specs_are_checked():
     conv = Conversation((Turn(Segment("hi", (1,)), 3),))
     with pytest.raises(ValueError, match="prompt-as-token-ids"):
-        build_prompt(conv, 0, [], TOKENIZER, chat_endpoint=True, as_token_ids=True)
+        build_prompt(conv, 0, [], default_tokenizer(), chat_endpoint=True, as_token_ids=True)
     for bad in (dict(name="sharegpt"), dict(range_ratio=1.0), dict(input_len=0), dict(turns=0)):
         with pytest.raises(ValueError):
             DatasetSpec(**bad)

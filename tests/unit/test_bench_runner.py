@@ -9,13 +9,10 @@ import threading
 import pytest
 from aiohttp import web
 
-from common.model_files import default_model_path
-from common.tokenizer import Tokenizer
 from bench.loadgen import main as bench_main
 from bench.loadgen.datasets import DatasetSpec, Prompt, conversations
 from bench.loadgen.runner import BenchError, LoadPoint, Target, request_body, run_point
-
-TOKENIZER = Tokenizer.from_path(default_model_path())
+from tests.default_model import tokenizer as default_tokenizer
 
 
 class FakeServer:
@@ -78,7 +75,7 @@ class FakeServer:
 
 def _run(url, load, spec, **target):
     target = Target(url=url + target.pop("endpoint", "/v1/completions"), model="m", progress=False, **target)
-    return asyncio.run(run_point(target, load, conversations(spec, TOKENIZER), TOKENIZER))
+    return asyncio.run(run_point(target, load, conversations(spec, default_tokenizer()), default_tokenizer()))
 
 
 def test_request_body_forces_the_output_length_and_merges_extra_body():

@@ -8,7 +8,6 @@ from bench.experiments.main import main
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
 def test_paged_memory_quick_writes_its_report(tmp_path, capsys):
     main(["paged-memory", "--quick", "--out", str(tmp_path)])
     last = capsys.readouterr().out.strip().splitlines()[-1]

@@ -8,12 +8,9 @@ import random
 import pytest
 import torch
 
-from common.model_files import default_model_path
-from common.tokenizer import Tokenizer
 from common import json_grammar as g
 from workers.engine.json_mode import MAX_WHITESPACE_TOKENS, JsonCursor, JsonMasks
-
-TOKENIZER = Tokenizer.from_path(default_model_path())
+from tests.default_model import tokenizer as default_tokenizer
 
 
 def accepts(text: str) -> bool:
@@ -75,13 +72,13 @@ def test_every_prefix_of_any_dumped_object_stays_valid():
 
 @pytest.fixture(scope="module")
 def masks():
-    return JsonMasks.for_tokenizer(TOKENIZER, TOKENIZER.vocab_size, set(TOKENIZER.eos_token_ids))
+    return JsonMasks.for_tokenizer(default_tokenizer(), default_tokenizer().vocab_size, set(default_tokenizer().eos_token_ids))
 
 
 def cursor_after(masks: JsonMasks, text: str) -> JsonCursor:
     cursor = JsonCursor()
-    for token in TOKENIZER.encode(text, add_special_tokens=False):
-        assert masks.allowed(cursor)[token], (text, TOKENIZER.token_text(token))
+    for token in default_tokenizer().encode(text, add_special_tokens=False):
+        assert masks.allowed(cursor)[token], (text, default_tokenizer().token_text(token))
         cursor = masks.advance(cursor, token)
     return cursor
 
@@ -90,23 +87,23 @@ def cursor_after(masks: JsonMasks, text: str) -> JsonCursor:
 def test_a_token_is_allowed_iff_its_text_keeps_the_json_valid(masks, text):
     cursor = cursor_after(masks, text)
     allowed = masks.allowed(cursor)
-    sample = random.Random(len(text)).sample(range(TOKENIZER.vocab_size), 3000)
+    sample = random.Random(len(text)).sample(range(default_tokenizer().vocab_size), 3000)
     for token in sample:
-        if token in TOKENIZER.special_token_ids:
-            assert bool(allowed[token]) == (cursor.complete and token in TOKENIZER.eos_token_ids)
+        if token in default_tokenizer().special_token_ids:
+            assert bool(allowed[token]) == (cursor.complete and token in default_tokenizer().eos_token_ids)
             continue
-        expected = g.run(cursor.state, TOKENIZER.token_text(token)) is not None
+        expected = g.run(cursor.state, default_tokenizer().token_text(token)) is not None
         if cursor.whitespace_run >= MAX_WHITESPACE_TOKENS and token in masks.whitespace_only:
             expected = False
-        assert bool(allowed[token]) == expected, (text, TOKENIZER.token_text(token))
+        assert bool(allowed[token]) == expected, (text, default_tokenizer().token_text(token))
 
 
 def test_end_tokens_only_once_the_object_is_closed_and_whitespace_runs_are_capped(masks):
-    eos = sorted(TOKENIZER.eos_token_ids)
+    eos = sorted(default_tokenizer().eos_token_ids)
     assert not masks.allowed(cursor_after(masks, '{"a": 1'))[eos].any()
     done = cursor_after(masks, '{"a": 1}')
     assert done.complete and masks.allowed(done)[eos].all()
-    [space] = TOKENIZER.encode(" ", add_special_tokens=False)
+    [space] = default_tokenizer().encode(" ", add_special_tokens=False)
     cursor = done
     for _ in range(MAX_WHITESPACE_TOKENS):
         assert masks.allowed(cursor)[space]
@@ -125,7 +122,7 @@ def test_the_sampler_takes_only_allowed_tokens(masks):
 
     cursor = cursor_after(masks, '{"a": ')
     allowed = masks.allowed(cursor)
-    logits = torch.randn(4, TOKENIZER.vocab_size, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(4, default_tokenizer().vocab_size, generator=torch.Generator().manual_seed(0))
     rows = [SampleRow(SamplingParams(temperature=t, seed=s), [], [], torch.Generator().manual_seed(s), allowed=allowed)
             for t, s in ((0, 1), (1.0, 2), (1.5, 3), (0.7, 4))]
     assert not argmax_only(rows[0])

@@ -12,9 +12,8 @@ from pydantic import BaseModel
 
 from common import json_grammar as g
 from common.json_schema import SchemaError, compile_schema
-from common.model_files import default_model_path
-from common.tokenizer import Tokenizer
 from workers.engine.json_mode import JsonMasks
+from tests.default_model import tokenizer as default_tokenizer
 
 
 class Pet(BaseModel):
@@ -167,7 +166,7 @@ def test_a_free_object_schema_is_json_object_mode():
 
 
 def test_schema_masks_allow_exactly_the_tokens_that_keep_the_document_valid():
-    tokenizer = Tokenizer.from_path(default_model_path())
+    tokenizer = default_tokenizer()
     plain = JsonMasks.for_tokenizer(tokenizer, tokenizer.vocab_size, set(tokenizer.eos_token_ids))
     masks = plain.for_grammar(GRAMMAR)
     assert masks._cache is plain._cache  # one bound for every schema's masks

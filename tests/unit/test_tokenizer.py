@@ -8,15 +8,13 @@ from pathlib import Path
 import gguf
 import jinja2
 import pytest
-from transformers import AutoTokenizer
 
 from common.chat_template import ChatTemplate
 from common.model_files import default_model_path
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
+from tests.default_model import hf_tokenizer as reference, tokenizer as ours
 
 MODEL = default_model_path()
-REFERENCE = AutoTokenizer.from_pretrained(str(MODEL.parent), gguf_file=MODEL.name)  # loads in seconds: once
-OURS = Tokenizer.from_path(MODEL)
 
 TEXTS = [
     "Hello, world!",
@@ -65,49 +63,49 @@ CONVERSATIONS = [
 # ---- encode / decode -----------------------------------------------------------------------------
 
 def test_model_facts():
-    assert (OURS.vocab_size, OURS.bos_token_id, OURS.eos_token_id, OURS.add_bos) == (49152, 1, 2, False)
-    assert OURS.eos_token_ids == frozenset({2, 0})  # <|im_end|> and <|endoftext|>
+    assert (ours().vocab_size, ours().bos_token_id, ours().eos_token_id, ours().add_bos) == (49152, 1, 2, False)
+    assert ours().eos_token_ids == frozenset({2, 0})  # <|im_end|> and <|endoftext|>
 
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_encode_matches_transformers(text):
-    assert OURS.encode(text) == REFERENCE.encode(text)
-    assert OURS.encode(text, add_special_tokens=False) == REFERENCE.encode(text, add_special_tokens=False)
+    assert ours().encode(text) == reference().encode(text)
+    assert ours().encode(text, add_special_tokens=False) == reference().encode(text, add_special_tokens=False)
 
 
 def test_whitespace_before_digits_splits_digits_first_like_llama_cpp():
     # SmolLM's own tokenizer (and llama.cpp's `smollm` pre-type) splits digits off before the GPT-2
     # regex; transformers' GGUF loader skips that step, so it differs from the model exactly here.
-    assert OURS.encode("Total:   100 items") == [17647, 42, 333, 33, 32, 32, 3723]
-    assert REFERENCE.encode("Total:   100 items") == [17647, 42, 256, 216, 33, 32, 32, 3723]
-    assert OURS.encode("  1") == [256, 33]
+    assert ours().encode("Total:   100 items") == [17647, 42, 333, 33, 32, 32, 3723]
+    assert reference().encode("Total:   100 items") == [17647, 42, 256, 216, 33, 32, 32, 3723]
+    assert ours().encode("  1") == [256, 33]
 
 
 @pytest.mark.parametrize("skip", [True, False])
 def test_decode_matches_transformers(skip):
     for text in TEXTS:
-        ids = REFERENCE.encode(text)
-        assert OURS.decode(ids, skip_special_tokens=skip) == REFERENCE.decode(ids, skip_special_tokens=skip)
+        ids = reference().encode(text)
+        assert ours().decode(ids, skip_special_tokens=skip) == reference().decode(ids, skip_special_tokens=skip)
     rng = random.Random(7)  # random ids include lone UTF-8 bytes and special tokens
     for _ in range(100):
-        ids = [rng.randrange(OURS.vocab_size) for _ in range(rng.randrange(1, 16))]
-        assert OURS.decode(ids, skip_special_tokens=skip) == REFERENCE.decode(ids, skip_special_tokens=skip)
+        ids = [rng.randrange(ours().vocab_size) for _ in range(rng.randrange(1, 16))]
+        assert ours().decode(ids, skip_special_tokens=skip) == reference().decode(ids, skip_special_tokens=skip)
 
 
 def test_token_text_keeps_leading_space_and_spells_specials():
-    ids = OURS.encode("hello world<|im_end|>")
-    assert [OURS.token_text(i) for i in ids] == ["hello", " world", "<|im_end|>"]
+    ids = ours().encode("hello world<|im_end|>")
+    assert [ours().token_text(i) for i in ids] == ["hello", " world", "<|im_end|>"]
 
 
 def test_ids_outside_vocabulary_are_rejected_with_the_field_name():
     with pytest.raises(ValueError, match=r"^ids: token id 49152 outside vocabulary \[0, 49152\)$"):
-        OURS.decode([5, 49152])
+        ours().decode([5, 49152])
     with pytest.raises(ValueError, match=r"^prompt: token id -1 outside vocabulary \[0, 49152\)$"):
-        OURS.check_ids([1, -1], "prompt")
+        ours().check_ids([1, -1], "prompt")
     with pytest.raises(ValueError, match=r"^prompt: token ids must be integers, got 'x'$"):
-        OURS.check_ids([1, "x"], "prompt")
+        ours().check_ids([1, "x"], "prompt")
     with pytest.raises(ValueError, match=r"^text: must be a string, got list$"):
-        OURS.encode([1, 2])
+        ours().encode([1, 2])
 
 
 # ---- chat template -------------------------------------------------------------------------------
@@ -115,16 +113,16 @@ def test_ids_outside_vocabulary_are_rejected_with_the_field_name():
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_transformers(conversation, add_generation_prompt):
-    expected = REFERENCE.apply_chat_template(conversation, tokenize=False,
+    expected = reference().apply_chat_template(conversation, tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
-    assert OURS.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt) == expected
-    expected_ids = REFERENCE.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-    ours_ids = OURS.encode_chat(conversation, add_generation_prompt=add_generation_prompt)
+    assert ours().apply_chat_template(conversation, add_generation_prompt=add_generation_prompt) == expected
+    expected_ids = reference().apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+    ours_ids = ours().encode_chat(conversation, add_generation_prompt=add_generation_prompt)
     assert ours_ids == expected_ids["input_ids"]
 
 
 def test_chat_template_exact_string():
-    assert OURS.apply_chat_template([{"role": "user", "content": "hi"}]) == (
+    assert ours().apply_chat_template([{"role": "user", "content": "hi"}]) == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     )
@@ -149,7 +147,7 @@ def test_template_environment_matches_transformers():
                 {"role": "stop", "content": ""}, {"role": "never", "content": ""}]
     ours = ChatTemplate(TEMPLATE_FEATURES, {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"})
     for add in (True, False):
-        expected = REFERENCE.apply_chat_template(messages, chat_template=TEMPLATE_FEATURES, tokenize=False,
+        expected = reference().apply_chat_template(messages, chat_template=TEMPLATE_FEATURES, tokenize=False,
                                                  add_generation_prompt=add)
         assert ours.render(messages, add_generation_prompt=add) == expected
 
@@ -159,11 +157,11 @@ def test_template_raise_exception_and_message_validation():
     with pytest.raises(jinja2.TemplateError, match="only user turns"):
         template.render([{"role": "user", "content": "x"}])
     with pytest.raises(ValueError, match=r"^messages\[1\]\.role: required"):
-        OURS.apply_chat_template([{"role": "user", "content": "a"}, {"content": "b"}])
+        ours().apply_chat_template([{"role": "user", "content": "a"}, {"content": "b"}])
     with pytest.raises(ValueError, match=r"^messages\[0\]\.content: required$"):
-        OURS.apply_chat_template([{"role": "user"}])
+        ours().apply_chat_template([{"role": "user"}])
     with pytest.raises(ValueError, match=r"^messages: must be a non-empty list"):
-        OURS.encode_chat([])
+        ours().encode_chat([])
 
 
 # ---- incremental detokenizer ---------------------------------------------------------------------
@@ -178,72 +176,72 @@ def stream(tokenizer, ids, chunk=1, **kwargs):
 @pytest.mark.parametrize("skip", [True, False])
 def test_streaming_equals_full_decode(chunk, skip):
     for text in TEXTS + ["Café 中文 🚀 done", "I like 🦙 llamas<|im_end|>"]:
-        ids = OURS.encode(text)
-        detok, deltas, tail = stream(OURS, ids, chunk, skip_special_tokens=skip)
-        full = OURS.decode(ids, skip_special_tokens=skip)
+        ids = ours().encode(text)
+        detok, deltas, tail = stream(ours(), ids, chunk, skip_special_tokens=skip)
+        full = ours().decode(ids, skip_special_tokens=skip)
         assert "".join(d for d, _ in deltas) + tail == detok.text == full
         assert all("\ufffd" not in d for d, _ in deltas)
 
 
 def test_streaming_holds_partial_characters_and_uses_prompt_context():
-    ids = OURS.encode("I like 🦙 llamas")  # the emoji is three byte tokens: ' \xf0\x9f', '\xa6', '\x99'
-    _, deltas, tail = stream(OURS, ids)
+    ids = ours().encode("I like 🦙 llamas")  # the emoji is three byte tokens: ' \xf0\x9f', '\xa6', '\x99'
+    _, deltas, tail = stream(ours(), ids)
     assert [d for d, _ in deltas] == ["I", " like", "", "", " 🦙", " l", "lam", "as"]
-    prompt = OURS.encode("<|im_start|>assistant\n")
-    detok = IncrementalDetokenizer(OURS, prompt_ids=prompt)
+    prompt = ours().encode("<|im_start|>assistant\n")
+    detok = IncrementalDetokenizer(ours(), prompt_ids=prompt)
     assert [detok.add([i])[0] for i in ids] == ["I", " like", "", "", " 🦙", " l", "lam", "as"]
 
 
 def test_streaming_window_stays_small():
-    ids = OURS.encode("word " * 2000)
-    detok, _, _ = stream(OURS, ids)
+    ids = ours().encode("word " * 2000)
+    detok, _, _ = stream(ours(), ids)
     assert detok.text == "word " * 2000
     assert len(detok._window) <= 2  # only the last token is kept as context
 
 
 def test_stop_string_cuts_output_before_it():
-    ids = OURS.encode("Hello world. The end is near.")
-    detok, deltas, tail = stream(OURS, ids, stop=["end"])
+    ids = ours().encode("Hello world. The end is near.")
+    detok, deltas, tail = stream(ours(), ids, stop=["end"])
     assert deltas == [("Hello", None), (" world", None), (".", None), (" Th", None), ("e ", "end"),
                       ("", "end"), ("", "end"), ("", "end")]
     assert (tail, detok.text, detok.matched_stop) == ("", "Hello world. The ", "end")
 
 
 def test_stop_string_spanning_tokens_included_in_output():
-    ids = OURS.encode("Hello world. The end is near.")
-    detok, deltas, tail = stream(OURS, ids, stop=["nothing", "d. T"], include_stop_str_in_output=True)
+    ids = ours().encode("Hello world. The end is near.")
+    detok, deltas, tail = stream(ours(), ids, stop=["nothing", "d. T"], include_stop_str_in_output=True)
     assert [d for d, _ in deltas] == ["Hello", " worl", "", "d. T", "", "", "", ""]
     assert detok.text == "Hello world. T"
 
 
 def test_possible_stop_prefix_is_held_then_released():
-    ids = OURS.encode("hello world?")
-    detok, deltas, tail = stream(OURS, ids, stop=["world!"])
+    ids = ours().encode("hello world?")
+    detok, deltas, tail = stream(ours(), ids, stop=["world!"])
     assert deltas == [("hello", None), (" ", None), ("world?", None)]
-    detok = IncrementalDetokenizer(OURS, stop=["world!"])
-    assert [detok.add([i])[0] for i in OURS.encode("hello world")] == ["hello", " "]
+    detok = IncrementalDetokenizer(ours(), stop=["world!"])
+    assert [detok.add([i])[0] for i in ours().encode("hello world")] == ["hello", " "]
     assert detok.flush() == "world" and detok.text == "hello world" and detok.matched_stop is None
 
 
 def test_earliest_stop_wins():
-    ids = OURS.encode("one two three")
-    detok, _, _ = stream(OURS, ids, chunk=len(ids), stop=["three", "two"])
+    ids = ours().encode("one two three")
+    detok, _, _ = stream(ours(), ids, chunk=len(ids), stop=["three", "two"])
     assert (detok.text, detok.matched_stop) == ("one ", "two")
 
 
 # ---- other sources: HF folder, SentencePiece GGUF, llama-3 pre-tokenizer ------------------------
 
 def test_hf_folder_matches_transformers(tmp_path):
-    REFERENCE.save_pretrained(tmp_path)
+    reference().save_pretrained(tmp_path)
     folder = Tokenizer.from_path(tmp_path)
     facts = (folder.vocab_size, folder.bos_token_id, folder.eos_token_id, folder.add_bos)
     assert facts == (49152, 1, 2, False)
-    assert folder.eos_token_ids == OURS.eos_token_ids
+    assert folder.eos_token_ids == ours().eos_token_ids
     for text in TEXTS + ["Total:   100 items"]:  # the saved tokenizer.json is transformers' own
-        assert folder.encode(text) == REFERENCE.encode(text)
+        assert folder.encode(text) == reference().encode(text)
     for conversation in CONVERSATIONS:
-        assert folder.apply_chat_template(conversation) == OURS.apply_chat_template(conversation)
-        assert folder.encode_chat(conversation, False) == OURS.encode_chat(conversation, False)
+        assert folder.apply_chat_template(conversation) == ours().apply_chat_template(conversation)
+        assert folder.encode_chat(conversation, False) == ours().encode_chat(conversation, False)
 
 
 def _write_gguf(path: Path, tokens, token_types, *, model, pre=None, merges=None, scores=None,
@@ -286,22 +284,24 @@ def test_sentencepiece_gguf_matches_transformers(tmp_path):
     template = ("{{ bos_token }}{% for m in messages %}"
                 "[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}")
     path = _write_gguf(tmp_path / "spm.gguf", tokens, types, model="llama", scores=scores, template=template)
-    reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
-    ours = Tokenizer.from_path(path)
-    assert (ours.add_bos, ours.bos_token_id) == (True, 1)
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    mine = Tokenizer.from_path(path)
+    assert (mine.add_bos, mine.bos_token_id) == (True, 1)
     for text in ["hello world", " hello  world", "hello\nthat é 世", "<s>hello</s>the", "", "wat"]:
-        ids = reference.encode(text)
-        assert ours.encode(text) == ids
+        ids = hf.encode(text)
+        assert mine.encode(text) == ids
         for skip in (True, False):
-            expected = reference.decode(ids, skip_special_tokens=skip)
-            assert ours.decode(ids, skip_special_tokens=skip) == expected
-        detok, deltas, tail = stream(ours, ids)
-        assert detok.text == ours.decode(ids)
+            expected = hf.decode(ids, skip_special_tokens=skip)
+            assert mine.decode(ids, skip_special_tokens=skip) == expected
+        detok, deltas, tail = stream(mine, ids)
+        assert detok.text == mine.decode(ids)
     chat = [{"role": "user", "content": "hello"}]
-    assert ours.apply_chat_template(chat) == reference.apply_chat_template(chat, tokenize=False)
+    assert mine.apply_chat_template(chat) == hf.apply_chat_template(chat, tokenize=False)
     expected_ids = [1, 94, 120, 118, 261, 265, 96, 275, 2]  # "<s>[user] hello</s>"
-    assert ours.encode_chat(chat) == reference.apply_chat_template(chat)["input_ids"] == expected_ids
-    assert [ours.token_text(i) for i in ours.encode("hello what", add_special_tokens=False)] == [
+    assert mine.encode_chat(chat) == hf.apply_chat_template(chat)["input_ids"] == expected_ids
+    assert [mine.token_text(i) for i in mine.encode("hello what", add_special_tokens=False)] == [
         " hello", " w", "h", "at"]
 
 
@@ -311,11 +311,13 @@ def test_llama3_pre_tokenizer_gguf_matches_transformers(tmp_path):
     path = _write_gguf(tmp_path / "l3.gguf", fields["tokenizer.ggml.tokens"].contents(),
                        fields["tokenizer.ggml.token_type"].contents(), model="gpt2", pre="llama-bpe",
                        merges=fields["tokenizer.ggml.merges"].contents())
-    reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
-    ours = Tokenizer.from_path(path)
-    assert ours.add_bos
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    mine = Tokenizer.from_path(path)
+    assert mine.add_bos
     for text in TEXTS + ["Total:   100 items", "  1"]:
-        assert ours.encode(text) == reference.encode(text)
+        assert mine.encode(text) == hf.encode(text)
 
 
 def test_unsupported_gguf_tokenizer_is_a_clear_error(tmp_path):
