@@ -38,10 +38,14 @@ def running_mesh(*flags: str, env: dict[str, str] | None = None, timeout: float 
     `env` adds environment variables (PAGEMESH_* flags reach every child process). `timeout`
     bounds a hang, and is also the launcher's own --ready-timeout (flags may override it)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", str(port),
-                             "--ready-timeout", str(timeout), *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--ready-timeout", str(timeout), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
     lines: list[str] = []
     up = threading.Event()
 
@@ -56,8 +60,9 @@ def running_mesh(*flags: str, env: dict[str, str] | None = None, timeout: float 
         started = time.monotonic()
         while not up.wait(0.2):  # the line, or the launcher exiting (it gives up on a failed start)
             if proc.poll() is not None or time.monotonic() - started > timeout:
-                raise RuntimeError(f"mesh did not start (after {time.monotonic() - started:.0f}s):\n"
-                                   + "".join(lines[-40:]))
+                raise RuntimeError(
+                    f"mesh did not start (after {time.monotonic() - started:.0f}s):\n" + "".join(lines[-40:])
+                )
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -77,8 +82,19 @@ class SeparateProcesses:
     def __init__(self, run_dir: str, *flags: str):
         from services import launcher
 
-        self.args = launcher.parse(["--ready-timeout", str(HANG_S), *flags, "--threads-per-worker", "1",
-                                    "--port", str(free_port()), "--run-dir", run_dir])
+        self.args = launcher.parse(
+            [
+                "--ready-timeout",
+                str(HANG_S),
+                *flags,
+                "--threads-per-worker",
+                "1",
+                "--port",
+                str(free_port()),
+                "--run-dir",
+                run_dir,
+            ]
+        )
         self.argv = dict(launcher.plan(self.args, run_dir))
         self.mesh = launcher.Mesh(self.args)
         self.children = self.mesh.children
@@ -110,9 +126,11 @@ class SeparateProcesses:
                 while True:
                     try:
                         msg = await asyncio.wait_for(ready.recv(), timeout=0.5)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         if proc.poll() is not None or time.monotonic() - started > HANG_S:
-                            raise RuntimeError(f"restarted {name} never reported ready (exit code {proc.poll()})")
+                            raise RuntimeError(
+                                f"restarted {name} never reported ready (exit code {proc.poll()})"
+                            ) from None
                         continue
                     if isinstance(msg, Ready) and name in (msg.name, msg.service):
                         return

@@ -27,20 +27,43 @@ pytestmark = [
 ]
 
 DEVICE = torch.device("cuda")
-LLAMA3 = (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
-          ("original_max_position_embeddings", 1024), ("rope_type", "llama3"))
+LLAMA3 = (
+    ("factor", 8.0),
+    ("high_freq_factor", 4.0),
+    ("low_freq_factor", 1.0),
+    ("original_max_position_embeddings", 1024),
+    ("rope_type", "llama3"),
+)
 # Llama-3-like proportions at a small size: GQA 4, head_dim 128, llama3 RoPE scaling.
 SMALL = ModelConfig(
-    architecture="llama", vocab_size=1024, hidden_size=512, intermediate_size=1536, num_layers=4,
-    num_heads=4, num_kv_heads=1, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-    max_position_embeddings=8192, tie_word_embeddings=False, rope_scaling=LLAMA3,
+    architecture="llama",
+    vocab_size=1024,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=1,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+    tie_word_embeddings=False,
+    rope_scaling=LLAMA3,
 )
 PAGE = 16
 
 
 def make_engine(model, graphs: bool, **overrides) -> Engine:
-    config = EngineConfig(device="cuda", num_pages=512, page_size=PAGE, max_num_seqs=32, max_model_len=4096,
-                          enable_prefix_caching=False, cuda_graphs=graphs, **overrides)
+    config = EngineConfig(
+        device="cuda",
+        num_pages=512,
+        page_size=PAGE,
+        max_num_seqs=32,
+        max_model_len=4096,
+        enable_prefix_caching=False,
+        cuda_graphs=graphs,
+        **overrides,
+    )
     engine = Engine(config, model=model)
     assert (engine.runner.graphs is not None) == graphs
     return engine
@@ -131,7 +154,9 @@ def test_plain_greedy_argmax_equals_the_full_sampler_greedy():
     on_host = engine.generate(batch, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0))
     assert [o.token_ids for o in on_device] == [o.token_ids for o in on_host]
     seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, ignore_eos=True, seed=11)
-    assert [o.token_ids for o in engine.generate(batch, seeded)] == [o.token_ids for o in engine.generate(batch, seeded)]
+    assert [o.token_ids for o in engine.generate(batch, seeded)] == [
+        o.token_ids for o in engine.generate(batch, seeded)
+    ]
 
 
 def test_sampling_on_the_gpu_draws_what_the_host_draws():
@@ -151,8 +176,16 @@ def test_sampling_on_the_gpu_draws_what_the_host_draws():
     ]
 
     def rows():
-        return [SampleRow(p, [5, 6, 7], [8, 8, 9], torch.Generator().manual_seed(p.seed) if p.seed else None,
-                          banned_ids=(3,) if i == 4 else ()) for i, p in enumerate(kinds)]
+        return [
+            SampleRow(
+                p,
+                [5, 6, 7],
+                [8, 8, 9],
+                torch.Generator().manual_seed(p.seed) if p.seed else None,
+                banned_ids=(3,) if i == 4 else (),
+            )
+            for i, p in enumerate(kinds)
+        ]
 
     host = sample(logits.clone(), rows(), torch.Generator())
     device = sample(logits.to(DEVICE), rows(), torch.Generator(device=DEVICE))

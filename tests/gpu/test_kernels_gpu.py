@@ -27,8 +27,13 @@ pytestmark = [
 ]
 
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def _mixed_lens(num_decodes, max_ctx, seed):
@@ -49,16 +54,25 @@ def _check(batch, dtype, **kwargs):
 @pytest.mark.parametrize("num_splits", [None, 1, 8])
 def test_llama8b_mixed_batch(num_splits):
     lens = _mixed_lens(48, 8192, seed=1)
-    batch = make_paged_batch(*lens, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
-                             dtype=torch.bfloat16, device="cuda", seed=1)
+    batch = make_paged_batch(
+        *lens, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16, device="cuda", seed=1
+    )
     _check(batch, torch.bfloat16, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("batch_size, ctx", [(1, 32768), (8, 16384), (64, 4096)])
 def test_llama8b_long_decode_uses_heuristic_splits(batch_size, ctx):
     lens = ([1] * batch_size, [ctx - 37 * i for i in range(batch_size)])
-    batch = make_paged_batch(*lens, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
-                             dtype=torch.bfloat16, device="cuda", seed=batch_size)
+    batch = make_paged_batch(
+        *lens,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        page_size=16,
+        dtype=torch.bfloat16,
+        device="cuda",
+        seed=batch_size,
+    )
     _check(batch, torch.bfloat16)
     _check(batch, torch.bfloat16, num_splits=1)
 
@@ -66,8 +80,9 @@ def test_llama8b_long_decode_uses_heuristic_splits(batch_size, ctx):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_smollm_gqa3_page32(dtype):
     lens = _mixed_lens(20, 3000, seed=2)
-    batch = make_paged_batch(*lens, num_heads=9, num_kv_heads=3, head_dim=64, page_size=32,
-                             dtype=dtype, device="cuda", seed=2)
+    batch = make_paged_batch(
+        *lens, num_heads=9, num_kv_heads=3, head_dim=64, page_size=32, dtype=dtype, device="cuda", seed=2
+    )
     _check(batch, dtype, num_splits=None)
     _check(batch, dtype, num_splits=4)
 
@@ -75,15 +90,17 @@ def test_smollm_gqa3_page32(dtype):
 @pytest.mark.parametrize("page_size", [8, 64, 128])
 def test_other_page_sizes(page_size):
     lens = _mixed_lens(16, 2000, seed=page_size)
-    batch = make_paged_batch(*lens, num_heads=32, num_kv_heads=8, head_dim=128,
-                             page_size=page_size, dtype=torch.bfloat16, device="cuda")
+    batch = make_paged_batch(
+        *lens, num_heads=32, num_kv_heads=8, head_dim=128, page_size=page_size, dtype=torch.bfloat16, device="cuda"
+    )
     _check(batch, torch.bfloat16, num_splits=None)
 
 
 def test_decode_step_replays_in_a_cuda_graph():
     lens = ([1] * 16, [4000 + 11 * i for i in range(16)])
-    batch = make_paged_batch(*lens, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
-                             dtype=torch.bfloat16, device="cuda", seed=4)
+    batch = make_paged_batch(
+        *lens, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16, device="cuda", seed=4
+    )
     args = batch.attention_args()
     expect = kernels.paged_attention(*args)  # also compiles outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -109,8 +126,9 @@ def test_write_kv_model_shape():
 def test_norms_model_shape(hidden):
     x, residual = torch.randn(2, 4096, hidden, device="cuda").bfloat16()
     weight = torch.randn(hidden, device="cuda").bfloat16()
-    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5),
-                               atol=1.6e-2, rtol=1.6e-2)
+    torch.testing.assert_close(
+        kernels.rms_norm(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5), atol=1.6e-2, rtol=1.6e-2
+    )
     out, new_residual = kernels.fused_add_rms_norm(x, residual, weight, 1e-5)
     expect_out, expect_residual = fused_add_rms_norm_ref(x, residual, weight, 1e-5)
     assert torch.equal(new_residual, expect_residual)
@@ -130,5 +148,4 @@ def test_rotary_model_shape():
 
 def test_silu_and_mul_model_shape():
     x = torch.randn(4096, 2 * 14336, device="cuda").bfloat16()
-    torch.testing.assert_close(kernels.silu_and_mul(x), silu_and_mul_ref(x), atol=1.6e-2,
-                               rtol=1.6e-2)
+    torch.testing.assert_close(kernels.silu_and_mul(x), silu_and_mul_ref(x), atol=1.6e-2, rtol=1.6e-2)

@@ -34,16 +34,25 @@ def engine_fp32():
     from workers.engine.config import EngineConfig
     from workers.engine.engine import Engine
 
-    return Engine(EngineConfig(dtype="float32", max_num_batched_tokens=32, max_prefill_chunk=32, num_pages=1024, max_model_len=1024))
+    return Engine(
+        EngineConfig(
+            dtype="float32", max_num_batched_tokens=32, max_prefill_chunk=32, num_pages=1024, max_model_len=1024
+        )
+    )
 
 
 def hf_greedy(hf_model, prompt_ids, max_new_tokens, **generate_kwargs):
     with torch.inference_mode():
         out = hf_model.generate(
-            torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, **generate_kwargs,
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            **generate_kwargs,
         )
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def hf_argmax_after_each(hf_model, prompt_ids, tokens) -> list[int]:
@@ -52,7 +61,7 @@ def hf_argmax_after_each(hf_model, prompt_ids, tokens) -> list[int]:
     induction on the prefix), at the cost of one pass instead of `len(tokens)` decode steps."""
     with torch.inference_mode():
         logits = hf_model(torch.tensor([list(prompt_ids) + list(tokens)])).logits[0]
-    return logits[len(prompt_ids) - 1: len(prompt_ids) - 1 + len(tokens)].argmax(-1).tolist()
+    return logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(tokens)].argmax(-1).tolist()
 
 
 def stream_counting(client, received: list[int], k: int, **request) -> tuple[int, Exception | None, float]:
@@ -72,9 +81,16 @@ def tiny_qwen2(tmp_path_factory):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
-        vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=False, initializer_range=0.3, rope_theta=10000.0,
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.3,
+        rope_theta=10000.0,
     )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg).eval()

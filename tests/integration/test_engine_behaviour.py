@@ -17,7 +17,9 @@ def live_tables(engine):
 
 
 def test_kv_utilization_of_a_mixed_length_run_is_at_least_95_percent():
-    engine = Engine(EngineConfig(dtype="bfloat16", max_num_batched_tokens=256, num_pages=2048, enable_prefix_caching=False))
+    engine = Engine(
+        EngineConfig(dtype="bfloat16", max_num_batched_tokens=256, num_pages=2048, enable_prefix_caching=False)
+    )
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 40000) for _ in range(rng.randint(100, 400))] for _ in range(12)]
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=rng.randint(8, 40)) for _ in prompts]
@@ -57,7 +59,12 @@ def test_a_seeded_request_samples_the_same_tokens_whatever_its_batch(engine_fp32
     prompt = list(range(500, 540))
     [alone] = engine_fp32.generate([prompt], seeded)
     others = [list(range(2000 + 7 * i, 2030 + 9 * i)) for i in range(5)]
-    results = engine_fp32.generate(others[:2] + [prompt] + others[2:], [SamplingParams(temperature=1.0, max_tokens=25)] * 2 + [seeded] + [SamplingParams(temperature=1.0, max_tokens=25)] * 3)
+    results = engine_fp32.generate(
+        others[:2] + [prompt] + others[2:],
+        [SamplingParams(temperature=1.0, max_tokens=25)] * 2
+        + [seeded]
+        + [SamplingParams(temperature=1.0, max_tokens=25)] * 3,
+    )
     assert results[2].token_ids == alone.token_ids
     [again] = engine_fp32.generate([prompt], seeded)
     assert again.token_ids == alone.token_ids
@@ -68,9 +75,14 @@ def test_stop_tokens_min_tokens_and_max_tokens(engine_fp32):
     [free] = engine_fp32.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     stop_at = free.token_ids[0][4]
     first = free.token_ids[0].index(stop_at)
-    [stopped] = engine_fp32.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=(stop_at,)))
+    [stopped] = engine_fp32.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=(stop_at,))
+    )
     assert stopped.token_ids[0] == free.token_ids[0][: first + 1] and stopped.finish_reasons == ["stop"]
-    [held] = engine_fp32.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=(stop_at,), min_tokens=first + 2))
+    [held] = engine_fp32.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=(stop_at,), min_tokens=first + 2),
+    )
     assert stop_at not in held.token_ids[0][: first + 2]
     assert len(free.token_ids[0]) == 12 and free.finish_reasons == ["length"]
 
@@ -148,14 +160,19 @@ def test_json_mode_outputs_are_json_objects_or_valid_prefixes_of_one(engine_fp32
     from common import json_grammar
 
     tok = engine_fp32.tokenizer
-    asks = ["Give me a JSON object describing a cat with its name and age.", "List three fruits as JSON.",
-            "What is the capital of France?"]
+    asks = [
+        "Give me a JSON object describing a cat with its name and age.",
+        "List three fruits as JSON.",
+        "What is the capital of France?",
+    ]
     prompts = [tok.encode_chat([{"role": "user", "content": a}]) for a in asks]
     results = engine_fp32.generate(prompts, SamplingParams(temperature=0, max_tokens=80, json_object=True))
-    results += engine_fp32.generate(prompts, SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=80, json_object=True))
+    results += engine_fp32.generate(
+        prompts, SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=80, json_object=True)
+    )
     finished = 0
     for r in results:
-        for text, ids, reason in zip(r.texts, r.token_ids, r.finish_reasons):
+        for text, reason in zip(r.texts, r.finish_reasons):
             if reason == "stop":  # an end token, allowed only once the object closed
                 assert isinstance(json.loads(text), dict), text
                 finished += 1
@@ -185,7 +202,7 @@ def test_json_mode_goes_on_after_a_handoff_from_the_first_token(engine_fp32):
 
 
 def test_json_schema_outputs_validate_against_the_schema(engine_fp32):
-    from typing import Literal, Optional
+    from typing import Literal
 
     from pydantic import BaseModel
 
@@ -193,16 +210,23 @@ def test_json_schema_outputs_validate_against_the_schema(engine_fp32):
         name: str
         age: int
         color: Literal["black", "white", "ginger"]
-        owner: Optional[str] = None
+        owner: str | None = None
 
     tok = engine_fp32.tokenizer
     prompt = tok.encode_chat([{"role": "user", "content": "Describe a cat."}])
-    params = SamplingParams(temperature=0.9, seed=7, n=3, max_tokens=60, json_schema=json.dumps(Cat.model_json_schema()))
+    params = SamplingParams(
+        temperature=0.9, seed=7, n=3, max_tokens=60, json_schema=json.dumps(Cat.model_json_schema())
+    )
     [result] = engine_fp32.generate([prompt], params)
     finished = [text for text, reason in zip(result.texts, result.finish_reasons) if reason == "stop"]
     assert finished
     for text in finished:
         Cat.model_validate_json(text, strict=True)
     with pytest.raises(ValueError, match="pattern"):
-        engine_fp32.add_request("bad-schema", prompt, SamplingParams(
-            json_schema=json.dumps({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}})))
+        engine_fp32.add_request(
+            "bad-schema",
+            prompt,
+            SamplingParams(
+                json_schema=json.dumps({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}})
+            ),
+        )

@@ -81,8 +81,17 @@ def tiny_vocab_model(tmp_path_factory):
     """A 16-token vocabulary, so beam search can be checked against exhaustive search."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.5, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.5,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(1)
     model = LlamaForCausalLM(cfg).eval()
     folder = tmp_path_factory.mktemp("tiny-vocab")
@@ -105,7 +114,9 @@ def test_beam_search_with_full_width_equals_exhaustive_search(tiny_vocab_model):
     prompt = [3, 1, 4, 1, 5]
     params = SamplingParams(n=4, best_of=16, use_beam_search=True, length_penalty=0.0, max_tokens=2, ignore_eos=True)
     [result] = engine.generate([prompt], params)
-    scored = sorted(((sequence_logprob(hf, prompt, list(c)), list(c)) for c in itertools.product(range(16), repeat=2)), reverse=True)
+    scored = sorted(
+        ((sequence_logprob(hf, prompt, list(c)), list(c)) for c in itertools.product(range(16), repeat=2)), reverse=True
+    )
     assert result.token_ids == [c for _, c in scored[:4]]
     assert engine.blocks.num_used_pages == 0
     engine.blocks.check_invariants([])
@@ -115,7 +126,9 @@ def test_beams_share_pages_copy_on_write(tiny_vocab_model):
     folder, _ = tiny_vocab_model
     engine = tiny_engine(folder, num_pages=512, page_size=4)
     prompt = list(range(1, 15))  # 3 full pages + 2 tokens
-    engine.add_request("beam", prompt, SamplingParams(n=2, best_of=4, use_beam_search=True, max_tokens=6, ignore_eos=True))
+    engine.add_request(
+        "beam", prompt, SamplingParams(n=2, best_of=4, use_beam_search=True, max_tokens=6, ignore_eos=True)
+    )
     peak_live = 0
     while engine.has_unfinished():
         engine.step()
@@ -133,7 +146,9 @@ def test_best_of_returns_the_n_most_likely_samples(tiny_vocab_model):
     folder, hf = tiny_vocab_model
     engine = tiny_engine(folder, num_pages=512, page_size=4)
     prompt = [2, 7, 1, 8]
-    [result] = engine.generate([prompt], SamplingParams(n=2, best_of=6, temperature=1.0, seed=5, max_tokens=5, ignore_eos=True))
+    [result] = engine.generate(
+        [prompt], SamplingParams(n=2, best_of=6, temperature=1.0, seed=5, max_tokens=5, ignore_eos=True)
+    )
     assert len(result.token_ids) == 2
     scores = [sequence_logprob(hf, prompt, c) for c in result.token_ids]
     assert scores[0] >= scores[1] - 1e-4

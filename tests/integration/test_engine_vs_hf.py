@@ -20,7 +20,9 @@ def mixed_prompts(tokenizer) -> list[list[int]]:
     for i, repeats in enumerate([0, 1, 2, 3, 5, 7, 9, 11]):
         if i % 2:
             text = f"Question {i}: " + TEXT * repeats + "Summarise that."
-            rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+            rendered = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
             ids = tokenizer.encode(rendered, add_special_tokens=False)
         else:
             ids = tokenizer.encode(f"Note {i}. " + TEXT * repeats)
@@ -93,7 +95,9 @@ def test_tiny_qwen2_safetensors_matches_hf(tiny_qwen2, cpu_kernels, monkeypatch)
     folder, hf = tiny_qwen2
     if not cpu_kernels:  # the path taken where no C compiler is found
         monkeypatch.setattr("workers.engine.backend.cpu_kernels_usable", lambda dtype: False)
-    engine = Engine(EngineConfig(model=str(folder), dtype="float32", max_num_batched_tokens=32, max_prefill_chunk=32, num_pages=256))
+    engine = Engine(
+        EngineConfig(model=str(folder), dtype="float32", max_num_batched_tokens=32, max_prefill_chunk=32, num_pages=256)
+    )
     assert engine.model_config.architecture == "qwen2" and engine.model_config.attention_bias
     backend = type(engine.runner.attention).__name__
     assert backend == ("CpuKernelAttentionBackend" if cpu_kernels else "TorchAttentionBackend")

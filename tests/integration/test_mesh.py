@@ -11,10 +11,10 @@ import urllib.request
 import openai
 import pytest
 
+from bench.local_mesh import HANG_S, metrics, pages_free, per_worker, running_mesh, sample_until, wait_until
 from common.model_files import DEFAULT_MODEL_NAME
 from common.sampling import SamplingParams
 from tests.default_model import tokenizer as default_tokenizer
-from bench.local_mesh import HANG_S, metrics, pages_free, per_worker, running_mesh, sample_until, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = DEFAULT_MODEL_NAME
@@ -79,7 +79,9 @@ def test_greedy_completions_and_chats_equal_the_offline_engine(client, offline):
         messages = [{"role": "user", "content": content}]
         r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
         assert r.choices[0].message.content == expected
-        s = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        s = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
         assert stream_text(s, chat=True) == expected
 
 
@@ -91,8 +93,9 @@ def test_a_batch_of_prompts_answers_each_as_alone(client, mesh, offline):
     tokenizer = default_tokenizer()
     assert r.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in PROMPTS)
     texts, chunks, sent = [""] * len(PROMPTS), [0] * len(PROMPTS), time.monotonic()
-    for chunk in client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0,
-                                           stream=True):
+    for chunk in client.completions.create(
+        model=MODEL, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    ):
         for choice in chunk.choices:
             texts[choice.index] += choice.text
             chunks[choice.index] += bool(choice.text)
@@ -103,8 +106,13 @@ def test_a_batch_of_prompts_answers_each_as_alone(client, mesh, offline):
     # one prompt too long: a 400 for the batch, and the others are stopped (no page stays used):
     # their pages are free long before the 300 tokens of the first could have been decoded
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
-        client.completions.create(model=MODEL, prompt=["Count: one, two,", "word " * 9000], max_tokens=300,
-                                  temperature=0, extra_body={"ignore_eos": True})
+        client.completions.create(
+            model=MODEL,
+            prompt=["Count: one, two,", "word " * 9000],
+            max_tokens=300,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
     refused = time.monotonic()
     assert wait_until(lambda: pages_free(metrics(mesh), WORKERS))
     assert time.monotonic() - refused < 300 * step_s / 4
@@ -126,45 +134,87 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client, engine)
 
 def test_json_object_and_json_schema_answers_across_the_handoff(client):
     messages = [{"role": "user", "content": "Describe a cat with its name and age."}]
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=80, temperature=0,
-                                       response_format={"type": "json_object"})
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=80, temperature=0, response_format={"type": "json_object"}
+    )
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].message.content), dict)
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=80, temperature=0,
-                                            response_format={"type": "json_object"}, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=80,
+        temperature=0,
+        response_format={"type": "json_object"},
+        stream=True,
+    )
     assert stream_text(stream, chat=True) == r.choices[0].message.content
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                                               "color": {"enum": ["black", "white", "ginger"]}},
-              "required": ["name", "age", "color"]}
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=80, temperature=0, response_format={
-        "type": "json_schema", "json_schema": {"name": "cat", "schema": schema, "strict": True}})
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "color": {"enum": ["black", "white", "ginger"]},
+        },
+        "required": ["name", "age", "color"],
+    }
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=80,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "cat", "schema": schema, "strict": True}},
+    )
     cat = json.loads(r.choices[0].message.content)
-    assert list(cat) == ["name", "age", "color"] and isinstance(cat["age"], int) and cat["color"] in schema[
-        "properties"]["color"]["enum"]
+    assert (
+        list(cat) == ["name", "age", "color"]
+        and isinstance(cat["age"], int)
+        and cat["color"] in schema["properties"]["color"]["enum"]
+    )
     with pytest.raises(openai.BadRequestError, match="pattern"):
-        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, response_format={
-            "type": "json_schema", "json_schema": {"name": "cat", "schema": {
-                "type": "object", "properties": {"name": {"type": "string", "pattern": "^[A-Z]"}}}}})
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=8,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "cat",
+                    "schema": {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[A-Z]"}}},
+                },
+            },
+        )
 
 
 def test_logit_bias_reaches_the_sampler(client):
     tokenizer = default_tokenizer()
     [sea] = tokenizer.encode(" sea", add_special_tokens=False)
-    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0.7, seed=1,
-                                  logit_bias={str(sea): 100}, logprobs=1)
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0.7, seed=1, logit_bias={str(sea): 100}, logprobs=1
+    )
     assert r.choices[0].text == " sea" * 4
     assert r.choices[0].logprobs.token_logprobs[0] < -3  # reported as the model gave it: not biased
     unbiased = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1, temperature=0)
-    banned = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1, temperature=0,
-                                       logit_bias={str(tokenizer.encode(unbiased.choices[0].text, add_special_tokens=False)[0]): -100})
+    banned = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[0],
+        max_tokens=1,
+        temperature=0,
+        logit_bias={str(tokenizer.encode(unbiased.choices[0].text, add_special_tokens=False)[0]): -100},
+    )
     assert banned.choices[0].text != unbiased.choices[0].text
 
 
 def test_sixteen_concurrent_streams_all_complete(client, mesh):
     def one(i: int) -> tuple[str, int]:
         stream = client.completions.create(
-            model=MODEL, prompt=f"Story number {i}:", max_tokens=20, temperature=0.8, seed=i, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            model=MODEL,
+            prompt=f"Story number {i}:",
+            max_tokens=20,
+            temperature=0.8,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
         )
         text, usage = "", None
         for chunk in stream:
@@ -184,14 +234,21 @@ def test_a_dropped_stream_frees_its_pages_everywhere_at_once(client, mesh):
     was streaming (an idle machine frees them within a second; a loaded one is slower at both,
     and a fixed second failed there)."""
     stream = client.completions.create(
-        model=MODEL, prompt="Count slowly: one, two,", max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        model=MODEL,
+        prompt="Count slowly: one, two,",
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
     )
     sent = time.monotonic()
     for i, _ in enumerate(stream):
         if i == 5:
             break
     step_s = (time.monotonic() - sent) / 6  # a decode step as loaded now, over-estimated (prefill in it)
-    usage = sample_until(lambda: per_worker(metrics(mesh), "pagemesh_kv_cache_usage_ratio"), lambda u: set(u) == WORKERS)
+    usage = sample_until(
+        lambda: per_worker(metrics(mesh), "pagemesh_kv_cache_usage_ratio"), lambda u: set(u) == WORKERS
+    )
     assert usage and max(usage.values()) > 0
     stream.close()
     dropped = time.monotonic()
@@ -212,15 +269,51 @@ def post(mesh: str, path: str, body: bytes, content_type: str = "application/jso
     "body, status, error_type, param, code",
     [
         (b"{not json", 400, "invalid_request_error", None, None),
-        (json.dumps({"model": MODEL, "prompt": "hi", "temperature": -1}).encode(), 400, "invalid_request_error", "temperature", None),
+        (
+            json.dumps({"model": MODEL, "prompt": "hi", "temperature": -1}).encode(),
+            400,
+            "invalid_request_error",
+            "temperature",
+            None,
+        ),
         (json.dumps({"model": MODEL, "prompt": "hi", "n": 1000}).encode(), 400, "invalid_request_error", "n", None),
         (json.dumps({"model": MODEL, "prompt": [1, 2, 10**7]}).encode(), 400, "invalid_request_error", "prompt", None),
         (json.dumps({"model": MODEL, "prompt": ""}).encode(), 400, "invalid_request_error", "prompt", None),
-        (json.dumps({"model": MODEL, "prompt": "hi", "logit_bias": {"49152": 5}}).encode(), 400, "invalid_request_error", "logit_bias", None),
-        (json.dumps({"model": MODEL, "prompt": "hi", "stop_token_ids": [49152]}).encode(), 400, "invalid_request_error", "stop_token_ids", None),
-        (json.dumps({"model": MODEL, "prompt": "word " * 9000}).encode(), 400, "invalid_request_error", None, "context_length_exceeded"),
-        (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 10**6}).encode(), 400, "invalid_request_error", None, None),
-        (json.dumps({"model": "no-such-model", "prompt": "hi"}).encode(), 404, "invalid_request_error", "model", "model_not_found"),
+        (
+            json.dumps({"model": MODEL, "prompt": "hi", "logit_bias": {"49152": 5}}).encode(),
+            400,
+            "invalid_request_error",
+            "logit_bias",
+            None,
+        ),
+        (
+            json.dumps({"model": MODEL, "prompt": "hi", "stop_token_ids": [49152]}).encode(),
+            400,
+            "invalid_request_error",
+            "stop_token_ids",
+            None,
+        ),
+        (
+            json.dumps({"model": MODEL, "prompt": "word " * 9000}).encode(),
+            400,
+            "invalid_request_error",
+            None,
+            "context_length_exceeded",
+        ),
+        (
+            json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 10**6}).encode(),
+            400,
+            "invalid_request_error",
+            None,
+            None,
+        ),
+        (
+            json.dumps({"model": "no-such-model", "prompt": "hi"}).encode(),
+            404,
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        ),
         (json.dumps({"model": MODEL, "prompt": "x" * (5 << 20)}).encode(), 413, "invalid_request_error", None, None),
     ],
 )

@@ -6,9 +6,9 @@ from __future__ import annotations
 import openai
 import pytest
 
+from bench.local_mesh import HANG_S, metrics, running_mesh, wait_until
 from common.model_files import DEFAULT_MODEL_NAME
 from common.sampling import SamplingParams
-from bench.local_mesh import HANG_S, metrics, running_mesh, wait_until
 
 pytestmark = pytest.mark.slow
 PAGE = 16
@@ -35,8 +35,13 @@ def test_a_shared_prefix_is_not_sent_again_and_outputs_equal_the_engine_without_
         def complete(prompt: list[int]) -> tuple[str, float]:
             """Greedy text, and the KV bytes the request moved (one transfer per request)."""
             before = kv_bytes()
-            r = client.completions.create(model=DEFAULT_MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                          extra_body={"ignore_eos": True})
+            r = client.completions.create(
+                model=DEFAULT_MODEL_NAME,
+                prompt=prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
             assert wait_until(lambda: kv_bytes() > before)  # the prefill worker's next heartbeat
             return r.choices[0].text, kv_bytes() - before
 

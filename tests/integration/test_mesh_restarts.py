@@ -19,8 +19,8 @@ import time
 import openai
 import pytest
 
-from common.model_files import DEFAULT_MODEL_NAME
 from bench.local_mesh import HANG_S, LATE_S, SeparateProcesses, metrics, per_worker, sample_until, wait_until
+from common.model_files import DEFAULT_MODEL_NAME
 from tests.integration.conftest import stream_counting
 
 pytestmark = pytest.mark.slow
@@ -41,8 +41,9 @@ def processes(tmp_path, request):
 
 
 def complete(client, max_tokens=5):
-    return client.completions.create(model=DEFAULT_MODEL_NAME, prompt="Hello", max_tokens=max_tokens,
-                                     temperature=0, extra_body={"ignore_eos": True})
+    return client.completions.create(
+        model=DEFAULT_MODEL_NAME, prompt="Hello", max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True}
+    )
 
 
 @pytest.mark.parametrize("processes", [("--mixed", "1", "--heartbeat-timeout", NEVER_S)], indirect=True)
@@ -52,8 +53,17 @@ def test_a_worker_restarted_under_its_id_fails_what_the_old_process_held(process
     received = [0]  # text chunks so far
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        running = pool.submit(stream_counting, client, received, 0, model=DEFAULT_MODEL_NAME, prompt="Go on:",
-                              max_tokens=2000, temperature=0, extra_body={"ignore_eos": True})
+        running = pool.submit(
+            stream_counting,
+            client,
+            received,
+            0,
+            model=DEFAULT_MODEL_NAME,
+            prompt="Go on:",
+            max_tokens=2000,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         assert wait_until(lambda: received[0] > 0)  # it is streaming
         ready_at = processes.restart("mixed-0")
         pieces, error, ended = running.result(timeout=HANG_S)
@@ -75,22 +85,41 @@ def queued_at_scheduler(url: str) -> float:
     return metrics(url).get("pagemesh_scheduler_queued_requests", 0.0)
 
 
-@pytest.mark.parametrize("processes", [("--mixed", "1", "--max-num-seqs", "3", "--heartbeat-timeout", NEVER_S)],
-                         indirect=True)
+@pytest.mark.parametrize(
+    "processes", [("--mixed", "1", "--max-num-seqs", "3", "--heartbeat-timeout", NEVER_S)], indirect=True
+)
 def test_a_restarted_scheduler_loses_nothing_queued_or_placed(processes):
     client = openai.OpenAI(base_url=processes.url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
     received = [0, 0]
     running = lambda: per_worker(metrics(processes.url), "pagemesh_num_requests_running").get("mixed-0", 0)  # noqa: E731
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        streaming = pool.submit(stream_counting, client, received, 0, model=DEFAULT_MODEL_NAME, prompt="Go on:",
-                                max_tokens=400, temperature=0, extra_body={"ignore_eos": True})
+        streaming = pool.submit(
+            stream_counting,
+            client,
+            received,
+            0,
+            model=DEFAULT_MODEL_NAME,
+            prompt="Go on:",
+            max_tokens=400,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         assert wait_until(lambda: received[0] > 0)
         # two sequences that send nothing until they end (best_of): only the worker knows it runs
-        silent = pool.submit(client.completions.create, model=DEFAULT_MODEL_NAME, prompt="Hold on:", max_tokens=600,
-                             best_of=2, temperature=0.8, seed=1, extra_body={"ignore_eos": True})
+        silent = pool.submit(
+            client.completions.create,
+            model=DEFAULT_MODEL_NAME,
+            prompt="Hold on:",
+            max_tokens=600,
+            best_of=2,
+            temperature=0.8,
+            seed=1,
+            extra_body={"ignore_eos": True},
+        )
         assert wait_until(lambda: running() == 3, interval=0.2)  # the worker is full
-        queued = pool.submit(stream_counting, client, received, 1, model=DEFAULT_MODEL_NAME, prompt="Hi",
-                             max_tokens=5, temperature=0)
+        queued = pool.submit(
+            stream_counting, client, received, 1, model=DEFAULT_MODEL_NAME, prompt="Hi", max_tokens=5, temperature=0
+        )
         assert wait_until(lambda: queued_at_scheduler(processes.url) == 1, interval=0.2)
         processes.restart("scheduler")
         pieces, error, _ = queued.result(timeout=HANG_S)  # lost with the old process: sent to the new one
@@ -107,8 +136,17 @@ def test_a_restarted_tokenizer_ends_its_streams_at_once_and_their_work_stops(pro
     received = [0]
     running = lambda m: per_worker(m, "pagemesh_num_requests_running").get("mixed-0")  # noqa: E731
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        streaming = pool.submit(stream_counting, client, received, 0, model=DEFAULT_MODEL_NAME, prompt="Go on:",
-                                max_tokens=3000, temperature=0, extra_body={"ignore_eos": True})
+        streaming = pool.submit(
+            stream_counting,
+            client,
+            received,
+            0,
+            model=DEFAULT_MODEL_NAME,
+            prompt="Go on:",
+            max_tokens=3000,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         assert wait_until(lambda: received[0] > 0)
         ready_at = processes.restart("tokenizer")
         pieces, error, ended = streaming.result(timeout=HANG_S)
@@ -120,16 +158,26 @@ def test_a_restarted_tokenizer_ends_its_streams_at_once_and_their_work_stops(pro
     assert complete(client).usage.completion_tokens == 5
 
 
-@pytest.mark.parametrize("processes", [("--mixed", "1", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S))],
-                         indirect=True)
+@pytest.mark.parametrize(
+    "processes", [("--mixed", "1", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S))], indirect=True
+)
 def test_after_a_scheduler_restart_a_worker_loss_still_ends_its_streams(processes):
     """The worker tells the new scheduler which requests it holds when it registers again, so
     losing it later fails them as it would have before the restart."""
     client = openai.OpenAI(base_url=processes.url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
     received = [0]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        streaming = pool.submit(stream_counting, client, received, 0, model=DEFAULT_MODEL_NAME, prompt="Go on:",
-                                max_tokens=3000, temperature=0, extra_body={"ignore_eos": True})
+        streaming = pool.submit(
+            stream_counting,
+            client,
+            received,
+            0,
+            model=DEFAULT_MODEL_NAME,
+            prompt="Go on:",
+            max_tokens=3000,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         assert wait_until(lambda: received[0] > 0)
         processes.restart("scheduler")
         assert wait_until(lambda: "mixed-0" in per_worker(metrics(processes.url), "pagemesh_kv_cache_usage_ratio"))

@@ -7,8 +7,8 @@ import concurrent.futures
 import openai
 import pytest
 
-from common.model_files import DEFAULT_MODEL_NAME
 from bench.local_mesh import HANG_S, metrics, pages_free, per_worker, running_mesh, sample_until, wait_until
+from common.model_files import DEFAULT_MODEL_NAME
 
 pytestmark = pytest.mark.slow
 
@@ -18,11 +18,18 @@ def test_requests_land_on_both_decode_workers_and_usage_returns_to_zero():
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
 
         def one(i: int) -> int:
-            r = client.completions.create(model=DEFAULT_MODEL_NAME, prompt=f"Item {i}:", max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+            r = client.completions.create(
+                model=DEFAULT_MODEL_NAME,
+                prompt=f"Item {i}:",
+                max_tokens=30,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
             return r.usage.completion_tokens
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             assert list(pool.map(one, range(8))) == [30] * 8
+
         def served() -> dict[str, float]:
             return per_worker(metrics(url), "pagemesh_worker_requests_total")
 
@@ -34,7 +41,9 @@ def test_requests_land_on_both_decode_workers_and_usage_returns_to_zero():
 def test_no_capacity_is_a_503_with_retry_after_and_the_mesh_recovers():
     with running_mesh("--mixed", "1", "--max-num-seqs", "1", "--max-queue", "1") as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
-        long = dict(model=DEFAULT_MODEL_NAME, prompt="Go on:", max_tokens=200, temperature=0, extra_body={"ignore_eos": True})
+        long = dict(
+            model=DEFAULT_MODEL_NAME, prompt="Go on:", max_tokens=200, temperature=0, extra_body={"ignore_eos": True}
+        )
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             running = pool.submit(client.completions.create, **long)
             assert wait_until(lambda: sum(per_worker(metrics(url), "pagemesh_num_requests_running").values()) == 1)

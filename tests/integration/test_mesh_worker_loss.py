@@ -15,8 +15,8 @@ import time
 import openai
 import pytest
 
-from common.model_files import DEFAULT_MODEL_NAME
 from bench.local_mesh import HANG_S, LATE_S, SeparateProcesses, metrics, per_worker, sample_until, wait_until
+from common.model_files import DEFAULT_MODEL_NAME
 from tests.integration.conftest import stream_counting
 
 pytestmark = pytest.mark.slow
@@ -37,8 +37,13 @@ def two_worker_mesh(tmp_path, request):
 def test_a_killed_worker_fails_its_requests_and_the_other_serves_on(two_worker_mesh):
     url, children = two_worker_mesh.url, two_worker_mesh.children
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
-    request = dict(model=DEFAULT_MODEL_NAME, prompt="Count on and on:", max_tokens=400, temperature=0,
-                   extra_body={"ignore_eos": True})
+    request = dict(
+        model=DEFAULT_MODEL_NAME,
+        prompt="Count on and on:",
+        max_tokens=400,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
 
     def running() -> dict[str, float]:
         return per_worker(metrics(url), "pagemesh_num_requests_running")
@@ -67,8 +72,9 @@ def test_a_killed_worker_fails_its_requests_and_the_other_serves_on(two_worker_m
 
     assert children[victim].poll() is not None
     alive = next(name for name in children if name.startswith(victim.split("-")[0]) and name != victim)
-    r = client.completions.create(model=DEFAULT_MODEL_NAME, prompt="Hello", max_tokens=5, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=DEFAULT_MODEL_NAME, prompt="Hello", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.usage.completion_tokens == 5
     finished = 3 - lost + 1  # the streams that ran on, and this one
     assert wait_until(lambda: per_worker(metrics(url), "pagemesh_worker_requests_total").get(alive) == finished)

@@ -62,24 +62,40 @@ def record_launches() -> list:
     from kernels.testing import make_paged_batch
 
     launches: list = []
-    for module, names in ((attention, ["_paged_attention_kernel", "_reduce_splits_kernel"]),
-                          (kv_write, ["_write_kv_kernel"]), (norm, ["_rms_norm_kernel"]),
-                          (rotary, ["_rotary_kernel"]), (activation, ["_silu_and_mul_kernel"])):
+    for module, names in (
+        (attention, ["_paged_attention_kernel", "_reduce_splits_kernel"]),
+        (kv_write, ["_write_kv_kernel"]),
+        (norm, ["_rms_norm_kernel"]),
+        (rotary, ["_rotary_kernel"]),
+        (activation, ["_silu_and_mul_kernel"]),
+    ):
         module.check_launchable = lambda *args: None
         for name in names:
             setattr(module, name, _Recorder(name, getattr(module, name), launches))
 
     def batch(query_lens, seq_lens, heads, kv_heads, dim, page, dtype):
-        return make_paged_batch(query_lens, seq_lens, num_heads=heads, num_kv_heads=kv_heads,
-                                head_dim=dim, page_size=page, dtype=dtype, device="cpu")
+        return make_paged_batch(
+            query_lens,
+            seq_lens,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=dim,
+            page_size=page,
+            dtype=dtype,
+            device="cpu",
+        )
 
     decode = batch([1] * 4, [100, 200, 300, 40], 32, 8, 128, 16, torch.bfloat16)
     mixed = batch([1, 1, 70], [100, 200, 90], 32, 8, 128, 16, torch.bfloat16)
     attention.paged_attention(*decode.attention_args(), num_splits=1)
     attention.paged_attention(*decode.attention_args(), num_splits=8)
     attention.paged_attention(*mixed.attention_args())
-    for cfg in (AttentionConfig(64, 64, 4, 3), AttentionConfig(128, 64, 8, 2),
-                AttentionConfig(128, 32, 8, 3), AttentionConfig(64, 32, 4, 3)):
+    for cfg in (
+        AttentionConfig(64, 64, 4, 3),
+        AttentionConfig(128, 64, 8, 2),
+        AttentionConfig(128, 32, 8, 3),
+        AttentionConfig(64, 32, 4, 3),
+    ):
         attention.paged_attention(*mixed.attention_args(), config=cfg)
     smol = batch([1, 1, 40], [60, 9, 40], 9, 3, 64, 32, torch.float16)  # GQA 3, head_dim 64
     attention.paged_attention(*smol.attention_args())
@@ -103,13 +119,13 @@ def resources(kernel) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
-        dump = subprocess.run([str(CUOBJDUMP), "-res-usage", cubin.name], capture_output=True,
-                              text=True, check=True).stdout
+        dump = subprocess.run(
+            [str(CUOBJDUMP), "-res-usage", cubin.name], capture_output=True, text=True, check=True
+        ).stdout
     usage = re.search(r"REG:(\d+) STACK:(\d+)", dump)
     ptx = kernel.asm["ptx"]
     mma = "wgmma" if "wgmma" in ptx else ("mma.sync" if "mma.sync" in ptx else "-")
-    return (f"REG:{usage.group(1)} STACK:{usage.group(2)} "
-            f"SMEM:{kernel.metadata.shared} MMA:{mma}")
+    return f"REG:{usage.group(1)} STACK:{usage.group(2)} SMEM:{kernel.metadata.shared} MMA:{mma}"
 
 
 def main() -> int:
@@ -120,8 +136,9 @@ def main() -> int:
     failures = 0
     for name, jit_fn, args, kwargs in record_launches():
         consts = {k: v for k, v in kwargs.items() if k.isupper() or k.startswith("num_")}
-        label = f"{name} {args[3].dtype if name == '_paged_attention_kernel' else ''} " + \
-            " ".join(f"{k}={v}" for k, v in consts.items())
+        label = f"{name} {args[3].dtype if name == '_paged_attention_kernel' else ''} " + " ".join(
+            f"{k}={v}" for k, v in consts.items()
+        )
         try:
             kernel = jit_fn.warmup(*args, grid=(1,), **kwargs)
             print(f"ok   {resources(kernel)}  {label}")

@@ -43,8 +43,14 @@ def run_and_compare(batch, dtype, **kwargs):
 
 def build(lens, group, page_size, dtype=torch.float16, head_dim=64, num_kv_heads=2, **kwargs):
     return make_paged_batch(
-        *lens, num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        page_size=page_size, dtype=dtype, device=DEVICE, **kwargs,
+        *lens,
+        num_heads=num_kv_heads * group,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=dtype,
+        device=DEVICE,
+        **kwargs,
     )
 
 
@@ -106,8 +112,9 @@ def test_more_splits_than_tiles():
 def test_empty_batch():
     batch = build(([1], [5]), 2, 16)
     q = batch.q[:0]
-    out = kernels.paged_attention(q, batch.kv_layer, batch.block_tables[:0], batch.seq_lens[:0],
-                                  batch.query_start_loc[:1], batch.scale, 0, 0)
+    out = kernels.paged_attention(
+        q, batch.kv_layer, batch.block_tables[:0], batch.seq_lens[:0], batch.query_start_loc[:1], batch.scale, 0, 0
+    )
     assert out.shape == (0, 4, 64)
 
 
@@ -155,7 +162,7 @@ def test_reference_matches_dense_sdpa():
     tables = torch.zeros(len(seq_lens), max(pages_needed), dtype=torch.int32)
     dense = []
     for s, n in enumerate(pages_needed):
-        tables[s, :n] = perm[sum(pages_needed[:s]): sum(pages_needed[:s]) + n]
+        tables[s, :n] = perm[sum(pages_needed[:s]) : sum(pages_needed[:s]) + n]
         k, v = torch.randn(2, seq_lens[s], kv_heads, dim)
         pos = torch.arange(seq_lens[s])
         slots = tables[s, pos // page].long() * page + pos % page
@@ -163,13 +170,12 @@ def test_reference_matches_dense_sdpa():
         dense.append((k, v))
     q = torch.randn(sum(query_lens), heads, dim)
     starts = torch.tensor([0, 3, 4, 16], dtype=torch.int32)
-    out = paged_attention_ref(q, pool, tables, torch.tensor(seq_lens, dtype=torch.int32),
-                              starts, dim**-0.5, 12, 33)
+    out = paged_attention_ref(q, pool, tables, torch.tensor(seq_lens, dtype=torch.int32), starts, dim**-0.5, 12, 33)
     for s, (k, v) in enumerate(dense):
-        qs = q[starts[s]: starts[s + 1]].transpose(0, 1)  # [H, q, D]
+        qs = q[starts[s] : starts[s + 1]].transpose(0, 1)  # [H, q, D]
         kk = k.repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
         vv = v.repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
         q_len, seq_len = query_lens[s], seq_lens[s]
         mask = torch.ones(q_len, seq_len, dtype=torch.bool).tril(diagonal=seq_len - q_len)
         expect = F.scaled_dot_product_attention(qs, kk, vv, attn_mask=mask).transpose(0, 1)
-        torch.testing.assert_close(out[starts[s]: starts[s + 1]], expect, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[starts[s] : starts[s + 1]], expect, atol=1e-5, rtol=1e-5)

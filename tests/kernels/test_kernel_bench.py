@@ -67,8 +67,11 @@ def test_decode_sweep_runs_every_cell_and_names_the_best(kb, setup):
     chunks = list(kb.bench_decode_sweep(timer, 100.0, geo, [(2, 130), (40, 200)], configs, [1, 2, 4], pool, gen))
     assert len(chunks) == 1  # one per case; 40 x 200 does not fit
     lines = chunks[0]
-    assert re.match(r"Batch 2, context 130: launcher's choice [\d.]+ ms \(\d+% of copy BW\); "
-                    r"best m16 n(16|32) w4 s[23] splits [124] [\d.]+ ms", lines[0])
+    assert re.match(
+        r"Batch 2, context 130: launcher's choice [\d.]+ ms \(\d+% of copy BW\); "
+        r"best m16 n(16|32) w4 s[23] splits [124] [\d.]+ ms",
+        lines[0],
+    )
     rows = table_rows(lines)
     assert rows[0] == "| 2 x 130 | splits 1 | splits 2 |"  # 130 keys / 4 splits < 64 per split
     assert len(rows) == 3 and "err" not in "".join(rows)

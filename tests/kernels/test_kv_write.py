@@ -26,12 +26,13 @@ def test_write_kv_matches_reference(page_size, kv_heads, dim, dtype):
     slots = slots.to(DEVICE)
     # k and v as strided views of a fused qkv projection output, like the model produces.
     qkv = torch.randn((num_tokens, 4 + 2 * kv_heads, dim), generator=gen).to(DEVICE, dtype)
-    k, v = qkv[:, 4: 4 + kv_heads], qkv[:, 4 + kv_heads:]
+    k, v = qkv[:, 4 : 4 + kv_heads], qkv[:, 4 + kv_heads :]
     kernels.write_kv(k, v, pool, slots)
     write_kv_ref(k, v, expect, slots)
     assert torch.equal(pool, expect)
-    assert not torch.equal(pool, _pool(num_pages, page_size, kv_heads, dim, dtype,
-                                       torch.Generator().manual_seed(page_size + kv_heads)))
+    assert not torch.equal(
+        pool, _pool(num_pages, page_size, kv_heads, dim, dtype, torch.Generator().manual_seed(page_size + kv_heads))
+    )
 
 
 def test_write_kv_past_int32_offsets():

@@ -21,8 +21,13 @@ from kernels.reference import (
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1.6e-2}
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def randn(*shape, dtype, seed=0):
@@ -36,8 +41,7 @@ def test_rms_norm(hidden, dtype):
     x = randn(7, hidden, dtype=dtype) * 3
     weight = randn(hidden, dtype=dtype, seed=1)
     out = kernels.rms_norm(x, weight, 1e-6)
-    torch.testing.assert_close(out, rms_norm_ref(x, weight, 1e-6), atol=TOL[dtype],
-                               rtol=TOL[dtype])
+    torch.testing.assert_close(out, rms_norm_ref(x, weight, 1e-6), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -62,8 +66,7 @@ def test_rms_norm_strided_rows():
     buf = randn(6, 256, dtype=torch.float32)
     x = buf[:, :200]
     weight = randn(200, dtype=torch.float32, seed=4)
-    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -74,7 +77,7 @@ def test_rotary_embedding(heads, kv_heads, dim, dtype):
     positions = torch.tensor([0, 1, 2, 17, 300, 4095, 8191, 12000, max_pos - 1], device=DEVICE)
     # q and k as strided views of one fused qkv output.
     qkv = randn(num_tokens, heads + 2 * kv_heads, dim, dtype=dtype)
-    q, k = qkv[:, :heads], qkv[:, heads: heads + kv_heads]
+    q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
     before = qkv.clone()
     q_out, k_out = kernels.rotary_embedding(positions, q, k, cache)
     q_ref, k_ref = rotary_embedding_ref(positions, q, k, cache)

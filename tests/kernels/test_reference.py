@@ -15,8 +15,13 @@ from kernels.reference import (
     silu_and_mul_ref,
 )
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def test_llama3_frequency_bands():
@@ -49,9 +54,14 @@ def _hf_llama(rope_scaling):
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama import modeling_llama
 
-    config = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64,
-                                      max_position_embeddings=131072, rope_theta=500000.0,
-                                      rope_scaling=rope_scaling)
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=rope_scaling,
+    )
     return config, modeling_llama
 
 
@@ -67,8 +77,7 @@ def test_rope_matches_transformers(rope_scaling):
     torch.testing.assert_close(cache[positions, 32:], sin[0, :, :32], atol=1e-6, rtol=1e-6)
 
     q, k = torch.randn(len(positions), 4, 64), torch.randn(len(positions), 2, 64)
-    q_hf, k_hf = modeling_llama.apply_rotary_pos_emb(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    q_hf, k_hf = modeling_llama.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
     q_ref, k_ref = rotary_embedding_ref(positions, q, k, cache)
     torch.testing.assert_close(q_ref, q_hf[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k_ref, k_hf[0].transpose(0, 1), atol=1e-5, rtol=1e-5)

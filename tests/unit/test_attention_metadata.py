@@ -16,7 +16,7 @@ def random_batch(rng, page_size):
     seq_lens = [q + rng.randint(0, 70) for q in query_lens]  # fresh prompts and chunks with context
     counts = [-(-s // page_size) + rng.randint(0, 1) for s in seq_lens]  # some hold a page reserved ahead
     pages = rng.sample(range(1, 5000), sum(counts))
-    tables = [pages[sum(counts[:i]): sum(counts[: i + 1])] for i in range(len(counts))]
+    tables = [pages[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(counts))]
     return query_lens, seq_lens, tables
 
 
@@ -27,8 +27,11 @@ def test_positions_slots_and_tables_match_the_definition(page_size):
         query_lens, seq_lens, tables = random_batch(rng, page_size)
         md = AttentionMetadata.build(query_lens, seq_lens, tables, page_size, torch.device("cpu"), for_cpu=True)
         positions = [p for q, s in zip(query_lens, seq_lens) for p in range(s - q, s)]
-        slots = [t[p // page_size] * page_size + p % page_size
-                 for q, s, t in zip(query_lens, seq_lens, tables) for p in range(s - q, s)]
+        slots = [
+            t[p // page_size] * page_size + p % page_size
+            for q, s, t in zip(query_lens, seq_lens, tables)
+            for p in range(s - q, s)
+        ]
         assert md.positions.tolist() == positions and md.positions.dtype == torch.int64
         assert md.slot_mapping.tolist() == slots and md.slot_mapping.dtype == torch.int64
         starts = [sum(query_lens[:i]) for i in range(len(query_lens) + 1)]
@@ -42,5 +45,6 @@ def test_positions_slots_and_tables_match_the_definition(page_size):
         assert len(md.prefills) == len(query_lens) - md.num_decodes
         for p, s in zip(md.prefills, range(md.num_decodes, len(query_lens))):
             assert (p.query_start, p.query_len) == (starts[s], query_lens[s])
-            assert p.key_index.tolist() == [tables[s][i // page_size] * 2 * page_size + i % page_size
-                                            for i in range(seq_lens[s])]
+            assert p.key_index.tolist() == [
+                tables[s][i // page_size] * 2 * page_size + i % page_size for i in range(seq_lens[s])
+            ]

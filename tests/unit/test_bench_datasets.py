@@ -7,8 +7,17 @@ import random
 
 import pytest
 
-from bench.loadgen.datasets import (Conversation, DatasetSpec, Segment, Turn, build_prompt, chat_messages,
-                                     conversations, length_bounds, random_segment)
+from bench.loadgen.datasets import (
+    Conversation,
+    DatasetSpec,
+    Segment,
+    Turn,
+    build_prompt,
+    chat_messages,
+    conversations,
+    length_bounds,
+    random_segment,
+)
 from tests.default_model import tokenizer as default_tokenizer
 
 
@@ -62,8 +71,10 @@ def test_shared_prefix_is_one_system_prompt_with_distinct_suffixes():
     prompt = build_prompt(convs[0], 0, [], default_tokenizer(), chat_endpoint=False, as_token_ids=True)
     assert prompt.ids == list(convs[0].system.ids) + list(convs[0].turns[0].user.ids) and prompt.prompt_len == 80
     chat = build_prompt(convs[0], 0, [], default_tokenizer(), chat_endpoint=True, as_token_ids=False)
-    assert chat.messages == [{"role": "system", "content": convs[0].system.text},
-                             {"role": "user", "content": convs[0].turns[0].user.text}]
+    assert chat.messages == [
+        {"role": "system", "content": convs[0].system.text},
+        {"role": "user", "content": convs[0].turns[0].user.text},
+    ]
     assert chat.prompt_len == len(default_tokenizer().encode_chat(chat.messages))
 
 
@@ -75,8 +86,10 @@ def test_multi_turn_prompts_carry_earlier_replies():
     assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant", "user"]
     assert [messages[1]["content"], messages[3]["content"]] == replies
     assert messages[4]["content"] == conv.turns[2].user.text
-    lens = [build_prompt(conv, t, replies[:t], default_tokenizer(), chat_endpoint=False, as_token_ids=True).prompt_len
-            for t in range(3)]
+    lens = [
+        build_prompt(conv, t, replies[:t], default_tokenizer(), chat_endpoint=False, as_token_ids=True).prompt_len
+        for t in range(3)
+    ]
     assert lens[0] < lens[1] < lens[2]
     text = build_prompt(conv, 1, replies[:1], default_tokenizer(), chat_endpoint=False, as_token_ids=False)
     assert text.text == default_tokenizer().apply_chat_template(chat_messages(conv, 1, replies[:1]))

@@ -36,7 +36,7 @@ class FakeServer:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         chat = "messages" in body
-        for i in range(body["max_tokens"]):
+        for _ in range(body["max_tokens"]):
             await asyncio.sleep(0.01)
             choice = {"index": 0, "delta": {"content": "y"}} if chat else {"index": 0, "text": "y"}
             await response.write(f"data: {json.dumps({'choices': [choice]})}\n\n".encode())
@@ -81,9 +81,17 @@ def _run(url, load, spec, **target):
 def test_request_body_forces_the_output_length_and_merges_extra_body():
     target = Target(url="u", model="m", extra_body={"cache_prompt": False, "temperature": 0.5})
     body = request_body(target, Prompt(None, [1, 2], None, 2), 16)
-    assert body == {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "prompt": [1, 2],
-                    "max_tokens": 16, "min_tokens": 16, "ignore_eos": True, "temperature": 0.5,
-                    "cache_prompt": False}
+    assert body == {
+        "model": "m",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "prompt": [1, 2],
+        "max_tokens": 16,
+        "min_tokens": 16,
+        "ignore_eos": True,
+        "temperature": 0.5,
+        "cache_prompt": False,
+    }
     messages = [{"role": "user", "content": "hi"}]
     body = request_body(Target(url="u", model="m", ignore_eos=False), Prompt(None, None, messages, 5), 4)
     assert body["messages"] == messages and "ignore_eos" not in body and "prompt" not in body
@@ -92,8 +100,13 @@ def test_request_body_forces_the_output_length_and_merges_extra_body():
 def test_concurrency_cap_and_counts():
     fake = FakeServer()
     with fake as url:
-        results, duration = _run(url, LoadPoint(max_concurrency=3, num_prompts=12),
-                                 DatasetSpec(input_len=8, output_len=5), prompt_as_token_ids=True, warmup=1)
+        results, duration = _run(
+            url,
+            LoadPoint(max_concurrency=3, num_prompts=12),
+            DatasetSpec(input_len=8, output_len=5),
+            prompt_as_token_ids=True,
+            warmup=1,
+        )
     assert len(results) == 12 and all(r.success for r in results) and duration > 0
     assert [r.output_tokens for r in results] == [5] * 12 and [r.prompt_len for r in results] == [8] * 12
     assert all(len(r.itl) == 4 for r in results)
@@ -104,10 +117,15 @@ def test_concurrency_cap_and_counts():
 def test_multi_turn_sends_replies_back_and_counts_tokens_without_usage():
     fake = FakeServer(with_usage=False)
     with fake as url:
-        results, _ = _run(url, LoadPoint(num_prompts=2), DatasetSpec("multi-turn", input_len=6, output_len=3, turns=3),
-                          endpoint="/v1/chat/completions", warmup=0)
+        results, _ = _run(
+            url,
+            LoadPoint(num_prompts=2),
+            DatasetSpec("multi-turn", input_len=6, output_len=3, turns=3),
+            endpoint="/v1/chat/completions",
+            warmup=0,
+        )
     assert len(results) == 6 and all(r.success and r.text == "yyy" for r in results)
-    assert all(r.output_tokens is None for r in results)   # summarize() counts them from the text
+    assert all(r.output_tokens is None for r in results)  # summarize() counts them from the text
     third_turns = [b["messages"] for b in fake.bodies if len(b["messages"]) == 5]
     assert len(third_turns) == 2
     assert all(m[1] == m[3] == {"role": "assistant", "content": "yyy"} for m in third_turns)
@@ -115,8 +133,13 @@ def test_multi_turn_sends_replies_back_and_counts_tokens_without_usage():
 
 def test_duration_bounds_the_run_and_failed_warmup_stops_it():
     with FakeServer() as url:
-        results, duration = _run(url, LoadPoint(max_concurrency=2, num_prompts=None, duration_s=0.3),
-                                 DatasetSpec(input_len=4, output_len=2), warmup=0, fresh_connection=True)
+        results, duration = _run(
+            url,
+            LoadPoint(max_concurrency=2, num_prompts=None, duration_s=0.3),
+            DatasetSpec(input_len=4, output_len=2),
+            warmup=0,
+            fresh_connection=True,
+        )
     assert results and all(r.success for r in results) and duration < 5
     with FakeServer(fail=True) as url, pytest.raises(BenchError, match="HTTP 400"):
         _run(url, LoadPoint(num_prompts=2), DatasetSpec(input_len=4, output_len=2))
@@ -132,9 +155,28 @@ def test_load_point_checks():
 def test_main_sweep_writes_json_and_plot(tmp_path, capsys):
     out = tmp_path / "sweep.json"
     with FakeServer() as url:
-        bench_main.main(["--base-url", url + "/v1", "--num-prompts", "4", "--random-input-len", "8",
-                         "--random-output-len", "4", "--prompt-as-token-ids", "--sweep-concurrency", "1,2",
-                         "--goodput", "ttft:10000", "--result-json", str(out), "--no-progress", "--label", "fake"])
+        bench_main.main(
+            [
+                "--base-url",
+                url + "/v1",
+                "--num-prompts",
+                "4",
+                "--random-input-len",
+                "8",
+                "--random-output-len",
+                "4",
+                "--prompt-as-token-ids",
+                "--sweep-concurrency",
+                "1,2",
+                "--goodput",
+                "ttft:10000",
+                "--result-json",
+                str(out),
+                "--no-progress",
+                "--label",
+                "fake",
+            ]
+        )
     data = json.loads(out.read_text())
     assert data["label"] == "fake" and data["config"]["model"] == "fake-model"
     assert [p["max_concurrency"] for p in data["points"]] == [1, 2]

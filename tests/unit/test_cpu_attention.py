@@ -14,13 +14,31 @@ def test_mixed_decodes_and_chunks_match_the_reference(heads, kv_heads, page_size
     # decodes first (as the scheduler orders them), then a fresh prompt and a continuing chunk
     query_lens = [1, 1, 1, 7, 5]
     seq_lens = [9, 33, 16, 7, 29]
-    batch = make_paged_batch(query_lens, seq_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=32, page_size=page_size,
-                             dtype=torch.float32, device="cpu", seed=3, poison=False)
+    batch = make_paged_batch(
+        query_lens,
+        seq_lens,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=32,
+        page_size=page_size,
+        dtype=torch.float32,
+        device="cpu",
+        seed=3,
+        poison=False,
+    )
     tables = [row[: -(-n // page_size)].tolist() for row, n in zip(batch.block_tables, seq_lens)]
     md = AttentionMetadata.build(query_lens, seq_lens, tables, page_size, torch.device("cpu"), for_cpu=True)
     got = paged_attention_torch(batch.q, batch.kv_layer, md, batch.scale)
-    want = paged_attention_ref(batch.q, batch.kv_layer, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                               batch.scale, batch.max_query_len, batch.max_seq_len)
+    want = paged_attention_ref(
+        batch.q,
+        batch.kv_layer,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        batch.scale,
+        batch.max_query_len,
+        batch.max_seq_len,
+    )
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -31,8 +49,18 @@ def test_fresh_prompts_read_this_steps_k_v_and_match_the_reference(heads, kv_hea
     page_size = 4
     query_lens = [1, 1, 6, 6, 6, 4, 5, 6]
     seq_lens = [9, 20, 6, 6, 6, 4, 12, 6]
-    batch = make_paged_batch(query_lens, seq_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=16,
-                             page_size=page_size, dtype=torch.float32, device="cpu", seed=5, poison=False)
+    batch = make_paged_batch(
+        query_lens,
+        seq_lens,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=16,
+        page_size=page_size,
+        dtype=torch.float32,
+        device="cpu",
+        seed=5,
+        poison=False,
+    )
     tables = [row[: -(-n // page_size)].tolist() for row, n in zip(batch.block_tables, seq_lens)]
     md = AttentionMetadata.build(query_lens, seq_lens, tables, page_size, torch.device("cpu"), for_cpu=True)
     # this step's K/V rows, as the projection hands them to the backend: read back from their slots
@@ -43,10 +71,19 @@ def test_fresh_prompts_read_this_steps_k_v_and_match_the_reference(heads, kv_hea
             k_rows.append(batch.kv_layer[page, 0, offset])
             v_rows.append(batch.kv_layer[page, 1, offset])
     k, v = torch.stack(k_rows), torch.stack(v_rows)
-    want = paged_attention_ref(batch.q, batch.kv_layer, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                               batch.scale, batch.max_query_len, batch.max_seq_len)
-    torch.testing.assert_close(paged_attention_torch(batch.q, batch.kv_layer, md, batch.scale, k, v), want,
-                               atol=1e-5, rtol=1e-5)
+    want = paged_attention_ref(
+        batch.q,
+        batch.kv_layer,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        batch.scale,
+        batch.max_query_len,
+        batch.max_seq_len,
+    )
+    torch.testing.assert_close(
+        paged_attention_torch(batch.q, batch.kv_layer, md, batch.scale, k, v), want, atol=1e-5, rtol=1e-5
+    )
     # the rows really come from k and v: with other values there, the fresh prompts' outputs move
     got = paged_attention_torch(batch.q, batch.kv_layer, md, batch.scale, k, v * 2)
     assert not torch.allclose(got[2:24], want[2:24]) and not torch.allclose(got[29:], want[29:])

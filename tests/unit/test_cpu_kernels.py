@@ -24,8 +24,18 @@ TOL = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=1e-2
 def test_paged_attention_matches_the_reference(dtype, heads, kv_heads, head_dim, page_size):
     # decodes, a fresh prompt, a chunk continuing earlier pages; unowned slots hold NaN
     query_lens, seq_lens = [1, 1, 1, 7, 5], [9, 33, 16, 7, 29]
-    b = make_paged_batch(query_lens, seq_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                         page_size=page_size, dtype=dtype, device="cpu", seed=5, poison=True)
+    b = make_paged_batch(
+        query_lens,
+        seq_lens,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=dtype,
+        device="cpu",
+        seed=5,
+        poison=True,
+    )
     got = ck.paged_attention(b.q, b.kv_layer, b.block_tables, b.seq_lens, b.query_start_loc, b.scale)
     want = paged_attention_ref(*b.attention_args())
     assert not got.isnan().any()
@@ -33,8 +43,17 @@ def test_paged_attention_matches_the_reference(dtype, heads, kv_heads, head_dim,
 
 
 def test_paged_attention_reads_q_rows_from_a_strided_view():
-    b = make_paged_batch([1, 1, 3], [40, 2, 19], num_heads=6, num_kv_heads=2, head_dim=64, page_size=16,
-                         dtype=torch.float32, device="cpu", seed=2)
+    b = make_paged_batch(
+        [1, 1, 3],
+        [40, 2, 19],
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        page_size=16,
+        dtype=torch.float32,
+        device="cpu",
+        seed=2,
+    )
     qkv = torch.cat([b.q.flatten(1), torch.randn(b.q.shape[0], 256)], dim=1)  # q is a strided view
     q = qkv[:, : 6 * 64].view(-1, 6, 64)
     got = ck.paged_attention(q, b.kv_layer, b.block_tables, b.seq_lens, b.query_start_loc, b.scale)
@@ -42,8 +61,9 @@ def test_paged_attention_reads_q_rows_from_a_strided_view():
 
 
 def test_paged_attention_rejects_bad_arguments():
-    b = make_paged_batch([1, 1], [5, 9], num_heads=4, num_kv_heads=2, head_dim=32, page_size=8,
-                         dtype=torch.float32, device="cpu")
+    b = make_paged_batch(
+        [1, 1], [5, 9], num_heads=4, num_kv_heads=2, head_dim=32, page_size=8, dtype=torch.float32, device="cpu"
+    )
     with pytest.raises(ValueError, match="int32"):
         ck.paged_attention(b.q, b.kv_layer, b.block_tables.long(), b.seq_lens, b.query_start_loc, b.scale)
     with pytest.raises(ValueError, match="query_start_loc"):
@@ -51,8 +71,14 @@ def test_paged_attention_rejects_bad_arguments():
     with pytest.raises(TypeError, match="float16"):
         ck.paged_attention(b.q.half(), b.kv_layer.half(), b.block_tables, b.seq_lens, b.query_start_loc, b.scale)
     with pytest.raises(ValueError, match="contiguous"):
-        ck.paged_attention(b.q.transpose(1, 2).contiguous().transpose(1, 2), b.kv_layer, b.block_tables,
-                           b.seq_lens, b.query_start_loc, b.scale)
+        ck.paged_attention(
+            b.q.transpose(1, 2).contiguous().transpose(1, 2),
+            b.kv_layer,
+            b.block_tables,
+            b.seq_lens,
+            b.query_start_loc,
+            b.scale,
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -126,9 +152,20 @@ def test_packed_linear_weights_give_the_same_logits():
     from common.model_config import ModelConfig
     from workers.model.llama import LlamaForCausalLM
 
-    cfg = ModelConfig(architecture="llama", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-                      max_position_embeddings=128, tie_word_embeddings=True)
+    cfg = ModelConfig(
+        architecture="llama",
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.init_random(seed=4)
     x = torch.randn(5, 64).to(torch.bfloat16)
@@ -140,12 +177,16 @@ def test_packed_linear_weights_give_the_same_logits():
     packed = layer.packed
     assert pack_linear_weights(model, amx=ck.amx_available()) and layer.packed is packed  # a second engine on the model
     assert torch.equal(layer(x), before)
-    assert torch.equal(torch.ops.mkldnn._linear_pointwise(x, model.lm_head.packed.onednn, None, "none", [], ""), head_before)
+    assert torch.equal(
+        torch.ops.mkldnn._linear_pointwise(x, model.lm_head.packed.onednn, None, "none", [], ""), head_before
+    )
     assert not pack_linear_weights(LlamaForCausalLM(cfg))  # fp32 stays dense
     if ck.amx_available():  # 128 x 64 packs for AMX; the 300-row head does not (300 % 16)
         assert layer.packed.amx is not None and model.lm_head.packed.amx is None
         many = torch.randn(70, 64).to(torch.bfloat16)  # above AMX_MAX_ROWS: the oneDNN copy
-        assert torch.equal(layer(many), torch.ops.mkldnn._linear_pointwise(many, layer.packed.onednn, None, "none", [], ""))
+        assert torch.equal(
+            layer(many), torch.ops.mkldnn._linear_pointwise(many, layer.packed.onednn, None, "none", [], "")
+        )
 
 
 amx = pytest.mark.skipif(not ck.amx_available(), reason="no AMX-BF16 on this CPU")
@@ -171,7 +212,10 @@ def test_amx_linear_matches_f_linear(rows, n, k):
 def test_amx_linear_takes_no_rows_and_strided_rows():
     w = torch.randn(64, 64).to(torch.bfloat16)
     packed = ck.amx_pack(w)
-    assert ck.amx_linear(torch.empty(0, 64, dtype=torch.bfloat16), packed).shape == (0, 64)  # a step that samples nothing
+    assert ck.amx_linear(torch.empty(0, 64, dtype=torch.bfloat16), packed).shape == (
+        0,
+        64,
+    )  # a step that samples nothing
     x = torch.randn(3, 128).to(torch.bfloat16)[:, :64]  # a view: rows 128 values apart
     torch.testing.assert_close(ck.amx_linear(x, packed), torch.nn.functional.linear(x, w), rtol=1e-2, atol=1e-2)
 

@@ -8,21 +8,30 @@ import sys
 import pytest
 import torch
 
+from common.model_config import ModelConfig
 from common.sampling import SamplingParams
 from workers.engine.attention import AttentionMetadata
+from workers.engine.backend import TritonAttentionBackend
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import DecodeGraphs, bucket_for, capture_sizes, pad_decode_batch
 from workers.engine.engine import Engine
-from workers.engine.backend import TritonAttentionBackend
 from workers.engine.model_runner import ModelRunner
-from common.model_config import ModelConfig
 from workers.model.loader import build_random_model
 from workers.model.ops import TorchOps, TritonOps
 
 TINY = ModelConfig(
-    architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-    num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-    max_position_embeddings=512, tie_word_embeddings=False,
+    architecture="llama",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
 )
 PAGE = 4
 

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from common.sampling import SamplingParams
 from bench.experiments.cow import saving
 from bench.experiments.driver import Run, Trace, drive, summarize
 from bench.experiments.paged_memory import contiguous_reservation, sequences_that_fit, utilization
 from bench.experiments.workload import Job, fixed_output, mixed_jobs
+from common.sampling import SamplingParams
 
 
 # ---- contiguous allocation -----------------------------------------------------------------

@@ -19,7 +19,14 @@ def test_markdown_table_formats_cells():
 
 
 def test_format_cell_significant_digits():
-    assert [format_cell(v) for v in (0.0, 0.01234, 3.14159, 42.42, 512.6, "s")] == ["0", "0.0123", "3.14", "42.4", "513", "s"]
+    assert [format_cell(v) for v in (0.0, 0.01234, 3.14159, 42.42, 512.6, "s")] == [
+        "0",
+        "0.0123",
+        "3.14",
+        "42.4",
+        "513",
+        "s",
+    ]
 
 
 def test_markdown_table_rejects_ragged_rows():
@@ -40,8 +47,18 @@ def test_report_writes_markdown_and_pngs(tmp_path):
     assert (tmp_path / "out" / "demo_line.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (tmp_path / "out" / "demo.md").read_text()
     assert md.startswith("# A demo\n")
-    for needed in ("cores", "1 torch thread", "M (bf16)", "`pagemesh experiment demo --out x`", "| seed | 7 |",
-                   "load average", "Some words.", "Table caption", "| one | 1 |", "![A line.](demo_line.png)",
-                   "**Key figure:** demo: 42"):
+    for needed in (
+        "cores",
+        "1 torch thread",
+        "M (bf16)",
+        "`pagemesh experiment demo --out x`",
+        "| seed | 7 |",
+        "load average",
+        "Some words.",
+        "Table caption",
+        "| one | 1 |",
+        "![A line.](demo_line.png)",
+        "**Key figure:** demo: 42",
+    ):
         assert needed in md
     assert md.index("Some words.") < md.index("Table caption") < md.index("demo_line.png")

@@ -15,9 +15,18 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from common import transport as t
 from common.messages import (
+    AbortRequest,
+    ClusterStatus,
+    GenerateRequest,
     KVPoolLoad,
-    AbortRequest, ClusterStatus, GenerateRequest, Ping, Pong, RequestFailed, StatusRequest, TextDelta,
-    TextDeltaBatch, TokenLogprob, WorkerStatus,
+    Ping,
+    Pong,
+    RequestFailed,
+    StatusRequest,
+    TextDelta,
+    TextDeltaBatch,
+    TokenLogprob,
+    WorkerStatus,
 )
 from common.model_files import default_model_path
 from common.sampling import SamplingParams
@@ -64,8 +73,23 @@ class FakeMesh:
         for i, text in enumerate(texts):
             last = i == len(texts) - 1
             for index in range(request.sampling.n):
-                await self.reply(request, TextDeltaBatch(deltas=[TextDelta(
-                    request_id=request.request_id, index=index, text=text, token_ids=[i + 10], logprobs=None, finish_reason=finish if last else None, prompt_tokens=4, completion_tokens=i + 1)]))
+                await self.reply(
+                    request,
+                    TextDeltaBatch(
+                        deltas=[
+                            TextDelta(
+                                request_id=request.request_id,
+                                index=index,
+                                text=text,
+                                token_ids=[i + 10],
+                                logprobs=None,
+                                finish_reason=finish if last else None,
+                                prompt_tokens=4,
+                                completion_tokens=i + 1,
+                            )
+                        ]
+                    ),
+                )
 
     def close(self) -> None:
         for push in self._pushes.values():
@@ -75,10 +99,20 @@ class FakeMesh:
 @contextlib.asynccontextmanager
 async def running_gateway(tmp_path: Path, **overrides):
     a = lambda name: t.ipc_address(str(tmp_path), name)  # noqa: E731
-    values = dict(host="127.0.0.1", port=0, tokenizer_address=a("tok"), scheduler_address=a("sched"),
-                  reply_address=a("gw-replies"), model=default_model_path(),
-                  model_names=(MODEL, str(default_model_path())), max_body_bytes=4096, request_timeout=5.0,
-                  name="gw0", ready_address=None, log_level="INFO")
+    values = dict(
+        host="127.0.0.1",
+        port=0,
+        tokenizer_address=a("tok"),
+        scheduler_address=a("sched"),
+        reply_address=a("gw-replies"),
+        model=default_model_path(),
+        model_names=(MODEL, str(default_model_path())),
+        max_body_bytes=4096,
+        request_timeout=5.0,
+        name="gw0",
+        ready_address=None,
+        log_level="INFO",
+    )
     config = GatewayConfig(**{**values, **overrides})
     with t.Router(config.tokenizer_address) as tokenizer, t.Router(config.scheduler_address) as scheduler:
         mesh = MeshClient(config.tokenizer_address, config.scheduler_address, config.reply_address, config.name)
@@ -99,6 +133,7 @@ def run(tmp_path, test, **overrides):
     async def main():
         async with running_gateway(tmp_path, **overrides) as fake:
             await test(fake)
+
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
 
 
@@ -114,8 +149,11 @@ def sse_payloads(body: str) -> list:
 
 def test_completion_round_trip(tmp_path):
     async def test(fake: FakeMesh):
-        post = asyncio.create_task(fake.client.post("/v1/completions", json={
-            "model": MODEL, "prompt": "Hi", "max_tokens": 5, "stop": "x", "seed": 3}))
+        post = asyncio.create_task(
+            fake.client.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 5, "stop": "x", "seed": 3}
+            )
+        )
         request = await fake.next_request()
         assert request.request_id.startswith("cmpl-") and len(request.request_id) == 37
         assert (request.model, request.prompt_text, request.stream) == (MODEL, "Hi", False)
@@ -126,16 +164,21 @@ def test_completion_round_trip(tmp_path):
         body = await response.json()
         assert body["id"] == request.request_id and isinstance(body["created"], int)
         del body["id"], body["created"]
-        assert body == {"object": "text_completion", "model": MODEL,
-                        "choices": [{"index": 0, "text": "Hello world", "logprobs": None, "finish_reason": "length"}],
-                        "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}}
+        assert body == {
+            "object": "text_completion",
+            "model": MODEL,
+            "choices": [{"index": 0, "text": "Hello world", "logprobs": None, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6},
+        }
+
     run(tmp_path, test)
 
 
 def test_a_batch_of_prompts_runs_as_one_request_per_prompt_with_choices_numbered_across_it(tmp_path):
     async def test(fake: FakeMesh):
-        post = asyncio.create_task(fake.client.post("/v1/completions", json={
-            "prompt": ["Hi", [5, 6]], "n": 2, "max_tokens": 3}))
+        post = asyncio.create_task(
+            fake.client.post("/v1/completions", json={"prompt": ["Hi", [5, 6]], "n": 2, "max_tokens": 3})
+        )
         first, second = await fake.next_request(), await fake.next_request()
         base = first.request_id[:-2]
         assert (first.request_id, second.request_id) == (base + "-0", base + "-1")
@@ -147,27 +190,57 @@ def test_a_batch_of_prompts_runs_as_one_request_per_prompt_with_choices_numbered
         assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "A"), (1, "A"), (2, "Bb"), (3, "Bb")]
         assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 6, "total_tokens": 14}  # 4 per prompt
 
-        stream = asyncio.create_task(fake.client.post("/v1/completions", json={
-            "prompt": ["x", "y"], "stream": True}))
+        stream = asyncio.create_task(fake.client.post("/v1/completions", json={"prompt": ["x", "y"], "stream": True}))
         first, second = await fake.next_request(), await fake.next_request()
         await fake.answer(second, "Y")
         await fake.answer(first, "X")
         events = sse_payloads(await (await stream).text())
         assert [(e["choices"][0]["index"], e["choices"][0]["text"]) for e in events[:-1]] == [(1, "Y"), (0, "X")]
+
     run(tmp_path, test)
 
 
 def test_echo_puts_the_prompt_in_front_of_each_choice_with_its_logprobs(tmp_path):
     async def test(fake: FakeMesh):
-        post = asyncio.create_task(fake.client.post("/v1/completions", json={
-            "prompt": [[9906, 1917]], "echo": True, "logprobs": 0, "max_tokens": 1, "n": 2}))
+        post = asyncio.create_task(
+            fake.client.post(
+                "/v1/completions", json={"prompt": [[9906, 1917]], "echo": True, "logprobs": 0, "max_tokens": 1, "n": 2}
+            )
+        )
         request = await fake.next_request()
         assert request.sampling.prompt_logprobs == 0
         prompt_lp = [TokenLogprob(token_id=1917, logprob=-2.5, top_ids=[], top_logprobs=[])]
         sampled = [TokenLogprob(token_id=30, logprob=-0.5, top_ids=[], top_logprobs=[])]
-        await fake.reply(request, TextDeltaBatch(deltas=[
-            TextDelta(request_id=request.request_id, index=0, text="?", token_ids=[30], logprobs=sampled, finish_reason="length", prompt_tokens=2, completion_tokens=1, queue_time_s=None, prompt_token_ids=[9906, 1917], prompt_logprobs=prompt_lp),
-            TextDelta(request_id=request.request_id, index=1, text="?", token_ids=[30], logprobs=sampled, finish_reason="length", prompt_tokens=2, completion_tokens=1)]))
+        await fake.reply(
+            request,
+            TextDeltaBatch(
+                deltas=[
+                    TextDelta(
+                        request_id=request.request_id,
+                        index=0,
+                        text="?",
+                        token_ids=[30],
+                        logprobs=sampled,
+                        finish_reason="length",
+                        prompt_tokens=2,
+                        completion_tokens=1,
+                        queue_time_s=None,
+                        prompt_token_ids=[9906, 1917],
+                        prompt_logprobs=prompt_lp,
+                    ),
+                    TextDelta(
+                        request_id=request.request_id,
+                        index=1,
+                        text="?",
+                        token_ids=[30],
+                        logprobs=sampled,
+                        finish_reason="length",
+                        prompt_tokens=2,
+                        completion_tokens=1,
+                    ),
+                ]
+            ),
+        )
         body = await (await post).json()
         prompt_text = TOKENIZER.decode([9906, 1917])
         for choice in body["choices"]:
@@ -182,12 +255,15 @@ def test_echo_puts_the_prompt_in_front_of_each_choice_with_its_logprobs(tmp_path
         bad = await fake.client.post("/v1/completions", json={"prompt": [1, 2, 10**7], "echo": True})
         assert bad.status == 400 and (await bad.json())["error"]["param"] == "prompt"
 
-        post = asyncio.create_task(fake.client.post("/v1/completions", json={"prompt": "Say", "echo": True, "stream": True}))
+        post = asyncio.create_task(
+            fake.client.post("/v1/completions", json={"prompt": "Say", "echo": True, "stream": True})
+        )
         request = await fake.next_request()
         assert request.sampling.prompt_logprobs is None
         await fake.answer(request, " hi", " there")
         events = sse_payloads(await (await post).text())
         assert [e["choices"][0]["text"] for e in events[:-1]] == ["Say hi", " there"]
+
     run(tmp_path, test)
 
 
@@ -201,16 +277,26 @@ def test_json_schemas_the_engine_cannot_enforce_are_400s_before_the_mesh(tmp_pat
             ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}, "root"),
             (schema(a={"type": "string", "minLength": 2}), "minLength"),
         ]:
-            r = await fake.client.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "Hi"}], "response_format": response_format})
+            r = await fake.client.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "Hi"}], "response_format": response_format},
+            )
             body = await r.json()
             assert r.status == 400 and body["error"]["param"] == "response_format" and why in body["error"]["message"]
-        post = asyncio.create_task(fake.client.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "Hi"}], "response_format": schema(pet={"enum": ["cat", "é"]})}))
+        post = asyncio.create_task(
+            fake.client.post(
+                "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": "Hi"}],
+                    "response_format": schema(pet={"enum": ["cat", "é"]}),
+                },
+            )
+        )
         request = await fake.next_request()  # a schema it can write reaches the mesh
         assert request.sampling.json_schema == '{"type":"object","properties":{"pet":{"enum":["cat","é"]}}}'
         await fake.answer(request, '{"pet": "cat"}', finish="stop")
         assert (await post).status == 200
+
     run(tmp_path, test)
 
 
@@ -219,22 +305,42 @@ def test_one_failed_prompt_of_a_batch_fails_the_request_and_aborts_the_others(tm
         post = asyncio.create_task(fake.client.post("/v1/completions", json={"prompt": ["a", "b", "c"]}))
         requests = [await fake.next_request() for _ in range(3)]
         await fake.answer(requests[0], "A")  # finished: nothing left to abort there
-        await fake.reply(requests[1], RequestFailed(request_id=requests[1].request_id, status=400, error_type="invalid_request_error",
-                                                    message="prompt too long", param="prompt", code="context_length_exceeded"))
+        await fake.reply(
+            requests[1],
+            RequestFailed(
+                request_id=requests[1].request_id,
+                status=400,
+                error_type="invalid_request_error",
+                message="prompt too long",
+                param="prompt",
+                code="context_length_exceeded",
+            ),
+        )
         response = await post
         assert response.status == 400 and (await response.json())["error"]["message"] == "prompt too long"
-        assert await fake.scheduler.recv() == (b"gw0", AbortRequest(request_id=requests[2].request_id, reason="another prompt of the batch failed"))
+        assert await fake.scheduler.recv() == (
+            b"gw0",
+            AbortRequest(request_id=requests[2].request_id, reason="another prompt of the batch failed"),
+        )
         with contextlib.suppress(asyncio.TimeoutError):  # the others had ended
             extra = await asyncio.wait_for(fake.scheduler.recv(), 0.3)
             raise AssertionError(f"also aborted: {extra}")
+
     run(tmp_path, test)
 
 
 def test_streaming_chat_with_usage(tmp_path):
     async def test(fake: FakeMesh):
-        post = asyncio.create_task(fake.client.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "Hi"}], "stream": True,
-            "stream_options": {"include_usage": True}}))
+        post = asyncio.create_task(
+            fake.client.post(
+                "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": "Hi"}],
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            )
+        )
         request = await fake.next_request()
         assert request.messages == [{"role": "user", "content": "Hi"}]
         await fake.answer(request, "Hel", "lo", finish="stop")
@@ -245,10 +351,15 @@ def test_streaming_chat_with_usage(tmp_path):
         chunks = events[:-1]
         assert {c["id"] for c in chunks} == {"chat" + request.request_id}
         assert [(c["choices"], c["usage"]) for c in chunks] == [
-            ([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}], None),
+            (
+                [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+                None,
+            ),
             ([{"index": 0, "delta": {"content": "Hel"}, "logprobs": None, "finish_reason": None}], None),
             ([{"index": 0, "delta": {"content": "lo"}, "logprobs": None, "finish_reason": "stop"}], None),
-            ([], {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6})]
+            ([], {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}),
+        ]
+
     run(tmp_path, test)
 
 
@@ -257,12 +368,28 @@ def test_mesh_errors_before_output_keep_their_status(tmp_path, stream):
     async def test(fake: FakeMesh):
         post = asyncio.create_task(fake.client.post("/v1/completions", json={"prompt": "Hi", "stream": stream}))
         request = await fake.next_request()
-        await fake.reply(request, RequestFailed(request_id=request.request_id, status=503, error_type="service_unavailable",
-                                                message="no capacity: queue full", param=None, code="no_capacity"))
+        await fake.reply(
+            request,
+            RequestFailed(
+                request_id=request.request_id,
+                status=503,
+                error_type="service_unavailable",
+                message="no capacity: queue full",
+                param=None,
+                code="no_capacity",
+            ),
+        )
         response = await post
         assert (response.status, response.headers["Retry-After"]) == (503, "1")
-        assert await response.json() == {"error": {"message": "no capacity: queue full", "type": "service_unavailable",
-                                                    "param": None, "code": "no_capacity"}}
+        assert await response.json() == {
+            "error": {
+                "message": "no capacity: queue full",
+                "type": "service_unavailable",
+                "param": None,
+                "code": "no_capacity",
+            }
+        }
+
     run(tmp_path, test)
 
 
@@ -270,29 +397,78 @@ def test_failure_mid_stream_is_an_error_event_then_done(tmp_path):
     async def test(fake: FakeMesh):
         post = asyncio.create_task(fake.client.post("/v1/completions", json={"prompt": "Hi", "stream": True}))
         request = await fake.next_request()
-        await fake.reply(request, TextDeltaBatch(deltas=[TextDelta(request_id=request.request_id, index=0, text="A", token_ids=[5], logprobs=None, finish_reason=None, prompt_tokens=4, completion_tokens=1)]))
-        await fake.reply(request, RequestFailed(request_id=request.request_id, status=500, error_type="server_error", message="worker died", param=None, code=None))
+        await fake.reply(
+            request,
+            TextDeltaBatch(
+                deltas=[
+                    TextDelta(
+                        request_id=request.request_id,
+                        index=0,
+                        text="A",
+                        token_ids=[5],
+                        logprobs=None,
+                        finish_reason=None,
+                        prompt_tokens=4,
+                        completion_tokens=1,
+                    )
+                ]
+            ),
+        )
+        await fake.reply(
+            request,
+            RequestFailed(
+                request_id=request.request_id,
+                status=500,
+                error_type="server_error",
+                message="worker died",
+                param=None,
+                code=None,
+            ),
+        )
         response = await post
         events = sse_payloads(await response.text())
         assert events[0]["choices"][0]["text"] == "A"
-        assert events[1:] == [{"error": {"message": "worker died", "type": "server_error", "param": None,
-                                         "code": None}}, "[DONE]"]
+        assert events[1:] == [
+            {"error": {"message": "worker died", "type": "server_error", "param": None, "code": None}},
+            "[DONE]",
+        ]
+
     run(tmp_path, test)
 
 
 def test_client_disconnect_aborts_at_scheduler_and_tokenizer(tmp_path):
     async def test(fake: FakeMesh):
         async with aiohttp.ClientSession() as session:
-            pending = asyncio.create_task(session.post(fake.client.make_url("/v1/completions"),
-                                                       json={"prompt": "Hi", "stream": True, "max_tokens": 100}))
+            pending = asyncio.create_task(
+                session.post(
+                    fake.client.make_url("/v1/completions"), json={"prompt": "Hi", "stream": True, "max_tokens": 100}
+                )
+            )
             request = await fake.next_request()  # headers come with the first delta
-            await fake.reply(request, TextDeltaBatch(deltas=[TextDelta(request_id=request.request_id, index=0, text="A", token_ids=[5], logprobs=None, finish_reason=None, prompt_tokens=4, completion_tokens=1)]))
+            await fake.reply(
+                request,
+                TextDeltaBatch(
+                    deltas=[
+                        TextDelta(
+                            request_id=request.request_id,
+                            index=0,
+                            text="A",
+                            token_ids=[5],
+                            logprobs=None,
+                            finish_reason=None,
+                            prompt_tokens=4,
+                            completion_tokens=1,
+                        )
+                    ]
+                ),
+            )
             response = await pending
             assert (await response.content.readuntil(b"\n\n")).startswith(b"data: ")
             response.close()  # the client goes away mid-stream
         abort = AbortRequest(request_id=request.request_id, reason="client disconnected")
         assert await fake.scheduler.recv() == (b"gw0", abort)
         assert await fake.from_tokenizer() == (b"gw0", abort)
+
     run(tmp_path, test)
 
 
@@ -303,7 +479,23 @@ def test_a_restarted_tokenizer_ends_the_requests_in_flight_with_503_and_aborts_t
         first, second = await fake.next_request(), await fake.next_request()
         if first.prompt_text != "Hi":
             first, second = second, first
-        await fake.reply(first, TextDeltaBatch(deltas=[TextDelta(request_id=first.request_id, index=0, text="A", token_ids=[5], logprobs=None, finish_reason=None, prompt_tokens=4, completion_tokens=1)]))
+        await fake.reply(
+            first,
+            TextDeltaBatch(
+                deltas=[
+                    TextDelta(
+                        request_id=first.request_id,
+                        index=0,
+                        text="A",
+                        token_ids=[5],
+                        logprobs=None,
+                        finish_reason=None,
+                        prompt_tokens=4,
+                        completion_tokens=1,
+                    )
+                ]
+            ),
+        )
         fake.tokenizer_instance = "second"  # the next pong comes from a new process
         pending = asyncio.create_task(fake.from_tokenizer())  # answers pings until the aborts come
         waited = await waiting
@@ -313,9 +505,12 @@ def test_a_restarted_tokenizer_ends_the_requests_in_flight_with_503_and_aborts_t
         assert events[0]["choices"][0]["text"] == "A"
         assert events[1]["error"]["code"] == "service_restarted" and events[2] == "[DONE]"
         aborts = {await pending, await fake.from_tokenizer()}
-        assert aborts == {(b"gw0", AbortRequest(request_id=r.request_id, reason="tokenizer restarted")) for r in (first, second)}
+        assert aborts == {
+            (b"gw0", AbortRequest(request_id=r.request_id, reason="tokenizer restarted")) for r in (first, second)
+        }
         at_scheduler = {await fake.scheduler.recv(), await fake.scheduler.recv()}
         assert at_scheduler == aborts
+
     run(tmp_path, test, request_timeout=8.0)
 
 
@@ -333,6 +528,7 @@ def test_no_request_goes_out_before_the_tokenizer_answered_a_ping(tmp_path, monk
         request = await fake.next_request()  # answering the pings lets it through
         await fake.answer(request, "A")
         assert (await post).status == 200
+
     run(tmp_path, test)
 
 
@@ -342,7 +538,11 @@ def test_client_leaving_before_any_output_aborts(tmp_path):
             pending = asyncio.create_task(session.post(fake.client.make_url("/v1/completions"), json={"prompt": "Hi"}))
             request = await fake.next_request()
             pending.cancel()  # the client closes the connection while the request is queued
-        assert await fake.scheduler.recv() == (b"gw0", AbortRequest(request_id=request.request_id, reason="client disconnected"))
+        assert await fake.scheduler.recv() == (
+            b"gw0",
+            AbortRequest(request_id=request.request_id, reason="client disconnected"),
+        )
+
     run(tmp_path, test)
 
 
@@ -354,6 +554,7 @@ def test_timeout_is_504_and_aborts(tmp_path):
         assert response.status == 504
         assert (await response.json())["error"]["code"] == "timeout"
         assert await fake.scheduler.recv() == (b"gw0", AbortRequest(request_id=request.request_id, reason="timeout"))
+
     run(tmp_path, test, request_timeout=0.3)
 
 
@@ -361,31 +562,76 @@ def test_logprobs_token_texts_come_from_the_tokenizer(tmp_path):
     hello = TOKENIZER.encode("Hello", add_special_tokens=False)[0]
 
     async def test(fake: FakeMesh):
-        post = asyncio.create_task(fake.client.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 1}))
+        post = asyncio.create_task(
+            fake.client.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 1},
+            )
+        )
         request = await fake.next_request()
         assert request.sampling.logprobs == 1
-        await fake.reply(request, TextDeltaBatch(deltas=[TextDelta(
-            request_id=request.request_id, index=0, text="Hello", token_ids=[hello], logprobs=[TokenLogprob(token_id=hello, logprob=-0.5, top_ids=[hello], top_logprobs=[-0.5])], finish_reason="length", prompt_tokens=4, completion_tokens=1)]))
+        await fake.reply(
+            request,
+            TextDeltaBatch(
+                deltas=[
+                    TextDelta(
+                        request_id=request.request_id,
+                        index=0,
+                        text="Hello",
+                        token_ids=[hello],
+                        logprobs=[TokenLogprob(token_id=hello, logprob=-0.5, top_ids=[hello], top_logprobs=[-0.5])],
+                        finish_reason="length",
+                        prompt_tokens=4,
+                        completion_tokens=1,
+                    )
+                ]
+            ),
+        )
         body = await (await post).json()
         entry = {"token": "Hello", "logprob": -0.5, "bytes": list(b"Hello")}
         assert body["choices"][0]["logprobs"] == {"content": [{**entry, "top_logprobs": [entry]}]}
+
     run(tmp_path, test)
 
 
 # ---- errors the gateway answers itself
 
 
-@pytest.mark.parametrize("method, path, body, status, error_type, param, code", [
-    ("POST", "/v1/completions", b"{nope", 400, "invalid_request_error", None, None),
-    ("POST", "/v1/completions", json.dumps({"prompt": "x", "n": 0}).encode(), 400, "invalid_request_error", "n", None),
-    ("POST", "/v1/completions", json.dumps({"prompt": "x", "model": "gpt-4"}).encode(), 404,
-     "invalid_request_error", "model", "model_not_found"),
-    ("POST", "/v1/completions", json.dumps({"prompt": "x" * 5000}).encode(), 413, "invalid_request_error", None,
-     "request_too_large"),
-    ("POST", "/v1/nothing", b"{}", 404, "not_found_error", None, "not_found"),
-    ("GET", "/v1/completions", b"", 405, "invalid_request_error", None, "method_not_allowed"),
-])
+@pytest.mark.parametrize(
+    "method, path, body, status, error_type, param, code",
+    [
+        ("POST", "/v1/completions", b"{nope", 400, "invalid_request_error", None, None),
+        (
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": "x", "n": 0}).encode(),
+            400,
+            "invalid_request_error",
+            "n",
+            None,
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": "x", "model": "gpt-4"}).encode(),
+            404,
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": "x" * 5000}).encode(),
+            413,
+            "invalid_request_error",
+            None,
+            "request_too_large",
+        ),
+        ("POST", "/v1/nothing", b"{}", 404, "not_found_error", None, "not_found"),
+        ("GET", "/v1/completions", b"", 405, "invalid_request_error", None, "method_not_allowed"),
+    ],
+)
 def test_gateway_errors_are_openai_shaped(tmp_path, method, path, body, status, error_type, param, code):
     async def test(fake: FakeMesh):
         response = await fake.client.request(method, path, data=body)
@@ -393,6 +639,7 @@ def test_gateway_errors_are_openai_shaped(tmp_path, method, path, body, status, 
         error = (await response.json())["error"]
         assert (error["type"], error["param"], error["code"]) == (error_type, param, code)
         assert isinstance(error["message"], str) and "Traceback" not in error["message"]
+
     run(tmp_path, test)
 
 
@@ -404,6 +651,7 @@ def test_chunked_body_over_the_limit_is_413(tmp_path):
     async def test(fake: FakeMesh):
         response = await fake.client.post("/v1/completions", data=chunks())
         assert response.status == 413
+
     run(tmp_path, test)
 
 
@@ -418,10 +666,26 @@ def test_models_and_health(tmp_path):
         assert (await fake.client.get(f"/v1/models/{MODEL}")).status == 200
         assert (await fake.client.get("/v1/models/other")).status == 404
         assert (await fake.client.get("/health")).status == 200
+
     run(tmp_path, test)
 
 
-STATUS = ClusterStatus(ready=True, workers=[WorkerStatus(worker_id='w0', kind='llm', role='mixed', alive=True, running=2, waiting=1, requests_finished=0, kv=KVPoolLoad(free_pages=0, used_pages=30, total_pages=120, bytes_sent=0, bytes_received=0))], queued=0)
+STATUS = ClusterStatus(
+    ready=True,
+    workers=[
+        WorkerStatus(
+            worker_id="w0",
+            kind="llm",
+            role="mixed",
+            alive=True,
+            running=2,
+            waiting=1,
+            requests_finished=0,
+            kv=KVPoolLoad(free_pages=0, used_pages=30, total_pages=120, bytes_sent=0, bytes_received=0),
+        )
+    ],
+    queued=0,
+)
 
 
 async def answer_status(fake: FakeMesh, status: ClusterStatus) -> None:
@@ -462,6 +726,7 @@ def test_ready_and_metrics_ask_the_scheduler(tmp_path, monkeypatch):
         text = await response.text()
         assert 'pagemesh_num_requests_running{worker="w0"} 2\n' in text
         assert 'pagemesh_kv_cache_usage_ratio{worker="w0"} 0.25\n' in text
+
     run(tmp_path, test)
 
 
@@ -485,8 +750,11 @@ def test_official_openai_client(tmp_path):
             assert [c.message.content for c in chat.choices] == ["Hello there"] * 2
             assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens == 4
             stream = await client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "Hi"}], stream=True,
-                stream_options={"include_usage": True})
+                model=MODEL,
+                messages=[{"role": "user", "content": "Hi"}],
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             pieces, usage = [], None
             async for chunk in stream:
                 pieces += [c.delta.content or "" for c in chunk.choices]
@@ -500,4 +768,5 @@ def test_official_openai_client(tmp_path):
         finally:
             responder.cancel()
             await client.close()
+
     run(tmp_path, test)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 
 from common.messages import GenerateRequest
-from common.sampling import SamplingParams
+from common.sampling import MAX_TOKENS_FROM_CONTEXT, SamplingParams
 from gateway.errors import ApiError
 from gateway.parsing import check_model, parse_chat, parse_completion, parse_json
-from common.sampling import MAX_TOKENS_FROM_CONTEXT
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -39,33 +38,73 @@ def test_minimal_completion_defaults():
 
 
 def test_every_sampling_field_is_read():
-    p = parse_completion(completion(
-        n=2, temperature=0, top_p=0.5, top_k=3, min_p=0.1, seed=42, repetition_penalty=1.1,
-        presence_penalty=0.5, frequency_penalty=-0.5, max_tokens=7, min_tokens=2, stop_token_ids=[5, 6],
-        stop=["a", "b"], ignore_eos=True, logprobs=3, user="ignored", unknown_extra={"x": 1},
-        include_stop_str_in_output=True, stream=True, stream_options={"include_usage": True}, best_of=2))
-    assert p.sampling == SamplingParams(n=2, temperature=0.0, top_p=0.5, top_k=3, min_p=0.1, seed=42,
-                                        repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=-0.5,
-                                        max_tokens=7, min_tokens=2, stop_token_ids=(5, 6), stop=("a", "b"),
-                                        ignore_eos=True, logprobs=3, best_of=2)
+    p = parse_completion(
+        completion(
+            n=2,
+            temperature=0,
+            top_p=0.5,
+            top_k=3,
+            min_p=0.1,
+            seed=42,
+            repetition_penalty=1.1,
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            max_tokens=7,
+            min_tokens=2,
+            stop_token_ids=[5, 6],
+            stop=["a", "b"],
+            ignore_eos=True,
+            logprobs=3,
+            user="ignored",
+            unknown_extra={"x": 1},
+            include_stop_str_in_output=True,
+            stream=True,
+            stream_options={"include_usage": True},
+            best_of=2,
+        )
+    )
+    assert p.sampling == SamplingParams(
+        n=2,
+        temperature=0.0,
+        top_p=0.5,
+        top_k=3,
+        min_p=0.1,
+        seed=42,
+        repetition_penalty=1.1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        max_tokens=7,
+        min_tokens=2,
+        stop_token_ids=(5, 6),
+        stop=("a", "b"),
+        ignore_eos=True,
+        logprobs=3,
+        best_of=2,
+    )
     assert (p.stream, p.include_usage, p.logprobs, p.include_stop_str_in_output) == (True, True, 3, True)
 
 
-@pytest.mark.parametrize("prompt, prompts", [
-    ("x", (("x", None),)),
-    (["x"], (("x", None),)),
-    ([1, 2, 3], ((None, [1, 2, 3]),)),
-    ([[1, 2, 3]], ((None, [1, 2, 3]),)),
-    ("", (("", None),)),  # empty prompts are the tokenizer's to refuse (it knows whether BOS is added)
-    (["a", "b"], (("a", None), ("b", None))),
-    ([[1, 2], "b", [3]], ((None, [1, 2]), ("b", None), (None, [3]))),
-])
+@pytest.mark.parametrize(
+    "prompt, prompts",
+    [
+        ("x", (("x", None),)),
+        (["x"], (("x", None),)),
+        ([1, 2, 3], ((None, [1, 2, 3]),)),
+        ([[1, 2, 3]], ((None, [1, 2, 3]),)),
+        ("", (("", None),)),  # empty prompts are the tokenizer's to refuse (it knows whether BOS is added)
+        (["a", "b"], (("a", None), ("b", None))),
+        ([[1, 2], "b", [3]], ((None, [1, 2]), ("b", None), (None, [3]))),
+    ],
+)
 def test_prompt_forms(prompt, prompts):
     assert parse_completion(completion(prompt=prompt)).prompts == prompts
 
 
 def test_echo_asks_for_the_prompt_logprobs_when_logprobs_are_on():
-    assert (parse_completion(completion(echo=True)).echo, parse_completion(completion(echo=True)).sampling.prompt_logprobs) == (True, None)
+    assert (
+        parse_completion(completion(echo=True)).echo,
+        parse_completion(completion(echo=True)).sampling.prompt_logprobs,
+    ) == (True, None)
     p = parse_completion(completion(echo=True, logprobs=2))
     assert (p.echo, p.sampling.logprobs, p.sampling.prompt_logprobs) == (True, 2, 2)
     assert parse_completion(completion(logprobs=2)).sampling.prompt_logprobs is None
@@ -75,7 +114,9 @@ def test_a_batch_of_prompts_becomes_one_request_per_prompt():
     p = parse_completion(completion(prompt=["a", [7, 8]], n=2))
     requests = p.to_generate_requests("cmpl-1", "served", "ipc:///r", 12.5)
     assert [(r.request_id, r.prompt_text, r.prompt_token_ids, r.sampling.n) for r in requests] == [
-        ("cmpl-1-0", "a", None, 2), ("cmpl-1-1", None, [7, 8], 2)]
+        ("cmpl-1-0", "a", None, 2),
+        ("cmpl-1-1", None, [7, 8], 2),
+    ]
     [single] = parse_completion(completion(prompt=["a"])).to_generate_requests("cmpl-1", "served", "ipc:///r", 12.5)
     assert single.request_id == "cmpl-1"
 
@@ -92,16 +133,29 @@ def test_chat_defaults_to_the_context_and_reads_max_completion_tokens_first():
 
 
 def test_chat_content_parts_are_joined_and_extra_keys_dropped():
-    p = parse_chat(chat(messages=[
-        {"role": "system", "content": "be brief", "name": "boss", "extra": 1},
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]))
-    assert p.messages == [{"role": "system", "content": "be brief", "name": "boss"},
-                          {"role": "user", "content": "a\nb"}]
+    p = parse_chat(
+        chat(
+            messages=[
+                {"role": "system", "content": "be brief", "name": "boss", "extra": 1},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            ]
+        )
+    )
+    assert p.messages == [
+        {"role": "system", "content": "be brief", "name": "boss"},
+        {"role": "user", "content": "a\nb"},
+    ]
 
 
-@pytest.mark.parametrize("fields, logprobs", [
-    ({}, None), ({"logprobs": False}, None), ({"logprobs": True}, 0), ({"logprobs": True, "top_logprobs": 5}, 5),
-])
+@pytest.mark.parametrize(
+    "fields, logprobs",
+    [
+        ({}, None),
+        ({"logprobs": False}, None),
+        ({"logprobs": True}, 0),
+        ({"logprobs": True, "top_logprobs": 5}, 5),
+    ],
+)
 def test_chat_logprobs(fields, logprobs):
     p = parse_chat(chat(**fields))
     assert p.logprobs == p.sampling.logprobs == logprobs
@@ -111,17 +165,43 @@ def test_response_format_text_json_object_and_json_schema():
     assert not parse_chat(chat(response_format={"type": "text"})).sampling.constrained
     assert parse_chat(chat(response_format={"type": "json_object"})).sampling.json_object is True
     schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}, "required": ["a"]}
-    sampling = parse_chat(chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})).sampling
-    assert sampling.json_schema == '{"type":"object","properties":{"b":{"type":"integer"},"a":{"type":"string"}},"required":["a"]}'
+    sampling = parse_chat(
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    ).sampling
+    assert (
+        sampling.json_schema
+        == '{"type":"object","properties":{"b":{"type":"integer"},"a":{"type":"string"}},"required":["a"]}'
+    )
     with pytest.raises(ApiError, match="pattern"):
-        parse_chat(chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
-            "type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}}}))
+        parse_chat(
+            chat(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}},
+                    },
+                }
+            )
+        )
 
 
 def test_to_generate_requests():
     p = parse_chat(chat(stream=True, include_stop_str_in_output=True))
-    assert p.to_generate_requests("cmpl-1", "served", "ipc:///r", 12.5) == [GenerateRequest(
-        request_id="cmpl-1", model="served", prompt_text=None, prompt_token_ids=None, messages=CHAT, sampling=p.sampling, stream=True, reply_to="ipc:///r", arrival_time=12.5, include_stop_str_in_output=True)]
+    assert p.to_generate_requests("cmpl-1", "served", "ipc:///r", 12.5) == [
+        GenerateRequest(
+            request_id="cmpl-1",
+            model="served",
+            prompt_text=None,
+            prompt_token_ids=None,
+            messages=CHAT,
+            sampling=p.sampling,
+            stream=True,
+            reply_to="ipc:///r",
+            arrival_time=12.5,
+            include_stop_str_in_output=True,
+        )
+    ]
 
 
 # ---- refused
@@ -197,7 +277,10 @@ BAD_COMPLETIONS = [
 
 
 def test_logit_bias_maps_token_ids_to_biases():
-    assert parse_completion(completion(logit_bias={"5": -100, "17": 2.5})).sampling.logit_bias == ((5, -100.0), (17, 2.5))
+    assert parse_completion(completion(logit_bias={"5": -100, "17": 2.5})).sampling.logit_bias == (
+        (5, -100.0),
+        (17, 2.5),
+    )
     assert parse_chat(chat(logit_bias={"0": 100})).sampling.logit_bias == ((0, 100.0),)
     assert parse_chat(chat(logit_bias={})).sampling.logit_bias == ()
 
@@ -226,9 +309,22 @@ BAD_CHATS = [
     (chat(max_tokens=0), "max_tokens"),
     (chat(max_completion_tokens=10, min_tokens=11), "min_tokens"),
     (chat(tools=[{"type": "function"}]), "tools"),
-    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array"}}}), "response_format"),
-    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}}}), "response_format"),
+    (
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array"}}}),
+        "response_format",
+    ),
+    (
+        chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}},
+                },
+            }
+        ),
+        "response_format",
+    ),
     (chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format"),
     (chat(response_format={"type": "yaml"}), "response_format"),
     (chat(response_format="json"), "response_format"),
@@ -253,7 +349,9 @@ def test_error_message_starts_with_the_field():
     assert info.value.message == "prompt[1]: must be a string or a non-empty list of token ids"
 
 
-@pytest.mark.parametrize("raw", [b"{", b"[1]", b"null", b'{"a": NaN}', b'{"a": Infinity}', b"\xff", b"", b"[" * 200_000])
+@pytest.mark.parametrize(
+    "raw", [b"{", b"[1]", b"null", b'{"a": NaN}', b'{"a": Infinity}', b"\xff", b"", b"[" * 200_000]
+)
 def test_malformed_json_is_400(raw):
     with pytest.raises(ApiError) as info:
         parse_json(raw)
@@ -266,14 +364,21 @@ def test_unknown_model_is_404_model_not_found():
         check_model(parse_completion(completion(model=name)), names)
     with pytest.raises(ApiError) as info:
         check_model(parse_completion(completion(model="gpt-4")), names)
-    assert info.value.body() == {"error": {"message": "The model `gpt-4` does not exist.",
-                                           "type": "invalid_request_error", "param": "model",
-                                           "code": "model_not_found"}}
+    assert info.value.body() == {
+        "error": {
+            "message": "The model `gpt-4` does not exist.",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
     assert info.value.status == 404
 
 
 def test_beam_search_fields_are_read():
-    p = parse_completion(completion(n=2, best_of=4, use_beam_search=True, length_penalty=0.5, priority=-3, temperature=0))
+    p = parse_completion(
+        completion(n=2, best_of=4, use_beam_search=True, length_penalty=0.5, priority=-3, temperature=0)
+    )
     assert (p.sampling.n, p.sampling.best_of, p.sampling.use_beam_search) == (2, 4, True)
     assert (p.sampling.length_penalty, p.sampling.priority) == (0.5, -3)
     assert not p.sampling.streams
@@ -282,16 +387,58 @@ def test_beam_search_fields_are_read():
 def test_random_bodies_are_parsed_or_refused_with_an_api_error_never_a_crash():
     import random
 
-    fields = ["prompt", "messages", "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
-              "stop", "stop_token_ids", "logprobs", "top_logprobs", "best_of", "use_beam_search", "logit_bias", "echo",
-              "stream", "stream_options", "response_format", "tools", "max_completion_tokens", "priority"]
-    values = [None, True, False, 0, 1, -1, 2**31, 2**64, 10**400, 0.5, "", "x", "0", "json_object", "json_schema",
-              {"type": "object"}, {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}]
+    fields = [
+        "prompt",
+        "messages",
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "max_tokens",
+        "min_tokens",
+        "stop",
+        "stop_token_ids",
+        "logprobs",
+        "top_logprobs",
+        "best_of",
+        "use_beam_search",
+        "logit_bias",
+        "echo",
+        "stream",
+        "stream_options",
+        "response_format",
+        "tools",
+        "max_completion_tokens",
+        "priority",
+    ]
+    values = [
+        None,
+        True,
+        False,
+        0,
+        1,
+        -1,
+        2**31,
+        2**64,
+        10**400,
+        0.5,
+        "",
+        "x",
+        "0",
+        "json_object",
+        "json_schema",
+        {"type": "object"},
+        {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},
+    ]
 
     def value(rng, depth=0):
         if depth < 2 and rng.random() < 0.2:
-            return {rng.choice(fields + ["type", "schema", "json_schema", "include_usage", "7"]): value(rng, depth + 1)
-                    for _ in range(rng.randint(0, 3))}
+            return {
+                rng.choice(fields + ["type", "schema", "json_schema", "include_usage", "7"]): value(rng, depth + 1)
+                for _ in range(rng.randint(0, 3))
+            }
         if depth < 2 and rng.random() < 0.2:
             return [value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
         return rng.choice(values)

@@ -12,7 +12,13 @@ from aiohttp.test_utils import TestServer
 
 from common import transport as t
 from common.messages import (
-    AbortRequest, ClusterStatus, Ready, RequestFailed, ScheduleRequest, StatusRequest, TokenDelta,
+    AbortRequest,
+    ClusterStatus,
+    Ready,
+    RequestFailed,
+    ScheduleRequest,
+    StatusRequest,
+    TokenDelta,
     TokenDeltaBatch,
 )
 from common.model_files import default_model_path
@@ -42,28 +48,67 @@ async def fake_scheduler(router: t.Router, aborts: asyncio.Queue) -> None:
             await router.send(identity, ClusterStatus(ready=True, workers=[], queued=0))
         elif isinstance(msg, ScheduleRequest):
             if TOKENIZER.encode("busy", add_special_tokens=False)[0] in msg.prompt_token_ids:
-                await router.send(identity, RequestFailed(request_id=msg.request_id, status=503, error_type="service_unavailable",
-                                                          message="no capacity", param=None, code="no_capacity"))
+                await router.send(
+                    identity,
+                    RequestFailed(
+                        request_id=msg.request_id,
+                        status=503,
+                        error_type="service_unavailable",
+                        message="no capacity",
+                        param=None,
+                        code="no_capacity",
+                    ),
+                )
                 continue
             push = pushes.setdefault(msg.reply_to, t.Push(msg.reply_to))
             steps = min(len(REPLY), msg.sampling.max_tokens)
             for step in range(steps):
                 finish = "length" if step == steps - 1 else None
-                await push.send(TokenDeltaBatch(worker_id="w0", deltas=[
-                    TokenDelta(request_id=msg.request_id, index=i, token_ids=[REPLY[step]], logprobs=None, finish_reason=finish, num_prompt_tokens=len(msg.prompt_token_ids))
-                    for i in range(msg.sampling.n)]))
+                await push.send(
+                    TokenDeltaBatch(
+                        worker_id="w0",
+                        deltas=[
+                            TokenDelta(
+                                request_id=msg.request_id,
+                                index=i,
+                                token_ids=[REPLY[step]],
+                                logprobs=None,
+                                finish_reason=finish,
+                                num_prompt_tokens=len(msg.prompt_token_ids),
+                            )
+                            for i in range(msg.sampling.n)
+                        ],
+                    )
+                )
 
 
 @contextlib.asynccontextmanager
 async def mesh(tmp_path):
     a = lambda name: t.ipc_address(str(tmp_path), name)  # noqa: E731
-    tok_cfg = TokenizerConfig(model=default_model_path(), address=a("tok"), output_address=a("tok-out"),
-                              scheduler_address=a("sched"), max_model_len=64, name="tok0",
-                              ready_address=a("ready"), log_level="INFO")
-    gw_cfg = GatewayConfig(host="127.0.0.1", port=0, tokenizer_address=a("tok"), scheduler_address=a("sched"),
-                           reply_address=a("gw"), model=default_model_path(), model_names=("smol",),
-                           max_body_bytes=1 << 20, request_timeout=10.0, name="gw0", ready_address=None,
-                           log_level="INFO")
+    tok_cfg = TokenizerConfig(
+        model=default_model_path(),
+        address=a("tok"),
+        output_address=a("tok-out"),
+        scheduler_address=a("sched"),
+        max_model_len=64,
+        name="tok0",
+        ready_address=a("ready"),
+        log_level="INFO",
+    )
+    gw_cfg = GatewayConfig(
+        host="127.0.0.1",
+        port=0,
+        tokenizer_address=a("tok"),
+        scheduler_address=a("sched"),
+        reply_address=a("gw"),
+        model=default_model_path(),
+        model_names=("smol",),
+        max_body_bytes=1 << 20,
+        request_timeout=10.0,
+        name="gw0",
+        ready_address=None,
+        log_level="INFO",
+    )
     aborts: asyncio.Queue = asyncio.Queue()
     with t.Router(a("sched")) as scheduler, t.Pull(a("ready")) as ready:
         tasks = [asyncio.create_task(fake_scheduler(scheduler, aborts)), asyncio.create_task(run_tokenizer(tok_cfg))]
@@ -88,14 +133,16 @@ def test_chat_and_completions_through_the_tokenizer_service(tmp_path):
     async def main():
         async with mesh(tmp_path) as (client, aborts):
             chat = await client.chat.completions.create(
-                model="smol", messages=[{"role": "user", "content": "Hi"}], n=2, max_tokens=3)
+                model="smol", messages=[{"role": "user", "content": "Hi"}], n=2, max_tokens=3
+            )
             assert [c.message.content for c in chat.choices] == [" Hello world,"] * 2
             assert chat.usage.completion_tokens == 6
             assert chat.usage.prompt_tokens == len(TOKENIZER.encode_chat([{"role": "user", "content": "Hi"}]))
 
             # a stop string ends the stream early and the tokenizer aborts the request
-            stream = await client.completions.create(model="smol", prompt="Hi", stop=[" how"], max_tokens=20,
-                                                     stream=True)
+            stream = await client.completions.create(
+                model="smol", prompt="Hi", stop=[" how"], max_tokens=20, stream=True
+            )
             chunks = [chunk async for chunk in stream]
             assert "".join(c.choices[0].text for c in chunks) == " Hello world,"
             assert chunks[-1].choices[0].finish_reason == "stop"
@@ -116,9 +163,24 @@ def test_chat_and_completions_through_the_tokenizer_service(tmp_path):
 
 def test_gateway_flags(monkeypatch):
     monkeypatch.setenv("PAGEMESH_REPLY_ADDRESS", "tcp://127.0.0.1:6003")
-    cfg = parse_args(["--tokenizer-address", "tcp://127.0.0.1:6001", "--scheduler-address", "tcp://127.0.0.1:6002",
-                      "--port", "9000", "--request-timeout", "30"])
+    cfg = parse_args(
+        [
+            "--tokenizer-address",
+            "tcp://127.0.0.1:6001",
+            "--scheduler-address",
+            "tcp://127.0.0.1:6002",
+            "--port",
+            "9000",
+            "--request-timeout",
+            "30",
+        ]
+    )
     assert (cfg.host, cfg.port, cfg.reply_address, cfg.request_timeout, cfg.max_body_bytes) == (
-        "127.0.0.1", 9000, "tcp://127.0.0.1:6003", 30.0, 4 << 20)
+        "127.0.0.1",
+        9000,
+        "tcp://127.0.0.1:6003",
+        30.0,
+        4 << 20,
+    )
     assert cfg.model_names == ("SmolLM2-135M-Instruct", str(default_model_path()))
     assert cfg.served_model == "SmolLM2-135M-Instruct"

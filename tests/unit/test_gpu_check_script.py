@@ -32,9 +32,17 @@ def run_check(tmp_path, **env):
     report = tmp_path / "gpu.md"
     run_check.started = time.time()
     proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True, timeout=900,
-        env={**os.environ, "PYTHON": str(fake), "GPU_CHECK_REPORT": str(report),
-             "PATH": f"{tmp_path}:/usr/bin:/bin", **env},  # no nvidia-smi on this PATH
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={
+            **os.environ,
+            "PYTHON": str(fake),
+            "GPU_CHECK_REPORT": str(report),
+            "PATH": f"{tmp_path}:/usr/bin:/bin",
+            **env,
+        },  # no nvidia-smi on this PATH
     )
     run_check.took = time.time() - run_check.started  # the script's own SECONDS is at most this
     return proc, report.read_text()
@@ -48,7 +56,9 @@ def test_report_has_every_step_and_a_failing_suite_fails_the_check(tmp_path):
     assert "- tests/gpu (-m gpu): **FAIL (exit 1)** — 1 failed, 22 passed in 9.00s" in report
     deadline = re.search(r"kernel_bench bench/kernel_bench.py --deadline-at (\d+)", report)
     # 200 s limit - 20, from when the bench started: within the script's run, however slow it was
-    assert deadline and int(run_check.started) + 180 <= int(deadline[1]) <= int(run_check.started + run_check.took) + 180
+    assert (
+        deadline and int(run_check.started) + 180 <= int(deadline[1]) <= int(run_check.started + run_check.took) + 180
+    )
     assert "## Engine (bench/gpu_engine.py)" in report and "| 1 | CUDA graphs | 100 |" in report
     assert report.rstrip().endswith("exit status 1._")
 

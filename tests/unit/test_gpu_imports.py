@@ -28,7 +28,10 @@ spec.loader.exec_module(gpu_engine)
 def run_python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", PRELUDE + textwrap.dedent(code)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

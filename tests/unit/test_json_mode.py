@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from common import json_grammar as g
-from workers.engine.json_mode import MAX_WHITESPACE_TOKENS, JsonCursor, JsonMasks
 from tests.default_model import tokenizer as default_tokenizer
+from workers.engine.json_mode import MAX_WHITESPACE_TOKENS, JsonCursor, JsonMasks
 
 
 def accepts(text: str) -> bool:
@@ -18,20 +18,51 @@ def accepts(text: str) -> bool:
     return state is not None and g.is_complete(state)
 
 
-@pytest.mark.parametrize("text", [
-    "{}", ' {"a": 1}\n', '{"a":[1,2,{"b":null}],"c":"x\\n\\u00e9\\""}', '{ "k" : -0.5e+10 , "t": true, "f": false }',
-    '{"s": "héllo ✓"}', '{"a": {"b": {"c": []}}}', '{"n": [0, -0, 10, 1.25, 2E-3, 3e7]}',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{}",
+        ' {"a": 1}\n',
+        '{"a":[1,2,{"b":null}],"c":"x\\n\\u00e9\\""}',
+        '{ "k" : -0.5e+10 , "t": true, "f": false }',
+        '{"s": "héllo ✓"}',
+        '{"a": {"b": {"c": []}}}',
+        '{"n": [0, -0, 10, 1.25, 2E-3, 3e7]}',
+    ],
+)
 def test_valid_objects_are_accepted(text):
     assert accepts(text)
     json.loads(text)  # the reference agrees
 
 
-@pytest.mark.parametrize("text", [
-    "[1]", '"s"', "1", "{'a': 1}", '{"a": 01}', '{"a": 1,}', '{"a": tru}', '{"a" 1}', '{"a": 1}}', '{"a": "x\ny"}',
-    '{"a": 1.}', '{"a": -}', '{"a": 1e}', '{"a": "\\x"}', '{"a": "\\u12g4"}', "{,}", '{"a": 1} x', '{"a": 1}{}',
-    '{"a": [1 2]}', "{1: 2}", '{"a": nul}', '{"a": +1}', '{"a": .5}',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[1]",
+        '"s"',
+        "1",
+        "{'a': 1}",
+        '{"a": 01}',
+        '{"a": 1,}',
+        '{"a": tru}',
+        '{"a" 1}',
+        '{"a": 1}}',
+        '{"a": "x\ny"}',
+        '{"a": 1.}',
+        '{"a": -}',
+        '{"a": 1e}',
+        '{"a": "\\x"}',
+        '{"a": "\\u12g4"}',
+        "{,}",
+        '{"a": 1} x',
+        '{"a": 1}{}',
+        '{"a": [1 2]}',
+        "{1: 2}",
+        '{"a": nul}',
+        '{"a": +1}',
+        '{"a": .5}',
+    ],
+)
 def test_invalid_text_is_refused_at_once_or_never_completes(text):
     assert not accepts(text)
     try:
@@ -43,14 +74,14 @@ def test_invalid_text_is_refused_at_once_or_never_completes(text):
 def random_value(rng: random.Random, depth: int = 0):
     r = rng.random()
     if depth < 3 and r < 0.2:
-        return {f"k{i}\"\\": random_value(rng, depth + 1) for i in range(rng.randint(0, 3))}
+        return {f'k{i}"\\': random_value(rng, depth + 1) for i in range(rng.randint(0, 3))}
     if depth < 3 and r < 0.35:
         return [random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
     if r < 0.5:
         return rng.choice([True, False, None])
     if r < 0.7:
         return rng.uniform(-1e6, 1e6) if rng.random() < 0.5 else rng.randint(-1000, 1000)
-    return "".join(rng.choice("ab \\\"/\té✓\n\x01") for _ in range(rng.randint(0, 6)))
+    return "".join(rng.choice('ab \\"/\té✓\n\x01') for _ in range(rng.randint(0, 6)))
 
 
 def test_surrogate_escapes_are_refused_other_escapes_taken():
@@ -61,8 +92,11 @@ def test_surrogate_escapes_are_refused_other_escapes_taken():
 def test_every_prefix_of_any_dumped_object_stays_valid():
     rng = random.Random(0)
     for _ in range(300):
-        text = json.dumps({"x": random_value(rng), "y": random_value(rng)},
-                          indent=rng.choice([None, 2, "\t"]), ensure_ascii=rng.random() < 0.5)
+        text = json.dumps(
+            {"x": random_value(rng), "y": random_value(rng)},
+            indent=rng.choice([None, 2, "\t"]),
+            ensure_ascii=rng.random() < 0.5,
+        )
         state = g.INITIAL
         for i, ch in enumerate(text):
             state = g.step(state, ch)
@@ -72,7 +106,9 @@ def test_every_prefix_of_any_dumped_object_stays_valid():
 
 @pytest.fixture(scope="module")
 def masks():
-    return JsonMasks.for_tokenizer(default_tokenizer(), default_tokenizer().vocab_size, set(default_tokenizer().eos_token_ids))
+    return JsonMasks.for_tokenizer(
+        default_tokenizer(), default_tokenizer().vocab_size, set(default_tokenizer().eos_token_ids)
+    )
 
 
 def cursor_after(masks: JsonMasks, text: str) -> JsonCursor:
@@ -123,8 +159,10 @@ def test_the_sampler_takes_only_allowed_tokens(masks):
     cursor = cursor_after(masks, '{"a": ')
     allowed = masks.allowed(cursor)
     logits = torch.randn(4, default_tokenizer().vocab_size, generator=torch.Generator().manual_seed(0))
-    rows = [SampleRow(SamplingParams(temperature=t, seed=s), [], [], torch.Generator().manual_seed(s), allowed=allowed)
-            for t, s in ((0, 1), (1.0, 2), (1.5, 3), (0.7, 4))]
+    rows = [
+        SampleRow(SamplingParams(temperature=t, seed=s), [], [], torch.Generator().manual_seed(s), allowed=allowed)
+        for t, s in ((0, 1), (1.0, 2), (1.5, 3), (0.7, 4))
+    ]
     assert not argmax_only(rows[0])
     for token, _ in sample(logits, rows, torch.Generator()):
         assert allowed[token]

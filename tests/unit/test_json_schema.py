@@ -5,27 +5,27 @@ from __future__ import annotations
 
 import random
 import string
-from typing import Literal, Optional
+from typing import Literal
 
 import pytest
 from pydantic import BaseModel
 
 from common import json_grammar as g
 from common.json_schema import SchemaError, compile_schema
-from workers.engine.json_mode import JsonMasks
 from tests.default_model import tokenizer as default_tokenizer
+from workers.engine.json_mode import JsonMasks
 
 
 class Pet(BaseModel):
     kind: Literal["cat", "dog"]
-    age: Optional[int] = None
+    age: int | None = None
 
 
 class Person(BaseModel):
     name: str
     score: float
     ok: bool = False
-    nick: Optional[str] = None
+    nick: str | None = None
     pets: list[Pet]
     tags: list[str] = []
     extra: dict = {}
@@ -68,57 +68,93 @@ def test_every_document_the_automaton_completes_is_valid_for_pydantic():
 def test_every_instance_pydantic_writes_is_accepted():
     rng = random.Random(1)
     for _ in range(200):
-        person = Person(name=rng.choice(["x\"y", "é✓", ""]), score=rng.uniform(-5, 5), ok=rng.random() < 0.5,
-                        nick=rng.choice([None, "n"]), tags=["a"] * rng.randint(0, 2),
-                        pets=[Pet(kind=rng.choice(["cat", "dog"]), age=rng.choice([None, 3])) for _ in range(rng.randint(0, 3))],
-                        extra=rng.choice([{}, {"k": [1, {"z": None}]}]))
+        person = Person(
+            name=rng.choice(['x"y', "é✓", ""]),
+            score=rng.uniform(-5, 5),
+            ok=rng.random() < 0.5,
+            nick=rng.choice([None, "n"]),
+            tags=["a"] * rng.randint(0, 2),
+            pets=[Pet(kind=rng.choice(["cat", "dog"]), age=rng.choice([None, 3])) for _ in range(rng.randint(0, 3))],
+            extra=rng.choice([{}, {"k": [1, {"z": None}]}]),
+        )
         text = person.model_dump_json(indent=rng.choice([None, 2]))
         assert accepts(text), text
 
 
-@pytest.mark.parametrize("text", [
-    '{"score": 1, "name": "A", "pets": []}',  # out of the declared order
-    '{"name": "A", "pets": []}',  # a required property missing
-    '{"name": 1, "score": 1, "pets": []}',
-    '{"name": "A", "score": 1, "pets": [{"kind": "cow"}]}',
-    '{"name": "A", "score": 1, "pets": [{"age": 3}]}',
-    '{"name": "A", "score": 1, "pets": [{"kind": "cat", "age": 3.5}]}',
-    '{"name": "A", "score": 1, "pets": [], "zzz": 1}',
-    '{"name": "A", "score": 1, "pets": [],}',
-    '{"name": "A", "score": true, "pets": []}',
-    '["A"]',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"score": 1, "name": "A", "pets": []}',  # out of the declared order
+        '{"name": "A", "pets": []}',  # a required property missing
+        '{"name": 1, "score": 1, "pets": []}',
+        '{"name": "A", "score": 1, "pets": [{"kind": "cow"}]}',
+        '{"name": "A", "score": 1, "pets": [{"age": 3}]}',
+        '{"name": "A", "score": 1, "pets": [{"kind": "cat", "age": 3.5}]}',
+        '{"name": "A", "score": 1, "pets": [], "zzz": 1}',
+        '{"name": "A", "score": 1, "pets": [],}',
+        '{"name": "A", "score": true, "pets": []}',
+        '["A"]',
+    ],
+)
 def test_documents_outside_the_schema_are_refused(text):
     assert not accepts(text)
 
 
-@pytest.mark.parametrize("schema, why", [
-    ({"type": "array"}, "root"),
-    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}, "pattern"),
-    ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}}, "minimum"),
-    ({"type": "object", "properties": {"a": {"anyOf": [{"type": "integer"}, {"type": "number"}]}}}, "start differently"),
-    ({"$ref": "#/$defs/A", "$defs": {"A": {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}}}}, "recursive"),
-    ({"type": "object", "properties": {"a": {"$ref": "https://example.com/x"}}}, "references"),
-    ({"type": "object", "properties": {"a": {"enum": [1, 2]}}}, "enum"),
-    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}, "required"),
-    ("not a schema", "object"),
-    ({}, "root"),
-    ({"anyOf": [{}]}, "root"),
-    ({"type": "object", "$defs": []}, r"\$defs"),
-    ({"type": "object", "properties": {"a": {}}, "required": [["a"]]}, "required"),
-    ({"type": "object", "required": ["a"]}, "needs properties"),
-    ({"type": "object", "additionalProperties": False}, "needs properties"),
-    ({"type": "object", "additionalProperties": {"type": "integer"}}, "additionalProperties"),
-    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/S", "maxLength": 1}}, "$defs": {"S": {"type": "string"}}}, "beside"),
-    ({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}, {"type": "null"}], "enum": ["x", None]}}}, "beside"),
-    ({"type": "object", "properties": {"a": {"type": "integer", "enum": ["x"]}}}, "under type"),
-    ({"type": "object", "properties": {"a": {"properties": {"b": {"type": "integer"}}}}}, "without a type"),
-    ({"type": "object", "properties": {"a": {"type": []}}}, "no alternative"),
-    ({"type": "object", "properties": {"a": {"enum": ["\ud800"]}}}, "surrogate"),
-    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/S/properties/b"}},
-      "$defs": {"S": {"type": "object", "properties": {"b": {"type": "integer"}}}, "b": {"type": "string"}}}, "references"),
-    ({"type": "object", "properties": {"a": {"type": "array", "items": False}}}, "items"),
-])
+@pytest.mark.parametrize(
+    "schema, why",
+    [
+        ({"type": "array"}, "root"),
+        ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}, "pattern"),
+        ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}}, "minimum"),
+        (
+            {"type": "object", "properties": {"a": {"anyOf": [{"type": "integer"}, {"type": "number"}]}}},
+            "start differently",
+        ),
+        (
+            {"$ref": "#/$defs/A", "$defs": {"A": {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}}}},
+            "recursive",
+        ),
+        ({"type": "object", "properties": {"a": {"$ref": "https://example.com/x"}}}, "references"),
+        ({"type": "object", "properties": {"a": {"enum": [1, 2]}}}, "enum"),
+        ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}, "required"),
+        ("not a schema", "object"),
+        ({}, "root"),
+        ({"anyOf": [{}]}, "root"),
+        ({"type": "object", "$defs": []}, r"\$defs"),
+        ({"type": "object", "properties": {"a": {}}, "required": [["a"]]}, "required"),
+        ({"type": "object", "required": ["a"]}, "needs properties"),
+        ({"type": "object", "additionalProperties": False}, "needs properties"),
+        ({"type": "object", "additionalProperties": {"type": "integer"}}, "additionalProperties"),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"$ref": "#/$defs/S", "maxLength": 1}},
+                "$defs": {"S": {"type": "string"}},
+            },
+            "beside",
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"anyOf": [{"type": "string"}, {"type": "null"}], "enum": ["x", None]}},
+            },
+            "beside",
+        ),
+        ({"type": "object", "properties": {"a": {"type": "integer", "enum": ["x"]}}}, "under type"),
+        ({"type": "object", "properties": {"a": {"properties": {"b": {"type": "integer"}}}}}, "without a type"),
+        ({"type": "object", "properties": {"a": {"type": []}}}, "no alternative"),
+        ({"type": "object", "properties": {"a": {"enum": ["\ud800"]}}}, "surrogate"),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {"$ref": "#/$defs/S/properties/b"}},
+                "$defs": {"S": {"type": "object", "properties": {"b": {"type": "integer"}}}, "b": {"type": "string"}},
+            },
+            "references",
+        ),
+        ({"type": "object", "properties": {"a": {"type": "array", "items": False}}}, "items"),
+    ],
+)
 def test_schemas_it_cannot_enforce_are_refused_with_the_reason(schema, why):
     with pytest.raises(SchemaError, match=why):
         compile_schema(schema)
@@ -141,7 +177,11 @@ def test_nesting_beyond_the_automaton_depth_is_refused_up_front():
     while inner["properties"]:
         inner = inner["properties"]["a"]
     inner["properties"]["z"] = {"$ref": "#/$defs/Deep"}
-    shared = {"$defs": {"Deep": nested(40)}, "type": "object", "properties": {"x": {"$ref": "#/$defs/Deep"}, "y": chain}}
+    shared = {
+        "$defs": {"Deep": nested(40)},
+        "type": "object",
+        "properties": {"x": {"$ref": "#/$defs/Deep"}, "y": chain},
+    }
     with pytest.raises(SchemaError, match="nesting"):
         compile_schema(shared)
     compile_schema({**shared, "$defs": {"Deep": nested(30)}})
@@ -150,8 +190,11 @@ def test_nesting_beyond_the_automaton_depth_is_refused_up_front():
 def test_definitions_compile_once_and_the_work_is_bounded():
     wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(50)}}
     middle = {"type": "object", "properties": {f"b{i}": {"$ref": "#/$defs/A"} for i in range(50)}}
-    root = {"type": "object", "properties": {f"r{i}": {"$ref": "#/$defs/B"} for i in range(50)},
-            "$defs": {"A": wide, "B": middle}}
+    root = {
+        "type": "object",
+        "properties": {f"r{i}": {"$ref": "#/$defs/B"} for i in range(50)},
+        "$defs": {"A": wide, "B": middle},
+    }
     assert len(compile_schema(root).nodes) < 60  # 50 * 50 * 50 leaves if each use were expanded
     root["$defs"]["A"] = {"type": "object", "properties": {f"p{i}": {} for i in range(5000)}}
     with pytest.raises(SchemaError, match="schema parts"):
@@ -160,7 +203,7 @@ def test_definitions_compile_once_and_the_work_is_bounded():
 
 def test_a_free_object_schema_is_json_object_mode():
     free = compile_schema({"type": "object"})
-    for text in ('{}', '{"a": [1, {"b": null}], "c": "x"}'):
+    for text in ("{}", '{"a": [1, {"b": null}], "c": "x"}'):
         assert accepts(text, free) and g.run(g.INITIAL, text) is not None
     assert not accepts("[1]", free)
 
@@ -171,7 +214,13 @@ def test_schema_masks_allow_exactly_the_tokens_that_keep_the_document_valid():
     masks = plain.for_grammar(GRAMMAR)
     assert masks._cache is plain._cache  # one bound for every schema's masks
     sample = random.Random(2).sample(range(tokenizer.vocab_size), 2000)
-    for prefix in ('', '{"na', '{"name": "Al", "sc', '{"name": "Al", "score": 1', '{"name": "A", "score": 1, "pets": [{"kind": "c'):
+    for prefix in (
+        "",
+        '{"na',
+        '{"name": "Al", "sc',
+        '{"name": "Al", "score": 1',
+        '{"name": "A", "score": 1, "pets": [{"kind": "c',
+    ):
         cursor = masks.start()
         for token in tokenizer.encode(prefix, add_special_tokens=False):
             assert masks.allowed(cursor)[token], (prefix, tokenizer.token_text(token))
@@ -187,15 +236,49 @@ def test_schema_masks_allow_exactly_the_tokens_that_keep_the_document_valid():
 
 
 def random_schema(rng: random.Random, depth: int = 0):
-    scalars = ["object", "array", "string", "integer", "number", "boolean", "null", "x", "#/$defs/A", "#/$defs/B",
-               None, True, False, 0, 1.5, "", {}, [], {"type": "string"}]
+    scalars = [
+        "object",
+        "array",
+        "string",
+        "integer",
+        "number",
+        "boolean",
+        "null",
+        "x",
+        "#/$defs/A",
+        "#/$defs/B",
+        None,
+        True,
+        False,
+        0,
+        1.5,
+        "",
+        {},
+        [],
+        {"type": "string"},
+    ]
     if depth > 4 or rng.random() < 0.2:
         return rng.choice(scalars)
     if rng.random() < 0.2:
         return [random_schema(rng, depth + 1) for _ in range(rng.randint(0, 3))]
     schema = {}
-    for key in rng.sample(["type", "properties", "required", "items", "enum", "const", "anyOf", "oneOf", "$ref",
-                           "$defs", "additionalProperties", "title"], rng.randint(0, 4)):
+    for key in rng.sample(
+        [
+            "type",
+            "properties",
+            "required",
+            "items",
+            "enum",
+            "const",
+            "anyOf",
+            "oneOf",
+            "$ref",
+            "$defs",
+            "additionalProperties",
+            "title",
+        ],
+        rng.randint(0, 4),
+    ):
         if key == "properties":
             schema[key] = {rng.choice("abc"): random_schema(rng, depth + 1) for _ in range(rng.randint(0, 3))}
         elif key == "required":

@@ -21,13 +21,27 @@ def test_decodes_and_a_chunk_flatten_in_plan_order():
     a = seq(range(10, 51), table=[3, 4, 5])  # 41 tokens: a decode of token 40
     b = seq([7] * 8, table=[9])
     c = seq([1, 2, 3, 4, 5, 6], table=[11, 12])  # a prompt, run in two chunks
-    plan = StepPlan([ScheduledChunk(a, 40, 1), ScheduledChunk(b, 7, 1), ScheduledChunk(c, 0, 4)],
-                    page_copies=[(2, 6)], swap_out=[(5, [1, 2])], swap_in=[(6, [7])], swap_discard=[8], num_decodes=2)
+    plan = StepPlan(
+        [ScheduledChunk(a, 40, 1), ScheduledChunk(b, 7, 1), ScheduledChunk(c, 0, 4)],
+        page_copies=[(2, 6)],
+        swap_out=[(5, [1, 2])],
+        swap_in=[(6, [7])],
+        swap_discard=[8],
+        num_decodes=2,
+    )
     step = build_model_input(plan)
     assert step == ModelInput(
-        token_ids=[50, 7, 1, 2, 3, 4], query_lens=[1, 1, 4], seq_lens=[41, 8, 4],
-        block_tables=[[3, 4, 5], [9], [11, 12]], sample_rows=[0, 1], prompt_logprob_rows=[], num_decodes=2,
-        page_copies=[(2, 6)], swap_out=[(5, [1, 2])], swap_in=[(6, [7])], swap_discard=[8],
+        token_ids=[50, 7, 1, 2, 3, 4],
+        query_lens=[1, 1, 4],
+        seq_lens=[41, 8, 4],
+        block_tables=[[3, 4, 5], [9], [11, 12]],
+        sample_rows=[0, 1],
+        prompt_logprob_rows=[],
+        num_decodes=2,
+        page_copies=[(2, 6)],
+        swap_out=[(5, [1, 2])],
+        swap_in=[(6, [7])],
+        swap_discard=[8],
     )
     assert step.logit_rows == [0, 1]
     final = build_model_input(StepPlan([ScheduledChunk(c, 4, 2)]))

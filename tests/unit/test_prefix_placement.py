@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from common.messages import Heartbeat, KVPoolLoad, WorkerKind
+from common.page_hash import HASH_BITS, chain_hash, prefix_page_hashes
 from common.sampling import SamplingParams
 from services.scheduler.main import parse as parse_scheduler_flags
 from services.scheduler.placement import Placement, PlacementPolicy, Placer, score
 from services.scheduler.prefix_index import PromptPages
 from services.scheduler.registry import Registry, WorkerInfo
-from common.page_hash import HASH_BITS, chain_hash, prefix_page_hashes
 from workers.engine.block_manager import BlockManager
 
 PAGE = 4
@@ -25,9 +25,19 @@ PROMPT = list(range(100, 117))  # 17 tokens: 4 full pages, all reusable (one tok
 
 def worker(worker_id: str, role: str = "prefill", load: int = 0, held: int = 0, prompt=PROMPT, **kw) -> WorkerInfo:
     """A registered worker holding the first `held` pages of `prompt`."""
-    info = WorkerInfo(worker_id=worker_id, kind=WorkerKind.LLM, role=role, model="m", max_running=kw.pop("max_running", 8),
-                      last_seen=0.0, page_size=PAGE, total_pages=100, kv_endpoint=f"ipc://{worker_id}",
-                      free_pages=kw.pop("free_pages", 100), **kw)
+    info = WorkerInfo(
+        worker_id=worker_id,
+        kind=WorkerKind.LLM,
+        role=role,
+        model="m",
+        max_running=kw.pop("max_running", 8),
+        last_seen=0.0,
+        page_size=PAGE,
+        total_pages=100,
+        kv_endpoint=f"ipc://{worker_id}",
+        free_pages=kw.pop("free_pages", 100),
+        **kw,
+    )
     info.running = load
     info.page_hashes = set(prefix_page_hashes(prompt, PAGE)[:held])
     return info
@@ -51,8 +61,13 @@ def test_keys_are_62_bit_chained_and_the_same_in_another_process():
     assert chain_hash(None, [1, 2, 3, 4]) != chain_hash(keys[0], [1, 2, 3, 4])  # the parent counts
     assert prefix_page_hashes(PROMPT[:16], PAGE) == keys[:3]  # 16 tokens: the 4th page is not reusable
     code = f"from common.page_hash import prefix_page_hashes as f; print(f({PROMPT}, {PAGE}))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONHASHSEED": "12345"},
+    ).stdout
     assert out.strip() == str(keys)
 
 
@@ -168,14 +183,20 @@ def test_prefix_wins_until_load_outweighs_it():
     decode = [worker("d0", "decode")]
     cached_busy, idle = worker("p0", load=2, held=3), worker("p1")
     # 1.0 * 0.75 - 1.0 * 2/8 = 0.5 > 0: the cache wins
-    assert Placer(PlacementPolicy("prefix", 1.0, 1.0)).place([cached_busy, idle], decode, [], prompt).prefill is cached_busy
+    assert (
+        Placer(PlacementPolicy("prefix", 1.0, 1.0)).place([cached_busy, idle], decode, [], prompt).prefill
+        is cached_busy
+    )
     # 1.0 * 0.75 - 4.0 * 2/8 = -0.25 < 0: the load wins
     assert Placer(PlacementPolicy("prefix", 1.0, 4.0)).place([cached_busy, idle], decode, [], prompt).prefill is idle
     assert Placer(PlacementPolicy("load")).place([cached_busy, idle], decode, [], prompt).prefill is idle
     # the longer prefix wins at equal load; equal scores go to the least loaded, then by id
     more, less = worker("p2", held=4), worker("p3", held=1)
     assert Placer().place([less, more], decode, [], prompt).prefill is more
-    assert Placer().place([worker("p5", load=1), worker("p4", load=1), worker("p6")], decode, [], prompt).prefill.worker_id == "p6"
+    assert (
+        Placer().place([worker("p5", load=1), worker("p4", load=1), worker("p6")], decode, [], prompt).prefill.worker_id
+        == "p6"
+    )
     assert Placer().place([worker("p5"), worker("p4")], decode, [], prompt).prefill.worker_id == "p4"
 
 
@@ -185,7 +206,9 @@ def test_a_worker_that_cannot_take_the_request_is_not_chosen_for_its_cache():
     no_room = worker("p1", held=4, free_pages=2)
     other = worker("p2")
     assert Placer().place([full, no_room, other], [worker("d0", "decode")], [], prompt).prefill is other
-    assert Placer().place([full, no_room], [worker("d0", "decode")], [worker("m0", "mixed")], prompt) == Placement(None, worker("m0", "mixed"))
+    assert Placer().place([full, no_room], [worker("d0", "decode")], [worker("m0", "mixed")], prompt) == Placement(
+        None, worker("m0", "mixed")
+    )
 
 
 def test_decode_choice_and_skip_pages():
@@ -208,7 +231,12 @@ def test_round_robin_takes_turns_per_pool():
     prefill = [worker("p1"), worker("p0", held=4), worker("p2")]
     decode = [worker("d1", "decode"), worker("d0", "decode")]
     picks = [placer.place(prefill, decode, [], prompt) for _ in range(4)]
-    assert [(x.prefill.worker_id, x.worker.worker_id) for x in picks] == [("p0", "d0"), ("p1", "d1"), ("p2", "d0"), ("p0", "d1")]
+    assert [(x.prefill.worker_id, x.worker.worker_id) for x in picks] == [
+        ("p0", "d0"),
+        ("p1", "d1"),
+        ("p2", "d0"),
+        ("p0", "d1"),
+    ]
 
 
 def test_placement_flags():
@@ -230,8 +258,17 @@ def tiny_model():
     from workers.model.loader import build_random_model
 
     cfg = ModelConfig(
-        architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
+        architecture="llama",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
         tie_word_embeddings=False,
     )
     return build_random_model(cfg, torch.float32, torch.device("cpu"), seed=3)
@@ -241,8 +278,15 @@ def make_engine(model, prefix_caching=True):
     from workers.engine.config import EngineConfig
     from workers.engine.engine import Engine
 
-    config = EngineConfig(dtype="float32", device="cpu", page_size=PAGE, num_pages=64, max_model_len=256,
-                          enable_prefix_caching=prefix_caching, cuda_graphs=False)
+    config = EngineConfig(
+        dtype="float32",
+        device="cpu",
+        page_size=PAGE,
+        num_pages=64,
+        max_model_len=256,
+        enable_prefix_caching=prefix_caching,
+        cuda_graphs=False,
+    )
     return Engine(config, model=model)
 
 
@@ -275,8 +319,14 @@ def hand_off(p_engine, d_engine, rid, prompt, params, skip_pages):
         d_engine.blocks.free_table(pinned)
         raise
     tensors = protocol.decode_tensor_frames(header, frames[2:])
-    d_engine.import_prefilled(rid, prompt, params, list(header.first_token_ids),
-                              lambda table: write_pages(d_engine.runner.kv_cache, table, tensors), pinned)
+    d_engine.import_prefilled(
+        rid,
+        prompt,
+        params,
+        list(header.first_token_ids),
+        lambda table: write_pages(d_engine.runner.kv_cache, table, tensors),
+        pinned,
+    )
     return header
 
 

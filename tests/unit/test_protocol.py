@@ -14,55 +14,259 @@ import torch
 
 from common import protocol as p
 from common.protocol import (
-    KVPoolInfo, KVPoolLoad, RequestStarted,
-    AbortRequest, DecodeTask, GenerateRequest, GenerateTask, Heartbeat, KVPagesAck, KVPagesHeader,
-    PrefillTask, PrefixCacheUpdate, ProtocolError, Ready, Registered, RegisterWorker, RequestDone, RequestFailed,
-    ScheduleRequest, TextDelta, TextDeltaBatch, TokenDelta, TokenDeltaBatch, TokenLogprob, UnknownWorker,
-    ClusterStatus, HeldRequest, Ping, Pong, StatusRequest, WorkerStatus,
-    decode, decode_tensor_frames, encode, encode_tensor_frames,
+    AbortRequest,
+    ClusterStatus,
+    DecodeTask,
+    GenerateRequest,
+    GenerateTask,
+    Heartbeat,
+    HeldRequest,
+    KVPagesAck,
+    KVPagesHeader,
+    KVPoolInfo,
+    KVPoolLoad,
+    Ping,
+    Pong,
+    PrefillTask,
+    PrefixCacheUpdate,
+    ProtocolError,
+    Ready,
+    Registered,
+    RegisterWorker,
+    RequestDone,
+    RequestFailed,
+    RequestStarted,
+    ScheduleRequest,
+    StatusRequest,
+    TextDelta,
+    TextDeltaBatch,
+    TokenDelta,
+    TokenDeltaBatch,
+    TokenLogprob,
+    UnknownWorker,
+    WorkerStatus,
+    decode,
+    decode_tensor_frames,
+    encode,
+    encode_tensor_frames,
 )
 from common.sampling import SamplingParams
 
-SP = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=40, seed=7, max_tokens=32,
-                    stop_token_ids=(2, 3), stop=("\n\n",), logprobs=2, logit_bias=((3, -100.0), (17, 2.5)))
+SP = SamplingParams(
+    n=2,
+    temperature=0.7,
+    top_p=0.9,
+    top_k=40,
+    seed=7,
+    max_tokens=32,
+    stop_token_ids=(2, 3),
+    stop=("\n\n",),
+    logprobs=2,
+    logit_bias=((3, -100.0), (17, 2.5)),
+)
 LP = TokenLogprob(token_id=11, logprob=-0.25, top_ids=[11, 12], top_logprobs=[-0.25, -1.5])
-TEXT_DELTA = TextDelta(request_id="r1", index=1, text="héllo ✓", token_ids=[11, 12], logprobs=[LP, LP], finish_reason="stop", prompt_tokens=5, completion_tokens=2)
-TOKEN_DELTA = TokenDelta(request_id="r1", index=0, token_ids=[11], logprobs=[LP], finish_reason=None, num_prompt_tokens=5)
-HEADER = KVPagesHeader(request_id="r1", seq_index=0, num_tokens=40, layer_start=0, layer_end=2, num_pages=3, dtype="bfloat16", page_shape=[2, 16, 2, 8], checksum=0, first_token_ids=[11], last=False, page_indices=[0, 1, 2])
+TEXT_DELTA = TextDelta(
+    request_id="r1",
+    index=1,
+    text="héllo ✓",
+    token_ids=[11, 12],
+    logprobs=[LP, LP],
+    finish_reason="stop",
+    prompt_tokens=5,
+    completion_tokens=2,
+)
+TOKEN_DELTA = TokenDelta(
+    request_id="r1", index=0, token_ids=[11], logprobs=[LP], finish_reason=None, num_prompt_tokens=5
+)
+HEADER = KVPagesHeader(
+    request_id="r1",
+    seq_index=0,
+    num_tokens=40,
+    layer_start=0,
+    layer_end=2,
+    num_pages=3,
+    dtype="bfloat16",
+    page_shape=[2, 16, 2, 8],
+    checksum=0,
+    first_token_ids=[11],
+    last=False,
+    page_indices=[0, 1, 2],
+)
 
 SAMPLES = [
-    GenerateRequest(request_id="r1", model="smollm", prompt_text="Hi", prompt_token_ids=None, messages=None, sampling=SP, stream=True, reply_to="ipc:///tmp/gw", arrival_time=1712.5, include_stop_str_in_output=False),
-    GenerateRequest(request_id="r2", model="smollm", prompt_text=None, prompt_token_ids=[1, 2, 3], messages=None, sampling=SamplingParams(), stream=False, reply_to="gw-0", arrival_time=0.0, include_stop_str_in_output=True),
-    GenerateRequest(request_id="r3", model="smollm", prompt_text=None, prompt_token_ids=None, messages=[{"role": "user", "content": "Hi"}], sampling=SP, stream=True, reply_to="gw", arrival_time=1.0, include_stop_str_in_output=False),
+    GenerateRequest(
+        request_id="r1",
+        model="smollm",
+        prompt_text="Hi",
+        prompt_token_ids=None,
+        messages=None,
+        sampling=SP,
+        stream=True,
+        reply_to="ipc:///tmp/gw",
+        arrival_time=1712.5,
+        include_stop_str_in_output=False,
+    ),
+    GenerateRequest(
+        request_id="r2",
+        model="smollm",
+        prompt_text=None,
+        prompt_token_ids=[1, 2, 3],
+        messages=None,
+        sampling=SamplingParams(),
+        stream=False,
+        reply_to="gw-0",
+        arrival_time=0.0,
+        include_stop_str_in_output=True,
+    ),
+    GenerateRequest(
+        request_id="r3",
+        model="smollm",
+        prompt_text=None,
+        prompt_token_ids=None,
+        messages=[{"role": "user", "content": "Hi"}],
+        sampling=SP,
+        stream=True,
+        reply_to="gw",
+        arrival_time=1.0,
+        include_stop_str_in_output=False,
+    ),
     TextDeltaBatch(deltas=[TEXT_DELTA]),
-    TextDeltaBatch(deltas=[TextDelta(request_id="r1", index=0, text="Hi", token_ids=[11], logprobs=None, finish_reason=None, prompt_tokens=3, completion_tokens=1, queue_time_s=0.25, prompt_token_ids=[1, 2, 3], prompt_logprobs=[LP, LP])]),
-    TextDeltaBatch(deltas=[TextDelta(request_id="r1", index=0, text="", token_ids=[], logprobs=None, finish_reason=None, prompt_tokens=5, completion_tokens=0)]),
+    TextDeltaBatch(
+        deltas=[
+            TextDelta(
+                request_id="r1",
+                index=0,
+                text="Hi",
+                token_ids=[11],
+                logprobs=None,
+                finish_reason=None,
+                prompt_tokens=3,
+                completion_tokens=1,
+                queue_time_s=0.25,
+                prompt_token_ids=[1, 2, 3],
+                prompt_logprobs=[LP, LP],
+            )
+        ]
+    ),
+    TextDeltaBatch(
+        deltas=[
+            TextDelta(
+                request_id="r1",
+                index=0,
+                text="",
+                token_ids=[],
+                logprobs=None,
+                finish_reason=None,
+                prompt_tokens=5,
+                completion_tokens=0,
+            )
+        ]
+    ),
     TextDeltaBatch(deltas=[TEXT_DELTA, TEXT_DELTA]),
     TextDeltaBatch(deltas=[]),
-    RequestFailed(request_id="r1", status=400, error_type="invalid_request_error", message="prompt too long", param="prompt", code=None),
-    RequestFailed(request_id="r1", status=503, error_type="server_error", message="no workers", param=None, code="overloaded"),
+    RequestFailed(
+        request_id="r1",
+        status=400,
+        error_type="invalid_request_error",
+        message="prompt too long",
+        param="prompt",
+        code=None,
+    ),
+    RequestFailed(
+        request_id="r1", status=503, error_type="server_error", message="no workers", param=None, code="overloaded"
+    ),
     AbortRequest(request_id="r1", reason="client disconnected"),
     AbortRequest(request_id="r1", reason="unknown to the tokenizer", worker_id="d0"),
     ScheduleRequest(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SP, reply_to="tok-0", arrival_time=12.25),
-    PrefillTask(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SP, reply_to="tok-0", decode_worker_id="d0", decode_kv_endpoint="tcp://10.0.0.2:7001"),
-    PrefillTask(request_id="r1", prompt_token_ids=list(range(40)), sampling=SP, reply_to="tok-0", decode_worker_id="d0", decode_kv_endpoint="tcp://10.0.0.2:7001", queued_s=0.5, skip_pages=2),
+    PrefillTask(
+        request_id="r1",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SP,
+        reply_to="tok-0",
+        decode_worker_id="d0",
+        decode_kv_endpoint="tcp://10.0.0.2:7001",
+    ),
+    PrefillTask(
+        request_id="r1",
+        prompt_token_ids=list(range(40)),
+        sampling=SP,
+        reply_to="tok-0",
+        decode_worker_id="d0",
+        decode_kv_endpoint="tcp://10.0.0.2:7001",
+        queued_s=0.5,
+        skip_pages=2,
+    ),
     DecodeTask(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SP, reply_to="tok-0", prefill_worker_id="p0"),
-    DecodeTask(request_id="r1", prompt_token_ids=list(range(40)), sampling=SP, reply_to="tok-0", prefill_worker_id="p0", skip_pages=2),
+    DecodeTask(
+        request_id="r1",
+        prompt_token_ids=list(range(40)),
+        sampling=SP,
+        reply_to="tok-0",
+        prefill_worker_id="p0",
+        skip_pages=2,
+    ),
     GenerateTask(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SP, reply_to="tok-0"),
-    RegisterWorker(worker_id='p0', kind='llm', role='prefill', model='smollm', max_running=64, kv=KVPoolInfo(page_size=16, num_pages=1000, kv_endpoint='tcp://10.0.0.1:7000'), instance='9f2c'),
-    RegisterWorker(worker_id='x0', kind='diffusion', role='mixed', model='digits-dit', max_running=16, kv=None),
-    RegisterWorker(worker_id='p0', kind='llm', role='prefill', model='smollm', max_running=64, kv=KVPoolInfo(page_size=16, num_pages=1000, kv_endpoint=''), instance='9f2c', held=[HeldRequest(request_id='r1', reply_to='ipc:///tok-out')]),
+    RegisterWorker(
+        worker_id="p0",
+        kind="llm",
+        role="prefill",
+        model="smollm",
+        max_running=64,
+        kv=KVPoolInfo(page_size=16, num_pages=1000, kv_endpoint="tcp://10.0.0.1:7000"),
+        instance="9f2c",
+    ),
+    RegisterWorker(worker_id="x0", kind="diffusion", role="mixed", model="digits-dit", max_running=16, kv=None),
+    RegisterWorker(
+        worker_id="p0",
+        kind="llm",
+        role="prefill",
+        model="smollm",
+        max_running=64,
+        kv=KVPoolInfo(page_size=16, num_pages=1000, kv_endpoint=""),
+        instance="9f2c",
+        held=[HeldRequest(request_id="r1", reply_to="ipc:///tok-out")],
+    ),
     Registered(worker_id="p0"),
     UnknownWorker(worker_id="p0"),
-    Heartbeat(worker_id='p0', running=3, waiting=1, time=99.5, requests_finished=0, kv=KVPoolLoad(free_pages=900, used_pages=100, total_pages=1000, bytes_sent=4096, bytes_received=0)),
-    Heartbeat(worker_id='x0', running=1, waiting=0, time=1.5, requests_finished=2, kv=None),
+    Heartbeat(
+        worker_id="p0",
+        running=3,
+        waiting=1,
+        time=99.5,
+        requests_finished=0,
+        kv=KVPoolLoad(free_pages=900, used_pages=100, total_pages=1000, bytes_sent=4096, bytes_received=0),
+    ),
+    Heartbeat(worker_id="x0", running=1, waiting=0, time=1.5, requests_finished=2, kv=None),
     PrefixCacheUpdate(worker_id="p0", added=(0, 1 << 40, p.MAX_PAGE_HASH), removed=(7,)),
     PrefixCacheUpdate(worker_id="d0", added=(), removed=()),
     RequestDone(worker_id="p0", request_id="r1", reason="finished"),
     RequestDone(worker_id="p0", request_id="r1", reason="rejected", detail="prompt: too long"),
     TokenDeltaBatch(worker_id="d0", deltas=[], started=[RequestStarted(request_id="r1", num_prompt_tokens=5)]),
-    TokenDeltaBatch(worker_id="d0", deltas=[TokenDelta(request_id="r1", index=0, token_ids=[11], logprobs=None, finish_reason=None, num_prompt_tokens=3, queue_time_s=0.5, prompt_logprobs=[LP, LP])], started=[RequestStarted(request_id="r1", num_prompt_tokens=3)]),
-    TokenDeltaBatch(worker_id="d0", deltas=[TOKEN_DELTA, TokenDelta(request_id="r2", index=1, token_ids=[5, 6], logprobs=None, finish_reason="length", num_prompt_tokens=3)]),
+    TokenDeltaBatch(
+        worker_id="d0",
+        deltas=[
+            TokenDelta(
+                request_id="r1",
+                index=0,
+                token_ids=[11],
+                logprobs=None,
+                finish_reason=None,
+                num_prompt_tokens=3,
+                queue_time_s=0.5,
+                prompt_logprobs=[LP, LP],
+            )
+        ],
+        started=[RequestStarted(request_id="r1", num_prompt_tokens=3)],
+    ),
+    TokenDeltaBatch(
+        worker_id="d0",
+        deltas=[
+            TOKEN_DELTA,
+            TokenDelta(
+                request_id="r2", index=1, token_ids=[5, 6], logprobs=None, finish_reason="length", num_prompt_tokens=3
+            ),
+        ],
+    ),
     HEADER,
     KVPagesAck(request_id="r1", ok=True, error=None),
     KVPagesAck(request_id="r1", ok=False, error="out of pages"),
@@ -71,8 +275,38 @@ SAMPLES = [
     Ping(sender="tok-0", address="ipc:///tok-out"),
     Pong(service="scheduler", instance="5d41402abc4b2a76"),
     StatusRequest(requester="gw-1"),
-    ClusterStatus(ready=False, workers=[WorkerStatus(worker_id='p0', kind='llm', role='prefill', alive=False, running=0, waiting=0, requests_finished=0, kv=KVPoolLoad(free_pages=0, used_pages=0, total_pages=100, bytes_sent=8192, bytes_received=0))], queued=0),
-    ClusterStatus(ready=True, workers=[WorkerStatus(worker_id='d0', kind='llm', role='decode', alive=True, running=2, waiting=0, requests_finished=0, kv=KVPoolLoad(free_pages=0, used_pages=10, total_pages=100, bytes_sent=0, bytes_received=8192))], queued=3),
+    ClusterStatus(
+        ready=False,
+        workers=[
+            WorkerStatus(
+                worker_id="p0",
+                kind="llm",
+                role="prefill",
+                alive=False,
+                running=0,
+                waiting=0,
+                requests_finished=0,
+                kv=KVPoolLoad(free_pages=0, used_pages=0, total_pages=100, bytes_sent=8192, bytes_received=0),
+            )
+        ],
+        queued=0,
+    ),
+    ClusterStatus(
+        ready=True,
+        workers=[
+            WorkerStatus(
+                worker_id="d0",
+                kind="llm",
+                role="decode",
+                alive=True,
+                running=2,
+                waiting=0,
+                requests_finished=0,
+                kv=KVPoolLoad(free_pages=0, used_pages=10, total_pages=100, bytes_sent=0, bytes_received=8192),
+            )
+        ],
+        queued=3,
+    ),
 ]
 
 
@@ -123,7 +357,17 @@ def test_round_trip_is_exact(msg):
 
 
 def test_decode_accepts_memoryviews_and_converts_int_to_float():
-    frames = with_fields(Heartbeat(worker_id='w', running=0, waiting=0, time=1.0, requests_finished=0, kv=KVPoolLoad(free_pages=0, used_pages=0, total_pages=0, bytes_sent=0, bytes_received=0)), time=3)
+    frames = with_fields(
+        Heartbeat(
+            worker_id="w",
+            running=0,
+            waiting=0,
+            time=1.0,
+            requests_finished=0,
+            kv=KVPoolLoad(free_pages=0, used_pages=0, total_pages=0, bytes_sent=0, bytes_received=0),
+        ),
+        time=3,
+    )
     out = decode([memoryview(f) for f in frames])
     assert out.time == 3.0 and type(out.time) is float
 
@@ -155,36 +399,106 @@ MALFORMED = {
     "missing field": with_fields(Ready(service="w", name="n"), name=_DELETE),
     "unexpected field": with_fields(Ready(service="w", name="n"), extra=1),
     "str for int": with_fields(Registered(worker_id="w"), worker_id=5),
-    "bool for int": with_fields(RegisterWorker(worker_id='p0', kind='llm', role='mixed', model='m', max_running=4, kv=KVPoolInfo(page_size=16, num_pages=10, kv_endpoint='e')), max_running=True),
-    "float for int": with_fields(RegisterWorker(worker_id='p0', kind='llm', role='mixed', model='m', max_running=4, kv=KVPoolInfo(page_size=16, num_pages=10, kv_endpoint='e')), max_running=1.5),
+    "bool for int": with_fields(
+        RegisterWorker(
+            worker_id="p0",
+            kind="llm",
+            role="mixed",
+            model="m",
+            max_running=4,
+            kv=KVPoolInfo(page_size=16, num_pages=10, kv_endpoint="e"),
+        ),
+        max_running=True,
+    ),
+    "float for int": with_fields(
+        RegisterWorker(
+            worker_id="p0",
+            kind="llm",
+            role="mixed",
+            model="m",
+            max_running=4,
+            kv=KVPoolInfo(page_size=16, num_pages=10, kv_endpoint="e"),
+        ),
+        max_running=1.5,
+    ),
     "int for bool": with_fields(KVPagesAck(request_id="r", ok=True, error=None), ok=1),
-    "bool for float": with_fields(Heartbeat(worker_id='w', running=0, waiting=0, time=1.0, requests_finished=0, kv=KVPoolLoad(free_pages=0, used_pages=0, total_pages=0, bytes_sent=0, bytes_received=0)), time=False),
+    "bool for float": with_fields(
+        Heartbeat(
+            worker_id="w",
+            running=0,
+            waiting=0,
+            time=1.0,
+            requests_finished=0,
+            kv=KVPoolLoad(free_pages=0, used_pages=0, total_pages=0, bytes_sent=0, bytes_received=0),
+        ),
+        time=False,
+    ),
     "None for str": with_fields(AbortRequest(request_id="r", reason="x"), reason=None),
     "str for optional str": with_fields(KVPagesAck(request_id="r", ok=False, error=None), error=3),
-    "token id not int": with_fields(GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), prompt_token_ids=[1, "2"]),
-    "negative token id": with_fields(GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), prompt_token_ids=[1, -2]),
-    "token id too big": with_fields(GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), prompt_token_ids=[1 << 40]),
-    "token ids not a list": with_fields(GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), prompt_token_ids={"a": 1}),
-    "oversize token ids": with_fields(GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), prompt_token_ids=[0] * (p.MAX_TOKEN_IDS + 1)),
-    "sampling not a map": with_fields(GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), sampling=[1]),
-    "invalid sampling": with_fields(GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), sampling={"temperature": -1.0}),
-    "unknown sampling key": with_fields(GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), sampling={"temp": 1.0}),
-    "sampling wrong type": with_fields(GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), sampling={"stop": "x"}),
-    "nested wrong type": with_fields(TokenDeltaBatch(worker_id="w", deltas=[TOKEN_DELTA]), deltas=[{**token_delta_body(), "index": "0"}]),
+    "token id not int": with_fields(
+        GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), prompt_token_ids=[1, "2"]
+    ),
+    "negative token id": with_fields(
+        GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), prompt_token_ids=[1, -2]
+    ),
+    "token id too big": with_fields(
+        GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), prompt_token_ids=[1 << 40]
+    ),
+    "token ids not a list": with_fields(
+        GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), prompt_token_ids={"a": 1}
+    ),
+    "oversize token ids": with_fields(
+        GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"),
+        prompt_token_ids=[0] * (p.MAX_TOKEN_IDS + 1),
+    ),
+    "sampling not a map": with_fields(
+        GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), sampling=[1]
+    ),
+    "invalid sampling": with_fields(
+        GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), sampling={"temperature": -1.0}
+    ),
+    "unknown sampling key": with_fields(
+        GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), sampling={"temp": 1.0}
+    ),
+    "sampling wrong type": with_fields(
+        GenerateTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t"), sampling={"stop": "x"}
+    ),
+    "nested wrong type": with_fields(
+        TokenDeltaBatch(worker_id="w", deltas=[TOKEN_DELTA]), deltas=[{**token_delta_body(), "index": "0"}]
+    ),
     "nested not a map": with_fields(TokenDeltaBatch(worker_id="w", deltas=[TOKEN_DELTA]), deltas=[[1, 2]]),
     "nested missing field": with_fields(TextDeltaBatch(deltas=[TEXT_DELTA]), deltas=[{"request_id": "r"}]),
     "chat message not str": with_fields(SAMPLES[2], messages=[{"role": 1}]),
-    "logprob lengths differ": with_fields(TokenDeltaBatch(worker_id="w", deltas=[TOKEN_DELTA]), deltas=[
-        {**token_delta_body(), "logprobs": [{"token_id": 1, "logprob": 0.0, "top_ids": [1], "top_logprobs": []}]}]),
+    "logprob lengths differ": with_fields(
+        TokenDeltaBatch(worker_id="w", deltas=[TOKEN_DELTA]),
+        deltas=[
+            {**token_delta_body(), "logprobs": [{"token_id": 1, "logprob": 0.0, "top_ids": [1], "top_logprobs": []}]}
+        ],
+    ),
     "two prompts": with_fields(SAMPLES[0], prompt_token_ids=[1]),
     "no prompt": with_fields(SAMPLES[0], prompt_text=None),
-    "bad worker role": with_fields(RegisterWorker(worker_id='p0', kind='llm', role='mixed', model='m', max_running=4, kv=KVPoolInfo(page_size=16, num_pages=10, kv_endpoint='e')), role="boss"),
-    "negative skip_pages": with_fields(DecodeTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t", prefill_worker_id="p0"), skip_pages=-1),
+    "bad worker role": with_fields(
+        RegisterWorker(
+            worker_id="p0",
+            kind="llm",
+            role="mixed",
+            model="m",
+            max_running=4,
+            kv=KVPoolInfo(page_size=16, num_pages=10, kv_endpoint="e"),
+        ),
+        role="boss",
+    ),
+    "negative skip_pages": with_fields(
+        DecodeTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t", prefill_worker_id="p0"),
+        skip_pages=-1,
+    ),
     "page hash negative": with_fields(PrefixCacheUpdate(worker_id="w", added=(), removed=()), added=[-1]),
     "page hash over 62 bits": with_fields(PrefixCacheUpdate(worker_id="w", added=(), removed=()), removed=[1 << 62]),
     "page hash not int": with_fields(PrefixCacheUpdate(worker_id="w", added=(), removed=()), added=[1.0]),
     "page hash bool": with_fields(PrefixCacheUpdate(worker_id="w", added=(), removed=()), added=[True]),
-    "too many page hashes": with_fields(PrefixCacheUpdate(worker_id="w", added=(), removed=()), added=list(range(p.MAX_PAGE_HASHES + 1))),
+    "too many page hashes": with_fields(
+        PrefixCacheUpdate(worker_id="w", added=(), removed=()), added=list(range(p.MAX_PAGE_HASHES + 1))
+    ),
     "kv pages != page ids": with_fields(HEADER, num_pages=2) + [b""] * 2,
     "kv unknown dtype": with_fields(HEADER, dtype="complex64") + [b""] * 2,
     "kv layer range reversed": with_fields(HEADER, layer_start=3, layer_end=1),
@@ -199,11 +513,14 @@ def test_malformed_raises_protocol_error(frames):
         decode(frames)
 
 
-@pytest.mark.parametrize("limit, field_value, msg", [
-    ("MAX_LIST_LEN", {"deltas": [token_delta_body()] * 5}, TokenDeltaBatch(worker_id="w", deltas=[])),
-    ("MAX_STR_LEN", {"reason": "x" * 5}, AbortRequest(request_id="r", reason="")),
-    ("MAX_DICT_LEN", {"messages": [{str(i): "v" for i in range(5)}]}, SAMPLES[2]),
-])
+@pytest.mark.parametrize(
+    "limit, field_value, msg",
+    [
+        ("MAX_LIST_LEN", {"deltas": [token_delta_body()] * 5}, TokenDeltaBatch(worker_id="w", deltas=[])),
+        ("MAX_STR_LEN", {"reason": "x" * 5}, AbortRequest(request_id="r", reason="")),
+        ("MAX_DICT_LEN", {"messages": [{str(i): "v" for i in range(5)}]}, SAMPLES[2]),
+    ],
+)
 def test_size_bounds(monkeypatch, limit, field_value, msg):
     monkeypatch.setattr(p, limit, 4)
     with pytest.raises(ProtocolError, match="more than 4|longer than 4"):
@@ -211,7 +528,10 @@ def test_size_bounds(monkeypatch, limit, field_value, msg):
 
 
 def test_error_names_the_field_path():
-    bad = with_fields(TokenDeltaBatch(worker_id="w", deltas=[TOKEN_DELTA]), deltas=[token_delta_body(), {**token_delta_body(), "token_ids": ["x"]}])
+    bad = with_fields(
+        TokenDeltaBatch(worker_id="w", deltas=[TOKEN_DELTA]),
+        deltas=[token_delta_body(), {**token_delta_body(), "token_ids": ["x"]}],
+    )
     with pytest.raises(ProtocolError, match=r"TokenDeltaBatch\.deltas\[1\]\.token_ids: expected integers"):
         decode(bad)
 

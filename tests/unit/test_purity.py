@@ -47,8 +47,14 @@ print("ok")
 
 
 def import_guarded(module: str, blocked: tuple[str, ...] = BLOCKED) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", GUARD.format(blocked=blocked, module=module)], check=False, cwd=ROOT,
-                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    return subprocess.run(
+        [sys.executable, "-c", GUARD.format(blocked=blocked, module=module)],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
 
 
 @pytest.mark.parametrize("module", PURE_MODULES)

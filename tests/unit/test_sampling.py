@@ -34,7 +34,7 @@ from workers.engine.sampler import SampleRow, argmax_only, sample
         ({"json_object": True, "ignore_eos": True}, "json_object"),
         ({"json_object": True, "use_beam_search": True, "n": 2}, "json_object"),
         ({"json_schema": '{"type":"object"}', "ignore_eos": True}, "json_object"),
-        ({"json_schema": '{}', "json_object": True}, "json_schema"),
+        ({"json_schema": "{}", "json_object": True}, "json_schema"),
         ({"json_schema": "x" * 70000}, "json_schema"),
         ({"prompt_logprobs": True}, "prompt_logprobs"),
     ],
@@ -45,8 +45,9 @@ def test_out_of_range_values_name_the_field(kwargs, field):
 
 
 def test_round_trip_through_dict():
-    p = SamplingParams(n=2, temperature=0.5, stop=("x",), stop_token_ids=(3,), seed=4, logprobs=2,
-                       logit_bias=((9, -100.0), (3, 0.5)))
+    p = SamplingParams(
+        n=2, temperature=0.5, stop=("x",), stop_token_ids=(3,), seed=4, logprobs=2, logit_bias=((9, -100.0), (3, 0.5))
+    )
     assert SamplingParams.from_dict(p.to_dict()) == p
     with pytest.raises(ValueError, match="^logit_bias:"):
         SamplingParams.from_dict({"logit_bias": [5]})
@@ -70,7 +71,9 @@ def test_greedy_and_top_k_1_pick_the_argmax():
 def test_seeded_row_does_not_depend_on_its_batch():
     logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(1))
     seeded = SamplingParams(temperature=1.0, seed=42)
-    alone = sample(logits[2:3].clone(), [SampleRow(seeded, [], [], torch.Generator().manual_seed(42))], torch.Generator())
+    alone = sample(
+        logits[2:3].clone(), [SampleRow(seeded, [], [], torch.Generator().manual_seed(42))], torch.Generator()
+    )
     batch_rows = rows(SamplingParams(temperature=1.0), 4)
     batch_rows[2] = SampleRow(seeded, [], [], torch.Generator().manual_seed(42))
     together = sample(logits.clone(), batch_rows, torch.Generator().manual_seed(7))
@@ -79,19 +82,27 @@ def test_seeded_row_does_not_depend_on_its_batch():
 
 def test_top_p_keeps_only_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    picks = {sample(logits.clone(), rows(SamplingParams(top_p=0.7)), torch.Generator().manual_seed(s))[0][0] for s in range(200)}
+    picks = {
+        sample(logits.clone(), rows(SamplingParams(top_p=0.7)), torch.Generator().manual_seed(s))[0][0]
+        for s in range(200)
+    }
     assert picks == {0, 1}
 
 
 def test_min_p_drops_tokens_below_the_fraction_of_the_best():
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]]))
-    picks = {sample(logits.clone(), rows(SamplingParams(min_p=0.4)), torch.Generator().manual_seed(s))[0][0] for s in range(200)}
+    picks = {
+        sample(logits.clone(), rows(SamplingParams(min_p=0.4)), torch.Generator().manual_seed(s))[0][0]
+        for s in range(200)
+    }
     assert picks == {0, 1}
 
 
 def test_banned_ids_and_penalties_change_the_greedy_choice():
     logits = torch.tensor([[5.0, 4.0, 1.0]])
-    [(tok, _)] = sample(logits.clone(), [SampleRow(SamplingParams(temperature=0), [], [], None, banned_ids=(0,))], torch.Generator())
+    [(tok, _)] = sample(
+        logits.clone(), [SampleRow(SamplingParams(temperature=0), [], [], None, banned_ids=(0,))], torch.Generator()
+    )
     assert tok == 1
     freq = SamplingParams(temperature=0, frequency_penalty=2.0)
     [(tok, _)] = sample(logits.clone(), [SampleRow(freq, [], [0], None)], torch.Generator())
@@ -158,10 +169,15 @@ def test_the_sampler_keeps_every_tensor_on_the_logits_device(monkeypatch):
     def on_meta(real, stub):
         return lambda t, *a, **k: stub(t, *a, **k) if t.device.type == "meta" else real(t, *a, **k)
 
-    monkeypatch.setattr(torch.Tensor, "tolist", on_meta(real_tolist, lambda t: torch.zeros(t.shape, dtype=t.dtype).tolist()))
+    monkeypatch.setattr(
+        torch.Tensor, "tolist", on_meta(real_tolist, lambda t: torch.zeros(t.shape, dtype=t.dtype).tolist())
+    )
     monkeypatch.setattr(torch.Tensor, "__float__", on_meta(real_float, lambda t: 0.0))
-    monkeypatch.setattr(torch, "bincount", on_meta(
-        real_bincount, lambda t, minlength=0: torch.zeros(minlength, dtype=torch.int64, device=t.device)))
+    monkeypatch.setattr(
+        torch,
+        "bincount",
+        on_meta(real_bincount, lambda t, minlength=0: torch.zeros(minlength, dtype=torch.int64, device=t.device)),
+    )
     kinds = [
         SamplingParams(temperature=0.8, top_p=0.9, seed=1),
         SamplingParams(temperature=1.0, top_k=20, min_p=0.05, logprobs=3),
@@ -169,35 +185,62 @@ def test_the_sampler_keeps_every_tensor_on_the_logits_device(monkeypatch):
         SamplingParams(temperature=0, presence_penalty=0.5, logprobs=2),
         SamplingParams(temperature=0),
     ]
-    rows_ = [SampleRow(p, [5, 6, 7], [8, 8, 9], torch.Generator().manual_seed(p.seed) if p.seed else None,
-                       banned_ids=(3,) if i == 4 else ()) for i, p in enumerate(kinds)]
+    rows_ = [
+        SampleRow(
+            p,
+            [5, 6, 7],
+            [8, 8, 9],
+            torch.Generator().manual_seed(p.seed) if p.seed else None,
+            banned_ids=(3,) if i == 4 else (),
+        )
+        for i, p in enumerate(kinds)
+    ]
     got = sample(torch.empty(5, 100, device="meta"), rows_, torch.Generator())
     assert [tok for tok, _ in got] == [0] * 5 and got[1][1].top_ids == [0, 0, 0]
     # all plain greedy: one argmax on the device
-    assert sample(torch.empty(3, 100, device="meta"), rows(SamplingParams(temperature=0), 3), torch.Generator()) == [(0, None)] * 3
+    assert (
+        sample(torch.empty(3, 100, device="meta"), rows(SamplingParams(temperature=0), 3), torch.Generator())
+        == [(0, None)] * 3
+    )
     with pytest.raises(RuntimeError, match="device"):  # the check is real: a host tensor meets it
         torch.empty(3, device="meta") + torch.ones(3)
 
 
-@pytest.mark.parametrize("penalties, prompt_read, output_read", [
-    ({}, False, False),
-    ({"repetition_penalty": 1.3}, True, True),
-    ({"frequency_penalty": 0.5}, False, True),
-    ({"presence_penalty": 0.5}, False, True),
-])
+@pytest.mark.parametrize(
+    "penalties, prompt_read, output_read",
+    [
+        ({}, False, False),
+        ({"repetition_penalty": 1.3}, True, True),
+        ({"frequency_penalty": 0.5}, False, True),
+        ({"presence_penalty": 0.5}, False, True),
+    ],
+)
 def test_the_engine_hands_the_sampler_the_token_lists_its_penalties_read(penalties, prompt_read, output_read):
     """A row carries the prompt and output ids only when a penalty reads them (copying long
     contexts for every row at every step costs the host ~0.3 ms per step at 128 x 4096)."""
+    from common.model_config import ModelConfig
     from workers.engine.config import EngineConfig
     from workers.engine.engine import Engine
-    from common.model_config import ModelConfig
     from workers.model.loader import build_random_model
 
-    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
-                      num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-                      max_position_embeddings=128, tie_word_embeddings=False)
-    engine = Engine(EngineConfig(device="cpu", dtype="float32", num_pages=16, page_size=4, enable_prefix_caching=False),
-                    model=build_random_model(cfg, torch.float32, torch.device("cpu")))
+    cfg = ModelConfig(
+        architecture="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    engine = Engine(
+        EngineConfig(device="cpu", dtype="float32", num_pages=16, page_size=4, enable_prefix_caching=False),
+        model=build_random_model(cfg, torch.float32, torch.device("cpu")),
+    )
     engine.add_request("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, **penalties))
     engine.step()
     engine.step()

@@ -3,7 +3,7 @@
 from common.sampling import SamplingParams
 from workers.engine.block_manager import BlockManager
 from workers.engine.scheduler import Scheduler, StepSchedulerConfig
-from workers.engine.sequence import Sequence, SeqStatus
+from workers.engine.sequence import SeqStatus, Sequence
 
 
 def make_seq(n: int, rid: str) -> Sequence:
@@ -70,7 +70,10 @@ def test_admission_respects_max_num_seqs_and_partial_prefill_cap():
     plan = s.schedule()
     assert [c.seq.request_id for c in plan.chunks] == ["r0", "r1"]
     assert [x.request_id for x in s.waiting] == ["r2"]
-    s2 = Scheduler(StepSchedulerConfig(max_num_batched_tokens=8, max_prefill_chunk=4, max_num_partial_prefills=1), BlockManager(100, 4))
+    s2 = Scheduler(
+        StepSchedulerConfig(max_num_batched_tokens=8, max_prefill_chunk=4, max_num_partial_prefills=1),
+        BlockManager(100, 4),
+    )
     for i in range(2):
         s2.add(make_seq(10, f"p{i}"))
     plan = s2.schedule()  # p0 is mid-prefill: p1 waits although budget remains
@@ -121,7 +124,9 @@ def test_preemption_picks_the_lowest_priority_running_sequence():
 
 def test_short_prompts_pass_a_long_one_when_long_prefills_are_capped():
     bm = BlockManager(1000, 4)
-    cfg = StepSchedulerConfig(max_num_batched_tokens=64, max_prefill_chunk=32, long_prefill_threshold=100, max_long_partial_prefills=1)
+    cfg = StepSchedulerConfig(
+        max_num_batched_tokens=64, max_prefill_chunk=32, long_prefill_threshold=100, max_long_partial_prefills=1
+    )
     s = Scheduler(cfg, bm)
     for rid, n in (("long-1", 300), ("long-2", 300), ("short", 10)):
         s.add(make_seq(n, rid))

@@ -7,9 +7,29 @@ import pytest
 
 import services.scheduler.core as core_module
 from common.messages import (
-    AbortRequest, ClusterStatus, DecodeTask, DoneReason, GenerateTask, HeldRequest, Heartbeat, KVPoolInfo, KVPoolLoad,
-    Ping, Pong, PrefillTask, PrefixCacheUpdate, Registered, RegisterWorker, RequestDone, RequestFailed, ScheduleRequest,
-    StatusRequest, UnknownWorker, WorkerKind, WorkerRole, WorkerStatus,
+    AbortRequest,
+    ClusterStatus,
+    DecodeTask,
+    DoneReason,
+    GenerateTask,
+    Heartbeat,
+    HeldRequest,
+    KVPoolInfo,
+    KVPoolLoad,
+    Ping,
+    Pong,
+    PrefillTask,
+    PrefixCacheUpdate,
+    Registered,
+    RegisterWorker,
+    RequestDone,
+    RequestFailed,
+    ScheduleRequest,
+    StatusRequest,
+    UnknownWorker,
+    WorkerKind,
+    WorkerRole,
+    WorkerStatus,
 )
 from common.page_hash import prefix_page_hashes
 from common.sampling import SamplingParams
@@ -29,24 +49,46 @@ def new_core(max_queue: int = 256) -> SchedulerCore:
     return SchedulerCore(SchedulerConfig("ipc:///unused", heartbeat_timeout=TIMEOUT, max_queue=max_queue), "inst-1", T0)
 
 
-def register(core: SchedulerCore, wid: str, role: str = "mixed", now: float = T0, instance: str | None = None,
-             held: list[HeldRequest] | None = None, kind: WorkerKind = WorkerKind.LLM, max_running: int = 8):
+def register(
+    core: SchedulerCore,
+    wid: str,
+    role: str = "mixed",
+    now: float = T0,
+    instance: str | None = None,
+    held: list[HeldRequest] | None = None,
+    kind: WorkerKind = WorkerKind.LLM,
+    max_running: int = 8,
+):
     kv = KVPoolInfo(page_size=PAGE, num_pages=100, kv_endpoint=f"ipc:///{wid}-kv") if kind == WorkerKind.LLM else None
-    msg = RegisterWorker(worker_id=wid, kind=kind, role=role, model="m", max_running=max_running, kv=kv,
-                         instance=instance or f"{wid}-first", held=held)
+    msg = RegisterWorker(
+        worker_id=wid,
+        kind=kind,
+        role=role,
+        model="m",
+        max_running=max_running,
+        kv=kv,
+        instance=instance or f"{wid}-first",
+        held=held,
+    )
     return core.handle(wid.encode(), msg, now)
 
 
 def heartbeat(core: SchedulerCore, wid: str, now: float, free_pages: int | None = 100, running: int = 0):
-    kv = None if free_pages is None else KVPoolLoad(free_pages=free_pages, used_pages=100 - free_pages,
-                                                   total_pages=100, bytes_sent=0, bytes_received=0)
+    kv = (
+        None
+        if free_pages is None
+        else KVPoolLoad(
+            free_pages=free_pages, used_pages=100 - free_pages, total_pages=100, bytes_sent=0, bytes_received=0
+        )
+    )
     msg = Heartbeat(worker_id=wid, running=running, waiting=0, time=now, requests_finished=0, kv=kv)
     return core.handle(wid.encode(), msg, now)
 
 
 def schedule(core: SchedulerCore, rid: str, now: float = T0, sampling: SamplingParams = DEFAULT):
-    msg = ScheduleRequest(request_id=rid, prompt_token_ids=PROMPT, sampling=sampling, reply_to=TOK_OUT,
-                          arrival_time=0.0)
+    msg = ScheduleRequest(
+        request_id=rid, prompt_token_ids=PROMPT, sampling=sampling, reply_to=TOK_OUT, arrival_time=0.0
+    )
     return core.handle(TOK, msg, now)
 
 
@@ -55,13 +97,25 @@ def done(core: SchedulerCore, wid: str, rid: str, reason: DoneReason, detail: st
 
 
 def failed(rid: str, why: str) -> RequestFailed:
-    return RequestFailed(request_id=rid, status=503, error_type="server_error",
-                         message=f"Request failed: {why}; retry later.", param=None, code="worker_failure")
+    return RequestFailed(
+        request_id=rid,
+        status=503,
+        error_type="server_error",
+        message=f"Request failed: {why}; retry later.",
+        param=None,
+        code="worker_failure",
+    )
 
 
 def refused(rid: str, why: str) -> RequestFailed:
-    return RequestFailed(request_id=rid, status=503, error_type="server_error",
-                         message=f"Service unavailable: {why}; retry later.", param=None, code="overloaded")
+    return RequestFailed(
+        request_id=rid,
+        status=503,
+        error_type="server_error",
+        message=f"Service unavailable: {why}; retry later.",
+        param=None,
+        code="overloaded",
+    )
 
 
 def generate(rid: str, queued_s: float = 0.0, sampling: SamplingParams = DEFAULT) -> GenerateTask:
@@ -86,16 +140,25 @@ def test_registration_renewal_and_a_restart_under_a_known_id():
     core = new_core()
     assert register(core, "w0") == [(b"w0", Registered(worker_id="w0"))]
     w0 = core.registry.workers["w0"]
-    assert (w0.kind, w0.role, w0.page_size, w0.total_pages, w0.free_pages, w0.kv_endpoint) == \
-        (WorkerKind.LLM, WorkerRole.MIXED, PAGE, 100, 100, "ipc:///w0-kv")
+    assert (w0.kind, w0.role, w0.page_size, w0.total_pages, w0.free_pages, w0.kv_endpoint) == (
+        WorkerKind.LLM,
+        WorkerRole.MIXED,
+        PAGE,
+        100,
+        100,
+        "ipc:///w0-kv",
+    )
     assert schedule(core, "r1") == [("w0", generate("r1"))]
     # the same process registering again (it lost its Registered, say): renewed, its requests stay
     assert register(core, "w0", now=T0 + 1) == [(b"w0", Registered(worker_id="w0"))]
     assert core.registry.workers["w0"] is w0 and w0.requests == {"r1"} and w0.last_seen == T0 + 1
     # a new process under the id: the old one's requests died with it
     out = register(core, "w0", now=T0 + 2, instance="w0-second")
-    assert out == [(b"w0", Registered(worker_id="w0")), (TOK, failed("r1", "worker w0 restarted")),
-                   ("w0", AbortRequest(request_id="r1", reason="worker w0 restarted"))]
+    assert out == [
+        (b"w0", Registered(worker_id="w0")),
+        (TOK, failed("r1", "worker w0 restarted")),
+        ("w0", AbortRequest(request_id="r1", reason="worker w0 restarted")),
+    ]
     assert core.placed == {} and core.registry.workers["w0"].requests == set()
 
 
@@ -118,8 +181,10 @@ def test_a_worker_that_stops_heartbeating_is_dropped_and_its_requests_fail():
     out = core.tick(T0 + TIMEOUT + 0.1)  # d0 is gone: its request fails, and is aborted on both
     assert out[0] == (TOK, failed("r1", "worker d0 stopped responding"))
     reason = "worker d0 stopped responding"
-    assert set(out[1:]) == {("p0", AbortRequest(request_id="r1", reason=reason)),
-                            ("d0", AbortRequest(request_id="r1", reason=reason))}
+    assert set(out[1:]) == {
+        ("p0", AbortRequest(request_id="r1", reason=reason)),
+        ("d0", AbortRequest(request_id="r1", reason=reason)),
+    }
     assert sorted(core.registry.workers) == ["m0", "p0"] and core.placed == {}
     assert core.registry.workers["p0"].requests == set()
     assert schedule(core, "r2", now=T0 + 5.5) == [("m0", generate("r2"))]  # p0 without d0: mixed
@@ -145,8 +210,10 @@ def test_without_workers_requests_wait_through_the_start_up_grace_window_then_ar
     core = new_core()
     assert schedule(core, "r1", now=T0 + 1) == [] and schedule(core, "r2", now=T0 + 2) == []
     assert core.tick(T0 + TIMEOUT) == []  # the window includes its end
-    assert core.tick(T0 + TIMEOUT + 0.1) == [(TOK, refused("r1", "no workers are available")),
-                                             (TOK, refused("r2", "no workers are available"))]
+    assert core.tick(T0 + TIMEOUT + 0.1) == [
+        (TOK, refused("r1", "no workers are available")),
+        (TOK, refused("r2", "no workers are available")),
+    ]
     assert core.queue == {}
     assert schedule(core, "late", now=AFTER_GRACE) == [(TOK, refused("late", "no workers are available"))]
 
@@ -167,10 +234,30 @@ def test_disaggregated_placement_sends_both_tasks_and_skips_the_pages_the_decode
     assert core.handle(b"d0", PrefixCacheUpdate(worker_id="d0", added=tuple(keys[:3]), removed=()), T0) == []
     assert core.handle(b"d0", PrefixCacheUpdate(worker_id="d0", added=(), removed=(keys[2],)), T0) == []
     assert schedule(core, "r1", now=T0 + 1) == [
-        ("d0", DecodeTask(request_id="r1", prompt_token_ids=PROMPT, sampling=SamplingParams(), reply_to=TOK_OUT,
-                          prefill_worker_id="p0", skip_pages=2)),
-        ("p0", PrefillTask(request_id="r1", prompt_token_ids=PROMPT, sampling=SamplingParams(), reply_to=TOK_OUT,
-                           decode_worker_id="d0", decode_kv_endpoint="ipc:///d0-kv", queued_s=0.0, skip_pages=2)),
+        (
+            "d0",
+            DecodeTask(
+                request_id="r1",
+                prompt_token_ids=PROMPT,
+                sampling=SamplingParams(),
+                reply_to=TOK_OUT,
+                prefill_worker_id="p0",
+                skip_pages=2,
+            ),
+        ),
+        (
+            "p0",
+            PrefillTask(
+                request_id="r1",
+                prompt_token_ids=PROMPT,
+                sampling=SamplingParams(),
+                reply_to=TOK_OUT,
+                decode_worker_id="d0",
+                decode_kv_endpoint="ipc:///d0-kv",
+                queued_s=0.0,
+                skip_pages=2,
+            ),
+        ),
     ]
     placed = core.placed["r1"]
     assert (placed.holders, placed.prefill, placed.reply_to) == ({"p0", "d0"}, "p0", TOK_OUT)
@@ -208,20 +295,26 @@ def test_finished_on_the_prefill_worker_before_the_handoff_aborts_the_decode_sid
     core = disaggregated()
     placed_on_p0_d0(core)
     assert done(core, "p0", "r1", DoneReason.FINISHED) == [
-        ("d0", AbortRequest(request_id="r1", reason="finished at the first token"))]
+        ("d0", AbortRequest(request_id="r1", reason="finished at the first token"))
+    ]
     assert core.placed == {} and core.registry.workers["d0"].requests == set()
 
 
-@pytest.mark.parametrize("reporter, other, reason, detail, why", [
-    ("d0", "p0", DoneReason.KV_REJECTED, None, "the decode worker refused the KV pages"),
-    ("p0", "d0", DoneReason.KV_TIMEOUT, None, "the KV handoff timed out"),
-    ("d0", "p0", DoneReason.REJECTED, "no room for the prompt", "rejected: no room for the prompt"),
-])
+@pytest.mark.parametrize(
+    "reporter, other, reason, detail, why",
+    [
+        ("d0", "p0", DoneReason.KV_REJECTED, None, "the decode worker refused the KV pages"),
+        ("p0", "d0", DoneReason.KV_TIMEOUT, None, "the KV handoff timed out"),
+        ("d0", "p0", DoneReason.REJECTED, "no room for the prompt", "rejected: no room for the prompt"),
+    ],
+)
 def test_failed_endings_fail_the_request_and_abort_it_on_the_other_holder(reporter, other, reason, detail, why):
     core = disaggregated()
     placed_on_p0_d0(core)
     assert done(core, reporter, "r1", reason, detail) == [
-        (TOK, failed("r1", why)), (other, AbortRequest(request_id="r1", reason=why))]
+        (TOK, failed("r1", why)),
+        (other, AbortRequest(request_id="r1", reason=why)),
+    ]
     assert core.placed == {} and not any(w.requests for w in core.registry.workers.values())
 
 
@@ -233,7 +326,9 @@ def test_a_rejection_on_a_mixed_worker_fails_the_request_and_frees_it_for_the_ne
     assert heartbeat(core, "m0", T0 + 1, running=0) == []
     assert core.queue.keys() == {"r2"}
     assert done(core, "m0", "r1", DoneReason.REJECTED, "too long", now=T0 + 2) == [
-        (TOK, failed("r1", "rejected: too long")), ("m0", generate("r2", queued_s=1.0))]
+        (TOK, failed("r1", "rejected: too long")),
+        ("m0", generate("r2", queued_s=1.0)),
+    ]
 
 
 def test_aborts_of_queued_and_placed_requests():
@@ -270,7 +365,8 @@ def test_held_requests_are_adopted_and_a_prefill_finish_aborts_the_decode_holder
     assert core.registry.workers["d0"].requests == {"r1"}
     assert schedule(core, "r1") == []  # sent again by its tokenizer: it runs already
     assert done(core, "p0", "r1", DoneReason.FINISHED) == [
-        ("d0", AbortRequest(request_id="r1", reason="finished at the first token"))]
+        ("d0", AbortRequest(request_id="r1", reason="finished at the first token"))
+    ]
 
 
 def test_failures_for_a_tokenizer_not_heard_from_yet_wait_for_its_first_ping(monkeypatch):
@@ -311,18 +407,44 @@ def test_readiness_needs_an_llm_mixed_worker_or_an_llm_prefill_and_decode_pair()
     register(core, "m0")
     heartbeat(core, "m0", T0 + 1, free_pages=60, running=2)
     load = KVPoolLoad(free_pages=60, used_pages=40, total_pages=100, bytes_sent=0, bytes_received=0)
-    assert status(core, T0 + 2) == ClusterStatus(ready=True, queued=0, workers=[WorkerStatus(
-        worker_id="m0", kind=WorkerKind.LLM, role=WorkerRole.MIXED, alive=True, running=2, waiting=0,
-        requests_finished=0, kv=load)])
+    assert status(core, T0 + 2) == ClusterStatus(
+        ready=True,
+        queued=0,
+        workers=[
+            WorkerStatus(
+                worker_id="m0",
+                kind=WorkerKind.LLM,
+                role=WorkerRole.MIXED,
+                alive=True,
+                running=2,
+                waiting=0,
+                requests_finished=0,
+                kv=load,
+            )
+        ],
+    )
 
 
 def test_a_diffusion_worker_registers_and_reports_but_never_serves_llm_requests():
     core = new_core()
     assert register(core, "img0", kind=WorkerKind.DIFFUSION) == [(b"img0", Registered(worker_id="img0"))]
     assert heartbeat(core, "img0", T0 + 1, free_pages=None) == []
-    assert status(core, T0 + 1) == ClusterStatus(ready=False, queued=0, workers=[WorkerStatus(
-        worker_id="img0", kind=WorkerKind.DIFFUSION, role=WorkerRole.MIXED, alive=True, running=0, waiting=0,
-        requests_finished=0, kv=None)])
+    assert status(core, T0 + 1) == ClusterStatus(
+        ready=False,
+        queued=0,
+        workers=[
+            WorkerStatus(
+                worker_id="img0",
+                kind=WorkerKind.DIFFUSION,
+                role=WorkerRole.MIXED,
+                alive=True,
+                running=0,
+                waiting=0,
+                requests_finished=0,
+                kv=None,
+            )
+        ],
+    )
     assert core.registry.alive(WorkerKind.LLM, WorkerRole.MIXED, T0 + 1) == []
     assert [w.worker_id for w in core.registry.alive(WorkerKind.DIFFUSION, WorkerRole.MIXED, T0 + 1)] == ["img0"]
     assert schedule(core, "r1", now=T0 + 1) == []  # waits (grace window) for an LLM worker

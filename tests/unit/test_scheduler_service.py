@@ -18,7 +18,9 @@ TIMEOUT_S = 10.0
 
 @contextlib.asynccontextmanager
 async def scheduler(tmp_path, heartbeat_timeout: float = 5.0):
-    service = SchedulerService(SchedulerConfig(t.ipc_address(str(tmp_path), "sched"), heartbeat_timeout=heartbeat_timeout))
+    service = SchedulerService(
+        SchedulerConfig(t.ipc_address(str(tmp_path), "sched"), heartbeat_timeout=heartbeat_timeout)
+    )
     task = asyncio.create_task(service.run())
     try:
         yield service
@@ -31,7 +33,18 @@ async def scheduler(tmp_path, heartbeat_timeout: float = 5.0):
 
 async def registered_worker(address: str, worker_id: str, instance: str = "", held=None) -> t.Dealer:
     worker = t.Dealer(address, worker_id)
-    await worker.send(RegisterWorker(worker_id=worker_id, kind='llm', role='mixed', model='m', max_running=8, kv=KVPoolInfo(page_size=16, num_pages=100, kv_endpoint=''), instance=instance or f'{worker_id}-instance', held=held))
+    await worker.send(
+        RegisterWorker(
+            worker_id=worker_id,
+            kind="llm",
+            role="mixed",
+            model="m",
+            max_running=8,
+            kv=KVPoolInfo(page_size=16, num_pages=100, kv_endpoint=""),
+            instance=instance or f"{worker_id}-instance",
+            held=held,
+        )
+    )
     assert await worker.recv() == Registered(worker_id=worker_id)
     return worker
 
@@ -57,8 +70,12 @@ def test_an_abort_of_an_unknown_request_goes_to_the_worker_it_names_only(tmp_pat
                 await tokenizer.send(AbortRequest(request_id="lost", reason="unknown to the tokenizer", worker_id="w1"))
                 assert await w1.recv() == AbortRequest(request_id="lost", reason="unknown to the tokenizer")
                 await tokenizer.send(AbortRequest(request_id="gone", reason="client disconnected"))  # names no worker
-                await tokenizer.send(AbortRequest(request_id="x", reason="unknown to the tokenizer", worker_id="nobody"))  # not registered
-                await tokenizer.send(AbortRequest(request_id="lost2", reason="unknown to the tokenizer", worker_id="w0"))
+                await tokenizer.send(
+                    AbortRequest(request_id="x", reason="unknown to the tokenizer", worker_id="nobody")
+                )  # not registered
+                await tokenizer.send(
+                    AbortRequest(request_id="lost2", reason="unknown to the tokenizer", worker_id="w0")
+                )
                 assert await w0.recv() == AbortRequest(request_id="lost2", reason="unknown to the tokenizer")
                 with contextlib.suppress(asyncio.TimeoutError):
                     extra = await asyncio.wait_for(w1.recv(), 0.3)
@@ -70,6 +87,7 @@ def test_an_abort_of_an_unknown_request_goes_to_the_worker_it_names_only(tmp_pat
 def test_requests_a_worker_reports_holding_are_failed_when_it_goes(tmp_path):
     """A restarted scheduler learns from a worker registering again which requests it runs, and
     from its tokenizers' pings where to report them: their streams end if the worker goes."""
+
     async def main():
         async with scheduler(tmp_path) as service:
             with t.Dealer(service.config.address, "tok0") as tokenizer:
@@ -93,9 +111,17 @@ def test_a_request_sent_again_after_a_restart_is_placed_once(tmp_path):
 
     async def main():
         async with scheduler(tmp_path) as service:
-            with await registered_worker(service.config.address, "w0") as worker, \
-                    t.Dealer(service.config.address, "tok0") as tokenizer:
-                request = ScheduleRequest(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(), reply_to="ipc:///tok0-out", arrival_time=1.0)
+            with (
+                await registered_worker(service.config.address, "w0") as worker,
+                t.Dealer(service.config.address, "tok0") as tokenizer,
+            ):
+                request = ScheduleRequest(
+                    request_id="r1",
+                    prompt_token_ids=[1, 2, 3],
+                    sampling=SamplingParams(),
+                    reply_to="ipc:///tok0-out",
+                    arrival_time=1.0,
+                )
                 await tokenizer.send(request)
                 task = await asyncio.wait_for(worker.recv(), TIMEOUT_S)
                 assert isinstance(task, GenerateTask) and task.request_id == "r1"
@@ -116,12 +142,28 @@ def test_a_just_started_scheduler_holds_requests_for_workers_yet_to_register(tmp
     async def main():
         async with scheduler(tmp_path, heartbeat_timeout=0.5) as service:
             with t.Dealer(service.config.address, "tok0") as tokenizer:
-                await tokenizer.send(ScheduleRequest(request_id="early", prompt_token_ids=[1, 2], sampling=SamplingParams(), reply_to="ipc:///tok0-out", arrival_time=1.0))
+                await tokenizer.send(
+                    ScheduleRequest(
+                        request_id="early",
+                        prompt_token_ids=[1, 2],
+                        sampling=SamplingParams(),
+                        reply_to="ipc:///tok0-out",
+                        arrival_time=1.0,
+                    )
+                )
                 with await registered_worker(service.config.address, "w0") as worker:
                     task = await asyncio.wait_for(worker.recv(), TIMEOUT_S)
                     assert isinstance(task, GenerateTask) and task.request_id == "early"
                 await asyncio.sleep(1.0)  # w0 stops heartbeating: gone, and the start is long past
-                await tokenizer.send(ScheduleRequest(request_id="late", prompt_token_ids=[1, 2], sampling=SamplingParams(), reply_to="ipc:///tok0-out", arrival_time=1.0))
+                await tokenizer.send(
+                    ScheduleRequest(
+                        request_id="late",
+                        prompt_token_ids=[1, 2],
+                        sampling=SamplingParams(),
+                        reply_to="ipc:///tok0-out",
+                        arrival_time=1.0,
+                    )
+                )
                 refused = await asyncio.wait_for(tokenizer.recv(), TIMEOUT_S)
                 while not (isinstance(refused, RequestFailed) and refused.request_id == "late"):
                     refused = await asyncio.wait_for(tokenizer.recv(), TIMEOUT_S)  # (the early one failed too)

@@ -12,7 +12,8 @@ import pytest
 from common.chat_template import ChatTemplate
 from common.model_files import default_model_path
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
-from tests.default_model import hf_tokenizer as reference, tokenizer as ours
+from tests.default_model import hf_tokenizer as reference
+from tests.default_model import tokenizer as ours
 
 MODEL = default_model_path()
 
@@ -62,6 +63,7 @@ CONVERSATIONS = [
 
 # ---- encode / decode -----------------------------------------------------------------------------
 
+
 def test_model_facts():
     assert (ours().vocab_size, ours().bos_token_id, ours().eos_token_id, ours().add_bos) == (49152, 1, 2, False)
     assert ours().eos_token_ids == frozenset({2, 0})  # <|im_end|> and <|endoftext|>
@@ -110,11 +112,13 @@ def test_ids_outside_vocabulary_are_rejected_with_the_field_name():
 
 # ---- chat template -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_transformers(conversation, add_generation_prompt):
-    expected = reference().apply_chat_template(conversation, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+    expected = reference().apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     assert ours().apply_chat_template(conversation, add_generation_prompt=add_generation_prompt) == expected
     expected_ids = reference().apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
     ours_ids = ours().encode_chat(conversation, add_generation_prompt=add_generation_prompt)
@@ -143,12 +147,17 @@ TEMPLATE_FEATURES = (
 def test_template_environment_matches_transformers():
     # trim_blocks/lstrip_blocks, namespace, loop controls, {% generation %}, and a tojson that keeps
     # non-ASCII and HTML characters as they are.
-    messages = [{"role": "user", "content": "<b>é & \"q\"</b>"}, {"role": "x", "content": "2"},
-                {"role": "stop", "content": ""}, {"role": "never", "content": ""}]
+    messages = [
+        {"role": "user", "content": '<b>é & "q"</b>'},
+        {"role": "x", "content": "2"},
+        {"role": "stop", "content": ""},
+        {"role": "never", "content": ""},
+    ]
     ours = ChatTemplate(TEMPLATE_FEATURES, {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"})
     for add in (True, False):
-        expected = reference().apply_chat_template(messages, chat_template=TEMPLATE_FEATURES, tokenize=False,
-                                                 add_generation_prompt=add)
+        expected = reference().apply_chat_template(
+            messages, chat_template=TEMPLATE_FEATURES, tokenize=False, add_generation_prompt=add
+        )
         assert ours.render(messages, add_generation_prompt=add) == expected
 
 
@@ -166,9 +175,10 @@ def test_template_raise_exception_and_message_validation():
 
 # ---- incremental detokenizer ---------------------------------------------------------------------
 
+
 def stream(tokenizer, ids, chunk=1, **kwargs):
     detok = IncrementalDetokenizer(tokenizer, **kwargs)
-    deltas = [detok.add(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+    deltas = [detok.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
     return detok, deltas, detok.flush()
 
 
@@ -202,8 +212,16 @@ def test_streaming_window_stays_small():
 def test_stop_string_cuts_output_before_it():
     ids = ours().encode("Hello world. The end is near.")
     detok, deltas, tail = stream(ours(), ids, stop=["end"])
-    assert deltas == [("Hello", None), (" world", None), (".", None), (" Th", None), ("e ", "end"),
-                      ("", "end"), ("", "end"), ("", "end")]
+    assert deltas == [
+        ("Hello", None),
+        (" world", None),
+        (".", None),
+        (" Th", None),
+        ("e ", "end"),
+        ("", "end"),
+        ("", "end"),
+        ("", "end"),
+    ]
     assert (tail, detok.text, detok.matched_stop) == ("", "Hello world. The ", "end")
 
 
@@ -231,6 +249,7 @@ def test_earliest_stop_wins():
 
 # ---- other sources: HF folder, SentencePiece GGUF, llama-3 pre-tokenizer ------------------------
 
+
 def test_hf_folder_matches_transformers(tmp_path):
     reference().save_pretrained(tmp_path)
     folder = Tokenizer.from_path(tmp_path)
@@ -244,8 +263,9 @@ def test_hf_folder_matches_transformers(tmp_path):
         assert folder.encode_chat(conversation, False) == ours().encode_chat(conversation, False)
 
 
-def _write_gguf(path: Path, tokens, token_types, *, model, pre=None, merges=None, scores=None,
-                add_bos=True, template=None) -> Path:
+def _write_gguf(
+    path: Path, tokens, token_types, *, model, pre=None, merges=None, scores=None, add_bos=True, template=None
+) -> Path:
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tokenizer_model(model)
     if pre:
@@ -276,13 +296,39 @@ def _write_gguf(path: Path, tokens, token_types, *, model, pre=None, merges=None
 
 
 def test_sentencepiece_gguf_matches_transformers(tmp_path):
-    words = ["▁", "h", "e", "l", "o", "w", "r", "d", "a", "t", "▁h", "▁w", "ll", "he", "▁he", "llo",
-             "▁hello", "or", "▁wor", "ld", "▁world", "▁a", "at", "▁t", "th", "▁the", "▁that"]
+    words = [
+        "▁",
+        "h",
+        "e",
+        "l",
+        "o",
+        "w",
+        "r",
+        "d",
+        "a",
+        "t",
+        "▁h",
+        "▁w",
+        "ll",
+        "he",
+        "▁he",
+        "llo",
+        "▁hello",
+        "or",
+        "▁wor",
+        "ld",
+        "▁world",
+        "▁a",
+        "at",
+        "▁t",
+        "th",
+        "▁the",
+        "▁that",
+    ]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + words
     types = [2, 3, 3] + [6] * 256 + [1] * len(words)
     scores = [0.0] * 259 + [-float(i) for i in range(len(words))]  # merges come from the scores
-    template = ("{{ bos_token }}{% for m in messages %}"
-                "[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}")
+    template = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
     path = _write_gguf(tmp_path / "spm.gguf", tokens, types, model="llama", scores=scores, template=template)
     from transformers import AutoTokenizer
 
@@ -302,15 +348,24 @@ def test_sentencepiece_gguf_matches_transformers(tmp_path):
     expected_ids = [1, 94, 120, 118, 261, 265, 96, 275, 2]  # "<s>[user] hello</s>"
     assert mine.encode_chat(chat) == hf.apply_chat_template(chat)["input_ids"] == expected_ids
     assert [mine.token_text(i) for i in mine.encode("hello what", add_special_tokens=False)] == [
-        " hello", " w", "h", "at"]
+        " hello",
+        " w",
+        "h",
+        "at",
+    ]
 
 
 def test_llama3_pre_tokenizer_gguf_matches_transformers(tmp_path):
     # The SmolLM vocabulary under llama-3's split regex: checks the `llama-bpe` pre-type and BOS.
     fields = gguf.GGUFReader(MODEL).fields
-    path = _write_gguf(tmp_path / "l3.gguf", fields["tokenizer.ggml.tokens"].contents(),
-                       fields["tokenizer.ggml.token_type"].contents(), model="gpt2", pre="llama-bpe",
-                       merges=fields["tokenizer.ggml.merges"].contents())
+    path = _write_gguf(
+        tmp_path / "l3.gguf",
+        fields["tokenizer.ggml.tokens"].contents(),
+        fields["tokenizer.ggml.token_type"].contents(),
+        model="gpt2",
+        pre="llama-bpe",
+        merges=fields["tokenizer.ggml.merges"].contents(),
+    )
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)

@@ -9,7 +9,15 @@ import pytest
 
 from common import transport as t
 from common.messages import (
-    AbortRequest, GenerateRequest, Ping, Pong, Ready, RequestFailed, ScheduleRequest, TextDeltaBatch, TokenDelta,
+    AbortRequest,
+    GenerateRequest,
+    Ping,
+    Pong,
+    Ready,
+    RequestFailed,
+    ScheduleRequest,
+    TextDeltaBatch,
+    TokenDelta,
     TokenDeltaBatch,
 )
 from common.model_files import default_model_path
@@ -24,14 +32,32 @@ TOKENIZER = Tokenizer.from_path(default_model_path())
 
 def config(tmp_path, **overrides) -> TokenizerConfig:
     a = lambda name: t.ipc_address(str(tmp_path), name)  # noqa: E731
-    values = dict(model=default_model_path(), address=a("tok"), output_address=a("tok-out"),
-                  scheduler_address=a("sched"), max_model_len=64, name="tok0", ready_address=a("ready"),
-                  log_level="INFO")
+    values = dict(
+        model=default_model_path(),
+        address=a("tok"),
+        output_address=a("tok-out"),
+        scheduler_address=a("sched"),
+        max_model_len=64,
+        name="tok0",
+        ready_address=a("ready"),
+        log_level="INFO",
+    )
     return TokenizerConfig(**{**values, **overrides})
 
 
 def generate(request_id: str, reply_to: str, **sampling) -> GenerateRequest:
-    return GenerateRequest(request_id=request_id, model="m", prompt_text="Hi", prompt_token_ids=None, messages=None, sampling=SamplingParams(**sampling), stream=True, reply_to=reply_to, arrival_time=1.0, include_stop_str_in_output=False)
+    return GenerateRequest(
+        request_id=request_id,
+        model="m",
+        prompt_text="Hi",
+        prompt_token_ids=None,
+        messages=None,
+        sampling=SamplingParams(**sampling),
+        stream=True,
+        reply_to=reply_to,
+        arrival_time=1.0,
+        include_stop_str_in_output=False,
+    )
 
 
 class FakeScheduler:
@@ -55,8 +81,12 @@ class FakeScheduler:
 @contextlib.asynccontextmanager
 async def mesh(cfg: TokenizerConfig, reply_address: str):
     """Fake scheduler (Router), gateway (Dealer + Pull) and launcher (Pull), then the service."""
-    with t.Router(cfg.scheduler_address) as scheduler, t.Pull(cfg.ready_address) as ready, \
-            t.Pull(reply_address) as replies, t.Dealer(cfg.address, "gw0") as gateway:
+    with (
+        t.Router(cfg.scheduler_address) as scheduler,
+        t.Pull(cfg.ready_address) as ready,
+        t.Pull(reply_address) as replies,
+        t.Dealer(cfg.address, "gw0") as gateway,
+    ):
         service = asyncio.create_task(run(cfg))
         try:
             assert await asyncio.wait_for(ready.recv(), TIMEOUT_S) == Ready(service="tokenizer", name="tok0")
@@ -77,21 +107,49 @@ def test_request_tokens_text_stop_abort_and_503_over_sockets(tmp_path):
             await gateway.send(generate("r1", reply_address, stop=("world",)))
             identity, scheduled = await scheduler.recv()
             assert identity == b"tok0"
-            assert scheduled == ScheduleRequest(request_id="r1", prompt_token_ids=TOKENIZER.encode("Hi"), sampling=SamplingParams(stop=("world",)),
-                                                reply_to=cfg.output_address, arrival_time=1.0)
+            assert scheduled == ScheduleRequest(
+                request_id="r1",
+                prompt_token_ids=TOKENIZER.encode("Hi"),
+                sampling=SamplingParams(stop=("world",)),
+                reply_to=cfg.output_address,
+                arrival_time=1.0,
+            )
             # a worker streams tokens; the stop string ends the request and aborts it
             with t.Push(scheduled.reply_to) as worker:
                 ids = TOKENIZER.encode(" Hello world", add_special_tokens=False)
-                await worker.send(TokenDeltaBatch(worker_id="w0", deltas=[TokenDelta(request_id="r1", index=0, token_ids=ids, logprobs=None, finish_reason=None, num_prompt_tokens=2)]))
+                await worker.send(
+                    TokenDeltaBatch(
+                        worker_id="w0",
+                        deltas=[
+                            TokenDelta(
+                                request_id="r1",
+                                index=0,
+                                token_ids=ids,
+                                logprobs=None,
+                                finish_reason=None,
+                                num_prompt_tokens=2,
+                            )
+                        ],
+                    )
+                )
                 batch = await replies.recv()
                 assert isinstance(batch, TextDeltaBatch)
-                assert [(d.text, d.finish_reason, d.completion_tokens) for d in batch.deltas] == [(" Hello ", "stop", 2)]
+                assert [(d.text, d.finish_reason, d.completion_tokens) for d in batch.deltas] == [
+                    (" Hello ", "stop", 2)
+                ]
                 assert await scheduler.recv() == (b"tok0", AbortRequest(request_id="r1", reason="stop string"))
 
             # the scheduler refuses a request: the gateway gets the failure
             await gateway.send(generate("r2", reply_address))
             identity, _ = await scheduler.recv()
-            failed = RequestFailed(request_id="r2", status=503, error_type="service_unavailable", message="no capacity", param=None, code="no_capacity")
+            failed = RequestFailed(
+                request_id="r2",
+                status=503,
+                error_type="service_unavailable",
+                message="no capacity",
+                param=None,
+                code="no_capacity",
+            )
             await scheduler.send(identity, failed)
             assert await replies.recv() == failed
 
@@ -125,7 +183,21 @@ def test_pings_and_a_restarted_scheduler_over_sockets(tmp_path):
                 await gateway.send(generate(rid, reply_address))
                 assert (await scheduler.recv())[1].request_id == rid
             with t.Push(cfg.output_address) as worker:
-                await worker.send(TokenDeltaBatch(worker_id="w0", deltas=[TokenDelta(request_id="streaming", index=0, token_ids=[28], logprobs=None, finish_reason=None, num_prompt_tokens=2)]))
+                await worker.send(
+                    TokenDeltaBatch(
+                        worker_id="w0",
+                        deltas=[
+                            TokenDelta(
+                                request_id="streaming",
+                                index=0,
+                                token_ids=[28],
+                                logprobs=None,
+                                finish_reason=None,
+                                num_prompt_tokens=2,
+                            )
+                        ],
+                    )
+                )
                 assert isinstance(await replies.recv(), TextDeltaBatch)
             scheduler.instance = "second"  # pings now reach a new scheduler process
             identity, again = await scheduler.recv()  # what no worker took is sent to it again
@@ -157,7 +229,10 @@ def test_a_ping_from_a_gateway_that_left_does_not_stop_the_tokenizer():
     async def main():
         frontend = Frontend()
         serving = asyncio.create_task(_serve_gateways(frontend, None, None, None, "inst"))
-        assert await asyncio.wait_for(frontend.sent.get(), TIMEOUT_S) == (b"gw0", Pong(service="tokenizer", instance="inst"))
+        assert await asyncio.wait_for(frontend.sent.get(), TIMEOUT_S) == (
+            b"gw0",
+            Pong(service="tokenizer", instance="inst"),
+        )
         assert not serving.done()
         serving.cancel()
 
@@ -166,10 +241,15 @@ def test_a_ping_from_a_gateway_that_left_does_not_stop_the_tokenizer():
 
 def test_flags_and_env_build_the_config(monkeypatch):
     monkeypatch.setenv("PAGEMESH_SCHEDULER_ADDRESS", "tcp://127.0.0.1:5001")
-    cfg = parse_args(["--address", "tcp://127.0.0.1:5002", "--output-address", "tcp://127.0.0.1:5003",
-                      "--name", "tok7"])
+    cfg = parse_args(
+        ["--address", "tcp://127.0.0.1:5002", "--output-address", "tcp://127.0.0.1:5003", "--name", "tok7"]
+    )
     assert (cfg.scheduler_address, cfg.address, cfg.output_address, cfg.name) == (
-        "tcp://127.0.0.1:5001", "tcp://127.0.0.1:5002", "tcp://127.0.0.1:5003", "tok7")
+        "tcp://127.0.0.1:5001",
+        "tcp://127.0.0.1:5002",
+        "tcp://127.0.0.1:5003",
+        "tok7",
+    )
     assert cfg.model == default_model_path()
     assert cfg.max_model_len == 8192  # SmolLM2's context length is 8192, also the cap
     assert parse_args(["--address", "a", "--output-address", "b", "--max-model-len", "100"]).max_model_len == 100

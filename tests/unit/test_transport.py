@@ -12,9 +12,20 @@ import torch
 
 from common import transport as t
 from common.protocol import (
-    KVPoolInfo, KVPoolLoad,
-    AbortRequest, Heartbeat, KVPagesAck, KVPagesHeader, Ready, Registered, RegisterWorker,
-    TokenDelta, TokenDeltaBatch, decode_tensor_frames, encode, encode_tensor_frames,
+    AbortRequest,
+    Heartbeat,
+    KVPagesAck,
+    KVPagesHeader,
+    KVPoolInfo,
+    KVPoolLoad,
+    Ready,
+    Registered,
+    RegisterWorker,
+    TokenDelta,
+    TokenDeltaBatch,
+    decode_tensor_frames,
+    encode,
+    encode_tensor_frames,
 )
 
 TIMEOUT_S = 5.0
@@ -44,8 +55,26 @@ def address(request, tmp_path):
 def test_router_dealer_request_reply(address):
     async def main():
         with t.Router(address) as router, t.Dealer(address, "p0") as p0, t.Dealer(address, "d0") as d0:
-            await p0.send(RegisterWorker(worker_id='p0', kind='llm', role='prefill', model='m', max_running=8, kv=KVPoolInfo(page_size=16, num_pages=100, kv_endpoint='tcp://10.0.0.1:7000')))
-            await d0.send(RegisterWorker(worker_id='d0', kind='llm', role='decode', model='m', max_running=8, kv=KVPoolInfo(page_size=16, num_pages=100, kv_endpoint='tcp://10.0.0.2:7000')))
+            await p0.send(
+                RegisterWorker(
+                    worker_id="p0",
+                    kind="llm",
+                    role="prefill",
+                    model="m",
+                    max_running=8,
+                    kv=KVPoolInfo(page_size=16, num_pages=100, kv_endpoint="tcp://10.0.0.1:7000"),
+                )
+            )
+            await d0.send(
+                RegisterWorker(
+                    worker_id="d0",
+                    kind="llm",
+                    role="decode",
+                    model="m",
+                    max_running=8,
+                    kv=KVPoolInfo(page_size=16, num_pages=100, kv_endpoint="tcp://10.0.0.2:7000"),
+                )
+            )
             seen = {}
             for _ in range(2):
                 identity, msg = await router.recv()
@@ -54,16 +83,33 @@ def test_router_dealer_request_reply(address):
             assert {k: v.role for k, v in seen.items()} == {b"p0": "prefill", b"d0": "decode"}
             assert await p0.recv() == Registered(worker_id="p0")
             assert await d0.recv() == Registered(worker_id="d0")
+
     run(main())
 
 
 def test_push_pull_stream_in_order(address):
     async def main():
         with t.Pull(address) as pull, t.Push(address) as push:
-            sent = [TokenDeltaBatch(worker_id="w0", deltas=[TokenDelta(request_id=f"r{i}", index=0, token_ids=[i], logprobs=None, finish_reason=None, num_prompt_tokens=3)]) for i in range(100)]
+            sent = [
+                TokenDeltaBatch(
+                    worker_id="w0",
+                    deltas=[
+                        TokenDelta(
+                            request_id=f"r{i}",
+                            index=0,
+                            token_ids=[i],
+                            logprobs=None,
+                            finish_reason=None,
+                            num_prompt_tokens=3,
+                        )
+                    ],
+                )
+                for i in range(100)
+            ]
             for msg in sent:
                 await push.send(msg)
             assert [await pull.recv() for _ in sent] == sent
+
     run(main())
 
 
@@ -72,20 +118,29 @@ def test_push_may_bind_and_pull_connect(address):
         with t.Push(address, bind=True) as push, t.Pull(address, bind=False) as pull:
             await push.send(AbortRequest(request_id="r1", reason="client gone"))
             assert await pull.recv() == AbortRequest(request_id="r1", reason="client gone")
+
     run(main())
 
 
-@pytest.mark.parametrize("garbage", [
-    [b"not a message"],
-    [b"Ready", b"\xc1"],
-    [b"Nope", encode(Ready(service="a", name="b"))[1]],
-    [*encode(Ready(service="a", name="b")), b"extra"],
-])
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        [b"not a message"],
+        [b"Ready", b"\xc1"],
+        [b"Nope", encode(Ready(service="a", name="b"))[1]],
+        [*encode(Ready(service="a", name="b")), b"extra"],
+    ],
+)
 def test_malformed_frames_are_dropped_and_the_next_message_arrives(garbage, tmp_path):
     routed, stream = t.ipc_address(str(tmp_path), "routed"), t.ipc_address(str(tmp_path), "stream")
 
     async def main():
-        with t.Router(routed) as router, t.Dealer(routed, "w") as dealer, t.Pull(stream) as pull, t.Push(stream) as push:
+        with (
+            t.Router(routed) as router,
+            t.Dealer(routed, "w") as dealer,
+            t.Pull(stream) as pull,
+            t.Push(stream) as push,
+        ):
             await dealer.send_frames(garbage)
             await dealer.send(Ready(service="worker", name="w"))
             assert await router.recv() == (b"w", Ready(service="worker", name="w"))
@@ -94,6 +149,7 @@ def test_malformed_frames_are_dropped_and_the_next_message_arrives(garbage, tmp_
             await push.send(Ready(service="worker", name="w"))
             assert await pull.recv() == Ready(service="worker", name="w")
             assert pull.dropped == 1
+
     run(main())
 
 
@@ -102,11 +158,25 @@ def test_router_send_to_unknown_identity_raises():
         with t.Router(address) as router:
             with pytest.raises(t.UnknownPeer, match="ghost"):
                 await router.send(b"ghost", Registered(worker_id="ghost"))
+
     run(main(t.tcp_address("127.0.0.1", free_tcp_port())))
 
 
 def test_kv_pages_travel_intact_without_copy_on_receive(address):
-    header = KVPagesHeader(request_id="r1", seq_index=0, num_tokens=40, layer_start=0, layer_end=3, num_pages=2, dtype="bfloat16", page_shape=[2, 16, 2, 64], checksum=0, first_token_ids=[7], last=True, page_indices=[0, 1])
+    header = KVPagesHeader(
+        request_id="r1",
+        seq_index=0,
+        num_tokens=40,
+        layer_start=0,
+        layer_end=3,
+        num_pages=2,
+        dtype="bfloat16",
+        page_shape=[2, 16, 2, 64],
+        checksum=0,
+        first_token_ids=[7],
+        last=True,
+        page_indices=[0, 1],
+    )
     pages = [torch.randn(2, 2, 16, 2, 64).to(torch.bfloat16) for _ in range(3)]  # 64 KiB a layer
 
     async def main():
@@ -119,18 +189,49 @@ def test_kv_pages_travel_intact_without_copy_on_receive(address):
             assert [r.data_ptr() for r in received] == [address_of(f) for f in frames]  # no copy
             await decode_side.send(identity, KVPagesAck(request_id="r1", ok=True, error=None))
             assert await prefill_side.recv() == KVPagesAck(request_id="r1", ok=True, error=None)
+
     run(main())
 
 
 def test_tensor_message_on_plain_recv_is_dropped():
-    header = KVPagesHeader(request_id="r1", seq_index=0, num_tokens=16, layer_start=0, layer_end=1, num_pages=1, dtype="float32", page_shape=[4], checksum=0, first_token_ids=[], last=True, page_indices=[0])
+    header = KVPagesHeader(
+        request_id="r1",
+        seq_index=0,
+        num_tokens=16,
+        layer_start=0,
+        layer_end=1,
+        num_pages=1,
+        dtype="float32",
+        page_shape=[4],
+        checksum=0,
+        first_token_ids=[],
+        last=True,
+        page_indices=[0],
+    )
 
     async def main(address):
         with t.Pull(address, options=t.KV) as pull, t.Push(address, options=t.KV) as push:
             await push.send_frames(encode_tensor_frames(header, [torch.ones(1, 4)]))
-            await push.send(Heartbeat(worker_id='w', running=0, waiting=0, time=1.0, requests_finished=0, kv=KVPoolLoad(free_pages=1, used_pages=0, total_pages=1, bytes_sent=0, bytes_received=0)))
-            assert await pull.recv() == Heartbeat(worker_id='w', running=0, waiting=0, time=1.0, requests_finished=0, kv=KVPoolLoad(free_pages=1, used_pages=0, total_pages=1, bytes_sent=0, bytes_received=0))
+            await push.send(
+                Heartbeat(
+                    worker_id="w",
+                    running=0,
+                    waiting=0,
+                    time=1.0,
+                    requests_finished=0,
+                    kv=KVPoolLoad(free_pages=1, used_pages=0, total_pages=1, bytes_sent=0, bytes_received=0),
+                )
+            )
+            assert await pull.recv() == Heartbeat(
+                worker_id="w",
+                running=0,
+                waiting=0,
+                time=1.0,
+                requests_finished=0,
+                kv=KVPoolLoad(free_pages=1, used_pages=0, total_pages=1, bytes_sent=0, bytes_received=0),
+            )
             assert pull.dropped == 1
+
     run(main(t.tcp_address("127.0.0.1", free_tcp_port())))
 
 
@@ -139,8 +240,12 @@ def test_every_socket_sets_its_limits():
         with t.Router(address, options=t.KV) as router, t.Dealer(address, "x") as dealer:
             for sock, opts in ((router, t.KV), (dealer, t.CONTROL)):
                 z = sock._sock
-                assert (z.getsockopt(t.zmq.LINGER), z.getsockopt(t.zmq.MAXMSGSIZE)) == (opts.linger_ms, opts.max_msg_bytes)
+                assert (z.getsockopt(t.zmq.LINGER), z.getsockopt(t.zmq.MAXMSGSIZE)) == (
+                    opts.linger_ms,
+                    opts.max_msg_bytes,
+                )
                 assert z.getsockopt(t.zmq.SNDHWM) == z.getsockopt(t.zmq.RCVHWM) == opts.hwm
+
     run(main(t.tcp_address("127.0.0.1", free_tcp_port())))
 
 
@@ -150,8 +255,19 @@ def test_address_validation(tmp_path):
     assert t.tcp_address("::1", 5555) == "tcp://[::1]:5555"
     assert t.validate_address("tcp://*:5555", allow_wildcard=True) == "tcp://*:5555"
     assert t.ipc_address(str(tmp_path), "sched") == f"ipc://{tmp_path}/sched"
-    for bad in ["tcp://*:5555", "tcp://0.0.0.0:5555", "tcp://[::]:1", "tcp://host", "tcp://host:0",
-                "tcp://host:99999", "tcp://ho st:1", "udp://h:1", "ipc://", "inproc://x", "h:1"]:
+    for bad in [
+        "tcp://*:5555",
+        "tcp://0.0.0.0:5555",
+        "tcp://[::]:1",
+        "tcp://host",
+        "tcp://host:0",
+        "tcp://host:99999",
+        "tcp://ho st:1",
+        "udp://h:1",
+        "ipc://",
+        "inproc://x",
+        "h:1",
+    ]:
         with pytest.raises(ValueError):
             t.validate_address(bad)
     with pytest.raises(ValueError, match="shorter run dir"):
@@ -171,4 +287,5 @@ def test_bind_conflict_is_a_clear_error():
         with t.Router(address):
             with pytest.raises(OSError, match="cannot bind"):
                 t.Pull(address)
+
     run(main())

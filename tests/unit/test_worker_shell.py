@@ -8,8 +8,17 @@ import contextlib
 
 from common import transport as t
 from common.messages import (
-    AbortRequest, DoneReason, GenerateTask, Heartbeat, HeldRequest, Registered, RegisterWorker, RequestDone, UnknownWorker,
-    WorkerKind, WorkerRole,
+    AbortRequest,
+    DoneReason,
+    GenerateTask,
+    Heartbeat,
+    HeldRequest,
+    Registered,
+    RegisterWorker,
+    RequestDone,
+    UnknownWorker,
+    WorkerKind,
+    WorkerRole,
 )
 from common.sampling import SamplingParams
 from workers.shell.backend import Load, Registration
@@ -88,8 +97,12 @@ def task(rid: str, steps: int) -> GenerateTask:
 @contextlib.asynccontextmanager
 async def worker_and_scheduler(tmp_path):
     with t.Router(t.ipc_address(str(tmp_path), "sched")) as scheduler:
-        shell = WorkerShell(ShellConfig(worker_id="w0", scheduler_address=t.ipc_address(str(tmp_path), "sched"),
-                                        heartbeat_interval=0.05), CountingBackend)
+        shell = WorkerShell(
+            ShellConfig(
+                worker_id="w0", scheduler_address=t.ipc_address(str(tmp_path), "sched"), heartbeat_interval=0.05
+            ),
+            CountingBackend,
+        )
         running = asyncio.create_task(shell.run())
         try:
             yield shell, scheduler
@@ -112,7 +125,13 @@ def test_registration_tasks_aborts_and_heartbeats(tmp_path):
         async with worker_and_scheduler(tmp_path) as (shell, scheduler):
             identity, reg = await next_of(scheduler, RegisterWorker)
             assert (reg.worker_id, reg.kind, reg.role, reg.model, reg.kv, reg.held) == (
-                "w0", WorkerKind.DIFFUSION, WorkerRole.MIXED, "counter", None, None)
+                "w0",
+                WorkerKind.DIFFUSION,
+                WorkerRole.MIXED,
+                "counter",
+                None,
+                None,
+            )
             await scheduler.send(identity, Registered(worker_id="w0"))
             await scheduler.send(identity, task("a", 3))
             await scheduler.send(identity, task("b", 100_000))
@@ -143,7 +162,10 @@ def test_a_restarted_scheduler_gets_the_registration_again_with_what_the_worker_
                 await scheduler.send(identity, UnknownWorker(worker_id="w0"))
             _, again = await next_of(scheduler, RegisterWorker)
             assert again.instance == reg.instance  # the same process
-            assert again.held == [HeldRequest(request_id="long", reply_to="tok"), HeldRequest(request_id="other", reply_to="tok")]
+            assert again.held == [
+                HeldRequest(request_id="long", reply_to="tok"),
+                HeldRequest(request_id="other", reply_to="tok"),
+            ]
             await scheduler.send(identity, AbortRequest(request_id="long", reason="x"))
             await next_of(scheduler, RequestDone)
             assert shell.backend.events.count("registered again") == 1
