@@ -13,6 +13,7 @@ import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from bench.local_mesh import HANG_S
 from common import transport as t
 from common.messages import (
     AbortRequest,
@@ -30,14 +31,14 @@ from common.messages import (
 )
 from common.model_files import default_model_path
 from common.sampling import SamplingParams
-from common.tokenizer import Tokenizer
 from gateway import app as gateway_app
 from gateway.config import GatewayConfig
 from gateway.mesh import MeshClient
 from gateway.metrics import GatewayMetrics
+from tests.default_model import tokenizer as default_tokenizer
 
-TIMEOUT_S = 10.0
-TOKENIZER = Tokenizer.from_path(default_model_path())
+TIMEOUT_S = HANG_S  # bounds a hang only; a loaded machine may take long to load the vocabulary
+TOKENIZER = default_tokenizer()  # one load per session, shared
 MODEL = "smol"
 
 
@@ -705,7 +706,7 @@ def test_ready_and_metrics_ask_the_scheduler(tmp_path, monkeypatch):
         await answering
         pinging = asyncio.create_task(fake.from_tokenizer())  # answers the pings from now on
         answering = asyncio.create_task(answer_status(fake, STATUS))
-        for _ in range(30):
+        for _ in range(int(HANG_S / 0.1)):  # until the first pong has come (a ceiling, not a limit)
             response = await fake.client.get("/ready")
             if response.status == 200:
                 break

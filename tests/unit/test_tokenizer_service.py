@@ -17,12 +17,11 @@ from common.messages import (
     TokenDeltaBatch,
     TokenLogprob,
 )
-from common.model_files import default_model_path
 from common.sampling import MAX_TOKENS_FROM_CONTEXT, SamplingParams
-from common.tokenizer import Tokenizer
 from services.tokenizer.core import TokenizerCore
+from tests.default_model import tokenizer as default_tokenizer
 
-TOKENIZER = Tokenizer.from_path(default_model_path())
+TOKENIZER = default_tokenizer()  # one load per session, shared
 OUTPUT = "ipc:///tmp/tok-out"
 GATEWAY_A, GATEWAY_B = "ipc:///tmp/gw-a", "ipc:///tmp/gw-b"
 

@@ -7,6 +7,7 @@ import contextlib
 
 import pytest
 
+from bench.local_mesh import HANG_S
 from common import transport as t
 from common.messages import (
     AbortRequest,
@@ -22,12 +23,12 @@ from common.messages import (
 )
 from common.model_files import default_model_path
 from common.sampling import SamplingParams
-from common.tokenizer import Tokenizer
 from services.tokenizer.config import TokenizerConfig, parse_args
 from services.tokenizer.main import run
+from tests.default_model import tokenizer as default_tokenizer
 
-TIMEOUT_S = 10.0
-TOKENIZER = Tokenizer.from_path(default_model_path())
+TIMEOUT_S = HANG_S  # bounds a hang only; a loaded machine may take long to load the vocabulary
+TOKENIZER = default_tokenizer()  # one load per session, shared
 
 
 def config(tmp_path, **overrides) -> TokenizerConfig:
