@@ -100,7 +100,7 @@ def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> l
     logprob and the top-k, as for sampled tokens (raw log-softmax, no sampling parameters)."""
     raw = torch.log_softmax(logits.float(), dim=-1)
     chosen = raw.gather(1, torch.tensor(targets, device=raw.device).unsqueeze(1)).squeeze(1).tolist()
-    out = [TokenLogprob(t, lp, [], []) for t, lp in zip(targets, chosen)]
+    out = [TokenLogprob(token_id=t, logprob=lp, top_ids=[], top_logprobs=[]) for t, lp in zip(targets, chosen)]
     if k:
         top = raw.topk(k)
         for entry, ids, values in zip(out, top.indices.tolist(), top.values.tolist()):
