@@ -1,0 +1,137 @@
+"""The gateway's HTTP app over real sockets, with a fake tokenizer and scheduler (real transport) on
+the other side: what the gateway tests share."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from pathlib import Path
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from bench.local_mesh import HANG_S
+from common import transport as t
+from common.messages import (
+    GenerateRequest,
+    Ping,
+    Pong,
+    TextDelta,
+    TextDeltaBatch,
+)
+from common.model_files import default_model_path
+from gateway import app as gateway_app
+from gateway.config import GatewayConfig
+from gateway.mesh import MeshClient
+from gateway.metrics import GatewayMetrics
+from tests.default_model import tokenizer as default_tokenizer
+
+TIMEOUT_S = HANG_S  # bounds a hang only; a loaded machine may take long to load the vocabulary
+TOKENIZER = default_tokenizer()  # one load per session, shared
+MODEL = "smol"
+
+
+class FakeMesh:
+    """A tokenizer Router and a scheduler Router that tests drive by hand, plus the gateway's
+    app on a test server."""
+
+    def __init__(self, tokenizer: t.Router, scheduler: t.Router, client: TestClient):
+        self.tokenizer, self.scheduler, self.client = tokenizer, scheduler, client
+        self.tokenizer_instance = "first"  # what the fake tokenizer answers pings with
+        self._pushes: dict[str, t.Push] = {}
+
+    async def from_tokenizer(self) -> tuple[bytes, object]:
+        """The next message the gateway sends the tokenizer, pings answered on the way."""
+        while True:
+            identity, msg = await self.tokenizer.recv()
+            if not isinstance(msg, Ping):
+                return identity, msg
+            await self.tokenizer.send(identity, Pong(service="tokenizer", instance=self.tokenizer_instance))
+
+    async def next_request(self) -> GenerateRequest:
+        _, msg = await self.from_tokenizer()
+        assert isinstance(msg, GenerateRequest)
+        return msg
+
+    async def reply(self, request: GenerateRequest, msg) -> None:
+        if request.reply_to not in self._pushes:
+            self._pushes[request.reply_to] = t.Push(request.reply_to)
+        await self._pushes[request.reply_to].send(msg)
+
+    async def answer(self, request: GenerateRequest, *texts: str, finish: str = "length") -> None:
+        """Reply with one TextDelta per text (one token each) and finish on the last."""
+        for i, text in enumerate(texts):
+            last = i == len(texts) - 1
+            for index in range(request.sampling.n):
+                await self.reply(
+                    request,
+                    TextDeltaBatch(
+                        deltas=[
+                            TextDelta(
+                                request_id=request.request_id,
+                                index=index,
+                                text=text,
+                                token_ids=[i + 10],
+                                logprobs=None,
+                                finish_reason=finish if last else None,
+                                prompt_tokens=4,
+                                completion_tokens=i + 1,
+                            )
+                        ]
+                    ),
+                )
+
+    def close(self) -> None:
+        for push in self._pushes.values():
+            push.close()
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(tmp_path: Path, **overrides):
+    a = lambda name: t.ipc_address(str(tmp_path), name)  # noqa: E731
+    values = dict(
+        host="127.0.0.1",
+        port=0,
+        tokenizer_address=a("tok"),
+        scheduler_address=a("sched"),
+        reply_address=a("gw-replies"),
+        model=default_model_path(),
+        model_names=(MODEL, str(default_model_path())),
+        max_body_bytes=4096,
+        request_timeout=5.0,
+        name="gw0",
+        ready_address=None,
+        log_level="INFO",
+    )
+    config = GatewayConfig(**{**values, **overrides})
+    with t.Router(config.tokenizer_address) as tokenizer, t.Router(config.scheduler_address) as scheduler:
+        mesh = MeshClient(config.tokenizer_address, config.scheduler_address, config.reply_address, config.name)
+        mesh.start()
+        server = TestServer(gateway_app.Gateway(config, mesh, TOKENIZER, GatewayMetrics()).app())
+        fake = None
+        try:
+            async with TestClient(server) as client:
+                fake = FakeMesh(tokenizer, scheduler, client)
+                yield fake
+        finally:
+            if fake is not None:
+                fake.close()
+            await mesh.close()
+
+
+def run(tmp_path, test, **overrides):
+    async def main():
+        async with running_gateway(tmp_path, **overrides) as fake:
+            await test(fake)
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+
+
+def sse_payloads(body: str) -> list:
+    assert body.endswith("\n\n")
+    events = body[:-2].split("\n\n")
+    assert all(e.startswith("data: ") for e in events)
+    return [e[6:] if e[6:] == "[DONE]" else json.loads(e[6:]) for e in events]
+
+
+# ---- generation
