@@ -33,8 +33,9 @@ from common.messages import MAX_ID, MESSAGE_CLASSES, MESSAGE_TYPES, TAGS, KVPage
 from common.sampling import SamplingParams
 
 # 2: RegisterWorker.instance, UnknownWorker; 3: Ping, Pong, AbortRequest.worker_id, prompt logprobs,
-# RegisterWorker.held; 4: messages by channel, enums, worker kinds, KVPoolInfo/KVPoolLoad, RequestStarted
-PROTOCOL_VERSION = 4
+# RegisterWorker.held; 4: messages by channel, enums, worker kinds, KVPoolInfo/KVPoolLoad, RequestStarted;
+# 5: the image channel (ImageRequest, ImageTask, ImageResult), RegisterWorker.images
+PROTOCOL_VERSION = 5
 
 MAX_STR_LEN = 4 << 20  # characters; a prompt of ~1M tokens of text fits
 MAX_TOKEN_IDS = 1 << 20  # length of any list[int] (token ids, page indices, shapes)

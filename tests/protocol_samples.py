@@ -11,6 +11,11 @@ from common.protocol import (
     GenerateTask,
     Heartbeat,
     HeldRequest,
+    ImageModelInfo,
+    ImageParams,
+    ImageRequest,
+    ImageResult,
+    ImageTask,
     KVPagesAck,
     KVPagesHeader,
     KVPoolInfo,
@@ -77,6 +82,62 @@ HEADER = KVPagesHeader(
     last=False,
     page_indices=[0, 1, 2],
 )
+
+IMAGES = ImageModelInfo(
+    sizes=["256x256", "8x8"],
+    samplers=["ddim", "ddpm"],
+    default_sampler="ddim",
+    default_steps=50,
+    max_steps=1000,
+    conditioning="a digit 0-9",
+)
+IMAGE_PARAMS = ImageParams(
+    prompt="a handwritten 3",
+    negative_prompt=None,
+    n=2,
+    width=256,
+    height=256,
+    num_inference_steps=20,
+    guidance_scale=2.0,
+    sampler="ddim",
+    seed=7,
+)
+
+IMAGE_SAMPLES = [
+    ImageRequest(request_id="i1", model=None, params=IMAGE_PARAMS, reply_to="ipc:///gw", arrival_time=3.5),
+    ImageRequest(
+        request_id="i2",
+        model="digits-dit",
+        params=ImageParams(
+            prompt="7",
+            negative_prompt="1",
+            n=1,
+            width=None,
+            height=None,
+            num_inference_steps=None,
+            guidance_scale=None,
+            sampler=None,
+            seed=None,
+        ),
+        reply_to="ipc:///gw",
+        arrival_time=3.5,
+    ),
+    ImageTask(request_id="i1", params=IMAGE_PARAMS, reply_to="ipc:///gw", queued_s=0.25),
+    ImageResult(
+        request_id="i1",
+        images=["iVBORw0KGgo=", "iVBORw0KGgo="],
+        width=256,
+        height=256,
+        native_width=8,
+        native_height=8,
+        steps=20,
+        sampler="ddim",
+        seed=7,
+        queued_s=0.1,
+        compute_s=0.5,
+        batched_with=3,
+    ),
+]
 
 SAMPLES = [
     GenerateRequest(
@@ -200,7 +261,9 @@ SAMPLES = [
         kv=KVPoolInfo(page_size=16, num_pages=1000, kv_endpoint="tcp://10.0.0.1:7000"),
         instance="9f2c",
     ),
-    RegisterWorker(worker_id="x0", kind="diffusion", role="mixed", model="digits-dit", max_running=16, kv=None),
+    RegisterWorker(
+        worker_id="x0", kind="diffusion", role="mixed", model="digits-dit", max_running=16, kv=None, images=IMAGES
+    ),
     RegisterWorker(
         worker_id="p0",
         kind="llm",
@@ -292,4 +355,5 @@ SAMPLES = [
         ],
         queued=3,
     ),
+    *IMAGE_SAMPLES,
 ]

@@ -6,7 +6,8 @@ module per channel, one registry (tag -> class) that the codec (`common.protocol
     worker_control.py  scheduler ⇄ workers: registration, heartbeats, tasks, endings
     kv_transfer.py     prefill worker -> decode worker: KV pages and their acknowledgement
     liveness.py        READY, Ping/Pong, the mesh's status
-A new channel (images, say) is a new module imported here.
+    images.py          gateway ⇄ scheduler ⇄ diffusion workers: image requests and results
+A new channel is a new module imported here.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from common.messages.base import (
     message,
     record,
 )
+from common.messages.images import MAX_IMAGES, ImageModelInfo, ImageParams, ImageRequest, ImageResult, ImageTask
 from common.messages.kv_transfer import KV_DTYPES, KVPagesAck, KVPagesHeader
 from common.messages.liveness import ClusterStatus, Ping, Pong, Ready, StatusRequest, WorkerStatus
 from common.messages.requests import (
@@ -106,4 +108,10 @@ __all__ = [
     "Ready",
     "StatusRequest",
     "WorkerStatus",
+    "MAX_IMAGES",
+    "ImageModelInfo",
+    "ImageParams",
+    "ImageRequest",
+    "ImageResult",
+    "ImageTask",
 ]

@@ -8,6 +8,7 @@ gateway ──StatusRequest──▶ scheduler ──ClusterStatus──▶ gate
 from __future__ import annotations
 
 from common.messages.base import WorkerKind, WorkerRole, message, record
+from common.messages.images import ImageModelInfo
 from common.messages.worker_control import KVPoolLoad
 
 
@@ -56,6 +57,8 @@ class WorkerStatus:
     waiting: int
     requests_finished: int
     kv: KVPoolLoad | None
+    model: str = ""
+    images: ImageModelInfo | None = None  # diffusion workers
 
 
 @message

@@ -4,7 +4,8 @@
     worker    ──Heartbeat / PrefixCacheUpdate / RequestDone──▶ scheduler
     scheduler ──GenerateTask / PrefillTask / DecodeTask / AbortRequest──▶ worker
 
-A worker is of a kind (llm, diffusion) and, for an LLM worker, a role. What only a worker with a
+A worker is of a kind (llm, diffusion) and, for an LLM worker, a role (a diffusion worker's
+role is `mixed`: it does the whole request). What only a worker with a
 paged KV pool has (pages, its KV endpoint, transfer counters) sits in `KVPoolInfo` /
 `KVPoolLoad`, which other kinds leave out.
 """
@@ -12,6 +13,7 @@ paged KV pool has (pages, its KV endpoint, transfer counters) sits in `KVPoolInf
 from __future__ import annotations
 
 from common.messages.base import DoneReason, ProtocolError, WorkerKind, WorkerRole, message, record
+from common.messages.images import ImageModelInfo
 from common.sampling import SamplingParams
 
 MAX_PAGE_HASH = (1 << 62) - 1  # prefix-cache page keys (common.page_hash.chain_hash)
@@ -109,10 +111,13 @@ class RegisterWorker:
     kv: KVPoolInfo | None  # LLM workers
     instance: str = ""  # random per process start: a new one under a known worker id is a restart
     held: list[HeldRequest] | None = None  # registering again: the requests it is working on
+    images: ImageModelInfo | None = None  # diffusion workers: sizes, samplers, step limits
 
     def _check(self) -> None:
         if (self.kind == WorkerKind.LLM) != (self.kv is not None):
             raise ProtocolError("RegisterWorker.kv: an LLM worker has a KV pool, others none")
+        if (self.kind == WorkerKind.DIFFUSION) != (self.images is not None):
+            raise ProtocolError("RegisterWorker.images: a diffusion worker says what it makes, others nothing")
 
 
 @message

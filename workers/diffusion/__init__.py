@@ -1,0 +1,1 @@
+"""The diffusion worker: images through the mesh, batched at every denoising step."""

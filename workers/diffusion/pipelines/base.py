@@ -1,0 +1,74 @@
+"""The contract between the diffusion engine and a model (a pipeline).
+
+The engine owns requests, their latents, their per-request samplers and the step batches; a
+pipeline owns the model: what a request may ask of it (`resolve`), the prompt's conditioning
+(`encode_prompt`, once per request), the batched denoiser forward (`denoise`, once per step
+batch) and the latents-to-pixels decode (`decode`, once per finished request).
+
+    ImageParams ──resolve──▶ Resolved (sizes, steps, sampler, guidance; or InvalidImageRequest)
+    prompt      ──encode_prompt──▶ (cond row, uncond row)   stacked per batch by `stack`
+    [B, *latent_shape] latents, [B] timesteps, stack(rows) ──denoise──▶ [B, *latent_shape] model output
+    [n, *latent_shape] ──decode──▶ uint8 [n, H, W, C] at the native resolution
+
+Rows of one batch may come from requests at different timesteps, with different samplers and
+step counts; a pipeline must treat every row on its own (no cross-row state), so a request's
+image does not depend on who shares its batch. Classifier-free guidance is the engine's: it
+sends the cond and uncond rows of a request in the same batch and combines the outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from common.messages import ImageModelInfo, ImageParams
+
+
+class InvalidImageRequest(ValueError):
+    """A request this model cannot serve: the client's fault, a 400 with `param` named."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resolved:
+    """A request's parameters with the model's defaults filled in and checked."""
+
+    width: int  # the output image size asked for (pixels)
+    height: int
+    latent_shape: tuple[int, ...]  # one image's latents, e.g. (1, 8, 8); equal shapes share a batch
+    steps: int
+    sampler: str
+    guidance_scale: float  # <= 1: no classifier-free guidance (no uncond rows)
+    seed: int
+
+
+class ImagePipeline(Protocol):
+    name: str  # the model id the mesh serves it under
+    info: ImageModelInfo
+    device: torch.device
+    dtype: torch.dtype
+    native_size: tuple[int, int]  # (width, height) of decoded images before any resize
+    scheduler_config: dict[str, Any]  # the diffusers scheduler config samplers are built from
+
+    def resolve(self, params: ImageParams) -> Resolved:
+        """Fill defaults and check `params` against the model; raises InvalidImageRequest."""
+
+    def encode_prompt(self, prompt: str, negative_prompt: str | None) -> tuple[Any, Any]:
+        """The (cond, uncond) conditioning rows of one image; raises InvalidImageRequest when the
+        prompt says nothing the model can condition on."""
+
+    def stack(self, rows: list[Any]) -> Any:
+        """Conditioning rows -> the batched conditioning `denoise` takes."""
+
+    def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: Any) -> torch.Tensor:
+        """One batched model forward: the model output (noise / v / x0 prediction as the
+        scheduler config's `prediction_type` says) for every row."""
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Final latents [n, ...] -> uint8 images [n, H, W, C] (C = 1 or 3), native size."""
