@@ -48,7 +48,8 @@ class WorkerKind(enum.StrEnum):
 
 
 class WorkerRole(enum.StrEnum):
-    """An LLM worker's part in a request: the prompt, the decode after it, or both."""
+    """An LLM worker's part in a request: the prompt, the decode after it, or both. A diffusion
+    worker does the whole request: `mixed`."""
 
     PREFILL = "prefill"
     DECODE = "decode"
@@ -71,6 +72,7 @@ class DoneReason(enum.StrEnum):
     REJECTED = "rejected"  # the worker refused it (RequestDone.detail says why)
     KV_REJECTED = "kv_rejected"  # the decode worker refused the KV pages
     KV_TIMEOUT = "kv_timeout"  # the handoff did not complete in time
+    INVALID = "invalid"  # the worker found the request invalid and told the client itself (a 400)
 
     @property
     def failed(self) -> bool:

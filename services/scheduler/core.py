@@ -3,6 +3,7 @@ handoff's bookkeeping, and failure handling.
 
     ScheduleRequest ──▶ admit (queue bound) ──▶ place ──▶ PrefillTask → P, DecodeTask → D
                                                      └──▶ GenerateTask → mixed worker
+    ImageRequest    ──▶ admit (its kind's queue) ──▶ place ──▶ ImageTask → diffusion worker
     PrefixCacheUpdate ──▶ which prefix pages each worker holds (placement, pages D need not get)
     RequestDone / worker death / AbortRequest ──▶ forget, tell the other holders, fail if needed
     Ping ──▶ Pong(instance): tokenizers learn that this process restarted (common/liveness.py);
@@ -14,9 +15,11 @@ message) pairs: a destination is a peer's identity on the scheduler's Router (by
 id (str; a worker's identity is its id). `now` is monotonic seconds from the caller: nothing here
 reads a clock, sleeps or touches a socket.
 
-Workers are pooled by (kind, role). A request is placed by its kind: an LLM request on (llm,
-prefill) + (llm, decode) workers, or on one (llm, mixed) worker. Only LLM requests exist yet
-(ScheduleRequest); another kind adds its entries to `_placers` and `_readiness`.
+Workers are pooled by (kind, role). A request is placed by its kind: an LLM request
+(ScheduleRequest) on (llm, prefill) + (llm, decode) workers, or on one (llm, mixed) worker; an
+image request (ImageRequest) on the least loaded (diffusion, mixed) worker serving its model.
+Each kind has its own admission queue, so images waiting for a diffusion worker never hold up
+text, and the reverse. A kind has its entries in `_placers` and `_readiness`.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from common.messages import (
     DoneReason,
     GenerateTask,
     Heartbeat,
+    ImageRequest,
+    ImageTask,
     KVPoolLoad,
     Message,
     Ping,
@@ -84,11 +89,12 @@ class Placed:
 class Queued:
     """A request admitted and waiting for a worker of its kind."""
 
-    origin: bytes  # the identity of the tokenizer that sent it
-    request: ScheduleRequest
-    prompt: PromptPages
+    origin: bytes  # the identity of the peer that sent it (a tokenizer; the gateway for images)
+    request: ScheduleRequest | ImageRequest
+    prompt: PromptPages | None  # LLM requests: the prompt's pages, for prefix-aware placement
     kind: WorkerKind
     enqueued_at: float
+    model: str | None = None  # image requests: the model asked for (None: any image model)
 
 
 class SchedulerCore:
@@ -103,7 +109,8 @@ class SchedulerCore:
         self.started_at = now
         self.registry = Registry(config.heartbeat_timeout)
         self.placer = Placer(config.placement)
-        self.queue: OrderedDict[str, Queued] = OrderedDict()  # request id -> entry, oldest first
+        # per kind: request id -> entry, oldest first
+        self.queues: dict[WorkerKind, OrderedDict[str, Queued]] = {kind: OrderedDict() for kind in WorkerKind}
         self.placed: dict[str, Placed] = {}
         self.tokenizers: dict[str, bytes] = {}  # a tokenizer's token address -> its identity here
         self.unreported: dict[str, list[RequestFailed]] = {}  # failures for tokenizers not heard from yet
@@ -113,13 +120,25 @@ class SchedulerCore:
             Heartbeat: self._on_heartbeat,
             PrefixCacheUpdate: self._on_prefix_update,
             ScheduleRequest: self._on_schedule,
+            ImageRequest: self._on_image,
             RequestDone: self._on_done,
             AbortRequest: self._on_abort,
             StatusRequest: self._on_status,
             Ping: self._on_ping,
         }
-        self._placers: dict[WorkerKind, Callable[[Queued, float, Outputs], bool]] = {WorkerKind.LLM: self._place_llm}
-        self._readiness: dict[WorkerKind, Callable[[float], bool]] = {WorkerKind.LLM: self._llm_can_serve}
+        self._placers: dict[WorkerKind, Callable[[Queued, float, Outputs], bool]] = {
+            WorkerKind.LLM: self._place_llm,
+            WorkerKind.DIFFUSION: self._place_image,
+        }
+        self._readiness: dict[WorkerKind, Callable[[float], bool]] = {
+            WorkerKind.LLM: self._llm_can_serve,
+            WorkerKind.DIFFUSION: lambda now: bool(self.registry.alive(WorkerKind.DIFFUSION, WorkerRole.MIXED, now)),
+        }
+
+    @property
+    def queued(self) -> int:
+        """Requests admitted and not placed yet, of every kind."""
+        return sum(map(len, self.queues.values()))
 
     def handle(self, identity: bytes, msg: Message, now: float) -> Outputs:
         """One message from the peer `identity`; returns what to send."""
@@ -139,10 +158,16 @@ class SchedulerCore:
             self.log.warning("worker lost", worker=dead.worker_id, requests=len(dead.requests))
             self._fail_requests_of(dead, f"worker {dead.worker_id} stopped responding", out)
         if not self._starting(now):
-            for entry in [e for e in self.queue.values() if not self.can_serve(e.kind, now)]:
-                del self.queue[entry.request.request_id]  # no worker came
-                self._reject(entry.origin, entry.request.request_id, "no workers are available", out)
+            for queue in self.queues.values():
+                for entry in [e for e in queue.values() if not self._can_serve_entry(e, now)]:
+                    del queue[entry.request.request_id]  # no worker came
+                    self._reject(entry.origin, entry.request.request_id, "no workers are available", out)
         return out
+
+    def _can_serve_entry(self, entry: Queued, now: float) -> bool:
+        if entry.kind == WorkerKind.DIFFUSION:
+            return bool(self._image_workers(entry.model, now))
+        return self.can_serve(entry.kind, now)
 
     def can_serve(self, kind: WorkerKind, now: float) -> bool:
         """Some live workers can take a request of this kind."""
@@ -150,7 +175,8 @@ class SchedulerCore:
         return ready is not None and ready(now)
 
     def status(self, now: float) -> ClusterStatus:
-        """`ready` is the LLM pools' readiness (a mixed worker, or a prefill and a decode one)."""
+        """`ready` is the LLM pools' readiness (a mixed worker, or a prefill and a decode one);
+        in a mesh of diffusion workers only, theirs."""
         workers = [
             WorkerStatus(
                 worker_id=w.worker_id,
@@ -161,10 +187,14 @@ class SchedulerCore:
                 waiting=w.waiting,
                 requests_finished=w.requests_finished,
                 kv=_kv_load(w) if w.kind == WorkerKind.LLM else None,
+                model=w.model,
+                images=w.images,
             )
             for w in self.registry.workers.values()
         ]
-        return ClusterStatus(ready=self.can_serve(WorkerKind.LLM, now), workers=workers, queued=len(self.queue))
+        has_llm = any(w.kind == WorkerKind.LLM for w in self.registry.workers.values())
+        ready = self.can_serve(WorkerKind.LLM if has_llm or not workers else WorkerKind.DIFFUSION, now)
+        return ClusterStatus(ready=ready, workers=workers, queued=self.queued)
 
     # ---- workers --------------------------------------------------------------------------
     def _on_register(self, identity: bytes, msg: RegisterWorker, now: float, out: Outputs) -> None:
@@ -198,40 +228,65 @@ class SchedulerCore:
         self.registry.prefix_update(msg.worker_id, msg.added, msg.removed)
 
     # ---- admission and placement ----------------------------------------------------------
+    def _known(self, request_id: str) -> bool:
+        return request_id in self.placed or any(request_id in q for q in self.queues.values())
+
     def _on_schedule(self, identity: bytes, msg: ScheduleRequest, now: float, out: Outputs) -> None:
-        if msg.request_id in self.placed or msg.request_id in self.queue:
+        if self._known(msg.request_id):
             return  # sent again by a tokenizer that saw this process start: it has it already
-        kind = WorkerKind.LLM  # a ScheduleRequest is an LLM request
-        if not self.can_serve(kind, now) and not self._starting(now):
-            return self._reject(identity, msg.request_id, "no workers are available", out)
-        if len(self.queue) >= self.config.max_queue:
-            return self._reject(identity, msg.request_id, "the request queue is full", out)
-        self.tokenizers[msg.reply_to] = identity
-        self.queue[msg.request_id] = Queued(identity, msg, PromptPages(msg.prompt_token_ids), kind, now)
+        self._admit(identity, Queued(identity, msg, PromptPages(msg.prompt_token_ids), WorkerKind.LLM, now), out, now)
+
+    def _on_image(self, identity: bytes, msg: ImageRequest, now: float, out: Outputs) -> None:
+        if self._known(msg.request_id):
+            return
+        if msg.model is not None and not self._starting(now):
+            served = {w.model for w in self.registry.alive(WorkerKind.DIFFUSION, WorkerRole.MIXED, now)}
+            if served and msg.model not in served:
+                return self._refuse(
+                    identity,
+                    msg.request_id,
+                    404,
+                    f"The model `{msg.model}` does not exist; image models served: {', '.join(sorted(served))}.",
+                    "model_not_found",
+                    out,
+                )
+        self._admit(identity, Queued(identity, msg, None, WorkerKind.DIFFUSION, now, model=msg.model), out, now)
+
+    def _admit(self, identity: bytes, entry: Queued, out: Outputs, now: float) -> None:
+        """Queue a request on its kind's queue, or refuse it (no worker of its kind, queue full)."""
+        request_id = entry.request.request_id
+        if not self._can_serve_entry(entry, now) and not self._starting(now):
+            return self._reject(identity, request_id, "no workers are available", out)
+        queue = self.queues[entry.kind]
+        if len(queue) >= self.config.max_queue:
+            return self._reject(identity, request_id, "the request queue is full", out)
+        self.tokenizers[entry.request.reply_to] = identity
+        queue[request_id] = entry
         self._drain(now, out)
 
     def _reject(self, identity: bytes, request_id: str, why: str, out: Outputs) -> None:
-        self.log.info("request rejected", request_id=request_id, reason=why)
+        self._refuse(identity, request_id, 503, f"Service unavailable: {why}; retry later.", "overloaded", out)
+
+    def _refuse(self, identity: bytes, request_id: str, status: int, text: str, code: str, out: Outputs) -> None:
+        self.log.info("request rejected", request_id=request_id, reason=text)
+        error_type = "server_error" if status >= 500 else "invalid_request_error"
+        param = "model" if code == "model_not_found" else None
         out.append(
             (
                 identity,
                 RequestFailed(
-                    request_id=request_id,
-                    status=503,
-                    error_type="server_error",
-                    message=f"Service unavailable: {why}; retry later.",
-                    param=None,
-                    code="overloaded",
+                    request_id=request_id, status=status, error_type=error_type, message=text, param=param, code=code
                 ),
             )
         )
 
     def _drain(self, now: float, out: Outputs) -> None:
-        """Place queued requests, oldest first, while some worker can take them."""
-        while self.queue:
-            entry = next(iter(self.queue.values()))
-            if not self._placers[entry.kind](entry, now, out):
-                return
+        """Place each kind's queued requests, oldest first, while some worker can take them."""
+        for kind, queue in self.queues.items():
+            while queue:
+                entry = next(iter(queue.values()))
+                if not self._placers[kind](entry, now, out):
+                    break
 
     def _place_llm(self, entry: Queued, now: float, out: Outputs) -> bool:
         """Place an LLM request (disaggregated, or on a mixed worker); False if none can take it now."""
@@ -245,7 +300,7 @@ class SchedulerCore:
         if placement is None:
             return False
         req = entry.request
-        del self.queue[req.request_id]
+        del self.queues[WorkerKind.LLM][req.request_id]
         queued = now - entry.enqueued_at
         worker, prefill = placement.worker, placement.prefill
         handoff = prefill is not None and req.sampling.streams
@@ -302,6 +357,34 @@ class SchedulerCore:
         )
         return True
 
+    def _image_workers(self, model: str | None, now: float) -> list[WorkerInfo]:
+        """Live diffusion workers serving `model` (None: any image model)."""
+        workers = self.registry.alive(WorkerKind.DIFFUSION, WorkerRole.MIXED, now)
+        return [w for w in workers if model is None or w.model == model]
+
+    def _place_image(self, entry: Queued, now: float, out: Outputs) -> bool:
+        """Place an image request on the least loaded diffusion worker of its model with room."""
+        candidates = [w for w in self._image_workers(entry.model, now) if w.load < w.max_running]
+        if not candidates:
+            return False
+        worker = min(candidates, key=lambda w: (w.load / w.max_running, w.worker_id))
+        req = entry.request
+        del self.queues[WorkerKind.DIFFUSION][req.request_id]
+        out.append(
+            (
+                worker.worker_id,
+                ImageTask(
+                    request_id=req.request_id,
+                    params=req.params,
+                    reply_to=req.reply_to,
+                    queued_s=now - entry.enqueued_at,
+                ),
+            )
+        )
+        worker.requests.add(req.request_id)
+        self.placed[req.request_id] = Placed(req.request_id, req.reply_to, {worker.worker_id}, None)
+        return True
+
     def _llm_can_serve(self, now: float) -> bool:
         def alive(role: WorkerRole) -> bool:
             return bool(self.registry.alive(WorkerKind.LLM, role, now))
@@ -329,7 +412,8 @@ class SchedulerCore:
         self._drain(now, out)
 
     def _on_abort(self, identity: bytes, msg: AbortRequest, now: float, out: Outputs) -> None:
-        self.queue.pop(msg.request_id, None)
+        for queue in self.queues.values():
+            queue.pop(msg.request_id, None)
         placed = self.placed.get(msg.request_id)
         if placed is not None:
             self._abort_holders(placed, msg.reason, out)

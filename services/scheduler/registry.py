@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from common.messages import Heartbeat, RegisterWorker, WorkerKind, WorkerRole
+from common.messages import Heartbeat, ImageModelInfo, RegisterWorker, WorkerKind, WorkerRole
 
 # what a registration renews on a worker the registry knows (same process); its load figures stay
-_RENEWED = ("kind", "role", "model", "max_running", "last_seen", "page_size", "total_pages", "kv_endpoint")
+_RENEWED = ("kind", "role", "model", "max_running", "last_seen", "page_size", "total_pages", "kv_endpoint", "images")
 
 
 @dataclass
@@ -41,6 +41,7 @@ class WorkerInfo:
     kv_bytes_received: int = 0
     requests: set[str] = field(default_factory=set)  # placed here and not yet done
     page_hashes: set[int] = field(default_factory=set)  # prefix-cache keys it reported holding
+    images: ImageModelInfo | None = None  # a diffusion worker's sizes, samplers, step limits
 
     @classmethod
     def registered(cls, msg: RegisterWorker, now: float) -> WorkerInfo:
@@ -53,6 +54,7 @@ class WorkerInfo:
             max_running=msg.max_running,
             last_seen=now,
             instance=msg.instance,
+            images=msg.images,
         )
         if msg.kv is not None:
             info.page_size, info.total_pages, info.kv_endpoint = msg.kv.page_size, msg.kv.num_pages, msg.kv.kv_endpoint

@@ -14,6 +14,7 @@ from common.messages import (
     GenerateTask,
     Heartbeat,
     HeldRequest,
+    ImageModelInfo,
     KVPoolInfo,
     KVPoolLoad,
     Ping,
@@ -49,6 +50,16 @@ def new_core(max_queue: int = 256) -> SchedulerCore:
     return SchedulerCore(SchedulerConfig("ipc:///unused", heartbeat_timeout=TIMEOUT, max_queue=max_queue), "inst-1", T0)
 
 
+IMAGES = ImageModelInfo(
+    sizes=["256x256", "8x8"],
+    samplers=["ddim"],
+    default_sampler="ddim",
+    default_steps=20,
+    max_steps=100,
+    conditioning="a digit",
+)
+
+
 def register(
     core: SchedulerCore,
     wid: str,
@@ -69,6 +80,7 @@ def register(
         kv=kv,
         instance=instance or f"{wid}-first",
         held=held,
+        images=IMAGES if kind == WorkerKind.DIFFUSION else None,
     )
     return core.handle(wid.encode(), msg, now)
 
@@ -167,9 +179,9 @@ def test_heartbeats_from_an_unknown_worker_ask_it_to_register_and_known_ones_dra
     assert heartbeat(core, "ghost", T0) == [(b"ghost", UnknownWorker(worker_id="ghost"))]
     register(core, "w0")
     assert heartbeat(core, "w0", T0 + 1, free_pages=4) == []  # 4 pages: the request needs 5
-    assert schedule(core, "r1", now=T0 + 1) == [] and list(core.queue) == ["r1"]
+    assert schedule(core, "r1", now=T0 + 1) == [] and list(core.queues[WorkerKind.LLM]) == ["r1"]
     assert heartbeat(core, "w0", T0 + 3, free_pages=5) == [("w0", generate("r1", queued_s=2.0))]
-    assert core.queue == {} and core.registry.workers["w0"].used_pages == 95
+    assert core.queues[WorkerKind.LLM] == {} and core.registry.workers["w0"].used_pages == 95
 
 
 def test_a_worker_that_stops_heartbeating_is_dropped_and_its_requests_fail():
@@ -200,7 +212,7 @@ def test_a_full_queue_refuses_with_503_overloaded():
     assert schedule(core, "r1") == []
     assert schedule(core, "r2") == [(TOK, refused("r2", "the request queue is full"))]
     assert schedule(core, "r1") == []  # the same request sent again is not a second one
-    assert list(core.queue) == ["r1"]
+    assert list(core.queues[WorkerKind.LLM]) == ["r1"]
 
 
 def test_without_workers_requests_wait_through_the_start_up_grace_window_then_are_refused():
@@ -214,7 +226,7 @@ def test_without_workers_requests_wait_through_the_start_up_grace_window_then_ar
         (TOK, refused("r1", "no workers are available")),
         (TOK, refused("r2", "no workers are available")),
     ]
-    assert core.queue == {}
+    assert core.queues[WorkerKind.LLM] == {}
     assert schedule(core, "late", now=AFTER_GRACE) == [(TOK, refused("late", "no workers are available"))]
 
 
@@ -324,7 +336,7 @@ def test_a_rejection_on_a_mixed_worker_fails_the_request_and_frees_it_for_the_ne
     assert schedule(core, "r1") == [("m0", generate("r1"))]
     assert schedule(core, "r2", now=T0 + 1) == []  # placed requests count before the worker reports them
     assert heartbeat(core, "m0", T0 + 1, running=0) == []
-    assert core.queue.keys() == {"r2"}
+    assert core.queues[WorkerKind.LLM].keys() == {"r2"}
     assert done(core, "m0", "r1", DoneReason.REJECTED, "too long", now=T0 + 2) == [
         (TOK, failed("r1", "rejected: too long")),
         ("m0", generate("r2", queued_s=1.0)),
@@ -420,6 +432,7 @@ def test_readiness_needs_an_llm_mixed_worker_or_an_llm_prefill_and_decode_pair()
                 waiting=0,
                 requests_finished=0,
                 kv=load,
+                model="m",
             )
         ],
     )
@@ -430,7 +443,7 @@ def test_a_diffusion_worker_registers_and_reports_but_never_serves_llm_requests(
     assert register(core, "img0", kind=WorkerKind.DIFFUSION) == [(b"img0", Registered(worker_id="img0"))]
     assert heartbeat(core, "img0", T0 + 1, free_pages=None) == []
     assert status(core, T0 + 1) == ClusterStatus(
-        ready=False,
+        ready=True,  # a mesh of diffusion workers only is ready when they are
         queued=0,
         workers=[
             WorkerStatus(
@@ -442,6 +455,8 @@ def test_a_diffusion_worker_registers_and_reports_but_never_serves_llm_requests(
                 waiting=0,
                 requests_finished=0,
                 kv=None,
+                model="m",
+                images=IMAGES,
             )
         ],
     )
