@@ -36,8 +36,10 @@ def free_port() -> int:
 def running_mesh(*flags: str, env: dict[str, str] | None = None, timeout: float = HANG_S):
     """Yields the base URL once `pagemesh up` says it is up; always stops the whole mesh.
     `env` adds environment variables (PAGEMESH_* flags reach every child process). `timeout`
-    bounds a hang, and is also the launcher's own --ready-timeout (flags may override it)."""
+    bounds a hang, and is also the launcher's own --ready-timeout (flags may override it).
+    No diffusion worker unless the flags ask for one (`--diffusion N`)."""
     port = free_port()
+    flags = _no_diffusion_unless_asked(flags)
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--ready-timeout", str(timeout), *flags],
         stdout=subprocess.PIPE,
@@ -73,6 +75,11 @@ def running_mesh(*flags: str, env: dict[str, str] | None = None, timeout: float 
             proc.wait()
 
 
+def _no_diffusion_unless_asked(flags: tuple[str, ...]) -> tuple[str, ...]:
+    """LLM tests and benchmarks run without the diffusion worker `pagemesh up` starts by default."""
+    return flags if "--diffusion" in flags else ("--diffusion", "0", *flags)
+
+
 class SeparateProcesses:
     """The processes `pagemesh up` would start, started one by one as compose starts them and
     then left alone (`pagemesh up` stops the whole mesh when one exits), so that one can be
@@ -86,7 +93,7 @@ class SeparateProcesses:
             [
                 "--ready-timeout",
                 str(HANG_S),
-                *flags,
+                *_no_diffusion_unless_asked(flags),
                 "--threads-per-worker",
                 "1",
                 "--port",

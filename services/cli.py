@@ -5,6 +5,7 @@ pagemesh gateway     one process of a kind (what compose runs) ...
 pagemesh tokenizer
 pagemesh scheduler
 pagemesh worker --role prefill|decode|mixed
+pagemesh diffusion   a diffusion worker (images)
 pagemesh generate    offline: run prompts through one in-process engine and print them
 pagemesh bench       load generator for any OpenAI-compatible server
 pagemesh experiment  the experiments of the papers (paged-memory, orca, sarathi, ...)
@@ -21,6 +22,7 @@ COMMANDS = {
     "tokenizer": ("services.tokenizer.main", "the tokenizer service"),
     "scheduler": ("services.scheduler.main", "the scheduler (registry, placement)"),
     "worker": ("workers.llm.main", "an LLM worker: --role prefill|decode|mixed"),
+    "diffusion": ("workers.diffusion.main", "a diffusion worker: images, batched per denoising step"),
     "generate": ("workers.engine.generate_cli", "offline generation through one engine"),
     "bench": ("bench.loadgen.main", "load any OpenAI-compatible server and report latencies"),
     "experiment": ("bench.experiments.main", "reproduce a paper's experiment: pagemesh experiment NAME --out DIR"),

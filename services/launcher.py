@@ -1,6 +1,6 @@
 """`pagemesh up`: the whole mesh on one machine.
 
-Starts the scheduler, a tokenizer, the workers and the gateway as separate processes talking
+Starts the scheduler, a tokenizer, the LLM workers, the diffusion workers and the gateway as separate processes talking
 over ipc:// sockets in a run folder, waits until each reports READY, prints the URL, and stops
 them all on Ctrl-C / SIGTERM, or as soon as one of them dies. On CUDA the workers are spread over
 the visible GPUs, one GPU each (CUDA_VISIBLE_DEVICES), and workers that share a GPU share its
@@ -23,6 +23,7 @@ from common.cli_args import add
 from common.messages import Ready
 from common.transport import Pull, ipc_address
 from services.scheduler.config import add_policy_arguments, policy_args_to_argv
+from workers.diffusion.config import add_diffusion_arguments, diffusion_args_to_argv
 from workers.engine.config import add_engine_arguments, engine_args_to_argv
 
 
@@ -33,12 +34,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add(parser, "--prefill", None, type=int, help="prefill workers (default 1, or 0 with --mixed)")
     add(parser, "--decode", None, type=int, help="decode workers (default 1, or 0 with --mixed)")
     add(parser, "--mixed", 0, type=int, help="mixed workers (prefill and decode in one engine)")
+    add(parser, "--diffusion", 1, type=int, help="diffusion workers (images; 0 for none)")
     add(parser, "--run-dir", None, help="folder for ipc sockets (default: a new temporary folder)")
     add(parser, "--ready-timeout", 300.0, type=float, help="seconds to wait for every process")
     add(parser, "--threads-per-worker", None, type=int, help="torch threads per worker (default: cores / workers)")
     add(parser, "--transfer-timeout", 30.0, type=float)
     add_policy_arguments(parser)
     add_engine_arguments(parser)
+    add_diffusion_arguments(parser)
     args = parser.parse_args(argv)
     mixed_only = args.mixed > 0
     args.prefill = args.prefill if args.prefill is not None else (0 if mixed_only else 1)
@@ -47,6 +50,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.error("--prefill and --decode go together (or use --mixed)")
     if args.prefill + args.decode + args.mixed == 0:
         parser.error("no workers: give --prefill/--decode or --mixed")
+    if args.diffusion < 0:
+        parser.error("--diffusion: must be >= 0")
     return args
 
 
@@ -58,7 +63,7 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
     model = ["--model", args.model] if args.model else []
     common = ["--ready-address", ready]
     engine = engine_args_to_argv(args)
-    workers = args.prefill + args.decode + args.mixed
+    workers = args.prefill + args.decode + args.mixed + args.diffusion
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
     procs = [
         ("scheduler", ["scheduler", "--address", sched, *policy_args_to_argv(args), *common]),
@@ -105,6 +110,24 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
                     ],
                 )
             )
+    for i in range(args.diffusion):
+        name = f"diffusion-{i}"
+        procs.append(
+            (
+                name,
+                [
+                    "diffusion",
+                    "--worker-id",
+                    name,
+                    "--scheduler-address",
+                    sched,
+                    "--threads",
+                    str(threads),
+                    *diffusion_args_to_argv(args),
+                    *common,
+                ],
+            )
+        )
     procs.append(
         (
             "gateway",
@@ -158,15 +181,20 @@ def on_gpus(
 ) -> list[tuple[str, list[str], dict[str, str]]]:
     """(name, argv, environment overrides) per process: a worker on CUDA sees its one GPU, and
     its argv ends with its share of that GPU's memory when others share it."""
-    workers = [name for name, argv in procs if argv[0] == "worker"]
+    workers = [name for name, argv in procs if argv[0] in ("worker", "diffusion")]
     placement = gpu_placement(workers, visible_gpus(args.device))
+    llm = {name for name, argv in procs if argv[0] == "worker"}
+    # the memory fraction is the LLM workers' KV budget: it is divided among those on a GPU (a
+    # diffusion worker's weights and activations come on top; lower the fraction for a big one)
+    llm_sharing = Counter(gpu for name, (gpu, _) in placement.items() if name in llm)
     out = []
     for name, argv in procs:
         env: dict[str, str] = {}
         if name in placement:
-            gpu, sharing = placement[name]
+            gpu, _ = placement[name]
             env = {"CUDA_VISIBLE_DEVICES": gpu}
-            if sharing > 1:  # argparse keeps the last value
+            sharing = llm_sharing[gpu]
+            if sharing > 1 and name in llm:  # argparse keeps the last value
                 argv = [*argv, "--gpu-memory-fraction", f"{args.gpu_memory_fraction / sharing:.4f}"]
         out.append((name, argv, env))
     return out
@@ -243,6 +271,7 @@ def main(argv: list[str]) -> None:
             return 0
         starting.result()  # raises if a process failed to start
         workers = f"{args.prefill} prefill + {args.decode} decode" if args.prefill else f"{args.mixed} mixed"
+        workers += f" + {args.diffusion} diffusion" if args.diffusion else ""
         print(f"pagemesh is up: http://{args.host}:{args.port}/v1  ({workers} worker(s); Ctrl-C stops)", flush=True)
         watching = asyncio.ensure_future(mesh.watch())
         try:

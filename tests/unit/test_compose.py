@@ -33,7 +33,7 @@ def test_services_are_the_process_kinds_of_pagemesh_up():
     args = parse([])  # `pagemesh up` with its defaults
     launched = {kind_of(argv) for _, argv in plan(args, "/tmp/pm")}
     composed = {kind_of(argv_of(s)) for s in SERVICES.values()}
-    assert composed == launched == {"scheduler", "tokenizer", "worker:prefill", "worker:decode", "gateway"}
+    assert composed == launched == {"scheduler", "tokenizer", "worker:prefill", "worker:decode", "diffusion", "gateway"}
 
 
 @pytest.mark.parametrize("name", sorted(SERVICES))
@@ -58,6 +58,12 @@ def test_each_command_parses_with_its_process_flags(name, monkeypatch):
         cfg = parse_args(argv[1:])
         assert cfg.scheduler_address == "tcp://scheduler:5557" and cfg.tokenizer_address == "tcp://tokenizer:5560"
         assert cfg.port == 8000
+    elif argv[0] == "diffusion":
+        from workers.diffusion.config import parse_diffusion
+
+        cfg = parse_diffusion(argv[1:])
+        assert cfg.shell.scheduler_address == "tcp://scheduler:5557"
+        assert cfg.shell.worker_id.endswith("container1")
     else:
         from workers.llm.main import parse
 

@@ -36,7 +36,7 @@ def test_each_worker_sees_its_gpu_and_parses_its_memory_share(monkeypatch, tmp_p
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    args = launcher.parse(["--prefill", "1", "--decode", "1"])
+    args = launcher.parse(["--prefill", "1", "--decode", "1", "--diffusion", "0"])
     procs = launcher.on_gpus(args, launcher.plan(args, str(tmp_path)))
     assert [name for name, _, _ in procs] == [name for name, _ in launcher.plan(args, str(tmp_path))]
     argv = {name: a for name, a, _ in procs}
@@ -60,3 +60,17 @@ def test_kv_budget_is_the_share_less_the_weights_and_never_past_free_memory():
     # another process holds most of it: 0.9 of what is free
     assert gpu_kv_budget(free=20 * GB, total=140 * GB, reserved=16 * GB, fraction=0.9) == pytest.approx(18 * GB)
     assert gpu_kv_budget(free=20 * GB, total=140 * GB, reserved=80 * GB, fraction=0.5) == 0.0
+
+
+def test_a_diffusion_worker_gets_a_gpu_in_turn_and_leaves_the_llm_workers_memory_share(monkeypatch, tmp_path):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    args = launcher.parse(["--prefill", "1", "--decode", "1"])  # and one diffusion worker, the default
+    procs = launcher.on_gpus(args, launcher.plan(args, str(tmp_path)))
+    argv = {name: a for name, a, _ in procs}
+    env = {name: e["CUDA_VISIBLE_DEVICES"] for name, _, e in procs if e}
+    assert env == {"prefill-0": "0", "decode-0": "1", "diffusion-0": "0"}
+    assert parse_worker(argv["prefill-0"][1:]).engine.gpu_memory_fraction == 0.9  # alone among LLM workers
+    assert argv["diffusion-0"][0] == "diffusion" and "--gpu-memory-fraction" not in argv["diffusion-0"]

@@ -15,7 +15,16 @@ from typing import Any, Protocol
 
 import structlog
 
-from common.messages import DoneReason, HeldRequest, KVPoolInfo, KVPoolLoad, Message, WorkerKind, WorkerRole
+from common.messages import (
+    DoneReason,
+    HeldRequest,
+    ImageModelInfo,
+    KVPoolInfo,
+    KVPoolLoad,
+    Message,
+    WorkerKind,
+    WorkerRole,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,7 +36,8 @@ class Registration:
     role: WorkerRole
     model: str
     max_running: int
-    kv: KVPoolInfo | None = None
+    kv: KVPoolInfo | None = None  # an LLM worker's paged pool
+    images: ImageModelInfo | None = None  # a diffusion worker's sizes, samplers, step limits
 
 
 @dataclass(frozen=True, kw_only=True)

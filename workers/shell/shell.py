@@ -70,6 +70,7 @@ class WorkerShell:
             max_running=reg.max_running,
             kv=reg.kv,
             instance=self.instance,
+            images=reg.images,
         )
         self.handlers: dict[type, Callable[[Any], None]] = {
             **{t: self._on_task for t in self.backend.task_types},

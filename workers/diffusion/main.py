@@ -1,0 +1,57 @@
+"""`pagemesh diffusion`: one diffusion worker serving the mesh (images, batched per denoising step)."""
+
+from __future__ import annotations
+
+from common.logging import configure_logging
+from common.process import run_until_signalled
+from workers.diffusion.config import DiffusionWorkerConfig, parse_diffusion
+
+
+def resolve_device(config: DiffusionWorkerConfig):
+    """(device, dtype) from the flags: auto = CUDA when there is one, bf16 there and fp32 on CPU."""
+    import torch
+
+    device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("pagemesh diffusion: --diffusion-device cuda, but torch sees no CUDA device")
+    if config.dtype == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = getattr(torch, config.dtype)
+    return torch.device("cpu") if config.device == "auto" and device.type != "cuda" else device, dtype
+
+
+def build_engine(config: DiffusionWorkerConfig):
+    from workers.diffusion.engine import DiffusionEngine, EngineConfig
+    from workers.diffusion.pipelines.loader import load_pipeline
+
+    device, dtype = resolve_device(config)
+    pipeline = load_pipeline(config.model, name=config.served_model_name, device=device, dtype=dtype)
+    return DiffusionEngine(
+        pipeline,
+        EngineConfig(
+            batching=config.batching,
+            max_running=config.max_running,
+            max_batch_rows=config.max_batch_rows,
+            max_waiting=config.max_waiting,
+            request_wait_s=config.request_wait,
+        ),
+    )
+
+
+def main(argv: list[str]) -> None:
+    import torch
+
+    from workers.diffusion.worker import DiffusionWorker
+    from workers.shell.shell import WorkerShell
+
+    config = parse_diffusion(argv)
+    configure_logging("diffusion", config.shell.worker_id)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    engine = build_engine(config)
+    shell = WorkerShell(config.shell, lambda ctx: DiffusionWorker(engine, ctx))
+    try:
+        run_until_signalled(shell.run())
+    finally:
+        shell.close()
