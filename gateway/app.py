@@ -26,10 +26,11 @@ import structlog
 from aiohttp import web
 
 from common.json_schema import compile_schema, literals
-from common.messages import RequestFailed, TextDelta
+from common.messages import ImageRequest, ImageResult, RequestFailed, TextDelta
 from common.tokenizer import Tokenizer
 from gateway.config import GatewayConfig
 from gateway.errors import ApiError, from_request_failed, http_error, internal, invalid
+from gateway.images import image_response, parse_image_request
 from gateway.mesh import MeshClient, Reply
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.parsing import ParsedRequest, check_model, parse_chat, parse_completion, parse_json
@@ -76,6 +77,7 @@ class Gateway:
         app = web.Application(client_max_size=limit, middlewares=[_error_middleware(limit)])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/images/generations", self.images_generations)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/health", self.health)
@@ -167,6 +169,50 @@ class Gateway:
                 for r in offsets:
                     self.mesh.discard(r)
 
+    async def images_generations(self, request: web.Request) -> web.Response:
+        """One image request in the mesh for all `n` images; JSON when they are done."""
+        arrival = time.monotonic()
+        if request.content_length is not None and request.content_length > self.config.max_body_bytes:
+            raise _too_large(self.config.max_body_bytes)
+        model, params = parse_image_request(parse_json(await request.read()))
+        request_id = f"img-{uuid.uuid4().hex}"
+        queue = self.mesh.open([request_id])
+        ended = False
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            try:
+                await self.mesh.submit_image(
+                    ImageRequest(
+                        request_id=request_id,
+                        model=model,
+                        params=params,
+                        reply_to=self.mesh.reply_to,
+                        arrival_time=time.time(),
+                    )
+                )
+                remaining = arrival + self.config.request_timeout - time.monotonic()
+                try:
+                    _, reply = await asyncio.wait_for(queue.get(), max(remaining, 0.0))
+                except TimeoutError:
+                    raise ApiError(
+                        504,
+                        f"request timed out after {self.config.request_timeout:g} s",
+                        "server_error",
+                        None,
+                        "timeout",
+                    ) from None
+                ended = True
+                if isinstance(reply, RequestFailed):
+                    log.info("image request failed", status=reply.status, error=reply.message)
+                    raise from_request_failed(reply)
+                assert isinstance(reply, ImageResult), reply
+                log.info("image request done", images=len(reply.images), steps=reply.steps)
+                body = image_response(reply, int(time.time()))
+                return web.Response(body=to_json(body), content_type="application/json")
+            finally:
+                if not ended:  # the client left, or the request timed out: free its slot
+                    self.mesh.abort_image(request_id, "client disconnected or timed out")
+                self.mesh.discard(request_id)
+
     def _check_spellable(self, schema: str) -> None:
         """Every key and enum string the schema fixes must be writable token by token in this
         vocabulary; one made of byte tokens only (their texts are U+FFFD) would trap the output."""
@@ -257,21 +303,46 @@ class Gateway:
     # ---- other endpoints
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        return web.json_response({"object": "list", "data": [self._model_card(), *await self._image_cards()]})
 
     async def model(self, request: web.Request) -> web.Response:
-        if request.match_info["model"] not in self.config.model_names:
-            raise ApiError(
-                404,
-                f"The model `{request.match_info['model']}` does not exist.",
-                "invalid_request_error",
-                "model",
-                "model_not_found",
-            )
-        return web.json_response(self._model_card())
+        name = request.match_info["model"]
+        if name in self.config.model_names:
+            return web.json_response(self._model_card())
+        for card in await self._image_cards():
+            if card["id"] == name:
+                return web.json_response(card)
+        raise ApiError(404, f"The model `{name}` does not exist.", "invalid_request_error", "model", "model_not_found")
 
     def _model_card(self) -> dict:
-        return {"id": self.config.served_model, "object": "model", "created": self.started, "owned_by": "pagemesh"}
+        return {
+            "id": self.config.served_model,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "pagemesh",
+            "kind": "llm",
+        }
+
+    async def _image_cards(self) -> list[dict]:
+        """The image models live diffusion workers serve (none if the scheduler does not answer)."""
+        status = await self.mesh.status(STATUS_TIMEOUT_S)
+        cards: dict[str, dict] = {}
+        for w in status.workers if status is not None else ():
+            if w.alive and w.images is not None and w.model not in cards:
+                cards[w.model] = {
+                    "id": w.model,
+                    "object": "model",
+                    "created": self.started,
+                    "owned_by": "pagemesh",
+                    "kind": "diffusion",
+                    "sizes": w.images.sizes,
+                    "samplers": w.images.samplers,
+                    "default_sampler": w.images.default_sampler,
+                    "default_steps": w.images.default_steps,
+                    "max_steps": w.images.max_steps,
+                    "conditioning": w.images.conditioning,
+                }
+        return list(cards.values())
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")

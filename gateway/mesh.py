@@ -1,13 +1,14 @@
 """The gateway's side of the mesh: its three sockets and the routing of replies to requests.
 
-    submit()  GenerateRequest ──Dealer──▶ tokenizer
-    abort()   AbortRequest    ──Dealer──▶ scheduler, and ──Dealer──▶ tokenizer (drops its state)
-    status()  StatusRequest   ──Dealer──▶ scheduler ──ClusterStatus──▶ back on the same Dealer
-    replies   TextDeltaBatch / RequestFailed ──▶ Pull (reply_to) ──▶ the request's asyncio.Queue
+    submit()        GenerateRequest ──Dealer──▶ tokenizer
+    submit_image()  ImageRequest    ──Dealer──▶ scheduler (refusals come back on the same Dealer)
+    abort()         AbortRequest    ──Dealer──▶ scheduler, and ──Dealer──▶ tokenizer (drops its state)
+    status()        StatusRequest   ──Dealer──▶ scheduler ──ClusterStatus──▶ back on the same Dealer
+    replies         TextDeltaBatch / ImageResult / RequestFailed ──▶ Pull (reply_to) ──▶ the request's queue
     Ping every second ──Dealer──▶ tokenizer ──Pong(instance)──▶ back on the same Dealer
 
 A background task per receiving socket does the routing; a request's queue holds
-`(arrival time, list[TextDelta] | RequestFailed)` items, one per incoming batch. When the
+`(arrival time, list[TextDelta] | ImageResult | RequestFailed)` items, one per incoming message. When the
 tokenizer's instance changes, it was restarted and lost every request in flight: they end with a
 503 at once (and are aborted at the scheduler) instead of at the request timeout. No request goes
 out before the first Pong, so the first instance seen is the one the requests went to.
@@ -25,6 +26,8 @@ from common.messages import (
     AbortRequest,
     ClusterStatus,
     GenerateRequest,
+    ImageRequest,
+    ImageResult,
     Pong,
     RequestFailed,
     StatusRequest,
@@ -36,7 +39,7 @@ from gateway.errors import ApiError
 
 log = structlog.get_logger()
 
-Reply = tuple[float, "list[TextDelta] | RequestFailed"]
+Reply = tuple[float, "list[TextDelta] | ImageResult | RequestFailed"]
 TOKENIZER_WAIT_S = 10.0  # a request waits this long for a tokenizer that has not answered yet
 
 
@@ -109,6 +112,14 @@ class MeshClient:
                 ) from None
         await self._tokenizer.send(request)
 
+    async def submit_image(self, request: ImageRequest) -> None:
+        """Image requests need no tokenizer: straight to the scheduler."""
+        await self._scheduler.send(request)
+
+    def abort_image(self, request_id: str, reason: str) -> None:
+        self.discard(request_id)
+        self._spawn(self._scheduler.send(AbortRequest(request_id=request_id, reason=reason)))
+
     def abort(self, request_id: str, reason: str) -> None:
         """Stop the request everywhere and forget it. Does not wait, so a handler being cancelled
         (client gone) can call it from `finally`."""
@@ -129,7 +140,7 @@ class MeshClient:
                     by_request.setdefault(delta.request_id, []).append(delta)
                 for request_id, deltas in by_request.items():
                     self._deliver(request_id, (now, deltas))
-            elif isinstance(msg, RequestFailed):
+            elif isinstance(msg, RequestFailed | ImageResult):
                 self._deliver(msg.request_id, (now, msg))
             else:
                 log.warning("unexpected message on the reply stream", type=type(msg).__name__)
@@ -194,5 +205,7 @@ class MeshClient:
                 waiter = self._status_waiter
                 if waiter is not None and not waiter.done():
                     waiter.set_result(msg)
+            elif isinstance(msg, RequestFailed):  # an image request the scheduler refused
+                self._deliver(msg.request_id, (time.monotonic(), msg))
             else:
                 log.warning("unexpected message from the scheduler", type=type(msg).__name__)
