@@ -111,7 +111,7 @@ def reference_loop(pipe: TinyDiTPipeline, sampler: str, digit: int, n: int, step
             out = pipe.transformer(torch.cat([x, x]), timestep=t.float().expand(2 * n), class_labels=labels).sample
             cond, uncond = out[:n], out[n:]
             eps = uncond[:, :1] + guidance * (cond[:, :1] - uncond[:, :1])
-            if getattr(scheduler.config, "variance_type", None) == "learned_range":
+            if sampler == "ddpm" and scheduler.config.variance_type == "learned_range":
                 eps = torch.cat([eps, cond[:, 1:]], dim=1)
             kwargs = {"generator": generators} if sampler in ("ddpm", "euler") else {}
             latents = scheduler.step(eps, t, latents, **kwargs).prev_sample
@@ -127,12 +127,13 @@ def test_each_sampler_matches_a_plain_diffusers_loop_with_guidance(pipe, sampler
     torch.testing.assert_close(got, reference_loop(pipe, sampler, 7, 2, 5, 3.0, 11), rtol=1e-4, atol=1e-4)
 
 
-def test_ddpm_with_a_learned_variance_uses_the_predicted_variance():
+@pytest.mark.parametrize("sampler", ["ddpm", "dpmsolver++", "ddim"])
+def test_a_learned_variance_serves_ddpm_and_is_dropped_for_the_others(sampler):
     pipe = TinyDiTPipeline(variance_type="learned_range")
     engine = DiffusionEngine(pipe)
-    engine.add(job("r", prompt="4", n=1, steps=5, sampler="ddpm", guidance=2.0, seed=5))
+    engine.add(job("r", prompt="4", n=1, steps=5, sampler=sampler, guidance=2.0, seed=5))
     got = final_latents(pipe, engine, "r")
-    torch.testing.assert_close(got, reference_loop(pipe, "ddpm", 4, 1, 5, 2.0, 5), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, reference_loop(pipe, sampler, 4, 1, 5, 2.0, 5), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("sampler", SAMPLERS)

@@ -19,11 +19,16 @@ from diffusers import (
     UniPCMultistepScheduler,
 )
 
-# name -> (scheduler class, what the name fixes over the pipeline's config)
+# name -> (scheduler class, what the name fixes over the pipeline's config). Only DDPM uses a
+# learned variance; the others get the prediction alone, and DPM-Solver's variance_type is None
+# so that it does not cut that prediction to 3 channels (its pixel-space IF case).
 _SCHEDULERS: dict[str, tuple[type, dict[str, Any]]] = {
     "ddpm": (DDPMScheduler, {}),
     "ddim": (DDIMScheduler, {}),  # eta = 0 (step's default): deterministic
-    "dpmsolver++": (DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++", "solver_order": 2}),
+    "dpmsolver++": (
+        DPMSolverMultistepScheduler,
+        {"algorithm_type": "dpmsolver++", "solver_order": 2, "variance_type": None},
+    ),
     "unipc": (UniPCMultistepScheduler, {}),
     "euler": (EulerDiscreteScheduler, {}),
 }
@@ -54,7 +59,7 @@ class RequestSampler:
         self.generators = generators
         takes_generator = "generator" in inspect.signature(self.scheduler.step).parameters
         self._step_kwargs = {"generator": generators} if takes_generator else {}
-        self._keeps_variance = getattr(self.scheduler.config, "variance_type", None) in _LEARNED_VARIANCE
+        self._keeps_variance = name == "ddpm" and self.scheduler.config.variance_type in _LEARNED_VARIANCE
 
     @property
     def done(self) -> bool:
