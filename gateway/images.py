@@ -7,7 +7,8 @@
 What only the model knows (its sizes, what a prompt must say, its step limit) the diffusion
 worker checks; the gateway checks the shape of each field. Extras beyond OpenAI's fields are
 those vLLM-Omni and SGLang users pass (`extra_body`): seed, num_inference_steps,
-guidance_scale, negative_prompt, sampler; and pagemesh's `cache` (a feature-cache policy). Unknown fields are ignored, as OpenAI's are.
+guidance_scale, negative_prompt, sampler; and pagemesh's `cache` (a feature-cache policy).
+Unknown fields are ignored, as OpenAI's are.
 """
 
 from __future__ import annotations
