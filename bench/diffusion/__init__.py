@@ -1,0 +1,1 @@
+"""Diffusion benchmarks: the embedded digits model's quality (classifier accuracy, Fréchet distance)."""
