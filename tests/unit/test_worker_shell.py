@@ -13,6 +13,7 @@ from common.messages import (
     GenerateTask,
     Heartbeat,
     HeldRequest,
+    ImageModelInfo,
     Registered,
     RegisterWorker,
     RequestDone,
@@ -26,6 +27,11 @@ from workers.shell.config import ShellConfig
 from workers.shell.shell import WorkerShell
 
 TIMEOUT_S = 20.0
+
+
+IMAGES = ImageModelInfo(
+    sizes=["8x8"], samplers=["ddim"], default_sampler="ddim", default_steps=4, max_steps=8, conditioning="a digit"
+)
 
 
 class CountingBackend:
@@ -42,7 +48,9 @@ class CountingBackend:
         self.finished_at: dict[str, tuple[int, dict[str, int]]] = {}  # request -> (step, what the others had left)
 
     def registration(self):
-        return Registration(kind=WorkerKind.DIFFUSION, role=WorkerRole.MIXED, model="counter", max_running=4)
+        return Registration(
+            kind=WorkerKind.DIFFUSION, role=WorkerRole.MIXED, model="counter", max_running=4, images=IMAGES
+        )
 
     def add(self, task):
         self.left[task.request_id] = task.sampling.max_tokens
@@ -124,13 +132,14 @@ def test_registration_tasks_aborts_and_heartbeats(tmp_path):
     async def main():
         async with worker_and_scheduler(tmp_path) as (shell, scheduler):
             identity, reg = await next_of(scheduler, RegisterWorker)
-            assert (reg.worker_id, reg.kind, reg.role, reg.model, reg.kv, reg.held) == (
+            assert (reg.worker_id, reg.kind, reg.role, reg.model, reg.kv, reg.held, reg.images) == (
                 "w0",
                 WorkerKind.DIFFUSION,
                 WorkerRole.MIXED,
                 "counter",
                 None,
                 None,
+                IMAGES,
             )
             await scheduler.send(identity, Registered(worker_id="w0"))
             await scheduler.send(identity, task("a", 3))
