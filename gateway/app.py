@@ -171,6 +171,13 @@ class Gateway:
 
     async def images_generations(self, request: web.Request) -> web.Response:
         """One image request in the mesh for all `n` images; JSON when they are done."""
+        try:
+            return await self._images(request)
+        except ApiError as e:
+            self.metrics.image_request(e.status)
+            raise
+
+    async def _images(self, request: web.Request) -> web.Response:
         arrival = time.monotonic()
         if request.content_length is not None and request.content_length > self.config.max_body_bytes:
             raise _too_large(self.config.max_body_bytes)
@@ -206,6 +213,7 @@ class Gateway:
                     raise from_request_failed(reply)
                 assert isinstance(reply, ImageResult), reply
                 log.info("image request done", images=len(reply.images), steps=reply.steps)
+                self.metrics.image_request(200, time.monotonic() - arrival, len(reply.images), reply.steps)
                 body = image_response(reply, int(time.time()))
                 return web.Response(body=to_json(body), content_type="application/json")
             finally:

@@ -7,8 +7,10 @@ What is measured, and where (all times on the gateway's monotonic clock):
   e2e_request_latency   arrival -> the last choice finished (successful requests only)
   request_queue_time    arrival -> the scheduler placed the request. The mesh does not report
                         placement times yet, so this histogram is declared but stays empty.
-Counters count successful choices by finish reason and tokens; the per-worker gauges and the
-KV transfer total are copied from the scheduler's ClusterStatus at each scrape.
+  image_request_latency arrival -> the images are back (successful image requests)
+Counters count successful choices by finish reason and tokens, image requests by HTTP status and
+images made; the per-worker gauges and the KV transfer total are copied from the scheduler's
+ClusterStatus at each scrape.
 """
 
 from __future__ import annotations
@@ -171,6 +173,12 @@ class GatewayMetrics:
         self.worker_requests = Counter(
             p + "worker_requests_total", "Requests each worker has finished (or handed off)."
         )
+        self.image_latency = Histogram(
+            p + "image_request_latency_seconds", "Time from arrival to the images of a successful request.", E2E_BUCKETS
+        )
+        self.image_requests = Counter(p + "image_requests_total", "Image requests answered, by HTTP status.")
+        self.images = Counter(p + "images_generated_total", "Images generated.")
+        self.denoising_steps = Counter(p + "denoising_steps_total", "Denoising steps run, summed over images.")
 
     def all(self) -> list[_Metric]:
         return [
@@ -187,6 +195,10 @@ class GatewayMetrics:
             self.kv_bytes,
             self.scheduler_queued,
             self.worker_requests,
+            self.image_latency,
+            self.image_requests,
+            self.images,
+            self.denoising_steps,
         ]
 
     def render(self) -> str:
@@ -194,6 +206,14 @@ class GatewayMetrics:
 
     def request(self, arrival: float) -> RequestTimer:
         return RequestTimer(self, arrival)
+
+    def image_request(self, status: int, latency: float | None = None, images: int = 0, steps: int = 0) -> None:
+        """One image request answered with `status` (its latency, images and steps when it succeeded)."""
+        self.image_requests.inc(status=str(status))
+        if latency is not None:
+            self.image_latency.observe(latency)
+            self.images.inc(images)
+            self.denoising_steps.inc(images * steps)
 
     def update_cluster(self, status: ClusterStatus | None) -> None:
         """Copy the scheduler's view; with no answer, drop the series rather than show stale ones."""

@@ -48,8 +48,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args.decode = args.decode if args.decode is not None else (0 if mixed_only else 1)
     if (args.prefill > 0) != (args.decode > 0):
         parser.error("--prefill and --decode go together (or use --mixed)")
-    if args.prefill + args.decode + args.mixed == 0:
-        parser.error("no workers: give --prefill/--decode or --mixed")
+    if args.prefill + args.decode + args.mixed + args.diffusion == 0:
+        parser.error("no workers: give --prefill/--decode, --mixed or --diffusion")
     if args.diffusion < 0:
         parser.error("--diffusion: must be >= 0")
     return args

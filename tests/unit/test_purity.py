@@ -25,6 +25,9 @@ PURE_MODULES = [
     "common.messages",
     "common.page_hash",
     "common.model_config",
+    "workers.diffusion.engine.batcher",
+    "workers.diffusion.engine.config",
+    "workers.diffusion.engine.stats",
 ]
 # processes that talk over sockets but must not load torch: the launcher parses every kind's flags
 NO_TORCH_MODULES = ["services.launcher", "services.tokenizer.core", "services.tokenizer.config", "gateway.app"]

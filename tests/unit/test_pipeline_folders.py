@@ -1,0 +1,410 @@
+"""The diffusers-folder pipelines (loader.py, unet.py, pixart.py) against diffusers' own pipelines.
+
+Tiny randomly-initialised pipelines are built from configs and saved to a temporary folder
+(nothing is downloaded). A whole sampling run (CFG, a diffusers scheduler, the same initial noise)
+through our encode_prompt / stack / denoise / decode must equal the diffusers pipeline's run on
+the same folder, as the LLM engine is checked against HF transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import types
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+transformers = pytest.importorskip("transformers")
+
+from diffusers import (  # noqa: E402
+    AutoencoderKL,
+    DDIMScheduler,
+    DPMSolverMultistepScheduler,
+    EulerDiscreteScheduler,
+    PixArtAlphaPipeline,
+    PixArtSigmaPipeline,
+    PixArtTransformer2DModel,
+    StableDiffusionPipeline,
+    UNet2DConditionModel,
+)
+from tokenizers.pre_tokenizers import ByteLevel  # noqa: E402
+from transformers import (  # noqa: E402
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5Tokenizer,
+)
+
+from common.messages import ImageParams  # noqa: E402
+from workers.diffusion.pipelines.base import InvalidImageRequest  # noqa: E402
+from workers.diffusion.pipelines.loader import LAYOUTS, ModelFolderError, load_pipeline  # noqa: E402
+
+SCHEDULER = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000)
+PROMPTS = ["a cat on a mat", "the dog", "A CAT sits on the red mat, looking left"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tensors this small gain nothing from threads, and on a busy machine torch's thread pool
+    # makes these tests ten times slower (each op waits on its threads).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _vae(*, attention: bool = True) -> AutoencoderKL:
+    return AutoencoderKL(
+        mid_block_add_attention=attention,
+        block_out_channels=(8, 16),
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=16,
+    )
+
+
+def _clip_tokenizer() -> CLIPTokenizer:
+    # byte-level characters as the whole vocabulary: every character is a token
+    chars = sorted(ByteLevel.alphabet())
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for suffix in ("", "</w>"):
+        for c in chars:
+            vocab[c + suffix] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
+
+
+def _t5_tokenizer(max_length: int) -> T5Tokenizer:
+    words = ["a", "cat", "the", "dog", "on", "mat", "red"]
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    vocab += [(c, -3.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789,."] + [("▁" + w, -1.0) for w in words]
+    return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=max_length)
+
+
+def _save(pipe, path, serving: dict | None = None) -> str:
+    pipe.save_pretrained(str(path))
+    if serving is not None:
+        (path / "pagemesh.json").write_text(json.dumps(serving))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def sd_folder(tmp_path_factory) -> str:
+    torch.manual_seed(0)
+    tokenizer = _clip_tokenizer()
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=77,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+        )
+    )
+    unet = UNet2DConditionModel(
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32,
+        norm_num_groups=4,
+        attention_head_dim=2,
+    )
+    scheduler = DDIMScheduler(**SCHEDULER, clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+    pipe = StableDiffusionPipeline(
+        vae=_vae(),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    serving = {"sizes": ["16x16", "24x16"], "max_steps": 30, "default_sampler": "euler"}
+    return _save(pipe, tmp_path_factory.mktemp("tiny-sd"), serving)
+
+
+def _pixart(path, pipeline_cls, *, sample_size: int, patch_size: int, max_length: int, attention: bool) -> str:
+    torch.manual_seed(1)
+    tokenizer = _t5_tokenizer(max_length)
+    text_encoder = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer),
+            d_model=32,
+            d_kv=8,
+            d_ff=37,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+        )
+    )
+    transformer = PixArtTransformer2DModel(
+        num_attention_heads=3,  # 24 wide: the micro-condition embeddings take a third each
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=8,  # learned sigma, as PixArt's checkpoints
+        num_layers=2,
+        sample_size=sample_size,
+        patch_size=patch_size,
+        cross_attention_dim=24,
+        caption_channels=32,
+        norm_num_groups=4,
+    )
+    scheduler = DPMSolverMultistepScheduler(**SCHEDULER)
+    vae = _vae(attention=attention)
+    pipe = pipeline_cls(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler
+    )
+    return _save(pipe, path)
+
+
+@pytest.fixture(scope="module")
+def alpha_folder(tmp_path_factory) -> str:
+    # sample_size 128 is what PixArt-alpha-1024 has: its resolution / aspect-ratio conditions are on.
+    # Patches of 16 keep the transformer at 64 tokens; the VAE's mid-block attention (over all
+    # 128 x 128 latent pixels) is left out to keep the decode fast.
+    folder = tmp_path_factory.mktemp("tiny-pixart-alpha")
+    return _pixart(folder, PixArtAlphaPipeline, sample_size=128, patch_size=16, max_length=120, attention=False)
+
+
+@pytest.fixture(scope="module")
+def sigma_folder(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("tiny-pixart-sigma")
+    return _pixart(folder, PixArtSigmaPipeline, sample_size=8, patch_size=2, max_length=300, attention=True)
+
+
+@pytest.fixture(scope="module")
+def models(sd_folder, alpha_folder, sigma_folder) -> dict:
+    return {
+        "sd": load_pipeline(sd_folder),
+        "alpha": load_pipeline(alpha_folder, name="pixart"),
+        "sigma": load_pipeline(sigma_folder),
+    }
+
+
+def _params(prompt="a cat", **overrides) -> ImageParams:
+    fields = dict(
+        prompt=prompt,
+        negative_prompt=None,
+        n=1,
+        width=None,
+        height=None,
+        num_inference_steps=None,
+        guidance_scale=None,
+        sampler=None,
+        seed=None,
+    )
+    return ImageParams(**{**fields, **overrides})
+
+
+def _our_run(model, scheduler, *, prompt, negative_prompt, noise, steps, guidance):
+    """The engine's loop for one request, plainly: CFG as two rows of one batch."""
+    cond, uncond = model.encode_prompt(prompt, negative_prompt)
+    rows = model.stack([uncond, cond])
+    scheduler.set_timesteps(steps)
+    x = noise * scheduler.init_noise_sigma
+    for t in scheduler.timesteps:
+        model_in = scheduler.scale_model_input(torch.cat([x, x]), t)
+        out_uncond, out_cond = model.denoise(model_in, t.expand(2), rows).chunk(2)
+        x = scheduler.step(out_uncond + guidance * (out_cond - out_uncond), t, x).prev_sample
+    return x, model.decode(x)
+
+
+CASES = [  # model, its diffusers pipeline, sampler, size, negative prompt
+    ("sd", StableDiffusionPipeline, DDIMScheduler, (16, 16), "blurry"),
+    ("sd", StableDiffusionPipeline, EulerDiscreteScheduler, (24, 16), None),
+    ("alpha", PixArtAlphaPipeline, DDIMScheduler, (256, 256), None),
+    ("alpha", PixArtAlphaPipeline, DPMSolverMultistepScheduler, (192, 256), "Blurry, dark"),
+    ("sigma", PixArtSigmaPipeline, DPMSolverMultistepScheduler, (16, 16), None),
+]
+
+
+@pytest.mark.parametrize(("key", "pipeline_cls", "scheduler_cls", "size", "negative"), CASES)
+def test_sampling_run_equals_diffusers_pipeline(request, models, key, pipeline_cls, scheduler_cls, size, negative):
+    model = models[key]
+    folder = request.getfixturevalue(f"{key}_folder")
+    resolved = model.resolve(_params(PROMPTS[2], width=size[0], height=size[1], num_inference_steps=4))
+    noise = torch.randn((1, *resolved.latent_shape), generator=torch.Generator().manual_seed(7))
+    guidance = 6.0
+    latents, images = _our_run(
+        model,
+        scheduler_cls.from_config(model.scheduler_config),
+        prompt=PROMPTS[2],
+        negative_prompt=negative,
+        noise=noise,
+        steps=4,
+        guidance=guidance,
+    )
+
+    reference = pipeline_cls.from_pretrained(folder)
+    reference.set_progress_bar_config(disable=True)
+    reference.scheduler = scheduler_cls.from_config(reference.scheduler.config)
+    kwargs = dict(
+        prompt=PROMPTS[2],
+        num_inference_steps=4,
+        guidance_scale=guidance,
+        width=size[0],
+        height=size[1],
+        latents=noise.clone(),
+    )
+    if negative is not None:
+        kwargs["negative_prompt"] = negative
+    final = []  # the latents after the last step, from the pipeline's callback
+    if key == "sd":
+        kwargs["callback_on_step_end"] = lambda pipe, i, t, tensors: final.append(tensors["latents"]) or tensors
+    else:
+        kwargs.update(use_resolution_binning=False, clean_caption=False, callback=lambda i, t, x: final.append(x))
+    expected_images = reference(**kwargs, output_type="np").images
+    expected_latents = final[-1]
+
+    assert latents.shape == (1, *resolved.latent_shape)
+    torch.testing.assert_close(latents, expected_latents, atol=1e-5, rtol=1e-5)
+    assert images.dtype == torch.uint8 and images.shape == (1, size[1], size[0], 3)
+    expected_uint8 = torch.from_numpy(expected_images * 255).round()
+    assert (images.float() - expected_uint8).abs().max() <= 1
+
+
+@pytest.mark.parametrize("key", ["sd", "alpha"])
+def test_a_rows_output_does_not_depend_on_its_batch(models, key):
+    model = models[key]
+    shape = model.resolve(_params()).latent_shape
+    rows = [model.encode_prompt(p, "ugly")[i % 2] for i, p in enumerate(PROMPTS)]
+    latents = torch.randn((len(rows), *shape), generator=torch.Generator().manual_seed(3))
+    timesteps = torch.tensor([981, 500, 21])
+
+    together = model.denoise(latents, timesteps, model.stack(rows))
+    for i, row in enumerate(rows):
+        alone = model.denoise(latents[i : i + 1], timesteps[i : i + 1], model.stack([row]))
+        torch.testing.assert_close(together[i : i + 1], alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("key", "limit"), [("sd", 77), ("alpha", 120), ("sigma", 300)])
+def test_prompt_over_the_text_encoders_length_is_refused(models, key, limit):
+    model = models[key]
+    too_long = "a " * limit  # the tiny tokenizers make a token of each character or word
+    for call in (lambda: model.resolve(_params(too_long)), lambda: model.encode_prompt(too_long, None)):
+        with pytest.raises(InvalidImageRequest) as refused:
+            call()
+        assert refused.value.param == "prompt" and f"at most {limit}" in refused.value.message
+    with pytest.raises(InvalidImageRequest) as refused:
+        model.resolve(_params("a cat", negative_prompt=too_long))
+    assert refused.value.param == "negative_prompt"
+    with pytest.raises(InvalidImageRequest) as refused:
+        model.encode_prompt("  ", None)
+    assert refused.value.param == "prompt" and "empty" in refused.value.message
+
+
+def test_serving_defaults_from_pagemesh_json(models):
+    model = models["sd"]
+    assert model.name == "tiny-sd0"  # the folder's name
+    assert model.native_size == (16, 16)
+    assert model.info.sizes == ["16x16", "24x16"]
+    assert (model.info.default_sampler, model.info.default_steps, model.info.max_steps) == ("euler", 30, 30)
+    resolved = model.resolve(_params(seed=5))
+    assert (resolved.width, resolved.height, resolved.latent_shape) == (16, 16, (4, 8, 8))
+    assert (resolved.steps, resolved.sampler, resolved.guidance_scale, resolved.seed) == (30, "euler", 7.5, 5)
+    assert model.resolve(_params(width=24, height=16)).latent_shape == (4, 8, 12)
+    with pytest.raises(InvalidImageRequest) as refused:
+        model.resolve(_params(width=32, height=32))
+    assert refused.value.param == "size" and "16x16, 24x16" in refused.value.message
+    with pytest.raises(InvalidImageRequest) as refused:
+        model.resolve(_params(num_inference_steps=31))
+    assert refused.value.param == "num_inference_steps"
+
+
+def test_serving_defaults_from_the_model(models):
+    alpha, sigma = models["alpha"], models["sigma"]
+    assert alpha.name == "pixart"
+    assert alpha.info.sizes == ["256x256", "256x192", "192x256"]  # 128 latents x VAE scale 2, and 4:3
+    assert sigma.info.sizes == ["16x16"]
+    assert alpha.info.samplers == ["ddpm", "ddim", "dpmsolver++", "unipc", "euler"]
+    assert (alpha.info.default_sampler, alpha.info.default_steps, alpha.info.max_steps) == ("dpmsolver++", 20, 200)
+    resolved = alpha.resolve(_params(sampler="unipc", guidance_scale=1.0))
+    assert (resolved.sampler, resolved.guidance_scale, resolved.latent_shape) == ("unipc", 1.0, (4, 128, 128))
+    assert alpha.resolve(_params()).guidance_scale == 4.5
+    with pytest.raises(InvalidImageRequest) as refused:
+        alpha.resolve(_params(sampler="lms"))
+    assert refused.value.param == "sampler" and "dpmsolver++" in refused.value.message
+
+
+def test_unknown_layout_names_what_is_supported(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
+    with pytest.raises(ModelFolderError) as refused:
+        load_pipeline(str(tmp_path))
+    assert "StableDiffusionXLPipeline" in str(refused.value)
+    assert all(layout in str(refused.value) for layout in LAYOUTS)
+    (tmp_path / "model_index.json").unlink()
+    with pytest.raises(ModelFolderError, match="no model_index.json"):
+        load_pipeline(str(tmp_path))
+    with pytest.raises(ModelFolderError, match="not a folder"):
+        load_pipeline(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize(
+    ("serving", "says"),
+    [({"steps": 4}, "keys among"), ({"sizes": ["18x16"]}, "multiples of 4"), ({"samplers": ["lms"]}, "samplers")],
+)
+def test_a_bad_pagemesh_json_is_a_load_error(sd_folder, tmp_path, serving, says):
+    folder = shutil.copytree(sd_folder, tmp_path / "sd")
+    (folder / "pagemesh.json").write_text(json.dumps(serving))
+    with pytest.raises(ModelFolderError, match=says):
+        load_pipeline(str(folder))
+
+
+def test_a_folder_missing_a_component_is_a_load_error(sd_folder, tmp_path):
+    folder = shutil.copytree(sd_folder, tmp_path / "sd")
+    shutil.rmtree(folder / "unet")
+    with pytest.raises(ModelFolderError, match="cannot load"):
+        load_pipeline(str(folder))
+
+
+def test_dispatch_to_the_embedded_and_dit_models(monkeypatch, tmp_path):
+    calls = []
+    embedded = types.ModuleType("embedded")
+    embedded.load_embedded = lambda device, dtype: calls.append(("embedded", device, dtype)) or "digits"
+    dit = types.ModuleType("dit")
+    dit.DiTPipelineModel = types.SimpleNamespace(
+        from_folder=lambda path, **kw: calls.append(("dit", path, kw)) or "dit-model"
+    )
+    monkeypatch.setitem(sys.modules, "workers.diffusion.pipelines.embedded", embedded)
+    monkeypatch.setitem(sys.modules, "workers.diffusion.pipelines.dit", dit)
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "DiTPipeline"}))
+
+    assert load_pipeline(None, dtype=torch.bfloat16) == "digits"
+    assert load_pipeline(str(tmp_path), name="dit", device="cpu") == "dit-model"
+    assert calls == [
+        ("embedded", torch.device("cpu"), torch.bfloat16),
+        ("dit", str(tmp_path), {"name": "dit", "device": "cpu", "dtype": torch.float32}),
+    ]
+
+
+@pytest.mark.parametrize("key", ["sd", "alpha"])
+def test_a_bfloat16_load_serves_close_to_float32(request, models, key):
+    model = models[key]
+    half = load_pipeline(request.getfixturevalue(f"{key}_folder"), dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and half.info == model.info
+    shape = model.resolve(_params()).latent_shape
+    latents = torch.randn((2, *shape), generator=torch.Generator().manual_seed(4))
+    timesteps = torch.tensor([700, 300])
+    expected = model.denoise(latents, timesteps, model.stack(list(model.encode_prompt(PROMPTS[0], None))))
+    out = half.denoise(latents, timesteps, half.stack(list(half.encode_prompt(PROMPTS[0], None))))
+    assert out.dtype == torch.float32  # the engine's latents keep their dtype
+    torch.testing.assert_close(out, expected, atol=0.05, rtol=0.05)
+    images = half.decode(latents[:1])
+    assert images.dtype == torch.uint8 and images.shape == (1, *reversed(model.native_size), 3)

@@ -1,0 +1,169 @@
+"""The diffusion engine: `step()` = plan (Batcher, pure) → one batched forward → each row's sampler.
+
+    add(job) ── resolve, encode_prompt, seeded noise ──▶ waiting
+    step():  Batcher.plan ─▶ group ─▶ pipeline.denoise(latents [B, ...], timesteps [B], cond)
+                                   ─▶ per request: CFG combine, its sampler's step
+                                   ─▶ finished requests decoded and returned (they leave at once)
+
+A request's rows in a forward are its n images' cond rows then, with guidance, their uncond rows;
+each row carries its own request's timestep. Its latents and sampler are its own (float32,
+whatever the model's dtype), so its images do not depend on who shares its forwards.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+
+import torch
+
+from workers.diffusion.engine.batcher import Batcher, Member
+from workers.diffusion.engine.config import EngineConfig
+from workers.diffusion.engine.jobs import EngineFull, FinishedJob, ImageJob, RunningJob
+from workers.diffusion.engine.samplers import RequestSampler
+from workers.diffusion.engine.stats import DiffusionStats
+from workers.diffusion.pipelines.base import ImagePipeline
+
+SEED_MASK = 2**64 - 1  # torch generators take 64-bit seeds
+
+
+def guide(cond: torch.Tensor, uncond: torch.Tensor, scale: float, channels: int) -> torch.Tensor:
+    """Classifier-free guidance on the first `channels` channels (the prediction); channels past
+    them (a learned variance) are the cond rows' own."""
+    guided = uncond[:, :channels] + scale * (cond[:, :channels] - uncond[:, :channels])
+    return torch.cat([guided, cond[:, channels:]], dim=1)
+
+
+class DiffusionEngine:
+    """One image pipeline and the requests it works on.
+
+    Its contract with the worker: `add` takes a request (InvalidImageRequest for input the model
+    cannot serve, EngineFull when `max_waiting` requests wait), `abort` drops one at once,
+    `step` runs one forward and returns the requests that finished in it, and `stalled` says the
+    last step ran nothing though work is held (request mode's gathering window is open)."""
+
+    def __init__(
+        self,
+        pipeline: ImagePipeline,
+        config: EngineConfig = EngineConfig(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pipeline = pipeline
+        self.config = config
+        self.clock = clock
+        self.batcher = Batcher(config)
+        self.jobs: dict[str, RunningJob] = {}
+        self._order = itertools.count()
+        self._stats = DiffusionStats()
+        self._stalled = False
+
+    # ---- membership -----------------------------------------------------------------------
+    def add(self, job: ImageJob) -> None:
+        if self.batcher.num_waiting >= self.config.max_waiting:
+            raise EngineFull(self.config.max_waiting)
+        if job.request_id in self.jobs:
+            raise ValueError(f"request {job.request_id!r} is already in the engine")
+        resolved = self.pipeline.resolve(job.params)
+        cond, uncond = self.pipeline.encode_prompt(job.params.prompt, job.params.negative_prompt)
+        n = job.params.n
+        rows = [cond] * n + ([uncond] * n if resolved.guidance_scale > 1.0 else [])
+        generators = [torch.Generator().manual_seed((resolved.seed + i) & SEED_MASK) for i in range(n)]
+        sampler = RequestSampler(resolved.sampler, self.pipeline.scheduler_config, resolved.steps, generators)
+        latents = sampler.initial_latents(resolved.latent_shape, self.pipeline.device)
+        self.jobs[job.request_id] = RunningJob(
+            job=job, resolved=resolved, sampler=sampler, latents=latents, cond_rows=rows
+        )
+        self.batcher.add(
+            Member(
+                request_id=job.request_id,
+                order=next(self._order),
+                shape=resolved.latent_shape,
+                rows=len(rows),
+                arrival=job.arrival,
+            )
+        )
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request and its state now (between steps); False if it is not here."""
+        if not self.batcher.remove(request_id):
+            return False
+        del self.jobs[request_id]
+        self._stats.requests_aborted += 1
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.jobs)
+
+    def stalled(self) -> bool:
+        return self._stalled
+
+    @property
+    def num_running(self) -> int:
+        return self.batcher.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.batcher.num_waiting
+
+    def stats(self) -> DiffusionStats:
+        """The live totals (steps, rows per forward, images finished)."""
+        return self._stats
+
+    # ---- one step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[FinishedJob]:
+        now = self.clock()
+        group = [self.jobs[m.request_id] for m in self.batcher.plan(now)]
+        self._stalled = not group and self.has_work()
+        if not group:
+            return []
+        for running in group:
+            if running.started is None:
+                running.started = now
+        self._forward(group)
+        return [self._finish(running) for running in group if running.sampler.done]
+
+    def _forward(self, group: list[RunningJob]) -> None:
+        began = time.perf_counter()
+        inputs, timesteps, rows = [], [], []
+        for running in group:
+            x = running.sampler.model_input(running.latents)
+            inputs.append(torch.cat([x, x]) if running.guided else x)
+            timesteps.append(running.sampler.timestep.to(torch.float32).expand(running.rows))
+            rows.extend(running.cond_rows)
+        out = self.pipeline.denoise(
+            torch.cat(inputs).to(self.pipeline.dtype),
+            torch.cat(timesteps).to(self.pipeline.device),
+            self.pipeline.stack(rows),
+        ).float()
+        offset = 0
+        for running in group:
+            part = out[offset : offset + running.rows]
+            offset += running.rows
+            if running.guided:
+                n, scale = running.n, running.resolved.guidance_scale
+                part = guide(part[:n], part[n:], scale, running.latents.shape[1])
+            running.latents = running.sampler.step(part, running.latents)
+            running.batched_with = max(running.batched_with, len(group) - 1)
+        self._stats.record_forward(len(rows), len(group), time.perf_counter() - began)
+
+    def _finish(self, running: RunningJob) -> FinishedJob:
+        images = self.pipeline.decode(running.latents.to(self.pipeline.dtype)).cpu()
+        done = self.clock()
+        job, resolved = running.job, running.resolved
+        self.batcher.remove(job.request_id)
+        del self.jobs[job.request_id]
+        self._stats.requests_finished += 1
+        self._stats.images_finished += running.n
+        return FinishedJob(
+            request_id=job.request_id,
+            images=images,
+            resolved=resolved,
+            steps=resolved.steps,
+            sampler=resolved.sampler,
+            seed=resolved.seed,
+            queued_s=job.queued_s + max(0.0, running.started - job.arrival),
+            compute_s=done - running.started,
+            batched_with=running.batched_with,
+        )

@@ -1,0 +1,73 @@
+"""What goes into the diffusion engine (`ImageJob`), what comes out (`FinishedJob`), the refusal
+of a full queue (`EngineFull`), and one request's state while it runs (`RunningJob`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from common.messages import ImageParams
+from workers.diffusion.engine.samplers import RequestSampler
+from workers.diffusion.pipelines.base import Resolved
+
+
+class EngineFull(RuntimeError):
+    """The engine's waiting queue is at `max_waiting`: the request is refused (a 503; retry later)."""
+
+    def __init__(self, max_waiting: int):
+        super().__init__(f"the diffusion engine is full: {max_waiting} requests are already waiting; retry later")
+        self.max_waiting = max_waiting
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageJob:
+    """A request handed to the engine."""
+
+    request_id: str
+    params: ImageParams
+    arrival: float  # monotonic seconds, the engine's clock: when the worker took it
+    queued_s: float = 0.0  # time it spent in the mesh's scheduler before
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinishedJob:
+    """A request whose images are done; it has left the engine."""
+
+    request_id: str
+    images: torch.Tensor  # uint8 [n, H, W, C] on the CPU, at the model's native size
+    resolved: Resolved
+    steps: int
+    sampler: str
+    seed: int
+    queued_s: float  # the scheduler's queue + the engine's (arrival to its first step)
+    compute_s: float  # its first step's start to its images decoded
+    batched_with: int  # the most other requests that shared one of its forwards
+
+
+@dataclass(kw_only=True)
+class RunningJob:
+    """One request's state in the engine: its latents, its sampler and its conditioning rows.
+
+    Its rows in a forward are its n images' cond rows, then (with guidance) their n uncond rows."""
+
+    job: ImageJob
+    resolved: Resolved
+    sampler: RequestSampler
+    latents: torch.Tensor  # float32 [n, *latent_shape]
+    cond_rows: list[Any]  # n rows, or 2n with guidance (cond..., uncond...)
+    started: float | None = None  # clock at its first step
+    batched_with: int = 0
+
+    @property
+    def n(self) -> int:
+        return self.latents.shape[0]
+
+    @property
+    def guided(self) -> bool:
+        return self.resolved.guidance_scale > 1.0
+
+    @property
+    def rows(self) -> int:
+        return len(self.cond_rows)

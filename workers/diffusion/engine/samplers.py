@@ -1,0 +1,90 @@
+"""Per-request samplers: one diffusers scheduler instance per request, built from the pipeline's
+scheduler config, with its own timesteps, step index, solver history and random generators.
+
+A request's rows ride in batches with any other request's; nothing here is shared, so its
+trajectory is the same whoever it rides with.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from diffusers import (
+    DDIMScheduler,
+    DDPMScheduler,
+    DPMSolverMultistepScheduler,
+    EulerDiscreteScheduler,
+    UniPCMultistepScheduler,
+)
+
+# name -> (scheduler class, what the name fixes over the pipeline's config). Only DDPM uses a
+# learned variance; the others get the prediction alone, and DPM-Solver's variance_type is None
+# so that it does not cut that prediction to 3 channels (its pixel-space IF case).
+_SCHEDULERS: dict[str, tuple[type, dict[str, Any]]] = {
+    "ddpm": (DDPMScheduler, {}),
+    "ddim": (DDIMScheduler, {}),  # eta = 0 (step's default): deterministic
+    "dpmsolver++": (
+        DPMSolverMultistepScheduler,
+        {"algorithm_type": "dpmsolver++", "solver_order": 2, "variance_type": None},
+    ),
+    "unipc": (UniPCMultistepScheduler, {}),
+    "euler": (EulerDiscreteScheduler, {}),
+}
+SAMPLERS: tuple[str, ...] = tuple(_SCHEDULERS)
+_LEARNED_VARIANCE = ("learned", "learned_range")
+
+
+def build_scheduler(name: str, scheduler_config: dict[str, Any]):
+    """A fresh scheduler of sampler `name` from the pipeline's scheduler config, the way diffusers
+    switches schedulers (`from_config`: keys the class does not take are dropped, and keys the
+    config marks as defaults take the new class's defaults), with what the name fixes on top."""
+    cls, fixed = _SCHEDULERS[name]
+    return cls.from_config(scheduler_config, **fixed)
+
+
+class RequestSampler:
+    """One request's sampler over its n images' latents [n, C, ...].
+
+    `generators` holds one CPU generator per image (image i seeded from the request's seed + i),
+    used for the initial noise and for the noise a stochastic sampler (DDPM) adds at each step."""
+
+    def __init__(self, name: str, scheduler_config: dict[str, Any], steps: int, generators: list[torch.Generator]):
+        self.name = name
+        self.scheduler = build_scheduler(name, scheduler_config)
+        self.scheduler.set_timesteps(steps)
+        self.timesteps = self.scheduler.timesteps
+        self.index = 0
+        self.generators = generators
+        takes_generator = "generator" in inspect.signature(self.scheduler.step).parameters
+        self._step_kwargs = {"generator": generators} if takes_generator else {}
+        self._keeps_variance = name == "ddpm" and self.scheduler.config.variance_type in _LEARNED_VARIANCE
+
+    @property
+    def done(self) -> bool:
+        return self.index >= len(self.timesteps)
+
+    @property
+    def timestep(self) -> torch.Tensor:
+        """This step's timestep (0-d), what the model is conditioned on."""
+        return self.timesteps[self.index]
+
+    def initial_latents(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """Float32 noise [n, *shape], image i drawn from its own generator, at the sampler's scale."""
+        noise = torch.cat([torch.randn((1, *shape), generator=g, dtype=torch.float32) for g in self.generators])
+        return noise.to(device) * self.scheduler.init_noise_sigma
+
+    def model_input(self, latents: torch.Tensor) -> torch.Tensor:
+        """The latents as the model sees them this step (Euler scales by its sigma; others don't)."""
+        return self.scheduler.scale_model_input(latents, self.timestep)
+
+    def step(self, model_output: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """Advance one step. `model_output` may carry extra channels after the latents' (a learned
+        variance, as DiT predicts): DDPM with a learned variance type uses them, others drop them."""
+        channels = latents.shape[1]
+        if model_output.shape[1] != channels and not self._keeps_variance:
+            model_output = model_output[:, :channels]
+        out = self.scheduler.step(model_output, self.timestep, latents, **self._step_kwargs).prev_sample
+        self.index += 1
+        return out

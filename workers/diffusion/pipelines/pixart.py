@@ -1,0 +1,154 @@
+"""A PixArt-layout folder as an ImagePipeline: PixArtTransformer2DModel (a text-conditioned DiT),
+a T5 encoder and its tokenizer, AutoencoderKL, a scheduler (diffusers' `PixArtAlphaPipeline` and
+`PixArtSigmaPipeline`).
+
+The forward is diffusers' own modules, called as the PixArt pipelines call them: prompts
+lowercased and stripped (diffusers' `clean_caption` needs bs4 and ftfy; without them it does
+just this), padded to 120 tokens (Alpha) or 300 (Sigma) with the attention mask carried per row,
+the transformer's resolution and aspect-ratio conditions when its config uses them, the
+learned-sigma channels dropped. Sizes are served as asked (no resolution binning).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers import PixArtAlphaPipeline, PixArtSigmaPipeline
+
+from common.messages import ImageParams
+from workers.diffusion.pipelines.base import Resolved
+from workers.diffusion.pipelines.common import (
+    PromptEncoder,
+    ServingDefaults,
+    TextRows,
+    decode_latents,
+    folder_name,
+    model_defaults,
+    place_vae,
+    read_model_index,
+    read_scheduler_config,
+    read_serving_defaults,
+    resolve_request,
+    stack_text_rows,
+    vae_scale_factor,
+)
+
+# class name -> (diffusers pipeline, its max_sequence_length)
+LAYOUTS = {"PixArtAlphaPipeline": (PixArtAlphaPipeline, 120), "PixArtSigmaPipeline": (PixArtSigmaPipeline, 300)}
+DEFAULT_STEPS = 20  # the PixArt pipelines' defaults
+DEFAULT_GUIDANCE = 4.5
+
+
+class PixArtPipelineModel:
+    """The ImagePipeline of a PixArt-layout folder. Conditioning rows are `TextRows` (T5
+    embeddings [1, L, D] with their mask [1, L]); latents are [C, H/8, W/8] for its VAE."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        transformer: torch.nn.Module,
+        vae: torch.nn.Module,
+        prompts: PromptEncoder,
+        scheduler_config: dict[str, Any],
+        serving: ServingDefaults,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
+        self.name = name
+        self.transformer = transformer
+        self.vae = vae
+        self.prompts = prompts
+        self.scheduler_config = scheduler_config
+        self.serving = serving
+        self.device = device
+        self.dtype = dtype
+        self.scale = vae_scale_factor(vae)
+        side = transformer.config.sample_size * self.scale
+        self.native_size = (side, side)
+        self.info = serving.info(prompts.describe())
+        # learned sigma: the variance channels follow the prediction; the pipelines drop them
+        self.learned_sigma = transformer.config.out_channels // 2 == transformer.config.in_channels
+
+    @classmethod
+    def from_folder(
+        cls, path: str, *, name: str | None = None, device: str | torch.device = "cpu", dtype=torch.float32
+    ) -> PixArtPipelineModel:
+        device = torch.device(device)
+        pipeline_cls, max_tokens = LAYOUTS[read_model_index(path)["_class_name"]]
+        pipe = pipeline_cls.from_pretrained(path, torch_dtype=dtype)
+        transformer, vae = pipe.transformer.to(device), place_vae(pipe.vae, device, dtype)
+        prompts = PromptEncoder(
+            pipe.tokenizer,
+            pipe.text_encoder.to(device),
+            max_tokens=max_tokens,
+            lowercase=True,
+            mask_to_encoder=True,
+            keep_mask=True,
+            dtype=dtype,
+        )
+        scheduler_config = read_scheduler_config(path)
+        scale = vae_scale_factor(vae)
+        side = transformer.config.sample_size * scale
+        multiple = scale * transformer.config.patch_size
+        defaults = model_defaults(
+            native=(side, side),
+            size_multiple=multiple,
+            scheduler_config=scheduler_config,
+            default_steps=DEFAULT_STEPS,
+            guidance_scale=DEFAULT_GUIDANCE,
+        )
+        return cls(
+            name=name or folder_name(path),
+            transformer=transformer,
+            vae=vae,
+            prompts=prompts,
+            scheduler_config=scheduler_config,
+            serving=read_serving_defaults(path, defaults, size_multiple=multiple),
+            device=device,
+            dtype=dtype,
+        )
+
+    def _latent_shape(self, width: int, height: int) -> tuple[int, ...]:
+        return (self.transformer.config.in_channels, height // self.scale, width // self.scale)
+
+    def resolve(self, params: ImageParams) -> Resolved:
+        self.prompts.check(params.prompt, "prompt")
+        if params.negative_prompt:
+            self.prompts.check(params.negative_prompt, "negative_prompt")
+        return resolve_request(params, self.serving, self._latent_shape)
+
+    def encode_prompt(self, prompt: str, negative_prompt: str | None) -> tuple[TextRows, TextRows]:
+        return self.prompts.encode_pair(prompt, negative_prompt)
+
+    def stack(self, rows: list[TextRows]) -> TextRows:
+        return stack_text_rows(rows)
+
+    @torch.no_grad()
+    def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: TextRows) -> torch.Tensor:
+        """`latents` already scaled by each row's scheduler (`scale_model_input`)."""
+        x = latents.to(device=self.device, dtype=self.dtype)
+        added = {"resolution": None, "aspect_ratio": None}
+        if self.transformer.use_additional_conditions:
+            # PixArt-Alpha's micro-conditions: the image's (height, width) in pixels and height / width
+            height, width = x.shape[-2] * self.scale, x.shape[-1] * self.scale
+            rows = x.shape[0]
+            added = {
+                "resolution": torch.tensor([[height, width]], dtype=self.dtype, device=self.device).repeat(rows, 1),
+                "aspect_ratio": torch.tensor([[height / width]], dtype=self.dtype, device=self.device).repeat(rows, 1),
+            }
+        out = self.transformer(
+            x,
+            encoder_hidden_states=cond.embeds,
+            encoder_attention_mask=cond.mask,
+            timestep=timesteps.to(self.device),
+            added_cond_kwargs=added,
+            return_dict=False,
+        )[0]
+        if self.learned_sigma:
+            out = out.chunk(2, dim=1)[0]
+        return out.to(latents.dtype)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return decode_latents(self.vae, latents)
