@@ -144,16 +144,18 @@ def plot(records: list[dict], path: Path, title: str) -> None:
 
     table = aggregate(records)
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for mode in MODES:
+    all_clients = sorted({c for _, c in table})
+    for mode, colour in zip(MODES, ("tab:gray", "tab:orange", "tab:green")):
         points = sorted((c, row) for (m, c), row in table.items() if m == mode)
         if not points:
             continue
         clients = [c for c, _ in points]
-        axes[0].plot(clients, [row["images_per_s"] for _, row in points], "o-", label=mode)
-        axes[1].plot(clients, [row["p99_ms"] for _, row in points], "s--", label=f"{mode} p99")
-        axes[1].plot(clients, [row["p50_ms"] for _, row in points], "o-", label=f"{mode} p50", alpha=0.6)
+        axes[0].plot(clients, [row["images_per_s"] for _, row in points], "o-", color=colour, label=mode)
+        axes[1].plot(clients, [row["p99_ms"] for _, row in points], "s--", color=colour, label=f"{mode} p99")
+        axes[1].plot(clients, [row["p50_ms"] for _, row in points], "o-", color=colour, alpha=0.5, label=f"{mode} p50")
     for axis, label in zip(axes, ("images/s", "latency (ms)")):
         axis.set_xscale("log", base=2)
+        axis.set_xticks(all_clients, [str(c) for c in all_clients])
         axis.set_xlabel("concurrent clients")
         axis.set_ylabel(label)
         axis.grid(True, alpha=0.3)
