@@ -7,7 +7,8 @@
 What only the model knows (its sizes, what a prompt must say, its step limit) the diffusion
 worker checks; the gateway checks the shape of each field. Extras beyond OpenAI's fields are
 those vLLM-Omni and SGLang users pass (`extra_body`): seed, num_inference_steps,
-guidance_scale, negative_prompt, sampler. Unknown fields are ignored, as OpenAI's are.
+guidance_scale, negative_prompt, sampler; and pagemesh's `cache` (a feature-cache policy).
+Unknown fields are ignored, as OpenAI's are.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def parse_image_request(body: dict) -> tuple[str | None, ImageParams]:
         guidance_scale=guidance,
         sampler=sampler,
         seed=_int(body, "seed", None, 0, MAX_SEED),
+        cache=_cache(body.get("cache")),
     )
 
 
@@ -105,6 +107,16 @@ def _int(body: dict, name: str, default: int | None, low: int, high: int) -> int
         return default
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise invalid(f"{name}: must be an integer in [{low}, {high}]", name)
+    return value
+
+
+def _cache(value: Any) -> str | None:
+    """A feature-cache policy, e.g. "none", "interval:3", "fbcache:0.08", "teacache:0.3"; the
+    worker knows the policies and says what it accepts."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= 64:
+        raise invalid("cache: must be a policy name with an optional ':value', e.g. 'fbcache:0.08'", "cache")
     return value
 
 

@@ -35,6 +35,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add(parser, "--decode", None, type=int, help="decode workers (default 1, or 0 with --mixed)")
     add(parser, "--mixed", 0, type=int, help="mixed workers (prefill and decode in one engine)")
     add(parser, "--diffusion", 1, type=int, help="diffusion workers (images; 0 for none)")
+    add(
+        parser,
+        "--diffusion-threads",
+        1,
+        type=int,
+        help="torch threads per diffusion worker (the embedded model's matmuls are too small to share)",
+    )
     add(parser, "--run-dir", None, help="folder for ipc sockets (default: a new temporary folder)")
     add(parser, "--ready-timeout", 300.0, type=float, help="seconds to wait for every process")
     add(parser, "--threads-per-worker", None, type=int, help="torch threads per worker (default: cores / workers)")
@@ -63,7 +70,7 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
     model = ["--model", args.model] if args.model else []
     common = ["--ready-address", ready]
     engine = engine_args_to_argv(args)
-    workers = args.prefill + args.decode + args.mixed + args.diffusion
+    workers = max(1, args.prefill + args.decode + args.mixed)  # LLM workers share the cores
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
     procs = [
         ("scheduler", ["scheduler", "--address", sched, *policy_args_to_argv(args), *common]),
@@ -122,7 +129,7 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
                     "--scheduler-address",
                     sched,
                     "--threads",
-                    str(threads),
+                    str(args.diffusion_threads),
                     *diffusion_args_to_argv(args),
                     *common,
                 ],
@@ -270,8 +277,10 @@ def main(argv: list[str]) -> None:
             await asyncio.gather(starting, return_exceptions=True)
             return 0
         starting.result()  # raises if a process failed to start
-        workers = f"{args.prefill} prefill + {args.decode} decode" if args.prefill else f"{args.mixed} mixed"
-        workers += f" + {args.diffusion} diffusion" if args.diffusion else ""
+        llm = f"{args.prefill} prefill + {args.decode} decode" if args.prefill else f"{args.mixed} mixed"
+        parts = [llm] if args.prefill or args.mixed else []
+        parts += [f"{args.diffusion} diffusion"] if args.diffusion else []
+        workers = " + ".join(parts)
         print(f"pagemesh is up: http://{args.host}:{args.port}/v1  ({workers} worker(s); Ctrl-C stops)", flush=True)
         watching = asyncio.ensure_future(mesh.watch())
         try:

@@ -32,6 +32,7 @@ class ImageParams:
     guidance_scale: float | None
     sampler: str | None
     seed: int | None
+    cache: str | None = None  # a feature-cache policy, "<policy>[:<value>]" (the worker checks it)
 
     def _check(self) -> None:
         if not 1 <= self.n <= MAX_IMAGES:

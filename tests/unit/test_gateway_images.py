@@ -41,12 +41,13 @@ def test_openai_fields_and_the_extras_vllm_and_sglang_users_pass():
             "guidance_scale": 3,
             "negative_prompt": "1",
             "sampler": "dpmsolver++",
+            "cache": "fbcache:0.08",
         }
     )
     assert model == "digits-dit"
     assert (params.n, params.width, params.height, params.seed) == (4, 128, 64, 42)
     assert (params.num_inference_steps, params.guidance_scale, params.sampler) == (20, 3.0, "dpmsolver++")
-    assert params.negative_prompt == "1"
+    assert params.negative_prompt == "1" and params.cache == "fbcache:0.08"
     assert parse_image_request({"prompt": "7", "size": "auto"})[1].width is None
 
 
@@ -75,6 +76,8 @@ def test_openai_fields_and_the_extras_vllm_and_sglang_users_pass():
         ({"prompt": "7", "seed": -1}, "seed"),
         ({"prompt": "7", "model": ""}, "model"),
         ({"prompt": "7", "user": 5}, "user"),
+        ({"prompt": "7", "cache": 3}, "cache"),
+        ({"prompt": "7", "cache": ""}, "cache"),
     ],
 )
 def test_a_bad_field_is_a_400_naming_it(body, param):

@@ -11,14 +11,17 @@ def resolve_device(config: DiffusionWorkerConfig):
     """(device, dtype) from the flags: auto = CUDA when there is one, bf16 there and fp32 on CPU."""
     import torch
 
-    device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else config.device)
+    if config.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("pagemesh diffusion: --diffusion-device cuda, but torch sees no CUDA device")
     if config.dtype == "auto":
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     else:
         dtype = getattr(torch, config.dtype)
-    return torch.device("cpu") if config.device == "auto" and device.type != "cuda" else device, dtype
+    return device, dtype
 
 
 def build_engine(config: DiffusionWorkerConfig):
