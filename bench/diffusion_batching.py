@@ -222,7 +222,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sampler", default=None)
     p.add_argument("--n", default=1, type=int, help="images per request")
     p.add_argument("--rounds", default=4, type=int, help="requests per client in a point")
-    p.add_argument("--least", default=8, type=int, help="requests in a point, at least")
+    p.add_argument("--least", default=16, type=int, help="requests in a point, at least")
     p.add_argument("--max-running", default=16, type=int, help="--diffusion-max-running")
     p.add_argument("--mesh-args", default="", help="more `pagemesh up` flags, e.g. '--diffusion-request-wait 0.1'")
     p.add_argument("--seed", default=0, type=int)
