@@ -1,9 +1,13 @@
 """`pagemesh bench`: drive streaming load against any OpenAI-compatible server and report
 TTFT, TPOT, ITL and end-to-end latency, throughputs and goodput (vLLM's serving-benchmark
 definitions). One load point, or a sweep of request rates or concurrencies with a plot.
+`--endpoint /v1/images/generations` loads an image server instead: images/s, latencies, and the
+server's queue/compute times when its `usage` has them.
 
     pagemesh bench --base-url http://127.0.0.1:8000 --dataset random --random-input-len 128 \\
         --random-output-len 128 --prompt-as-token-ids --max-concurrency 8 --num-prompts 64
+    pagemesh bench --base-url http://127.0.0.1:8000 --endpoint /v1/images/generations \\
+        --num-inference-steps 50 --max-concurrency 16 --num-prompts 64
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ import urllib.request
 from pathlib import Path
 
 from bench.loadgen.datasets import DATASETS, DatasetSpec, conversations
+from bench.loadgen.images import IMAGES_ENDPOINT, add_image_arguments, image_target, run_images
 from bench.loadgen.metrics import DEFAULT_PERCENTILES, parse_goodput, summarize
 from bench.loadgen.report import format_summary, plot_sweep, write_json
 from bench.loadgen.runner import BenchError, LoadPoint, Target, run_point
 from common.model_files import resolve_model_path
 from common.tokenizer import Tokenizer
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", IMAGES_ENDPOINT)
 
 
 def _adder(parser: argparse.ArgumentParser):
@@ -44,7 +49,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add = _adder(p)
     add("--base-url", None, required=False, help="server URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
     add("--endpoint", "/v1/completions", choices=ENDPOINTS)
-    add("--model", None, help="model name to request (default: the first of GET /v1/models)")
+    add("--model", None, help="model name to request (default: the first of GET /v1/models; images: the server's)")
     add("--tokenizer", None, help="GGUF file or HF folder for datasets and token counts (default model)")
     add("--dataset", "random", choices=DATASETS)
     add("--random-input-len", 128, type=int)
@@ -84,6 +89,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add("--result-json", None, help="write the results here")
     add("--plot", None, help="sweep plot PNG (default: next to --result-json, else bench_sweep.png)")
     add("--no-progress", False, action="store_true")
+    add_image_arguments(_adder(p.add_argument_group(f"images ({IMAGES_ENDPOINT})")))
     args = p.parse_args(argv)
     if not args.base_url:
         p.error("--base-url is required")
@@ -136,6 +142,8 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError("extra-body: must be a JSON object")
     goodput = parse_goodput(args.goodput or [])
     percentiles = sorted(set(_floats(args.percentiles)) | {50.0, 99.0})
+    if args.endpoint == IMAGES_ENDPOINT:
+        return run_images(args, image_target(args, root, headers, extra_body), *sweep_points(args), percentiles)
     tokenizer = Tokenizer.from_path(resolve_model_path(args.tokenizer))
     model = args.model or first_model(root, headers)
     target = Target(

@@ -8,15 +8,24 @@ Over successful requests:
 Throughputs divide by the benchmark's wall time: requests, output tokens, input + output tokens.
 Goodput counts requests that meet every given SLO (in ms; a one-token request's TPOT counts as 0).
 Percentiles interpolate linearly between ranks (numpy's default).
+
+Image requests (`summarize_images`): E2EL per successful request, images and requests per
+second of wall time, failures counted by HTTP status (0: no answer), and the server's own queue
+and compute times where its `usage` reports them.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from bench.loadgen.stream import RequestResult
+
+if TYPE_CHECKING:
+    from bench.loadgen.images import ImageResult
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
@@ -101,4 +110,31 @@ def summarize(
     summary |= latency_stats("tpot", tpots, percentiles)
     summary |= latency_stats("itl", [gap for r in done for gap in r.itl], percentiles)
     summary |= latency_stats("e2el", [r.latency for r in done], percentiles)
+    return summary
+
+
+def summarize_images(
+    results: Sequence[ImageResult], duration_s: float, percentiles: Sequence[float] = DEFAULT_PERCENTILES
+) -> dict:
+    """The summary of image requests as a flat dict (plus `failed_by_status`, status -> count).
+    The queue/compute statistics are there only when some successful request reported them."""
+    if duration_s <= 0:
+        raise ValueError("duration must be positive")
+    done = [r for r in results if r.success]
+    images = sum(r.images for r in done)
+    by_status = Counter(str(r.status) for r in results if not r.success)
+    summary = {
+        "duration_s": duration_s,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "failed_by_status": dict(sorted(by_status.items())),
+        "total_images": images,
+        "request_throughput": len(done) / duration_s,
+        "image_throughput": images / duration_s,
+    }
+    summary |= latency_stats("e2el", [r.latency for r in done], percentiles)
+    for name in ("queue", "compute"):
+        reported = [t for r in done if (t := getattr(r, f"{name}_time_s")) is not None]
+        if reported:
+            summary |= latency_stats(name, reported, percentiles)
     return summary

@@ -10,8 +10,9 @@ import itertools
 import math
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from bench.loadgen.arrivals import arrival_times
 from bench.loadgen.client import new_session, stream_request
@@ -19,6 +20,8 @@ from bench.loadgen.datasets import Conversation, Prompt, build_prompt
 from bench.loadgen.progress import progress_bar
 from bench.loadgen.stream import RequestResult
 from common.tokenizer import Tokenizer
+
+T = TypeVar("T")
 
 
 class BenchError(RuntimeError):
@@ -102,24 +105,50 @@ class _Run:
         body = request_body(self.target, prompt, output_len)
         return await stream_request(self.session, self.target.url, body, result, self.target.headers)
 
-    async def conversation(
-        self, conversation: Conversation, bar, slot: asyncio.Semaphore | None
-    ) -> list[RequestResult]:
+    async def conversation(self, conversation: Conversation, bar) -> list[RequestResult]:
         results, replies = [], []
+        for turn in range(len(conversation.turns)):
+            if turn and self.deadline is not None and time.perf_counter() >= self.deadline:
+                break
+            result = await self.request(conversation, turn, replies)
+            results.append(result)
+            bar.update(1)
+            if not result.success:
+                break
+            replies.append(result.text)
+        return results
+
+
+async def launch_at_arrivals(load: LoadPoint, start: float, job: Callable[[], Awaitable[T]]) -> list[T]:
+    """Starts `job()` at each arrival time after `start` (perf_counter), at most
+    `max_concurrency` at once, until `num_prompts` have started or `duration_s` has passed;
+    returns every started job's result, in launch order, once all have finished."""
+    deadline = start + load.duration_s if load.duration_s is not None else None
+    slot = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
+
+    async def held() -> T:
         try:
-            for turn in range(len(conversation.turns)):
-                if turn and self.deadline is not None and time.perf_counter() >= self.deadline:
-                    break
-                result = await self.request(conversation, turn, replies)
-                results.append(result)
-                bar.update(1)
-                if not result.success:
-                    break
-                replies.append(result.text)
+            return await job()
         finally:
             if slot is not None:
                 slot.release()
-        return results
+
+    tasks = []
+    times = arrival_times(load.request_rate, load.burstiness, random.Random(load.seed))
+    for _ in range(load.num_prompts) if load.num_prompts is not None else itertools.count():
+        at = start + next(times)
+        if deadline is not None and at >= deadline:
+            break
+        if at > time.perf_counter():
+            await asyncio.sleep(at - time.perf_counter())
+        if slot is not None:
+            await slot.acquire()
+        if deadline is not None and time.perf_counter() >= deadline:
+            if slot is not None:
+                slot.release()
+            break
+        tasks.append(asyncio.create_task(held()))
+    return await asyncio.gather(*tasks)
 
 
 async def run_point(
@@ -138,26 +167,10 @@ async def run_point(
             warm = await run.request(conversation, 0, [])
             if not warm.success:
                 raise BenchError(f"warm-up request failed: {warm.error}")
-        slot = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
         bar = progress_bar(total, desc, target.progress)
         start = time.perf_counter()
         run.deadline = start + load.duration_s if load.duration_s is not None else None
-        tasks = []
-        times = arrival_times(load.request_rate, load.burstiness, random.Random(load.seed))
-        for _ in range(load.num_prompts) if load.num_prompts is not None else itertools.count():
-            at = start + next(times)
-            if run.deadline is not None and at >= run.deadline:
-                break
-            if at > time.perf_counter():
-                await asyncio.sleep(at - time.perf_counter())
-            if slot is not None:
-                await slot.acquire()
-            if run.deadline is not None and time.perf_counter() >= run.deadline:
-                if slot is not None:
-                    slot.release()
-                break
-            tasks.append(asyncio.create_task(run.conversation(next(conversations), bar, slot)))
-        per_conversation = await asyncio.gather(*tasks)
+        per_conversation = await launch_at_arrivals(load, start, lambda: run.conversation(next(conversations), bar))
         duration = time.perf_counter() - start
         bar.close()
     return [r for results in per_conversation for r in results], duration
