@@ -68,7 +68,8 @@ def run(out: Path, *, folder: Path, per_class: int, step_counts: list[int], seed
         f"Judge: a CNN trained on the training split, {clf.heldout_accuracy:.1%} accurate on the 300 held-out "
         f"real digits. {per_class} images per digit ({len(classes)} per cell), seed {seed}. "
         f"FD: Fréchet distance in the judge's 64-d feature space to the held-out digits; "
-        f"{len(classes)} real training digits score {real_floor:.1f} (the floor at this sample size).",
+        f"{len(classes)} real training digits score {real_floor:.1f} (the floor at this sample size). "
+        f"Seconds: a cell's wall time (with its guidance rows) on {torch.get_num_threads()} CPU thread(s).",
         "",
         f"## Samplers x steps (guidance {guidance:g})",
         "",
