@@ -78,15 +78,49 @@ def _index(rows: list[int], device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
-def _run_blocks(bf: BlockForward, hidden, rows, start: int, stop: int, run: list[int]) -> torch.Tensor:
-    """`hidden` with blocks start..stop-1 applied to rows `run` (all of them: no gather)."""
-    if len(run) == hidden.shape[0]:
+def _run_blocks(bf: BlockForward, hidden, rows, start: int, stop: int, skip: set[int]) -> torch.Tensor:
+    """`hidden` with blocks start..stop-1 applied to every row not in `skip` (gathered and
+    scattered back when some are; none skipped: no copy)."""
+    if not skip:
         return bf.blocks(hidden, rows, start, stop)
     out = hidden.clone()
+    run = [r for r in range(hidden.shape[0]) if r not in skip]
     if run:
         index = _index(run, hidden.device)
         out.index_copy_(0, index, bf.blocks(hidden.index_select(0, index), rows.select(index), start, stop))
     return out
+
+
+def _kind_of(part: CachePart) -> CacheKind:
+    return part.cache.policy.kind if part.cache is not None else CacheKind.NONE
+
+
+def _decide_rows(part: CachePart, changes: list[float], first: int) -> list[bool]:
+    """Each row's decision (True: compute); `changes[first + j]` is row j's signal."""
+    cache = part.cache
+    return [
+        decide(cache.policy, state, part.step, part.steps, changes[first + j] if changes and state.cached else None)
+        for j, state in enumerate(cache.states)
+    ]
+
+
+def _signals(bf: BlockForward, parts: list[CachePart], h0, h1, rows) -> tuple[torch.Tensor, list[float]]:
+    """The current signal of the rows of `parts` (one kind, all dynamic), stacked, and each
+    row's relative change from its stored one: one gather and one host sync for all of them."""
+    index = _index([r for p in parts for r in range(p.offset, p.offset + p.rows)], h0.device)
+    if _kind_of(parts[0]) is CacheKind.TEACACHE:
+        current = bf.modulated_input(h0.index_select(0, index), rows.select(index))
+    else:  # fbcache: what block 0 added
+        current = h1.index_select(0, index) - h0.index_select(0, index)
+    return current, relative_l1(current, torch.cat([p.cache.signal for p in parts]))
+
+
+def _store_signal(cache: RequestCache, current: torch.Tensor, keep: list[bool]) -> None:
+    if all(keep):
+        cache.signal.copy_(current)
+    elif any(keep):
+        local = _index([j for j, k in enumerate(keep) if k], current.device)
+        cache.signal.index_copy_(0, local, current.index_select(0, local))
 
 
 def cached_forward(bf: BlockForward, latents, timesteps, cond, parts: list[CachePart]) -> tuple[torch.Tensor, list]:
@@ -94,72 +128,72 @@ def cached_forward(bf: BlockForward, latents, timesteps, cond, parts: list[Cache
     Updates each part's cache and row states."""
     num_blocks = bf.num_blocks
     h0, rows = bf.embed(latents, timesteps, cond)
-    device = h0.device
-    ranges = [range(p.offset, p.offset + p.rows) for p in parts]
+    computes: dict[int, list[bool]] = {}  # part number -> each row: runs the cached blocks
 
-    # TeaCache: decided on the modulated input, before block 0 (a skip skips the whole stack).
-    skip_all: set[int] = set()
-    tea = [i for i, p in enumerate(parts) if p.cache is not None and p.cache.policy.kind is CacheKind.TEACACHE]
+    # TeaCache: decided on the modulated input, before block 0 (a skip skips the whole stack);
+    # its signal is the previous step's, whatever that step did.
+    tea = [i for i, p in enumerate(parts) if _kind_of(p) is CacheKind.TEACACHE]
     if tea:
-        index = _index([r for i in tea for r in ranges[i]], device)
-        modulated = bf.modulated_input(h0.index_select(0, index), rows.select(index))
-        start = 0
+        current, changes = _signals(bf, [parts[i] for i in tea], h0, None, rows)
+        first = 0
         for i in tea:
-            part, cache = parts[i], parts[i].cache
-            mine = modulated[start : start + part.rows]
-            start += part.rows
-            changes = relative_l1(mine, cache.signal)
-            for j, state in enumerate(cache.states):
-                change = changes[j] if state.cached else None
-                if not decide(cache.policy, state, part.step, part.steps, change):
-                    skip_all.add(part.offset + j)
-            cache.signal.copy_(mine)
+            computes[i] = _decide_rows(parts[i], changes, first)
+            parts[i].cache.signal.copy_(current[first : first + parts[i].rows])
+            first += parts[i].rows
+    skip_all = {parts[i].offset + j for i in tea for j, c in enumerate(computes[i]) if not c}
+    h1 = _run_blocks(bf, h0, rows, 0, 1, skip_all)
 
-    h1 = _run_blocks(bf, h0, rows, 0, 1, [r for r in range(h0.shape[0]) if r not in skip_all])
+    # First-Block-Cache (on block 0's residual, against the last computed step's) and interval.
+    fb = [i for i, p in enumerate(parts) if _kind_of(p) is CacheKind.FBCACHE]
+    if fb:
+        current, changes = _signals(bf, [parts[i] for i in fb], h0, h1, rows)
+        first = 0
+        for i in fb:
+            computes[i] = _decide_rows(parts[i], changes, first)
+            _store_signal(parts[i].cache, current[first : first + parts[i].rows], computes[i])
+            first += parts[i].rows
+    for i, part in enumerate(parts):
+        if _kind_of(part) is CacheKind.INTERVAL:
+            computes[i] = _decide_rows(part, [], 0)
+    skip_rest = {parts[i].offset + j for i, c in computes.items() for j, runs in enumerate(c) if not runs}
+    hidden = _run_blocks(bf, h1, rows, 1, num_blocks, skip_rest)
 
-    # Interval and First-Block-Cache: decided after block 0.
-    skip_rest = set(skip_all)
-    for part in parts:
-        cache = part.cache
-        if cache is None or cache.policy.kind is CacheKind.TEACACHE:
-            continue
-        changes: list[float | None] = [None] * part.rows
-        if cache.policy.kind is CacheKind.FBCACHE:
-            first_residual = h1[part.offset : part.offset + part.rows] - h0[part.offset : part.offset + part.rows]
-            changes = relative_l1(first_residual, cache.signal)
-        refreshed = []
-        for j, state in enumerate(cache.states):
-            if decide(cache.policy, state, part.step, part.steps, changes[j] if state.cached else None):
-                refreshed.append(j)
-            else:
-                skip_rest.add(part.offset + j)
-        if cache.signal is not None and refreshed:  # fbcache compares with its last computed step
-            local = _index(refreshed, device)
-            cache.signal.index_copy_(0, local, first_residual.index_select(0, local))
-
-    hidden = _run_blocks(bf, h1, rows, 1, num_blocks, [r for r in range(h0.shape[0]) if r not in skip_rest])
+    _store_residuals(parts, computes, hidden, h0, h1)
+    _reuse_residuals(parts, computes, hidden, h1)
     computed = []
-    for part, span in zip(parts, ranges):
-        skipped = [j for j, row in enumerate(span) if row in skip_rest]
-        ran_first = sum(1 for row in span if row in skip_rest and row not in skip_all)
-        computed.append((part.rows - len(skipped)) * num_blocks + ran_first)
-        if part.cache is not None:
-            _reuse_and_store(part, hidden, h0, h1, skipped)
+    for i, part in enumerate(parts):
+        runs = computes.get(i, [True] * part.rows)
+        ran_first_only = sum(1 for j, c in enumerate(runs) if not c and part.offset + j not in skip_all)
+        computed.append(sum(runs) * num_blocks + ran_first_only)
     return bf.final(hidden, rows), computed
 
 
-def _reuse_and_store(part: CachePart, hidden, h0, h1, skipped: list[int]) -> None:
-    """Skipping rows of `part` get their cached residual on top of h1 (a teacache skip: h1 is
-    h0, block 0 did not run); computing rows store what the cached blocks added this step."""
-    cache, device = part.cache, hidden.device
-    skipping = set(skipped)
-    computed = [j for j in range(part.rows) if j not in skipping]
-    if skipped:
-        local = _index(skipped, device)
-        rows = local + part.offset
-        hidden.index_copy_(0, rows, h1.index_select(0, rows) + cache.residual.index_select(0, local))
-    if computed:
-        local = _index(computed, device)
-        rows = local + part.offset
+def _store_residuals(parts: list[CachePart], computes: dict[int, list[bool]], hidden, h0, h1) -> None:
+    """Computing rows keep what the cached blocks added this step (teacache: the whole stack)."""
+    for i, runs in computes.items():
+        part, cache = parts[i], parts[i].cache
         base = h0 if cache.policy.kind is CacheKind.TEACACHE else h1
-        cache.residual.index_copy_(0, local, hidden.index_select(0, rows) - base.index_select(0, rows))
+        span = slice(part.offset, part.offset + part.rows)
+        if all(runs):
+            torch.sub(hidden[span], base[span], out=cache.residual)
+        elif any(runs):
+            local = _index([j for j, c in enumerate(runs) if c], hidden.device)
+            mine = local + part.offset
+            cache.residual.index_copy_(0, local, hidden.index_select(0, mine) - base.index_select(0, mine))
+
+
+def _reuse_residuals(parts: list[CachePart], computes: dict[int, list[bool]], hidden, h1) -> None:
+    """Skipping rows: h1 + their cached residual (a teacache skip: h1 is h0, block 0 did not run),
+    in one scatter for the batch."""
+    skipping, residuals = [], []
+    for i, runs in computes.items():
+        part, cache = parts[i], parts[i].cache
+        local = [j for j, c in enumerate(runs) if not c]
+        if not local:
+            continue
+        skipping += [part.offset + j for j in local]
+        whole = len(local) == part.rows
+        residuals.append(cache.residual if whole else cache.residual.index_select(0, _index(local, hidden.device)))
+    if skipping:
+        index = _index(skipping, hidden.device)
+        hidden.index_copy_(0, index, h1.index_select(0, index) + torch.cat(residuals))
