@@ -203,14 +203,15 @@ def run_load(pipeline, rates: list[float], count: int, rounds: int) -> list[dict
     from bench.diffusion_engine import Driver, closed_loop, poisson
 
     requests = [load_request(i) for i in range(count)]
-    plan = [("burst", r) for r in range(2 * rounds)] + [(rate, r) for rate in rates for r in range(rounds)]
+    burst = f"{min(BURST, count)} at once"
+    plan = [(burst, r) for r in range(2 * rounds)] + [(rate, r) for rate in rates for r in range(rounds)]
     cells = []
     for rate, round_ in plan:
         for k in range(len(LOAD_POLICIES)):
             policy = LOAD_POLICIES[(k + round_) % len(LOAD_POLICIES)]
             engine = DiffusionEngine(pipeline, EngineConfig(cache=policy))
             driver = Driver(engine)
-            if rate == "burst":
+            if rate == burst:
                 seconds = closed_loop(driver, requests[:BURST], BURST)
             else:
                 seconds = poisson(driver, requests, rate)
@@ -236,10 +237,11 @@ def load_rows(cells: list[dict]) -> list[tuple]:
             mine = [c for c in cells if c["rate"] == rate and c["policy"] == policy]
             latencies = sorted(x for c in mine for x in c["latencies"])
             p50, p99 = (latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1e3 for q in (0.5, 0.99))
-            rate_out = statistics.median(c["images"] / c["seconds"] for c in mine)
+            rates = [c["images"] / c["seconds"] for c in mine]
+            rate_out, spread = statistics.median(rates), f"{min(rates):.1f}–{max(rates):.1f}"
             fraction = statistics.mean(c["fraction"] for c in mine)
-            label = f"{BURST} at once" if rate == "burst" else f"{rate:g}/s"
-            rows.append((label, policy, rate_out, p50, p99, fraction, statistics.mean(c["rows"] for c in mine)))
+            label = rate if isinstance(rate, str) else f"{rate:g}/s"
+            rows.append((label, policy, rate_out, spread, p50, p99, fraction, statistics.mean(c["rows"] for c in mine)))
     return rows
 
 
