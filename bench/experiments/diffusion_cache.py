@@ -23,7 +23,7 @@ from bench.experiments.image_metrics import psnr, ssim
 from common.messages import ImageParams
 from workers.diffusion.engine import DiffusionEngine, EngineConfig, ImageJob
 
-GUIDANCE = 2.0  # the model's default (pagemesh.json)
+GUIDANCE = 2.0  # fixed here, whatever the default in the model's pagemesh.json (main ships 1.5)
 SWEEPS = {  # sampler -> (full steps, policies, images per digit); fewer-steps twins follow the results
     "dpmsolver++": (
         25,
