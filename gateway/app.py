@@ -213,7 +213,8 @@ class Gateway:
                     raise from_request_failed(reply)
                 assert isinstance(reply, ImageResult), reply
                 log.info("image request done", images=len(reply.images), steps=reply.steps)
-                self.metrics.image_request(200, time.monotonic() - arrival, len(reply.images), reply.steps)
+                blocks = (reply.blocks_computed, reply.blocks_skipped)
+                self.metrics.image_request(200, time.monotonic() - arrival, len(reply.images), reply.steps, blocks)
                 body = image_response(reply, int(time.time()))
                 return web.Response(body=to_json(body), content_type="application/json")
             finally:

@@ -86,6 +86,10 @@ def image_response(result: ImageResult, created: int) -> dict[str, Any]:
             "queue_time_s": round(result.queued_s, 6),
             "compute_time_s": round(result.compute_s, 6),
             "batched_with": result.batched_with,
+            "cache": result.cache,
+            "cache_over_budget": result.cache_over_budget,
+            "blocks_computed": result.blocks_computed,
+            "blocks_skipped": result.blocks_skipped,
         },
     }
 

@@ -8,9 +8,9 @@ What is measured, and where (all times on the gateway's monotonic clock):
   request_queue_time    arrival -> the scheduler placed the request. The mesh does not report
                         placement times yet, so this histogram is declared but stays empty.
   image_request_latency arrival -> the images are back (successful image requests)
-Counters count successful choices by finish reason and tokens, image requests by HTTP status and
-images made; the per-worker gauges and the KV transfer total are copied from the scheduler's
-ClusterStatus at each scrape.
+Counters count successful choices by finish reason and tokens, image requests by HTTP status,
+images made and transformer blocks computed or skipped by feature caches; the per-worker gauges
+and the KV transfer total are copied from the scheduler's ClusterStatus at each scrape.
 """
 
 from __future__ import annotations
@@ -179,6 +179,11 @@ class GatewayMetrics:
         self.image_requests = Counter(p + "image_requests_total", "Image requests answered, by HTTP status.")
         self.images = Counter(p + "images_generated_total", "Images generated.")
         self.denoising_steps = Counter(p + "denoising_steps_total", "Denoising steps run, summed over images.")
+        self.diffusion_blocks = Counter(
+            p + "diffusion_blocks_total",
+            "Transformer-block evaluations of image requests (rows x steps x blocks), by outcome: computed, or "
+            "skipped by a feature cache.",
+        )
 
     def all(self) -> list[_Metric]:
         return [
@@ -199,6 +204,7 @@ class GatewayMetrics:
             self.image_requests,
             self.images,
             self.denoising_steps,
+            self.diffusion_blocks,
         ]
 
     def render(self) -> str:
@@ -207,13 +213,24 @@ class GatewayMetrics:
     def request(self, arrival: float) -> RequestTimer:
         return RequestTimer(self, arrival)
 
-    def image_request(self, status: int, latency: float | None = None, images: int = 0, steps: int = 0) -> None:
-        """One image request answered with `status` (its latency, images and steps when it succeeded)."""
+    def image_request(
+        self,
+        status: int,
+        latency: float | None = None,
+        images: int = 0,
+        steps: int = 0,
+        blocks: tuple[int, int] = (0, 0),
+    ) -> None:
+        """One image request answered with `status` (its latency, images, steps and (blocks computed,
+        blocks skipped) when it succeeded)."""
         self.image_requests.inc(status=str(status))
         if latency is not None:
             self.image_latency.observe(latency)
             self.images.inc(images)
             self.denoising_steps.inc(images * steps)
+            if any(blocks):
+                self.diffusion_blocks.inc(blocks[0], outcome="computed")
+                self.diffusion_blocks.inc(blocks[1], outcome="skipped")
 
     def update_cluster(self, status: ClusterStatus | None) -> None:
         """Copy the scheduler's view; with no answer, drop the series rather than show stale ones."""

@@ -5,7 +5,9 @@ for the diffusion engine's tests and the engine bench's fallback until a real pi
 Prompts name a digit ("a 7", "7"); the uncond row is the null class 10. Two sizes, 8x8 and 16x16,
 give two latent shapes (the DiT's sin-cos position embedding follows the input's size). Pixel
 space: decode maps [-1, 1] to [0, 255]. It records every forward's rows and latent shape
-(`calls`) and every decode's input (`decoded`) so tests can see what was batched.
+(`calls`) and every decode's input (`decoded`) so tests can see what was batched. Its
+`block_forward` (the DiT pipeline's DiTBlocks) serves the feature caches and records each run of
+blocks as (start, stop, rows) in `block_calls`; `blocks=False` builds one without it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from diffusers import DDPMScheduler, DiTTransformer2DModel
 from common.messages import ImageModelInfo, ImageParams
 from workers.diffusion.engine.samplers import SAMPLERS
 from workers.diffusion.pipelines.base import InvalidImageRequest, Resolved
+from workers.diffusion.pipelines.dit import DiTBlocks
 
 NUM_CLASSES = 10
 SIZES = {"8x8": (1, 8, 8), "16x16": (1, 16, 16)}
@@ -29,7 +32,14 @@ MAX_STEPS = 100
 class TinyDiTPipeline:
     name = "tiny-dit"
 
-    def __init__(self, seed: int = 0, dtype: torch.dtype = torch.float32, variance_type: str = "fixed_small"):
+    def __init__(
+        self,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        variance_type: str = "fixed_small",
+        blocks: bool = True,
+        num_layers: int = 2,
+    ):
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             self.transformer = DiTTransformer2DModel(
@@ -37,7 +47,7 @@ class TinyDiTPipeline:
                 attention_head_dim=8,
                 in_channels=1,
                 out_channels=2,  # noise + a learned variance, as DiT predicts
-                num_layers=2,
+                num_layers=num_layers,
                 sample_size=8,
                 patch_size=2,
                 num_embeds_ada_norm=NUM_CLASSES,
@@ -60,6 +70,8 @@ class TinyDiTPipeline:
         )
         self.calls: list[tuple[int, tuple[int, ...]]] = []  # (rows, latent shape) of each forward
         self.decoded: list[torch.Tensor] = []
+        self.block_calls: list[tuple[int, int, int]] = []  # (start, stop, rows) of each run of blocks
+        self.block_forward = RecordingBlocks(self) if blocks else None
 
     def resolve(self, params: ImageParams) -> Resolved:
         size = f"{params.width or 8}x{params.height or 8}"
@@ -99,3 +111,19 @@ class TinyDiTPipeline:
         self.decoded.append(latents.float().clone())
         pixels = ((latents.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
         return pixels.permute(0, 2, 3, 1)
+
+
+class RecordingBlocks(DiTBlocks):
+    """DiTBlocks that records, on its pipeline, each forward (`calls`) and each run of blocks."""
+
+    def __init__(self, pipe: TinyDiTPipeline):
+        super().__init__(pipe.transformer)
+        self.pipe = pipe
+
+    def embed(self, latents, timesteps, cond):
+        self.pipe.calls.append((latents.shape[0], tuple(latents.shape[1:])))
+        return super().embed(latents, timesteps, cond)
+
+    def blocks(self, hidden, rows, start, stop):
+        self.pipe.block_calls.append((start, stop, hidden.shape[0]))
+        return super().blocks(hidden, rows, start, stop)

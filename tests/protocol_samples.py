@@ -136,6 +136,10 @@ IMAGE_SAMPLES = [
         queued_s=0.1,
         compute_s=0.5,
         batched_with=3,
+        cache="fbcache:0.08",
+        cache_over_budget=False,
+        blocks_computed=600,
+        blocks_skipped=200,
     ),
 ]
 

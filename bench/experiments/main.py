@@ -24,6 +24,7 @@ EXPERIMENTS = {
     "prefix": ("bench.experiments.prefix", "prefix caching on/off; prefix-aware vs round-robin placement"),
     "cow": ("bench.experiments.cow", "pages for n=4 sampling and beam search, with and without copy-on-write"),
     "page-size": ("bench.experiments.page_size", "throughput and KV utilization across page sizes"),
+    "diffusion-cache": ("bench.experiments.diffusion_cache", "feature caches vs fewer steps: speed against fidelity"),
 }
 
 

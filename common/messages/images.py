@@ -95,3 +95,7 @@ class ImageResult:
     queued_s: float  # scheduler + worker queue
     compute_s: float  # from the first denoising step to the last image encoded
     batched_with: int  # the most other requests that shared one of its forwards
+    cache: str = "none"  # the feature-cache policy it ran with, "<policy>[:<value>]"
+    cache_over_budget: bool = False  # it asked for a cache the worker's cache budget could not hold: ran uncached
+    blocks_computed: int = 0  # transformer-block evaluations, over its rows (CFG's too) and steps
+    blocks_skipped: int = 0  # those its feature cache answered from a cached residual

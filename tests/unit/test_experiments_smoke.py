@@ -15,3 +15,13 @@ def test_paged_memory_quick_writes_its_report(tmp_path, capsys):
     md = (tmp_path / "paged-memory.md").read_text()
     assert "**Key figure:** " + last in md
     assert (tmp_path / "paged-memory_utilization.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_diffusion_cache_quick_writes_its_report(tmp_path, capsys):
+    main(["diffusion-cache", "--quick", "--out", str(tmp_path), "--threads", "1"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("diffusion-cache: block speed-up at PSNR 35 dB")
+    md = (tmp_path / "diffusion-cache.md").read_text()
+    assert "## Each cache beside fewer steps at equal block compute" in md and "**Key figure:** " + last in md
+    assert (tmp_path / "diffusion-cache_fidelity.png").stat().st_size > 0

@@ -110,3 +110,26 @@ def test_the_response_is_openais_images_response_with_what_was_done_in_usage():
     assert (usage["num_inference_steps"], usage["sampler"], usage["seed"]) == (20, "ddim", 9)
     assert usage["native_size"] == "8x8"
     assert usage["batched_with"] == 3 and usage["images"] == 2
+
+
+def test_usage_says_which_cache_ran_and_the_blocks_it_computed_and_skipped():
+    result = ImageResult(
+        request_id="img-2",
+        images=["AAA="],
+        width=8,
+        height=8,
+        native_width=8,
+        native_height=8,
+        steps=25,
+        sampler="dpmsolver++",
+        seed=1,
+        queued_s=0.0,
+        compute_s=0.2,
+        batched_with=0,
+        cache="fbcache:0.08",
+        blocks_computed=120,
+        blocks_skipped=80,
+    )
+    usage = image_response(result, created=1)["usage"]
+    assert (usage["cache"], usage["cache_over_budget"]) == ("fbcache:0.08", False)
+    assert (usage["blocks_computed"], usage["blocks_skipped"]) == (120, 80)

@@ -116,3 +116,14 @@ def test_cluster_status_gauges_and_kv_bytes():
         assert line + "\n" in text
     m.update_cluster(None)  # the scheduler did not answer: no stale series
     assert "worker=" not in m.render() and "pagemesh_kv_transfer_bytes_total 5120" not in m.render()
+
+
+def test_image_requests_count_the_blocks_computed_and_those_feature_caches_skipped():
+    metrics = GatewayMetrics()
+    metrics.image_request(200, 0.5, images=2, steps=25, blocks=(300, 100))
+    metrics.image_request(200, 0.4, images=1, steps=25, blocks=(200, 0))
+    metrics.image_request(400)
+    text = metrics.render()
+    assert 'pagemesh_diffusion_blocks_total{outcome="computed"} 500' in text
+    assert 'pagemesh_diffusion_blocks_total{outcome="skipped"} 100' in text
+    assert "pagemesh_denoising_steps_total 75" in text

@@ -26,6 +26,7 @@ PURE_MODULES = [
     "common.page_hash",
     "common.model_config",
     "workers.diffusion.engine.batcher",
+    "workers.diffusion.engine.cache_policy",
     "workers.diffusion.engine.config",
     "workers.diffusion.engine.stats",
 ]

@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass
 
 from common.cli_args import add
+from workers.diffusion.engine.cache_policy import POLICIES_HELP, CachePolicyError, parse_cache_policy
 from workers.shell.config import ShellConfig, add_shell_arguments, shell_config_from_args
 
 BATCHING = ("step", "request", "serial")
@@ -27,6 +28,8 @@ class DiffusionWorkerConfig:
     max_waiting: int = 64  # requests queued in the worker beyond the running ones
     request_wait: float = 0.05  # request-level batching: seconds a batch gathers before it starts
     threads: int | None = None  # torch CPU threads
+    cache: str = "none"  # the feature-cache policy of requests that ask for none
+    cache_budget_mb: float = 256.0  # what the running requests' feature caches may hold together
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING:
@@ -39,6 +42,12 @@ class DiffusionWorkerConfig:
             raise ValueError("max_running >= 1, max_batch_rows >= 2 and max_waiting >= 0 are needed")
         if self.request_wait < 0:
             raise ValueError("request_wait: must be >= 0")
+        if self.cache_budget_mb < 0:
+            raise ValueError("cache_budget_mb: must be >= 0")
+        try:
+            parse_cache_policy(self.cache)
+        except CachePolicyError as e:
+            raise ValueError(f"--diffusion-{e}") from None
 
 
 def add_diffusion_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +61,8 @@ def add_diffusion_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--diffusion-max-batch-rows", 64, type=int, help="rows per model forward (CFG doubles a request's)")
     add(parser, "--diffusion-max-waiting", 64, type=int, help="requests queued in the worker beyond those running")
     add(parser, "--diffusion-request-wait", 0.05, type=float, help="request-level batching: seconds a batch gathers")
+    add(parser, "--diffusion-cache", "none", help=f"the feature cache of requests that ask for none: {POLICIES_HELP}")
+    add(parser, "--diffusion-cache-budget-mb", 256.0, type=float, help="MiB the running requests' caches may hold")
 
 
 DIFFUSION_FLAGS = (
@@ -64,6 +75,8 @@ DIFFUSION_FLAGS = (
     "diffusion_max_batch_rows",
     "diffusion_max_waiting",
     "diffusion_request_wait",
+    "diffusion_cache",
+    "diffusion_cache_budget_mb",
 )
 
 
@@ -96,6 +109,8 @@ def parse_diffusion(argv: list[str]) -> DiffusionWorkerConfig:
             max_waiting=args.diffusion_max_waiting,
             request_wait=args.diffusion_request_wait,
             threads=args.threads,
+            cache=args.diffusion_cache,
+            cache_budget_mb=args.diffusion_cache_budget_mb,
         )
     except ValueError as e:
         parser.error(str(e))

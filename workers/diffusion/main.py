@@ -38,6 +38,8 @@ def build_engine(config: DiffusionWorkerConfig):
             max_batch_rows=config.max_batch_rows,
             max_waiting=config.max_waiting,
             request_wait_s=config.request_wait,
+            cache=config.cache,
+            cache_budget_bytes=int(config.cache_budget_mb * 2**20),
         ),
     )
 

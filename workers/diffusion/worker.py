@@ -119,6 +119,10 @@ class DiffusionWorker:
             queued_s=job.queued_s,
             compute_s=job.compute_s + (time.monotonic() - started),
             batched_with=job.batched_with,
+            cache=job.cache,
+            cache_over_budget=job.cache_over_budget,
+            blocks_computed=job.blocks_computed,
+            blocks_skipped=job.blocks_skipped,
         )
 
     def _send(self, reply_to: str, msg: RequestFailed) -> None:

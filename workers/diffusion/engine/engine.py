@@ -2,12 +2,15 @@
 
     add(job) ── resolve, encode_prompt, seeded noise ──▶ waiting
     step():  Batcher.plan ─▶ group ─▶ pipeline.denoise(latents [B, ...], timesteps [B], cond)
+                                      (or, when a row of the group caches: feature_cache.cached_forward
+                                       over the pipeline's block_forward, each row deciding for itself)
                                    ─▶ per request: CFG combine, its sampler's step
                                    ─▶ finished requests decoded and returned (they leave at once)
 
 A request's rows in a forward are its n images' cond rows then, with guidance, their uncond rows;
 each row carries its own request's timestep. Its latents and sampler are its own (float32,
-whatever the model's dtype), so its images do not depend on who shares its forwards.
+whatever the model's dtype), so its images do not depend on who shares its forwards; so is its
+feature cache (allocated at its first step within `cache_budget_bytes`, freed when it leaves).
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ from collections.abc import Callable
 import torch
 
 from workers.diffusion.engine.batcher import Batcher, Member
+from workers.diffusion.engine.cache_policy import CachePolicy, CachePolicyError, parse_cache_policy
 from workers.diffusion.engine.config import EngineConfig
+from workers.diffusion.engine.feature_cache import CachePart, RequestCache, cached_forward
 from workers.diffusion.engine.jobs import EngineFull, FinishedJob, ImageJob, RunningJob
 from workers.diffusion.engine.samplers import RequestSampler
 from workers.diffusion.engine.stats import DiffusionStats
-from workers.diffusion.pipelines.base import ImagePipeline
+from workers.diffusion.pipelines.base import ImagePipeline, InvalidImageRequest
 
 SEED_MASK = 2**64 - 1  # torch generators take 64-bit seeds
 
@@ -55,8 +60,13 @@ class DiffusionEngine:
         self.batcher = Batcher(config)
         self.jobs: dict[str, RunningJob] = {}
         self._order = itertools.count()
-        self._stats = DiffusionStats()
+        self._stats = DiffusionStats(cache_budget_bytes=config.cache_budget_bytes)
         self._stalled = False
+        self.block_forward = getattr(pipeline, "block_forward", None)
+        self.num_blocks = self.block_forward.num_blocks if self.block_forward is not None else 0
+        self.default_policy = parse_cache_policy(config.cache)
+        if self.default_policy.enabled and self.block_forward is None:
+            raise ValueError(f"cache {config.cache!r}: {pipeline.name} has no block forward; it serves only 'none'")
 
     # ---- membership -----------------------------------------------------------------------
     def add(self, job: ImageJob) -> None:
@@ -65,6 +75,7 @@ class DiffusionEngine:
         if job.request_id in self.jobs:
             raise ValueError(f"request {job.request_id!r} is already in the engine")
         resolved = self.pipeline.resolve(job.params)
+        policy = self._policy(job.params.cache)
         cond, uncond = self.pipeline.encode_prompt(job.params.prompt, job.params.negative_prompt)
         n = job.params.n
         rows = [cond] * n + ([uncond] * n if resolved.guidance_scale > 1.0 else [])
@@ -72,7 +83,7 @@ class DiffusionEngine:
         sampler = RequestSampler(resolved.sampler, self.pipeline.scheduler_config, resolved.steps, generators)
         latents = sampler.initial_latents(resolved.latent_shape, self.pipeline.device)
         self.jobs[job.request_id] = RunningJob(
-            job=job, resolved=resolved, sampler=sampler, latents=latents, cond_rows=rows
+            job=job, resolved=resolved, sampler=sampler, latents=latents, cond_rows=rows, policy=policy
         )
         self.batcher.add(
             Member(
@@ -88,7 +99,7 @@ class DiffusionEngine:
         """Drop a request and its state now (between steps); False if it is not here."""
         if not self.batcher.remove(request_id):
             return False
-        del self.jobs[request_id]
+        self._free_cache(self.jobs.pop(request_id))
         self._stats.requests_aborted += 1
         return True
 
@@ -107,8 +118,43 @@ class DiffusionEngine:
         return self.batcher.num_waiting
 
     def stats(self) -> DiffusionStats:
-        """The live totals (steps, rows per forward, images finished)."""
+        """The live totals (steps, rows per forward, images finished, blocks, cache memory)."""
         return self._stats
+
+    # ---- feature caches -------------------------------------------------------------------
+    def _policy(self, spec: str | None) -> CachePolicy:
+        if spec is None:
+            return self.default_policy
+        try:
+            policy = parse_cache_policy(spec)
+        except CachePolicyError as e:
+            raise InvalidImageRequest(str(e), param="cache") from None
+        if policy.enabled and self.block_forward is None:
+            raise InvalidImageRequest(
+                f"cache: {self.pipeline.name} has no block-level forward; it serves only the policy 'none'",
+                param="cache",
+            )
+        return policy
+
+    def _allocate_cache(self, running: RunningJob) -> None:
+        """At a request's first step: its cache, if the budget holds it; else it runs uncached."""
+        if not running.policy.enabled:
+            return
+        hidden = self.block_forward.hidden_shape(running.resolved.latent_shape)
+        need = RequestCache.bytes_needed(running.policy, running.rows, hidden, self.block_forward.dtype)
+        if self._stats.cache_bytes + need > self.config.cache_budget_bytes:
+            running.cache_over_budget = True
+            self._stats.requests_over_cache_budget += 1
+            return
+        dtype, device = self.block_forward.dtype, self.pipeline.device
+        running.cache = RequestCache(running.policy, running.rows, hidden, dtype, device)
+        self._stats.reserve_cache(running.cache.nbytes)
+        self._stats.requests_cached += 1
+
+    def _free_cache(self, running: RunningJob) -> None:
+        if running.cache is not None:
+            self._stats.release_cache(running.cache.nbytes)
+            running.cache = None
 
     # ---- one step -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -121,6 +167,7 @@ class DiffusionEngine:
         for running in group:
             if running.started is None:
                 running.started = now
+                self._allocate_cache(running)
         self._forward(group)
         return [self._finish(running) for running in group if running.sampler.done]
 
@@ -132,11 +179,12 @@ class DiffusionEngine:
             inputs.append(torch.cat([x, x]) if running.guided else x)
             timesteps.append(running.sampler.timestep.to(torch.float32).expand(running.rows))
             rows.extend(running.cond_rows)
-        out = self.pipeline.denoise(
+        out = self._model_output(
+            group,
             torch.cat(inputs).to(self.pipeline.dtype),
             torch.cat(timesteps).to(self.pipeline.device),
             self.pipeline.stack(rows),
-        ).float()
+        )
         offset = 0
         for running in group:
             part = out[offset : offset + running.rows]
@@ -148,12 +196,34 @@ class DiffusionEngine:
             running.batched_with = max(running.batched_with, len(group) - 1)
         self._stats.record_forward(len(rows), len(group), time.perf_counter() - began)
 
+    def _model_output(self, group: list[RunningJob], latents, timesteps, cond) -> torch.Tensor:
+        """The forward's output (float32), through the feature caches when a row of the group has
+        one; counts each request's blocks computed and skipped."""
+        if any(running.cache is not None for running in group):
+            parts, offset = [], 0
+            for running in group:
+                step, steps = running.sampler.index, len(running.sampler.timesteps)
+                parts.append(CachePart(cache=running.cache, offset=offset, rows=running.rows, step=step, steps=steps))
+                offset += running.rows
+            out, computed = cached_forward(self.block_forward, latents, timesteps, cond, parts)
+        else:
+            out = self.pipeline.denoise(latents, timesteps, cond)
+            computed = [running.rows * self.num_blocks for running in group]
+        for running, blocks in zip(group, computed):
+            skipped = running.rows * self.num_blocks - blocks
+            running.blocks_computed += blocks
+            running.blocks_skipped += skipped
+            self._stats.blocks_computed += blocks
+            self._stats.blocks_skipped += skipped
+        return out.float()
+
     def _finish(self, running: RunningJob) -> FinishedJob:
         images = self.pipeline.decode(running.latents.to(self.pipeline.dtype)).cpu()
         done = self.clock()
         job, resolved = running.job, running.resolved
+        cache = running.policy.spec if running.cache is not None else "none"
         self.batcher.remove(job.request_id)
-        del self.jobs[job.request_id]
+        self._free_cache(self.jobs.pop(job.request_id))
         self._stats.requests_finished += 1
         self._stats.images_finished += running.n
         return FinishedJob(
@@ -166,4 +236,8 @@ class DiffusionEngine:
             queued_s=job.queued_s + max(0.0, running.started - job.arrival),
             compute_s=done - running.started,
             batched_with=running.batched_with,
+            cache=cache,
+            cache_over_budget=running.cache_over_budget,
+            blocks_computed=running.blocks_computed,
+            blocks_skipped=running.blocks_skipped,
         )

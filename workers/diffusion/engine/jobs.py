@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 from common.messages import ImageParams
+from workers.diffusion.engine.cache_policy import NO_CACHE, CachePolicy
+from workers.diffusion.engine.feature_cache import RequestCache
 from workers.diffusion.engine.samplers import RequestSampler
 from workers.diffusion.pipelines.base import Resolved
 
@@ -44,11 +46,17 @@ class FinishedJob:
     queued_s: float  # the scheduler's queue + the engine's (arrival to its first step)
     compute_s: float  # its first step's start to its images decoded
     batched_with: int  # the most other requests that shared one of its forwards
+    cache: str = "none"  # the feature-cache policy it ran with
+    cache_over_budget: bool = False  # it asked for a cache that did not fit the budget: it ran uncached
+    blocks_computed: int = 0  # block evaluations over its rows and steps (pipelines with blocks)
+    blocks_skipped: int = 0  # those its feature cache answered instead
 
 
 @dataclass(kw_only=True)
 class RunningJob:
-    """One request's state in the engine: its latents, its sampler and its conditioning rows.
+    """One request's state in the engine: its latents, its sampler, its conditioning rows and its
+    feature cache (allocated at its first step, when the budget allows; `policy` then says what
+    it runs with).
 
     Its rows in a forward are its n images' cond rows, then (with guidance) their n uncond rows."""
 
@@ -57,8 +65,13 @@ class RunningJob:
     sampler: RequestSampler
     latents: torch.Tensor  # float32 [n, *latent_shape]
     cond_rows: list[Any]  # n rows, or 2n with guidance (cond..., uncond...)
+    policy: CachePolicy = NO_CACHE
+    cache: RequestCache | None = None
+    cache_over_budget: bool = False
     started: float | None = None  # clock at its first step
     batched_with: int = 0
+    blocks_computed: int = 0
+    blocks_skipped: int = 0
 
     @property
     def n(self) -> int:

@@ -14,6 +14,15 @@ Rows of one batch may come from requests at different timesteps, with different 
 step counts; a pipeline must treat every row on its own (no cross-row state), so a request's
 image does not depend on who shares its batch. Classifier-free guidance is the engine's: it
 sends the cond and uncond rows of a request in the same batch and combines the outputs.
+
+A pipeline whose denoiser is a stack of transformer blocks may also offer `block_forward` (a
+`BlockForward`): the same forward in parts, so the engine's feature caches can run the deep
+blocks on some rows of a batch and reuse their cached output on the others. A pipeline without
+it (`block_forward` absent or None) serves only the cache policy `none`.
+
+    latents, timesteps, cond ──embed──▶ hidden [B, T, D], rows (each row's conditioning)
+    hidden[rows r] ──blocks(start, stop, rows.select(r))──▶ hidden[r] after blocks start..stop-1
+    hidden ──final──▶ the model output `denoise` would give (same ops: the same numbers)
 """
 
 from __future__ import annotations
@@ -46,6 +55,35 @@ class Resolved:
     sampler: str
     guidance_scale: float  # <= 1: no classifier-free guidance (no uncond rows)
     seed: int
+
+
+class BlockRows(Protocol):
+    """The per-row conditioning a block forward carries (DiT: timesteps and class labels)."""
+
+    def select(self, index: torch.Tensor) -> BlockRows:
+        """The conditioning of rows `index` (a long tensor), in that order."""
+
+
+class BlockForward(Protocol):
+    """A denoiser split at its blocks (see the module doc). Rows are independent throughout."""
+
+    num_blocks: int
+    dtype: torch.dtype  # the hidden states' dtype
+
+    def hidden_shape(self, latent_shape: tuple[int, ...]) -> tuple[int, int]:
+        """(tokens, dim) of one row's hidden states for latents of `latent_shape`."""
+
+    def embed(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: Any) -> tuple[torch.Tensor, BlockRows]:
+        """Latents [B, ...] (scaled by each row's scheduler) -> hidden [B, T, D] and the rows."""
+
+    def modulated_input(self, hidden: torch.Tensor, rows: BlockRows) -> torch.Tensor:
+        """The first block's timestep-modulated input [B, T, D] (TeaCache's signal)."""
+
+    def blocks(self, hidden: torch.Tensor, rows: BlockRows, start: int, stop: int) -> torch.Tensor:
+        """Blocks start..stop-1 over hidden [b, T, D], whose conditioning is `rows`."""
+
+    def final(self, hidden: torch.Tensor, rows: BlockRows) -> torch.Tensor:
+        """Hidden [B, T, D] after every block -> the model output, as `denoise` returns it."""
 
 
 class ImagePipeline(Protocol):

@@ -15,6 +15,7 @@ negative prompt names a class, which then takes its place.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from common.messages import ImageModelInfo, ImageParams
 from workers.diffusion.pipelines.base import InvalidImageRequest, Resolved
@@ -49,6 +51,61 @@ class ClassLabels:
         return {self.by_label[m.group(1).lower()] for m in self.pattern.finditer(text)}
 
 
+@dataclasses.dataclass(frozen=True)
+class DiTRows:
+    """Each row's conditioning through the blocks: its timestep and its class label."""
+
+    timesteps: torch.Tensor  # [B]
+    labels: torch.Tensor  # [B] long
+
+    def select(self, index: torch.Tensor) -> DiTRows:
+        return DiTRows(self.timesteps.index_select(0, index), self.labels.index_select(0, index))
+
+
+class DiTBlocks:
+    """DiTTransformer2DModel.forward in the parts of `BlockForward` (pipelines/base.py), calling
+    the model's own modules in its order, so embed -> blocks(0, L) -> final gives the numbers the
+    whole forward gives. `out_channels`: keep that many output channels (a learned sigma's
+    variance dropped), None for all."""
+
+    def __init__(self, transformer: Any, out_channels: int | None = None):
+        self.transformer = transformer
+        self.num_blocks = len(transformer.transformer_blocks)
+        self.dtype = transformer.dtype
+        self.device = transformer.device
+        self.patch_size = transformer.config.patch_size
+        self.inner_dim = transformer.inner_dim
+        self.out_channels = out_channels
+
+    def hidden_shape(self, latent_shape: tuple[int, ...]) -> tuple[int, int]:
+        _, height, width = latent_shape
+        return (height // self.patch_size) * (width // self.patch_size), self.inner_dim
+
+    def embed(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, DiTRows]:
+        hidden = self.transformer.pos_embed(latents.to(self.device, self.dtype))
+        return hidden, DiTRows(timesteps.to(self.device), cond)
+
+    def modulated_input(self, hidden: torch.Tensor, rows: DiTRows) -> torch.Tensor:
+        norm1 = self.transformer.transformer_blocks[0].norm1
+        return norm1(hidden, rows.timesteps, rows.labels, hidden_dtype=hidden.dtype)[0]
+
+    def blocks(self, hidden: torch.Tensor, rows: DiTRows, start: int, stop: int) -> torch.Tensor:
+        for block in self.transformer.transformer_blocks[start:stop]:
+            hidden = block(hidden, timestep=rows.timesteps, class_labels=rows.labels)
+        return hidden
+
+    def final(self, hidden: torch.Tensor, rows: DiTRows) -> torch.Tensor:
+        model = self.transformer
+        conditioning = model.transformer_blocks[0].norm1.emb(rows.timesteps, rows.labels, hidden_dtype=hidden.dtype)
+        shift, scale = model.proj_out_1(F.silu(conditioning)).chunk(2, dim=1)
+        hidden = model.norm_out(hidden) * (1 + scale[:, None]) + shift[:, None]
+        hidden = model.proj_out_2(hidden)
+        side, p, c = int(hidden.shape[1] ** 0.5), self.patch_size, model.out_channels
+        hidden = hidden.reshape(shape=(-1, side, side, p, p, c))
+        out = torch.einsum("nhwpqc->nchpwq", hidden).reshape(shape=(-1, c, side * p, side * p))
+        return out if self.out_channels is None else out[:, : self.out_channels]
+
+
 class DiTPipelineModel:
     """The ImagePipeline of a class-conditional DiT (pixel space or with an AutoencoderKL)."""
 
@@ -72,6 +129,7 @@ class DiTPipelineModel:
         self.in_channels = config.in_channels
         self.learned_sigma = transformer.out_channels == 2 * config.in_channels
         self.null_class = config.num_embeds_ada_norm
+        self.block_forward = DiTBlocks(self.transformer, self.in_channels if self.learned_sigma else None)
         self.labels = ClassLabels(id2label)
         scale = 2 ** (len(vae.config.block_out_channels) - 1) if vae is not None else 1
         self.latent_shape = (config.in_channels, config.sample_size, config.sample_size)
