@@ -1,0 +1,198 @@
+"""A class-conditional DiT from a folder in diffusers' DiTPipeline layout, as an ImagePipeline.
+
+    folder/model_index.json        _class_name DiTPipeline, id2label {"7": "7,seven", ...}
+    folder/transformer/            DiTTransformer2DModel (config.json + safetensors)
+    folder/scheduler/              the scheduler config every sampler is built from
+    folder/vae/                    AutoencoderKL, or absent / null in model_index: pixel space
+    folder/pagemesh.json           optional serving defaults (sizes, steps, sampler, guidance)
+
+The prompt names a class: the labels of id2label (comma-separated synonyms) are matched as whole
+words, case-insensitively, longest first, so "a handwritten 7", "the digit seven" and "7" are all
+class 7. The conditioning row of an image is its class id; the null class (id
+`num_embeds_ada_norm`, the LabelEmbedding's extra row) is the unconditional row, unless the
+negative prompt names a class, which then takes its place.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import secrets
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.messages import ImageModelInfo, ImageParams
+from workers.diffusion.pipelines.base import InvalidImageRequest, Resolved
+
+SAMPLERS = ("ddpm", "ddim", "dpmsolver++", "unipc", "euler")
+# A folder without pagemesh.json serves its native size with DiTPipeline's defaults.
+FALLBACK_SERVING = {"default_steps": 50, "default_sampler": "ddim", "default_guidance_scale": 4.0}
+
+
+class ClassLabels:
+    """id2label's synonyms -> class ids, and the one class a prompt names."""
+
+    def __init__(self, id2label: dict[str, str]):
+        self.by_label: dict[str, int] = {}  # a label listed under two ids: the last wins, as in DiTPipeline
+        for key, value in id2label.items():
+            for label in value.split(","):
+                if label.strip():
+                    self.by_label[label.strip().lower()] = int(key)
+        # Longest first: "tiger shark" claims its words before "tiger" can.
+        labels = sorted(self.by_label, key=len, reverse=True)
+        self.pattern = re.compile(r"(?<!\w)(" + "|".join(re.escape(label) for label in labels) + r")(?!\w)", re.I)
+
+    def classes_in(self, text: str) -> set[int]:
+        return {self.by_label[m.group(1).lower()] for m in self.pattern.finditer(text)}
+
+
+class DiTPipelineModel:
+    """The ImagePipeline of a class-conditional DiT (pixel space or with an AutoencoderKL)."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        transformer: Any,
+        vae: Any | None,
+        scheduler_config: dict[str, Any],
+        id2label: dict[str, str],
+        serving: dict[str, Any],
+    ):
+        self.name = name
+        self.transformer = transformer.eval()
+        self.vae = vae.eval() if vae is not None else None
+        self.device = transformer.device
+        self.dtype = transformer.dtype
+        self.scheduler_config = scheduler_config
+        config = transformer.config
+        self.in_channels = config.in_channels
+        self.learned_sigma = transformer.out_channels == 2 * config.in_channels
+        self.null_class = config.num_embeds_ada_norm
+        self.labels = ClassLabels(id2label)
+        scale = 2 ** (len(vae.config.block_out_channels) - 1) if vae is not None else 1
+        self.latent_shape = (config.in_channels, config.sample_size, config.sample_size)
+        self.native_size = (config.sample_size * scale, config.sample_size * scale)
+        native = f"{self.native_size[0]}x{self.native_size[1]}"
+        self.sizes: list[str] = list(serving.get("sizes", [native]))
+        self.samplers: list[str] = [s for s in serving.get("samplers", SAMPLERS) if s in SAMPLERS]
+        self.default_steps = int(serving.get("default_steps", FALLBACK_SERVING["default_steps"]))
+        self.default_sampler = str(serving.get("default_sampler", FALLBACK_SERVING["default_sampler"]))
+        self.default_guidance = float(serving.get("default_guidance_scale", FALLBACK_SERVING["default_guidance_scale"]))
+        self.max_steps = int(serving.get("max_steps", scheduler_config.get("num_train_timesteps", 1000)))
+        example = next(iter(id2label.values())).split(",")[0].strip()
+        self.conditioning = str(serving.get("conditioning", f"the prompt must name one class label, e.g. '{example}'"))
+        self.info = ImageModelInfo(
+            sizes=self.sizes,
+            samplers=self.samplers,
+            default_sampler=self.default_sampler,
+            default_steps=self.default_steps,
+            max_steps=self.max_steps,
+            conditioning=self.conditioning,
+        )
+
+    @classmethod
+    def from_folder(
+        cls, path: str | Path, *, name: str | None = None, device: str | torch.device = "cpu", dtype=torch.float32
+    ) -> DiTPipelineModel:
+        from diffusers import AutoencoderKL, DiTTransformer2DModel
+
+        path = Path(path)
+        index = json.loads((path / "model_index.json").read_text())
+        transformer = DiTTransformer2DModel.from_pretrained(path / "transformer", torch_dtype=dtype).to(device)
+        vae = None
+        if (index.get("vae") or [None])[0] is not None and (path / "vae").is_dir():
+            vae = AutoencoderKL.from_pretrained(path / "vae", torch_dtype=dtype).to(device)
+        scheduler_config = json.loads((path / "scheduler" / "scheduler_config.json").read_text())
+        serving_file = path / "pagemesh.json"
+        serving = json.loads(serving_file.read_text()) if serving_file.exists() else {}
+        id2label = index.get("id2label") or {str(i): str(i) for i in range(transformer.config.num_embeds_ada_norm)}
+        return cls(
+            name=name or path.name,
+            transformer=transformer,
+            vae=vae,
+            scheduler_config=scheduler_config,
+            id2label=id2label,
+            serving=serving,
+        )
+
+    # -- what a request may ask ------------------------------------------------------------
+
+    def class_of(self, prompt: str) -> int:
+        """The one class the prompt names; InvalidImageRequest when it names none or several."""
+        found = self.labels.classes_in(prompt)
+        if len(found) != 1:
+            why = "names no class" if not found else f"names {len(found)} different classes"
+            raise InvalidImageRequest(f"the prompt {why}: {self.conditioning}", param="prompt")
+        return found.pop()
+
+    def negative_class(self, negative_prompt: str | None) -> int:
+        """The uncond row's class: the null class unless the negative prompt names one."""
+        found = self.labels.classes_in(negative_prompt or "")
+        if len(found) > 1:
+            raise InvalidImageRequest(
+                f"the negative prompt names {len(found)} different classes; it may name at most one",
+                param="negative_prompt",
+            )
+        return found.pop() if found else self.null_class
+
+    def resolve(self, params: ImageParams) -> Resolved:
+        default_w, default_h = (int(side) for side in self.sizes[0].split("x"))
+        width, height = params.width or default_w, params.height or default_h
+        if f"{width}x{height}" not in self.sizes:
+            raise InvalidImageRequest(
+                f"size {width}x{height} is not offered by {self.name}; sizes: {', '.join(self.sizes)}", param="size"
+            )
+        steps = self.default_steps if params.num_inference_steps is None else params.num_inference_steps
+        if not 1 <= steps <= self.max_steps:
+            raise InvalidImageRequest(
+                f"num_inference_steps must be in [1, {self.max_steps}], got {steps}", param="num_inference_steps"
+            )
+        sampler = self.default_sampler if params.sampler is None else params.sampler
+        if sampler not in self.samplers:
+            raise InvalidImageRequest(
+                f"sampler {sampler!r} is not supported; samplers: {', '.join(self.samplers)}", param="sampler"
+            )
+        guidance = self.default_guidance if params.guidance_scale is None else float(params.guidance_scale)
+        if not (math.isfinite(guidance) and guidance >= 0):
+            raise InvalidImageRequest(f"guidance_scale must be a number >= 0, got {guidance}", param="guidance_scale")
+        self.class_of(params.prompt)
+        self.negative_class(params.negative_prompt)
+        return Resolved(
+            width=width,
+            height=height,
+            latent_shape=self.latent_shape,
+            steps=steps,
+            sampler=sampler,
+            guidance_scale=guidance,
+            seed=secrets.randbelow(2**31) if params.seed is None else params.seed,
+        )
+
+    # -- the model -------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str, negative_prompt: str | None) -> tuple[int, int]:
+        return self.class_of(prompt), self.negative_class(negative_prompt)
+
+    def stack(self, rows: list[int]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    @torch.no_grad()
+    def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """Noise predictions [B, C, h, w] for latents already scaled by each row's scheduler
+        (`scale_model_input`); timesteps [B], one per row, int or float as the scheduler gives."""
+        out = self.transformer(
+            latents.to(self.device, self.dtype), timestep=timesteps.to(self.device), class_labels=cond
+        ).sample
+        # A DiT trained with learned sigma returns [eps, variance]: the scheduler takes eps.
+        return out[:, : self.in_channels] if self.learned_sigma else out
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        samples = latents.to(self.device, self.dtype)
+        if self.vae is not None:
+            samples = self.vae.decode(samples / self.vae.config.scaling_factor).sample
+        pixels = ((samples.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        return pixels.permute(0, 2, 3, 1).cpu()
