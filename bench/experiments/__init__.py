@@ -15,4 +15,5 @@ this machine, each written as DIR/NAME.md with DIR/NAME_*.png plots.
     prefix.py        prefix caching on/off; prefix-aware vs round-robin placement
     cow.py           copy-on-write pages for parallel sampling and beam search
     page_size.py     throughput and KV utilization across page sizes
+    diffusion_samplers.py  digits DiT: steps against quality per sampler, and the few-step student
 """
