@@ -24,6 +24,7 @@ from common.messages import Ready
 from common.transport import Pull, ipc_address
 from services.scheduler.config import add_policy_arguments, policy_args_to_argv
 from workers.diffusion.config import add_diffusion_arguments, diffusion_args_to_argv
+from workers.diffusion.pipelines.embedded import STUDENT_NAME
 from workers.engine.config import add_engine_arguments, engine_args_to_argv
 
 
@@ -35,6 +36,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add(parser, "--decode", None, type=int, help="decode workers (default 1, or 0 with --mixed)")
     add(parser, "--mixed", 0, type=int, help="mixed workers (prefill and decode in one engine)")
     add(parser, "--diffusion", 1, type=int, help="diffusion workers (images; 0 for none)")
+    add(
+        parser,
+        "--diffusion-student",
+        0,
+        type=int,
+        help=f"diffusion workers serving the embedded few-step student (requests with model='{STUDENT_NAME}')",
+    )
     add(
         parser,
         "--diffusion-threads",
@@ -55,10 +63,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args.decode = args.decode if args.decode is not None else (0 if mixed_only else 1)
     if (args.prefill > 0) != (args.decode > 0):
         parser.error("--prefill and --decode go together (or use --mixed)")
-    if args.prefill + args.decode + args.mixed + args.diffusion == 0:
-        parser.error("no workers: give --prefill/--decode, --mixed or --diffusion")
-    if args.diffusion < 0:
-        parser.error("--diffusion: must be >= 0")
+    if args.prefill + args.decode + args.mixed + args.diffusion + args.diffusion_student == 0:
+        parser.error("no workers: give --prefill/--decode, --mixed, --diffusion or --diffusion-student")
+    if args.diffusion < 0 or args.diffusion_student < 0:
+        parser.error("--diffusion, --diffusion-student: must be >= 0")
     return args
 
 
@@ -117,24 +125,29 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
                     ],
                 )
             )
-    for i in range(args.diffusion):
-        name = f"diffusion-{i}"
-        procs.append(
-            (
-                name,
-                [
-                    "diffusion",
-                    "--worker-id",
+    # The student's workers take every diffusion flag but the model: they serve the embedded
+    # student under its own name, so the scheduler sends them the requests that name it.
+    student = argparse.Namespace(**{**vars(args), "diffusion_model": STUDENT_NAME, "diffusion_served_model_name": None})
+    pools = [("diffusion", args.diffusion, args), ("diffusion-student", args.diffusion_student, student)]
+    for prefix, count, flags in pools:
+        for i in range(count):
+            name = f"{prefix}-{i}"
+            procs.append(
+                (
                     name,
-                    "--scheduler-address",
-                    sched,
-                    "--threads",
-                    str(args.diffusion_threads),
-                    *diffusion_args_to_argv(args),
-                    *common,
-                ],
+                    [
+                        "diffusion",
+                        "--worker-id",
+                        name,
+                        "--scheduler-address",
+                        sched,
+                        "--threads",
+                        str(args.diffusion_threads),
+                        *diffusion_args_to_argv(flags),
+                        *common,
+                    ],
+                )
             )
-        )
     procs.append(
         (
             "gateway",
@@ -280,6 +293,7 @@ def main(argv: list[str]) -> None:
         llm = f"{args.prefill} prefill + {args.decode} decode" if args.prefill else f"{args.mixed} mixed"
         parts = [llm] if args.prefill or args.mixed else []
         parts += [f"{args.diffusion} diffusion"] if args.diffusion else []
+        parts += [f"{args.diffusion_student} {STUDENT_NAME}"] if args.diffusion_student else []
         workers = " + ".join(parts)
         print(f"pagemesh is up: http://{args.host}:{args.port}/v1  ({workers} worker(s); Ctrl-C stops)", flush=True)
         watching = asyncio.ensure_future(mesh.watch())

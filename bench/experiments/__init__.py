@@ -16,4 +16,5 @@ this machine, each written as DIR/NAME.md with DIR/NAME_*.png plots.
     cow.py           copy-on-write pages for parallel sampling and beam search
     page_size.py     throughput and KV utilization across page sizes
     diffusion_cache.py  feature caches (interval, First-Block-Cache, TeaCache) vs fewer steps (digits DiT)
+    diffusion_samplers.py  digits DiT: steps against quality per sampler, and the few-step student
 """

@@ -25,6 +25,10 @@ EXPERIMENTS = {
     "cow": ("bench.experiments.cow", "pages for n=4 sampling and beam search, with and without copy-on-write"),
     "page-size": ("bench.experiments.page_size", "throughput and KV utilization across page sizes"),
     "diffusion-cache": ("bench.experiments.diffusion_cache", "feature caches vs fewer steps: speed against fidelity"),
+    "diffusion-samplers": (
+        "bench.experiments.diffusion_samplers",
+        "digits DiT: steps against quality per sampler (DDPM, DDIM, DPM-Solver++, UniPC, Euler) and the student",
+    ),
 }
 
 
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     if args.name == "list":
         for name, (_, what) in EXPERIMENTS.items():
-            print(f"  {name:<13} {what}")
+            print(f"  {name:<18} {what}")
         return
     import torch
 

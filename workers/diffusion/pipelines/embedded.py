@@ -1,17 +1,35 @@
-"""The embedded default image model: the digits DiT shipped in this package (trained by
-`python -m workers.diffusion.training.train_digits`), served when no folder is given."""
+"""The embedded image models, shipped as diffusers folders in this package and served by name:
+
+    digits-dit           the digits DiT (python -m workers.diffusion.training.train_digits);
+                         served when no folder is given
+    digits-dit-student   its few-step student (python -m workers.diffusion.training.distill_digits):
+                         DDIM in 1-4 steps, guidance distilled in
+
+Torch-free at import, so `pagemesh up` can name them without loading torch.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from workers.diffusion.pipelines.dit import DiTPipelineModel
+    from workers.diffusion.pipelines.dit import DiTPipelineModel
 
+MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DIGITS_NAME = "digits-dit"
-DIGITS_PATH = Path(__file__).resolve().parent.parent / "models" / DIGITS_NAME
+STUDENT_NAME = "digits-dit-student"
+DIGITS_PATH = MODELS_DIR / DIGITS_NAME
+STUDENT_PATH = MODELS_DIR / STUDENT_NAME
+EMBEDDED_MODELS: dict[str, Path] = {DIGITS_NAME: DIGITS_PATH, STUDENT_NAME: STUDENT_PATH}
 
 
-def load_embedded(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> DiTPipelineModel:
-    return DiTPipelineModel.from_folder(DIGITS_PATH, name=DIGITS_NAME, device=device, dtype=dtype)
+def load_embedded(device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> DiTPipelineModel:
+    """The default image model (digits-dit), served under its name."""
+    import torch
+
+    from workers.diffusion.pipelines.dit import DiTPipelineModel
+
+    return DiTPipelineModel.from_folder(DIGITS_PATH, name=DIGITS_NAME, device=device, dtype=dtype or torch.float32)

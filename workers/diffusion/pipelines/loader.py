@@ -1,6 +1,9 @@
 """The one way a diffusion worker gets its model: `load_pipeline(path)`.
 
     None                      the embedded digits model (pipelines/embedded.py)
+    "digits-dit", "digits-dit-student"
+                              an embedded model by name: its folder in this package, served
+                              under that name (a folder of the same name: give "./digits-dit")
     folder/model_index.json   diffusers' layout, by its `_class_name`:
       DiTPipeline                                   pipelines/dit.py   (class-conditional DiT)
       PixArtAlphaPipeline, PixArtSigmaPipeline      pipelines/pixart.py (text-to-image DiT, T5)
@@ -16,6 +19,7 @@ import torch
 
 from workers.diffusion.pipelines.base import ImagePipeline
 from workers.diffusion.pipelines.common import ModelFolderError, read_model_index
+from workers.diffusion.pipelines.embedded import EMBEDDED_MODELS
 
 LAYOUTS = {
     "DiTPipeline": "class-conditional DiT (DiTTransformer2DModel + AutoencoderKL)",
@@ -34,13 +38,15 @@ def load_pipeline(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> ImagePipeline:
-    """The pipeline of the folder at `path` (None: the embedded digits model, whose name is its
-    own), served as `name` (default: the folder's name), its modules on `device` in `dtype`.
-    Raises ModelFolderError for a folder it cannot serve."""
+    """The pipeline of the folder at `path` (None: the embedded digits model; an embedded model's
+    name: its folder), served as `name` (default: the folder's name, so an embedded model's own),
+    its modules on `device` in `dtype`. Raises ModelFolderError for a folder it cannot serve."""
     if path is None:
         from workers.diffusion.pipelines.embedded import load_embedded
 
         return load_embedded(torch.device(device), dtype)
+    if path in EMBEDDED_MODELS:
+        path = str(EMBEDDED_MODELS[path])
     layout = read_model_index(path).get("_class_name")
     if layout not in LAYOUTS:
         supported = "; ".join(f"{cls}: {what}" for cls, what in LAYOUTS.items())
