@@ -358,9 +358,13 @@ class SchedulerCore:
         return True
 
     def _image_workers(self, model: str | None, now: float) -> list[WorkerInfo]:
-        """Live diffusion workers serving `model` (None: any image model)."""
+        """Live diffusion workers serving `model`. None: the mesh's image model, the one the
+        first registered of the live diffusion workers serves (with `--diffusion-student`, the
+        student's workers serve only requests that name it)."""
         workers = self.registry.alive(WorkerKind.DIFFUSION, WorkerRole.MIXED, now)
-        return [w for w in workers if model is None or w.model == model]
+        if model is None and workers:
+            model = workers[0].model  # the registry keeps registration order
+        return [w for w in workers if w.model == model]
 
     def _place_image(self, entry: Queued, now: float, out: Outputs) -> bool:
         """Place an image request on the least loaded diffusion worker of its model with room."""

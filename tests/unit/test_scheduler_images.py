@@ -119,3 +119,14 @@ def test_a_request_the_worker_found_invalid_ends_without_a_second_error():
     image(core, "i1", T0)
     assert done(core, "x0", "i1", DoneReason.INVALID, "size: must be one of 8x8") == []
     assert "i1" not in core.placed and core.registry.workers["x0"].requests == set()
+
+
+def test_a_request_naming_no_model_goes_to_the_first_registered_image_model():
+    core = new_core()
+    diffusion(core, "x0", T0)
+    diffusion(core, "s0", T0, model="student")
+    diffusion(core, "x1", T0)
+    assert [dest for dest, _ in image(core, "i1", T0)] == ["x0"]
+    assert [dest for dest, _ in image(core, "i2", T0)] == ["x1"]
+    assert [dest for dest, _ in image(core, "i3", T0)] == ["x0"]  # never the student's worker
+    assert [dest for dest, _ in image(core, "i4", T0, model="student")] == ["s0"]
