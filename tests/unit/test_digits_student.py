@@ -46,7 +46,7 @@ def test_embedded_names_resolve_to_their_package_folders_and_serve_under_them(st
     assert (info.default_sampler, info.samplers, info.default_steps, info.max_steps) == ("ddim", ["ddim"], 4, 8)
     assert student.default_guidance == 1.0
     assert student.scheduler_config["prediction_type"] == "v_prediction"
-    assert (teacher.info.default_steps, teacher.default_guidance) == (25, 2.0)
+    assert (teacher.info.default_steps, teacher.default_guidance) == (25, 1.5)
 
 
 def test_the_students_images_at_its_defaults_are_the_digits_asked_for(student):
