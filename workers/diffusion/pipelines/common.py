@@ -304,3 +304,31 @@ def to_uint8(images: torch.Tensor) -> torch.Tensor:
     """[n, C, H, W] in [-1, 1] -> uint8 [n, H, W, C] on the CPU."""
     pixels = ((images.float() / 2 + 0.5).clamp(0, 1) * 255).round()
     return pixels.to(torch.uint8).permute(0, 2, 3, 1).contiguous().cpu()
+
+
+class TextConditionedPipeline:
+    """What the text-to-image pipelines (Stable Diffusion, PixArt) share: prompt checks and
+    encoding by their `PromptEncoder`, text rows stacked per batch, the VAE decode. A subclass
+    has `prompts`, `serving`, `vae` and `_latent_shape(width, height)`, and its own `denoise`."""
+
+    prompts: PromptEncoder
+    serving: ServingDefaults
+    vae: torch.nn.Module
+
+    def _latent_shape(self, width: int, height: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def resolve(self, params: ImageParams) -> Resolved:
+        self.prompts.check(params.prompt, "prompt")
+        if params.negative_prompt:
+            self.prompts.check(params.negative_prompt, "negative_prompt")
+        return resolve_request(params, self.serving, self._latent_shape)
+
+    def encode_prompt(self, prompt: str, negative_prompt: str | None) -> tuple[TextRows, TextRows]:
+        return self.prompts.encode_pair(prompt, negative_prompt)
+
+    def stack(self, rows: list[TextRows]) -> TextRows:
+        return stack_text_rows(rows)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return decode_latents(self.vae, latents)

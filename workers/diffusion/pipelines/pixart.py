@@ -16,21 +16,17 @@ from typing import Any
 import torch
 from diffusers import PixArtAlphaPipeline, PixArtSigmaPipeline
 
-from common.messages import ImageParams
-from workers.diffusion.pipelines.base import Resolved
 from workers.diffusion.pipelines.common import (
     PromptEncoder,
     ServingDefaults,
+    TextConditionedPipeline,
     TextRows,
-    decode_latents,
     folder_name,
     model_defaults,
     place_vae,
     read_model_index,
     read_scheduler_config,
     read_serving_defaults,
-    resolve_request,
-    stack_text_rows,
     vae_scale_factor,
 )
 
@@ -40,7 +36,7 @@ DEFAULT_STEPS = 20  # the PixArt pipelines' defaults
 DEFAULT_GUIDANCE = 4.5
 
 
-class PixArtPipelineModel:
+class PixArtPipelineModel(TextConditionedPipeline):
     """The ImagePipeline of a PixArt-layout folder. Conditioning rows are `TextRows` (T5
     embeddings [1, L, D] with their mask [1, L]); latents are [C, H/8, W/8] for its VAE."""
 
@@ -113,18 +109,6 @@ class PixArtPipelineModel:
     def _latent_shape(self, width: int, height: int) -> tuple[int, ...]:
         return (self.transformer.config.in_channels, height // self.scale, width // self.scale)
 
-    def resolve(self, params: ImageParams) -> Resolved:
-        self.prompts.check(params.prompt, "prompt")
-        if params.negative_prompt:
-            self.prompts.check(params.negative_prompt, "negative_prompt")
-        return resolve_request(params, self.serving, self._latent_shape)
-
-    def encode_prompt(self, prompt: str, negative_prompt: str | None) -> tuple[TextRows, TextRows]:
-        return self.prompts.encode_pair(prompt, negative_prompt)
-
-    def stack(self, rows: list[TextRows]) -> TextRows:
-        return stack_text_rows(rows)
-
     @torch.no_grad()
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: TextRows) -> torch.Tensor:
         """`latents` already scaled by each row's scheduler (`scale_model_input`)."""
@@ -149,6 +133,3 @@ class PixArtPipelineModel:
         if self.learned_sigma:
             out = out.chunk(2, dim=1)[0]
         return out.to(latents.dtype)
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        return decode_latents(self.vae, latents)

@@ -13,21 +13,17 @@ from typing import Any
 import torch
 from diffusers import StableDiffusionPipeline
 
-from common.messages import ImageParams
-from workers.diffusion.pipelines.base import Resolved
 from workers.diffusion.pipelines.common import (
     ModelFolderError,
     PromptEncoder,
     ServingDefaults,
+    TextConditionedPipeline,
     TextRows,
-    decode_latents,
     folder_name,
     model_defaults,
     place_vae,
     read_scheduler_config,
     read_serving_defaults,
-    resolve_request,
-    stack_text_rows,
     vae_scale_factor,
 )
 
@@ -35,7 +31,7 @@ DEFAULT_STEPS = 50  # StableDiffusionPipeline's defaults
 DEFAULT_GUIDANCE = 7.5
 
 
-class UNetPipelineModel:
+class UNetPipelineModel(TextConditionedPipeline):
     """The ImagePipeline of a Stable-Diffusion-layout folder. Conditioning rows are `TextRows`
     (CLIP embeddings [1, 77, D], no mask); latents are [C, H/8, W/8] for SD's VAE."""
 
@@ -111,18 +107,6 @@ class UNetPipelineModel:
     def _latent_shape(self, width: int, height: int) -> tuple[int, ...]:
         return (self.unet.config.in_channels, height // self.scale, width // self.scale)
 
-    def resolve(self, params: ImageParams) -> Resolved:
-        self.prompts.check(params.prompt, "prompt")
-        if params.negative_prompt:
-            self.prompts.check(params.negative_prompt, "negative_prompt")
-        return resolve_request(params, self.serving, self._latent_shape)
-
-    def encode_prompt(self, prompt: str, negative_prompt: str | None) -> tuple[TextRows, TextRows]:
-        return self.prompts.encode_pair(prompt, negative_prompt)
-
-    def stack(self, rows: list[TextRows]) -> TextRows:
-        return stack_text_rows(rows)
-
     @torch.no_grad()
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: TextRows) -> torch.Tensor:
         """`latents` already scaled by each row's scheduler (`scale_model_input`)."""
@@ -133,9 +117,6 @@ class UNetPipelineModel:
             return_dict=False,
         )[0]
         return out.to(latents.dtype)
-
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        return decode_latents(self.vae, latents)
 
 
 def _native_size(unet: torch.nn.Module, scale: int) -> tuple[int, int]:
