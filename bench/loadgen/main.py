@@ -193,6 +193,9 @@ def run(args: argparse.Namespace) -> dict:
                 "summary": summary,
                 "errors": errors[:20],
                 "requests": {
+                    # send times from the point's first request: with the lengths, a trace that
+                    # `pagemesh simulate --trace` replays
+                    "starts": [r.start - min(x.start for x in results) for r in results],
                     "input_lens": [r.prompt_len for r in results],
                     "output_lens": [r.output_tokens for r in results],
                     "ttfts": [r.ttft for r in results],

@@ -1,0 +1,152 @@
+"""A simulated mesh: the real scheduler core between a tokenizer stand-in and SimWorkers, in
+virtual time. Messages between the core and workers take `control_latency_s`; KV handoffs take
+the transfer model's time; tokens reach their client `delivery_latency_s` after their step.
+
+The cluster is the tokenizer too (it sends ScheduleRequest and receives RequestFailed), so a
+run goes: arrival → ScheduleRequest → core.handle → tasks → workers → steps → tokens → done.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from bench.loadgen.stream import RequestResult
+from bench.simulator.clock import EventLoop
+from bench.simulator.cost import TransferModel
+from bench.simulator.worker import SimWorker, WorkerSpec
+from bench.simulator.workload import SimRequest
+from common.messages import Message, RequestFailed, ScheduleRequest, WorkerRole
+from common.sampling import SamplingParams
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.core import SchedulerCore
+from services.scheduler.placement import PlacementPolicy
+
+TOKENIZER = b"sim-tokenizer"
+REPLY_TO = "sim://tokenizer"
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    workers: tuple[WorkerSpec, ...]
+    placement: PlacementPolicy = PlacementPolicy()
+    max_queue: int = 1 << 20  # a simulated queue refuses nothing unless asked
+    transfer: TransferModel = TransferModel(2e9, 0.002)
+    control_latency_s: float = 0.0005  # one hop between processes over zmq
+    delivery_latency_s: float = 0.001  # worker → tokenizer → gateway → client, per token batch
+    tick_s: float = 1.25  # the scheduler's expiry tick (heartbeat timeout / 4)
+
+
+@dataclass
+class Trace:
+    """One request as its client saw it."""
+
+    request: SimRequest
+    token_times: list[float] = field(default_factory=list)
+    failed: str = ""
+
+    def result(self) -> RequestResult:
+        r = RequestResult(prompt_len=len(self.request.prompt_token_ids), output_len=self.request.output_len)
+        r.start = self.request.arrival_s
+        done = len(self.token_times) >= self.request.output_len and not self.failed
+        r.success, r.error = done, self.failed or ("" if done else "unfinished")
+        if self.token_times:
+            r.ttft = self.token_times[0] - r.start
+            r.latency = self.token_times[-1] - r.start
+            r.itl = [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+        r.output_tokens = len(self.token_times)
+        r.chunks = len(self.token_times)
+        return r
+
+
+class Cluster:
+    def __init__(self, spec: ClusterSpec, step_time):
+        self.spec = spec
+        self.loop = EventLoop()
+        self.core = SchedulerCore(
+            SchedulerConfig(address="sim://scheduler", max_queue=spec.max_queue, placement=spec.placement),
+            "sim",
+            now=0.0,
+        )
+        self.workers: dict[str, SimWorker] = {}
+        for ws in spec.workers:
+            self.workers[ws.worker_id] = SimWorker(ws, self.loop, step_time, self._to_core, self._emit, self._handoff)
+        self.traces: dict[str, Trace] = {}
+
+    # ---- wiring ---------------------------------------------------------------------------
+    def _deliver(self, outputs: list[tuple[object, Message]]) -> None:
+        for destination, msg in outputs:
+            if destination == TOKENIZER:
+                if isinstance(msg, RequestFailed):
+                    self.loop.after(self.spec.control_latency_s, lambda m=msg: self._failed(m))
+            elif destination in self.workers:
+                worker = self.workers[destination]
+                self.loop.after(self.spec.control_latency_s, lambda w=worker, m=msg: w.receive(m))
+
+    def _to_core(self, msg: Message) -> None:
+        self.loop.after(self.spec.control_latency_s, lambda: self._deliver(self.core.handle(b"w", msg, self.loop.now)))
+
+    def _emit(self, request_id: str, n: int, at: float) -> None:
+        trace = self.traces.get(request_id)
+        if trace is not None:
+            trace.token_times.extend([at + self.spec.delivery_latency_s] * n)
+
+    def _failed(self, msg: RequestFailed) -> None:
+        trace = self.traces.get(msg.request_id)
+        if trace is not None:
+            trace.failed = f"{msg.status} {msg.message}"
+
+    def _handoff(self, prefill: SimWorker, task, table: list[int], pages: int) -> None:
+        decode = self.workers[task.decode_worker_id]
+        took = self.spec.transfer.time(pages * prefill.spec.page_bytes)
+        self.loop.after(took, lambda: decode.pages_arrived(task.request_id, 1, pages))
+        self.loop.after(took + self.spec.transfer.latency_s, lambda: prefill.acknowledged(task.request_id))
+
+    def _tick(self) -> None:
+        self._deliver(self.core.tick(self.loop.now))
+        if self._open():
+            self.loop.after(self.spec.tick_s, self._tick)
+
+    def _open(self) -> bool:
+        return any(not self._ended(t) for t in self.traces.values()) or self.loop.pending > 0
+
+    @staticmethod
+    def _ended(trace: Trace) -> bool:
+        return bool(trace.failed) or len(trace.token_times) >= trace.request.output_len
+
+    # ---- a run ----------------------------------------------------------------------------
+    def run(self, requests: list[SimRequest], horizon_s: float = math.inf) -> list[Trace]:
+        """Register the workers, send every request at its arrival, run until all ended (or the
+        horizon). Returns the traces in arrival order."""
+        for worker in self.workers.values():
+            self._deliver(self.core.handle(b"w", worker.registration(), 0.0))
+            worker.heartbeat()
+        for req in requests:
+            self.traces[req.request_id] = Trace(req)
+            self.loop.at(req.arrival_s, lambda r=req: self._arrive(r))
+        self.loop.at(self.spec.tick_s, self._tick)
+        self.loop.run(until=horizon_s, stop=lambda: all(self._ended(t) for t in self.traces.values()))
+        return list(self.traces.values())
+
+    def _arrive(self, req: SimRequest) -> None:
+        msg = ScheduleRequest(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            sampling=SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True),
+            reply_to=REPLY_TO,
+            arrival_time=self.loop.now,
+        )
+        self.loop.after(
+            self.spec.control_latency_s, lambda: self._deliver(self.core.handle(TOKENIZER, msg, self.loop.now))
+        )
+
+    def kv_pages_in_use(self) -> dict[str, int]:
+        return {wid: w.blocks.num_used_pages for wid, w in self.workers.items()}
+
+
+def roles(mixed: int, prefill: int, decode: int) -> list[tuple[str, WorkerRole]]:
+    """Worker ids and roles, named as `pagemesh up` names them."""
+    out = [(f"mixed-{i}", WorkerRole.MIXED) for i in range(mixed)]
+    out += [(f"prefill-{i}", WorkerRole.PREFILL) for i in range(prefill)]
+    out += [(f"decode-{i}", WorkerRole.DECODE) for i in range(decode)]
+    return out

@@ -1,0 +1,129 @@
+"""`pagemesh simulate`: deterministic virtual time over the mesh's own scheduling code."""
+
+import dataclasses
+
+import pytest
+
+from bench.simulator.clock import EventLoop
+from bench.simulator.cost import GPUS, LinearStepCost, RooflineStepCost, StepShape, model_shape
+from bench.simulator.run import SimSettings, find_smallest, meets, simulate
+from bench.simulator.worker import shape_of
+from bench.simulator.workload import WorkloadSpec, generate
+from services.scheduler.placement import Placer
+from workers.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
+
+# a CPU-like step: 12 ms, plus per prompt token and per decode row
+COST = LinearStepCost(0.012, 0.0001, 0.0, 0.0003, 1e-7)
+KV_BYTES = 23040  # SmolLM2-135M, bf16, per token
+
+
+def small(**changes) -> SimSettings:
+    workload = WorkloadSpec(num_requests=40, rate=8.0, input_len=96, output_len=24, input_spread=0.5, seed=3)
+    return dataclasses.replace(SimSettings(num_pages=512, workload=workload), **changes)
+
+
+def test_events_run_in_time_order_and_ties_in_the_order_scheduled():
+    loop, seen = EventLoop(), []
+    loop.at(2.0, lambda: seen.append("b"))
+    loop.at(1.0, lambda: seen.append("a"))
+    loop.at(2.0, lambda: seen.append("c"))
+    loop.at(1.0, lambda: loop.after(0.5, lambda: seen.append("a2")))
+    loop.run()
+    assert seen == ["a", "a2", "b", "c"] and loop.now == 2.0
+    with pytest.raises(ValueError):
+        loop.at(1.0, lambda: None)
+
+
+def test_the_same_seed_gives_the_same_run_and_another_seed_another():
+    first, again = simulate(small(), COST.step_time, KV_BYTES), simulate(small(), COST.step_time, KV_BYTES)
+    assert first == again
+    other = simulate(small(workload=dataclasses.replace(small().workload, seed=4)), COST.step_time, KV_BYTES)
+    assert other["median_ttft_ms"] != first["median_ttft_ms"]
+
+
+@pytest.mark.parametrize("topology", [dict(mixed=1), dict(mixed=2), dict(mixed=0, prefill=1, decode=1)])
+def test_every_request_completes_with_every_token_and_no_page_is_left(topology):
+    summary = simulate(small(**topology), COST.step_time, KV_BYTES)
+    assert summary["completed"] == 40 and summary["failed"] == 0
+    assert summary["total_output_tokens"] == 40 * 24
+    assert summary["sim_kv_pages_left_in_use"] == 0
+    if topology.get("prefill"):
+        assert summary["sim_kv_bytes_sent"] > 0  # the prompts' pages crossed to the decode worker
+    else:
+        assert summary["sim_kv_bytes_sent"] == 0
+
+
+def test_a_short_pool_preempts_and_still_finishes_everything():
+    summary = simulate(
+        small(num_pages=40, workload=dataclasses.replace(small().workload, rate=1000.0)), COST.step_time, KV_BYTES
+    )
+    assert summary["sim_preemptions"] > 0
+    assert summary["completed"] == 40 and summary["sim_kv_pages_left_in_use"] == 0
+
+
+def test_the_simulation_runs_the_engine_scheduler_and_the_placement_the_workers_run(monkeypatch):
+    calls = {"schedule": 0, "place": 0}
+    schedule, place = Scheduler.schedule, Placer.place
+
+    def counting_schedule(self):
+        calls["schedule"] += 1
+        return schedule(self)
+
+    def counting_place(self, *args):
+        calls["place"] += 1
+        return place(self, *args)
+
+    monkeypatch.setattr(Scheduler, "schedule", counting_schedule)
+    monkeypatch.setattr(Placer, "place", counting_place)
+    summary = simulate(small(mixed=2), COST.step_time, KV_BYTES)
+    assert summary["completed"] == 40
+    assert calls["place"] >= 40  # every request was placed by the real placer
+    assert calls["schedule"] > 24  # every step was planned by the real engine scheduler
+
+
+def test_the_step_shape_comes_from_the_plan():
+    plan = StepPlan(num_decodes=2)
+    seq = type("Seq", (), {"num_tokens": 0})
+    plan.chunks = [ScheduledChunk(seq, 99, 1), ScheduledChunk(seq, 9, 1), ScheduledChunk(seq, 32, 64)]
+    assert shape_of(plan) == StepShape(
+        prefill_tokens=64, prefill_attention=64 * (32 + 32), decode_rows=2, decode_context=100 + 10
+    )
+
+
+def test_the_linear_fit_recovers_the_coefficients_of_its_samples():
+    shapes = [StepShape(p, p * c, d, d * c) for p in (0, 64, 512) for d in (0, 8, 32) for c in (16, 256) if p or d]
+    samples = [(s, COST.step_time(s)) for s in shapes]
+    fitted = LinearStepCost.fit(samples)
+    for shape in shapes:
+        assert fitted.step_time(shape) == pytest.approx(COST.step_time(shape), rel=1e-6)
+    assert min(getattr(fitted, f) for f in ("base_s", "per_prefill_token_s", "per_decode_row_s")) >= 0
+
+
+def test_the_gpu_roofline_is_memory_bound_for_decodes_and_compute_bound_for_prompts():
+    cost = RooflineStepCost(GPUS["h200"], model_shape("llama-3.1-8b"))
+    decode = cost.step_time(StepShape(decode_rows=1, decode_context=512)) - GPUS["h200"].step_overhead_s
+    assert decode == pytest.approx(cost.weight_bytes / (4.8e12 * 0.75), rel=0.05)  # weights read once
+    prefill = cost.step_time(StepShape(prefill_tokens=4096, prefill_attention=4096 * 2048))
+    assert prefill > 20 * decode
+    tp2 = RooflineStepCost(GPUS["h200"], model_shape("llama-3.1-8b"), tp=2)
+    assert tp2.kv_pages(16) > 2 * cost.kv_pages(16)  # the second GPU's memory holds no second copy of weights
+
+
+def test_find_returns_the_smallest_cluster_that_meets_the_slos():
+    base = small(workload=dataclasses.replace(small().workload, rate=80.0, num_requests=60))
+    slos = {"ttft": 150.0, "tpot": 30.0}
+    found = find_smallest(base, COST.step_time, KV_BYTES, slos, max_workers=6)
+    assert found is not None
+    settings, summary = found
+    assert meets(summary, slos)
+    size = settings.mixed + settings.prefill + settings.decode
+    assert size > 1  # one worker cannot keep up at this rate ...
+    smaller = simulate(dataclasses.replace(base, mixed=size - 1, prefill=0, decode=0), COST.step_time, KV_BYTES)
+    assert not meets(smaller, slos)  # ... and the next smaller mixed cluster misses
+
+
+def test_workloads_share_prefixes_when_asked():
+    spec = WorkloadSpec(num_requests=6, shared_prefix=32, prefix_groups=2, input_len=64, seed=1)
+    reqs = generate(spec)
+    assert reqs[0].prompt_token_ids[:32] == reqs[2].prompt_token_ids[:32] != reqs[1].prompt_token_ids[:32]
+    assert [r.arrival_s for r in reqs] == sorted(r.arrival_s for r in reqs) and reqs[0].arrival_s == 0.0
