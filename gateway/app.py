@@ -306,6 +306,7 @@ class Gateway:
                 out += sse_event(builder.usage_chunk())
         except (RequestEnded, ApiError) as e:  # after the headers: report in the stream
             error = e.error if isinstance(e, RequestEnded) else e
+            self.status_page.finished(call.trace, time.monotonic(), error.code or error.type)
             out += sse_event(error.body())
         except (asyncio.CancelledError, ConnectionResetError):
             raise

@@ -83,6 +83,29 @@ class Network:
         )
         return int(out.stdout)
 
+    def connected(self) -> bool:
+        """The other hosts reach a TCP listener on the gateway host. Traffic between namespaces
+        crosses the bridge, which a host firewall may filter (br_netfilter with an iptables
+        FORWARD policy of DROP, as docker sets it): then the mesh could never start."""
+        listen = "import socket,sys; s=socket.create_server((sys.argv[1], 0)); print(s.getsockname()[1], flush=True)"
+        listen += "; s.settimeout(60); [s.accept() for _ in range(2)]"
+        connect = "import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)"
+        run = ["ip", "netns", "exec"]
+        server = subprocess.Popen(
+            [*run, self.ns["gw"], sys.executable, "-c", listen, self.address("gw")], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            port = server.stdout.readline().strip()
+            for host in ("pf", "dc"):
+                argv = [*run, self.ns[host], sys.executable, "-c", connect, self.address("gw"), port]
+                if subprocess.run(argv, capture_output=True, timeout=120).returncode != 0:
+                    return False
+            return server.wait(timeout=120) == 0
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait()
+
     def down(self) -> None:
         for kind, name in reversed(self.made):  # a namespace's end of a veth pair goes with it
             args = ["link", "del", name] if kind == "link" else ["netns", "del", name]
@@ -101,6 +124,9 @@ def network():
     except subprocess.CalledProcessError as e:
         net.down()
         pytest.skip(f"cannot make network namespaces here: {e.stderr.strip()}")
+    if not net.connected():
+        net.down()
+        pytest.skip("namespaces on a bridge cannot reach each other here (a firewall filters bridged traffic)")
     try:
         yield net
     finally:

@@ -8,7 +8,15 @@ from collections import deque
 
 import pytest
 
-from common.messages import ClusterStatus, KVPoolLoad, StatusRequest, TextDelta, WorkerStatus
+from common.messages import (
+    ClusterStatus,
+    KVPoolLoad,
+    RequestFailed,
+    StatusRequest,
+    TextDelta,
+    TextDeltaBatch,
+    WorkerStatus,
+)
 from gateway import app as gateway_app
 from gateway.status import RateMeter, RequestTrace, status_document
 from tests.gateway_harness import FakeMesh, run
@@ -142,6 +150,20 @@ def test_page_and_status_routes_on_the_gateway(tmp_path, monkeypatch):
         post = asyncio.create_task(fake.client.post("/v1/completions", json={"model": "smol", "prompt": "Hi"}))
         await fake.answer(await fake.next_request(), "a", "b", "c")
         assert (await post).status == 200
+        body = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "stream": True}
+        post = asyncio.create_task(fake.client.post("/v1/chat/completions", json=body))
+        request = await fake.next_request()
+        await fake.reply(request, TextDeltaBatch(deltas=[delta([7], request_id=request.request_id)]))
+        failure = RequestFailed(
+            request_id=request.request_id,
+            status=503,
+            error_type="service_unavailable",
+            message="worker lost",
+            param=None,
+            code="worker_failure",
+        )
+        await fake.reply(request, failure)
+        assert "worker lost" in await (await post).text()  # the error event, after a token
 
         answering = asyncio.create_task(
             answer_status(fake, ClusterStatus(ready=True, workers=[worker("w0", role="mixed", running=1)], queued=2))
@@ -151,8 +173,9 @@ def test_page_and_status_routes_on_the_gateway(tmp_path, monkeypatch):
         doc = await response.json()
         assert [(w["id"], w["pool"], w["running"]) for w in doc["workers"]] == [("w0", "mixed", 1)]
         assert (doc["ready"], doc["queued"], doc["model"]) == (True, 2, "smol")
-        [recent] = doc["recent_requests"]
+        failed, recent = doc["recent_requests"]  # newest first
         assert recent["kind"] == "completion" and recent["completion_tokens"] == 3 and recent["prompt_tokens"] == 4
         assert recent["ttft_s"] >= 0 and recent["tpot_s"] >= 0 and recent["outcome"] == "ok"
+        assert (failed["kind"], failed["completion_tokens"], failed["outcome"]) == ("chat", 1, "worker_failure")
 
     run(tmp_path, test)
