@@ -35,6 +35,7 @@ from gateway.mesh import MeshClient, Reply
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.parsing import ParsedRequest, check_model, parse_chat, parse_completion, parse_json
 from gateway.responses import SSE_DONE, ResponseBuilder, sse_event, to_json
+from gateway.status import RequestTrace, StatusPage
 
 log = structlog.get_logger()
 
@@ -60,6 +61,7 @@ class _Call:
     builder: ResponseBuilder
     timer: RequestTimer
     offsets: dict[str, int]  # request in the mesh (one per prompt) -> index of its first choice
+    trace: RequestTrace  # its timings for the status page's recent requests
     ended: bool = False
     failed: str | None = None  # the request in the mesh that ended it with an error
     submitted: set[str] = dataclasses.field(default_factory=set)  # requests sent into the mesh
@@ -71,6 +73,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig, mesh: MeshClient, tokenizer: Tokenizer, metrics: GatewayMetrics):
         self.config, self.mesh, self.tokenizer, self.metrics = config, mesh, tokenizer, metrics
         self.started = int(time.time())
+        self.status_page = StatusPage(lambda: mesh.status(STATUS_TIMEOUT_S), config.served_model)
 
     def app(self) -> web.Application:
         limit = self.config.max_body_bytes
@@ -83,6 +86,8 @@ class Gateway:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_text)
+        app.router.add_get("/", self.status_page.page)
+        app.router.add_get("/status", self.status_page.status)
         return app
 
     # ---- generation
@@ -125,6 +130,7 @@ class Gateway:
             builder,
             self.metrics.request(arrival),
             offsets,
+            self.status_page.trace(request_id, parsed.kind, arrival),
         )
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             abort_reason = "gateway error"
@@ -146,6 +152,7 @@ class Gateway:
                 )
                 return web.Response(body=to_json(builder.response()), content_type="application/json")
             except RequestEnded as e:
+                self.status_page.finished(call.trace, time.monotonic(), e.error.code or e.error.type)
                 raise e.error from None
             except (asyncio.CancelledError, ConnectionResetError):
                 abort_reason = "client disconnected"
@@ -267,12 +274,14 @@ class Gateway:
         chunks = []
         for delta in deltas:
             call.timer.on_delta(delta, now)
+            call.trace.on_delta(delta, now)
             chunk = call.builder.add(delta)
             if chunk is not None:
                 chunks.append(chunk)
         if call.builder.finished:
             call.ended = True
             call.timer.on_finished(now)
+            self.status_page.finished(call.trace, now)
         return chunks
 
     async def _stream(
@@ -297,6 +306,7 @@ class Gateway:
                 out += sse_event(builder.usage_chunk())
         except (RequestEnded, ApiError) as e:  # after the headers: report in the stream
             error = e.error if isinstance(e, RequestEnded) else e
+            self.status_page.finished(call.trace, time.monotonic(), error.code or error.type)
             out += sse_event(error.body())
         except (asyncio.CancelledError, ConnectionResetError):
             raise

@@ -4,6 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+# Debian's chromium for the status page's browser test (tests/integration/test_status_page.py,
+# which skips without it); only where apt-get is there and we are root
+if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }) \
+        || echo "chromium did not install: the status page's browser test will skip"
+fi
 [ -n "${VIRTUAL_ENV:-}" ] || source .venv/bin/activate
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 ruff check . && ruff format --check .

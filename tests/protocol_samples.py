@@ -289,6 +289,7 @@ SAMPLES = [
         kv=KVPoolLoad(free_pages=900, used_pages=100, total_pages=1000, bytes_sent=4096, bytes_received=0),
     ),
     Heartbeat(worker_id="x0", running=1, waiting=0, time=1.5, requests_finished=2, kv=None),
+    Heartbeat(worker_id="x1", running=1, waiting=0, time=1.5, requests_finished=2, kv=None, produced=1 << 40),
     PrefixCacheUpdate(worker_id="p0", added=(0, 1 << 40, p.MAX_PAGE_HASH), removed=(7,)),
     PrefixCacheUpdate(worker_id="d0", added=(), removed=()),
     RequestDone(worker_id="p0", request_id="r1", reason="finished"),
@@ -355,6 +356,7 @@ SAMPLES = [
                 waiting=0,
                 requests_finished=0,
                 kv=KVPoolLoad(free_pages=0, used_pages=10, total_pages=100, bytes_sent=0, bytes_received=8192),
+                produced=7,
             )
         ],
         queued=3,

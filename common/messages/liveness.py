@@ -2,7 +2,7 @@
 
 any process ──Ready──▶ launcher                (once serving)
 gateway ──Ping──▶ tokenizer ──Ping──▶ scheduler (every second; Pong says which process answers)
-gateway ──StatusRequest──▶ scheduler ──ClusterStatus──▶ gateway (/ready, /metrics)
+gateway ──StatusRequest──▶ scheduler ──ClusterStatus──▶ gateway (/ready, /metrics, /status)
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class WorkerStatus:
     kv: KVPoolLoad | None
     model: str = ""
     images: ImageModelInfo | None = None  # diffusion workers
+    produced: int = 0  # Heartbeat.produced: tokens or images made, ever (a rate is its slope)
 
 
 @message

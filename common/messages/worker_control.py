@@ -145,6 +145,7 @@ class Heartbeat:
     time: float
     requests_finished: int  # requests that left this worker, ever
     kv: KVPoolLoad | None  # LLM workers
+    produced: int = 0  # output made, ever: tokens (LLM workers) or images (diffusion workers)
 
 
 @message

@@ -189,6 +189,7 @@ class SchedulerCore:
                 kv=_kv_load(w) if w.kind == WorkerKind.LLM else None,
                 model=w.model,
                 images=w.images,
+                produced=w.produced,
             )
             for w in self.registry.workers.values()
         ]

@@ -39,6 +39,7 @@ class WorkerInfo:
     free_pages: int = 0
     kv_bytes_sent: int = 0
     kv_bytes_received: int = 0
+    produced: int = 0  # Heartbeat.produced
     requests: set[str] = field(default_factory=set)  # placed here and not yet done
     page_hashes: set[int] = field(default_factory=set)  # prefix-cache keys it reported holding
     images: ImageModelInfo | None = None  # a diffusion worker's sizes, samplers, step limits
@@ -92,7 +93,7 @@ class Registry:
         if info is None:
             return False
         info.last_seen, info.running, info.waiting = now, msg.running, msg.waiting
-        info.requests_finished = msg.requests_finished
+        info.requests_finished, info.produced = msg.requests_finished, msg.produced
         if msg.kv is not None:
             info.used_pages, info.free_pages = msg.kv.used_pages, msg.kv.free_pages
             info.kv_bytes_sent, info.kv_bytes_received = msg.kv.bytes_sent, msg.kv.bytes_received

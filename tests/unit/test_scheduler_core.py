@@ -85,7 +85,9 @@ def register(
     return core.handle(wid.encode(), msg, now)
 
 
-def heartbeat(core: SchedulerCore, wid: str, now: float, free_pages: int | None = 100, running: int = 0):
+def heartbeat(
+    core: SchedulerCore, wid: str, now: float, free_pages: int | None = 100, running: int = 0, produced: int = 0
+):
     kv = (
         None
         if free_pages is None
@@ -93,7 +95,7 @@ def heartbeat(core: SchedulerCore, wid: str, now: float, free_pages: int | None 
             free_pages=free_pages, used_pages=100 - free_pages, total_pages=100, bytes_sent=0, bytes_received=0
         )
     )
-    msg = Heartbeat(worker_id=wid, running=running, waiting=0, time=now, requests_finished=0, kv=kv)
+    msg = Heartbeat(worker_id=wid, running=running, waiting=0, time=now, requests_finished=0, kv=kv, produced=produced)
     return core.handle(wid.encode(), msg, now)
 
 
@@ -417,7 +419,7 @@ def test_readiness_needs_an_llm_mixed_worker_or_an_llm_prefill_and_decode_pair()
     assert not status(core, T0 + TIMEOUT + 0.5).ready  # p0 is silent too long (d0 is not yet)
     core = new_core()
     register(core, "m0")
-    heartbeat(core, "m0", T0 + 1, free_pages=60, running=2)
+    heartbeat(core, "m0", T0 + 1, free_pages=60, running=2, produced=57)
     load = KVPoolLoad(free_pages=60, used_pages=40, total_pages=100, bytes_sent=0, bytes_received=0)
     assert status(core, T0 + 2) == ClusterStatus(
         ready=True,
@@ -433,6 +435,7 @@ def test_readiness_needs_an_llm_mixed_worker_or_an_llm_prefill_and_decode_pair()
                 requests_finished=0,
                 kv=load,
                 model="m",
+                produced=57,  # tokens it made, ever: the status page's tokens/s
             )
         ],
     )

@@ -26,6 +26,7 @@ class DiffusionWorker:
         self.engine, self.ctx = engine, ctx
         self.step_inline = engine.pipeline.device.type == "cpu"
         self.reply_to: dict[str, str] = {}  # request -> the gateway's reply address
+        self.produced = 0  # images made, ever (heartbeats carry it: the status page's images/s)
 
     # ---- WorkerBackend ----------------------------------------------------------------------
     def registration(self) -> Registration:
@@ -79,14 +80,16 @@ class DiffusionWorker:
             reply_to = self.reply_to.pop(job.request_id, None)
             if reply_to is None:  # aborted meanwhile
                 continue
-            await self.ctx.push(reply_to, self._result(job))
+            result = self._result(job)
+            self.produced += len(result.images)
+            await self.ctx.push(reply_to, result)
             self.ctx.done(job.request_id, DoneReason.FINISHED)
 
     async def between_steps(self) -> None:
         return None
 
     def load(self) -> Load:
-        return Load(running=self.engine.num_running, waiting=self.engine.num_waiting)
+        return Load(running=self.engine.num_running, waiting=self.engine.num_waiting, produced=self.produced)
 
     def held(self) -> list[HeldRequest]:
         return [HeldRequest(request_id=rid, reply_to=reply_to) for rid, reply_to in self.reply_to.items()]

@@ -57,6 +57,7 @@ class LLMWorker:
         if config.role is WorkerRole.DECODE:
             self.incoming = HandoffIn(ctx, engine, config.kv_address, config.transfer_timeout, self._imported)
         self.reply_to: dict[str, str] = {}  # request -> its tokenizer's token address
+        self.produced = 0  # tokens sampled here, ever (heartbeats carry it: the status page's tokens/s)
         self.starting: dict[str, list[RequestStarted]] = {}  # reply_to -> started since the last batch
         self.scheduler_queued: dict[str, float] = {}  # request -> seconds it waited in the scheduler
 
@@ -128,6 +129,7 @@ class LLMWorker:
                 queue_time = out.queue_time + self.scheduler_queued.pop(out.request_id, 0.0)
             prompt_logprobs = out.prompt_logprobs  # TokenLogprob records: they travel as they are
             for so in out.outputs:
+                self.produced += len(so.new_token_ids)
                 batches.setdefault(reply_to, []).append(
                     TokenDelta(
                         request_id=out.request_id,
@@ -168,6 +170,7 @@ class LLMWorker:
         return Load(
             running=len(sched.running),
             waiting=len(sched.waiting),
+            produced=self.produced,
             kv=KVPoolLoad(
                 free_pages=blocks.num_free_pages,
                 used_pages=blocks.num_used_pages,

@@ -47,6 +47,7 @@ class Load:
     running: int
     waiting: int
     kv: KVPoolLoad | None = None
+    produced: int = 0  # output made, ever: tokens or images
 
 
 class WorkerContext(Protocol):

@@ -190,6 +190,7 @@ class WorkerShell:
                     time=time.time(),
                     requests_finished=self.requests_finished,
                     kv=load.kv,
+                    produced=load.produced,
                 )
             )
             await asyncio.sleep(self.config.heartbeat_interval)
