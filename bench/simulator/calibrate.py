@@ -28,7 +28,11 @@ def measure(threads: int, budget: int = 2048, grid=GRID, repeats_per_step: int =
     from workers.engine.engine import Engine
 
     torch.set_num_threads(threads)
-    engine = Engine(EngineConfig(max_num_batched_tokens=budget, enable_prefix_caching=False, max_num_seqs=64))
+    engine = Engine(
+        EngineConfig(
+            max_num_batched_tokens=budget, enable_prefix_caching=False, max_num_seqs=64, kv_cache_memory_gb=0.25
+        )
+    )
     samples: list[tuple[StepShape, float]] = []
     original = engine.scheduler.schedule
     shapes: list[StepShape] = []

@@ -61,7 +61,7 @@ def sarathi(n: int = 200) -> dict:
     base = SimSettings(num_pages=cost.kv_pages(16), max_num_seqs=256, long_prefill_threshold=1 << 30, workload=workload)
     configs = {"chunked, budget 512 (stall-free)": 512, "whole prompts, budget 8192": 8192}
     curves, capacity = {}, {}
-    rates = [1, 2, 3, 4, 6, 8, 10, 12]
+    rates = [1, 2, 4, 8, 12, 16, 24, 32]
     for label, budget in configs.items():
         settings = dataclasses.replace(base, max_num_batched_tokens=budget, max_prefill_chunk=budget)
 
@@ -72,7 +72,7 @@ def sarathi(n: int = 200) -> dict:
 
         curves[label] = {rate: run(rate) for rate in rates}
         capacity[label] = {
-            slo: highest_rate(lambda r, ms=ms: run(r)["p99_itl_ms"] <= ms, 0.5, 16.0)
+            slo: highest_rate(lambda r, ms=ms: run(r)["p99_itl_ms"] <= ms, 0.5, 64.0)
             for slo, ms in (("strict", 5 * decode_step * 1000), ("relaxed", 25 * decode_step * 1000))
         }
     return {"decode_step_ms": decode_step * 1000, "rates": rates, "curves": curves, "capacity": capacity}
@@ -86,23 +86,25 @@ def distserve(n: int = 300) -> dict:
         num_requests=n, input_len=1024, input_spread=0.75, output_len=256, output_spread=0.75, vocab_size=VOCAB, seed=2
     )
     base = SimSettings(num_pages=cost.kv_pages(16), max_num_seqs=256, link="nvlink", workload=workload)
-    configs = {"2 mixed (colocated)": dict(mixed=2), "1P+1D (disaggregated)": dict(mixed=0, prefill=1, decode=1)}
-    rates = [2, 4, 6, 8, 10, 12, 16, 20]
+    whole = dict(max_num_batched_tokens=8192, max_prefill_chunk=8192, long_prefill_threshold=1 << 30)
+    configs = {
+        "4 mixed, whole prompts (vLLM without chunking)": dict(mixed=4, **whole),
+        "4 mixed, chunked (Sarathi)": dict(mixed=4),
+        "1P+3D": dict(mixed=0, prefill=1, decode=3),
+        "2P+2D": dict(mixed=0, prefill=2, decode=2),
+        "3P+1D": dict(mixed=0, prefill=3, decode=1),
+    }
+    rates = [4, 8, 12, 16, 20, 24, 32, 40]
     curves, goodput = {}, {}
     for label, topology in configs.items():
         settings = dataclasses.replace(base, **topology)
 
         def run(rate: float, settings=settings) -> dict:
-            return simulate(
-                dataclasses.replace(settings, workload=dataclasses.replace(workload, rate=rate)),
-                cost.step_time,
-                kv,
-                slos,
-            )
+            return simulate(at_rate(settings, rate), cost.step_time, kv, slos)
 
         curves[label] = {rate: attainment(run(rate), n) for rate in rates}
-        goodput[label] = highest_rate(lambda r: attainment(run(r), n) >= 0.9, 1.0, 40.0) / 2  # per GPU
-    return {"slos_ms": slos, "rates": rates, "attainment": curves, "goodput_per_gpu": goodput}
+        goodput[label] = highest_rate(lambda r: attainment(run(r), n) >= 0.9, 1.0, 80.0) / 4  # per GPU
+    return {"gpus": 4, "slos_ms": slos, "rates": rates, "attainment": curves, "goodput_per_gpu": goodput}
 
 
 def plot(results: dict, out: Path) -> list[Path]:
@@ -133,9 +135,9 @@ def plot(results: dict, out: Path) -> list[Path]:
     for label, curve in d["attainment"].items():
         ax.plot(list(curve), [v * 100 for v in curve.values()], marker="o", label=label)
     ax.axhline(90, ls="--", lw=0.8, color="grey")
-    ax.set_xlabel("requests/s (2 GPUs)")
+    ax.set_xlabel(f"requests/s ({d['gpus']} GPUs)")
     ax.set_ylabel("% meeting TTFT and TPOT SLOs")
-    ax.set_title(f"Llama-3.1-8B, 2×H100, SLOs {d['slos_ms']} ms (simulated)", fontsize=9)
+    ax.set_title(f"Llama-3.1-8B, {d['gpus']}×H100, SLOs {d['slos_ms']} ms (simulated)", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(out / "distserve-attainment.png")
