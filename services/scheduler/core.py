@@ -189,6 +189,7 @@ class SchedulerCore:
                 kv=_kv_load(w) if w.kind == WorkerKind.LLM else None,
                 model=w.model,
                 images=w.images,
+                feature_cache=w.feature_cache,
             )
             for w in self.registry.workers.values()
         ]

@@ -17,6 +17,7 @@ import structlog
 
 from common.messages import (
     DoneReason,
+    FeatureCacheLoad,
     HeldRequest,
     ImageModelInfo,
     KVPoolInfo,
@@ -47,6 +48,7 @@ class Load:
     running: int
     waiting: int
     kv: KVPoolLoad | None = None
+    feature_cache: FeatureCacheLoad | None = None  # a diffusion worker's
 
 
 class WorkerContext(Protocol):

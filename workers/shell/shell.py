@@ -190,6 +190,7 @@ class WorkerShell:
                     time=time.time(),
                     requests_finished=self.requests_finished,
                     kv=load.kv,
+                    feature_cache=load.feature_cache,
                 )
             )
             await asyncio.sleep(self.config.heartbeat_interval)
