@@ -227,12 +227,18 @@ def load_rows(cells: list) -> list[tuple]:
 def run(ctx):
     from workers.diffusion.pipelines.embedded import load_embedded
 
-    pipeline = load_embedded()
+    return run_on(ctx, load_embedded(), QUICK_SWEEPS if ctx.quick else SWEEPS, with_load=True)
+
+
+def run_on(ctx, pipeline, sweeps: dict, with_load: bool):
+    """The sweeps (and, `with_load`, the load section) on `pipeline`; also diffusion-cache-deep's."""
     judge = Judge()
     points = []
-    for sampler, (full_steps, policies, per_class) in (QUICK_SWEEPS if ctx.quick else SWEEPS).items():
+    for sampler, (full_steps, policies, per_class) in sweeps.items():
         reps = 0 if ctx.quick or sampler != "dpmsolver++" else 3
         points += sweep(pipeline, judge, sampler, full_steps, policies, per_class, ctx.seed, reps)
+    if not with_load:
+        return write_report(ctx, pipeline, judge, points, None, "")
     count, rounds = (6, 1) if ctx.quick else (40, 2)
     full_rate = capacity(pipeline, BURST)
     fractions = (1.0,) if ctx.quick else LOAD_FRACTIONS
@@ -245,6 +251,7 @@ def run(ctx):
         f"{full_rate:.1f} images/s measured uncached with {BURST} queued; images/s there is bounded by the "
         f"arrivals); the worker default policy set per cell, the policies side by side in each of {2 * rounds} "
         f"burst and {rounds} Poisson round(s) (images/s: the median round; latencies pooled); in-process, "
-        "step-level batching, max 16 running; latency from arrival to the image decoded."
+        "step-level batching, max 16 running; latency from arrival to the image decoded. Batching modes "
+        "against each other under Poisson load: diffusion-batching.md."
     )
     return write_report(ctx, pipeline, judge, points, load, note)
