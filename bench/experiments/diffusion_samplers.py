@@ -71,10 +71,10 @@ ANCHORS = (
         "DDIM, η = 0 (Song et al. 2021, Table 1)",
         "50 / 1000",
         "FID 4.67 / 4.04; '10× to 50× faster' than DDPM",
-        "arXiv 2010.02502: the 10-50× in the abstract; the Table 1 FIDs not confirmed",
+        "ICLR 2021 paper: the 10-50× in the abstract; the Table 1 FIDs not confirmed",
     ),
     ("DPM-Solver (Lu et al. 2022)", "10 / 20", "FID 4.70 / 2.87", "arXiv 2206.00927, abstract (10 / 20 NFE)"),
-    ("UniPC (Zhao et al. 2023)", "10", "FID 3.87", "arXiv 2302.04867, abstract (10 NFE, unconditional)"),
+    ("UniPC (Zhao et al. 2023)", "10", "FID 3.87", "the UniPC project page / abstract (10 NFE, unconditional)"),
     (
         "Progressive distillation (Salimans & Ho 2022)",
         "1 / 2 / 4 / 8",
