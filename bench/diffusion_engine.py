@@ -52,6 +52,9 @@ class Cell:
     rows: int
     forwards: int
     peak_mib: float | None  # CUDA only
+    arrivals: str = "closed"  # closed | poisson
+    cache: str = "none"  # the engine's default feature-cache policy
+    block_fraction: float = 1.0  # blocks computed / an uncached run's (engine/stats.py)
 
 
 def load_pipeline(path: Path, device: str, dtype: str):
@@ -149,13 +152,9 @@ def poisson(driver: Driver, requests: list[ImageParams], rate: float) -> float:
     return time.monotonic() - start
 
 
-def run_cell(pipeline, args, mode: str, load: float, requests: list[ImageParams], arrivals: str) -> Cell:
-    config = EngineConfig(
-        batching=mode,
-        max_running=args.max_running,
-        max_batch_rows=args.max_batch_rows,
-        request_wait_s=args.request_wait_s,
-    )
+def run_cell(pipeline, config: EngineConfig, load: float, requests: list[ImageParams], arrivals: str) -> Cell:
+    """One fresh engine with `config` serving `requests`: `load` closed-loop clients, or Poisson
+    arrivals at `load` per second. (Also the diffusion experiments' load cells.)"""
     driver = Driver(DiffusionEngine(pipeline, config))
     on_cuda = pipeline.device.type == "cuda"
     if on_cuda:
@@ -166,7 +165,10 @@ def run_cell(pipeline, args, mode: str, load: float, requests: list[ImageParams]
         seconds = poisson(driver, requests, load)
     stats = driver.engine.stats()
     return Cell(
-        mode=mode,
+        mode=config.batching,
+        arrivals=arrivals,
+        cache=config.cache,
+        block_fraction=stats.block_fraction,
         load=load,
         images=driver.images,
         seconds=seconds,
@@ -234,9 +236,18 @@ def main() -> None:
         f"{args.requests} requests a cell, steps {args.steps}, samplers {args.samplers}, {args.arrivals} arrivals, "
         f"{args.rounds} rounds"
     )
-    run_cell(pipeline, args, "step", 4, requests[:8], "closed")  # warm-up
+
+    def config(mode: str) -> EngineConfig:
+        return EngineConfig(
+            batching=mode,
+            max_running=args.max_running,
+            max_batch_rows=args.max_batch_rows,
+            request_wait_s=args.request_wait_s,
+        )
+
+    run_cell(pipeline, config("step"), 4, requests[:8], "closed")  # warm-up
     cells = [
-        run_cell(pipeline, args, mode, load, requests, args.arrivals)
+        run_cell(pipeline, config(mode), load, requests, args.arrivals)
         for _ in range(args.rounds)
         for load in loads
         for mode in MODES

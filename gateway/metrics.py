@@ -168,6 +168,9 @@ class GatewayMetrics:
         self.running = Gauge(p + "num_requests_running", "Requests running on each worker.")
         self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting on each worker.")
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Used KV-cache pages / total pages, per worker.")
+        self.feature_cache_bytes = Gauge(
+            p + "diffusion_feature_cache_bytes", "Bytes the running requests' feature caches hold, per diffusion worker"
+        )
         self.kv_bytes = Counter(p + "kv_transfer_bytes_total", "KV-cache bytes sent by all workers.")
         self.scheduler_queued = Gauge(p + "scheduler_queued_requests", "Requests waiting in the scheduler.")
         self.worker_requests = Counter(
@@ -197,6 +200,7 @@ class GatewayMetrics:
             self.running,
             self.waiting,
             self.kv_usage,
+            self.feature_cache_bytes,
             self.kv_bytes,
             self.scheduler_queued,
             self.worker_requests,
@@ -247,6 +251,9 @@ class GatewayMetrics:
         )
         self.kv_bytes.mirror(
             {(): sum(w.kv.bytes_sent for w in workers if w.kv is not None)} if status is not None else {}
+        )
+        self.feature_cache_bytes.replace(
+            {(("worker", i),): w.feature_cache.bytes for i, w in by_worker.items() if w.feature_cache is not None}
         )
         self.scheduler_queued.replace({(): status.queued} if status is not None else {})
         self.worker_requests.mirror({(("worker", i),): w.requests_finished for i, w in by_worker.items()})

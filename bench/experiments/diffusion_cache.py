@@ -196,64 +196,49 @@ def load_request(i: int) -> ImageParams:
     return request_params(i % 10, 1, "dpmsolver++", 25, None, i)
 
 
-def run_load(pipeline, rates: list[float], count: int, rounds: int) -> list[dict]:
+def run_load(pipeline, rates: list[float], count: int, rounds: int) -> list:
     """Step-level batching with each worker-default cache policy: bursts of BURST requests queued
     at once (twice as many rounds: they are short), then Poisson arrivals at each rate; the
     policies side by side in each round, their order rotated round to round."""
-    from bench.diffusion_engine import Driver, closed_loop, poisson
+    from bench.diffusion_engine import run_cell
 
     requests = [load_request(i) for i in range(count)]
-    burst = f"{min(BURST, count)} at once"
-    plan = [(burst, r) for r in range(2 * rounds)] + [(rate, r) for rate in rates for r in range(rounds)]
+    plan = [(BURST, "closed", r) for r in range(2 * rounds)] + [
+        (rate, "poisson", r) for rate in rates for r in range(rounds)
+    ]
     cells = []
-    for rate, round_ in plan:
+    for load, arrivals, round_ in plan:
         for k in range(len(LOAD_POLICIES)):
             policy = LOAD_POLICIES[(k + round_) % len(LOAD_POLICIES)]
-            engine = DiffusionEngine(pipeline, EngineConfig(cache=policy))
-            driver = Driver(engine)
-            if rate == burst:
-                seconds = closed_loop(driver, requests[:BURST], BURST)
-            else:
-                seconds = poisson(driver, requests, rate)
-            stats = engine.stats()
-            cells.append(
-                {
-                    "policy": policy,
-                    "rate": rate,
-                    "images": driver.images,
-                    "seconds": seconds,
-                    "latencies": driver.latencies,
-                    "fraction": stats.block_fraction,
-                    "rows": stats.mean_rows,
-                }
-            )
+            mine = requests[:BURST] if arrivals == "closed" else requests
+            cells.append(run_cell(pipeline, EngineConfig(cache=policy), load, mine, arrivals))
     return cells
 
 
-def load_rows(cells: list[dict]) -> list[tuple]:
-    rows = []
-    for rate in dict.fromkeys(c["rate"] for c in cells):
-        for policy in LOAD_POLICIES:
-            mine = [c for c in cells if c["rate"] == rate and c["policy"] == policy]
-            latencies = sorted(x for c in mine for x in c["latencies"])
-            p50, p99 = (latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1e3 for q in (0.5, 0.99))
-            rates = [c["images"] / c["seconds"] for c in mine]
-            rate_out, spread = statistics.median(rates), f"{min(rates):.1f}–{max(rates):.1f}"
-            fraction = statistics.mean(c["fraction"] for c in mine)
-            label = rate if isinstance(rate, str) else f"{rate:g}/s"
-            rows.append((label, policy, rate_out, spread, p50, p99, fraction, statistics.mean(c["rows"] for c in mine)))
-    return rows
+def load_rows(cells: list) -> list[tuple]:
+    """diffusion-batching's load table without its batching column (all step-level here); the
+    burst cells labelled by how many were queued."""
+    from bench.experiments.diffusion_batching import load_rows as rows_of
+
+    rows = [(label, *rest) for label, _mode, *rest in rows_of(cells)]
+    return [(f"{BURST} at once" if label == f"{BURST} clients" else label, *rest) for label, *rest in rows]
 
 
 def run(ctx):
     from workers.diffusion.pipelines.embedded import load_embedded
 
-    pipeline = load_embedded()
+    return run_on(ctx, load_embedded(), QUICK_SWEEPS if ctx.quick else SWEEPS, with_load=True)
+
+
+def run_on(ctx, pipeline, sweeps: dict, with_load: bool):
+    """The sweeps (and, `with_load`, the load section) on `pipeline`; also diffusion-cache-deep's."""
     judge = Judge()
     points = []
-    for sampler, (full_steps, policies, per_class) in (QUICK_SWEEPS if ctx.quick else SWEEPS).items():
+    for sampler, (full_steps, policies, per_class) in sweeps.items():
         reps = 0 if ctx.quick or sampler != "dpmsolver++" else 3
         points += sweep(pipeline, judge, sampler, full_steps, policies, per_class, ctx.seed, reps)
+    if not with_load:
+        return write_report(ctx, pipeline, judge, points, None, "")
     count, rounds = (6, 1) if ctx.quick else (40, 2)
     full_rate = capacity(pipeline, BURST)
     fractions = (1.0,) if ctx.quick else LOAD_FRACTIONS
@@ -266,6 +251,7 @@ def run(ctx):
         f"{full_rate:.1f} images/s measured uncached with {BURST} queued; images/s there is bounded by the "
         f"arrivals); the worker default policy set per cell, the policies side by side in each of {2 * rounds} "
         f"burst and {rounds} Poisson round(s) (images/s: the median round; latencies pooled); in-process, "
-        "step-level batching, max 16 running; latency from arrival to the image decoded."
+        "step-level batching, max 16 running; latency from arrival to the image decoded. Batching modes "
+        "against each other under Poisson load: diffusion-batching.md."
     )
     return write_report(ctx, pipeline, judge, points, load, note)

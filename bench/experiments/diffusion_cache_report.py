@@ -10,12 +10,43 @@ from bench.experiments.report import Report, new_figure
 
 KINDS = {"interval": "interval (DeepCache/FORA)", "fbcache": "First-Block-Cache", "teacache": "TeaCache"}
 STYLE = {"interval": "o-", "fbcache": "s-", "teacache": "^-", "steps": "k--x"}
+# Each checked against the source in its last cell (December 2026), or marked "not confirmed".
 ANCHORS = [
-    ("DeepCache (Ma et al., CVPR 2024, arXiv 2312.00858)", "SD 1.5, U-Net, 50 PLMS steps", "2.3×", "−0.05 CLIP score"),
-    ("TeaCache (Liu et al., arXiv 2411.19108)", "Open-Sora-Plan, video DiT", "up to 4.41×", "−0.07% VBench"),
-    ("First-Block-Cache (ParaAttention README)", "FLUX.1-dev, threshold 0.08", "1.55×", "visually unchanged"),
-    ("cache-dit equal-compute table (README)", "FLUX.1-dev: fewer steps", "1.67× / 3.13×", "ImageReward 0.966 / 0.945"),
-    ("cache-dit equal-compute table (README)", "FLUX.1-dev: good caches", "2.7–4×", "ImageReward ≈ 1.0"),
+    (
+        "DeepCache (Ma et al., CVPR 2024)",
+        "SD 1.5, U-Net, 50 PLMS steps",
+        "2.3×",
+        "−0.05 CLIP score",
+        "arXiv 2312.00858, abstract; 50 PLMS: the repository README",
+    ),
+    (
+        "TeaCache (Liu et al.)",
+        "Open-Sora-Plan, video DiT",
+        "up to 4.41×",
+        "−0.07% VBench",
+        "arXiv 2411.19108, abstract",
+    ),
+    (
+        "First-Block-Cache (ParaAttention)",
+        "FLUX.1-dev, 28 steps, threshold 0.08, one L20",
+        "1.55× (26.36 → 17.01 s)",
+        "'nearly zero quality loss'",
+        "diffusers docs, optimization/para_attn.md (ParaAttention's own benchmark)",
+    ),
+    (
+        "cache-dit (DBCache)",
+        "FLUX.1-dev, 50 steps, DrawBench: F8B0 R0.08 / F4B0 MC3 R0.12",
+        "1.80× / 2.47× (TFLOPs)",
+        "ImageReward 1.037 / 1.013 (full run 1.041)",
+        "vipshop/cache-dit bench/README.md",
+    ),
+    (
+        "cache-dit equal-compute table",
+        "FLUX.1-dev: fewer steps vs good caches",
+        "1.67× / 3.13× vs 2.7–4×",
+        "ImageReward 0.966 / 0.945 vs ≈ 1.0",
+        "not confirmed: not found in the cache-dit README or bench/README.md versions searched",
+    ),
 ]
 
 
@@ -69,7 +100,8 @@ def _fmt_db(value: float) -> str:
     return "∞" if math.isinf(value) else f"{value:.1f}"
 
 
-def write_report(ctx, pipeline, judge, points: list, load: list[tuple], load_note: str) -> Report:
+def write_report(ctx, pipeline, judge, points: list, load: list[tuple] | None, load_note: str) -> Report:
+    """`load` None: no load section (diffusion-cache-deep)."""
     report = Report(
         ctx.name,
         "Feature caching vs fewer steps: per-request caches inside step batches",
@@ -138,19 +170,22 @@ def write_report(ctx, pipeline, judge, points: list, load: list[tuple], load_not
     if any(not math.isnan(p.ms_alone) for p in points):
         report.figure("wall", _wall_figure(points), "dpmsolver++: PSNR against the wall time of one image alone.")
 
+    if load is not None:
+        report.table(
+            ("arrivals", "worker cache", "images/s", "images/s, rounds", "p50 ms", "p99 ms", "blocks", "rows/forward"),
+            load,
+            caption=f"## Step-level batching under load, caching on and off\n\n{load_note}",
+        )
+        report.figure("load", _load_figure(load), "Latency under Poisson arrivals, each worker-default policy.")
     report.table(
-        ("arrivals", "worker cache", "images/s", "images/s, rounds", "p50 ms", "p99 ms", "blocks", "rows/forward"),
-        load,
-        caption=f"## Step-level batching under load, caching on and off\n\n{load_note}",
+        ("work", "model / setting", "speed-up", "quality cost", "source"), ANCHORS, caption="## Public figures"
     )
-    report.figure("load", _load_figure(load), "Latency under Poisson arrivals, each worker-default policy.")
-    report.table(("work", "model / setting", "speed-up", "quality cost"), ANCHORS, caption="## Public figures")
-    report.text(verdict(points, pairs, load))
-    report.key = key_line(points)
+    report.text(verdict(points, pairs, load, pipeline.block_forward.num_blocks))
+    report.key = key_line(points, ctx.name)
     return report
 
 
-def verdict(points: list, pairs: list[tuple], load: list[tuple]) -> str:
+def verdict(points: list, pairs: list[tuple], load: list[tuple] | None, blocks: int) -> str:
     lines = ["## Which wins where", ""]
     for sampler, method, *cells in speedup_rows(points):
         if method == "fewer steps":
@@ -182,24 +217,43 @@ def verdict(points: list, pairs: list[tuple], load: list[tuple]) -> str:
         "- **Wall time.** A cache saves block evaluations only: the embedding, the final layer, the sampler step "
         "and the engine's per-step work still run every step, and TeaCache adds its modulated input; fewer steps "
         f"save all of it.{timing}",
-        "- **Under load** each request keeps its own cache and decides per row, so its block fraction in a mixed "
-        "batch is the one it has alone (the `blocks` column), and only computing rows run the deep blocks. What "
-        "that saves depends on a forward's cost growing with its rows: on this CPU a DiT block over a few "
-        "16-token rows costs nearly what it costs over one, so the saving is smaller than the block fraction. "
-        f"Here: {_load_summary(load)}.",
+    ]
+    if load is not None:
+        lines.append(
+            "- **Under load** each request keeps its own cache and decides per row, so its block fraction in a "
+            "mixed batch is the one it has alone (the `blocks` column), and only computing rows run the deep "
+            "blocks. What that saves depends on a forward's cost growing with its rows: on this CPU a DiT block "
+            "over a few 16-token rows costs nearly what it costs over one, so the saving is smaller than the block "
+            f"fraction. Here: {_load_summary(load)}."
+        )
+    lines.append(
         "- **The earlier trial.** A quick trial on a 6-layer toy under DDIM found that reusing the whole model "
         "output every N steps equals N× fewer steps. The caches here reuse a residual of the blocks instead: the "
         "embedding of the new latents and the final layer's timestep modulation are recomputed every step, which "
-        "may be why TeaCache, the one that reuses the whole stack, still beats fewer steps here.",
-        "- **The model is shallow.** With 4 blocks, interval and First-Block-Cache always pay block 0, a quarter "
-        "of the stack (their fraction cannot go below ~0.3 with the computed warm-up and cool-down steps), "
-        "whereas on FLUX (57 blocks) the first block is under 2%; TeaCache skips the whole stack and alone "
-        "escapes that floor. No deeper variant was "
-        "trained for this report; the claim that caches beat fewer steps on deep models is the public figures', "
-        "not this machine's. TeaCache here uses the raw relative L1 of the modulated input (no fitted "
-        "rescaling polynomial, which the paper fits per model).",
-    ]
+        "may be why TeaCache, the one that reuses the whole stack, still beats fewer steps here."
+    )
+    lines.append(_depth_note(blocks))
     return "\n".join(lines)
+
+
+def _depth_note(blocks: int) -> str:
+    floor = "TeaCache skips the whole stack and alone escapes that floor"
+    rescale = (
+        " TeaCache here uses the raw relative L1 of the modulated input (no fitted rescaling polynomial, which "
+        "the paper fits per model)."
+    )
+    if blocks <= 4:
+        return (
+            f"- **The model is shallow.** With {blocks} blocks, interval and First-Block-Cache always pay block 0, "
+            f"1/{blocks} of the stack (their fraction cannot go below ~0.3 with the computed warm-up and cool-down "
+            f"steps), whereas on FLUX (57 blocks) the first block is under 2%; {floor}. diffusion-cache-deep.md "
+            "runs the same sweeps on a 12-block variant, where block 0 is a twelfth." + rescale
+        )
+    return (
+        f"- **A deeper stack.** With {blocks} blocks, block 0 (what interval and First-Block-Cache always pay) is "
+        f"1/{blocks} of the stack instead of the embedded model's quarter, so their block fraction can fall "
+        "further; compare this report's equal-compute pairs with diffusion-cache.md's (4 blocks)." + rescale
+    )
 
 
 def _load_summary(load: list[tuple]) -> str:
@@ -223,7 +277,7 @@ def _load_summary(load: list[tuple]) -> str:
     )
 
 
-def key_line(points: list) -> str:
+def key_line(points: list, name: str = "diffusion-cache") -> str:
     sampler, bar = points[0].sampler, 35.0
     mine = [p for p in points if p.sampler == sampler]
     full = [p for p in mine if p.kind == "none"]
@@ -231,7 +285,7 @@ def key_line(points: list) -> str:
     for kind in (*KINDS, "steps"):
         fraction, mark = fraction_at([p for p in mine if p.kind == kind] + full, bar)
         parts.append(f"{kind} {mark}{1 / fraction:.2f}×")
-    return f"diffusion-cache: block speed-up at PSNR {bar:g} dB ({sampler} {full[0].steps} steps): " + ", ".join(parts)
+    return f"{name}: block speed-up at PSNR {bar:g} dB ({sampler} {full[0].steps} steps): " + ", ".join(parts)
 
 
 def _fidelity_figure(points: list, samplers: list[str]):

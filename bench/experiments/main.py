@@ -25,6 +25,14 @@ EXPERIMENTS = {
     "cow": ("bench.experiments.cow", "pages for n=4 sampling and beam search, with and without copy-on-write"),
     "page-size": ("bench.experiments.page_size", "throughput and KV utilization across page sizes"),
     "diffusion-cache": ("bench.experiments.diffusion_cache", "feature caches vs fewer steps: speed against fidelity"),
+    "diffusion-cache-deep": (
+        "bench.experiments.diffusion_cache_deep",
+        "diffusion-cache's sweeps on a 12-block variant of the digits DiT (where block 0 is a twelfth)",
+    ),
+    "diffusion-batching": (
+        "bench.experiments.diffusion_batching",
+        "step-level vs request-level vs serial diffusion batching under Poisson load, caching on and off",
+    ),
     "diffusion-samplers": (
         "bench.experiments.diffusion_samplers",
         "digits DiT: steps against quality per sampler (DDPM, DDIM, DPM-Solver++, UniPC, Euler) and the student",

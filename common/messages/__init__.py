@@ -25,7 +25,15 @@ from common.messages.base import (
     message,
     record,
 )
-from common.messages.images import MAX_IMAGES, ImageModelInfo, ImageParams, ImageRequest, ImageResult, ImageTask
+from common.messages.images import (
+    MAX_IMAGES,
+    FeatureCacheLoad,
+    ImageModelInfo,
+    ImageParams,
+    ImageRequest,
+    ImageResult,
+    ImageTask,
+)
 from common.messages.kv_transfer import KV_DTYPES, KVPagesAck, KVPagesHeader
 from common.messages.liveness import ClusterStatus, Ping, Pong, Ready, StatusRequest, WorkerStatus
 from common.messages.requests import (
@@ -109,6 +117,7 @@ __all__ = [
     "StatusRequest",
     "WorkerStatus",
     "MAX_IMAGES",
+    "FeatureCacheLoad",
     "ImageModelInfo",
     "ImageParams",
     "ImageRequest",

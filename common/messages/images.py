@@ -57,6 +57,20 @@ class ImageModelInfo:
     conditioning: str  # what a prompt must say, in words (shown in 400s)
 
 
+@record
+class FeatureCacheLoad:
+    """A diffusion worker's feature caches, in each heartbeat (and the scheduler's status): what
+    the running requests' caches hold now, the most they held together, and the budget."""
+
+    bytes: int
+    peak_bytes: int
+    budget_bytes: int
+
+    def _check(self) -> None:
+        if min(self.bytes, self.peak_bytes, self.budget_bytes) < 0:
+            raise ProtocolError("FeatureCacheLoad: byte counts must be >= 0")
+
+
 @message
 class ImageRequest:
     """Gateway -> scheduler: an image request to place on a diffusion worker. `model` None:

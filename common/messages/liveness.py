@@ -8,7 +8,7 @@ gateway ──StatusRequest──▶ scheduler ──ClusterStatus──▶ gate
 from __future__ import annotations
 
 from common.messages.base import WorkerKind, WorkerRole, message, record
-from common.messages.images import ImageModelInfo
+from common.messages.images import FeatureCacheLoad, ImageModelInfo
 from common.messages.worker_control import KVPoolLoad
 
 
@@ -60,6 +60,7 @@ class WorkerStatus:
     model: str = ""
     images: ImageModelInfo | None = None  # diffusion workers
     produced: int = 0  # Heartbeat.produced: tokens or images made, ever (a rate is its slope)
+    feature_cache: FeatureCacheLoad | None = None  # diffusion workers: their last heartbeat's
 
 
 @message

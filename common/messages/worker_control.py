@@ -13,7 +13,7 @@ paged KV pool has (pages, its KV endpoint, transfer counters) sits in `KVPoolInf
 from __future__ import annotations
 
 from common.messages.base import DoneReason, ProtocolError, WorkerKind, WorkerRole, message, record
-from common.messages.images import ImageModelInfo
+from common.messages.images import FeatureCacheLoad, ImageModelInfo
 from common.sampling import SamplingParams
 
 MAX_PAGE_HASH = (1 << 62) - 1  # prefix-cache page keys (common.page_hash.chain_hash)
@@ -146,6 +146,7 @@ class Heartbeat:
     requests_finished: int  # requests that left this worker, ever
     kv: KVPoolLoad | None  # LLM workers
     produced: int = 0  # output made, ever: tokens (LLM workers) or images (diffusion workers)
+    feature_cache: FeatureCacheLoad | None = None  # diffusion workers
 
 
 @message

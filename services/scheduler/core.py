@@ -190,6 +190,7 @@ class SchedulerCore:
                 model=w.model,
                 images=w.images,
                 produced=w.produced,
+                feature_cache=w.feature_cache,
             )
             for w in self.registry.workers.values()
         ]

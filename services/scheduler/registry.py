@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from common.messages import Heartbeat, ImageModelInfo, RegisterWorker, WorkerKind, WorkerRole
+from common.messages import FeatureCacheLoad, Heartbeat, ImageModelInfo, RegisterWorker, WorkerKind, WorkerRole
 
 # what a registration renews on a worker the registry knows (same process); its load figures stay
 _RENEWED = ("kind", "role", "model", "max_running", "last_seen", "page_size", "total_pages", "kv_endpoint", "images")
@@ -43,6 +43,7 @@ class WorkerInfo:
     requests: set[str] = field(default_factory=set)  # placed here and not yet done
     page_hashes: set[int] = field(default_factory=set)  # prefix-cache keys it reported holding
     images: ImageModelInfo | None = None  # a diffusion worker's sizes, samplers, step limits
+    feature_cache: FeatureCacheLoad | None = None  # a diffusion worker's, from its last heartbeat
 
     @classmethod
     def registered(cls, msg: RegisterWorker, now: float) -> WorkerInfo:
@@ -94,6 +95,7 @@ class Registry:
             return False
         info.last_seen, info.running, info.waiting = now, msg.running, msg.waiting
         info.requests_finished, info.produced = msg.requests_finished, msg.produced
+        info.feature_cache = msg.feature_cache
         if msg.kv is not None:
             info.used_pages, info.free_pages = msg.kv.used_pages, msg.kv.free_pages
             info.kv_bytes_sent, info.kv_bytes_received = msg.kv.bytes_sent, msg.kv.bytes_received

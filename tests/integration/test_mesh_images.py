@@ -100,12 +100,16 @@ def test_bad_input_is_a_400_in_the_openai_shape_and_the_worker_serves_on(client,
     assert client.images.generate(prompt="4", size="8x8", extra_body={"num_inference_steps": 4}).data
 
 
-def test_a_client_that_leaves_frees_its_slot(mesh, client):
+def test_a_client_that_leaves_frees_its_slot_and_its_feature_cache(mesh, client):
     def running() -> float:
         return sum(v for w, v in per_worker(metrics(mesh), "pagemesh_num_requests_running").items() if "diffusion" in w)
 
+    def cache_bytes() -> dict[str, float]:  # the diffusion worker's, from its heartbeats
+        return per_worker(metrics(mesh), "pagemesh_diffusion_feature_cache_bytes")
+
     async def leave_mid_way() -> None:
-        body = {"prompt": "a 5", "num_inference_steps": 1000, "sampler": "ddpm", "n": 10}
+        # A feature cache, so the abort must free its bytes too (the heartbeat shows them held meanwhile).
+        body = {"prompt": "a 5", "num_inference_steps": 1000, "sampler": "ddpm", "n": 10, "cache": "interval:3"}
         async with aiohttp.ClientSession() as session:
             try:
                 async with session.post(mesh + "/v1/images/generations", json=body, timeout=aiohttp.ClientTimeout(2)):
@@ -114,8 +118,22 @@ def test_a_client_that_leaves_frees_its_slot(mesh, client):
                 pass  # the client gives up after 2 s: the request is still denoising
 
     assert wait_until(lambda: running() == 0)
-    asyncio.run(leave_mid_way())
+    assert wait_until(lambda: list(cache_bytes().values()) == [0.0])  # one diffusion worker, nothing cached
+    held: list[float] = []
+
+    def watch() -> None:  # samples the gauge while the request runs (the client leaves after 2 s)
+        deadline = time.monotonic() + HANG_S
+        while not held and time.monotonic() < deadline:
+            held.extend(v for v in cache_bytes().values() if v > 0)
+            time.sleep(0.05)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        watching = pool.submit(watch)
+        asyncio.run(leave_mid_way())
+        watching.result()
+    assert held and held[0] > 0  # 10 images' residuals were held while it ran
     assert wait_until(lambda: running() == 0, timeout=LATE_S)  # aborted at a step boundary
+    assert wait_until(lambda: list(cache_bytes().values()) == [0.0], timeout=LATE_S)  # and its cache freed
     started = time.monotonic()
     assert client.images.generate(prompt="6", size="8x8", extra_body={"num_inference_steps": 4}).data
     assert time.monotonic() - started < LATE_S

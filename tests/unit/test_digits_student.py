@@ -14,6 +14,7 @@ from services import launcher
 from workers.diffusion.engine.config import EngineConfig
 from workers.diffusion.engine.engine import DiffusionEngine
 from workers.diffusion.engine.jobs import ImageJob
+from workers.diffusion.pipelines.base import InvalidImageRequest
 from workers.diffusion.pipelines.embedded import DIGITS_NAME, EMBEDDED_MODELS, STUDENT_NAME
 from workers.diffusion.pipelines.loader import load_pipeline
 
@@ -77,6 +78,40 @@ def test_the_students_images_at_its_defaults_are_the_digits_asked_for(student):
     assert accuracy >= 0.90, f"{accuracy:.1%} of {len(asked)} images classified as the digit asked for"
     for digit in range(10):  # and no digit is left out
         assert float((predicted[asked == digit] == digit).float().mean()) >= 0.7, digit
+
+
+def test_guidance_above_1_is_refused_naming_the_field_since_the_students_is_distilled_in(student):
+    def params(guidance: float | None) -> ImageParams:
+        return ImageParams(
+            prompt="a 7",
+            negative_prompt=None,
+            n=1,
+            width=8,
+            height=8,
+            num_inference_steps=None,
+            guidance_scale=guidance,
+            sampler=None,
+            seed=7,
+        )
+
+    engine = DiffusionEngine(student)
+    for guidance in (1.5, 7.5):
+        with pytest.raises(InvalidImageRequest) as refused:
+            engine.add(ImageJob(request_id=f"g{guidance}", params=params(guidance), arrival=0.0))
+        assert refused.value.param == "guidance_scale"
+        assert "<= 1" in refused.value.message and "distilled" in refused.value.message
+    assert not engine.has_work()  # nothing of a refused request stays behind
+    for k, guidance in enumerate((None, 0.0, 1.0)):  # its default, and the values that add no uncond rows
+        engine.add(ImageJob(request_id=f"ok{k}", params=params(guidance), arrival=0.0))
+    finished = []
+    while engine.has_work():
+        finished += engine.step()
+    assert len(finished) == 3
+    # Guidance <= 1 is no guidance: the same seed gives the same image whichever of them it asked.
+    assert all(torch.equal(f.images, finished[0].images) for f in finished)
+    # The teacher has no such cap: its guidance is a knob.
+    teacher = load_pipeline(DIGITS_NAME)
+    assert teacher.max_guidance is None and teacher.resolve(params(7.5)).guidance_scale == 7.5
 
 
 def test_up_starts_student_workers_that_serve_it_under_its_name():

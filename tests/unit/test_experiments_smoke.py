@@ -25,3 +25,25 @@ def test_diffusion_cache_quick_writes_its_report(tmp_path, capsys):
     md = (tmp_path / "diffusion-cache.md").read_text()
     assert "## Each cache beside fewer steps at equal block compute" in md and "**Key figure:** " + last in md
     assert (tmp_path / "diffusion-cache_fidelity.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_diffusion_batching_quick_writes_its_report(tmp_path, capsys):
+    main(["diffusion-batching", "--quick", "--out", str(tmp_path), "--threads", "1"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("diffusion-batching at ") and "request-level" in last and "step+teacache:0.1" in last
+    md = (tmp_path / "diffusion-batching.md").read_text()
+    assert "## Latency and throughput" in md and "**Key figure:** " + last in md
+    for batching in ("serial", "request", "step"):
+        assert f"| {batching} | none |" in md
+    assert (tmp_path / "diffusion-batching_latency.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_diffusion_cache_deep_quick_runs_the_sweeps_on_the_12_block_asset(tmp_path, capsys):
+    main(["diffusion-cache-deep", "--quick", "--out", str(tmp_path), "--threads", "1"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("diffusion-cache-deep: block speed-up at PSNR 35 dB")
+    md = (tmp_path / "diffusion-cache-deep.md").read_text()
+    assert "digits-dit-deep: 12-layer DiT" in md and "**Key figure:** " + last in md
+    assert "## Step-level batching under load" not in md  # the batching experiment covers load

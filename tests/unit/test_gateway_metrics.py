@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.messages import ClusterStatus, KVPoolLoad, TextDelta, WorkerStatus
+from common.messages import ClusterStatus, FeatureCacheLoad, KVPoolLoad, TextDelta, WorkerStatus
 from gateway.metrics import Counter, GatewayMetrics, Gauge, Histogram, render
 
 
@@ -127,3 +127,35 @@ def test_image_requests_count_the_blocks_computed_and_those_feature_caches_skipp
     assert 'pagemesh_diffusion_blocks_total{outcome="computed"} 500' in text
     assert 'pagemesh_diffusion_blocks_total{outcome="skipped"} 100' in text
     assert "pagemesh_denoising_steps_total 75" in text
+
+
+def test_feature_cache_bytes_are_a_gauge_per_diffusion_worker():
+    def worker(wid: str, cache: FeatureCacheLoad | None) -> WorkerStatus:
+        kind = "diffusion" if cache is not None else "llm"
+        kv = (
+            None
+            if cache is not None
+            else KVPoolLoad(free_pages=1, used_pages=0, total_pages=1, bytes_sent=0, bytes_received=0)
+        )
+        return WorkerStatus(
+            worker_id=wid,
+            kind=kind,
+            role="mixed",
+            alive=True,
+            running=0,
+            waiting=0,
+            requests_finished=0,
+            kv=kv,
+            feature_cache=cache,
+        )
+
+    m = GatewayMetrics()
+    caches = [worker("x0", FeatureCacheLoad(bytes=6144, peak_bytes=6144, budget_bytes=2**20)), worker("m0", None)]
+    caches.append(worker("x1", FeatureCacheLoad(bytes=0, peak_bytes=8192, budget_bytes=2**20)))
+    m.update_cluster(ClusterStatus(ready=True, workers=caches, queued=0))
+    text = m.render()
+    assert 'pagemesh_diffusion_feature_cache_bytes{worker="x0"} 6144\n' in text
+    assert 'pagemesh_diffusion_feature_cache_bytes{worker="x1"} 0\n' in text
+    assert 'pagemesh_diffusion_feature_cache_bytes{worker="m0"}' not in text  # an LLM worker has none
+    m.update_cluster(None)
+    assert "pagemesh_diffusion_feature_cache_bytes{" not in m.render()

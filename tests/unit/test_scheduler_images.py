@@ -6,7 +6,9 @@ from __future__ import annotations
 from common.messages import (
     AbortRequest,
     DoneReason,
+    FeatureCacheLoad,
     GenerateTask,
+    Heartbeat,
     ImageParams,
     ImageRequest,
     ImageTask,
@@ -23,6 +25,7 @@ from tests.unit.test_scheduler_core import (
     refused,
     register,
     schedule,
+    status,
 )
 
 GW, GW_OUT = b"gw0", "ipc:///gw0-replies"
@@ -130,3 +133,17 @@ def test_a_request_naming_no_model_goes_to_the_first_registered_image_model():
     assert [dest for dest, _ in image(core, "i2", T0)] == ["x1"]
     assert [dest for dest, _ in image(core, "i3", T0)] == ["x0"]  # never the student's worker
     assert [dest for dest, _ in image(core, "i4", T0, model="student")] == ["s0"]
+
+
+def test_a_diffusion_workers_feature_cache_bytes_reach_the_status_from_its_last_heartbeat():
+    core = new_core()
+    diffusion(core, "x0", T0)
+    heartbeat(core, "x0", T0, free_pages=None)  # none reported yet
+    assert [w.feature_cache for w in status(core, T0).workers] == [None]
+    for held, peak in ((3072, 3072), (0, 3072)):  # a request's cache, then freed when it finished
+        cache = FeatureCacheLoad(bytes=held, peak_bytes=peak, budget_bytes=2**20)
+        msg = Heartbeat(
+            worker_id="x0", running=0, waiting=0, time=T0, requests_finished=0, kv=None, feature_cache=cache
+        )
+        core.handle(b"x0", msg, T0)
+        assert [w.feature_cache for w in status(core, T0).workers] == [cache]

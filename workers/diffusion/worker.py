@@ -11,7 +11,16 @@ from __future__ import annotations
 import asyncio
 import time
 
-from common.messages import DoneReason, HeldRequest, ImageResult, ImageTask, RequestFailed, WorkerKind, WorkerRole
+from common.messages import (
+    DoneReason,
+    FeatureCacheLoad,
+    HeldRequest,
+    ImageResult,
+    ImageTask,
+    RequestFailed,
+    WorkerKind,
+    WorkerRole,
+)
 from workers.diffusion.engine import DiffusionEngine, EngineFull, FinishedJob, ImageJob, InvalidImageRequest
 from workers.diffusion.png import to_png_b64
 from workers.shell.backend import Load, Registration, WorkerContext
@@ -89,7 +98,16 @@ class DiffusionWorker:
         return None
 
     def load(self) -> Load:
-        return Load(running=self.engine.num_running, waiting=self.engine.num_waiting, produced=self.produced)
+        stats = self.engine.stats()
+        cache = FeatureCacheLoad(
+            bytes=stats.cache_bytes, peak_bytes=stats.cache_peak_bytes, budget_bytes=stats.cache_budget_bytes
+        )
+        return Load(
+            running=self.engine.num_running,
+            waiting=self.engine.num_waiting,
+            produced=self.produced,
+            feature_cache=cache,
+        )
 
     def held(self) -> list[HeldRequest]:
         return [HeldRequest(request_id=rid, reply_to=reply_to) for rid, reply_to in self.reply_to.items()]

@@ -17,6 +17,7 @@ import structlog
 
 from common.messages import (
     DoneReason,
+    FeatureCacheLoad,
     HeldRequest,
     ImageModelInfo,
     KVPoolInfo,
@@ -48,6 +49,7 @@ class Load:
     waiting: int
     kv: KVPoolLoad | None = None
     produced: int = 0  # output made, ever: tokens or images
+    feature_cache: FeatureCacheLoad | None = None  # a diffusion worker's
 
 
 class WorkerContext(Protocol):

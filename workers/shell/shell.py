@@ -191,6 +191,7 @@ class WorkerShell:
                     requests_finished=self.requests_finished,
                     kv=load.kv,
                     produced=load.produced,
+                    feature_cache=load.feature_cache,
                 )
             )
             await asyncio.sleep(self.config.heartbeat_interval)

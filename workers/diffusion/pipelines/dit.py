@@ -4,7 +4,8 @@
     folder/transformer/            DiTTransformer2DModel (config.json + safetensors)
     folder/scheduler/              the scheduler config every sampler is built from
     folder/vae/                    AutoencoderKL, or absent / null in model_index: pixel space
-    folder/pagemesh.json           optional serving defaults (sizes, steps, sampler, guidance)
+    folder/pagemesh.json           optional serving defaults (sizes, steps, sampler, guidance) and
+                                   "max_guidance_scale" (a student with guidance distilled in: 1.0)
 
 The prompt names a class: the labels of id2label (comma-separated synonyms) are matched as whole
 words, case-insensitively, longest first, so "a handwritten 7", "the digit seven" and "7" are all
@@ -141,6 +142,11 @@ class DiTPipelineModel:
         self.default_sampler = str(serving.get("default_sampler", FALLBACK_SERVING["default_sampler"]))
         self.default_guidance = float(serving.get("default_guidance_scale", FALLBACK_SERVING["default_guidance_scale"]))
         self.max_steps = int(serving.get("max_steps", scheduler_config.get("num_train_timesteps", 1000)))
+        # A model with guidance distilled in answers one row per image: a guidance scale above 1
+        # would add uncond rows it was never trained to be combined with, so it is refused (a
+        # silent no-op would hand back the same image for 1 and for 7, which nobody asking expects).
+        cap = serving.get("max_guidance_scale")
+        self.max_guidance: float | None = None if cap is None else float(cap)
         example = next(iter(id2label.values())).split(",")[0].strip()
         self.conditioning = str(serving.get("conditioning", f"the prompt must name one class label, e.g. '{example}'"))
         self.info = ImageModelInfo(
@@ -217,6 +223,12 @@ class DiTPipelineModel:
         guidance = self.default_guidance if params.guidance_scale is None else float(params.guidance_scale)
         if not (math.isfinite(guidance) and guidance >= 0):
             raise InvalidImageRequest(f"guidance_scale must be a number >= 0, got {guidance}", param="guidance_scale")
+        if self.max_guidance is not None and guidance > self.max_guidance:
+            raise InvalidImageRequest(
+                f"guidance_scale must be <= {self.max_guidance:g} for {self.name}: its classifier-free guidance "
+                f"is distilled in; got {guidance:g}",
+                param="guidance_scale",
+            )
         self.class_of(params.prompt)
         self.negative_class(params.negative_prompt)
         return Resolved(

@@ -273,6 +273,7 @@ def serving_defaults(config: DistillConfig) -> dict:
         "default_steps": config.default_steps,
         "default_sampler": "ddim",
         "default_guidance_scale": 1.0,  # distilled in: one row per image
+        "max_guidance_scale": 1.0,  # more is refused with a 400 (pipelines/dit.py)
         # Beyond its largest trained grid it still answers (measured: 8 steps 96-98% / FD ~11 where
         # 4 gave 99.7% / FD 12-14), but more steps buy nothing; twice that grid is the cap.
         "max_steps": 2 * max(config.serve_steps),

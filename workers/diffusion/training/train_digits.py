@@ -183,10 +183,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
+    # The shape of the stack: the deep variant for the cache experiment is --layers 12 --head-dim 12
+    # (twelve thinner blocks, so block 0 is a twelfth of the stack instead of a quarter).
+    parser.add_argument("--layers", type=int, default=TrainConfig.layers)
+    parser.add_argument("--heads", type=int, default=TrainConfig.heads)
+    parser.add_argument("--head-dim", type=int, default=TrainConfig.head_dim)
     parser.add_argument("--threads", type=int, default=1)  # 2 threads on a shared 2-core machine: 10x slower
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    config = TrainConfig(steps=args.steps, seed=args.seed)
+    config = TrainConfig(steps=args.steps, seed=args.seed, layers=args.layers, heads=args.heads, head_dim=args.head_dim)
     start = time.perf_counter()
     model = train(config)
     seconds = time.perf_counter() - start
