@@ -23,6 +23,7 @@ import argparse
 import json
 import logging
 import math
+import sys
 from pathlib import Path
 
 import structlog
@@ -98,6 +99,11 @@ def cost_model(args) -> tuple[object, int]:
     if args.cost == "cpu":
         threads = 2 if (args.mixed or 0) > 0 or not (args.prefill or args.decode) else 1
         path = args.calibration or CALIBRATION / f"cpu-{threads}thread{'s' if threads > 1 else ''}.json"
+        if not Path(path).exists():
+            raise SystemExit(
+                f"pagemesh simulate: no CPU step-time model at {path}; make one on a quiet machine with "
+                f"`pagemesh simulate calibrate --threads {threads} --out {path}` (or use --cost h100|h200)"
+            )
         return LinearStepCost.load(path), shape.kv_bytes_per_token(2)
     roofline = RooflineStepCost(GPUS[args.cost], shape, args.tp)
     return roofline, int(roofline.kv_bytes_per_token)
@@ -182,6 +188,7 @@ def plot_sweep(rows: list[tuple[str, dict]], knob: str, out: Path) -> Path | Non
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "calibrate":
         return calibrate_main(argv[1:])
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
@@ -247,3 +254,7 @@ def calibrate_main(argv: list[str]) -> None:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     calibrate(args.out, args.threads)
+
+
+if __name__ == "__main__":
+    main()

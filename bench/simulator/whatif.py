@@ -51,6 +51,12 @@ def highest_rate(ok, low: float, high: float, steps: int = 7) -> float:
     return low
 
 
+def stable_under(summary: dict, tbt_ms: float) -> bool:
+    """Sarathi-Serve's capacity test: p99 time-between-tokens within the SLO while the queue
+    stays bounded (median scheduling delay, here TTFT, under 2 s)."""
+    return summary["p99_itl_ms"] <= tbt_ms and summary["median_ttft_ms"] <= 2000.0
+
+
 def sarathi(n: int = 200) -> dict:
     cost = _cost()
     kv = int(cost.kv_bytes_per_token)
@@ -72,20 +78,20 @@ def sarathi(n: int = 200) -> dict:
 
         curves[label] = {rate: run(rate) for rate in rates}
         capacity[label] = {
-            slo: highest_rate(lambda r, ms=ms: run(r)["p99_itl_ms"] <= ms, 0.5, 64.0)
+            slo: highest_rate(lambda r, ms=ms: stable_under(run(r), ms), 0.5, 64.0)
             for slo, ms in (("strict", 5 * decode_step * 1000), ("relaxed", 25 * decode_step * 1000))
         }
     return {"decode_step_ms": decode_step * 1000, "rates": rates, "curves": curves, "capacity": capacity}
 
 
-def distserve(n: int = 300) -> dict:
+def distserve(n: int = 300, tpot_ms: float = 15.0) -> dict:
     cost = _cost()
     kv = int(cost.kv_bytes_per_token)
-    slos = {"ttft": 200.0, "tpot": 25.0}
+    slos = {"ttft": 200.0, "tpot": tpot_ms}
     workload = WorkloadSpec(
         num_requests=n, input_len=1024, input_spread=0.75, output_len=256, output_spread=0.75, vocab_size=VOCAB, seed=2
     )
-    base = SimSettings(num_pages=cost.kv_pages(16), max_num_seqs=256, link="nvlink", workload=workload)
+    base = SimSettings(num_pages=cost.kv_pages(16), max_num_seqs=1024, link="nvlink", workload=workload)
     whole = dict(max_num_batched_tokens=8192, max_prefill_chunk=8192, long_prefill_threshold=1 << 30)
     configs = {
         "4 mixed, whole prompts (vLLM without chunking)": dict(mixed=4, **whole),
@@ -152,11 +158,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {"sarathi": sarathi(), "distserve": distserve()}
+    results = {"sarathi": sarathi(), "distserve": distserve(tpot_ms=15.0), "distserve_loose": distserve(tpot_ms=25.0)}
     (args.out / "whatif.json").write_text(json.dumps(results, indent=2, default=str))
     for path in plot(results, args.out):
         print("plot:", path)
-    print(json.dumps({"sarathi": results["sarathi"]["capacity"], "distserve": results["distserve"]["goodput_per_gpu"]}))
+    print(json.dumps({name: r.get("capacity") or r.get("goodput_per_gpu") for name, r in results.items()}))
 
 
 if __name__ == "__main__":
