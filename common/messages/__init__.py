@@ -55,6 +55,7 @@ from common.messages.worker_control import (
     RegisterWorker,
     RequestDone,
     UnknownWorker,
+    WorkerStopped,
 )
 
 MESSAGE_TYPES: dict[bytes, type] = dict(REGISTRY)  # tag -> class
@@ -100,6 +101,7 @@ __all__ = [
     "RegisterWorker",
     "RequestDone",
     "UnknownWorker",
+    "WorkerStopped",
     "KVPagesAck",
     "KVPagesHeader",
     "ClusterStatus",
