@@ -39,7 +39,7 @@ from common.messages import (
     UnknownWorker,
     WorkerStopped,
 )
-from common.process import ProcessFailed
+from common.process import ProcessFailed, wait_until_idle
 from common.transport import Dealer, Push
 from workers.shell.backend import WorkerBackend
 from workers.shell.config import ShellConfig
@@ -130,6 +130,13 @@ class WorkerShell:
                 continue
             if isinstance(reply, Registered):
                 return
+
+    async def drain(self) -> None:
+        """SIGTERM: finish what this worker holds (within the drain timeout), then tell the
+        scheduler it leaves, so that it drops the worker at once and fails what is left."""
+        idle = await wait_until_idle(lambda: not self.inbox and not self.backend.has_work(), self.config.drain_timeout)
+        self.log.info("drained" if idle else "drain timed out", held=len(self.backend.held()))
+        await self.scheduler.send(WorkerStopped(worker_id=self.worker_id, instance=self.instance))
 
     def close(self) -> None:
         if self.heartbeats is not None:
