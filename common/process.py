@@ -68,6 +68,10 @@ def run_until_signalled(main, drain: Callable[[], Awaitable[None]] | None = None
         return 0
 
     code = uvloop.run(runner())
+    # stopping: the `finally` blocks after us close sockets and flush; a signal now (the
+    # launcher's SIGINT after the terminal's) would cut them short with a traceback
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     if code:
         raise SystemExit(code)
 

@@ -108,11 +108,14 @@ def task(rid: str, steps: int) -> GenerateTask:
 
 
 @contextlib.asynccontextmanager
-async def worker_and_scheduler(tmp_path):
+async def worker_and_scheduler(tmp_path, drain_timeout: float = 30.0):
     with t.Router(t.ipc_address(str(tmp_path), "sched")) as scheduler:
         shell = WorkerShell(
             ShellConfig(
-                worker_id="w0", scheduler_address=t.ipc_address(str(tmp_path), "sched"), heartbeat_interval=0.05
+                worker_id="w0",
+                scheduler_address=t.ipc_address(str(tmp_path), "sched"),
+                heartbeat_interval=0.05,
+                drain_timeout=drain_timeout,
             ),
             CountingBackend,
         )
@@ -239,5 +242,30 @@ def test_an_exception_in_a_step_tells_the_scheduler_and_ends_the_process(tmp_pat
             finally:
                 running.cancel()
                 shell.close()
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+
+
+@pytest.mark.parametrize("drain_timeout", [30.0, 0.2])
+def test_a_drain_finishes_what_the_worker_holds_then_says_goodbye(tmp_path, drain_timeout):
+    async def main():
+        async with worker_and_scheduler(tmp_path, drain_timeout) as (shell, scheduler):
+            identity, reg = await next_of(scheduler, RegisterWorker)
+            await scheduler.send(identity, Registered(worker_id="w0"))
+            steps = 2_000 if drain_timeout > 1 else 100_000  # done within the timeout, or not
+            await scheduler.send(identity, task("a", steps))
+            while not shell.backend.steps:  # it is working on it
+                await asyncio.sleep(0.01)
+            draining = asyncio.create_task(shell.drain())
+            seen = []
+            while not seen or not isinstance(seen[-1], WorkerStopped):
+                sender, msg = await scheduler.recv()
+                if sender == b"w0" and isinstance(msg, RequestDone | WorkerStopped):
+                    seen.append(msg)
+            await draining
+            finished = [RequestDone(worker_id="w0", request_id="a", reason=DoneReason.FINISHED)]
+            goodbye = [WorkerStopped(worker_id="w0", instance=reg.instance, error=None)]
+            # past the timeout, the scheduler fails what is left when it gets the goodbye
+            assert seen == (finished + goodbye if drain_timeout > 1 else goodbye)
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))

@@ -136,11 +136,16 @@ class WorkerShell:
         scheduler it leaves, so that it drops the worker at once and fails what is left."""
         idle = await wait_until_idle(lambda: not self.inbox and not self.backend.has_work(), self.config.drain_timeout)
         self.log.info("drained" if idle else "drain timed out", held=len(self.backend.held()))
+        self._stop_heartbeats()  # none after the goodbye: the scheduler would ask it to register
         await self.scheduler.send(WorkerStopped(worker_id=self.worker_id, instance=self.instance))
 
-    def close(self) -> None:
+    def _stop_heartbeats(self) -> None:
         if self.heartbeats is not None:
             self.heartbeats.stop()
+            self.heartbeats = None
+
+    def close(self) -> None:
+        self._stop_heartbeats()
         self.backend.close()
         for sock in [self.scheduler, *self.pushes.values()]:
             sock.close()
@@ -222,6 +227,7 @@ class WorkerShell:
         placement), then end the process with a non-zero code."""
         detail = f"{type(error).__name__}: {error}"
         self.log.exception("engine failed: the worker stops", error=detail)
+        self._stop_heartbeats()
         await self.scheduler.send(WorkerStopped(worker_id=self.worker_id, instance=self.instance, error=detail))
         raise ProcessFailed(f"worker {self.worker_id}: engine failed: {detail}")
 
