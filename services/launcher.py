@@ -267,12 +267,12 @@ class Mesh:
 
     async def drain(self, hurry: asyncio.Event) -> None:
         """SIGTERM's orderly stop: the gateway stops admitting and finishes what is in flight
-        first, then the workers, then the tokenizer and the scheduler (each within --drain-timeout)."""
+        first, then the workers finish what they hold (each within --drain-timeout). The
+        tokenizer and the scheduler then have nothing left for anyone: `stop()` ends them."""
         kinds = {name: argv[0] for name, argv in plan(self.args, self.run_dir)}
         gateways = [n for n, k in kinds.items() if k == "gateway"]
         workers = [n for n, k in kinds.items() if k in ("worker", "diffusion")]
-        rest = [n for n in kinds if n not in gateways and n not in workers]
-        await drain_in_order(self.children, [gateways, workers, rest], self.args.drain_timeout, hurry)
+        await drain_in_order(self.children, [gateways, workers], self.args.drain_timeout, hurry)
 
     def stop(self) -> None:
         """At once: SIGINT to every child still running (SIGKILL after 10 s). A child not ready
