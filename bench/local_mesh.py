@@ -33,11 +33,19 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_mesh(*flags: str, env: dict[str, str] | None = None, timeout: float = HANG_S):
+def running_mesh(
+    *flags: str,
+    env: dict[str, str] | None = None,
+    timeout: float = HANG_S,
+    output: list[str] | None = None,
+    launcher: list[subprocess.Popen] | None = None,
+):
     """Yields the base URL once `pagemesh up` says it is up; always stops the whole mesh.
     `env` adds environment variables (PAGEMESH_* flags reach every child process). `timeout`
     bounds a hang, and is also the launcher's own --ready-timeout (flags may override it).
-    No diffusion worker unless the flags ask for one (`--diffusion N`)."""
+    `output`, when given, receives the launcher's output lines (its children's logs too) as
+    they come; `launcher`, the launcher's process (to signal it). No diffusion worker unless the
+    flags ask for one (`--diffusion N`)."""
     port = free_port()
     flags = _no_diffusion_unless_asked(flags)
     proc = subprocess.Popen(
@@ -48,7 +56,9 @@ def running_mesh(*flags: str, env: dict[str, str] | None = None, timeout: float 
         start_new_session=True,
         env={**os.environ, **(env or {})},
     )
-    lines: list[str] = []
+    if launcher is not None:
+        launcher.append(proc)
+    lines: list[str] = output if output is not None else []
     up = threading.Event()
 
     def read() -> None:
@@ -57,11 +67,13 @@ def running_mesh(*flags: str, env: dict[str, str] | None = None, timeout: float 
             if "pagemesh is up" in line:
                 up.set()
 
-    threading.Thread(target=read, daemon=True).start()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
         started = time.monotonic()
         while not up.wait(0.2):  # the line, or the launcher exiting (it gives up on a failed start)
             if proc.poll() is not None or time.monotonic() - started > timeout:
+                reader.join(timeout=LATE_S)  # its last words (why it gave up) come after it exited
                 raise RuntimeError(
                     f"mesh did not start (after {time.monotonic() - started:.0f}s):\n" + "".join(lines[-40:])
                 )

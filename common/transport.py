@@ -4,6 +4,8 @@
     Dealer  connect, fixed identity     recv() -> msg               send(msg)
     Push    connect (or bind)                                       send(msg)
     Pull    bind (or connect)           recv() -> msg
+    ThreadDealer  connect, fixed identity, blocking context    send(msg) (never waits)
+
 
 Request channels are ROUTER/DEALER, streams PUSH/PULL; never PUB/SUB. Each receive loop
 decodes with `common.protocol.decode`; a malformed message is logged, counted in `dropped` and
@@ -311,3 +313,30 @@ class Pull(_Socket):
     async def recv_with_frames(self) -> tuple[Message, list[memoryview]]:
         _, msg, frames = await self._recv(routed=False, want_frames=True)
         return msg, frames
+
+
+class ThreadDealer:
+    """A send-only DEALER for one plain (non-asyncio) thread, e.g. a heartbeat sender that must
+    go on while the event loop's thread computes. It has its own socket (zmq sockets are not
+    thread-safe: use it from the thread that sends) on the process's blocking context. `send`
+    never waits: with the queue full (the peer gone) the message is dropped and False returned."""
+
+    def __init__(self, address: str, identity: str, *, options: SocketOptions = CONTROL):
+        validate_address(address)
+        self.address = address
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, options.linger_ms)
+        self._sock.setsockopt(zmq.SNDHWM, options.hwm)
+        self._sock.setsockopt(zmq.RCVHWM, 1)  # it reads nothing: its peer sends it nothing
+        self._sock.setsockopt(zmq.ROUTING_ID, identity.encode())
+        self._sock.connect(address)
+
+    def send(self, msg: Message) -> bool:
+        try:
+            self._sock.send_multipart(encode(msg), flags=zmq.DONTWAIT, copy=False)
+        except zmq.Again:
+            return False
+        return True
+
+    def close(self) -> None:
+        self._sock.close()

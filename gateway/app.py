@@ -29,6 +29,7 @@ from common.json_schema import compile_schema, literals
 from common.messages import ImageRequest, ImageResult, RequestFailed, TextDelta
 from common.tokenizer import Tokenizer
 from gateway.config import GatewayConfig
+from gateway.drain import GatewayDrain
 from gateway.errors import ApiError, from_request_failed, http_error, internal, invalid
 from gateway.images import image_response, parse_image_request
 from gateway.mesh import MeshClient, Reply
@@ -70,14 +71,23 @@ class _Call:
 class Gateway:
     """Handlers over one MeshClient; `app()` builds the aiohttp application."""
 
-    def __init__(self, config: GatewayConfig, mesh: MeshClient, tokenizer: Tokenizer, metrics: GatewayMetrics):
+    def __init__(
+        self,
+        config: GatewayConfig,
+        mesh: MeshClient,
+        tokenizer: Tokenizer,
+        metrics: GatewayMetrics,
+        drain: GatewayDrain | None = None,
+    ):
         self.config, self.mesh, self.tokenizer, self.metrics = config, mesh, tokenizer, metrics
+        self.drain = drain
         self.started = int(time.time())
         self.status_page = StatusPage(lambda: mesh.status(STATUS_TIMEOUT_S), config.served_model)
 
     def app(self) -> web.Application:
         limit = self.config.max_body_bytes
-        app = web.Application(client_max_size=limit, middlewares=[_error_middleware(limit)])
+        middlewares = [_error_middleware(limit)] + ([self.drain.middleware()] if self.drain else [])
+        app = web.Application(client_max_size=limit, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/images/generations", self.images_generations)

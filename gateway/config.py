@@ -10,6 +10,7 @@ from pathlib import Path
 
 from common import cli_args
 from common.model_files import resolve_model_path, served_model_name
+from common.process import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
@@ -32,6 +33,7 @@ class GatewayConfig:
     name: str
     ready_address: str | None
     log_level: str
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
 
     @property
     def served_model(self) -> str:
@@ -56,6 +58,7 @@ def parse_args(argv: list[str]) -> GatewayConfig:
     )
     cli_args.add(parser, "--ready-address", None, help="push Ready here once serving")
     cli_args.add(parser, "--log-level", "INFO", help="DEBUG, INFO, WARNING or ERROR")
+    cli_args.add(parser, "--drain-timeout", DEFAULT_DRAIN_TIMEOUT_S, type=float, help=DRAIN_TIMEOUT_HELP)
     args = parser.parse_args(argv)
     for flag in ("tokenizer_address", "scheduler_address", "reply_address"):  # no defaults: flag or env
         if getattr(args, flag) is None:
@@ -81,4 +84,5 @@ def parse_args(argv: list[str]) -> GatewayConfig:
         name=args.name,
         ready_address=args.ready_address,
         log_level=args.log_level,
+        drain_timeout=args.drain_timeout,
     )

@@ -17,6 +17,7 @@ from common.tokenizer import Tokenizer
 from common.transport import Push
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, parse_args
+from gateway.drain import GatewayDrain
 from gateway.mesh import MeshClient
 from gateway.metrics import GatewayMetrics
 
@@ -26,15 +27,18 @@ log = structlog.get_logger()
 def main(argv: list[str]) -> None:
     config = parse_args(argv)
     configure_logging("gateway", config.name, config.log_level)
-    run_until_signalled(run(config))
+    drain = GatewayDrain(config.drain_timeout)
+    run_until_signalled(run(config, drain), drain=drain.drain)
 
 
-async def run(config: GatewayConfig) -> None:
+async def run(config: GatewayConfig, drain: GatewayDrain | None = None) -> None:
     """Serve until cancelled."""
     tokenizer = Tokenizer.from_path(config.model)  # logprob token texts
     mesh = MeshClient(config.tokenizer_address, config.scheduler_address, config.reply_address, config.name)
+    if drain is not None:
+        drain.mesh = mesh
     runner = web.AppRunner(
-        Gateway(config, mesh, tokenizer, GatewayMetrics()).app(), handler_cancellation=True, access_log=None
+        Gateway(config, mesh, tokenizer, GatewayMetrics(), drain).app(), handler_cancellation=True, access_log=None
     )
     try:
         mesh.start()

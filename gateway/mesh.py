@@ -164,23 +164,25 @@ class MeshClient:
     def _tokenizer_restarted(self) -> None:
         """Every request in flight went through the tokenizer process that is gone."""
         log.warning("tokenizer restarted", failed_requests=len(self._queues))
+        self.fail_in_flight(
+            "Request failed: the tokenizer restarted; retry later.", "service_restarted", "tokenizer restarted"
+        )
+
+    @property
+    def in_flight(self) -> int:
+        """Requests in the mesh that wait for replies here."""
+        return len(self._queues)
+
+    def fail_in_flight(self, message: str, code: str, abort_reason: str) -> None:
+        """End every request in flight with a 503 `code` (an error event in a stream), and abort
+        it in the mesh."""
         now = time.monotonic()
         for request_id in list(self._queues):
-            self._deliver(
-                request_id,
-                (
-                    now,
-                    RequestFailed(
-                        request_id=request_id,
-                        status=503,
-                        error_type="server_error",
-                        message="Request failed: the tokenizer restarted; retry later.",
-                        param=None,
-                        code="service_restarted",
-                    ),
-                ),
+            failed = RequestFailed(
+                request_id=request_id, status=503, error_type="server_error", message=message, param=None, code=code
             )
-            self._spawn(self._send_abort(AbortRequest(request_id=request_id, reason="tokenizer restarted")))
+            self._deliver(request_id, (now, failed))
+            self._spawn(self._send_abort(AbortRequest(request_id=request_id, reason=abort_reason)))
 
     # ---- status
 

@@ -1,8 +1,9 @@
 """`pagemesh up`: the whole mesh on one machine.
 
 Starts the scheduler, a tokenizer, the LLM workers, the diffusion workers and the gateway as separate processes talking
-over ipc:// sockets in a run folder, waits until each reports READY, prints the URL, and stops
-them all on Ctrl-C / SIGTERM, or as soon as one of them dies. On CUDA the workers are spread over
+over ipc:// sockets in a run folder, waits until each reports READY, prints the URL, starts
+again a process that exits (services/supervisor.py: the mesh stops only when one keeps dying at
+start), and stops them all on Ctrl-C / SIGTERM. On CUDA the workers are spread over
 the visible GPUs, one GPU each (CUDA_VISIBLE_DEVICES), and workers that share a GPU share its
 memory (`--gpu-memory-fraction` divided among them).
 """
@@ -23,6 +24,7 @@ from common.cli_args import add
 from common.messages import Ready
 from common.transport import Pull, ipc_address
 from services.scheduler.config import add_policy_arguments, policy_args_to_argv
+from services.supervisor import Supervisor, drain_in_order
 from workers.diffusion.config import add_diffusion_arguments, diffusion_args_to_argv
 from workers.diffusion.pipelines.embedded import STUDENT_NAME
 from workers.engine.config import add_engine_arguments, engine_args_to_argv
@@ -76,7 +78,9 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
     sched = ipc_address(run_dir, "scheduler")
     tok, tok_out = ipc_address(run_dir, "tokenizer"), ipc_address(run_dir, "tokenizer-out")
     model = ["--model", args.model] if args.model else []
+    # the scheduler has --drain-timeout among its policy flags: the others get it here
     common = ["--ready-address", ready]
+    drain = ["--drain-timeout", str(args.drain_timeout)]
     engine = engine_args_to_argv(args)
     workers = max(1, args.prefill + args.decode + args.mixed)  # LLM workers share the cores
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
@@ -97,6 +101,7 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
                 *model,
                 *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
                 *common,
+                *drain,
             ],
         ),
     ]
@@ -122,6 +127,7 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
                         *kv,
                         *engine,
                         *common,
+                        *drain,
                     ],
                 )
             )
@@ -145,6 +151,7 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
                         str(args.diffusion_threads),
                         *diffusion_args_to_argv(flags),
                         *common,
+                        *drain,
                     ],
                 )
             )
@@ -167,6 +174,7 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
                 "gateway-0",
                 *model,
                 *common,
+                *drain,
             ],
         )
     )
@@ -228,42 +236,51 @@ class Mesh:
         self.run_dir = args.run_dir or tempfile.mkdtemp(prefix="pagemesh-")
         os.makedirs(self.run_dir, exist_ok=True)
         self.children: dict[str, subprocess.Popen] = {}
+        self.supervisor = Supervisor(self.children)
 
     async def start(self) -> None:
+        """Start every child; return once each reported READY (a child that dies meanwhile is
+        started again, as the supervisor decides)."""
+        for name, argv, env in on_gpus(self.args, plan(self.args, self.run_dir)):
+            self.supervisor.spawn(name, argv, env)
+        deadline = time.monotonic() + self.args.ready_timeout
+        await self._supervise(until=lambda: self.supervisor.ready >= set(self.children), deadline=deadline)
+
+    async def watch(self) -> None:
+        """Start again every child that exits; returns only by raising (KeepsDying)."""
+        await self._supervise(until=lambda: False, deadline=float("inf"))
+
+    async def _supervise(self, until, deadline: float) -> None:
         with Pull(ipc_address(self.run_dir, "ready")) as ready:
-            for name, argv, env in on_gpus(self.args, plan(self.args, self.run_dir)):
-                self.children[name] = subprocess.Popen(
-                    [sys.executable, "-m", "services.cli", *argv], env={**os.environ, **env} if env else None
-                )
-            waiting = set(self.children)
-            deadline = time.monotonic() + self.args.ready_timeout
-            while waiting:
-                self._check_alive()
+            while not until():
+                for line in self.supervisor.check(time.monotonic()):
+                    print(f"pagemesh up: {line}", file=sys.stderr, flush=True)
                 try:
                     msg = await asyncio.wait_for(ready.recv(), timeout=0.5)
                 except TimeoutError:
                     if time.monotonic() > deadline:
-                        raise RuntimeError(
-                            f"not ready after {self.args.ready_timeout:.0f}s: {sorted(waiting)}"
-                        ) from None
+                        waiting = sorted(set(self.children) - self.supervisor.ready)
+                        raise RuntimeError(f"not ready after {self.args.ready_timeout:.0f}s: {waiting}") from None
                     continue
                 if isinstance(msg, Ready):
-                    waiting.discard(msg.name if msg.name in waiting else msg.service)
+                    self.supervisor.mark_ready(msg.name if msg.name in self.children else msg.service)
 
-    def _check_alive(self) -> None:
-        for name, proc in self.children.items():
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {proc.returncode}")
-
-    async def watch(self) -> None:
-        while True:
-            self._check_alive()
-            await asyncio.sleep(0.5)
+    async def drain(self, hurry: asyncio.Event) -> None:
+        """SIGTERM's orderly stop: the gateway stops admitting and finishes what is in flight
+        first, then the workers finish what they hold (each within --drain-timeout). The
+        tokenizer and the scheduler then have nothing left for anyone: `stop()` ends them."""
+        kinds = {name: argv[0] for name, argv in plan(self.args, self.run_dir)}
+        gateways = [n for n, k in kinds.items() if k == "gateway"]
+        workers = [n for n, k in kinds.items() if k in ("worker", "diffusion")]
+        await drain_in_order(self.children, [gateways, workers], self.args.drain_timeout, hurry)
 
     def stop(self) -> None:
-        for proc in self.children.values():
+        """At once: SIGINT to every child still running (SIGKILL after 10 s). A child not ready
+        yet gets SIGTERM instead: it may not handle signals yet, and SIGTERM ends it quietly
+        where SIGINT would print a KeyboardInterrupt traceback."""
+        for name, proc in self.children.items():
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGINT if name in self.supervisor.ready else signal.SIGTERM)
         deadline = time.monotonic() + 10
         for proc in self.children.values():
             try:
@@ -277,9 +294,18 @@ def main(argv: list[str]) -> None:
     args = parse(argv)
     mesh = Mesh(args)
     loop = asyncio.new_event_loop()
-    stop = asyncio.Event()
+    stop = asyncio.Event()  # the first signal
+    hurry = asyncio.Event()  # SIGINT, or a second SIGTERM: no drain
+    drain = [False]
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set() or sig == signal.SIGINT:
+            hurry.set()
+        drain[0] = sig == signal.SIGTERM and not hurry.is_set()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
 
     async def lifetime() -> int:
         starting = asyncio.ensure_future(mesh.start())
@@ -300,19 +326,23 @@ def main(argv: list[str]) -> None:
         try:
             await asyncio.wait([watching, stopped], return_when=asyncio.FIRST_COMPLETED)
             if watching.done():
-                watching.result()  # raises if a process exited
+                watching.result()  # raises if a process keeps dying at start
         finally:  # the task still waiting is ended, not left pending when the loop closes
             for task in (watching, stopped):
                 task.cancel()
             await asyncio.gather(watching, stopped, return_exceptions=True)
+        if drain[0]:  # SIGTERM: in order, each part finishing what it holds
+            await mesh.drain(hurry)
         return 0
 
-    code = 1
+    code, failure = 1, None
     try:
         code = loop.run_until_complete(lifetime())
     except RuntimeError as e:
-        print(f"pagemesh up: {e}", file=sys.stderr, flush=True)
+        failure = e
     finally:
         mesh.stop()
         loop.close()
+    if failure is not None:  # last, after what the stopped children said
+        print(f"pagemesh up: {failure}", file=sys.stderr, flush=True)
     raise SystemExit(code)

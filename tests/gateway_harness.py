@@ -22,6 +22,7 @@ from common.messages import (
 from common.model_files import default_model_path
 from gateway import app as gateway_app
 from gateway.config import GatewayConfig
+from gateway.drain import GatewayDrain
 from gateway.mesh import MeshClient
 from gateway.metrics import GatewayMetrics
 from tests.default_model import tokenizer as default_tokenizer
@@ -35,8 +36,9 @@ class FakeMesh:
     """A tokenizer Router and a scheduler Router that tests drive by hand, plus the gateway's
     app on a test server."""
 
-    def __init__(self, tokenizer: t.Router, scheduler: t.Router, client: TestClient):
+    def __init__(self, tokenizer: t.Router, scheduler: t.Router, client: TestClient, drain: GatewayDrain):
         self.tokenizer, self.scheduler, self.client = tokenizer, scheduler, client
+        self.drain = drain  # what the gateway process's SIGTERM would run: `await fake.drain.drain()`
         self.tokenizer_instance = "first"  # what the fake tokenizer answers pings with
         self._pushes: dict[str, t.Push] = {}
 
@@ -107,11 +109,13 @@ async def running_gateway(tmp_path: Path, **overrides):
     with t.Router(config.tokenizer_address) as tokenizer, t.Router(config.scheduler_address) as scheduler:
         mesh = MeshClient(config.tokenizer_address, config.scheduler_address, config.reply_address, config.name)
         mesh.start()
-        server = TestServer(gateway_app.Gateway(config, mesh, TOKENIZER, GatewayMetrics()).app())
+        drain = GatewayDrain(config.drain_timeout)
+        drain.mesh = mesh
+        server = TestServer(gateway_app.Gateway(config, mesh, TOKENIZER, GatewayMetrics(), drain).app())
         fake = None
         try:
             async with TestClient(server) as client:
-                fake = FakeMesh(tokenizer, scheduler, client)
+                fake = FakeMesh(tokenizer, scheduler, client, drain)
                 yield fake
         finally:
             if fake is not None:

@@ -40,6 +40,7 @@ from common.protocol import (
     TokenLogprob,
     UnknownWorker,
     WorkerStatus,
+    WorkerStopped,
 )
 from common.sampling import SamplingParams
 
@@ -289,7 +290,7 @@ SAMPLES = [
         requests_finished=0,
         kv=KVPoolLoad(free_pages=900, used_pages=100, total_pages=1000, bytes_sent=4096, bytes_received=0),
     ),
-    Heartbeat(worker_id="x0", running=1, waiting=0, time=1.5, requests_finished=2, kv=None),
+    Heartbeat(worker_id="x0", running=1, waiting=0, time=1.5, requests_finished=2, kv=None, busy_s=7.25),
     Heartbeat(worker_id="x1", running=1, waiting=0, time=1.5, requests_finished=2, kv=None, produced=1 << 40),
     Heartbeat(
         worker_id="diffusion-0",
@@ -300,6 +301,8 @@ SAMPLES = [
         kv=None,
         feature_cache=FeatureCacheLoad(bytes=6144, peak_bytes=12288, budget_bytes=256 * 2**20),
     ),
+    WorkerStopped(worker_id="p0", instance="9f2c", error="RuntimeError: the forward pass failed"),
+    WorkerStopped(worker_id="d0", instance="77aa"),
     PrefixCacheUpdate(worker_id="p0", added=(0, 1 << 40, p.MAX_PAGE_HASH), removed=(7,)),
     PrefixCacheUpdate(worker_id="d0", added=(), removed=()),
     RequestDone(worker_id="p0", request_id="r1", reason="finished"),

@@ -63,6 +63,7 @@ from common.messages.worker_control import (
     RegisterWorker,
     RequestDone,
     UnknownWorker,
+    WorkerStopped,
 )
 
 MESSAGE_TYPES: dict[bytes, type] = dict(REGISTRY)  # tag -> class
@@ -108,6 +109,7 @@ __all__ = [
     "RegisterWorker",
     "RequestDone",
     "UnknownWorker",
+    "WorkerStopped",
     "KVPagesAck",
     "KVPagesHeader",
     "ClusterStatus",

@@ -2,6 +2,7 @@
 
     worker    ──RegisterWorker──▶ scheduler ──Registered / UnknownWorker──▶ worker
     worker    ──Heartbeat / PrefixCacheUpdate / RequestDone──▶ scheduler
+    worker    ──WorkerStopped──▶ scheduler   (its engine failed, or it drained: drop it now)
     scheduler ──GenerateTask / PrefillTask / DecodeTask / AbortRequest──▶ worker
 
 A worker is of a kind (llm, diffusion) and, for an LLM worker, a role (a diffusion worker's
@@ -137,7 +138,10 @@ class UnknownWorker:
 
 @message
 class Heartbeat:
-    """Worker -> scheduler, periodic load report."""
+    """Worker -> scheduler, periodic load report. A worker sends it from a thread of its own (on
+    a socket of its own), so a long step does not hold it up; `busy_s` says how long the worker
+    has been inside one step, or its event loop has not turned (0 when it is idle), so that a
+    step that never ends is still seen (the scheduler's --step-timeout)."""
 
     worker_id: str
     running: int
@@ -147,6 +151,11 @@ class Heartbeat:
     kv: KVPoolLoad | None  # LLM workers
     produced: int = 0  # output made, ever: tokens (LLM workers) or images (diffusion workers)
     feature_cache: FeatureCacheLoad | None = None  # diffusion workers
+    busy_s: float = 0.0
+
+    def _check(self) -> None:
+        if not self.busy_s >= 0:
+            raise ProtocolError("Heartbeat.busy_s: must be >= 0")
 
 
 @message
@@ -176,3 +185,15 @@ class RequestDone:
     request_id: str
     reason: DoneReason
     detail: str | None = None  # REJECTED: why, in words the client may read
+
+
+@message
+class WorkerStopped:
+    """Worker -> scheduler: this process serves no more, from now. `error` says why its engine
+    failed (its requests end with an error at once, not after the heartbeat timeout); None: it
+    stops cleanly (drained). `instance` is the process's start id, so that a late message from
+    an old process never drops its restarted successor."""
+
+    worker_id: str
+    instance: str
+    error: str | None = None

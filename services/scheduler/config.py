@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass
 
 from common.cli_args import add
+from common.process import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP
 from services.scheduler.placement import PLACEMENTS, PlacementPolicy
 
 
@@ -15,17 +16,35 @@ class SchedulerConfig:
     address: str  # Router bind: tokenizers, gateways and workers connect here
     ready_address: str | None = None
     heartbeat_timeout: float = 5.0  # a worker silent this long leaves placement
+    step_timeout: float = 300.0  # a worker inside one step this long (it heartbeats) is hung
     max_queue: int = 256  # requests waiting for a worker; more are refused with 503
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
     placement: PlacementPolicy = PlacementPolicy()
 
 
 # the policy flags, as `add_policy_arguments` declares them (dest names)
-POLICY_FLAGS = ("heartbeat_timeout", "max_queue", "placement", "prefix_weight", "load_weight")
+POLICY_FLAGS = (
+    "heartbeat_timeout",
+    "step_timeout",
+    "drain_timeout",
+    "max_queue",
+    "placement",
+    "prefix_weight",
+    "load_weight",
+)
 
 
 def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     """The scheduler's policy flags (everything but its addresses)."""
     add(parser, "--heartbeat-timeout", 5.0, type=float, help="seconds of silence before a worker is dropped")
+    add(
+        parser,
+        "--step-timeout",
+        300.0,
+        type=float,
+        help="seconds a worker may spend in one step (it heartbeats meanwhile) before it counts as hung and is dropped",
+    )
+    add(parser, "--drain-timeout", DEFAULT_DRAIN_TIMEOUT_S, type=float, help=DRAIN_TIMEOUT_HELP)
     add(parser, "--max-queue", 256, type=int, help="queued requests before 503")
     add(parser, "--placement", "prefix", choices=PLACEMENTS, help="how to pick workers (see placement.py)")
     add(parser, "--prefix-weight", 1.0, type=float, help="prefix placement: weight of the cached share of the prompt")
@@ -49,6 +68,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         address=args.address,
         ready_address=args.ready_address,
         heartbeat_timeout=args.heartbeat_timeout,
+        step_timeout=args.step_timeout,
         max_queue=args.max_queue,
+        drain_timeout=args.drain_timeout,
         placement=policy,
     )

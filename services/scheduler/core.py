@@ -55,6 +55,7 @@ from common.messages import (
     WorkerKind,
     WorkerRole,
     WorkerStatus,
+    WorkerStopped,
 )
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.placement import Placer
@@ -107,7 +108,7 @@ class SchedulerCore:
         self.config = config
         self.instance = instance
         self.started_at = now
-        self.registry = Registry(config.heartbeat_timeout)
+        self.registry = Registry(config.heartbeat_timeout, config.step_timeout)
         self.placer = Placer(config.placement)
         # per kind: request id -> entry, oldest first
         self.queues: dict[WorkerKind, OrderedDict[str, Queued]] = {kind: OrderedDict() for kind in WorkerKind}
@@ -118,6 +119,7 @@ class SchedulerCore:
         self._handlers: dict[type, Callable[[bytes, Message, float, Outputs], None]] = {
             RegisterWorker: self._on_register,
             Heartbeat: self._on_heartbeat,
+            WorkerStopped: self._on_worker_stopped,
             PrefixCacheUpdate: self._on_prefix_update,
             ScheduleRequest: self._on_schedule,
             ImageRequest: self._on_image,
@@ -155,8 +157,10 @@ class SchedulerCore:
         start-up grace window is over, refuse what waits for a kind of worker no one serves."""
         out: Outputs = []
         for dead in self.registry.expire(now):
-            self.log.warning("worker lost", worker=dead.worker_id, requests=len(dead.requests))
-            self._fail_requests_of(dead, f"worker {dead.worker_id} stopped responding", out)
+            hung = self.registry.stuck(dead, now)
+            self.log.warning("worker lost", worker=dead.worker_id, requests=len(dead.requests), hung=hung)
+            why = "is stuck in one step" if hung else "stopped responding"
+            self._fail_requests_of(dead, f"worker {dead.worker_id} {why}", out)
         if not self._starting(now):
             for queue in self.queues.values():
                 for entry in [e for e in queue.values() if not self._can_serve_entry(e, now)]:
@@ -224,7 +228,18 @@ class SchedulerCore:
         if self.registry.heartbeat(msg, now):
             self._drain(now, out)
         else:  # this scheduler was restarted, or dropped the worker: it must register again
-            out.append((identity, UnknownWorker(worker_id=msg.worker_id)))
+            # to the worker's own socket: heartbeats come from a send-only socket of their own
+            out.append((msg.worker_id, UnknownWorker(worker_id=msg.worker_id)))
+
+    def _on_worker_stopped(self, identity: bytes, msg: WorkerStopped, now: float, out: Outputs) -> None:
+        """A worker whose engine failed (or that drained) leaves now, not at the heartbeat timeout."""
+        gone = self.registry.remove(msg.worker_id, msg.instance)
+        if gone is None:
+            return  # an old process's late word, or a worker already dropped
+        self.log.warning("worker stopped", worker=msg.worker_id, requests=len(gone.requests), error=msg.error)
+        # the error's text stays in the logs: clients learn that the engine failed, not its internals
+        why = f"the engine of worker {msg.worker_id} failed" if msg.error else f"worker {msg.worker_id} stopped"
+        self._fail_requests_of(gone, why, out)
 
     def _on_prefix_update(self, identity: bytes, msg: PrefixCacheUpdate, now: float, out: Outputs) -> None:
         self.registry.prefix_update(msg.worker_id, msg.added, msg.removed)

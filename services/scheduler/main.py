@@ -24,6 +24,6 @@ def main(argv: list[str]) -> None:
     configure_logging("scheduler", "scheduler")
     service = SchedulerService(config)
     try:
-        run_until_signalled(service.run())
+        run_until_signalled(service.run(), drain=service.drain)
     finally:
         service.close()

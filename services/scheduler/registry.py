@@ -44,6 +44,7 @@ class WorkerInfo:
     page_hashes: set[int] = field(default_factory=set)  # prefix-cache keys it reported holding
     images: ImageModelInfo | None = None  # a diffusion worker's sizes, samplers, step limits
     feature_cache: FeatureCacheLoad | None = None  # a diffusion worker's, from its last heartbeat
+    busy_since: float | None = None  # when its step in progress began (by its last heartbeat)
 
     @classmethod
     def registered(cls, msg: RegisterWorker, now: float) -> WorkerInfo:
@@ -70,10 +71,13 @@ class WorkerInfo:
 
 
 class Registry:
-    """Workers by id; a worker not heard from within `timeout` seconds is dead."""
+    """Workers by id; a worker not heard from within `timeout` seconds is dead, and so is one
+    whose heartbeats say it has been inside one step for more than `step_timeout` seconds (a
+    worker heartbeats while it computes: a long step alone does not make it silent)."""
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, step_timeout: float = float("inf")):
         self.timeout = timeout
+        self.step_timeout = step_timeout
         self.workers: dict[str, WorkerInfo] = {}
 
     def register(self, info: WorkerInfo) -> WorkerInfo | None:
@@ -96,6 +100,7 @@ class Registry:
         info.last_seen, info.running, info.waiting = now, msg.running, msg.waiting
         info.requests_finished, info.produced = msg.requests_finished, msg.produced
         info.feature_cache = msg.feature_cache
+        info.busy_since = now - msg.busy_s if msg.busy_s > 0 else None
         if msg.kv is not None:
             info.used_pages, info.free_pages = msg.kv.used_pages, msg.kv.free_pages
             info.kv_bytes_sent, info.kv_bytes_received = msg.kv.bytes_sent, msg.kv.bytes_received
@@ -121,5 +126,16 @@ class Registry:
             del self.workers[w.worker_id]
         return dead
 
+    def remove(self, worker_id: str, instance: str) -> WorkerInfo | None:
+        """Remove the worker process `instance` (a stopped one); None if another (or none) is there."""
+        info = self.workers.get(worker_id)
+        if info is None or info.instance != instance:
+            return None
+        return self.workers.pop(worker_id)
+
     def is_alive(self, worker: WorkerInfo, now: float) -> bool:
-        return now - worker.last_seen <= self.timeout
+        return now - worker.last_seen <= self.timeout and not self.stuck(worker, now)
+
+    def stuck(self, worker: WorkerInfo, now: float) -> bool:
+        """Heartbeating, but inside one step for longer than the step timeout."""
+        return worker.busy_since is not None and now - worker.busy_since > self.step_timeout

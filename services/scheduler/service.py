@@ -14,6 +14,7 @@ import structlog
 
 from common.liveness import new_instance
 from common.messages import Ready
+from common.process import wait_until_idle
 from common.transport import Push, Router, UnknownPeer
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.core import Outputs, SchedulerCore
@@ -38,6 +39,12 @@ class SchedulerService:
                 await ready.send(Ready(service="scheduler", name="scheduler"))
         self.log.info("scheduler ready", address=self.config.address)
         await asyncio.gather(self._receive_loop(), self._expiry_loop())
+
+    async def drain(self) -> None:
+        """SIGTERM: go on until no request is queued or on a worker (or the drain timeout)."""
+        core = self.core
+        idle = await wait_until_idle(lambda: not core.placed and not core.queued, self.config.drain_timeout)
+        self.log.info("drained" if idle else "drain timed out", placed=len(core.placed), queued=core.queued)
 
     def close(self) -> None:
         self.router.close()

@@ -11,6 +11,7 @@ from pathlib import Path
 from common import cli_args
 from common.model_config import read_model_config
 from common.model_files import resolve_model_path
+from common.process import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP
 
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
@@ -28,6 +29,7 @@ class TokenizerConfig:
     name: str
     ready_address: str | None
     log_level: str
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
 
 
 def parse_args(argv: list[str]) -> TokenizerConfig:
@@ -51,6 +53,7 @@ def parse_args(argv: list[str]) -> TokenizerConfig:
     )
     cli_args.add(parser, "--ready-address", None, help="push Ready here once serving")
     cli_args.add(parser, "--log-level", "INFO", help="DEBUG, INFO, WARNING or ERROR")
+    cli_args.add(parser, "--drain-timeout", DEFAULT_DRAIN_TIMEOUT_S, type=float, help=DRAIN_TIMEOUT_HELP)
     args = parser.parse_args(argv)
     for flag in ("address", "output_address", "scheduler_address"):  # no defaults: flag or env
         if getattr(args, flag) is None:
@@ -70,6 +73,7 @@ def parse_args(argv: list[str]) -> TokenizerConfig:
         name=args.name,
         ready_address=args.ready_address,
         log_level=args.log_level,
+        drain_timeout=args.drain_timeout,
     )
 
 

@@ -30,7 +30,7 @@ from common.messages import (
     ScheduleRequest,
     TokenDeltaBatch,
 )
-from common.process import run_until_signalled
+from common.process import Idleness, run_until_signalled, wait_until_idle
 from common.tokenizer import Tokenizer
 from common.transport import Dealer, Pull, Push, Router, UnknownPeer
 from services.tokenizer.config import TokenizerConfig, parse_args
@@ -44,10 +44,11 @@ REPLY_QUEUE_SIZE = 10_000  # messages waiting for one gateway before new ones ar
 def main(argv: list[str]) -> None:
     config = parse_args(argv)
     configure_logging("tokenizer", config.name, config.log_level)
-    run_until_signalled(run(config))
+    idle = Idleness()  # SIGTERM: serve on until no request is in flight here (or the timeout)
+    run_until_signalled(run(config, idle), drain=lambda: wait_until_idle(idle, config.drain_timeout))
 
 
-async def run(config: TokenizerConfig) -> None:
+async def run(config: TokenizerConfig, idle: Idleness | None = None) -> None:
     tokenizer = Tokenizer.from_path(config.model)
     with (
         Router(config.address) as frontend,
@@ -55,6 +56,8 @@ async def run(config: TokenizerConfig) -> None:
         Dealer(config.scheduler_address, config.name) as scheduler,
     ):
         core = TokenizerCore(tokenizer, config.max_model_len, reply_to=tokens.address)
+        if idle is not None:
+            idle.check = lambda: len(core) == 0
         gateways = GatewayReplies()
         try:
             log.info(

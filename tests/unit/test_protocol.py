@@ -214,6 +214,9 @@ MALFORMED = {
         DecodeTask(request_id="r", prompt_token_ids=[1], sampling=SP, reply_to="t", prefill_worker_id="p0"),
         skip_pages=-1,
     ),
+    "negative busy_s": with_fields(
+        Heartbeat(worker_id="w", running=0, waiting=0, time=1.0, requests_finished=0, kv=None), busy_s=-1.0
+    ),
     "page hash negative": with_fields(PrefixCacheUpdate(worker_id="w", added=(), removed=()), added=[-1]),
     "page hash over 62 bits": with_fields(PrefixCacheUpdate(worker_id="w", added=(), removed=()), removed=[1 << 62]),
     "page hash not int": with_fields(PrefixCacheUpdate(worker_id="w", added=(), removed=()), added=[1.0]),

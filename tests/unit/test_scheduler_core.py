@@ -31,6 +31,7 @@ from common.messages import (
     WorkerKind,
     WorkerRole,
     WorkerStatus,
+    WorkerStopped,
 )
 from common.page_hash import prefix_page_hashes
 from common.sampling import SamplingParams
@@ -86,7 +87,13 @@ def register(
 
 
 def heartbeat(
-    core: SchedulerCore, wid: str, now: float, free_pages: int | None = 100, running: int = 0, produced: int = 0
+    core: SchedulerCore,
+    wid: str,
+    now: float,
+    free_pages: int | None = 100,
+    running: int = 0,
+    produced: int = 0,
+    busy_s: float = 0.0,
 ):
     kv = (
         None
@@ -95,7 +102,16 @@ def heartbeat(
             free_pages=free_pages, used_pages=100 - free_pages, total_pages=100, bytes_sent=0, bytes_received=0
         )
     )
-    msg = Heartbeat(worker_id=wid, running=running, waiting=0, time=now, requests_finished=0, kv=kv, produced=produced)
+    msg = Heartbeat(
+        worker_id=wid,
+        running=running,
+        waiting=0,
+        time=now,
+        requests_finished=0,
+        kv=kv,
+        produced=produced,
+        busy_s=busy_s,
+    )
     return core.handle(wid.encode(), msg, now)
 
 
@@ -178,7 +194,8 @@ def test_registration_renewal_and_a_restart_under_a_known_id():
 
 def test_heartbeats_from_an_unknown_worker_ask_it_to_register_and_known_ones_drain_the_queue():
     core = new_core()
-    assert heartbeat(core, "ghost", T0) == [(b"ghost", UnknownWorker(worker_id="ghost"))]
+    # to the worker's own socket (by id): its heartbeats come from a send-only socket of their own
+    assert heartbeat(core, "ghost", T0) == [("ghost", UnknownWorker(worker_id="ghost"))]
     register(core, "w0")
     assert heartbeat(core, "w0", T0 + 1, free_pages=4) == []  # 4 pages: the request needs 5
     assert schedule(core, "r1", now=T0 + 1) == [] and list(core.queues[WorkerKind.LLM]) == ["r1"]
@@ -205,6 +222,41 @@ def test_a_worker_that_stops_heartbeating_is_dropped_and_its_requests_fail():
 
 
 # --------------------------------------------------------------------------- admission
+
+
+def test_a_worker_heartbeating_through_a_long_step_stays_until_the_step_timeout():
+    core = SchedulerCore(SchedulerConfig("ipc:///unused", heartbeat_timeout=TIMEOUT, step_timeout=60.0), "inst-1", T0)
+    register(core, "w0")
+    assert schedule(core, "r1", now=T0) == [("w0", generate("r1"))]
+    for t in range(1, 60):  # one step from T0 + 1 on: the heartbeats go on, each a second busier
+        assert heartbeat(core, "w0", T0 + 1 + t, busy_s=float(t)) == []
+        assert core.tick(T0 + 1 + t + 0.5) == []  # far past the heartbeat timeout's 5 s of step
+    assert core.status(T0 + 61).ready
+    assert core.tick(T0 + 61) == []  # in the step exactly the step timeout: still alive
+    reason = "worker w0 is stuck in one step"
+    assert core.tick(T0 + 61.1) == [  # busy past 60 s: hung, though it heartbeats
+        (TOK, failed("r1", reason)),
+        ("w0", AbortRequest(request_id="r1", reason=reason)),
+    ]
+    assert core.registry.workers == {} and not core.status(T0 + 63).ready
+    # when its step ends, it heartbeats idle again: unknown now, it is asked to register again
+    assert heartbeat(core, "w0", T0 + 64) == [("w0", UnknownWorker(worker_id="w0"))]
+
+
+def test_a_worker_whose_engine_failed_is_dropped_at_once_with_its_requests_failed():
+    core = disaggregated()
+    placed_on_p0_d0(core, "r1")
+    stale = WorkerStopped(worker_id="d0", instance="d0-before", error="RuntimeError: boom")
+    assert core.handle(b"d0", stale, T0 + 1) == []  # an older process's word: d0 stays
+    out = core.handle(b"d0", WorkerStopped(worker_id="d0", instance="d0-first", error="RuntimeError: boom"), T0 + 1)
+    reason = "the engine of worker d0 failed"  # the exception's text stays in the worker's log
+    assert out[0] == (TOK, failed("r1", reason))
+    assert set(out[1:]) == {
+        ("p0", AbortRequest(request_id="r1", reason=reason)),
+        ("d0", AbortRequest(request_id="r1", reason=reason)),
+    }
+    assert sorted(core.registry.workers) == ["p0"] and core.placed == {}
+    assert not core.status(T0 + 1).ready  # no decode worker left: the lost capacity shows at once
 
 
 def test_a_full_queue_refuses_with_503_overloaded():

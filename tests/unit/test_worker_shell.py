@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import pytest
+
 from common import transport as t
 from common.messages import (
     AbortRequest,
@@ -20,10 +22,13 @@ from common.messages import (
     UnknownWorker,
     WorkerKind,
     WorkerRole,
+    WorkerStopped,
 )
+from common.process import ProcessFailed
 from common.sampling import SamplingParams
 from workers.shell.backend import Load, Registration
 from workers.shell.config import ShellConfig
+from workers.shell.faults import DELAY_ENV, FAIL_ENV
 from workers.shell.shell import WorkerShell
 
 TIMEOUT_S = 20.0
@@ -103,11 +108,14 @@ def task(rid: str, steps: int) -> GenerateTask:
 
 
 @contextlib.asynccontextmanager
-async def worker_and_scheduler(tmp_path):
+async def worker_and_scheduler(tmp_path, drain_timeout: float = 30.0):
     with t.Router(t.ipc_address(str(tmp_path), "sched")) as scheduler:
         shell = WorkerShell(
             ShellConfig(
-                worker_id="w0", scheduler_address=t.ipc_address(str(tmp_path), "sched"), heartbeat_interval=0.05
+                worker_id="w0",
+                scheduler_address=t.ipc_address(str(tmp_path), "sched"),
+                heartbeat_interval=0.05,
+                drain_timeout=drain_timeout,
             ),
             CountingBackend,
         )
@@ -178,5 +186,86 @@ def test_a_restarted_scheduler_gets_the_registration_again_with_what_the_worker_
             await scheduler.send(identity, AbortRequest(request_id="long", reason="x"))
             await next_of(scheduler, RequestDone)
             assert shell.backend.events.count("registered again") == 1
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+
+
+def test_heartbeats_go_on_while_a_step_holds_the_loops_thread(tmp_path, monkeypatch):
+    # each step sleeps 1 s on the event loop's thread (step_inline), as a long forward pass
+    # holds it: the heartbeats still come, every 0.05 s, and say how long the step has run
+    monkeypatch.setenv(DELAY_ENV, "1.0")
+
+    async def main():
+        async with worker_and_scheduler(tmp_path) as (shell, scheduler):
+            identity, _ = await next_of(scheduler, RegisterWorker)
+            await scheduler.send(identity, Registered(worker_id="w0"))
+            await scheduler.send(identity, task("slow", 2))
+            busy: list[float] = []
+            while True:
+                sender, msg = await scheduler.recv()
+                if isinstance(msg, Heartbeat):
+                    assert sender == b"w0.heartbeat"  # their own socket, not the loop's
+                    busy.append(msg.busy_s)
+                elif isinstance(msg, RequestDone):
+                    break
+            during = [b for b in busy if b > 0]
+            # two 1 s steps: many heartbeats inside them, the longest reporting most of a step
+            assert len(during) >= 4 and 0.5 < max(during) < 30, busy
+            assert any(b2 > b1 for b1, b2 in zip(during, during[1:], strict=False))  # it grows in a step
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+
+
+def test_an_exception_in_a_step_tells_the_scheduler_and_ends_the_process(tmp_path, monkeypatch):
+    monkeypatch.setenv(FAIL_ENV, "2")  # the second step raises
+
+    async def main():
+        with t.Router(t.ipc_address(str(tmp_path), "sched")) as scheduler:
+            shell = WorkerShell(
+                ShellConfig(
+                    worker_id="w0", scheduler_address=t.ipc_address(str(tmp_path), "sched"), heartbeat_interval=0.05
+                ),
+                CountingBackend,
+            )
+            running = asyncio.create_task(shell.run())
+            try:
+                identity, reg = await next_of(scheduler, RegisterWorker)
+                await scheduler.send(identity, Registered(worker_id="w0"))
+                await scheduler.send(identity, task("a", 5))
+                sender, stopped = await next_of(scheduler, WorkerStopped)
+                assert sender == b"w0"  # in order with the worker's other messages
+                assert stopped.worker_id == "w0" and stopped.instance == reg.instance
+                assert stopped.error == "InjectedFault: injected fault in step 2 (PAGEMESH_TEST_FAIL_STEP)"
+                with pytest.raises(ProcessFailed):  # the process exits non-zero (run_until_signalled)
+                    await running
+                assert shell.backend.steps == 1  # the failed step never ran
+            finally:
+                running.cancel()
+                shell.close()
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+
+
+@pytest.mark.parametrize("drain_timeout", [30.0, 0.2])
+def test_a_drain_finishes_what_the_worker_holds_then_says_goodbye(tmp_path, drain_timeout):
+    async def main():
+        async with worker_and_scheduler(tmp_path, drain_timeout) as (shell, scheduler):
+            identity, reg = await next_of(scheduler, RegisterWorker)
+            await scheduler.send(identity, Registered(worker_id="w0"))
+            steps = 2_000 if drain_timeout > 1 else 100_000  # done within the timeout, or not
+            await scheduler.send(identity, task("a", steps))
+            while not shell.backend.steps:  # it is working on it
+                await asyncio.sleep(0.01)
+            draining = asyncio.create_task(shell.drain())
+            seen = []
+            while not seen or not isinstance(seen[-1], WorkerStopped):
+                sender, msg = await scheduler.recv()
+                if sender == b"w0" and isinstance(msg, RequestDone | WorkerStopped):
+                    seen.append(msg)
+            await draining
+            finished = [RequestDone(worker_id="w0", request_id="a", reason=DoneReason.FINISHED)]
+            goodbye = [WorkerStopped(worker_id="w0", instance=reg.instance, error=None)]
+            # past the timeout, the scheduler fails what is left when it gets the goodbye
+            assert seen == (finished + goodbye if drain_timeout > 1 else goodbye)
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))

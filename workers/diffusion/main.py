@@ -57,6 +57,6 @@ def main(argv: list[str]) -> None:
     engine = build_engine(config)
     shell = WorkerShell(config.shell, lambda ctx: DiffusionWorker(engine, ctx))
     try:
-        run_until_signalled(shell.run())
+        run_until_signalled(shell.run(), drain=shell.drain)
     finally:
         shell.close()

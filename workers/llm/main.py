@@ -51,6 +51,6 @@ def main(argv: list[str]) -> None:
     engine = Engine(config.engine)
     shell = WorkerShell(config.shell, lambda ctx: LLMWorker(config, engine, ctx))
     try:
-        run_until_signalled(shell.run())
+        run_until_signalled(shell.run(), drain=shell.drain)
     finally:
         shell.close()

@@ -8,6 +8,7 @@ import socket
 from dataclasses import dataclass
 
 from common.cli_args import add
+from common.process import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -16,6 +17,7 @@ class ShellConfig:
     scheduler_address: str
     ready_address: str | None = None
     heartbeat_interval: float = 0.25
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
 
 
 def default_worker_id(role: str) -> str:
@@ -27,6 +29,7 @@ def add_shell_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--scheduler-address", "tcp://127.0.0.1:5557")
     add(parser, "--ready-address", None, help="launcher's address for the READY message")
     add(parser, "--heartbeat-interval", 0.25, type=float)
+    add(parser, "--drain-timeout", DEFAULT_DRAIN_TIMEOUT_S, type=float, help=DRAIN_TIMEOUT_HELP)
 
 
 def shell_config_from_args(args: argparse.Namespace, role: str) -> ShellConfig:
@@ -35,4 +38,5 @@ def shell_config_from_args(args: argparse.Namespace, role: str) -> ShellConfig:
         scheduler_address=args.scheduler_address,
         ready_address=args.ready_address,
         heartbeat_interval=args.heartbeat_interval,
+        drain_timeout=args.drain_timeout,
     )

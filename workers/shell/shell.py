@@ -4,12 +4,16 @@
     the backend's own loops (KV pages, deadlines) ──post(command)───────────────────┤ inbox
                                                                                      ▼
     [engine loop]  run the inbox → backend.between_steps() → backend.step() → backend.publish()
-    [heartbeat loop] Heartbeat(backend.load()) every interval
+    [snapshot loop] the backend's load, every interval, for the heartbeat thread
+    [heartbeat thread] Heartbeat(load, busy_s) every interval, on a socket of its own
 
 Only the engine loop touches the backend, and only between steps; every other loop queues
 commands in the inbox. On a CPU the step runs on the loop's own thread (zmq's I/O threads
-receive meanwhile); on CUDA in a compute thread, so heartbeats go on during a long step.
-Messages are dispatched by type through one table.
+receive meanwhile); on CUDA in a compute thread. Either way the heartbeats go on during a long
+step (workers/shell/heartbeat.py). An exception out of the engine loop (the forward pass
+failed) is the engine's death: the shell tells the scheduler (`WorkerStopped`, so it fails the
+requests held here at once) and the process exits non-zero. Messages are dispatched by type
+through one table.
 """
 
 from __future__ import annotations
@@ -27,17 +31,20 @@ from common.liveness import new_instance
 from common.messages import (
     AbortRequest,
     DoneReason,
-    Heartbeat,
     Message,
     Ready,
     Registered,
     RegisterWorker,
     RequestDone,
     UnknownWorker,
+    WorkerStopped,
 )
+from common.process import ProcessFailed, wait_until_idle
 from common.transport import Dealer, Push
 from workers.shell.backend import WorkerBackend
 from workers.shell.config import ShellConfig
+from workers.shell.faults import StepFaults
+from workers.shell.heartbeat import HeartbeatThread, LivenessState, LoadSnapshot
 
 STALL_WAIT = 0.05  # seconds a stalled backend waits for news before trying again
 REGISTER_RETRY = 1.0  # seconds between registrations while the scheduler does not answer
@@ -60,6 +67,9 @@ class WorkerShell:
         self.registered_again_at = float("-inf")
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.backend = backend_factory(self)
+        self.liveness = LivenessState(self.backend.load())
+        self.heartbeats: HeartbeatThread | None = None
+        self.faults = StepFaults.from_environment()  # test-only switches; off unless set
         reg = self.backend.registration()
         self.log = log.bind(worker=config.worker_id, kind=reg.kind, role=reg.role)
         self.registration = RegisterWorker(
@@ -100,7 +110,11 @@ class WorkerShell:
     # ---- lifecycle --------------------------------------------------------------------------
     async def run(self) -> None:
         await self._register()
-        loops = [self._control_loop(), self._heartbeat_loop(), self._engine_loop(), *self.backend.background()]
+        self.heartbeats = HeartbeatThread(
+            self.config.scheduler_address, self.worker_id, self.liveness, self.config.heartbeat_interval
+        )
+        self.heartbeats.start()
+        loops = [self._control_loop(), self._snapshot_loop(), self._engine_loop(), *self.backend.background()]
         if self.config.ready_address:
             with Push(self.config.ready_address) as ready:
                 await ready.send(Ready(service="worker", name=self.worker_id))
@@ -117,7 +131,21 @@ class WorkerShell:
             if isinstance(reply, Registered):
                 return
 
+    async def drain(self) -> None:
+        """SIGTERM: finish what this worker holds (within the drain timeout), then tell the
+        scheduler it leaves, so that it drops the worker at once and fails what is left."""
+        idle = await wait_until_idle(lambda: not self.inbox and not self.backend.has_work(), self.config.drain_timeout)
+        self.log.info("drained" if idle else "drain timed out", held=len(self.backend.held()))
+        self._stop_heartbeats()  # none after the goodbye: the scheduler would ask it to register
+        await self.scheduler.send(WorkerStopped(worker_id=self.worker_id, instance=self.instance))
+
+    def _stop_heartbeats(self) -> None:
+        if self.heartbeats is not None:
+            self.heartbeats.stop()
+            self.heartbeats = None
+
     def close(self) -> None:
+        self._stop_heartbeats()
         self.backend.close()
         for sock in [self.scheduler, *self.pushes.values()]:
             sock.close()
@@ -155,6 +183,12 @@ class WorkerShell:
 
     # ---- the engine loop --------------------------------------------------------------------
     async def _engine_loop(self) -> None:
+        try:
+            await self._run_engine()
+        except Exception as e:  # the engine is dead: its state cannot be trusted any more
+            await self._engine_failed(e)
+
+    async def _run_engine(self) -> None:
         loop = asyncio.get_running_loop()
         backend = self.backend
         while True:
@@ -167,10 +201,10 @@ class WorkerShell:
                     await self.wake.wait()
                 continue
             if backend.step_inline:
-                result = backend.step()
+                result = self._step()
                 await asyncio.sleep(0)  # the other loops take their messages between steps
             else:
-                result = await loop.run_in_executor(self.compute, backend.step)
+                result = await loop.run_in_executor(self.compute, self._step)
             if backend.stalled():  # nothing could run: wait for a message (an ack frees pages)
                 self.wake.clear()
                 try:
@@ -179,19 +213,26 @@ class WorkerShell:
                     pass
             await backend.publish(result)
 
-    async def _heartbeat_loop(self) -> None:
+    def _step(self) -> Any:
+        """backend.step(), its start time published for the heartbeats (busy_s)."""
+        self.liveness.step_started = time.monotonic()
+        try:
+            self.faults.before_step()
+            return self.backend.step()
+        finally:
+            self.liveness.step_started = None
+
+    async def _engine_failed(self, error: Exception) -> None:
+        """Tell the scheduler first (it fails what this worker holds, and takes it out of
+        placement), then end the process with a non-zero code."""
+        detail = f"{type(error).__name__}: {error}"
+        self.log.exception("engine failed: the worker stops", error=detail)
+        self._stop_heartbeats()
+        await self.scheduler.send(WorkerStopped(worker_id=self.worker_id, instance=self.instance, error=detail))
+        raise ProcessFailed(f"worker {self.worker_id}: engine failed: {detail}")
+
+    async def _snapshot_loop(self) -> None:
+        """What the heartbeat thread reports; its freshness also shows that this loop turns."""
         while True:
-            load = self.backend.load()
-            await self.scheduler.send(
-                Heartbeat(
-                    worker_id=self.worker_id,
-                    running=load.running,
-                    waiting=load.waiting,
-                    time=time.time(),
-                    requests_finished=self.requests_finished,
-                    kv=load.kv,
-                    produced=load.produced,
-                    feature_cache=load.feature_cache,
-                )
-            )
+            self.liveness.snapshot = LoadSnapshot(self.backend.load(), self.requests_finished, time.monotonic())
             await asyncio.sleep(self.config.heartbeat_interval)
