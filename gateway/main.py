@@ -17,6 +17,7 @@ from common.tokenizer import Tokenizer
 from common.transport import Push
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, parse_args
+from gateway.http_server import GatewayRunner
 from gateway.mesh import MeshClient
 from gateway.metrics import GatewayMetrics
 
@@ -33,8 +34,11 @@ async def run(config: GatewayConfig) -> None:
     """Serve until cancelled."""
     tokenizer = Tokenizer.from_path(config.model)  # logprob token texts
     mesh = MeshClient(config.tokenizer_address, config.scheduler_address, config.reply_address, config.name)
-    runner = web.AppRunner(
-        Gateway(config, mesh, tokenizer, GatewayMetrics()).app(), handler_cancellation=True, access_log=None
+    runner = GatewayRunner(
+        Gateway(config, mesh, tokenizer, GatewayMetrics()).app(),
+        max_header_bytes=config.max_header_bytes,
+        handler_cancellation=True,
+        access_log=None,
     )
     try:
         mesh.start()
