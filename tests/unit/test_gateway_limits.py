@@ -12,7 +12,14 @@ from gateway.errors import ApiError
 from gateway.http_server import _error_for
 from gateway.limits import KeyLimits, RateLimited, estimate_prompt_tokens
 
-ADDRESSES = ["--tokenizer-address", "ipc:///tmp/t", "--scheduler-address", "ipc:///tmp/s", "--reply-address", "ipc:///tmp/r"]
+ADDRESSES = [
+    "--tokenizer-address",
+    "ipc:///tmp/t",
+    "--scheduler-address",
+    "ipc:///tmp/s",
+    "--reply-address",
+    "ipc:///tmp/r",
+]
 
 
 class Clock:
