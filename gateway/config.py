@@ -110,7 +110,7 @@ def parse_args(argv: list[str]) -> GatewayConfig:
 
 def add_auth_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of API keys and per-key limits (`pagemesh gateway` and `pagemesh up`)."""
-    # repeatable, so not through cli_args.add: $PAGEMESH_API_KEY (one key) is read when no flag is given
+    # repeatable, so not through cli_args.add: $PAGEMESH_API_KEY (one key) is read when no key flag is given
     parser.add_argument(
         "--api-key",
         action="append",
@@ -135,7 +135,7 @@ def add_auth_arguments(parser: argparse.ArgumentParser) -> None:
 def api_keys_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, ...]:
     """The keys the flags give (checked; errors through `parser.error`), also checking the limits."""
     keys = list(args.api_key or [])
-    if not keys and os.environ.get("PAGEMESH_API_KEY"):
+    if not keys and not args.api_key_file and os.environ.get("PAGEMESH_API_KEY"):  # the default of both flags
         keys.append(os.environ["PAGEMESH_API_KEY"].strip())
     if args.api_key_file:
         try:
@@ -154,3 +154,20 @@ def api_keys_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace
     if args.metrics_require_key and not keys:
         parser.error("--metrics-require-key needs API keys (--api-key or --api-key-file)")
     return tuple(dict.fromkeys(keys))
+
+
+def auth_args_to_argv(args: argparse.Namespace, keys: tuple[str, ...], key_file: Path) -> list[str]:
+    """The gateway's flags for what `pagemesh up` was given: the keys go through `key_file`
+    (written here, readable by its owner only), never on a command line others can list."""
+    argv = []
+    if keys:
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write("".join(f"{key}\n" for key in keys))
+        argv += ["--api-key-file", str(key_file)]
+    if args.metrics_require_key:
+        argv.append("--metrics-require-key")
+    for flag in ("max_concurrent_requests_per_key", "max_tokens_per_minute_per_key"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    return argv

@@ -176,3 +176,38 @@ def test_parser_errors_become_openai_errors():
     error = _error_for(400, BadHttpMessage("Invalid method"))
     assert (error.status, error.type, error.code) == (400, "invalid_request_error", "bad_request")
     assert _error_for(500, RuntimeError("boom")).body()["error"]["message"] == "internal server error"
+
+
+# ---- pagemesh up and compose hand the keys to the gateway
+
+
+def test_pagemesh_up_passes_keys_through_a_private_file_and_the_limits_as_flags(tmp_path, monkeypatch):
+    from services.launcher import parse, plan
+
+    monkeypatch.delenv("PAGEMESH_API_KEY", raising=False)
+    args_limits = ["--max-concurrent-requests-per-key", "2", "--max-tokens-per-minute-per-key", "900"]
+    args = parse(["--mixed", "1", "--diffusion", "0", "--api-key", "alpha", "--api-key", "beta", *args_limits])
+    argv = dict(plan(args, str(tmp_path)))["gateway"]
+    assert "alpha" not in argv and "beta" not in argv  # nothing on a command line others can list
+    key_file = tmp_path / "api-keys"
+    assert argv[argv.index("--api-key-file") + 1] == str(key_file)
+    assert read_key_file(key_file) == ["alpha", "beta"] and key_file.stat().st_mode & 0o077 == 0
+    config = parse_args(argv[argv.index("--host") :])
+    assert config.api_keys == ("alpha", "beta")
+    assert (config.max_concurrent_requests_per_key, config.max_tokens_per_minute_per_key) == (2, 900)
+    open_argv = dict(plan(parse(["--mixed", "1", "--diffusion", "0"]), str(tmp_path / "open")))["gateway"]
+    assert "--api-key-file" not in open_argv
+
+
+def test_compose_hands_the_key_variables_to_the_gateway_and_empty_means_open(monkeypatch):
+    from tests.unit.test_compose import COMPOSE, argv_of
+
+    gateway = COMPOSE["services"]["gateway"]
+    assert {"PAGEMESH_API_KEY", "PAGEMESH_API_KEY_FILE", "PAGEMESH_SCHEDULER_ADDRESS"} <= set(gateway["environment"])
+    monkeypatch.setenv("PAGEMESH_SCHEDULER_ADDRESS", gateway["environment"]["PAGEMESH_SCHEDULER_ADDRESS"])
+    # compose fills an unset ${VAR:-} with "": the gateway must then start open
+    monkeypatch.setenv("PAGEMESH_API_KEY", "")
+    monkeypatch.setenv("PAGEMESH_API_KEY_FILE", "")
+    assert parse_args(argv_of(gateway)[1:]).api_keys == ()
+    monkeypatch.setenv("PAGEMESH_API_KEY", "sk-compose")
+    assert parse_args(argv_of(gateway)[1:]).api_keys == ("sk-compose",)
