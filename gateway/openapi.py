@@ -53,6 +53,7 @@ _SAMPLING = {
     "logit_bias": {
         "type": "object",
         "maxProperties": MAX_LOGIT_BIAS,
+        "propertyNames": {"pattern": "^[0-9]{1,10}$"},
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
         "description": f'{{"token id": bias}}, at most {MAX_LOGIT_BIAS} entries',
     },
