@@ -33,6 +33,9 @@ SCHEMA = schemathesis.openapi.from_dict(DOCUMENT).exclude(path="/v1/images/gener
 
 @pytest.fixture(scope="module")
 def mesh():
+    if os.environ.get("PAGEMESH_FUZZ_URL"):  # fuzz a gateway already running (started with --api-key sk-fuzz)
+        yield os.environ["PAGEMESH_FUZZ_URL"]
+        return
     # a long heartbeat timeout: on a loaded machine one engine step can outlast the default 5 s
     # and the worker would be judged dead (issue 19) -- that is not what this test is about
     flags = ("--mixed", "1", "--max-model-len", "64", "--heartbeat-timeout", "600", "--api-key", KEY)
@@ -67,6 +70,7 @@ def test_fuzzed_requests_get_no_5xx_and_openai_shaped_errors(mesh, case):
                 body[field] = MAX_FUZZ_TOKENS
         if "max_tokens" not in body and "max_completion_tokens" not in body:  # chat's default: the context
             body["max_tokens"] = MAX_FUZZ_TOKENS
+    print("request:", case.method, case.path, json.dumps(body)[:2000] if isinstance(body, dict) else repr(body)[:500])
     response = case.call(base_url=mesh, headers={"Authorization": f"Bearer {KEY}"}, timeout=HANG_S)
     what = f"{case.method} {case.path} {str(body)[:300]} -> {response.status_code} {response.text[:300]}"
     assert response.status_code < 500, what

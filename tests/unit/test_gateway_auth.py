@@ -204,6 +204,10 @@ def test_header_limits_are_431_in_the_openai_shape(tmp_path):
         ({"prompt": "x", "stop": "s" * 257}, "stop", "256"),
         ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "1024"),
         ({"prompt": "x", "stop_token_ids": list(range(17))}, "stop_token_ids", "16"),
+        # subnormal: a worker's torch reads it as 0 and would drop the request the gateway let through
+        ({"prompt": "x", "top_p": 5e-324}, "top_p", "(0, 1]"),
+        ({"prompt": "x", "repetition_penalty": 5e-324}, "repetition_penalty", "(0, 10]"),
+        ({"prompt": "x", "temperature": 1e-310}, "temperature", "[0, 100]"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "'wizard'"),
         (
             {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "x"}]},

@@ -248,3 +248,21 @@ def test_the_engine_hands_the_sampler_the_token_lists_its_penalties_read(penalti
     row = engine.updater.sample_row(seq, None)
     assert row.prompt_ids == ([5, 6, 7] if prompt_read else [])
     assert row.output_ids == (seq.output_token_ids if output_read else []) and len(seq.output_token_ids) == 2
+
+
+def test_subnormal_numbers_are_refused_as_the_worker_would_read_them_as_zero():
+    for field in ("top_p", "repetition_penalty", "temperature", "min_p", "presence_penalty"):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: 5e-324}).validate()
+    # a worker's process flushes subnormals (its fast-math C kernels set the CPU's flags on load):
+    # there 5e-324 > 0 is false. The flags are the process's: put back what they were.
+    was_flushing = not 0.0 < 5e-324
+    flushing = torch.set_flush_denormal(True)
+    try:
+        if flushing:
+            assert not 0.0 < 5e-324
+        with pytest.raises(ValueError, match="top_p"):
+            SamplingParams(top_p=5e-324).validate()
+        SamplingParams(top_p=1e-300).validate()  # small but normal: the same in every process
+    finally:
+        torch.set_flush_denormal(was_flushing)
