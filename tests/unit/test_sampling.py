@@ -251,18 +251,20 @@ def test_the_engine_hands_the_sampler_the_token_lists_its_penalties_read(penalti
 
 
 def test_subnormal_numbers_are_refused_as_the_worker_would_read_them_as_zero():
-    for field in ("top_p", "repetition_penalty", "temperature", "min_p", "presence_penalty"):
-        with pytest.raises(ValueError, match=field):
-            SamplingParams(**{field: 5e-324}).validate()
-    # a worker's process flushes subnormals (its fast-math C kernels set the CPU's flags on load):
-    # there 5e-324 > 0 is false. The flags are the process's: put back what they were.
+    # A worker's process flushes subnormals (its fast-math C kernels set the CPU's flags on load):
+    # there 5e-324 > 0 is false. The gateway's process does not. Check both; the flags are the
+    # process's, so put back what they were.
     was_flushing = not 0.0 < 5e-324
-    flushing = torch.set_flush_denormal(True)
     try:
-        if flushing:
+        torch.set_flush_denormal(False)  # as the gateway runs
+        for field in ("top_p", "repetition_penalty", "temperature", "min_p", "presence_penalty"):
+            with pytest.raises(ValueError, match=field):
+                SamplingParams(**{field: 5e-324}).validate()
+        if torch.set_flush_denormal(True):  # as a worker runs
             assert not 0.0 < 5e-324
-        with pytest.raises(ValueError, match="top_p"):
-            SamplingParams(top_p=5e-324).validate()
-        SamplingParams(top_p=1e-300).validate()  # small but normal: the same in every process
+            for field in ("top_p", "repetition_penalty"):  # what the worker would have dropped
+                with pytest.raises(ValueError, match=field):
+                    SamplingParams(**{field: 5e-324}).validate()
+        SamplingParams(top_p=1e-300, repetition_penalty=1e-300).validate()  # small but normal: alike everywhere
     finally:
         torch.set_flush_denormal(was_flushing)
