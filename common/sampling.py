@@ -6,6 +6,7 @@ raises ValueError naming the offending field).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, fields
 
 MAX_N = 16
@@ -222,7 +223,12 @@ class SamplingParams:
 
 
 def _num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
+    """A number, not NaN, and not subnormal: a worker's torch flushes subnormals to zero, so there
+    5e-324 compares equal to 0 and a value the gateway let through would fail the worker's own
+    decode check (the message dropped, the request waiting for nothing)."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool) or x != x:
+        return False
+    return isinstance(x, int) or x == 0.0 or abs(x) >= sys.float_info.min
 
 
 def _check(ok: bool, name: str, why: str) -> None:

@@ -28,10 +28,13 @@ from aiohttp import web
 from common.json_schema import compile_schema, literals
 from common.messages import ImageRequest, ImageResult, RequestFailed, TextDelta
 from common.tokenizer import Tokenizer
+from gateway import openapi
+from gateway.auth import API_KEY, ApiKeys, auth_middleware
 from gateway.config import GatewayConfig
 from gateway.drain import GatewayDrain
 from gateway.errors import ApiError, from_request_failed, http_error, internal, invalid
 from gateway.images import image_response, parse_image_request
+from gateway.limits import KeyLimits, estimate_prompt_tokens
 from gateway.mesh import MeshClient, Reply
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.parsing import ParsedRequest, check_model, parse_chat, parse_completion, parse_json
@@ -83,10 +86,13 @@ class Gateway:
         self.drain = drain
         self.started = int(time.time())
         self.status_page = StatusPage(lambda: mesh.status(STATUS_TIMEOUT_S), config.served_model)
+        self.keys = ApiKeys(config.api_keys)
+        self.limits = KeyLimits(config.max_concurrent_requests_per_key, config.max_tokens_per_minute_per_key)
 
     def app(self) -> web.Application:
         limit = self.config.max_body_bytes
-        middlewares = [_error_middleware(limit)] + ([self.drain.middleware()] if self.drain else [])
+        authenticate = auth_middleware(self.keys, self.config.metrics_require_key)
+        middlewares = [_error_middleware(limit), authenticate] + ([self.drain.middleware()] if self.drain else [])
         app = web.Application(client_max_size=limit, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -98,6 +104,9 @@ class Gateway:
         app.router.add_get("/metrics", self.metrics_text)
         app.router.add_get("/", self.status_page.page)
         app.router.add_get("/status", self.status_page.status)
+        app.router.add_get("/version", openapi.version)
+        app.router.add_get("/openapi.json", openapi.document)
+        app.router.add_get("/docs", openapi.docs_page)
         return app
 
     # ---- generation
@@ -133,6 +142,7 @@ class Gateway:
             echo=self._echo(parsed),
         )
         offsets = {r.request_id: i * n for i, r in enumerate(requests)}
+        admission = self.limits.admit(request[API_KEY], estimate_prompt_tokens(parsed.prompts, parsed.messages))
         call = _Call(
             request_id,
             self.mesh.open(list(offsets)),
@@ -185,6 +195,7 @@ class Gateway:
                         self.mesh.abort(r, abort_reason)
                 for r in offsets:
                     self.mesh.discard(r)
+                admission.finish(builder.prompt_tokens + builder.completion_tokens)
 
     async def images_generations(self, request: web.Request) -> web.Response:
         """One image request in the mesh for all `n` images; JSON when they are done."""
@@ -199,6 +210,7 @@ class Gateway:
         if request.content_length is not None and request.content_length > self.config.max_body_bytes:
             raise _too_large(self.config.max_body_bytes)
         model, params = parse_image_request(parse_json(await request.read()))
+        admission = self.limits.admit(request[API_KEY], None)  # images: concurrency only, no tokens
         request_id = f"img-{uuid.uuid4().hex}"
         queue = self.mesh.open([request_id])
         ended = False
@@ -238,6 +250,7 @@ class Gateway:
                 if not ended:  # the client left, or the request timed out: free its slot
                     self.mesh.abort_image(request_id, "client disconnected or timed out")
                 self.mesh.discard(request_id)
+                admission.finish(0)
 
     def _check_spellable(self, schema: str) -> None:
         """Every key and enum string the schema fixes must be writable token by token in this

@@ -5,21 +5,24 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import cli_args
 from common.model_files import resolve_model_path, served_model_name
 from common.process import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP
+from gateway.auth import key_problem, read_key_file
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+DEFAULT_MAX_HEADER_BYTES = 8190  # aiohttp's own default for a header line and the request line
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
     """host/port: the HTTP listener. tokenizer_address and scheduler_address: Routers this
     gateway's Dealers connect to; reply_address: its Pull bind, where text and errors come back.
-    model_names: the names a request's `model` may use (served name first, then the path)."""
+    model_names: the names a request's `model` may use (served name first, then the path).
+    api_keys: the keys `/v1/*` accepts (none: open); the per-key limits are None when off."""
 
     host: str
     port: int
@@ -34,6 +37,11 @@ class GatewayConfig:
     ready_address: str | None
     log_level: str
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # never in a log line
+    metrics_require_key: bool = False
+    max_concurrent_requests_per_key: int | None = None
+    max_tokens_per_minute_per_key: int | None = None
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
 
     @property
     def served_model(self) -> str:
@@ -59,6 +67,14 @@ def parse_args(argv: list[str]) -> GatewayConfig:
     cli_args.add(parser, "--ready-address", None, help="push Ready here once serving")
     cli_args.add(parser, "--log-level", "INFO", help="DEBUG, INFO, WARNING or ERROR")
     cli_args.add(parser, "--drain-timeout", DEFAULT_DRAIN_TIMEOUT_S, type=float, help=DRAIN_TIMEOUT_HELP)
+    add_auth_arguments(parser)
+    cli_args.add(
+        parser,
+        "--max-header-bytes",
+        DEFAULT_MAX_HEADER_BYTES,
+        type=int,
+        help="longest request line or header line; longer gets 431",
+    )
     args = parser.parse_args(argv)
     for flag in ("tokenizer_address", "scheduler_address", "reply_address"):  # no defaults: flag or env
         if getattr(args, flag) is None:
@@ -69,6 +85,9 @@ def parse_args(argv: list[str]) -> GatewayConfig:
         parser.error("--max-body-bytes must be at least 1024")
     if not args.request_timeout > 0:
         parser.error("--request-timeout must be positive")
+    if args.max_header_bytes < 1024:
+        parser.error("--max-header-bytes must be at least 1024")
+    api_keys = api_keys_from_args(parser, args)
     model = resolve_model_path(args.model)
     names = dict.fromkeys([served_model_name(model), str(model)] + ([args.model] if args.model else []))
     return GatewayConfig(
@@ -85,4 +104,74 @@ def parse_args(argv: list[str]) -> GatewayConfig:
         ready_address=args.ready_address,
         log_level=args.log_level,
         drain_timeout=args.drain_timeout,
+        api_keys=api_keys,
+        metrics_require_key=args.metrics_require_key,
+        max_concurrent_requests_per_key=args.max_concurrent_requests_per_key,
+        max_tokens_per_minute_per_key=args.max_tokens_per_minute_per_key,
+        max_header_bytes=args.max_header_bytes,
     )
+
+
+def add_auth_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of API keys and per-key limits (`pagemesh gateway` and `pagemesh up`)."""
+    # repeatable, so not through cli_args.add: $PAGEMESH_API_KEY (one key) is read when no key flag is given
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="an API key /v1/* accepts as `Authorization: Bearer KEY` (repeatable; prefer --api-key-file: "
+        "a flag shows in the process list) [env PAGEMESH_API_KEY]",
+    )
+    cli_args.add(parser, "--api-key-file", None, help="file of API keys, one per line")
+    cli_args.add(parser, "--metrics-require-key", False, action="store_true", help="/metrics needs an API key too")
+    cli_args.add(
+        parser, "--max-concurrent-requests-per-key", None, type=int, help="requests in flight per key (429 over it)"
+    )
+    cli_args.add(
+        parser,
+        "--max-tokens-per-minute-per-key",
+        None,
+        type=int,
+        help="prompt + completion tokens per minute per key (429 over it)",
+    )
+
+
+def api_keys_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, ...]:
+    """The keys the flags give (checked; errors through `parser.error`), also checking the limits."""
+    keys = list(args.api_key or [])
+    if not keys and not args.api_key_file and os.environ.get("PAGEMESH_API_KEY"):  # the default of both flags
+        keys.append(os.environ["PAGEMESH_API_KEY"].strip())
+    if args.api_key_file:
+        try:
+            keys += read_key_file(args.api_key_file)
+        except (OSError, UnicodeDecodeError) as e:
+            parser.error(f"--api-key-file: cannot read {args.api_key_file}: {e}")
+        if not keys:
+            parser.error(f"--api-key-file: {args.api_key_file} holds no keys")
+    for key in keys:
+        if problem := key_problem(key):
+            parser.error(f"--api-key: {problem}")
+    for flag in ("max_concurrent_requests_per_key", "max_tokens_per_minute_per_key"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.metrics_require_key and not keys:
+        parser.error("--metrics-require-key needs API keys (--api-key or --api-key-file)")
+    return tuple(dict.fromkeys(keys))
+
+
+def auth_args_to_argv(args: argparse.Namespace, keys: tuple[str, ...], key_file: Path) -> list[str]:
+    """The gateway's flags for what `pagemesh up` was given: the keys go through `key_file`
+    (written here, readable by its owner only), never on a command line others can list."""
+    argv = []
+    if keys:
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write("".join(f"{key}\n" for key in keys))
+        argv += ["--api-key-file", str(key_file)]
+    if args.metrics_require_key:
+        argv.append("--metrics-require-key")
+    for flag in ("max_concurrent_requests_per_key", "max_tokens_per_minute_per_key"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    return argv

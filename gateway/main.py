@@ -18,6 +18,7 @@ from common.transport import Push
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, parse_args
 from gateway.drain import GatewayDrain
+from gateway.http_server import GatewayRunner
 from gateway.mesh import MeshClient
 from gateway.metrics import GatewayMetrics
 
@@ -37,8 +38,11 @@ async def run(config: GatewayConfig, drain: GatewayDrain | None = None) -> None:
     mesh = MeshClient(config.tokenizer_address, config.scheduler_address, config.reply_address, config.name)
     if drain is not None:
         drain.mesh = mesh
-    runner = web.AppRunner(
-        Gateway(config, mesh, tokenizer, GatewayMetrics(), drain).app(), handler_cancellation=True, access_log=None
+    runner = GatewayRunner(
+        Gateway(config, mesh, tokenizer, GatewayMetrics(), drain).app(),
+        max_header_bytes=config.max_header_bytes,
+        handler_cancellation=True,
+        access_log=None,
     )
     try:
         mesh.start()

@@ -25,6 +25,10 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 256
 MAX_PROMPTS = 256  # prompts in one completion request (each runs as its own request in the mesh)
+# OpenAI's roles this server honours. `developer` is OpenAI's newer name for `system`: it reaches
+# the chat template as `system`, the role the Llama-family templates know. `tool` and `function`
+# messages answer tool calls, which this server refuses (`tools`), so they are refused too.
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 Prompt = tuple["str | None", "list[int] | None"]  # (text, token ids): exactly one is set
@@ -301,12 +305,20 @@ def _messages(value: Any) -> list[dict[str, str]]:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise invalid(f"{where}.role: required, a non-empty string", f"{where}.role")
-        plain = {"role": role, "content": _content(message.get("content"), f"{where}.content")}
+        if role not in CHAT_ROLES:
+            raise invalid(f"{where}.role: unknown role {role[:40]!r}; {_ROLES_ALLOWED}", f"{where}.role")
+        plain = {"role": CHAT_ROLES[role], "content": _content(message.get("content"), f"{where}.content")}
         name = message.get("name")
         if isinstance(name, str):
             plain["name"] = name
         out.append(plain)
     return out
+
+
+_ROLES_ALLOWED = (
+    "allowed: 'system', 'developer', 'user', 'assistant' "
+    "('tool' and 'function' messages are refused: tool calling is not supported)"
+)
 
 
 def _content(value: Any, where: str) -> str:

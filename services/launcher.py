@@ -19,10 +19,12 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from pathlib import Path
 
 from common.cli_args import add
 from common.messages import Ready
 from common.transport import Pull, ipc_address
+from gateway.config import add_auth_arguments, api_keys_from_args, auth_args_to_argv
 from services.scheduler.config import add_policy_arguments, policy_args_to_argv
 from services.supervisor import Supervisor, drain_in_order
 from workers.diffusion.config import add_diffusion_arguments, diffusion_args_to_argv
@@ -59,7 +61,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add_policy_arguments(parser)
     add_engine_arguments(parser)
     add_diffusion_arguments(parser)
+    add_auth_arguments(parser)
     args = parser.parse_args(argv)
+    args.api_keys = api_keys_from_args(parser, args)
     mixed_only = args.mixed > 0
     args.prefill = args.prefill if args.prefill is not None else (0 if mixed_only else 1)
     args.decode = args.decode if args.decode is not None else (0 if mixed_only else 1)
@@ -173,6 +177,7 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
                 "--name",
                 "gateway-0",
                 *model,
+                *auth_args_to_argv(args, args.api_keys, Path(run_dir) / "api-keys"),
                 *common,
                 *drain,
             ],

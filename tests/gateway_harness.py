@@ -23,6 +23,7 @@ from common.model_files import default_model_path
 from gateway import app as gateway_app
 from gateway.config import GatewayConfig
 from gateway.drain import GatewayDrain
+from gateway.http_server import GatewayRunner
 from gateway.mesh import MeshClient
 from gateway.metrics import GatewayMetrics
 from tests.default_model import tokenizer as default_tokenizer
@@ -30,6 +31,17 @@ from tests.default_model import tokenizer as default_tokenizer
 TIMEOUT_S = HANG_S  # bounds a hang only; a loaded machine may take long to load the vocabulary
 TOKENIZER = default_tokenizer()  # one load per session, shared
 MODEL = "smol"
+
+
+class GatewayTestServer(TestServer):
+    """aiohttp's TestServer on the gateway's own runner (its header limits and error pages)."""
+
+    def __init__(self, app, max_header_bytes: int, **kwargs):
+        super().__init__(app, **kwargs)
+        self.max_header_bytes = max_header_bytes
+
+    async def _make_runner(self, **kwargs):
+        return GatewayRunner(self.app, max_header_bytes=self.max_header_bytes, **kwargs)
 
 
 class FakeMesh:
@@ -111,7 +123,8 @@ async def running_gateway(tmp_path: Path, **overrides):
         mesh.start()
         drain = GatewayDrain(config.drain_timeout)
         drain.mesh = mesh
-        server = TestServer(gateway_app.Gateway(config, mesh, TOKENIZER, GatewayMetrics(), drain).app())
+        app = gateway_app.Gateway(config, mesh, TOKENIZER, GatewayMetrics(), drain).app()
+        server = GatewayTestServer(app, config.max_header_bytes)
         fake = None
         try:
             async with TestClient(server) as client:

@@ -248,3 +248,23 @@ def test_the_engine_hands_the_sampler_the_token_lists_its_penalties_read(penalti
     row = engine.updater.sample_row(seq, None)
     assert row.prompt_ids == ([5, 6, 7] if prompt_read else [])
     assert row.output_ids == (seq.output_token_ids if output_read else []) and len(seq.output_token_ids) == 2
+
+
+def test_subnormal_numbers_are_refused_as_the_worker_would_read_them_as_zero():
+    # A worker's process flushes subnormals (its fast-math C kernels set the CPU's flags on load):
+    # there 5e-324 > 0 is false. The gateway's process does not. Check both; the flags are the
+    # process's, so put back what they were.
+    was_flushing = not 0.0 < 5e-324
+    try:
+        torch.set_flush_denormal(False)  # as the gateway runs
+        for field in ("top_p", "repetition_penalty", "temperature", "min_p", "presence_penalty"):
+            with pytest.raises(ValueError, match=field):
+                SamplingParams(**{field: 5e-324}).validate()
+        if torch.set_flush_denormal(True):  # as a worker runs
+            assert not 0.0 < 5e-324
+            for field in ("top_p", "repetition_penalty"):  # what the worker would have dropped
+                with pytest.raises(ValueError, match=field):
+                    SamplingParams(**{field: 5e-324}).validate()
+        SamplingParams(top_p=1e-300, repetition_penalty=1e-300).validate()  # small but normal: alike everywhere
+    finally:
+        torch.set_flush_denormal(was_flushing)

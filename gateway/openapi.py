@@ -1,0 +1,278 @@
+"""`/openapi.json`, `/docs` and `/version`: the gateway describing itself.
+
+The document states the request bodies as `gateway.parsing` and `gateway.images` check them, with
+the same limits (it is what schemathesis fuzzes the gateway with, so a schema looser than the
+parser only means more 400s; one stricter would hide inputs from the fuzzer). `/docs` renders the
+document in the page itself from the JSON, with no script or stylesheet from anywhere else.
+"""
+
+from __future__ import annotations
+
+import html
+import importlib.metadata
+import json
+
+from aiohttp import web
+
+from common.messages import MAX_ID, MAX_IMAGES
+from common.sampling import MAX_LOGIT_BIAS, MAX_N, MAX_STOP_ITEMS, MAX_STOP_LEN, MAX_TOKENS_LIMIT, MAX_TOP_LOGPROBS
+from gateway.parsing import CHAT_ROLES, MAX_MESSAGES, MAX_PROMPTS
+
+try:
+    VERSION = importlib.metadata.version("pagemesh")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    VERSION = "0+unknown"
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_ID}, "minItems": 1}
+_STOP = {
+    "oneOf": [
+        {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN},
+        {
+            "type": "array",
+            "maxItems": MAX_STOP_ITEMS,
+            "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN},
+        },
+    ],
+    "description": f"at most {MAX_STOP_ITEMS} strings of at most {MAX_STOP_LEN} characters",
+}
+_SAMPLING = {
+    "model": {"type": "string"},
+    "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 100},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": "integer", "minimum": -1},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "seed": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 10},
+    "max_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_LIMIT - 1},
+    "stop": _STOP,
+    "stop_token_ids": {"type": "array", "maxItems": MAX_STOP_ITEMS, "items": {"type": "integer", "minimum": 0}},
+    "logit_bias": {
+        "type": "object",
+        "maxProperties": MAX_LOGIT_BIAS,
+        "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        "description": f'{{"token id": bias}}, at most {MAX_LOGIT_BIAS} entries',
+    },
+    "stream": {"type": "boolean"},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "ignore_eos": {"type": "boolean"},
+    "min_tokens": {"type": "integer", "minimum": 0},
+    "include_stop_str_in_output": {"type": "boolean"},
+    "user": {"type": "string"},
+}
+_CONTENT_PART = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+}
+_SCHEMAS = {
+    "Error": {
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type", "param", "code"],
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": ["string", "null"]},
+                },
+            }
+        },
+    },
+    "CompletionRequest": {
+        "type": "object",
+        "required": ["prompt"],
+        "properties": {
+            "prompt": {
+                "oneOf": [
+                    {"type": "string"},
+                    _TOKEN_IDS,
+                    {
+                        "type": "array",
+                        "minItems": 1,
+                        "maxItems": MAX_PROMPTS,
+                        "items": {"oneOf": [{"type": "string"}, _TOKEN_IDS]},
+                    },
+                ]
+            },
+            **_SAMPLING,
+            "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+            "echo": {"type": "boolean"},
+            "best_of": {"type": "integer", "minimum": 1, "maximum": MAX_N},
+        },
+    },
+    "ChatMessage": {
+        "type": "object",
+        "required": ["role", "content"],
+        "properties": {
+            "role": {"enum": sorted(CHAT_ROLES)},
+            "content": {"oneOf": [{"type": "string"}, {"type": "array", "maxItems": 256, "items": _CONTENT_PART}]},
+            "name": {"type": "string"},
+        },
+    },
+    "ChatCompletionRequest": {
+        "type": "object",
+        "required": ["messages"],
+        "properties": {
+            "messages": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": MAX_MESSAGES,
+                "items": {"$ref": "#/components/schemas/ChatMessage"},
+            },
+            **_SAMPLING,
+            "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_LIMIT - 1},
+            "logprobs": {"type": "boolean"},
+            "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+            "response_format": {
+                "type": "object",
+                "required": ["type"],
+                "properties": {"type": {"enum": ["text", "json_object", "json_schema"]}},
+            },
+        },
+    },
+    "ImageRequest": {
+        "type": "object",
+        "required": ["prompt"],
+        "properties": {
+            "prompt": {"type": "string", "minLength": 1, "maxLength": 4000},
+            "model": {"type": "string", "minLength": 1},
+            "n": {"type": "integer", "minimum": 1, "maximum": MAX_IMAGES},
+            "size": {"type": "string", "pattern": "^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$"},
+            "response_format": {"const": "b64_json"},
+            "seed": {"type": "integer", "minimum": 0},
+            "num_inference_steps": {"type": "integer", "minimum": 1},
+            "guidance_scale": {"type": "number", "minimum": 0, "maximum": 100},
+            "negative_prompt": {"type": "string"},
+            "sampler": {"enum": ["ddpm", "ddim", "dpmsolver++", "unipc", "euler"]},
+        },
+    },
+}
+
+
+def _errors(*statuses: int) -> dict:
+    reasons = {
+        400: "invalid request (the message names the field and the limit)",
+        401: "missing or wrong API key",
+        404: "unknown model",
+        413: "request body too large",
+        429: "per-key rate limit (Retry-After says when to retry)",
+        503: "no capacity, or the mesh is not ready (Retry-After)",
+        504: "request timed out",
+    }
+    return {str(s): {"description": reasons[s], "content": {"application/json": {"schema": _ERROR}}} for s in statuses}
+
+
+def _generation(summary: str, schema: str) -> dict:
+    return {
+        "post": {
+            "summary": summary,
+            "security": [{"bearer": []}],
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
+            },
+            "responses": {
+                "200": {
+                    "description": "the result (JSON), or a stream of server-sent events when `stream` is true",
+                    "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}},
+                },
+                **_errors(400, 401, 404, 413, 429, 503, 504),
+            },
+        }
+    }
+
+
+def _get(summary: str, content_type: str = "application/json", keyed: bool = False, statuses=()) -> dict:
+    op = {"summary": summary, "responses": {"200": {"description": "ok", "content": {content_type: {}}}}}
+    if keyed:
+        op["security"] = [{"bearer": []}]
+        statuses = (401, *statuses)
+    op["responses"].update(_errors(*statuses))
+    return {"get": op}
+
+
+def build_document() -> dict:
+    """The OpenAPI 3.1 document of every route the gateway serves."""
+    model_path = _get("one model's card", keyed=True, statuses=(404,))
+    model_path["get"]["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "pagemesh gateway",
+            "version": VERSION,
+            "description": "OpenAI-compatible API of a pagemesh mesh. Errors are OpenAI's "
+            '`{"error": {"message", "type", "param", "code"}}`.',
+        },
+        "paths": {
+            "/v1/completions": _generation("text completion", "CompletionRequest"),
+            "/v1/chat/completions": _generation("chat completion", "ChatCompletionRequest"),
+            "/v1/images/generations": _generation("image generation", "ImageRequest"),
+            "/v1/models": _get("the served models", keyed=True),
+            "/v1/models/{model}": model_path,
+            "/health": _get("the gateway is up", "text/plain"),
+            "/ready": _get("the mesh can serve", statuses=(503,)),
+            "/metrics": _get("Prometheus metrics", "text/plain"),
+            "/version": _get("the server's version"),
+            "/openapi.json": _get("this document"),
+            "/docs": _get("this document as a page", "text/html"),
+            "/": _get("the live status page", "text/html"),
+            "/status": _get("the status page's figures: workers, queue, recent requests"),
+        },
+        "components": {
+            "schemas": _SCHEMAS,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
+
+
+DOCUMENT = build_document()
+_DOCUMENT_BYTES = json.dumps(DOCUMENT, indent=1).encode()
+
+
+async def document(request: web.Request) -> web.Response:
+    return web.Response(body=_DOCUMENT_BYTES, content_type="application/json")
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": VERSION})
+
+
+async def docs_page(request: web.Request) -> web.Response:
+    return web.Response(text=_DOCS_HTML, content_type="text/html")
+
+
+def _docs_html(doc: dict) -> str:
+    """Each route with its summary, and each request schema as JSON: a page with nothing to fetch."""
+    rows = []
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            rows.append(
+                f"<tr><td><code>{method.upper()}</code></td><td><code>{html.escape(path)}</code></td>"
+                f"<td>{html.escape(op['summary'])}</td><td>{'key' if 'security' in op else 'open'}</td></tr>"
+            )
+    schemas = "".join(
+        f"<h3 id='{name}'>{name}</h3><pre>{html.escape(json.dumps(schema, indent=2))}</pre>"
+        for name, schema in doc["components"]["schemas"].items()
+    )
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>pagemesh API</title>"
+        "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto}td{padding:.2em .8em}"
+        "pre{background:#f4f4f4;padding:.5em;overflow:auto}</style></head><body>"
+        f"<h1>pagemesh gateway {html.escape(VERSION)}</h1>"
+        f"<p>{html.escape(doc['info']['description'])} The machine-readable document: "
+        "<a href='/openapi.json'>/openapi.json</a>. Keyed routes need <code>Authorization: Bearer KEY</code> "
+        "when the gateway has API keys.</p>"
+        f"<table><tr><th>method</th><th>path</th><th>what</th><th>auth</th></tr>{''.join(rows)}</table>"
+        f"<h2>Request bodies</h2>{schemas}</body></html>"
+    )
+
+
+_DOCS_HTML = _docs_html(DOCUMENT)
