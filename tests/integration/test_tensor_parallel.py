@@ -1,0 +1,114 @@
+"""Tensor parallel inside a worker: the real rank processes (`FollowerRanks` starts them; gloo on
+loopback), this test process being rank 0, on a tiny random Llama whose heads divide by 2 and 4.
+The logits of every step equal the single-rank model's, over mixed prefill chunks and decodes,
+copy-on-write page copies and prompt-logprob rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.model_config import read_model_config
+from workers.engine.model_input import ModelInput
+from workers.engine.model_runner import ModelRunner
+from workers.engine.tensor_parallel import FollowerRanks, FollowerSpec, check_tensor_parallel
+from workers.model.layers import ParallelContext
+from workers.model.loader import load_model
+
+PAGE_SIZE = 4
+NUM_PAGES = 48
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(7)
+    model = LlamaForCausalLM(cfg).eval()
+    folder = tmp_path_factory.mktemp("tiny-llama-tp")
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def steps() -> list[ModelInput]:
+    """Three steps of three sequences: A's prompt in two chunks, B's in one, then decodes mixed
+    with C's prompt chunks; D forks from B (copy-on-write of B's last page) and decodes."""
+    gen = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randint(0, 256, (n,), generator=gen).tolist() for n in (14, 6, 21))
+    pa, pb, pc, pd = [1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12, 13, 14], [6, 15, 16]
+    return [
+        # A chunk 0..10, B whole prompt (samples); B also scores its prompt
+        ModelInput(a[:10] + b, [10, 6], [10, 6], [pa, pb], [15], [10, 11, 12, 13, 14]),
+        # B decodes, A's last chunk (samples), C's first chunk
+        ModelInput([b[-1]] + a[10:] + c[:5], [1, 4, 5], [7, 14, 5], [pb, pa, pc], [0, 4], [], 1),
+        # D = a fork of B: copy B's partly filled page 7 to 15; A, B, D decode; C's last chunk
+        ModelInput(
+            [a[-1], b[0], b[1]] + c[5:],
+            [1, 1, 1, 16],
+            [15, 8, 8, 21],
+            [pa, pb, pd, pc],
+            [0, 1, 2, 18],
+            [],
+            3,
+            page_copies=[(7, 15)],
+        ),
+    ]
+
+
+def run_steps(runner: ModelRunner) -> list[torch.Tensor]:
+    return [runner.execute(step).clone() for step in steps()]
+
+
+@pytest.fixture(scope="module")
+def single_rank_logits(tiny_llama):
+    model = load_model(tiny_llama, torch.float32, torch.device("cpu"))
+    return run_steps(ModelRunner(model, NUM_PAGES, PAGE_SIZE, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tensor_parallel_logits_equal_the_single_rank_model(tiny_llama, single_rank_logits, world_size):
+    cpu = torch.device("cpu")
+    model = load_model(tiny_llama, torch.float32, cpu, ParallelContext(0, world_size))
+    assert model.layers[0].self_attn.num_heads == 8 // world_size
+    assert model.layers[0].self_attn.num_kv_heads == 4 // world_size
+    followers = FollowerRanks(FollowerSpec(tiny_llama, "float32", "cpu", NUM_PAGES, PAGE_SIZE, world_size, threads=1))
+    try:
+        runner = ModelRunner(model, NUM_PAGES, PAGE_SIZE, cpu, followers=followers)
+        assert runner.kv_cache.shape[4] == 4 // world_size  # this rank's KV heads only
+        logits = run_steps(runner)
+        assert all(p.poll() is None for p in followers.procs)
+    finally:
+        followers.close()
+        torch.distributed.destroy_process_group()
+    assert [p.returncode for p in followers.procs] == [0] * (world_size - 1)  # stdin closed: a clean exit
+    for got, want in zip(logits, single_rank_logits):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused_naming_the_sizes(tiny_llama):
+    cfg = read_model_config(tiny_llama)
+    check_tensor_parallel(cfg, 4)
+    with pytest.raises(ValueError, match=r"tensor-parallel size 3 does not divide .*8 query heads.*4 KV heads"):
+        check_tensor_parallel(cfg, 3)
+
+
+def test_the_engine_refuses_a_sharding_of_the_default_model_at_start():
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import Engine
+
+    # SmolLM2-135M: 9 query heads, 3 KV heads; refused before any weight loads or rank starts
+    with pytest.raises(ValueError, match=r"tensor-parallel size 2 does not divide the model's 9 query heads and 3 KV"):
+        Engine(EngineConfig(tensor_parallel_size=2))

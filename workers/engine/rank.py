@@ -1,0 +1,87 @@
+"""A follower rank of a tensor-parallel worker (rank 1 .. N-1), started by rank 0
+(`workers.engine.tensor_parallel.FollowerRanks`), never by hand.
+
+    load this rank's shard → join the group → loop: read a step from stdin → run it
+It exits when its stdin ends (rank 0 closed it or died) or its parent changes; a collective
+that fails (another rank gone mid-step) raises, and it exits with an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+PARENT_POLL_S = 0.5
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m workers.engine.rank", description=__doc__)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--init-method", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", required=True)
+    parser.add_argument("--device", required=True, choices=["cpu", "cuda"])
+    parser.add_argument("--num-pages", type=int, required=True)
+    parser.add_argument("--page-size", type=int, required=True)
+    parser.add_argument("--threads", type=int, required=True)
+    return parser.parse_args(argv)
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    """Rank 0 killed outright leaves no one to close our stdin on some paths (a grandchild
+    holding it): its pid going away is the other sign."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    os._exit(0)
+
+
+def main(argv: list[str]) -> None:
+    args = parse(argv)
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+
+    import structlog
+    import torch
+
+    from common.logging import configure_logging
+    from workers.engine.backend import select_backend
+    from workers.engine.model_runner import ModelRunner
+    from workers.engine.tensor_parallel import follower_step, init_group, read_step
+    from workers.model.layers import ParallelContext
+    from workers.model.loader import load_model
+
+    configure_logging("worker-rank", f"rank{args.rank}")
+    log = structlog.get_logger().bind(rank=args.rank)
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    dtype = getattr(torch, args.dtype)
+    tp = ParallelContext(args.rank, args.world_size)
+    model = load_model(Path(args.model), dtype, device, tp)
+    runner = ModelRunner(
+        model,
+        args.num_pages,
+        args.page_size,
+        device,
+        cuda_graphs=False,
+        backend=select_backend(device, dtype),
+    )
+    init_group(args.rank, args.world_size, args.init_method, args.device)
+    log.info("tensor-parallel rank ready", pid=os.getpid())
+    stdin = sys.stdin.buffer
+    steps = 0
+    while (step := read_step(stdin)) is not None:
+        runner.execute(follower_step(step))
+        steps += 1
+    log.info("tensor-parallel rank done", steps=steps)
+    # Leave without tearing the process group down: gloo's teardown can wait on peers that are
+    # leaving too, and this rank holds nothing that needs a clean close.
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
