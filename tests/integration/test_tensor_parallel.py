@@ -1,9 +1,12 @@
 """Tensor parallel inside a worker: the real rank processes (`FollowerRanks` starts them; gloo on
-loopback), this test process being rank 0, on a tiny random Llama whose heads divide by 2 and 4.
+loopback, or the shared-memory all-reduce), this test process being rank 0, on a tiny random Llama
+whose heads divide by 2 and 4.
 The logits of every step equal the single-rank model's, over mixed prefill chunks and decodes,
 copy-on-write page copies and prompt-logprob rows."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -11,8 +14,13 @@ import torch
 from common.model_config import read_model_config
 from workers.engine.model_input import ModelInput
 from workers.engine.model_runner import ModelRunner
-from workers.engine.tensor_parallel import FollowerRanks, FollowerSpec, check_tensor_parallel
-from workers.model.layers import ParallelContext
+from workers.engine.tensor_parallel import (
+    FollowerRanks,
+    FollowerSpec,
+    check_tensor_parallel,
+    create_shared_all_reduce,
+    rank_context,
+)
 from workers.model.loader import load_model
 
 PAGE_SIZE = 4
@@ -76,18 +84,28 @@ def single_rank_logits(tiny_llama):
     return run_steps(ModelRunner(model, NUM_PAGES, PAGE_SIZE, torch.device("cpu")))
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_tensor_parallel_logits_equal_the_single_rank_model(tiny_llama, single_rank_logits, world_size):
+@pytest.mark.parametrize(("world_size", "all_reduce"), [(2, "gloo"), (2, "shared"), (4, "shared")])
+def test_tensor_parallel_logits_equal_the_single_rank_model(tiny_llama, single_rank_logits, world_size, all_reduce):
     cpu = torch.device("cpu")
-    model = load_model(tiny_llama, torch.float32, cpu, ParallelContext(0, world_size))
+    cfg = read_model_config(tiny_llama)
+    shm_path, shm_numel = None, 0
+    if all_reduce == "shared":
+        shm_path, shm_numel = create_shared_all_reduce(world_size, cfg, 64, torch.float32, cpu)
+        assert shm_path is not None  # an x86 CPU
+    tp = rank_context(0, world_size, shm_path, shm_numel, torch.float32)
+    model = load_model(tiny_llama, torch.float32, cpu, tp)
     assert model.layers[0].self_attn.num_heads == 8 // world_size
     assert model.layers[0].self_attn.num_kv_heads == 4 // world_size
-    followers = FollowerRanks(FollowerSpec(tiny_llama, "float32", "cpu", NUM_PAGES, PAGE_SIZE, world_size, threads=1))
+    spec = FollowerSpec(tiny_llama, "float32", "cpu", NUM_PAGES, PAGE_SIZE, world_size, 1, shm_path, shm_numel)
+    followers = FollowerRanks(spec)
     try:
+        assert shm_path is None or not os.path.exists(shm_path)  # unlinked once every rank mapped it
         runner = ModelRunner(model, NUM_PAGES, PAGE_SIZE, cpu, followers=followers)
         assert runner.kv_cache.shape[4] == 4 // world_size  # this rank's KV heads only
         logits = run_steps(runner)
         assert all(p.poll() is None for p in followers.procs)
+        if tp.shared is not None:
+            assert tp.shared.generation == 2 * 2 * len(steps())  # 2 layers x 2 all-reduces per step
     finally:
         followers.close()
         torch.distributed.destroy_process_group()

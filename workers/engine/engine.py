@@ -21,6 +21,7 @@ The engine composes one object per job, each holding its own state:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -46,10 +47,15 @@ from workers.engine.scheduler import Scheduler, StepSchedulerConfig
 from workers.engine.sequence import EngineRequest, Sequence
 from workers.engine.stats import EngineStats
 from workers.engine.stopping import StopRules
-from workers.engine.tensor_parallel import FollowerRanks, FollowerSpec, check_tensor_parallel
+from workers.engine.tensor_parallel import (
+    FollowerRanks,
+    FollowerSpec,
+    check_tensor_parallel,
+    create_shared_all_reduce,
+    rank_context,
+)
 from workers.engine.update import StepUpdate
 from workers.engine.validation import RequestValidator
-from workers.model.layers import ParallelContext
 from workers.model.llama import LlamaForCausalLM
 from workers.model.loader import load_model
 
@@ -82,11 +88,21 @@ class Engine:
         self.device = config.resolve_device()
         self.model_path: Path | None = None
         tp_size = config.tensor_parallel_size
+        self.shm_path, self.shm_numel = None, 0
         if model is None:
             self.model_path = resolve_model_path(config.model)
-            check_tensor_parallel(read_model_config(self.model_path), tp_size)
-            tp = ParallelContext(0, tp_size)
-            model = load_model(self.model_path, config.resolve_dtype(self.device), self.device, tp)
+            model_config = read_model_config(self.model_path)
+            check_tensor_parallel(model_config, tp_size)
+            dtype = config.resolve_dtype(self.device)
+            self.shm_path, self.shm_numel = create_shared_all_reduce(
+                tp_size, model_config, config.max_num_batched_tokens, dtype, self.device
+            )
+            try:
+                tp = rank_context(0, tp_size, self.shm_path, self.shm_numel, dtype)
+                model = load_model(self.model_path, dtype, self.device, tp)
+            except BaseException:
+                self._unlink_shared_file()
+                raise
         elif model.tp.world_size != tp_size:
             raise ValueError(f"engine: the model is sharded {model.tp.world_size} ways, tensor_parallel_size={tp_size}")
         self.model_config = model.config
@@ -103,7 +119,10 @@ class Engine:
             StepSchedulerConfig.for_engine(config, self.max_model_len, self._page_bytes(model)), self.blocks
         )
         self.backend = select_backend(self.device, model.embed_tokens.weight.dtype)
-        self.followers = self._start_followers(model, num_pages) if tp_size > 1 else None
+        try:
+            self.followers = self._start_followers(model, num_pages) if tp_size > 1 else None
+        finally:
+            self._unlink_shared_file()  # every rank has mapped it (or none will)
         self.runner = ModelRunner(
             model,
             num_pages,
@@ -151,9 +170,21 @@ class Engine:
             raise ValueError("engine: tensor parallel needs a model path (the other ranks load their shards from it)")
         dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
         spec = FollowerSpec(
-            self.model_path, dtype, self.device.type, num_pages, self.config.page_size, model.tp.world_size
+            self.model_path,
+            dtype,
+            self.device.type,
+            num_pages,
+            self.config.page_size,
+            model.tp.world_size,
+            threads=torch.get_num_threads(),  # as many as this rank was given
+            shm_path=self.shm_path,
+            shm_numel=self.shm_numel,
         )
         return FollowerRanks(spec)
+
+    def _unlink_shared_file(self) -> None:
+        if self.shm_path is not None and os.path.exists(self.shm_path):
+            os.unlink(self.shm_path)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do for a single-rank engine)."""

@@ -29,6 +29,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--num-pages", type=int, required=True)
     parser.add_argument("--page-size", type=int, required=True)
     parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--shm-path", default=None, help="the shared-memory all-reduce's file")
+    parser.add_argument("--shm-numel", type=int, default=0)
     return parser.parse_args(argv)
 
 
@@ -50,8 +52,7 @@ def main(argv: list[str]) -> None:
     from common.logging import configure_logging
     from workers.engine.backend import select_backend
     from workers.engine.model_runner import ModelRunner
-    from workers.engine.tensor_parallel import follower_step, init_group, read_step
-    from workers.model.layers import ParallelContext
+    from workers.engine.tensor_parallel import follower_step, init_group, rank_context, read_step
     from workers.model.loader import load_model
 
     configure_logging("worker-rank", f"rank{args.rank}")
@@ -59,7 +60,7 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(args.threads)
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     dtype = getattr(torch, args.dtype)
-    tp = ParallelContext(args.rank, args.world_size)
+    tp = rank_context(args.rank, args.world_size, args.shm_path, args.shm_numel, dtype)
     model = load_model(Path(args.model), dtype, device, tp)
     runner = ModelRunner(
         model,

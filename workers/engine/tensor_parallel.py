@@ -35,9 +35,12 @@ from pathlib import Path
 from typing import BinaryIO
 
 import structlog
+import torch
 
 from common.model_config import ModelConfig
 from workers.engine.model_input import ModelInput, decode_model_input, encode_model_input
+from workers.model.layers import ParallelContext
+from workers.model.shm_allreduce import SharedMemoryAllReduce, create_file, shared_memory_supported
 
 COLLECTIVE_TIMEOUT_S = 300.0  # bounds a hang inside a step (or the start), sized for a loaded machine
 _LENGTH = struct.Struct("<Q")
@@ -62,9 +65,10 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
         )
 
 
-def threads_per_rank(world_size: int) -> int:
-    """Torch (and OpenMP) threads for each rank: the host's cores shared out, at least one."""
-    return max(1, (os.cpu_count() or 1) // world_size)
+def threads_per_rank(world_size: int, worker_threads: int | None = None) -> int:
+    """Torch (and OpenMP) threads for each rank: the worker's threads (default: the host's
+    cores) shared out, at least one."""
+    return max(1, (worker_threads or os.cpu_count() or 1) // world_size)
 
 
 def init_group(rank: int, world_size: int, init_method: str, device_type: str) -> None:
@@ -79,6 +83,31 @@ def init_group(rank: int, world_size: int, init_method: str, device_type: str) -
         world_size=world_size,
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
+
+
+def rank_context(
+    rank: int, world_size: int, shm_path: str | None, shm_numel: int, dtype: torch.dtype
+) -> ParallelContext:
+    """A rank's ParallelContext: all-reduces through the shared-memory file where there is one."""
+    shared = None
+    if shm_path is not None:
+        shared = SharedMemoryAllReduce(shm_path, rank, world_size, shm_numel, dtype, COLLECTIVE_TIMEOUT_S)
+    return ParallelContext(rank, world_size, shared)
+
+
+def create_shared_all_reduce(
+    world_size: int, cfg: ModelConfig, max_tokens: int, dtype: torch.dtype, device: torch.device
+) -> tuple[str | None, int]:
+    """Rank 0, before anything else: the shared-memory file of the group's all-reduces, sized
+    for a step of `max_tokens` (path, elements per slot); (None, 0) where gloo must do (not an
+    x86 CPU). `FollowerRanks` unlinks the file once every rank has mapped it."""
+    if world_size == 1 or not shared_memory_supported(device):
+        return None, 0
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(folder, f"pagemesh-tp-{os.getpid()}-{os.urandom(4).hex()}")
+    numel = max_tokens * cfg.hidden_size
+    create_file(path, world_size, numel, dtype)
+    return path, numel
 
 
 def write_step(pipe: BinaryIO, step: ModelInput) -> None:
@@ -110,6 +139,8 @@ class FollowerSpec:
     page_size: int
     world_size: int
     threads: int | None = None
+    shm_path: str | None = None  # the shared-memory all-reduce's file (None: gloo only)
+    shm_numel: int = 0
 
 
 class FollowerRanks:
@@ -127,9 +158,11 @@ class FollowerRanks:
         for rank, proc in enumerate(self.procs, start=1):
             threading.Thread(target=self._watch, args=(rank, proc), daemon=True, name=f"tp-rank-{rank}").start()
         try:
-            init_group(0, spec.world_size, init_method, spec.device)
+            init_group(0, spec.world_size, init_method, spec.device)  # every rank has mapped the file
         finally:
-            shutil.rmtree(self.rendezvous, ignore_errors=True)
+            # (the rendezvous file stays until close(): ranks still read it after the group is up)
+            if spec.shm_path is not None and os.path.exists(spec.shm_path):
+                os.unlink(spec.shm_path)
         log.info("tensor-parallel group up", world_size=spec.world_size, followers=[p.pid for p in self.procs])
 
     def _start(self, rank: int, init_method: str) -> subprocess.Popen:
@@ -148,6 +181,8 @@ class FollowerRanks:
             f"--page-size={s.page_size}",
             f"--threads={s.threads or threads_per_rank(s.world_size)}",
         ]
+        if s.shm_path is not None:
+            argv += [f"--shm-path={s.shm_path}", f"--shm-numel={s.shm_numel}"]
         env = dict(os.environ)
         if s.device == "cuda":
             # rank i takes the i-th GPU this worker was given; rank 0 uses the first (cuda:0)
@@ -186,6 +221,7 @@ class FollowerRanks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        shutil.rmtree(self.rendezvous, ignore_errors=True)
 
 
 def follower_step(step: ModelInput) -> ModelInput:
