@@ -23,6 +23,7 @@ exits when its stdin closes or its parent changes.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import struct
@@ -34,7 +35,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import BinaryIO
 
-import structlog
 import torch
 
 from common.model_config import ModelConfig
@@ -45,7 +45,7 @@ from workers.model.shm_allreduce import SharedMemoryAllReduce, create_file, shar
 COLLECTIVE_TIMEOUT_S = 300.0  # bounds a hang inside a step (or the start), sized for a loaded machine
 _LENGTH = struct.Struct("<Q")
 
-log = structlog.get_logger()
+log = logging.getLogger(__name__)  # stdlib: the engine imports no structlog (a GPU machine has none)
 
 
 def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
@@ -163,7 +163,7 @@ class FollowerRanks:
             # (the rendezvous file stays until close(): ranks still read it after the group is up)
             if spec.shm_path is not None and os.path.exists(spec.shm_path):
                 os.unlink(spec.shm_path)
-        log.info("tensor-parallel group up", world_size=spec.world_size, followers=[p.pid for p in self.procs])
+        log.info("tensor-parallel group up: %d ranks, followers %s", spec.world_size, [p.pid for p in self.procs])
 
     def _start(self, rank: int, init_method: str) -> subprocess.Popen:
         s = self.spec
@@ -196,7 +196,7 @@ class FollowerRanks:
             return
         # A rank is gone: the worker cannot run another step (its collectives would fail or
         # wait), so it goes down as a whole and the scheduler fails and drops what it held.
-        log.error("tensor-parallel rank exited: stopping the worker", rank=rank, pid=proc.pid, code=code)
+        log.error("tensor-parallel rank %d (pid %d) exited with %s: stopping the worker", rank, proc.pid, code)
         self.close()
         os._exit(1)
 
