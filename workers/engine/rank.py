@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import threading
 import time
@@ -44,6 +45,9 @@ def _exit_when_orphaned(parent: int) -> None:
 
 def main(argv: list[str]) -> None:
     args = parse(argv)
+    # Ctrl-C reaches the whole process group: rank 0 shuts down and closes our pipe, which is
+    # our signal to leave; a follower that died of the SIGINT first would look like a failure.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
 
     import structlog
