@@ -29,7 +29,9 @@ def steps(batch: int, context: int, prefill: int) -> tuple[ModelInput, ModelInpu
     pages = (context + PAGE) // PAGE
     tables = [list(range(1 + i * pages, 1 + (i + 1) * pages)) for i in range(batch)]
     decode = ModelInput([7] * batch, [1] * batch, [context] * batch, tables, list(range(batch)), [], batch)
-    chunk = ModelInput([7] * prefill, [prefill], [prefill], [tables[0]], [prefill - 1], [])
+    first = 1 + batch * pages
+    chunk_table = list(range(first, first + (prefill + PAGE - 1) // PAGE))
+    chunk = ModelInput([7] * prefill, [prefill], [prefill], [chunk_table], [prefill - 1], [])
     return decode, chunk
 
 
@@ -51,7 +53,7 @@ def measure(world: int, all_reduce: str, args) -> tuple[float, float]:
     if world > 1 and all_reduce == "shared":
         shm, numel = create_shared_all_reduce(world, read_model_config(path), 2048, dtype, cpu)
     model = load_model(path, dtype, cpu, rank_context(0, world, shm, numel, dtype))
-    num_pages = args.batch * ((args.context + PAGE) // PAGE) + 8
+    num_pages = args.batch * ((args.context + PAGE) // PAGE) + (args.prefill + PAGE - 1) // PAGE + 1
     followers = None
     if world > 1:
         spec = FollowerSpec(path, "float32", "cpu", num_pages, PAGE, world, torch.get_num_threads(), shm, numel)
