@@ -50,11 +50,13 @@ def tiny_llama(tmp_path_factory):
 
 
 def steps() -> list[ModelInput]:
-    """Three steps of three sequences: A's prompt in two chunks, B's in one, then decodes mixed
-    with C's prompt chunks; D forks from B (copy-on-write of B's last page) and decodes."""
+    """Steps of four sequences: A's prompt in two chunks, B's in one, then decodes mixed with C's
+    prompt chunks; D forks from B (copy-on-write of B's last page) and decodes; A is swapped out
+    to host memory (its page 1 overwritten meanwhile) and back into other pages, and decodes."""
     gen = torch.Generator().manual_seed(0)
     a, b, c = (torch.randint(0, 256, (n,), generator=gen).tolist() for n in (14, 6, 21))
     pa, pb, pc, pd = [1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12, 13, 14], [6, 15, 16]
+    pa2 = [17, 18, 19, 20, 21]
     return [
         # A chunk 0..10, B whole prompt (samples); B also scores its prompt
         ModelInput(a[:10] + b, [10, 6], [10, 6], [pa, pb], [15], [10, 11, 12, 13, 14]),
@@ -71,6 +73,10 @@ def steps() -> list[ModelInput]:
             3,
             page_copies=[(7, 15)],
         ),
+        # A preempted by swap: its pages go to host memory (page 1 is reused at once); B decodes
+        ModelInput([b[2]], [1], [9], [pb], [0], [], 1, swap_out=[(0, pa)], page_copies=[(6, 1)]),
+        # A back in other pages, decoding beside B
+        ModelInput([a[0], b[3]], [1, 1], [16, 10], [pa2, pb], [0, 1], [], 2, swap_in=[(0, pa2)]),
     ]
 
 
