@@ -42,6 +42,9 @@ from workers.engine.model_input import ModelInput, decode_model_input, encode_mo
 from workers.model.layers import ParallelContext
 from workers.model.shm_allreduce import SharedMemoryAllReduce, create_file, shared_memory_supported
 
+# Steps of up to this many tokens all-reduce through shared memory, longer ones over gloo: at 512
+# tokens shared memory was 4-9x faster here, at 2048 level with gloo (bench/tp_allreduce.py).
+SHARED_ALL_REDUCE_MAX_TOKENS = 1024
 COLLECTIVE_TIMEOUT_S = 300.0  # bounds a hang inside a step (or the start), sized for a loaded machine
 _LENGTH = struct.Struct("<Q")
 
@@ -99,13 +102,14 @@ def create_shared_all_reduce(
     world_size: int, cfg: ModelConfig, max_tokens: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[str | None, int]:
     """Rank 0, before anything else: the shared-memory file of the group's all-reduces, sized
-    for a step of `max_tokens` (path, elements per slot); (None, 0) where gloo must do (not an
-    x86 CPU). `FollowerRanks` unlinks the file once every rank has mapped it."""
+    for a step of `max_tokens`, at most SHARED_ALL_REDUCE_MAX_TOKENS: (path, elements per slot);
+    (None, 0) where gloo must do (not an x86 CPU). `FollowerRanks` unlinks the file once every
+    rank has mapped it."""
     if world_size == 1 or not shared_memory_supported(device):
         return None, 0
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     path = os.path.join(folder, f"pagemesh-tp-{os.getpid()}-{os.urandom(4).hex()}")
-    numel = max_tokens * cfg.hidden_size
+    numel = min(max_tokens, SHARED_ALL_REDUCE_MAX_TOKENS) * cfg.hidden_size
     create_file(path, world_size, numel, dtype)
     return path, numel
 
