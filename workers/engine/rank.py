@@ -9,6 +9,7 @@ that fails (another rank gone mid-step) raises, and it exits with an error.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -50,17 +51,20 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
 
-    import structlog
     import torch
 
-    from common.logging import configure_logging
     from workers.engine.backend import select_backend
     from workers.engine.model_runner import ModelRunner
     from workers.engine.tensor_parallel import follower_step, init_group, rank_context, read_step
     from workers.model.loader import load_model
 
-    configure_logging("worker-rank", f"rank{args.rank}")
-    log = structlog.get_logger().bind(rank=args.rank)
+    try:  # the worker's JSON lines; a GPU machine without structlog gets plain stdlib logging
+        from common.logging import configure_logging
+
+        configure_logging("worker-rank", f"rank{args.rank}")
+    except ImportError:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log = logging.getLogger(f"pagemesh.rank{args.rank}")
     torch.set_num_threads(args.threads)
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     dtype = getattr(torch, args.dtype)
@@ -75,13 +79,13 @@ def main(argv: list[str]) -> None:
         backend=select_backend(device, dtype),
     )
     init_group(args.rank, args.world_size, args.init_method, args.device)
-    log.info("tensor-parallel rank ready", pid=os.getpid())
+    log.info("tensor-parallel rank %d of %d ready (pid %d)", args.rank, args.world_size, os.getpid())
     stdin = sys.stdin.buffer
     steps = 0
     while (step := read_step(stdin)) is not None:
         runner.execute(follower_step(step))
         steps += 1
-    log.info("tensor-parallel rank done", steps=steps)
+    log.info("tensor-parallel rank %d done after %d steps", args.rank, steps)
     # Leave without tearing the process group down: gloo's teardown can wait on peers that are
     # leaving too, and this rank holds nothing that needs a clean close.
     sys.stderr.flush()
