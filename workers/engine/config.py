@@ -99,7 +99,8 @@ def add_engine_arguments(parser) -> None:
         1,
         type=int,
         aliases=("-tp",),
-        help="rank processes per worker, each with its share of the attention heads and MLP (CPU: gloo)",
+        help="rank processes per worker, each with its share of the attention heads and MLP (mixed workers only; "
+        "all-reduce in shared memory or gloo on a CPU, NCCL on CUDA)",
     )
     add(parser, "--dtype", "auto", choices=["auto", *DTYPES], help="weights, activations and KV dtype")
     add(parser, "--device", "auto", choices=["auto", "cpu", "cuda"])
