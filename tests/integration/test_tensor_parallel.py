@@ -141,3 +141,36 @@ def test_the_engine_refuses_a_sharding_of_the_default_model_at_start():
     # SmolLM2-135M: 9 query heads, 3 KV heads; refused before any weight loads or rank starts
     with pytest.raises(ValueError, match=r"tensor-parallel size 2 does not divide the model's 9 query heads and 3 KV"):
         Engine(EngineConfig(tensor_parallel_size=2))
+
+
+def test_a_tensor_parallel_engine_generates_what_one_rank_does(tiny_llama):
+    """The engine as a worker runs it (`tensor_parallel_size=2`: it starts its follower itself),
+    under page pressure (preemption by swap), with shared prompt prefixes (the prefix cache),
+    n > 1 and beam search: every greedy token equals the single-rank engine's."""
+    from common.sampling import SamplingParams
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import Engine
+
+    gen = torch.Generator().manual_seed(11)
+    shared = torch.randint(0, 256, (24,), generator=gen).tolist()
+    prompts = [shared + torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 17, 30)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
+    beams = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=2, use_beam_search=True)
+
+    def run(engine: Engine) -> list[list[list[int]]]:
+        texts = [r.token_ids for r in engine.generate(prompts, greedy)]
+        texts += [r.token_ids for r in engine.generate(prompts[:1], beams)]
+        return texts
+
+    base = dict(model=str(tiny_llama), dtype="float32", num_pages=24, page_size=4, max_num_batched_tokens=32)
+    base.update(max_prefill_chunk=16, preemption_mode="swap", swap_space_gb=0.01)
+    want = run(Engine(EngineConfig(**base)))
+    engine = Engine(EngineConfig(**base, tensor_parallel_size=2))
+    try:
+        assert engine.runner.model.tp.shared is not None  # this CPU all-reduces in shared memory
+        got = run(engine)
+        assert engine.scheduler.num_preemptions > 0 and engine.blocks.num_used_pages == 0
+    finally:
+        engine.close()
+        torch.distributed.destroy_process_group()
+    assert got == want
