@@ -201,7 +201,11 @@ class FollowerRanks:
         # A rank is gone: the worker cannot run another step (its collectives would fail or
         # wait), so it goes down as a whole and the scheduler fails and drops what it held.
         log.error("tensor-parallel rank %d (pid %d) exited with %s: stopping the worker", rank, proc.pid, code)
-        self.close()
+        self.closing = True
+        for other in self.procs:  # at once: they wait in an all-reduce, not on their pipe
+            if other.poll() is None:
+                other.kill()
+        shutil.rmtree(self.rendezvous, ignore_errors=True)
         os._exit(1)
 
     def send_step(self, step: ModelInput) -> None:
