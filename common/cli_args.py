@@ -16,8 +16,11 @@ def env_name(flag: str) -> str:
     return "PAGEMESH_" + flag.lstrip("-").replace("-", "_").upper()
 
 
-def add(parser: argparse.ArgumentParser, flag: str, default: Any = None, **kwargs) -> None:
-    """`parser.add_argument(flag, ...)` whose default comes from the environment when set."""
+def add(
+    parser: argparse.ArgumentParser, flag: str, default: Any = None, *, aliases: tuple[str, ...] = (), **kwargs
+) -> None:
+    """`parser.add_argument(flag, *aliases, ...)` whose default comes from the environment when
+    set (the environment variable is named after `flag`)."""
     raw = os.environ.get(env_name(flag))
     kind = kwargs.get("type")
     if raw is not None:
@@ -27,4 +30,4 @@ def add(parser: argparse.ArgumentParser, flag: str, default: Any = None, **kwarg
             default = kind(raw) if kind else raw
     help_text = kwargs.pop("help", "")
     kwargs["help"] = f"{help_text} [env {env_name(flag)}]".strip()
-    parser.add_argument(flag, default=default, **kwargs)
+    parser.add_argument(flag, *aliases, default=default, **kwargs)

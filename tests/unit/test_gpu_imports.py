@@ -38,6 +38,7 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 def test_bench_and_the_engine_import_without_zmq_structlog_gguf():
     proc = run_python("""
         import kernels, kernels.reference, workers.engine.cuda_graphs, workers.model.ops
+        import workers.engine.engine, workers.engine.tensor_parallel  # tensor parallel: NCCL on CUDA
         print(sorted(m for m in sys.modules if m.split(".")[0] in ("zmq", "structlog", "gguf", "services", "gateway")))
     """)
     assert proc.returncode == 0, proc.stderr

@@ -40,6 +40,7 @@ class EngineConfig:
     long_prefill_threshold: int | None = None  # tokens; default 4% of the context length
     seed: int = 0
     cuda_graphs: bool = True  # replay decode-only steps from CUDA graphs (CUDA only)
+    tensor_parallel_size: int = 1  # rank processes sharing the model's heads (workers/engine/tensor_parallel.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -50,7 +51,13 @@ class EngineConfig:
             raise ValueError("page_size: must be a power of two up to 128")
         if not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError("gpu_memory_fraction: must be in (0, 1]")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "max_num_partial_prefills"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_prefill_chunk",
+            "max_num_partial_prefills",
+            "tensor_parallel_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
 
@@ -86,6 +93,15 @@ def add_engine_arguments(parser) -> None:
     from common.cli_args import add
 
     add(parser, "--model", None, help="GGUF file or HF folder (default: embedded SmolLM2-135M-Instruct)")
+    add(
+        parser,
+        "--tensor-parallel-size",
+        1,
+        type=int,
+        aliases=("-tp",),
+        help="rank processes per worker, each with its share of the attention heads and MLP (mixed workers only; "
+        "all-reduce in shared memory or gloo on a CPU, NCCL on CUDA)",
+    )
     add(parser, "--dtype", "auto", choices=["auto", *DTYPES], help="weights, activations and KV dtype")
     add(parser, "--device", "auto", choices=["auto", "cpu", "cuda"])
     add(parser, "--page-size", 16, type=int, help="tokens per KV page")
@@ -153,6 +169,7 @@ ENGINE_FLAGS = (
     "swap_space_gb",
     "max_long_partial_prefills",
     "long_prefill_threshold",
+    "tensor_parallel_size",
 )
 
 
@@ -178,6 +195,7 @@ def engine_config_from_args(args) -> EngineConfig:
         swap_space_gb=args.swap_space_gb,
         max_long_partial_prefills=args.max_long_partial_prefills,
         long_prefill_threshold=args.long_prefill_threshold,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

@@ -21,6 +21,7 @@ The engine composes one object per job, each holding its own state:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from common.model_config import read_model_config
 from common.model_files import resolve_model_path
 from common.sampling import SamplingParams
 from workers.engine.backend import select_backend
@@ -45,6 +47,13 @@ from workers.engine.scheduler import Scheduler, StepSchedulerConfig
 from workers.engine.sequence import EngineRequest, Sequence
 from workers.engine.stats import EngineStats
 from workers.engine.stopping import StopRules
+from workers.engine.tensor_parallel import (
+    FollowerRanks,
+    FollowerSpec,
+    check_tensor_parallel,
+    create_shared_all_reduce,
+    rank_context,
+)
 from workers.engine.update import StepUpdate
 from workers.engine.validation import RequestValidator
 from workers.model.llama import LlamaForCausalLM
@@ -69,15 +78,33 @@ class Engine:
     Its contract with the worker process: `add_request` / `import_prefilled` / `abort` change
     what runs, `step` runs one iteration and returns each touched request's `RequestOutput`,
     `stalled` says the last step found work it could not place (pages held elsewhere), and a
-    prefill-only request's pages wait in `take_prefilled` until `release_prefilled`."""
+    prefill-only request's pages wait in `take_prefilled` until `release_prefilled`.
+
+    With `tensor_parallel_size` N > 1 this engine is rank 0: it loads its shard, starts the other
+    N-1 ranks (`FollowerRanks`) and the runner sends them each step; `close()` stops them."""
 
     def __init__(self, config: EngineConfig = DEFAULT_CONFIG, model: LlamaForCausalLM | None = None, tokenizer=None):
         self.config = config
         self.device = config.resolve_device()
         self.model_path: Path | None = None
+        tp_size = config.tensor_parallel_size
+        self.shm_path, self.shm_numel = None, 0
         if model is None:
             self.model_path = resolve_model_path(config.model)
-            model = load_model(self.model_path, config.resolve_dtype(self.device), self.device)
+            model_config = read_model_config(self.model_path)
+            check_tensor_parallel(model_config, tp_size)
+            dtype = config.resolve_dtype(self.device)
+            self.shm_path, self.shm_numel = create_shared_all_reduce(
+                tp_size, model_config, config.max_num_batched_tokens, dtype, self.device
+            )
+            try:
+                tp = rank_context(0, tp_size, self.shm_path, self.shm_numel, dtype)
+                model = load_model(self.model_path, dtype, self.device, tp)
+            except BaseException:
+                self._unlink_shared_file()
+                raise
+        elif model.tp.world_size != tp_size:
+            raise ValueError(f"engine: the model is sharded {model.tp.world_size} ways, tensor_parallel_size={tp_size}")
         self.model_config = model.config
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.max_model_len = min(
@@ -92,6 +119,10 @@ class Engine:
             StepSchedulerConfig.for_engine(config, self.max_model_len, self._page_bytes(model)), self.blocks
         )
         self.backend = select_backend(self.device, model.embed_tokens.weight.dtype)
+        try:
+            self.followers = self._start_followers(model, num_pages) if tp_size > 1 else None
+        finally:
+            self._unlink_shared_file()  # every rank has mapped it (or none will)
         self.runner = ModelRunner(
             model,
             num_pages,
@@ -101,6 +132,7 @@ class Engine:
             cuda_graphs=config.cuda_graphs,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
+            followers=self.followers,
         )
         self.requests: dict[str, EngineRequest] = {}
         self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len, self.tokenizer)
@@ -132,6 +164,32 @@ class Engine:
         from common.tokenizer import Tokenizer
 
         return Tokenizer.from_path(self.model_path)
+
+    def _start_followers(self, model: LlamaForCausalLM, num_pages: int) -> FollowerRanks:
+        if self.model_path is None:
+            raise ValueError("engine: tensor parallel needs a model path (the other ranks load their shards from it)")
+        dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+        spec = FollowerSpec(
+            self.model_path,
+            dtype,
+            self.device.type,
+            num_pages,
+            self.config.page_size,
+            model.tp.world_size,
+            threads=torch.get_num_threads(),  # as many as this rank was given
+            shm_path=self.shm_path,
+            shm_numel=self.shm_numel,
+        )
+        return FollowerRanks(spec)
+
+    def _unlink_shared_file(self) -> None:
+        if self.shm_path is not None and os.path.exists(self.shm_path):
+            os.unlink(self.shm_path)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do for a single-rank engine)."""
+        if self.followers is not None:
+            self.followers.close()
 
     def _page_bytes(self, model: LlamaForCausalLM) -> int:
         dtype_bytes = model.embed_tokens.weight.element_size()

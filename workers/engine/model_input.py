@@ -15,8 +15,10 @@ Pure Python (no torch, no zmq: tests/unit/test_purity.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
+
+import msgpack
 
 if TYPE_CHECKING:
     from workers.engine.scheduler import StepPlan
@@ -82,3 +84,22 @@ def build_model_input(plan: StepPlan) -> ModelInput:
         plan.swap_in,
         plan.swap_discard,
     )
+
+
+_FIELDS = tuple(f.name for f in fields(ModelInput))
+
+
+def encode_model_input(step: ModelInput) -> bytes:
+    """The step as msgpack (a list of its fields in declaration order): what rank 0 of a
+    tensor-parallel group broadcasts to the other ranks. No pickle: ints and lists only."""
+    return msgpack.packb([getattr(step, name) for name in _FIELDS], use_bin_type=True)  # no deep copy
+
+
+def decode_model_input(data: bytes) -> ModelInput:
+    """Inverse of `encode_model_input` (pairs come back as 2-lists, which unpack the same way).
+    Raises ValueError on anything that is not a ModelInput's shape: the bytes come from rank 0
+    of the same worker, so this guards against a version skew, not a hostile peer."""
+    values = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    if not isinstance(values, list) or len(values) != len(_FIELDS):
+        raise ValueError(f"model input: expected {len(_FIELDS)} fields, got {type(values).__name__}")
+    return ModelInput(*values)

@@ -14,6 +14,7 @@ from workers.engine.attention import AttentionMetadata
 from workers.engine.backend import Backend, select_backend
 from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.model_input import ModelInput
+from workers.engine.tensor_parallel import FollowerRanks
 from workers.model.layers import pack_linear_weights
 from workers.model.llama import ForwardContext, LlamaForCausalLM
 
@@ -29,6 +30,10 @@ class ModelRunner:
     (`keep_freed_memory_for_reuse`). On CUDA with `cuda_graphs`, decode-only steps of up to
     `max_num_seqs` sequences replay CUDA graphs (`DecodeGraphs`), everything else runs eagerly.
     `max_model_len` (default: the model's) sizes the graphs' block tables and fixes their attention split count.
+
+    In a tensor-parallel worker the model holds this rank's shard and the pool this rank's KV
+    heads; on rank 0, `followers` gets every step before it runs here, so that all ranks make
+    the same page moves and meet in the same all-reduces (no CUDA graphs then).
     """
 
     def __init__(
@@ -42,9 +47,11 @@ class ModelRunner:
         max_num_seqs: int = DEFAULT_MAX_GRAPH_BATCH,
         max_model_len: int | None = None,
         backend: Backend | None = None,
+        followers: FollowerRanks | None = None,
     ):
         cfg = model.config
         self.model = model
+        self.followers = followers
         self.device = device
         self.page_size = page_size
         self.dtype = model.embed_tokens.weight.dtype
@@ -60,7 +67,7 @@ class ModelRunner:
         if device.type == "cpu":
             keep_freed_memory_for_reuse()
         self.graphs: DecodeGraphs | None = None
-        if cuda_graphs and device.type == "cuda":
+        if cuda_graphs and device.type == "cuda" and model.tp.world_size == 1:
             self.graphs = DecodeGraphs(
                 model,
                 self.kv_cache,
@@ -92,6 +99,8 @@ class ModelRunner:
         """Run one step (`build_model_input(plan)`); return fp32 logits for `step.logit_rows`:
         each sampled row in plan order, then the prompt-logprob rows, on the model's device (on
         CUDA a replayed graph's output buffer: read it before the next step)."""
+        if self.followers is not None:
+            self.followers.send_step(step)
         self.move_pages(step)
         logit_rows = step.logit_rows
         if (

@@ -41,16 +41,21 @@ def main(argv: list[str]) -> None:
     import torch
 
     from workers.engine.engine import Engine
+    from workers.engine.tensor_parallel import threads_per_rank
     from workers.llm.worker import LLMWorker
     from workers.shell.shell import WorkerShell
 
     config = parse(argv)
     configure_logging("worker", config.shell.worker_id)
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    tp_size = config.engine.tensor_parallel_size
+    if config.threads or tp_size > 1:  # tensor-parallel ranks share the worker's cores out
+        torch.set_num_threads(threads_per_rank(tp_size, config.threads))
     engine = Engine(config.engine)
-    shell = WorkerShell(config.shell, lambda ctx: LLMWorker(config, engine, ctx))
     try:
-        run_until_signalled(shell.run(), drain=shell.drain)
+        shell = WorkerShell(config.shell, lambda ctx: LLMWorker(config, engine, ctx))
+        try:
+            run_until_signalled(shell.run(), drain=shell.drain)
+        finally:
+            shell.close()
     finally:
-        shell.close()
+        engine.close()

@@ -10,23 +10,31 @@ no-op and the code path is the same.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.model.shm_allreduce import SharedMemoryAllReduce
+
 
 @dataclass(frozen=True)
 class ParallelContext:
-    """Which shard of the weights and KV heads this process holds."""
+    """Which shard of the weights and KV heads this process holds, and how its all-reduces
+    travel: through `shared` memory where it was set up and the tensor fits (CPU ranks of one
+    host: `workers.model.shm_allreduce`), else torch.distributed's default group."""
 
     rank: int = 0
     world_size: int = 1
+    shared: SharedMemoryAllReduce | None = field(default=None, compare=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
-            torch.distributed.all_reduce(x)
+            if self.shared is not None and self.shared.fits(x):
+                self.shared.all_reduce(x)
+            else:
+                torch.distributed.all_reduce(x)
         return x
 
     def shard(self, size: int, name: str) -> tuple[int, int]:

@@ -1,0 +1,127 @@
+"""A tensor-parallel worker in the real mesh: the processes `pagemesh up --mixed 1 -tp 3` starts
+(one worker of three ranks: SmolLM2-135M's 9 query heads and 3 KV heads split 3 and 1 per rank),
+driven by the official openai client. Greedy text equals the single-rank engine's for
+completions and chats, streamed and not, n > 1; then a rank killed mid-stream takes its worker
+down: the stream ends with an OpenAI error, the worker and its other ranks exit, nothing hangs.
+
+The processes are started one by one (`SeparateProcesses`), with `pagemesh up`'s arguments,
+because `pagemesh up` itself stops the whole mesh when one of them exits.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from bench.local_mesh import HANG_S, LATE_S, SeparateProcesses, sample_until, wait_until
+from common.model_files import DEFAULT_MODEL_NAME
+from common.sampling import SamplingParams
+from tests.integration.conftest import stream_counting
+
+pytestmark = pytest.mark.slow
+MODEL = DEFAULT_MODEL_NAME
+PROMPTS = ["The three primary colours are", "def fibonacci(n):"]
+CHATS = ["What is 2 + 2?", "Name a fruit that is yellow."]
+MAX_TOKENS = 12
+HEARTBEAT_TIMEOUT_S = 20.0  # a loaded 2-core machine runs three ranks slowly; the loss test waits this long
+
+
+def children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def is_rank(pid: int) -> bool:
+    try:
+        return b"workers.engine.rank" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("tp-mesh")
+    procs = SeparateProcesses(
+        str(run_dir), "--mixed", "1", "-tp", "3", "--dtype", "float32", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)
+    )
+    try:
+        procs.start()
+        yield procs
+    finally:
+        procs.stop()
+
+
+@pytest.fixture(scope="module")
+def client(mesh):
+    return openai.OpenAI(base_url=mesh.url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """What a single-rank engine produces for the same prompts (fp32, greedy)."""
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import Engine
+
+    engine = Engine(EngineConfig(dtype="float32", num_pages=256))
+    tok = engine.tokenizer
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    completions = engine.generate([tok.encode(p) for p in PROMPTS], params)
+    chats = engine.generate([tok.encode_chat([{"role": "user", "content": c}]) for c in CHATS], params)
+    return [r.texts[0] for r in completions], [r.texts[0] for r in chats]
+
+
+def stream_text(stream, chat: bool) -> str:
+    parts = []
+    for chunk in stream:
+        for choice in chunk.choices:
+            parts.append((choice.delta.content or "") if chat else choice.text)
+    return "".join(parts)
+
+
+def test_the_worker_runs_three_ranks(mesh):
+    ranks = [pid for pid in children(mesh.children["mixed-0"].pid) if is_rank(pid)]
+    assert len(ranks) == 2  # ranks 1 and 2; rank 0 is the worker process itself
+
+
+def test_greedy_text_equals_the_single_rank_engine(client, offline):
+    completions, chats = offline
+    for prompt, expected in zip(PROMPTS, completions):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, n=2)
+        assert [c.text for c in r.choices] == [expected, expected]
+        s = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        assert stream_text(s, chat=False) == expected
+    for content, expected in zip(CHATS, chats):
+        messages = [{"role": "user", "content": content}]
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+        assert r.choices[0].message.content == expected
+        s = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+        assert stream_text(s, chat=True) == expected
+
+
+def test_a_killed_rank_takes_its_worker_down_and_its_stream_ends_with_an_error(mesh, client):
+    # last in the module: it ends the mesh's only worker
+    worker = mesh.children["mixed-0"]
+    ranks = [pid for pid in children(worker.pid) if is_rank(pid)]
+    request = dict(
+        model=MODEL, prompt="Count on and on:", max_tokens=400, temperature=0, extra_body={"ignore_eos": True}
+    )
+    received = [0]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(stream_counting, client, received, 0, **request)
+        assert sample_until(lambda: received[0], lambda n: n >= 2)  # tokens flow
+        os.kill(ranks[-1], 9)
+        killed_at = time.monotonic()
+        chunks, error, ended_at = stream.result(timeout=HANG_S)
+    assert isinstance(error, openai.APIError), error  # the OpenAI error event, not a hang
+    assert "worker" in str(error).lower()
+    assert chunks < 400
+    assert ended_at - killed_at < HEARTBEAT_TIMEOUT_S + LATE_S
+    assert worker.wait(timeout=HANG_S) == 1  # the worker went down as a whole
+    assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() and is_rank(pid) for pid in ranks))

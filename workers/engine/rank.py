@@ -1,0 +1,96 @@
+"""A follower rank of a tensor-parallel worker (rank 1 .. N-1), started by rank 0
+(`workers.engine.tensor_parallel.FollowerRanks`), never by hand.
+
+    load this rank's shard → join the group → loop: read a step from stdin → run it
+It exits when its stdin ends (rank 0 closed it or died) or its parent changes; a collective
+that fails (another rank gone mid-step) raises, and it exits with an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+PARENT_POLL_S = 0.5
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m workers.engine.rank", description=__doc__)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--init-method", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", required=True)
+    parser.add_argument("--device", required=True, choices=["cpu", "cuda"])
+    parser.add_argument("--num-pages", type=int, required=True)
+    parser.add_argument("--page-size", type=int, required=True)
+    parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--shm-path", default=None, help="the shared-memory all-reduce's file")
+    parser.add_argument("--shm-numel", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    """Rank 0 killed outright leaves no one to close our stdin on some paths (a grandchild
+    holding it): its pid going away is the other sign."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    os._exit(0)
+
+
+def main(argv: list[str]) -> None:
+    args = parse(argv)
+    # Ctrl-C reaches the whole process group: rank 0 shuts down and closes our pipe, which is
+    # our signal to leave; a follower that died of the SIGINT first would look like a failure.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+
+    import torch
+
+    from workers.engine.backend import select_backend
+    from workers.engine.model_runner import ModelRunner
+    from workers.engine.tensor_parallel import follower_step, init_group, rank_context, read_step
+    from workers.model.loader import load_model
+
+    try:  # the worker's JSON lines; a GPU machine without structlog gets plain stdlib logging
+        from common.logging import configure_logging
+
+        configure_logging("worker-rank", f"rank{args.rank}")
+    except ImportError:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log = logging.getLogger(f"pagemesh.rank{args.rank}")
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    dtype = getattr(torch, args.dtype)
+    tp = rank_context(args.rank, args.world_size, args.shm_path, args.shm_numel, dtype)
+    model = load_model(Path(args.model), dtype, device, tp)
+    runner = ModelRunner(
+        model,
+        args.num_pages,
+        args.page_size,
+        device,
+        cuda_graphs=False,
+        backend=select_backend(device, dtype),
+    )
+    init_group(args.rank, args.world_size, args.init_method, args.device)
+    log.info("tensor-parallel rank %d of %d ready (pid %d)", args.rank, args.world_size, os.getpid())
+    stdin = sys.stdin.buffer
+    steps = 0
+    while (step := read_step(stdin)) is not None:
+        runner.execute(follower_step(step))
+        steps += 1
+    log.info("tensor-parallel rank %d done after %d steps", args.rank, steps)
+    # Leave without tearing the process group down: gloo's teardown can wait on peers that are
+    # leaving too, and this rank holds nothing that needs a clean close.
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
