@@ -32,6 +32,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import ApiError, from_request_failed, http_error, internal, invalid
 from gateway.images import image_response, parse_image_request
 from gateway.mesh import MeshClient, Reply
+from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.parsing import ParsedRequest, check_model, parse_chat, parse_completion, parse_json
 from gateway.responses import SSE_DONE, ResponseBuilder, sse_event, to_json
@@ -39,7 +40,6 @@ from gateway.responses import SSE_DONE, ResponseBuilder, sse_event, to_json
 log = structlog.get_logger()
 
 STATUS_TIMEOUT_S = 1.0
-METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class RequestEnded(Exception):
@@ -164,6 +164,7 @@ class Gateway:
                     if call.failed is not None:
                         abort_reason = "another prompt of the batch failed"
                     log.info("aborting request", reason=abort_reason, parts=len(unended))
+                    self.metrics.aborted(_abort_slug(abort_reason))
                     for r in unended:
                         self.mesh.abort(r, abort_reason)
                 for r in offsets:
@@ -330,6 +331,7 @@ class Gateway:
             "created": self.started,
             "owned_by": "pagemesh",
             "kind": "llm",
+            "max_model_len": self.config.max_model_len,
         }
 
     async def _image_cards(self) -> list[dict]:
@@ -369,6 +371,12 @@ class Gateway:
     async def metrics_text(self, request: web.Request) -> web.Response:
         self.metrics.update_cluster(await self.mesh.status(STATUS_TIMEOUT_S))
         return web.Response(body=self.metrics.render().encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+def _abort_slug(reason: str) -> str:
+    """A bounded label value for pagemesh_requests_aborted_total (reasons may be error texts)."""
+    known = {"client disconnected": "client_disconnected", "timeout": "timeout"}
+    return known.get(reason, "error")
 
 
 def _too_large(limit: int) -> ApiError:

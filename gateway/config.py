@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import cli_args
-from common.model_files import resolve_model_path, served_model_name
+from common.model_config import DEFAULT_MAX_MODEL_LEN_CAP, default_max_model_len
+from common.model_files import model_aliases, resolve_model_path, served_model_name
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
@@ -18,7 +19,8 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 class GatewayConfig:
     """host/port: the HTTP listener. tokenizer_address and scheduler_address: Routers this
     gateway's Dealers connect to; reply_address: its Pull bind, where text and errors come back.
-    model_names: the names a request's `model` may use (served name first, then the path)."""
+    model_names: the names a request's `model` may use (served name first, then its aliases and
+    the path). max_model_len: the context length /v1/models reports (the tokenizer enforces it)."""
 
     host: str
     port: int
@@ -32,6 +34,7 @@ class GatewayConfig:
     name: str
     ready_address: str | None
     log_level: str
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN_CAP
 
     @property
     def served_model(self) -> str:
@@ -46,6 +49,7 @@ def parse_args(argv: list[str]) -> GatewayConfig:
     cli_args.add(parser, "--scheduler-address", help="scheduler Router address (aborts, status)")
     cli_args.add(parser, "--reply-address", help="Pull bind address for replies from tokenizers")
     cli_args.add(parser, "--model", None, help="GGUF file or HF folder (default: the embedded model)")
+    cli_args.add(parser, "--max-model-len", None, type=int, help="context length (default: the model's, capped)")
     cli_args.add(parser, "--max-body-bytes", DEFAULT_MAX_BODY_BYTES, type=int, help="larger bodies get 413")
     cli_args.add(parser, "--request-timeout", 600.0, type=float, help="seconds a request may take in all")
     cli_args.add(
@@ -67,7 +71,7 @@ def parse_args(argv: list[str]) -> GatewayConfig:
     if not args.request_timeout > 0:
         parser.error("--request-timeout must be positive")
     model = resolve_model_path(args.model)
-    names = dict.fromkeys([served_model_name(model), str(model)] + ([args.model] if args.model else []))
+    names = [served_model_name(model), *model_aliases(model), str(model)] + ([args.model] if args.model else [])
     return GatewayConfig(
         host=args.host,
         port=args.port,
@@ -75,7 +79,8 @@ def parse_args(argv: list[str]) -> GatewayConfig:
         scheduler_address=args.scheduler_address,
         reply_address=args.reply_address,
         model=model,
-        model_names=tuple(names),
+        model_names=tuple(dict.fromkeys(names)),
+        max_model_len=args.max_model_len or default_max_model_len(model),
         max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout,
         name=args.name,

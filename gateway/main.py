@@ -34,7 +34,9 @@ async def run(config: GatewayConfig) -> None:
     tokenizer = Tokenizer.from_path(config.model)  # logprob token texts
     mesh = MeshClient(config.tokenizer_address, config.scheduler_address, config.reply_address, config.name)
     runner = web.AppRunner(
-        Gateway(config, mesh, tokenizer, GatewayMetrics()).app(), handler_cancellation=True, access_log=None
+        Gateway(config, mesh, tokenizer, GatewayMetrics(config.served_model)).app(),
+        handler_cancellation=True,
+        access_log=None,
     )
     try:
         mesh.start()

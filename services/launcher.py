@@ -166,6 +166,7 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
                 "--name",
                 "gateway-0",
                 *model,
+                *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
                 *common,
             ],
         )
