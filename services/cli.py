@@ -9,6 +9,7 @@ pagemesh diffusion   a diffusion worker (images)
 pagemesh generate    offline: run prompts through one in-process engine and print them
 pagemesh bench       load generator for any OpenAI-compatible server
 pagemesh experiment  the experiments of the papers (paged-memory, orca, sarathi, ...)
+pagemesh tokenizer-export DIR   the model's tokenizer as a Hugging Face folder (for load tools)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ COMMANDS = {
     "generate": ("workers.engine.generate_cli", "offline generation through one engine"),
     "bench": ("bench.loadgen.main", "load any OpenAI-compatible server and report latencies"),
     "experiment": ("bench.experiments.main", "reproduce a paper's experiment: pagemesh experiment NAME --out DIR"),
+    "tokenizer-export": ("services.tokenizer_export", "write the tokenizer as a Hugging Face folder: DIR"),
 }
 
 
