@@ -40,6 +40,8 @@ from gateway.responses import SSE_DONE, ResponseBuilder, sse_event, to_json
 log = structlog.get_logger()
 
 STATUS_TIMEOUT_S = 1.0
+STARTUP_POLL_S = 0.25  # how often a request that waits for a starting mesh asks again
+RETRY_AFTER_S = 5  # what a 503 during start-up tells clients to wait
 
 
 class RequestEnded(Exception):
@@ -71,6 +73,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig, mesh: MeshClient, tokenizer: Tokenizer, metrics: GatewayMetrics):
         self.config, self.mesh, self.tokenizer, self.metrics = config, mesh, tokenizer, metrics
         self.started = int(time.time())
+        self.serving = config.startup_wait <= 0  # the mesh was ready once (or the check is off)
 
     def app(self) -> web.Application:
         limit = self.config.max_body_bytes
@@ -101,6 +104,7 @@ class Gateway:
         check_model(parsed, self.config.model_names)
         if parsed.sampling.json_schema is not None:
             self._check_spellable(parsed.sampling.json_schema)
+        await self._until_serving()
 
         request_id = f"cmpl-{uuid.uuid4().hex}"
         requests = parsed.to_generate_requests(request_id, self.config.served_model, self.mesh.reply_to, time.time())
@@ -222,6 +226,29 @@ class Gateway:
                 if not ended:  # the client left, or the request timed out: free its slot
                     self.mesh.abort_image(request_id, "client disconnected or timed out")
                 self.mesh.discard(request_id)
+
+    async def _until_serving(self) -> None:
+        """Until the mesh has been ready once (tokenizer answering, the scheduler's needed roles
+        live), a request waits for it up to `startup_wait` s, then gets 503 with Retry-After.
+        After that, failures are the mesh's to report (a lost worker, a restarted tokenizer)."""
+        deadline = time.monotonic() + self.config.startup_wait
+        while not self.serving:
+            if self.mesh.tokenizer_known:
+                status = await self.mesh.status(STATUS_TIMEOUT_S)
+                if status is not None and status.ready:
+                    self.serving = True
+                    log.info("mesh ready: serving requests")
+                    return
+            if time.monotonic() >= deadline:
+                raise ApiError(
+                    503,
+                    f"Service unavailable: the mesh is still starting; retry in {RETRY_AFTER_S} s.",
+                    "server_error",
+                    None,
+                    "service_unavailable",
+                    headers={"Retry-After": str(RETRY_AFTER_S)},
+                )
+            await asyncio.sleep(STARTUP_POLL_S)
 
     def _check_spellable(self, schema: str) -> None:
         """Every key and enum string the schema fixes must be writable token by token in this

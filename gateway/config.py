@@ -20,7 +20,9 @@ class GatewayConfig:
     """host/port: the HTTP listener. tokenizer_address and scheduler_address: Routers this
     gateway's Dealers connect to; reply_address: its Pull bind, where text and errors come back.
     model_names: the names a request's `model` may use (served name first, then its aliases and
-    the path). max_model_len: the context length /v1/models reports (the tokenizer enforces it)."""
+    the path). max_model_len: the context length /v1/models reports (the tokenizer enforces it).
+    startup_wait: a generation request that comes before the mesh was ever ready waits up to this
+    many seconds for it, then gets 503 with Retry-After; 0 turns the check off (tests' fakes)."""
 
     host: str
     port: int
@@ -35,6 +37,7 @@ class GatewayConfig:
     ready_address: str | None
     log_level: str
     max_model_len: int = DEFAULT_MAX_MODEL_LEN_CAP
+    startup_wait: float = 0.0
 
     @property
     def served_model(self) -> str:
@@ -54,6 +57,13 @@ def parse_args(argv: list[str]) -> GatewayConfig:
     cli_args.add(parser, "--request-timeout", 600.0, type=float, help="seconds a request may take in all")
     cli_args.add(
         parser,
+        "--startup-wait",
+        10.0,
+        type=float,
+        help="seconds a request waits for a mesh that is still starting before a 503 with Retry-After",
+    )
+    cli_args.add(
+        parser,
         "--name",
         f"gateway-{socket.gethostname()}-{os.getpid()}",
         help="replica name (also its Dealer identity)",
@@ -70,6 +80,8 @@ def parse_args(argv: list[str]) -> GatewayConfig:
         parser.error("--max-body-bytes must be at least 1024")
     if not args.request_timeout > 0:
         parser.error("--request-timeout must be positive")
+    if not args.startup_wait >= 0:
+        parser.error("--startup-wait must be >= 0")
     model = resolve_model_path(args.model)
     names = [served_model_name(model), *model_aliases(model), str(model)] + ([args.model] if args.model else [])
     return GatewayConfig(
@@ -81,6 +93,7 @@ def parse_args(argv: list[str]) -> GatewayConfig:
         model=model,
         model_names=tuple(dict.fromkeys(names)),
         max_model_len=args.max_model_len or default_max_model_len(model),
+        startup_wait=args.startup_wait,
         max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout,
         name=args.name,
