@@ -21,9 +21,11 @@ import time
 from collections import Counter
 
 from common.cli_args import add
+from common.logging import FORMAT_ENV, log_format
 from common.messages import Ready
 from common.model_files import model_aliases, resolve_model_path, served_model_name
 from common.transport import Pull, ipc_address
+from services.log_relay import LogRelay
 from services.scheduler.config import add_policy_arguments, policy_args_to_argv
 from workers.diffusion.config import add_diffusion_arguments, diffusion_args_to_argv
 from workers.diffusion.pipelines.embedded import STUDENT_NAME
@@ -228,6 +230,7 @@ class Mesh:
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
+        self.logs = LogRelay()
         self.run_dir = args.run_dir or tempfile.mkdtemp(prefix="pagemesh-")
         self.owns_run_dir = args.run_dir is None  # a folder we made goes when the mesh stops
         os.makedirs(self.run_dir, exist_ok=True)
@@ -235,10 +238,15 @@ class Mesh:
 
     async def start(self) -> None:
         with Pull(ipc_address(self.run_dir, "ready")) as ready:
+            # the children write into pipes, not our terminal: they take our format with them
+            log_env = {FORMAT_ENV: log_format()}
             for name, argv, env in on_gpus(self.args, plan(self.args, self.run_dir)):
                 self.children[name] = subprocess.Popen(
-                    [sys.executable, "-m", "services.cli", *argv], env={**os.environ, **env} if env else None
+                    [sys.executable, "-m", "services.cli", *argv],
+                    env={**os.environ, **log_env, **env},
+                    stderr=subprocess.PIPE,
                 )
+                self.logs.attach(self.children[name])
             waiting = set(self.children)
             deadline = time.monotonic() + self.args.ready_timeout
             while waiting:
@@ -275,6 +283,7 @@ class Mesh:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self.logs.drain(timeout=2.0)
         if self.owns_run_dir:  # the ipc sockets' folder: nothing may be left in the temp dir
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
