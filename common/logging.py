@@ -1,15 +1,28 @@
-"""structlog set-up shared by every process: one JSON object per line on stderr.
+"""structlog set-up shared by every process: one record per line on stderr, for people or machines.
 
-Each line carries `timestamp` (ISO 8601, UTC), `level`, `event`, the process's `service` and
+Formats: `console` (aligned, readable: `time [level] event  key=value ...`), the default when
+stderr is a terminal; `json` (one JSON object per line), the default otherwise, e.g. under
+compose or a log collector. `PAGEMESH_LOG_FORMAT` or `pagemesh <command> --log-format` chooses.
+
+Each record carries `timestamp` (ISO 8601, UTC), `level`, `event`, the process's `service` and
 `name` (its worker id, replica name, ...), anything bound with `structlog.contextvars`
 (e.g. `request_id`) and the logger's own bound values. Standard-library log records (aiohttp,
-asyncio) go through the same renderer, so stderr holds JSON lines only.
+asyncio) go through the same renderer.
+
+Every line leaves in one write, under one lock shared by structlog and the standard library:
+structlog's PrintLogger wrote the text and its newline in two writes under its own lock, so a
+stdlib record from another thread (the engine's compute thread, asyncio's) could land between
+them, putting two JSON objects on one line.
 """
 
 from __future__ import annotations
 
+import io
 import logging
+import os
 import sys
+import threading
+from typing import IO
 
 import structlog
 
@@ -20,14 +33,69 @@ _LEVELS = {
     "ERROR": logging.ERROR,
     "CRITICAL": logging.CRITICAL,
 }
+FORMATS = ("console", "json")
+FORMAT_ENV = "PAGEMESH_LOG_FORMAT"
 
 
-def configure_logging(service: str, name: str, level: str = "INFO") -> None:
-    """Route structlog and stdlib logging to JSON lines on stderr; call once at process start."""
+class LineSink:
+    """Writes whole lines to a binary stream: one write and flush per line, under one lock."""
+
+    def __init__(self, stream: IO):
+        self._stream, self._lock = stream, threading.Lock()
+        self._binary = not isinstance(stream, io.TextIOBase)
+
+    def write_line(self, text: str) -> None:
+        line = text + "\n"
+        data = line.encode("utf-8", "backslashreplace") if self._binary else line
+        with self._lock:
+            self._stream.write(data)
+            self._stream.flush()
+
+
+class _SinkLogger:
+    """The structlog logger over a LineSink (every level method writes the rendered line)."""
+
+    def __init__(self, sink: LineSink):
+        self._sink = sink
+
+    def msg(self, message: str) -> None:
+        self._sink.write_line(message)
+
+    log = debug = info = warn = warning = error = critical = exception = fatal = msg
+
+
+class _SinkHandler(logging.Handler):
+    """Standard-library records, formatted by structlog's ProcessorFormatter, into the sink."""
+
+    def __init__(self, sink: LineSink):
+        super().__init__()
+        self._sink = sink
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._sink.write_line(self.format(record))
+        except Exception:
+            self.handleError(record)
+
+
+def log_format(requested: str | None = None, stream: IO | None = None) -> str:
+    """`requested` (or $PAGEMESH_LOG_FORMAT), else console on a terminal and json elsewhere."""
+    fmt = (requested or os.environ.get(FORMAT_ENV) or "").strip().lower()
+    if not fmt:
+        stream = stream or sys.stderr
+        return "console" if hasattr(stream, "isatty") and stream.isatty() else "json"
+    if fmt not in FORMATS:
+        raise ValueError(f"log format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    return fmt
+
+
+def configure_logging(service: str, name: str, level: str = "INFO", fmt: str | None = None) -> None:
+    """Route structlog and stdlib logging to stderr lines; call once at process start."""
     try:
         threshold = _LEVELS[level.upper()]
     except KeyError:
         raise ValueError(f"log level: must be one of {', '.join(_LEVELS)}, got {level!r}") from None
+    fmt = log_format(fmt)
 
     def add_process(_logger, _method, event: dict) -> dict:
         event.setdefault("service", service)
@@ -40,22 +108,23 @@ def configure_logging(service: str, name: str, level: str = "INFO") -> None:
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         add_process,
     ]
+    if fmt == "json":
+        render = [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+    else:
+        render = [structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(), sort_keys=False)]
+    sink = LineSink(getattr(sys.stderr, "buffer", None) or sys.stderr)
     structlog.configure(
-        processors=[*shared, structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
+        processors=[*shared, *render],
         wrapper_class=structlog.make_filtering_bound_logger(threshold),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=lambda *_: _SinkLogger(sink),
         cache_logger_on_first_use=False,
     )
 
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _SinkHandler(sink)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=shared,
-            processors=[
-                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                structlog.processors.format_exc_info,
-                structlog.processors.JSONRenderer(),
-            ],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *render],
         )
     )
     root = logging.getLogger()

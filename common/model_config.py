@@ -120,6 +120,15 @@ def _opt_int(x) -> int | None:
     return None if x is None else int(x)
 
 
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+
+
+def default_max_model_len(path: Path) -> int:
+    """The context length served when none is given: the model's, capped (a 128k-token context
+    would make every length check and KV budget assume prompts nobody sends on a small box)."""
+    return min(read_model_config(path).max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
+
+
 def read_model_config(path: Path) -> ModelConfig:
     """The config of an HF folder (config.json) or a GGUF file (its metadata)."""
     if path.is_dir():

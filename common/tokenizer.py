@@ -106,6 +106,7 @@ class Tokenizer:
         turn_ends = {special[text] for text in _END_OF_TURN_TEXTS if text in special}
         self.eos_token_ids: frozenset[int] = frozenset({eos_token_id, *stop_token_ids, *turn_ends})
         self.chat_template = ChatTemplate(chat_template, special_texts) if chat_template else None
+        self.special_texts = {name: text for name, text in special_texts.items() if text is not None}
         # Decoding `anchor + [id]` keeps the leading space SentencePiece decoders strip at the start.
         self._anchor = backend.encode("a", add_special_tokens=False).ids
         self._anchor_text = backend.decode(self._anchor, skip_special_tokens=False)
@@ -120,6 +121,11 @@ class Tokenizer:
         if path.suffix == ".gguf" and path.is_file():
             return cls(**_gguf_parts(path))
         raise ValueError(f"model path: {path} is neither a .gguf file nor a model folder")
+
+    def backend_json(self) -> str:
+        """The `tokenizers` model as Hugging Face's tokenizer.json text (BOS not included: `encode`
+        adds it)."""
+        return self._backend.to_str()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):

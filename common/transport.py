@@ -125,6 +125,13 @@ def bindable(address: str) -> str:
 # --------------------------------------------------------------------------- sockets
 
 
+def close_all(linger_ms: int = CONTROL.linger_ms) -> None:
+    """Close every socket of the process's shared context, each flushing what it still holds for
+    at most `linger_ms`, and end the context's I/O threads: what interpreter finalization would
+    do, for a process that exits without it (common.process.exit_fast)."""
+    zmq.asyncio.Context.instance().destroy(linger=linger_ms)
+
+
 class _Socket:
     """One zmq.asyncio socket with the options set, bound or connected, that decodes on receive."""
 

@@ -36,6 +36,7 @@ from gateway.errors import ApiError, from_request_failed, http_error, internal, 
 from gateway.images import image_response, parse_image_request
 from gateway.limits import KeyLimits, estimate_prompt_tokens
 from gateway.mesh import MeshClient, Reply
+from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.parsing import ParsedRequest, check_model, parse_chat, parse_completion, parse_json
 from gateway.responses import SSE_DONE, ResponseBuilder, sse_event, to_json
@@ -44,7 +45,8 @@ from gateway.status import RequestTrace, StatusPage
 log = structlog.get_logger()
 
 STATUS_TIMEOUT_S = 1.0
-METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+STARTUP_POLL_S = 0.25  # how often a request that waits for a starting mesh asks again
+RETRY_AFTER_S = 5  # what a 503 during start-up tells clients to wait
 
 
 class RequestEnded(Exception):
@@ -88,6 +90,7 @@ class Gateway:
         self.status_page = StatusPage(lambda: mesh.status(STATUS_TIMEOUT_S), config.served_model)
         self.keys = ApiKeys(config.api_keys)
         self.limits = KeyLimits(config.max_concurrent_requests_per_key, config.max_tokens_per_minute_per_key)
+        self.serving = config.startup_wait <= 0  # the mesh was ready once (or the check is off)
 
     def app(self) -> web.Application:
         limit = self.config.max_body_bytes
@@ -125,6 +128,7 @@ class Gateway:
         check_model(parsed, self.config.model_names)
         if parsed.sampling.json_schema is not None:
             self._check_spellable(parsed.sampling.json_schema)
+        await self._until_serving()
 
         request_id = f"cmpl-{uuid.uuid4().hex}"
         requests = parsed.to_generate_requests(request_id, self.config.served_model, self.mesh.reply_to, time.time())
@@ -191,6 +195,7 @@ class Gateway:
                     if call.failed is not None:
                         abort_reason = "another prompt of the batch failed"
                     log.info("aborting request", reason=abort_reason, parts=len(unended))
+                    self.metrics.aborted(_abort_slug(abort_reason))
                     for r in unended:
                         self.mesh.abort(r, abort_reason)
                 for r in offsets:
@@ -251,6 +256,29 @@ class Gateway:
                     self.mesh.abort_image(request_id, "client disconnected or timed out")
                 self.mesh.discard(request_id)
                 admission.finish(0)
+
+    async def _until_serving(self) -> None:
+        """Until the mesh has been ready once (tokenizer answering, the scheduler's needed roles
+        live), a request waits for it up to `startup_wait` s, then gets 503 with Retry-After.
+        After that, failures are the mesh's to report (a lost worker, a restarted tokenizer)."""
+        deadline = time.monotonic() + self.config.startup_wait
+        while not self.serving:
+            if self.mesh.tokenizer_known:
+                status = await self.mesh.status(STATUS_TIMEOUT_S)
+                if status is not None and status.ready:
+                    self.serving = True
+                    log.info("mesh ready: serving requests")
+                    return
+            if time.monotonic() >= deadline:
+                raise ApiError(
+                    503,
+                    f"Service unavailable: the mesh is still starting; retry in {RETRY_AFTER_S} s.",
+                    "server_error",
+                    None,
+                    "service_unavailable",
+                    headers={"Retry-After": str(RETRY_AFTER_S)},
+                )
+            await asyncio.sleep(STARTUP_POLL_S)
 
     def _check_spellable(self, schema: str) -> None:
         """Every key and enum string the schema fixes must be writable token by token in this
@@ -363,6 +391,7 @@ class Gateway:
             "created": self.started,
             "owned_by": "pagemesh",
             "kind": "llm",
+            "max_model_len": self.config.max_model_len,
         }
 
     async def _image_cards(self) -> list[dict]:
@@ -402,6 +431,12 @@ class Gateway:
     async def metrics_text(self, request: web.Request) -> web.Response:
         self.metrics.update_cluster(await self.mesh.status(STATUS_TIMEOUT_S))
         return web.Response(body=self.metrics.render().encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+def _abort_slug(reason: str) -> str:
+    """A bounded label value for pagemesh_requests_aborted_total (reasons may be error texts)."""
+    known = {"client disconnected": "client_disconnected", "timeout": "timeout"}
+    return known.get(reason, "error")
 
 
 def _too_large(limit: int) -> ApiError:

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import cli_args
-from common.model_files import resolve_model_path, served_model_name
+from common.model_config import DEFAULT_MAX_MODEL_LEN_CAP, default_max_model_len
+from common.model_files import model_aliases, resolve_model_path, served_model_name
 from common.process import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP
 from gateway.auth import key_problem, read_key_file
 
@@ -21,8 +22,11 @@ DEFAULT_MAX_HEADER_BYTES = 8190  # aiohttp's own default for a header line and t
 class GatewayConfig:
     """host/port: the HTTP listener. tokenizer_address and scheduler_address: Routers this
     gateway's Dealers connect to; reply_address: its Pull bind, where text and errors come back.
-    model_names: the names a request's `model` may use (served name first, then the path).
-    api_keys: the keys `/v1/*` accepts (none: open); the per-key limits are None when off."""
+    model_names: the names a request's `model` may use (served name first, then its aliases and
+    the path). max_model_len: the context length /v1/models reports (the tokenizer enforces it).
+    api_keys: the keys `/v1/*` accepts (none: open); the per-key limits are None when off.
+    startup_wait: a generation request that comes before the mesh was ever ready waits up to this
+    many seconds for it, then gets 503 with Retry-After; 0 turns the check off (tests' fakes)."""
 
     host: str
     port: int
@@ -42,6 +46,8 @@ class GatewayConfig:
     max_concurrent_requests_per_key: int | None = None
     max_tokens_per_minute_per_key: int | None = None
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN_CAP
+    startup_wait: float = 0.0
 
     @property
     def served_model(self) -> str:
@@ -56,8 +62,16 @@ def parse_args(argv: list[str]) -> GatewayConfig:
     cli_args.add(parser, "--scheduler-address", help="scheduler Router address (aborts, status)")
     cli_args.add(parser, "--reply-address", help="Pull bind address for replies from tokenizers")
     cli_args.add(parser, "--model", None, help="GGUF file or HF folder (default: the embedded model)")
+    cli_args.add(parser, "--max-model-len", None, type=int, help="context length (default: the model's, capped)")
     cli_args.add(parser, "--max-body-bytes", DEFAULT_MAX_BODY_BYTES, type=int, help="larger bodies get 413")
     cli_args.add(parser, "--request-timeout", 600.0, type=float, help="seconds a request may take in all")
+    cli_args.add(
+        parser,
+        "--startup-wait",
+        10.0,
+        type=float,
+        help="seconds a request waits for a mesh that is still starting before a 503 with Retry-After",
+    )
     cli_args.add(
         parser,
         "--name",
@@ -88,8 +102,10 @@ def parse_args(argv: list[str]) -> GatewayConfig:
     if args.max_header_bytes < 1024:
         parser.error("--max-header-bytes must be at least 1024")
     api_keys = api_keys_from_args(parser, args)
+    if not args.startup_wait >= 0:
+        parser.error("--startup-wait must be >= 0")
     model = resolve_model_path(args.model)
-    names = dict.fromkeys([served_model_name(model), str(model)] + ([args.model] if args.model else []))
+    names = [served_model_name(model), *model_aliases(model), str(model)] + ([args.model] if args.model else [])
     return GatewayConfig(
         host=args.host,
         port=args.port,
@@ -97,7 +113,9 @@ def parse_args(argv: list[str]) -> GatewayConfig:
         scheduler_address=args.scheduler_address,
         reply_address=args.reply_address,
         model=model,
-        model_names=tuple(names),
+        model_names=tuple(dict.fromkeys(names)),
+        max_model_len=args.max_model_len or default_max_model_len(model),
+        startup_wait=args.startup_wait,
         max_body_bytes=args.max_body_bytes,
         request_timeout=args.request_timeout,
         name=args.name,

@@ -39,7 +39,7 @@ async def run(config: GatewayConfig, drain: GatewayDrain | None = None) -> None:
     if drain is not None:
         drain.mesh = mesh
     runner = GatewayRunner(
-        Gateway(config, mesh, tokenizer, GatewayMetrics(), drain).app(),
+        Gateway(config, mesh, tokenizer, GatewayMetrics(config.served_model), drain).app(),
         max_header_bytes=config.max_header_bytes,
         handler_cancellation=True,
         access_log=None,

@@ -109,6 +109,7 @@ class MeshClient:
                     "server_error",
                     None,
                     "service_unavailable",
+                    headers={"Retry-After": "5"},
                 ) from None
         await self._tokenizer.send(request)
 

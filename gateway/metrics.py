@@ -1,218 +1,150 @@
-"""Prometheus metrics in the text exposition format (0.0.4), written by hand.
+"""The gateway's Prometheus metrics, written with prometheus-client under vLLM's names.
+
+Request-level series carry vLLM's names and labels (`vllm:` prefix, `model_name`,
+`finished_reason`), so the queries of a vLLM Grafana dashboard find them unchanged; the
+per-worker and cluster series (gateway/cluster_metrics.py) come under both vLLM's names
+(`engine` = the worker id) and pagemesh's own (`pagemesh_...{worker=...}`).
 
 What is measured, and where (all times on the gateway's monotonic clock):
-  time_to_first_token   arrival of the HTTP request -> first delta carrying tokens
-  inter_token_latency   between successive token-carrying deltas of one choice (one observation
-                        per delta; a delta usually holds one engine step's token)
-  e2e_request_latency   arrival -> the last choice finished (successful requests only)
-  request_queue_time    arrival -> the scheduler placed the request. The mesh does not report
-                        placement times yet, so this histogram is declared but stays empty.
-  image_request_latency arrival -> the images are back (successful image requests)
-Counters count successful choices by finish reason and tokens, image requests by HTTP status,
-images made and transformer blocks computed or skipped by feature caches; the per-worker gauges
-and the KV transfer total are copied from the scheduler's ClusterStatus at each scrape.
+  time_to_first_token      arrival of the HTTP request -> first delta carrying tokens
+  inter_token_latency      between successive token-carrying deltas of one choice (one
+  (= time_per_output_token) observation per delta; a delta usually holds one engine step's token)
+  e2e_request_latency      arrival -> the last choice finished (successful requests only)
+  request_queue_time       the wait the worker reports on a request's first delta: in the
+                           scheduler's queue plus in its worker's waiting queue
+  request_prefill_time     TTFT minus the queue time (so it also holds tokenization and the hops)
+  request_decode_time      first token -> last token
+  request_inference_time   queue end -> last token
+Counters: successful choices by finished_reason, requests the gateway aborted (client gone,
+timeout, error) under finished_reason="abort" (vLLM's convention), prompt and generated tokens,
+and the prefix cache's queries and hits in tokens (hits = the prompt tokens a worker took from
+its prefix cache, `usage.prompt_tokens_details.cached_tokens`). Image requests keep pagemesh
+names: vLLM has none for them.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections.abc import Iterable
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 
 from common.messages import ClusterStatus, TextDelta
+from gateway.cluster_metrics import ClusterCollector
 
-Labels = tuple[tuple[str, str], ...]
+# `_created` series would double the text and no dashboard reads them. Process-wide, on purpose:
+# the gateway is the only process that exports metrics.
+disable_created_metrics()
 
-
-class _Metric:
-    kind = ""
-
-    def __init__(self, name: str, help_text: str):
-        self.name, self.help = name, help_text
-
-    def samples(self) -> Iterable[tuple[str, Labels, float]]:
-        raise NotImplementedError
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {_escape_help(self.help)}", f"# TYPE {self.name} {self.kind}"]
-        lines += [f"{name}{_labels(labels)} {_number(value)}" for name, labels, value in self.samples()]
-        return lines
-
-
-class Counter(_Metric):
-    """A monotonically increasing total per label set."""
-
-    kind = "counter"
-
-    def __init__(self, name: str, help_text: str):
-        super().__init__(name, help_text)
-        self.values: dict[Labels, float] = {}
-
-    def inc(self, amount: float = 1, **labels: str) -> None:
-        key = tuple(sorted(labels.items()))
-        self.values[key] = self.values.get(key, 0) + amount
-
-    def mirror(self, values: dict[Labels, float]) -> None:
-        """Replace every series with totals counted elsewhere (e.g. by workers)."""
-        self.values = dict(values)
-
-    def samples(self):
-        return [(self.name, labels, value) for labels, value in self.values.items()]
-
-
-class Gauge(_Metric):
-    """A current value per label set; `replace` swaps in a whole new set (gone series vanish)."""
-
-    kind = "gauge"
-
-    def __init__(self, name: str, help_text: str):
-        super().__init__(name, help_text)
-        self.values: dict[Labels, float] = {}
-
-    def replace(self, values: dict[Labels, float]) -> None:
-        self.values = dict(values)
-
-    def samples(self):
-        return [(self.name, labels, value) for labels, value in self.values.items()]
-
-
-class Histogram(_Metric):
-    """Cumulative buckets (upper bounds, `le`), plus +Inf, sum and count."""
-
-    kind = "histogram"
-
-    def __init__(self, name: str, help_text: str, buckets: Iterable[float]):
-        super().__init__(name, help_text)
-        self.bounds = sorted(float(b) for b in buckets)
-        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def samples(self):
-        out, running = [], 0
-        for bound, count in zip([*self.bounds, math.inf], self.counts):
-            running += count
-            out.append((f"{self.name}_bucket", (("le", _number(bound)),), running))
-        out.append((f"{self.name}_sum", (), self.sum))
-        out.append((f"{self.name}_count", (), self.count))
-        return out
-
-
-def render(metrics: Iterable[_Metric]) -> str:
-    return "".join(line + "\n" for metric in metrics for line in metric.render())
-
-
-def _number(value: float) -> str:
-    if isinstance(value, int):
-        return str(value)
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
-
-
-def _labels(labels: Labels) -> str:
-    if not labels:
-        return ""
-    inner = ",".join(f'{key}="{_escape_label(value)}"' for key, value in labels)
-    return "{" + inner + "}"
-
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-# --------------------------------------------------------------------------- the gateway's metrics
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # what generate_latest writes
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 
 
 class GatewayMetrics:
-    """Every metric the gateway exports; `request(arrival)` follows one request."""
+    """Every metric one gateway exports, in its own registry (so tests may build many);
+    `request(arrival)` follows one generation request, `render()` is the /metrics text."""
 
-    def __init__(self):
-        p = "pagemesh_"
-        self.ttft = Histogram(
-            p + "time_to_first_token_seconds",
-            "Time from the request's arrival at the gateway to its first token.",
-            LATENCY_BUCKETS,
+    def __init__(self, model_name: str = ""):
+        self.model_name = model_name
+        self.registry = r = CollectorRegistry(auto_describe=False)
+        m = ["model_name"]
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model_name)
+
+        def count(name: str, doc: str) -> Counter:
+            return Counter(name, doc, m, registry=r).labels(model_name)
+
+        self.ttft = hist(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", LATENCY_BUCKETS
         )
-        self.itl = Histogram(
-            p + "inter_token_latency_seconds",
-            "Time between successive token deltas of one choice.",
+        self.itl = hist(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", INTER_TOKEN_BUCKETS
+        )
+        self.tpot = hist(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds (the same observations as inter_token_latency).",
             INTER_TOKEN_BUCKETS,
         )
-        self.e2e = Histogram(
-            p + "e2e_request_latency_seconds",
-            "Time from arrival to the last token of a successful request.",
-            E2E_BUCKETS,
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", E2E_BUCKETS)
+        self.queue_time = hist(
+            "vllm:request_queue_time_seconds", "Histogram of time spent waiting for a first step.", LATENCY_BUCKETS
         )
-        self.queue_time = Histogram(
-            p + "request_queue_time_seconds",
-            "Time a request waited before its first step: in the scheduler's queue plus in its worker's waiting queue.",
-            LATENCY_BUCKETS,
+        self.prefill_time = hist(
+            "vllm:request_prefill_time_seconds", "Histogram of time from queue end to first token.", LATENCY_BUCKETS
         )
-        self.success = Counter(p + "request_success_total", "Choices finished, by finish reason.")
-        self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens of requests that started generating.")
-        self.generation_tokens = Counter(p + "generation_tokens_total", "Tokens generated.")
-        self.running = Gauge(p + "num_requests_running", "Requests running on each worker.")
-        self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting on each worker.")
-        self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Used KV-cache pages / total pages, per worker.")
-        self.feature_cache_bytes = Gauge(
-            p + "diffusion_feature_cache_bytes", "Bytes the running requests' feature caches hold, per diffusion worker"
+        self.decode_time = hist(
+            "vllm:request_decode_time_seconds", "Histogram of time from first to last token.", E2E_BUCKETS
         )
-        self.kv_bytes = Counter(p + "kv_transfer_bytes_total", "KV-cache bytes sent by all workers.")
-        self.scheduler_queued = Gauge(p + "scheduler_queued_requests", "Requests waiting in the scheduler.")
-        self.worker_requests = Counter(
-            p + "worker_requests_total", "Requests each worker has finished (or handed off)."
+        self.inference_time = hist(
+            "vllm:request_inference_time_seconds", "Histogram of time from queue end to last token.", E2E_BUCKETS
+        )
+        self.request_prompt_tokens = hist(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed, per request.", TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = hist(
+            "vllm:request_generation_tokens", "Number of generation tokens processed, per request.", TOKEN_BUCKETS
+        )
+        self.request_max_generation_tokens = hist(
+            "vllm:request_max_num_generation_tokens",
+            "Maximum number of generated tokens of one choice, per request.",
+            TOKEN_BUCKETS,
+        )
+        self._success = Counter(
+            "vllm:request_success",
+            "Count of finished choices, by finished_reason.",
+            [*m, "finished_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = count("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = count("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.prefix_queries = count(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens of requests that started."
+        )
+        self.prefix_hits = count("vllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens taken from the cache.")
+        self._aborted = Counter(
+            "pagemesh_requests_aborted", "Requests the gateway aborted in the mesh, by reason.", ["reason"], registry=r
         )
         self.image_latency = Histogram(
-            p + "image_request_latency_seconds", "Time from arrival to the images of a successful request.", E2E_BUCKETS
+            "pagemesh_image_request_latency_seconds",
+            "Time from arrival to the images of a successful request.",
+            buckets=E2E_BUCKETS,
+            registry=r,
         )
-        self.image_requests = Counter(p + "image_requests_total", "Image requests answered, by HTTP status.")
-        self.images = Counter(p + "images_generated_total", "Images generated.")
-        self.denoising_steps = Counter(p + "denoising_steps_total", "Denoising steps run, summed over images.")
-        self.diffusion_blocks = Counter(
-            p + "diffusion_blocks_total",
+        self._image_requests = Counter(
+            "pagemesh_image_requests", "Image requests answered, by HTTP status.", ["status"], registry=r
+        )
+        self.images = Counter("pagemesh_images_generated", "Images generated.", registry=r)
+        self.denoising_steps = Counter(
+            "pagemesh_denoising_steps", "Denoising steps run, summed over images.", registry=r
+        )
+        self._diffusion_blocks = Counter(
+            "pagemesh_diffusion_blocks",
             "Transformer-block evaluations of image requests (rows x steps x blocks), by outcome: computed, or "
             "skipped by a feature cache.",
+            ["outcome"],
+            registry=r,
         )
-
-    def all(self) -> list[_Metric]:
-        return [
-            self.ttft,
-            self.itl,
-            self.e2e,
-            self.queue_time,
-            self.success,
-            self.prompt_tokens,
-            self.generation_tokens,
-            self.running,
-            self.waiting,
-            self.kv_usage,
-            self.feature_cache_bytes,
-            self.kv_bytes,
-            self.scheduler_queued,
-            self.worker_requests,
-            self.image_latency,
-            self.image_requests,
-            self.images,
-            self.denoising_steps,
-            self.diffusion_blocks,
-        ]
+        self.cluster = ClusterCollector(model_name)
+        r.register(self.cluster)
 
     def render(self) -> str:
-        return render(self.all())
+        return generate_latest(self.registry).decode()
+
+    def value(self, name: str, **labels: str) -> float | None:
+        """One sample's value (None if absent); `model_name` is filled in for `vllm:` series."""
+        if name.startswith("vllm:"):
+            labels.setdefault("model_name", self.model_name)
+        return self.registry.get_sample_value(name, labels)
+
+    def success(self, finished_reason: str) -> None:
+        self._success.labels(self.model_name, finished_reason).inc()
+
+    def aborted(self, reason: str) -> None:
+        """A request the gateway stopped in the mesh before it ended (`reason`: a short slug)."""
+        self._aborted.labels(reason).inc()
+        self.success("abort")
 
     def request(self, arrival: float) -> RequestTimer:
         return RequestTimer(self, arrival)
@@ -227,36 +159,19 @@ class GatewayMetrics:
     ) -> None:
         """One image request answered with `status` (its latency, images, steps and (blocks computed,
         blocks skipped) when it succeeded)."""
-        self.image_requests.inc(status=str(status))
+        self._image_requests.labels(str(status)).inc()
         if latency is not None:
             self.image_latency.observe(latency)
             self.images.inc(images)
             self.denoising_steps.inc(images * steps)
             if any(blocks):
-                self.diffusion_blocks.inc(blocks[0], outcome="computed")
-                self.diffusion_blocks.inc(blocks[1], outcome="skipped")
+                self._diffusion_blocks.labels("computed").inc(blocks[0])
+                self._diffusion_blocks.labels("skipped").inc(blocks[1])
 
     def update_cluster(self, status: ClusterStatus | None) -> None:
-        """Copy the scheduler's view; with no answer, drop the series rather than show stale ones."""
-        workers = status.workers if status is not None else []
-        by_worker = {w.worker_id: w for w in workers}
-        self.running.replace({(("worker", i),): w.running for i, w in by_worker.items()})
-        self.waiting.replace({(("worker", i),): w.waiting for i, w in by_worker.items()})
-        self.kv_usage.replace(
-            {
-                (("worker", i),): w.kv.used_pages / w.kv.total_pages if w.kv.total_pages else 0.0
-                for i, w in by_worker.items()
-                if w.kv is not None
-            }
-        )
-        self.kv_bytes.mirror(
-            {(): sum(w.kv.bytes_sent for w in workers if w.kv is not None)} if status is not None else {}
-        )
-        self.feature_cache_bytes.replace(
-            {(("worker", i),): w.feature_cache.bytes for i, w in by_worker.items() if w.feature_cache is not None}
-        )
-        self.scheduler_queued.replace({(): status.queued} if status is not None else {})
-        self.worker_requests.mirror({(("worker", i),): w.requests_finished for i, w in by_worker.items()})
+        """The scheduler's view for the next render; None (no answer) drops those series rather
+        than show stale ones."""
+        self.cluster.status = status
 
 
 class RequestTimer:
@@ -265,26 +180,44 @@ class RequestTimer:
     def __init__(self, metrics: GatewayMetrics, arrival: float):
         self.metrics, self.arrival = metrics, arrival
         self.first_token: float | None = None
-        self._last_token: dict[int, float] = {}
-        self._started: set[str] = set()  # mesh requests (one per prompt) whose prompt was counted
+        self.last_token: float | None = None
+        self.queue_time: float | None = None
+        self._last_token: dict[int, float] = {}  # choice -> when its last tokens came
+        self._tokens: dict[int, int] = {}  # choice -> tokens so far
+        self._prompts: dict[str, int] = {}  # mesh request (one per prompt) -> its prompt's length
 
     def on_delta(self, delta: TextDelta, now: float) -> None:
         m = self.metrics
-        if delta.queue_time_s is not None:
+        if delta.queue_time_s is not None and self.queue_time is None:
+            self.queue_time = delta.queue_time_s
             m.queue_time.observe(delta.queue_time_s)
         if delta.token_ids:
-            if delta.request_id not in self._started:
-                self._started.add(delta.request_id)
+            if delta.request_id not in self._prompts:
+                self._prompts[delta.request_id] = delta.prompt_tokens
                 m.prompt_tokens.inc(delta.prompt_tokens)
+                m.request_prompt_tokens.observe(delta.prompt_tokens)
+                m.prefix_queries.inc(delta.prompt_tokens)
+                m.prefix_hits.inc(delta.cached_tokens or 0)
             if self.first_token is None:
                 self.first_token = now
                 m.ttft.observe(now - self.arrival)
+                if self.queue_time is not None:
+                    m.prefill_time.observe(max(now - self.arrival - self.queue_time, 0.0))
             elif delta.index in self._last_token:
                 m.itl.observe(now - self._last_token[delta.index])
-            self._last_token[delta.index] = now
+                m.tpot.observe(now - self._last_token[delta.index])
+            self._last_token[delta.index] = self.last_token = now
+            self._tokens[delta.index] = self._tokens.get(delta.index, 0) + len(delta.token_ids)
             m.generation_tokens.inc(len(delta.token_ids))
         if delta.finish_reason is not None:
-            m.success.inc(finish_reason=delta.finish_reason)
+            m.success(delta.finish_reason)
 
     def on_finished(self, now: float) -> None:
-        self.metrics.e2e.observe(now - self.arrival)
+        m = self.metrics
+        m.e2e.observe(now - self.arrival)
+        m.request_generation_tokens.observe(sum(self._tokens.values()))
+        m.request_max_generation_tokens.observe(max(self._tokens.values(), default=0))
+        if self.first_token is not None:
+            m.decode_time.observe(now - self.first_token)
+            queue_end = self.arrival + (self.queue_time or 0.0)
+            m.inference_time.observe(max(now - queue_end, 0.0))

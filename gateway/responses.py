@@ -30,11 +30,13 @@ def to_json(payload: dict) -> bytes:
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens served from the prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -75,6 +77,8 @@ class ResponseBuilder:
         # a batch of prompts: choices i*k .. i*k+k-1 answer prompt i (k = n per prompt)
         self.choices_per_prompt = choices_per_prompt or n
         self._prompt_tokens: dict[int, int] = {}  # prompt index -> its length
+        # prompt index -> its tokens found in a prefix cache, as the first worker that ran it said
+        self._cached_tokens: dict[int, int] = {}
         self.echo = echo  # completions with echo: each prompt's text, put in front of its choices'
         self._prompt_logprobs: dict[int, tuple[list[int], list[TokenLogprob]]] = {}  # prompt index -> ids, logprobs
 
@@ -94,7 +98,7 @@ class ResponseBuilder:
         return sum(c.completion_tokens for c in self.choices)
 
     def usage(self) -> dict:
-        return usage(self.prompt_tokens, self.completion_tokens)
+        return usage(self.prompt_tokens, self.completion_tokens, sum(self._cached_tokens.values()))
 
     # ---- streaming
 
@@ -107,6 +111,8 @@ class ResponseBuilder:
             return None
         prompt = delta.index // self.choices_per_prompt
         self._prompt_tokens[prompt] = delta.prompt_tokens
+        if delta.token_ids:  # a disaggregated decode worker reports its own (later) cache hits
+            self._cached_tokens.setdefault(prompt, delta.cached_tokens)
         if delta.prompt_logprobs is not None and delta.prompt_token_ids is not None:
             self._prompt_logprobs[prompt] = (delta.prompt_token_ids, delta.prompt_logprobs)
         choice.completion_tokens = delta.completion_tokens

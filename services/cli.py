@@ -10,12 +10,16 @@ pagemesh generate    offline: run prompts through one in-process engine and prin
 pagemesh bench       load generator for any OpenAI-compatible server
 pagemesh experiment  the experiments of the papers (paged-memory, orca, sarathi, ...)
 pagemesh simulate    the mesh's scheduling code in virtual time on a cost model (cluster sizing)
+pagemesh tokenizer-export DIR   the model's tokenizer as a Hugging Face folder (for load tools)
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+
+from common.logging import FORMAT_ENV, FORMATS
 
 COMMANDS = {
     "up": ("services.launcher", "the whole mesh on this machine"),
@@ -28,17 +32,40 @@ COMMANDS = {
     "bench": ("bench.loadgen.main", "load any OpenAI-compatible server and report latencies"),
     "experiment": ("bench.experiments.main", "reproduce a paper's experiment: pagemesh experiment NAME --out DIR"),
     "simulate": ("bench.simulator.main", "the scheduling code on a cost model: cluster sizing, what-ifs"),
+    "tokenizer-export": ("services.tokenizer_export", "write the tokenizer as a Hugging Face folder: DIR"),
 }
 
 
 def usage() -> str:
     lines = ["usage: pagemesh <command> [flags]   (pagemesh <command> --help for its flags)", ""]
     lines += [f"  {name:<10} {what}" for name, (_, what) in COMMANDS.items()]
+    lines += ["", "every command: --log-format console|json (default: console on a terminal, else json)"]
     return "\n".join(lines)
 
 
+def take_log_format(argv: list[str]) -> list[str]:
+    """`--log-format X` / `--log-format=X`, valid for every command, goes to $PAGEMESH_LOG_FORMAT
+    (which the processes `pagemesh up` starts inherit); the rest of argv is returned."""
+    rest, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--log-format" and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+        elif arg.startswith("--log-format="):
+            value, i = arg.partition("=")[2], i + 1
+        else:
+            rest.append(arg)
+            i += 1
+            continue
+        if value not in FORMATS:
+            print(f"pagemesh: --log-format must be one of {', '.join(FORMATS)}, got {value!r}", file=sys.stderr)
+            raise SystemExit(2)
+        os.environ[FORMAT_ENV] = value
+    return rest
+
+
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = take_log_format(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return

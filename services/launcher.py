@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,9 +23,12 @@ from collections import Counter
 from pathlib import Path
 
 from common.cli_args import add
+from common.logging import FORMAT_ENV, log_format
 from common.messages import Ready
+from common.model_files import model_aliases, resolve_model_path, served_model_name
 from common.transport import Pull, ipc_address
 from gateway.config import add_auth_arguments, api_keys_from_args, auth_args_to_argv
+from services.log_relay import LogRelay
 from services.scheduler.config import add_policy_arguments, policy_args_to_argv
 from services.supervisor import Supervisor, drain_in_order
 from workers.diffusion.config import add_diffusion_arguments, diffusion_args_to_argv
@@ -183,6 +187,7 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
                 "gateway-0",
                 *model,
                 *auth_args_to_argv(args, args.api_keys, Path(run_dir) / "api-keys"),
+                *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
                 *common,
                 *drain,
             ],
@@ -243,10 +248,13 @@ class Mesh:
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
+        self.logs = LogRelay()
         self.run_dir = args.run_dir or tempfile.mkdtemp(prefix="pagemesh-")
+        self.owns_run_dir = args.run_dir is None  # a folder we made goes when the mesh stops
         os.makedirs(self.run_dir, exist_ok=True)
         self.children: dict[str, subprocess.Popen] = {}
-        self.supervisor = Supervisor(self.children)
+        # the children write into pipes, not our terminal: they take our log format with them
+        self.supervisor = Supervisor(self.children, relay=self.logs, env={FORMAT_ENV: log_format()})
 
     async def start(self) -> None:
         """Start every child; return once each reported READY (a child that dies meanwhile is
@@ -298,6 +306,17 @@ class Mesh:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self.logs.drain(timeout=2.0)
+        if self.owns_run_dir:  # the ipc sockets' folder: nothing may be left in the temp dir
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def ready_line(args: argparse.Namespace, workers: str) -> str:
+    """The one line `pagemesh up` prints once every process reported READY."""
+    model = resolve_model_path(args.model)
+    names = " (alias " + ", ".join(model_aliases(model)) + ")" if model_aliases(model) else ""
+    url = f"http://{args.host}:{args.port}/v1"
+    return f"pagemesh is up: {url}  model {served_model_name(model)}{names}  workers: {workers}  (Ctrl-C stops)"
 
 
 def main(argv: list[str]) -> None:
@@ -331,7 +350,7 @@ def main(argv: list[str]) -> None:
         parts += [f"{args.diffusion} diffusion"] if args.diffusion else []
         parts += [f"{args.diffusion_student} {STUDENT_NAME}"] if args.diffusion_student else []
         workers = " + ".join(parts)
-        print(f"pagemesh is up: http://{args.host}:{args.port}/v1  ({workers} worker(s); Ctrl-C stops)", flush=True)
+        print(ready_line(args, workers), flush=True)
         watching = asyncio.ensure_future(mesh.watch())
         try:
             await asyncio.wait([watching, stopped], return_when=asyncio.FIRST_COMPLETED)

@@ -19,9 +19,10 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections import deque
 from dataclasses import dataclass, field
+
+from services.log_relay import LogRelay
 
 RESTART_LIMIT = 3  # deaths before READY ...
 RESTART_WINDOW_S = 300.0  # ... within this long: the child cannot start; the mesh stops
@@ -62,9 +63,17 @@ class Supervisor:
     """Starts the children, relays their logs, and starts again those that exit (`check`).
     `children` (name -> its current process) is shared with the caller."""
 
-    def __init__(self, children: dict[str, subprocess.Popen], policy: RestartPolicy | None = None):
+    def __init__(
+        self,
+        children: dict[str, subprocess.Popen],
+        policy: RestartPolicy | None = None,
+        relay: LogRelay | None = None,
+        env: dict[str, str] | None = None,
+    ):
         self.children = children
         self.policy = policy or RestartPolicy()
+        self.relay = relay or LogRelay()  # each child's lines out whole, and its last ones kept
+        self.env = env or {}  # for every child
         self.commands: dict[str, tuple[list[str], dict[str, str]]] = {}
         self.tails: dict[str, deque[str]] = {}
         self.ready: set[str] = set()
@@ -77,13 +86,10 @@ class Supervisor:
         self.ready.discard(name)
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", *argv],
-            env={**os.environ, **env} if env else None,
+            env={**os.environ, **self.env, **(env or {})},
             stderr=subprocess.PIPE,
-            encoding="utf-8",
-            errors="replace",
         )
-        tail = self.tails.setdefault(name, deque(maxlen=TAIL_LINES))
-        threading.Thread(target=_relay, args=(proc.stderr, tail), name=f"log-{name}", daemon=True).start()
+        self.relay.attach(proc, self.tails.setdefault(name, deque(maxlen=TAIL_LINES)))
         self.children[name] = proc
 
     def mark_ready(self, name: str) -> None:
@@ -113,14 +119,6 @@ class Supervisor:
 
     def tail(self, name: str) -> str:
         return "".join(self.tails.get(name, ()))
-
-
-def _relay(stream, tail: deque[str]) -> None:
-    """Copy a child's log lines to our stderr, keeping the last ones."""
-    for line in stream:
-        tail.append(line)
-        sys.stderr.write(line)
-    stream.close()
 
 
 async def drain_in_order(

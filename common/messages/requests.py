@@ -63,6 +63,7 @@ class TextDelta:
     queue_time_s: float | None = None
     prompt_token_ids: list[int] | None = None  # with prompt_logprobs: the whole prompt, once
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., once
+    cached_tokens: int = 0  # prompt tokens the worker took from its prefix cache
 
 
 @message
@@ -119,6 +120,7 @@ class TokenDelta:
     num_prompt_tokens: int
     queue_time_s: float | None = None  # on a request's first delta: scheduler + engine queue time
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.. (SamplingParams.prompt_logprobs), once
+    num_cached_tokens: int = 0  # prompt tokens this worker found in its prefix cache
 
 
 @record

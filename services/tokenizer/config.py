@@ -9,11 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import cli_args
-from common.model_config import read_model_config
+from common.model_config import DEFAULT_MAX_MODEL_LEN_CAP, default_max_model_len
 from common.model_files import resolve_model_path
 from common.process import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP
-
-DEFAULT_MAX_MODEL_LEN_CAP = 8192
 
 
 @dataclass(frozen=True)
@@ -61,7 +59,7 @@ def parse_args(argv: list[str]) -> TokenizerConfig:
     model = resolve_model_path(args.model)
     max_model_len = args.max_model_len
     if max_model_len is None:
-        max_model_len = min(_model_context_length(model), DEFAULT_MAX_MODEL_LEN_CAP)
+        max_model_len = default_max_model_len(model)
     if max_model_len < 2:
         parser.error("--max-model-len must be at least 2")
     return TokenizerConfig(
@@ -75,7 +73,3 @@ def parse_args(argv: list[str]) -> TokenizerConfig:
         log_level=args.log_level,
         drain_timeout=args.drain_timeout,
     )
-
-
-def _model_context_length(model: Path) -> int:
-    return read_model_config(model).max_position_embeddings

@@ -228,6 +228,7 @@ class TokenizerCore:
                     queue_time_s=delta.queue_time_s,
                     prompt_token_ids=request.prompt_ids if delta.prompt_logprobs is not None else None,
                     prompt_logprobs=delta.prompt_logprobs,
+                    cached_tokens=delta.num_cached_tokens,
                 )
             )
             if choice.finished and all(c.finished for c in request.choices):

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
 
 from bench.local_mesh import HANG_S, metrics, pages_free, per_worker, running_mesh, sample_until, wait_until
-from common.model_files import DEFAULT_MODEL_NAME
+from common.model_files import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME
 from common.sampling import SamplingParams
 from tests.default_model import tokenizer as default_tokenizer
 
@@ -336,5 +338,33 @@ def test_errors_have_the_openai_shape_and_the_mesh_keeps_serving(mesh, client, b
 def test_models_health_ready(mesh):
     models = json.loads(urllib.request.urlopen(mesh + "/v1/models", timeout=HANG_S).read())
     assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == 8192
+    r = openai.OpenAI(base_url=mesh + "/v1", api_key="none", max_retries=0, timeout=HANG_S).completions.create(
+        model=DEFAULT_MODEL_ALIAS, prompt="Hi", max_tokens=1
+    )  # the short name still works; answers name the real id
+    assert r.model == MODEL == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert urllib.request.urlopen(mesh + "/health", timeout=HANG_S).status == 200
     assert urllib.request.urlopen(mesh + "/ready", timeout=HANG_S).status == 200
+
+
+DASHBOARD = Path(__file__).parents[2] / "docs" / "grafana" / "pagemesh-vllm.json"
+
+
+def test_every_series_the_vllm_dashboard_queries_is_in_metrics(client, mesh):
+    """The series named by the expressions of our Grafana dashboard (vLLM's dashboard queries, plus
+    prefix-cache hits) exist in /metrics after a request, labelled with the served model's id."""
+    exprs = [t["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"] for t in panel["targets"]]
+    wanted = {name for expr in exprs for name in re.findall(r"vllm:[A-Za-z0-9_:]+", expr)}
+    assert len(wanted) >= 20 and "vllm:e2e_request_latency_seconds_bucket" in wanted
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
+    )
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    samples = sample_until(lambda: metrics(mesh), lambda s: any(k.startswith("vllm:kv_cache_usage_perc") for k in s))
+    assert samples is not None
+    present = {key.partition("{")[0] for key in samples}
+    assert sorted(wanted - present) == []
+    for key in samples:
+        if key.startswith("vllm:"):
+            assert f'model_name="{MODEL}"' in key, key
+    assert samples[f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}'] >= 1

@@ -32,8 +32,9 @@ def test_a_shared_prefix_is_not_sent_again_and_outputs_equal_the_engine_without_
         def kv_bytes() -> float:
             return metrics(url).get("pagemesh_kv_transfer_bytes_total", 0.0)
 
-        def complete(prompt: list[int]) -> tuple[str, float]:
-            """Greedy text, and the KV bytes the request moved (one transfer per request)."""
+        def complete(prompt: list[int]) -> tuple[str, float, int]:
+            """Greedy text, the KV bytes the request moved (one transfer per request), and the
+            prompt tokens the prefill worker took from its prefix cache (usage.cached_tokens)."""
             before = kv_bytes()
             r = client.completions.create(
                 model=DEFAULT_MODEL_NAME,
@@ -43,12 +44,14 @@ def test_a_shared_prefix_is_not_sent_again_and_outputs_equal_the_engine_without_
                 extra_body={"ignore_eos": True},
             )
             assert wait_until(lambda: kv_bytes() > before)  # the prefill worker's next heartbeat
-            return r.choices[0].text, kv_bytes() - before
+            return r.choices[0].text, kv_bytes() - before, r.usage.prompt_tokens_details.cached_tokens
 
-        text1, sent1 = complete(PROMPTS[0])  # 210 tokens: all 14 pages travel
-        text2, sent2 = complete(PROMPTS[1])  # the decode worker holds the 12 shared full pages
-        text3, sent3 = complete(PROMPTS[0])  # all 13 reusable pages held: only the last travels
+        text1, sent1, cached1 = complete(PROMPTS[0])  # 210 tokens: all 14 pages travel
+        text2, sent2, cached2 = complete(PROMPTS[1])  # the decode worker holds the 12 shared full pages
+        text3, sent3, cached3 = complete(PROMPTS[0])  # all 13 reusable pages held: only the last travels
     page_bytes = sent1 / 14
     assert page_bytes == int(page_bytes) > 0
     assert (sent2, sent3) == (2 * page_bytes, 1 * page_bytes)
     assert [text1, text2, text3] == [expected[0], expected[1], expected[0]]
+    # the prefill worker's cache: nothing, then the 12 shared pages, then the 13 full pages of prompt 0
+    assert (cached1, cached2, cached3) == (0, 12 * PAGE, 13 * PAGE)

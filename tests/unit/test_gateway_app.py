@@ -43,7 +43,12 @@ def test_completion_round_trip(tmp_path):
             "object": "text_completion",
             "model": MODEL,
             "choices": [{"index": 0, "text": "Hello world", "logprobs": None, "finish_reason": "length"}],
-            "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6},
+            "usage": {
+                "prompt_tokens": 4,
+                "completion_tokens": 2,
+                "total_tokens": 6,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            },
         }
 
     run(tmp_path, test)
@@ -63,7 +68,12 @@ def test_a_batch_of_prompts_runs_as_one_request_per_prompt_with_choices_numbered
         body = await (await post).json()
         assert body["id"] == base
         assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "A"), (1, "A"), (2, "Bb"), (3, "Bb")]
-        assert body["usage"] == {"prompt_tokens": 8, "completion_tokens": 6, "total_tokens": 14}  # 4 per prompt
+        assert body["usage"] == {
+            "prompt_tokens": 8,
+            "completion_tokens": 6,
+            "total_tokens": 14,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }  # 4 per prompt
 
         stream = asyncio.create_task(fake.client.post("/v1/completions", json={"prompt": ["x", "y"], "stream": True}))
         first, second = await fake.next_request(), await fake.next_request()
@@ -232,7 +242,15 @@ def test_streaming_chat_with_usage(tmp_path):
             ),
             ([{"index": 0, "delta": {"content": "Hel"}, "logprobs": None, "finish_reason": None}], None),
             ([{"index": 0, "delta": {"content": "lo"}, "logprobs": None, "finish_reason": "stop"}], None),
-            ([], {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}),
+            (
+                [],
+                {
+                    "prompt_tokens": 4,
+                    "completion_tokens": 2,
+                    "total_tokens": 6,
+                    "prompt_tokens_details": {"cached_tokens": 0},
+                },
+            ),
         ]
 
     run(tmp_path, test)

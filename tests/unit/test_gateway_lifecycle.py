@@ -273,7 +273,7 @@ def test_ready_and_metrics_ask_the_scheduler(tmp_path, monkeypatch):
         await answering
         assert response.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
         text = await response.text()
-        assert 'pagemesh_num_requests_running{worker="w0"} 2\n' in text
+        assert 'pagemesh_num_requests_running{worker="w0"} 2.0\n' in text
         assert 'pagemesh_kv_cache_usage_ratio{worker="w0"} 0.25\n' in text
 
     run(tmp_path, test)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -61,7 +62,12 @@ def test_completion_response_and_chunks():
         "created": 1700000000,
         "model": "smol",
         "choices": [{"index": 0, "text": "Hello world", "logprobs": None, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": 4,
+            "total_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
     }
 
 
@@ -93,7 +99,12 @@ def test_chat_response_and_chunks_with_usage():
         "created": 1700000000,
         "model": "smol",
         "choices": [],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": 4,
+            "total_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
     }
     assert b.response() == {
         "id": "chatcmpl-abc",
@@ -114,7 +125,12 @@ def test_chat_response_and_chunks_with_usage():
                 "finish_reason": "stop",
             },
         ],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": 4,
+            "total_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
     }
 
 
@@ -213,3 +229,24 @@ def test_request_failed_becomes_openai_error_with_retry_after_on_503():
         )
     )
     assert (e.status, e.headers, e.param, e.code) == (400, {}, "prompt", "context_length_exceeded")
+
+
+def test_cached_tokens_come_from_each_prompts_first_token_delta():
+    """A batch of two prompts (n=2 each): prompt 0 found 16 tokens in a prefix cache, prompt 1
+    none. A later delta's count (a disaggregated decode worker's own) does not replace it."""
+    b = ResponseBuilder(
+        kind="completion",
+        request_id="cmpl-abc",
+        model="smol",
+        created=1,
+        n=4,
+        logprobs=None,
+        include_usage=False,
+        token_text=TEXTS.__getitem__,
+        choices_per_prompt=2,
+    )
+    for index, cached in ((0, 16), (1, 16), (2, 0), (3, 0)):
+        b.add(dataclasses.replace(delta("He", [1], index=index), cached_tokens=cached))
+    b.add(dataclasses.replace(delta("llo", [2], "stop", index=0, completion_tokens=2), cached_tokens=0))
+    b.add(dataclasses.replace(delta("llo", [2], "stop", index=2, completion_tokens=2), cached_tokens=32))
+    assert b.usage()["prompt_tokens_details"] == {"cached_tokens": 16}

@@ -183,5 +183,10 @@ def test_gateway_flags(monkeypatch):
         30.0,
         4 << 20,
     )
-    assert cfg.model_names == ("SmolLM2-135M-Instruct", str(default_model_path()))
-    assert cfg.served_model == "SmolLM2-135M-Instruct"
+    assert cfg.model_names == (
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "SmolLM2-135M-Instruct",
+        str(default_model_path()),
+    )
+    assert cfg.served_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert cfg.max_model_len == 8192  # SmolLM2's context length, also the cap

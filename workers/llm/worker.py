@@ -140,6 +140,7 @@ class LLMWorker:
                         num_prompt_tokens=out.num_prompt_tokens,
                         queue_time_s=queue_time,
                         prompt_logprobs=prompt_logprobs,
+                        num_cached_tokens=out.num_cached_tokens,
                     )
                 )
                 queue_time = prompt_logprobs = None  # once per request

@@ -1,0 +1,78 @@
+"""Per-worker and cluster series, copied from the scheduler's ClusterStatus at each scrape.
+
+Each per-worker value is written twice: under vLLM's name with its labels (`model_name` = the
+model the worker serves, `engine` = the worker id: one vLLM engine per worker) so a vLLM
+dashboard finds it, and under pagemesh's name with `worker` (what our docs, tests and benches
+read). With no status (the scheduler did not answer) the collector yields nothing: no stale
+series.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from common.messages import ClusterStatus
+
+
+class ClusterCollector(Collector):
+    """Set `status` before a render; `collect()` turns it into metric families."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.status: ClusterStatus | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        status = self.status
+        if status is None:
+            return
+        workers = status.workers
+        v = ["model_name", "engine"]
+        running = GaugeMetricFamily(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", labels=v
+        )
+        waiting = GaugeMetricFamily(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels=v
+        )
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=v)
+        p_running = GaugeMetricFamily(
+            "pagemesh_num_requests_running", "Requests running on each worker.", labels=["worker"]
+        )
+        p_waiting = GaugeMetricFamily(
+            "pagemesh_num_requests_waiting", "Requests waiting on each worker.", labels=["worker"]
+        )
+        p_usage = GaugeMetricFamily(
+            "pagemesh_kv_cache_usage_ratio", "Used KV-cache pages / total pages, per worker.", labels=["worker"]
+        )
+        finished = CounterMetricFamily(
+            "pagemesh_worker_requests", "Requests each worker has finished (or handed off).", labels=["worker"]
+        )
+        feature_cache = GaugeMetricFamily(
+            "pagemesh_diffusion_feature_cache_bytes",
+            "Bytes the running requests' feature caches hold, per diffusion worker",
+            labels=["worker"],
+        )
+        for w in {w.worker_id: w for w in workers}.values():
+            vl = [w.model or self.model_name, w.worker_id]
+            running.add_metric(vl, w.running)
+            waiting.add_metric(vl, w.waiting)
+            p_running.add_metric([w.worker_id], w.running)
+            p_waiting.add_metric([w.worker_id], w.waiting)
+            finished.add_metric([w.worker_id], w.requests_finished)
+            if w.kv is not None:
+                ratio = w.kv.used_pages / w.kv.total_pages if w.kv.total_pages else 0.0
+                usage.add_metric(vl, ratio)
+                p_usage.add_metric([w.worker_id], ratio)
+            if w.feature_cache is not None:
+                feature_cache.add_metric([w.worker_id], w.feature_cache.bytes)
+        yield from (running, waiting, usage, p_running, p_waiting, p_usage, finished, feature_cache)
+        yield CounterMetricFamily(
+            "pagemesh_kv_transfer_bytes",
+            "KV-cache bytes sent by all workers.",
+            value=sum(w.kv.bytes_sent for w in workers if w.kv is not None),
+        )
+        yield GaugeMetricFamily(
+            "pagemesh_scheduler_queued_requests", "Requests waiting in the scheduler.", value=status.queued
+        )
