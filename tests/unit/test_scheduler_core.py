@@ -17,6 +17,7 @@ from common.messages import (
     ImageModelInfo,
     KVPoolInfo,
     KVPoolLoad,
+    MigrateRequest,
     Ping,
     Pong,
     PrefillTask,
@@ -46,8 +47,11 @@ DEFAULT = SamplingParams()
 TOK, TOK_OUT = b"tok0", "ipc:///tok0-out"  # a tokenizer's identity at the scheduler, and its token address
 
 
-def new_core(max_queue: int = 256) -> SchedulerCore:
-    return SchedulerCore(SchedulerConfig("ipc:///unused", heartbeat_timeout=TIMEOUT, max_queue=max_queue), "inst-1", T0)
+def new_core(max_queue: int = 256, max_migrations: int = 3) -> SchedulerCore:
+    config = SchedulerConfig(
+        "ipc:///unused", heartbeat_timeout=TIMEOUT, max_queue=max_queue, max_migrations=max_migrations
+    )
+    return SchedulerCore(config, "inst-1", T0)
 
 
 IMAGES = ImageModelInfo(
@@ -164,11 +168,11 @@ def test_registration_renewal_and_a_restart_under_a_known_id():
     # the same process registering again (it lost its Registered, say): renewed, its requests stay
     assert register(core, "w0", now=T0 + 1) == [(b"w0", Registered(worker_id="w0"))]
     assert core.registry.workers["w0"] is w0 and w0.requests == {"r1"} and w0.last_seen == T0 + 1
-    # a new process under the id: the old one's requests died with it
+    # a new process under the id: the old one's requests died with it, and move (migration.py)
     out = register(core, "w0", now=T0 + 2, instance="w0-second")
     assert out == [
         (b"w0", Registered(worker_id="w0")),
-        (TOK, failed("r1", "worker w0 restarted")),
+        (TOK, MigrateRequest(request_id="r1", reason="worker w0 restarted", lost_worker_ids=["w0"])),
         ("w0", AbortRequest(request_id="r1", reason="worker w0 restarted")),
     ]
     assert core.placed == {} and core.registry.workers["w0"].requests == set()
@@ -185,7 +189,9 @@ def test_heartbeats_from_an_unknown_worker_ask_it_to_register_and_known_ones_dra
 
 
 def test_a_worker_that_stops_heartbeating_is_dropped_and_its_requests_fail():
-    core = disaggregated()
+    core = new_core(max_migrations=0)  # no migration: the request fails
+    register(core, "p0", "prefill")
+    register(core, "d0", "decode")
     register(core, "m0", "mixed")
     placed_on_p0_d0(core, "r1")
     assert heartbeat(core, "p0", T0 + 4) == [] and heartbeat(core, "m0", T0 + 4) == []
@@ -383,7 +389,7 @@ def test_held_requests_are_adopted_and_a_prefill_finish_aborts_the_decode_holder
 
 def test_failures_for_a_tokenizer_not_heard_from_yet_wait_for_its_first_ping(monkeypatch):
     monkeypatch.setattr(core_module, "MAX_UNREPORTED", 2)
-    core = new_core()
+    core = new_core(max_migrations=0)  # failures (migrations wait for the ping the same way)
     register(core, "w0", held=[HeldRequest(request_id=f"r{i}", reply_to=TOK_OUT) for i in range(3)])
     out = register(core, "w0", now=T0 + 1, instance="w0-second")  # restarted: its requests are lost
     assert out[0] == (b"w0", Registered(worker_id="w0"))

@@ -1,0 +1,39 @@
+"""Request migration: which requests may move to another worker when theirs is lost.
+
+    worker lost ──▶ scheduler: cannot_migrate(placed)? ──yes──▶ RequestFailed (503 worker_failure)
+                                                      └─no───▶ MigrateRequest ──▶ tokenizer
+    tokenizer ──ScheduleRequest(resume: generated ids, migrations + 1)──▶ scheduler
+    scheduler ──GenerateTask(output_token_ids)──▶ a decode or mixed worker: recomputes, goes on
+
+A request moves when it is one streamed choice (n = 1, no best_of, no beams: the tokenizer holds
+the one list of ids its client received, and a forked or beam request's state lives only in the
+engine that ran it), is an LLM request (an image is not resumable), and has moved fewer than
+`--max-migrations` times (a request that keeps killing its workers ends). Pure logic.
+"""
+
+from __future__ import annotations
+
+from common.messages import ScheduleRequest
+
+
+def migrations_of(request: ScheduleRequest) -> int | None:
+    """How often the request has moved so far; None if it cannot move at all."""
+    if request.sampling.num_sequences != 1 or request.sampling.use_beam_search:
+        return None
+    return request.resume.migrations if request.resume is not None else 0
+
+
+def cannot_migrate(migrations: int | None, max_migrations: int) -> str | None:
+    """Why a request that lost its worker cannot move (said after the loss's own why), or None."""
+    if max_migrations == 0:
+        return ""  # migration is off: the loss says it all
+    if migrations is None:
+        return " (a request of several choices or beams cannot move to another worker)"
+    if migrations >= max_migrations:
+        return f" (the request has moved {migrations} times already; --max-migrations is {max_migrations})"
+    return None
+
+
+def resumed_output(request: ScheduleRequest) -> list[int]:
+    """The tokens a migrated request generated before (empty: it starts from its prompt)."""
+    return request.resume.output_token_ids if request.resume is not None else []
