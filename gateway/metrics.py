@@ -170,6 +170,10 @@ class GatewayMetrics:
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Used KV-cache pages / total pages, per worker.")
         self.kv_bytes = Counter(p + "kv_transfer_bytes_total", "KV-cache bytes sent by all workers.")
         self.scheduler_queued = Gauge(p + "scheduler_queued_requests", "Requests waiting in the scheduler.")
+        self.migrations = Counter(
+            p + "request_migrations_total",
+            "Requests moved to another worker after theirs was lost (scheduler's count).",
+        )
         self.worker_requests = Counter(
             p + "worker_requests_total", "Requests each worker has finished (or handed off)."
         )
@@ -199,6 +203,7 @@ class GatewayMetrics:
             self.kv_usage,
             self.kv_bytes,
             self.scheduler_queued,
+            self.migrations,
             self.worker_requests,
             self.image_latency,
             self.image_requests,
@@ -249,6 +254,7 @@ class GatewayMetrics:
             {(): sum(w.kv.bytes_sent for w in workers if w.kv is not None)} if status is not None else {}
         )
         self.scheduler_queued.replace({(): status.queued} if status is not None else {})
+        self.migrations.mirror({(): status.migrations} if status is not None else {})
         self.worker_requests.mirror({(("worker", i),): w.requests_finished for i, w in by_worker.items()})
 
 

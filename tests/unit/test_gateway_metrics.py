@@ -99,6 +99,7 @@ def test_cluster_status_gauges_and_kv_bytes():
                 ),
             ],
             queued=5,
+            migrations=2,
         )
     )
     text = m.render()
@@ -109,6 +110,7 @@ def test_cluster_status_gauges_and_kv_bytes():
         'pagemesh_kv_cache_usage_ratio{worker="d0"} 0.0',
         "pagemesh_kv_transfer_bytes_total 5120",
         "pagemesh_scheduler_queued_requests 5",
+        "pagemesh_request_migrations_total 2",
         "# TYPE pagemesh_time_to_first_token_seconds histogram",
         "# TYPE pagemesh_request_success_total counter",
         'pagemesh_request_queue_time_seconds_bucket{le="+Inf"} 0',
