@@ -176,8 +176,8 @@ class SchedulerCore:
     def _can_serve_entry(self, entry: Queued, now: float) -> bool:
         if entry.kind == WorkerKind.DIFFUSION:
             return bool(self._image_workers(entry.model, now))
-        if resumed_output(entry.request):  # recomputed on one worker: any decode or mixed one will do
-            return bool(self._resume_workers(now))
+        if entry.request.resume is not None and self._resume_workers(now):
+            return True  # a migrated request: one decode or mixed worker can recompute it all
         return self.can_serve(entry.kind, now)
 
     def _resume_workers(self, now: float) -> list[WorkerInfo]:
@@ -319,12 +319,14 @@ class SchedulerCore:
 
         req = entry.request
         resumed = resumed_output(req)
-        if resumed:  # recomputed where it goes, with no handoff: a decode worker will do as a mixed one
-            placement = self.placer.place([], [], self._resume_workers(now), entry.prompt)
-        else:
+        if req.resume is None:
             placement = self.placer.place(
                 alive(WorkerRole.PREFILL), alive(WorkerRole.DECODE), alive(WorkerRole.MIXED), entry.prompt
             )
+        else:  # migrated: with tokens, recomputed where it goes (no handoff); without, prefilled again
+            # if a prefill and a decode worker can take it; a lone decode worker will do as a mixed one
+            prefill, decode = ([], []) if resumed else (alive(WorkerRole.PREFILL), alive(WorkerRole.DECODE))
+            placement = self.placer.place(prefill, decode, self._resume_workers(now), entry.prompt)
         if placement is None:
             return False
         del self.queues[WorkerKind.LLM][req.request_id]

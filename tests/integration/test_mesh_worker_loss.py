@@ -4,11 +4,13 @@ and no error event (greedy, and seeded sampling, which continues its seed's sequ
 that keeps losing its workers ends at `--max-migrations` with the OpenAI error event, and so does
 one whose pool has no worker left.
 
-One mesh of two mixed workers for the whole module, its processes started one by one as compose
-starts them (`pagemesh up` would stop the whole mesh when a child exits), so that a killed worker
-can be started again. The workers run in float32: a migrated request recomputes its tokens' KV in
-one prefill where the first run decoded them one by one, and in bfloat16 that different order of
-sums can flip a near-tie of the greedy choice; in float32 the texts are equal.
+One mesh for the module's tests, of two mixed workers, or of a prefill and two decode workers
+(where the migrated request is recomputed on the other decode worker, no handoff), its processes
+started one by one as compose starts them (`pagemesh up` would stop the whole mesh when a child
+exits), so that a killed worker can be started again. The workers run in float32: a migrated
+request recomputes its tokens' KV in one prefill where the first run decoded them one by one, and
+in bfloat16 that different order of sums can flip a near-tie of the greedy choice; in float32 the
+texts are equal.
 """
 
 from __future__ import annotations
@@ -25,17 +27,17 @@ pytestmark = pytest.mark.slow
 
 HEARTBEAT_TIMEOUT_S = 2.0
 MAX_MIGRATIONS = 1
-WORKERS = ("mixed-0", "mixed-1")
 GREEDY = dict(prompt="Count on and on:", max_tokens=48, temperature=0)
 SEEDED = dict(prompt="Tell me a story:", max_tokens=48, temperature=0.9, top_p=0.95, seed=1234)
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
+@pytest.fixture(
+    scope="module", params=[("--mixed", "2"), ("--prefill", "1", "--decode", "2")], ids=["2 mixed", "1P+2D"]
+)
+def mesh(tmp_path_factory, request):
     procs = SeparateProcesses(
         str(tmp_path_factory.mktemp("mesh")),
-        "--mixed",
-        "2",
+        *request.param,
         "--dtype",
         "float32",
         "--heartbeat-timeout",
@@ -74,8 +76,18 @@ def fault_free(client, **request) -> str:
     return "".join(pieces)
 
 
+def pool_of(mesh) -> list[str]:
+    """The two workers a stream runs on (mixed, or decode), by name."""
+    return sorted(name for name in mesh.children if name.startswith(("mixed-", "decode-")))
+
+
+def llm_workers(mesh) -> set[str]:
+    return {name for name in mesh.children if name.startswith(("mixed-", "decode-", "prefill-"))}
+
+
 def running(mesh) -> dict[str, float]:
-    return per_worker(metrics(mesh.url), "pagemesh_num_requests_running")
+    samples = per_worker(metrics(mesh.url), "pagemesh_num_requests_running")
+    return {name: n for name, n in samples.items() if name in pool_of(mesh)}  # not a prefill worker's
 
 
 def holder_once_streaming(mesh, pieces: list[str], at_least: int) -> str:
@@ -89,8 +101,12 @@ def migrations(mesh) -> float:
     return metrics(mesh.url).get("pagemesh_request_migrations_total", 0.0)
 
 
+def registered(mesh) -> set[str]:
+    return set(per_worker(metrics(mesh.url), "pagemesh_kv_cache_usage_ratio"))
+
+
 def both_workers_live(mesh) -> bool:
-    return wait_until(lambda: set(per_worker(metrics(mesh.url), "pagemesh_kv_cache_usage_ratio")) == set(WORKERS))
+    return wait_until(lambda: registered(mesh) == llm_workers(mesh))
 
 
 @pytest.mark.parametrize("request_kind", ["greedy", "seeded"])
@@ -131,13 +147,14 @@ def test_a_request_that_keeps_losing_its_workers_ends_at_max_migrations(mesh):
 
 def test_with_no_worker_left_in_the_pool_the_stream_ends_with_the_error_event(mesh):
     client = client_of(mesh)
-    mesh.restart(WORKERS[0])  # the only live worker (the previous test killed both)
-    assert wait_until(lambda: set(per_worker(metrics(mesh.url), "pagemesh_kv_cache_usage_ratio")) == {WORKERS[0]})
+    survivor, dead = pool_of(mesh)
+    mesh.restart(survivor)  # the pool's only live worker (the previous test killed both)
+    assert wait_until(lambda: registered(mesh) == llm_workers(mesh) - {dead})
     pieces: list[str] = []
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         ended = pool.submit(stream, client, pieces, **GREEDY)
-        assert holder_once_streaming(mesh, pieces, at_least=2) == WORKERS[0]
-        mesh.kill(WORKERS[0])
+        assert holder_once_streaming(mesh, pieces, at_least=2) == survivor
+        mesh.kill(survivor)
         error = ended.result(timeout=HANG_S)
     assert pieces and isinstance(error, openai.APIError), repr(error)
     assert "no workers are available" in str(error)

@@ -13,6 +13,7 @@ from common.messages import (
     PrefillTask,
     ResumeState,
     ScheduleRequest,
+    WorkerKind,
 )
 from common.sampling import SamplingParams
 from tests.unit.test_scheduler_core import (
@@ -105,6 +106,17 @@ def test_a_prefill_worker_lost_mid_handoff_moves_the_request_and_frees_the_decod
     assert core.registry.workers["d0"].requests == set()
     out = resume(core, "r1", [], now=SILENT)  # no token had come: prefilled again, on p1
     assert [(dest, type(msg)) for dest, msg in out] == [("d0", DecodeTask), ("p1", PrefillTask)]
+
+
+def test_with_no_prefill_worker_left_a_decode_worker_prefills_the_migrated_request_itself():
+    core = new_core()
+    register(core, "p0", "prefill")
+    register(core, "d0", "decode")
+    assert [dest for dest, _ in schedule(core, "r1")] == ["d0", "p0"]
+    keep_alive(core, T0 + 4, "d0")
+    assert isinstance(core.tick(SILENT)[0][1], MigrateRequest)
+    assert not core.can_serve(WorkerKind.LLM, SILENT)  # a new request has no prefill worker...
+    assert resume(core, "r1", [], now=SILENT) == [("d0", resumed_task("r1", []))]  # ...a moved one goes on
 
 
 def test_a_request_that_moved_max_migrations_times_fails_when_it_loses_its_worker_again():
