@@ -325,8 +325,8 @@ class SchedulerCore:
             )
         else:  # migrated: with tokens, recomputed where it goes (no handoff); without, prefilled again
             # if a prefill and a decode worker can take it; a lone decode worker will do as a mixed one
-            prefill, decode = ([], []) if resumed else (alive(WorkerRole.PREFILL), alive(WorkerRole.DECODE))
-            placement = self.placer.place(prefill, decode, self._resume_workers(now), entry.prompt)
+            pairs = ([], []) if resumed else (alive(WorkerRole.PREFILL), alive(WorkerRole.DECODE))
+            placement = self.placer.place(*pairs, self._resume_workers(now), entry.prompt)
         if placement is None:
             return False
         del self.queues[WorkerKind.LLM][req.request_id]
