@@ -24,11 +24,10 @@ def migrations_of(request: ScheduleRequest) -> int | None:
 
 
 def cannot_migrate(migrations: int | None, max_migrations: int) -> str | None:
-    """Why a request that lost its worker cannot move (said after the loss's own why), or None."""
-    if max_migrations == 0:
-        return ""  # migration is off: the loss says it all
-    if migrations is None:
-        return " (a request of several choices or beams cannot move to another worker)"
+    """Why a request that lost its worker cannot move, said after the loss's own why ("" when
+    nothing need be added), or None: it moves."""
+    if max_migrations == 0 or migrations is None:
+        return ""  # migration is off, or not for this request: the loss says it all
     if migrations >= max_migrations:
         return f" (the request has moved {migrations} times already; --max-migrations is {max_migrations})"
     return None
