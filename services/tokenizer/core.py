@@ -275,21 +275,25 @@ class TokenizerCore:
     def on_migrate(self, msg: MigrateRequest) -> ScheduleRequest | tuple[str, RequestFailed] | None:
         """The request's worker is gone: what to send the scheduler to move it (the prompt and
         every id streamed so far), or the failure for its gateway (address, error) when it
-        cannot move (several choices: the scheduler fails those itself, this is the backstop).
-        None: the request ended meanwhile."""
+        cannot move: several choices (n > 1) once some of their tokens went out (each would
+        resume from its own ids; the engine resumes one choice). Several choices, best_of or
+        beams with nothing streamed yet start over. None: the request ended meanwhile."""
         request = self._requests.get(msg.request_id)
         if request is None:
             return None
-        if len(request.choices) != 1 or request.first is None:
+        if len(request.choices) != 1 and any(c.output_ids for c in request.choices) or request.first is None:
             del self._requests[msg.request_id]
             return request.reply_to, _worker_failure(
-                msg.request_id, f"{msg.reason} (a request of several choices cannot move)"
+                msg.request_id, f"{msg.reason} (a request of several choices cannot move once they have streamed)"
             )
         request.migrations += 1
         request.lost_workers.update(msg.lost_worker_ids)
         resend = dataclasses.replace(
             request.first,
-            resume=ResumeState(output_token_ids=list(request.choices[0].output_ids), migrations=request.migrations),
+            resume=ResumeState(
+                output_token_ids=list(request.choices[0].output_ids) if len(request.choices) == 1 else [],
+                migrations=request.migrations,
+            ),
         )
         request.started, request.schedule = False, resend  # a scheduler restart sends it again, as a new one
         return resend

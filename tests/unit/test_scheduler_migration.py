@@ -1,7 +1,7 @@
 """Request migration in the scheduler's core (no sockets, an injected clock): a lost worker's
 requests go back to their tokenizer to move, the resumed request is placed on one decode or mixed
-worker that recomputes its tokens, and what cannot move (several choices, too many moves, no
-worker left) fails with the OpenAI error."""
+worker that recomputes its tokens, and what cannot move (too many moves, no worker left) fails
+with the OpenAI error."""
 
 from __future__ import annotations
 
@@ -138,14 +138,16 @@ def test_a_request_that_moved_max_migrations_times_fails_when_it_loses_its_worke
     ]
 
 
-def test_a_request_of_several_choices_fails_instead_of_moving():
+def test_a_request_of_several_choices_goes_to_its_tokenizer_which_knows_if_it_can_move():
     core = new_core()
     register(core, "m0")
     register(core, "m1")
     two = SamplingParams(n=2)
     assert [dest for dest, _ in schedule(core, "r1", sampling=two)] == ["m0"]
     keep_alive(core, T0 + 4, "m1")
-    assert core.tick(SILENT)[0] == (TOK, failed("r1", "worker m0 stopped responding"))
+    why = "worker m0 stopped responding"
+    assert core.tick(SILENT)[0] == (TOK, MigrateRequest(request_id="r1", reason=why, lost_worker_ids=["m0"]))
+    assert resume(core, "r1", [], now=SILENT, sampling=two) == [("m1", resumed_task("r1", [], sampling=two))]
 
 
 def test_with_no_worker_left_the_resumed_request_is_refused():

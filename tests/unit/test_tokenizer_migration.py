@@ -1,6 +1,7 @@
 """Request migration in the tokenizer's core: a MigrateRequest sends the request again with every
 token id streamed so far, the text goes on where it stopped (stop strings included), late tokens
-of the lost worker are dropped, and what cannot move fails to its gateway."""
+of the lost worker are dropped, and what cannot move (several choices, once streamed) fails to its
+gateway."""
 
 from __future__ import annotations
 
@@ -67,10 +68,12 @@ def test_a_process_restarted_under_a_lost_id_counts_once_it_starts_the_request_a
     assert texts(from_worker(c, "w0", tokens("r1", 0, ids[1:2]), started=("r1",))) == " two"  # the new one
 
 
-def test_what_cannot_move_fails_to_its_gateway_and_an_ended_request_is_left_alone():
+def test_several_choices_start_over_until_one_has_streamed_then_they_cannot_move():
     c = core()
-    c.admit(request(text="Hi", max_tokens=20, n=2))
-    address, failed = c.on_migrate(migrate())
+    first = c.admit(request(text="Hi", max_tokens=20, n=2))
+    assert c.on_migrate(migrate()) == dataclasses.replace(first, resume=ResumeState(output_token_ids=[], migrations=1))
+    from_worker(c, "w1", tokens("r1", 1, ids_of(" one")), started=("r1",))
+    address, failed = c.on_migrate(migrate("r1", "w1"))
     assert address == GATEWAY_A and failed.status == 503 and failed.code == "worker_failure"
     assert "several choices" in failed.message and len(c) == 0
     assert c.on_migrate(migrate()) is None  # it is gone already (finished, aborted, failed)
