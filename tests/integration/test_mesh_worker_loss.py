@@ -4,9 +4,10 @@ and no error event (greedy, and seeded sampling, which continues its seed's sequ
 that keeps losing its workers ends at `--max-migrations` with the OpenAI error event, and so does
 one whose pool has no worker left.
 
-One mesh for the module's tests, of two mixed workers, or of a prefill and two decode workers
-(where the migrated request is recomputed on the other decode worker, no handoff), its processes
-started one by one as compose starts them (`pagemesh up` would stop the whole mesh when a child
+One mesh for the module's tests, of a prefill and two decode workers (the migrated request is
+recomputed on the other decode worker, no handoff; a mixed worker takes a migrated request the
+same way, see tests/unit/test_scheduler_migration.py), its processes started one by one as
+compose starts them (`pagemesh up` would stop the whole mesh when a child
 exits), so that a killed worker can be started again. The workers run in float32: a migrated
 request recomputes its tokens' KV in one prefill where the first run decoded them one by one, and
 in bfloat16 that different order of sums can flip a near-tie of the greedy choice; in float32 the
@@ -31,13 +32,14 @@ GREEDY = dict(prompt="Count on and on:", max_tokens=48, temperature=0)
 SEEDED = dict(prompt="Tell me a story:", max_tokens=48, temperature=0.9, top_p=0.95, seed=1234)
 
 
-@pytest.fixture(
-    scope="module", params=[("--mixed", "2"), ("--prefill", "1", "--decode", "2")], ids=["2 mixed", "1P+2D"]
-)
-def mesh(tmp_path_factory, request):
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
     procs = SeparateProcesses(
         str(tmp_path_factory.mktemp("mesh")),
-        *request.param,
+        "--prefill",
+        "1",
+        "--decode",
+        "2",
         "--dtype",
         "float32",
         "--heartbeat-timeout",
