@@ -76,3 +76,8 @@ class ClusterCollector(Collector):
         yield GaugeMetricFamily(
             "pagemesh_scheduler_queued_requests", "Requests waiting in the scheduler.", value=status.queued
         )
+        yield CounterMetricFamily(
+            "pagemesh_request_migrations",
+            "Requests moved to another worker after losing theirs (worker death), ever.",
+            value=status.migrations,
+        )

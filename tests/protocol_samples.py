@@ -21,6 +21,7 @@ from common.protocol import (
     KVPagesHeader,
     KVPoolInfo,
     KVPoolLoad,
+    MigrateRequest,
     Ping,
     Pong,
     PrefillTask,
@@ -31,6 +32,7 @@ from common.protocol import (
     RequestDone,
     RequestFailed,
     RequestStarted,
+    ResumeState,
     ScheduleRequest,
     StatusRequest,
     TextDelta,
@@ -230,6 +232,15 @@ SAMPLES = [
     AbortRequest(request_id="r1", reason="client disconnected"),
     AbortRequest(request_id="r1", reason="unknown to the tokenizer", worker_id="d0"),
     ScheduleRequest(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SP, reply_to="tok-0", arrival_time=12.25),
+    ScheduleRequest(
+        request_id="r1",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SP,
+        reply_to="tok-0",
+        arrival_time=12.25,
+        resume=ResumeState(output_token_ids=[7, 8], migrations=2),
+    ),
+    MigrateRequest(request_id="r1", reason="worker d0 stopped responding", lost_worker_ids=["p0", "d0"]),
     PrefillTask(
         request_id="r1",
         prompt_token_ids=[1, 2, 3],
@@ -258,6 +269,7 @@ SAMPLES = [
         skip_pages=2,
     ),
     GenerateTask(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SP, reply_to="tok-0"),
+    GenerateTask(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SP, reply_to="tok-0", output_token_ids=[9]),
     RegisterWorker(
         worker_id="p0",
         kind="llm",
@@ -385,6 +397,7 @@ SAMPLES = [
             ),
         ],
         queued=3,
+        migrations=4,
     ),
     *IMAGE_SAMPLES,
 ]

@@ -71,3 +71,4 @@ class ClusterStatus:
     ready: bool
     workers: list[WorkerStatus]
     queued: int
+    migrations: int = 0  # requests re-placed after their worker was lost, since the scheduler started

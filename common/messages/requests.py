@@ -1,6 +1,6 @@
 """The request channel: gateway ⇄ tokenizer ⇄ scheduler, and the tokens workers send back.
 
-gateway ──GenerateRequest──▶ tokenizer ──ScheduleRequest──▶ scheduler
+gateway ──GenerateRequest──▶ tokenizer ──ScheduleRequest──▶ scheduler ──MigrateRequest──▶ tokenizer
 gateway ◀──TextDeltaBatch─── tokenizer ◀──TokenDeltaBatch── worker (one per step)
 anyone  ──AbortRequest──▶ ...          anyone ──RequestFailed──▶ gateway / tokenizer
 """
@@ -97,15 +97,43 @@ class AbortRequest:
     worker_id: str | None = None
 
 
+@record
+class ResumeState:
+    """A request sent again after the worker generating it was lost (request migration): the
+    tokens its client has already received, which the next worker recomputes and never streams
+    again (they count as output: max_tokens, min_tokens, penalties, the seed's draws), and how
+    many times it has been moved (`migrations` >= 1)."""
+
+    output_token_ids: list[int]
+    migrations: int
+
+    def _check(self) -> None:
+        if self.migrations < 1:
+            raise ProtocolError("ResumeState.migrations: must be >= 1")
+
+
 @message
 class ScheduleRequest:
-    """Tokenizer -> scheduler: a tokenized request to place on workers."""
+    """Tokenizer -> scheduler: a tokenized request to place on workers (`resume`: sent again
+    after its worker was lost)."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     reply_to: str
     arrival_time: float
+    resume: ResumeState | None = None
+
+
+@message
+class MigrateRequest:
+    """Scheduler -> tokenizer: the worker(s) generating the request are gone (`lost_worker_ids`,
+    whose late tokens for it are to be ignored); send it again with what it has generated
+    (ScheduleRequest.resume), or end it with `reason` if it cannot move."""
+
+    request_id: str
+    reason: str  # why its worker is gone, in words a client may read
+    lost_worker_ids: list[str]
 
 
 @record

@@ -13,6 +13,8 @@ paged KV pool has (pages, its KV endpoint, transfer counters) sits in `KVPoolInf
 
 from __future__ import annotations
 
+from dataclasses import field
+
 from common.messages.base import DoneReason, ProtocolError, WorkerKind, WorkerRole, message, record
 from common.messages.images import FeatureCacheLoad, ImageModelInfo
 from common.sampling import SamplingParams
@@ -28,13 +30,16 @@ def _check_skip(name: str, skip_pages: int) -> None:
 
 @message
 class GenerateTask:
-    """Scheduler -> mixed worker: prefill and decode in the same engine."""
+    """Scheduler -> mixed worker: prefill and decode in the same engine. A migrated request
+    (also to a decode worker) brings `output_token_ids`, generated elsewhere and streamed
+    already: the engine recomputes them with the prompt and generates on after them."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     reply_to: str
     queued_s: float = 0.0  # time the request waited in the scheduler
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @message

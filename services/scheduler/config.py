@@ -20,6 +20,7 @@ class SchedulerConfig:
     max_queue: int = 256  # requests waiting for a worker; more are refused with 503
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
     placement: PlacementPolicy = PlacementPolicy()
+    max_migrations: int = 3  # times one request moves to another worker after losing its own
 
 
 # the policy flags, as `add_policy_arguments` declares them (dest names)
@@ -31,6 +32,7 @@ POLICY_FLAGS = (
     "placement",
     "prefix_weight",
     "load_weight",
+    "max_migrations",
 )
 
 
@@ -49,6 +51,13 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     add(parser, "--placement", "prefix", choices=PLACEMENTS, help="how to pick workers (see placement.py)")
     add(parser, "--prefix-weight", 1.0, type=float, help="prefix placement: weight of the cached share of the prompt")
     add(parser, "--load-weight", 4.0, type=float, help="prefix placement: weight of running / max running")
+    add(
+        parser,
+        "--max-migrations",
+        3,
+        type=int,
+        help="times a request moves to another worker when its worker dies (0: it fails instead)",
+    )
 
 
 def policy_args_to_argv(args: argparse.Namespace) -> list[str]:
@@ -64,6 +73,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         policy = PlacementPolicy(args.placement, args.prefix_weight, args.load_weight)
     except ValueError as e:
         parser.error(str(e))
+    if args.max_migrations < 0:
+        parser.error("--max-migrations: must be >= 0")
     return SchedulerConfig(
         address=args.address,
         ready_address=args.ready_address,
@@ -72,4 +83,5 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         max_queue=args.max_queue,
         drain_timeout=args.drain_timeout,
         placement=policy,
+        max_migrations=args.max_migrations,
     )

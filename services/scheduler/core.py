@@ -6,6 +6,9 @@ handoff's bookkeeping, and failure handling.
     ImageRequest    ──▶ admit (its kind's queue) ──▶ place ──▶ ImageTask → diffusion worker
     PrefixCacheUpdate ──▶ which prefix pages each worker holds (placement, pages D need not get)
     RequestDone / worker death / AbortRequest ──▶ forget, tell the other holders, fail if needed
+    worker death ──▶ MigrateRequest to the request's tokenizer, which sends it again with the
+             tokens it has generated (ScheduleRequest.resume): placed as a GenerateTask on a
+             decode or mixed worker, which recomputes them (services/scheduler/migration.py)
     Ping ──▶ Pong(instance): tokenizers learn that this process restarted (common/liveness.py);
              a tokenizer's Ping gives its token address, where its requests' failures go
     RegisterWorker.held ──▶ a restarted scheduler takes back the requests workers hold
@@ -41,6 +44,7 @@ from common.messages import (
     ImageTask,
     KVPoolLoad,
     Message,
+    MigrateRequest,
     Ping,
     Pong,
     PrefillTask,
@@ -58,6 +62,7 @@ from common.messages import (
     WorkerStopped,
 )
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.migration import cannot_migrate, migrations_of, resumed_output
 from services.scheduler.placement import Placer
 from services.scheduler.prefix_index import PromptPages
 from services.scheduler.registry import Registry, WorkerInfo
@@ -78,12 +83,14 @@ FAILURES = {
 @dataclass
 class Placed:
     """A request on workers: who asked (its tokenizer's token address) and which workers hold it.
-    `prefill` is the prefill worker of a handoff not yet done (None: no handoff)."""
+    `prefill` is the prefill worker of a handoff not yet done (None: no handoff). `migrations`:
+    times it moved after losing its worker (None: it cannot move, see migration.py)."""
 
     request_id: str
     reply_to: str
     holders: set[str]
     prefill: str | None
+    migrations: int | None = 0
 
 
 @dataclass
@@ -114,7 +121,9 @@ class SchedulerCore:
         self.queues: dict[WorkerKind, OrderedDict[str, Queued]] = {kind: OrderedDict() for kind in WorkerKind}
         self.placed: dict[str, Placed] = {}
         self.tokenizers: dict[str, bytes] = {}  # a tokenizer's token address -> its identity here
-        self.unreported: dict[str, list[RequestFailed]] = {}  # failures for tokenizers not heard from yet
+        # failures and migrations for tokenizers not heard from yet
+        self.unreported: dict[str, list[RequestFailed | MigrateRequest]] = {}
+        self.migrations = 0  # resumed requests received (metrics)
         self.log = log.bind(service="scheduler")
         self._handlers: dict[type, Callable[[bytes, Message, float, Outputs], None]] = {
             RegisterWorker: self._on_register,
@@ -160,7 +169,7 @@ class SchedulerCore:
             hung = self.registry.stuck(dead, now)
             self.log.warning("worker lost", worker=dead.worker_id, requests=len(dead.requests), hung=hung)
             why = "is stuck in one step" if hung else "stopped responding"
-            self._fail_requests_of(dead, f"worker {dead.worker_id} {why}", out)
+            self._requests_lost(dead, f"worker {dead.worker_id} {why}", out)
         if not self._starting(now):
             for queue in self.queues.values():
                 for entry in [e for e in queue.values() if not self._can_serve_entry(e, now)]:
@@ -171,7 +180,14 @@ class SchedulerCore:
     def _can_serve_entry(self, entry: Queued, now: float) -> bool:
         if entry.kind == WorkerKind.DIFFUSION:
             return bool(self._image_workers(entry.model, now))
+        if entry.request.resume is not None and self._resume_workers(now):
+            return True  # a migrated request: one decode or mixed worker can recompute it all
         return self.can_serve(entry.kind, now)
+
+    def _resume_workers(self, now: float) -> list[WorkerInfo]:
+        """Where a migrated request with generated tokens may go: it recomputes them itself."""
+        decode = self.registry.alive(WorkerKind.LLM, WorkerRole.DECODE, now)
+        return decode + self.registry.alive(WorkerKind.LLM, WorkerRole.MIXED, now)
 
     def can_serve(self, kind: WorkerKind, now: float) -> bool:
         """Some live workers can take a request of this kind."""
@@ -200,7 +216,7 @@ class SchedulerCore:
         ]
         has_llm = any(w.kind == WorkerKind.LLM for w in self.registry.workers.values())
         ready = self.can_serve(WorkerKind.LLM if has_llm or not workers else WorkerKind.DIFFUSION, now)
-        return ClusterStatus(ready=ready, workers=workers, queued=self.queued)
+        return ClusterStatus(ready=ready, workers=workers, queued=self.queued, migrations=self.migrations)
 
     # ---- workers --------------------------------------------------------------------------
     def _on_register(self, identity: bytes, msg: RegisterWorker, now: float, out: Outputs) -> None:
@@ -215,9 +231,12 @@ class SchedulerCore:
         out.append((identity, Registered(worker_id=msg.worker_id)))
         if replaced is not None:  # a new process under the id: the old one's requests are gone
             self.log.warning("worker restarted", worker=msg.worker_id, requests=len(replaced.requests))
-            self._fail_requests_of(replaced, f"worker {msg.worker_id} restarted", out)
+            self._requests_lost(replaced, f"worker {msg.worker_id} restarted", out)
         for held in msg.held or ():  # placed by an earlier scheduler process: keep them in the books
-            placed = self.placed.setdefault(held.request_id, Placed(held.request_id, held.reply_to, set(), None))
+            migrations = 0 if msg.kind == WorkerKind.LLM else None  # the count before the restart is lost
+            placed = self.placed.setdefault(
+                held.request_id, Placed(held.request_id, held.reply_to, set(), None, migrations)
+            )
             placed.holders.add(msg.worker_id)
             if msg.role == WorkerRole.PREFILL:
                 placed.prefill = msg.worker_id
@@ -239,7 +258,7 @@ class SchedulerCore:
         self.log.warning("worker stopped", worker=msg.worker_id, requests=len(gone.requests), error=msg.error)
         # the error's text stays in the logs: clients learn that the engine failed, not its internals
         why = f"the engine of worker {msg.worker_id} failed" if msg.error else f"worker {msg.worker_id} stopped"
-        self._fail_requests_of(gone, why, out)
+        self._requests_lost(gone, why, out)
 
     def _on_prefix_update(self, identity: bytes, msg: PrefixCacheUpdate, now: float, out: Outputs) -> None:
         self.registry.prefix_update(msg.worker_id, msg.added, msg.removed)
@@ -251,7 +270,11 @@ class SchedulerCore:
     def _on_schedule(self, identity: bytes, msg: ScheduleRequest, now: float, out: Outputs) -> None:
         if self._known(msg.request_id):
             return  # sent again by a tokenizer that saw this process start: it has it already
-        self._admit(identity, Queued(identity, msg, PromptPages(msg.prompt_token_ids), WorkerKind.LLM, now), out, now)
+        if msg.resume is not None:
+            self.migrations += 1
+            self.log.info("request migrating", request_id=msg.request_id, migrations=msg.resume.migrations)
+        prompt = PromptPages(msg.prompt_token_ids + resumed_output(msg))  # what the worker will (re)compute
+        self._admit(identity, Queued(identity, msg, prompt, WorkerKind.LLM, now), out, now)
 
     def _on_image(self, identity: bytes, msg: ImageRequest, now: float, out: Outputs) -> None:
         if self._known(msg.request_id):
@@ -311,12 +334,18 @@ class SchedulerCore:
         def alive(role: WorkerRole) -> list[WorkerInfo]:
             return self.registry.alive(WorkerKind.LLM, role, now)
 
-        placement = self.placer.place(
-            alive(WorkerRole.PREFILL), alive(WorkerRole.DECODE), alive(WorkerRole.MIXED), entry.prompt
-        )
+        req = entry.request
+        resumed = resumed_output(req)
+        if req.resume is None:
+            placement = self.placer.place(
+                alive(WorkerRole.PREFILL), alive(WorkerRole.DECODE), alive(WorkerRole.MIXED), entry.prompt
+            )
+        else:  # migrated: with tokens, recomputed where it goes (no handoff); without, prefilled again
+            # if a prefill and a decode worker can take it; a lone decode worker will do as a mixed one
+            pairs = ([], []) if resumed else (alive(WorkerRole.PREFILL), alive(WorkerRole.DECODE))
+            placement = self.placer.place(*pairs, self._resume_workers(now), entry.prompt)
         if placement is None:
             return False
-        req = entry.request
         del self.queues[WorkerKind.LLM][req.request_id]
         queued = now - entry.enqueued_at
         worker, prefill = placement.worker, placement.prefill
@@ -333,6 +362,7 @@ class SchedulerCore:
                         sampling=req.sampling,
                         reply_to=req.reply_to,
                         queued_s=queued,
+                        output_token_ids=resumed,
                     ),
                 )
             )
@@ -370,7 +400,7 @@ class SchedulerCore:
         for wid in holders:
             self.registry.workers[wid].requests.add(req.request_id)
         self.placed[req.request_id] = Placed(
-            req.request_id, req.reply_to, holders, prefill.worker_id if handoff else None
+            req.request_id, req.reply_to, holders, prefill.worker_id if handoff else None, migrations_of(req)
         )
         return True
 
@@ -403,7 +433,7 @@ class SchedulerCore:
             )
         )
         worker.requests.add(req.request_id)
-        self.placed[req.request_id] = Placed(req.request_id, req.reply_to, {worker.worker_id}, None)
+        self.placed[req.request_id] = Placed(req.request_id, req.reply_to, {worker.worker_id}, None, None)
         return True
 
     def _llm_can_serve(self, now: float) -> bool:
@@ -458,23 +488,35 @@ class SchedulerCore:
             param=None,
             code="worker_failure",
         )
-        origin = self.tokenizers.get(placed.reply_to)
-        if origin is not None:
-            out.append((origin, failed))
-        else:  # its tokenizer has not pinged this scheduler process yet: tell it when it does
-            waiting = self.unreported.setdefault(placed.reply_to, [])
-            if len(waiting) < MAX_UNREPORTED:
-                waiting.append(failed)
+        self._tell_tokenizer(placed.reply_to, failed, out)
         self._abort_holders(placed, why, out)
 
-    def _fail_requests_of(self, gone: WorkerInfo, why: str, out: Outputs) -> None:
-        """Fail every request placed on a worker process that is gone. The abort also goes to
-        the gone worker's id: a worker only silent for a while stops computing them, and a
-        process restarted under the id does not know them."""
+    def _tell_tokenizer(self, reply_to: str, msg: RequestFailed | MigrateRequest, out: Outputs) -> None:
+        origin = self.tokenizers.get(reply_to)
+        if origin is not None:
+            out.append((origin, msg))
+        else:  # its tokenizer has not pinged this scheduler process yet: tell it when it does
+            waiting = self.unreported.setdefault(reply_to, [])
+            if len(waiting) < MAX_UNREPORTED:
+                waiting.append(msg)
+
+    def _requests_lost(self, gone: WorkerInfo, why: str, out: Outputs) -> None:
+        """Every request placed on a worker process that is gone moves to another worker (its
+        tokenizer sends it again, MigrateRequest), or fails if it cannot move or has moved
+        `max_migrations` times. Either way it is aborted at every holder, the gone worker's id
+        too: a worker only silent for a while stops computing it, and a process restarted under
+        the id does not know it."""
         for rid in list(gone.requests):
             placed = self.placed.get(rid)
-            if placed is not None:
-                self._fail(placed, why, out)
+            if placed is None:
+                continue
+            refusal = cannot_migrate(placed.migrations, self.config.max_migrations)
+            if refusal is not None:
+                self._fail(placed, f"{why}{refusal}", out)
+                continue
+            lost = sorted(placed.holders | {gone.worker_id})
+            self._tell_tokenizer(placed.reply_to, MigrateRequest(request_id=rid, reason=why, lost_worker_ids=lost), out)
+            self._abort_holders(placed, why, out)
 
     def _release(self, worker_id: str, request_id: str) -> None:
         info = self.registry.workers.get(worker_id)

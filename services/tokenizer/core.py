@@ -5,6 +5,14 @@
                                      and tokens of requests this process does not know)
     RequestFailed / AbortRequest ──▶ the request's state is dropped
     scheduler restarted ──unstarted()──▶ the ScheduleRequests no worker said it holds, to send again
+    MigrateRequest ──on_migrate()──▶ the ScheduleRequest again, with the ids its client has had
+                                     (resume) | RequestFailed (to the gateway) if it cannot move
+
+Request migration: when the scheduler loses the worker(s) generating a request, this process sends
+it again with every token id it has streamed; the next worker recomputes them and generates on,
+and the detokenizer and stop-string state here simply carry on, so the client sees one unbroken
+stream. Late tokens from a lost worker (one that was only silent) are dropped, until that worker
+id starts the request again (a process restarted under the id, chosen for the resumed request).
 
 State per request: one IncrementalDetokenizer per choice. A choice is finished when a stop string
 matched or its worker reported a finish_reason; the request's state goes when every choice is
@@ -29,7 +37,9 @@ import jinja2
 from common.messages import (
     AbortRequest,
     GenerateRequest,
+    MigrateRequest,
     RequestFailed,
+    ResumeState,
     ScheduleRequest,
     TextDelta,
     TextDeltaBatch,
@@ -46,6 +56,7 @@ MAX_ORPHANS_REMEMBERED = 4096
 class _Choice:
     detokenizer: IncrementalDetokenizer
     completion_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)  # every token id streamed (a migration resends them)
     finished: bool = False  # no more text goes out for this choice
     worker_finished: bool = False  # the worker said it stopped generating it
 
@@ -58,6 +69,9 @@ class _Request:
     started: bool = False  # a worker has it (its first delta came: output or the start marker)
     prompt_ids: list[int] | None = None  # kept when prompt logprobs are asked for (sent with them)
     schedule: ScheduleRequest | None = None  # until it started: sent again if the scheduler restarts
+    first: ScheduleRequest | None = None  # as admitted: the base of a migration's resend
+    migrations: int = 0
+    lost_workers: set[str] = field(default_factory=set)  # workers whose tokens for it are stale
 
 
 @dataclass(frozen=True)
@@ -138,6 +152,7 @@ class TokenizerCore:
             choices,
             prompt_ids=prompt_ids if sampling.prompt_logprobs is not None else None,
             schedule=schedule,
+            first=schedule,
         )
         return schedule
 
@@ -180,6 +195,7 @@ class TokenizerCore:
             request = self._requests.get(started.request_id)
             if request is not None:
                 request.started, request.schedule = True, None
+                request.lost_workers.discard(batch.worker_id)  # a new placement there: its tokens count
             elif self._may_abort_orphan(started.request_id, now):
                 out.aborts.append(
                     AbortRequest(
@@ -196,8 +212,8 @@ class TokenizerCore:
                         )
                     )
                 continue
-            if not 0 <= delta.index < len(request.choices):
-                continue
+            if not 0 <= delta.index < len(request.choices) or batch.worker_id in request.lost_workers:
+                continue  # (late tokens of a worker it moved away from: the scheduler aborted it there)
             request.started, request.schedule = True, None
             if not delta.token_ids and delta.finish_reason is None and delta.prompt_logprobs is None:
                 continue  # a step gave this choice nothing
@@ -208,6 +224,7 @@ class TokenizerCore:
                 continue
             text, stop = choice.detokenizer.add(delta.token_ids)
             choice.completion_tokens += len(delta.token_ids)
+            choice.output_ids += delta.token_ids
             finish_reason = None
             if stop is not None:
                 finish_reason = "stop"
@@ -256,6 +273,32 @@ class TokenizerCore:
         request = self._requests.pop(failed.request_id, None)
         return None if request is None else request.reply_to
 
+    def on_migrate(self, msg: MigrateRequest) -> ScheduleRequest | tuple[str, RequestFailed] | None:
+        """The request's worker is gone: what to send the scheduler to move it (the prompt and
+        every id streamed so far), or the failure for its gateway (address, error) when it
+        cannot move: several choices (n > 1) once some of their tokens went out (each would
+        resume from its own ids; the engine resumes one choice). Several choices, best_of or
+        beams with nothing streamed yet start over. None: the request ended meanwhile."""
+        request = self._requests.get(msg.request_id)
+        if request is None:
+            return None
+        if len(request.choices) != 1 and any(c.output_ids for c in request.choices) or request.first is None:
+            del self._requests[msg.request_id]
+            return request.reply_to, _worker_failure(
+                msg.request_id, f"{msg.reason} (a request of several choices cannot move once they have streamed)"
+            )
+        request.migrations += 1
+        request.lost_workers.update(msg.lost_worker_ids)
+        resend = dataclasses.replace(
+            request.first,
+            resume=ResumeState(
+                output_token_ids=list(request.choices[0].output_ids) if len(request.choices) == 1 else [],
+                migrations=request.migrations,
+            ),
+        )
+        request.started, request.schedule = False, resend  # a scheduler restart sends it again, as a new one
+        return resend
+
     def on_abort(self, request_id: str) -> bool:
         """The gateway gave up on the request (client gone): drop it; True if it was known."""
         return self._requests.pop(request_id, None) is not None
@@ -271,6 +314,17 @@ def _param_of(message: str, default: str) -> str:
     """`"messages[0].role: required"` -> `"messages[0].role"`: errors name their field first."""
     head, sep, _ = message.partition(":")
     return head if sep and head and " " not in head else default
+
+
+def _worker_failure(request_id: str, why: str) -> RequestFailed:
+    return RequestFailed(
+        request_id=request_id,
+        status=503,
+        error_type="server_error",
+        message=f"Request failed: {why}; retry later.",
+        param=None,
+        code="worker_failure",
+    )
 
 
 def _invalid(request_id: str, message: str, param: str | None) -> RequestFailed:

@@ -2,11 +2,13 @@
 
     gateways ──GenerateRequest / AbortRequest──▶ Router ─┐
     workers  ──TokenDeltaBatch────────────────▶ Pull   ─┼─ TokenizerCore ─▶ Dealer ──▶ scheduler
-    scheduler ──RequestFailed / Pong───────────▶ Dealer ─┘        │
+    scheduler ──RequestFailed / MigrateRequest─▶ Dealer ─┘        │
                                                                    └──▶ Push per gateway (reply_to)
 
 Gateways ping it (Ping ──▶ Pong with this process's instance id), and it pings the scheduler:
-when the scheduler's instance changes, the requests it may have lost are sent to it again.
+when the scheduler's instance changes, the requests it may have lost are sent to it again. A
+MigrateRequest (the request's worker is gone) is answered by sending the request again with the
+tokens it has streamed (`TokenizerCore.on_migrate`), or by failing it to its gateway.
 
 Replies to each gateway go through their own bounded queue and sender task, so a gateway that
 is gone stalls (and eventually loses) only its own replies, never the other gateways' streams.
@@ -23,6 +25,7 @@ from common.logging import configure_logging
 from common.messages import (
     AbortRequest,
     GenerateRequest,
+    MigrateRequest,
     Ping,
     Pong,
     Ready,
@@ -128,6 +131,13 @@ async def _serve_scheduler(scheduler: Dealer, core: TokenizerCore, gateways: Gat
             reply_to = core.on_failed(msg)
             if reply_to is not None:
                 gateways.send(reply_to, msg)
+        elif isinstance(msg, MigrateRequest):
+            moved = core.on_migrate(msg)
+            if isinstance(moved, ScheduleRequest):
+                log.warning("request migrating", request_id=msg.request_id, reason=msg.reason, lost=msg.lost_worker_ids)
+                await scheduler.send(moved)
+            elif moved is not None:
+                gateways.send(*moved)
         elif isinstance(msg, Pong):
             if peer.restarted(msg.instance):
                 await _scheduler_restarted(scheduler, core)

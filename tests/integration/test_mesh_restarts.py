@@ -1,7 +1,8 @@
 """Processes restarted in place, as compose's `restart: unless-stopped` does:
 
-- a worker restarted under the same id (before its heartbeats are missed): the requests the old
-  process held end with an error as soon as the new one registers, not at the heartbeat timeout;
+- a worker restarted under the same id (before its heartbeats are missed), with migration off
+  (`--max-migrations 0`): the requests the old process held end with an error as soon as the new
+  one registers, not at the heartbeat timeout;
 - a restarted scheduler: the workers register with it again (listing what they hold) and the mesh
   serves on; what it had queued is sent to it again by the tokenizer, and the requests already on
   workers go on to their end;
@@ -46,7 +47,10 @@ def complete(client, max_tokens=5):
     )
 
 
-@pytest.mark.parametrize("processes", [("--mixed", "1", "--heartbeat-timeout", NEVER_S)], indirect=True)
+# migration off: with it, the request would move to the new process (test_mesh_worker_loss.py)
+@pytest.mark.parametrize(
+    "processes", [("--mixed", "1", "--heartbeat-timeout", NEVER_S, "--max-migrations", "0")], indirect=True
+)
 def test_a_worker_restarted_under_its_id_fails_what_the_old_process_held(processes):
     client = openai.OpenAI(base_url=processes.url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
 

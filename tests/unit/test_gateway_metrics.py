@@ -128,6 +128,7 @@ STATUS = ClusterStatus(
         ),
     ],
     queued=5,
+    migrations=2,
 )
 
 
@@ -148,6 +149,7 @@ def test_cluster_status_under_vllm_and_pagemesh_names():
         'pagemesh_worker_requests_total{worker="p0"} 3.0',
         "pagemesh_kv_transfer_bytes_total 5120.0",
         "pagemesh_scheduler_queued_requests 5.0",
+        "pagemesh_request_migrations_total 2.0",
         "# TYPE vllm:time_to_first_token_seconds histogram",
         "# TYPE vllm:request_success_total counter",
     ]:

@@ -17,6 +17,7 @@ from common.messages import (
     ImageModelInfo,
     KVPoolInfo,
     KVPoolLoad,
+    MigrateRequest,
     Ping,
     Pong,
     PrefillTask,
@@ -47,8 +48,11 @@ DEFAULT = SamplingParams()
 TOK, TOK_OUT = b"tok0", "ipc:///tok0-out"  # a tokenizer's identity at the scheduler, and its token address
 
 
-def new_core(max_queue: int = 256) -> SchedulerCore:
-    return SchedulerCore(SchedulerConfig("ipc:///unused", heartbeat_timeout=TIMEOUT, max_queue=max_queue), "inst-1", T0)
+def new_core(max_queue: int = 256, max_migrations: int = 3) -> SchedulerCore:
+    config = SchedulerConfig(
+        "ipc:///unused", heartbeat_timeout=TIMEOUT, max_queue=max_queue, max_migrations=max_migrations
+    )
+    return SchedulerCore(config, "inst-1", T0)
 
 
 IMAGES = ImageModelInfo(
@@ -182,11 +186,11 @@ def test_registration_renewal_and_a_restart_under_a_known_id():
     # the same process registering again (it lost its Registered, say): renewed, its requests stay
     assert register(core, "w0", now=T0 + 1) == [(b"w0", Registered(worker_id="w0"))]
     assert core.registry.workers["w0"] is w0 and w0.requests == {"r1"} and w0.last_seen == T0 + 1
-    # a new process under the id: the old one's requests died with it
+    # a new process under the id: the old one's requests died with it, and move (migration.py)
     out = register(core, "w0", now=T0 + 2, instance="w0-second")
     assert out == [
         (b"w0", Registered(worker_id="w0")),
-        (TOK, failed("r1", "worker w0 restarted")),
+        (TOK, MigrateRequest(request_id="r1", reason="worker w0 restarted", lost_worker_ids=["w0"])),
         ("w0", AbortRequest(request_id="r1", reason="worker w0 restarted")),
     ]
     assert core.placed == {} and core.registry.workers["w0"].requests == set()
@@ -204,7 +208,9 @@ def test_heartbeats_from_an_unknown_worker_ask_it_to_register_and_known_ones_dra
 
 
 def test_a_worker_that_stops_heartbeating_is_dropped_and_its_requests_fail():
-    core = disaggregated()
+    core = new_core(max_migrations=0)  # no migration: the request fails
+    register(core, "p0", "prefill")
+    register(core, "d0", "decode")
     register(core, "m0", "mixed")
     placed_on_p0_d0(core, "r1")
     assert heartbeat(core, "p0", T0 + 4) == [] and heartbeat(core, "m0", T0 + 4) == []
@@ -225,7 +231,9 @@ def test_a_worker_that_stops_heartbeating_is_dropped_and_its_requests_fail():
 
 
 def test_a_worker_heartbeating_through_a_long_step_stays_until_the_step_timeout():
-    core = SchedulerCore(SchedulerConfig("ipc:///unused", heartbeat_timeout=TIMEOUT, step_timeout=60.0), "inst-1", T0)
+    # migration off: the request of a hung worker fails (with it on, it moves: test_scheduler_migration.py)
+    config = SchedulerConfig("ipc:///unused", heartbeat_timeout=TIMEOUT, step_timeout=60.0, max_migrations=0)
+    core = SchedulerCore(config, "inst-1", T0)
     register(core, "w0")
     assert schedule(core, "r1", now=T0) == [("w0", generate("r1"))]
     for t in range(1, 60):  # one step from T0 + 1 on: the heartbeats go on, each a second busier
@@ -243,14 +251,14 @@ def test_a_worker_heartbeating_through_a_long_step_stays_until_the_step_timeout(
     assert heartbeat(core, "w0", T0 + 64) == [("w0", UnknownWorker(worker_id="w0"))]
 
 
-def test_a_worker_whose_engine_failed_is_dropped_at_once_with_its_requests_failed():
+def test_a_worker_whose_engine_failed_is_dropped_at_once_and_its_requests_move():
     core = disaggregated()
     placed_on_p0_d0(core, "r1")
     stale = WorkerStopped(worker_id="d0", instance="d0-before", error="RuntimeError: boom")
     assert core.handle(b"d0", stale, T0 + 1) == []  # an older process's word: d0 stays
     out = core.handle(b"d0", WorkerStopped(worker_id="d0", instance="d0-first", error="RuntimeError: boom"), T0 + 1)
     reason = "the engine of worker d0 failed"  # the exception's text stays in the worker's log
-    assert out[0] == (TOK, failed("r1", reason))
+    assert out[0] == (TOK, MigrateRequest(request_id="r1", reason=reason, lost_worker_ids=["d0", "p0"]))
     assert set(out[1:]) == {
         ("p0", AbortRequest(request_id="r1", reason=reason)),
         ("d0", AbortRequest(request_id="r1", reason=reason)),
@@ -437,7 +445,7 @@ def test_held_requests_are_adopted_and_a_prefill_finish_aborts_the_decode_holder
 
 def test_failures_for_a_tokenizer_not_heard_from_yet_wait_for_its_first_ping(monkeypatch):
     monkeypatch.setattr(core_module, "MAX_UNREPORTED", 2)
-    core = new_core()
+    core = new_core(max_migrations=0)  # failures (migrations wait for the ping the same way)
     register(core, "w0", held=[HeldRequest(request_id=f"r{i}", reply_to=TOK_OUT) for i in range(3)])
     out = register(core, "w0", now=T0 + 1, instance="w0-second")  # restarted: its requests are lost
     assert out[0] == (b"w0", Registered(worker_id="w0"))

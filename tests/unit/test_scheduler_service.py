@@ -10,7 +10,17 @@ import pytest
 
 from bench.local_mesh import HANG_S
 from common import transport as t
-from common.messages import AbortRequest, HeldRequest, KVPoolInfo, Ping, Pong, Registered, RegisterWorker, RequestFailed
+from common.messages import (
+    AbortRequest,
+    HeldRequest,
+    KVPoolInfo,
+    MigrateRequest,
+    Ping,
+    Pong,
+    Registered,
+    RegisterWorker,
+    RequestFailed,
+)
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.service import SchedulerService
 
@@ -85,9 +95,9 @@ def test_an_abort_of_an_unknown_request_goes_to_the_worker_it_names_only(tmp_pat
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
 
 
-def test_requests_a_worker_reports_holding_are_failed_when_it_goes(tmp_path):
+def test_requests_a_worker_reports_holding_are_migrated_when_it_goes(tmp_path):
     """A restarted scheduler learns from a worker registering again which requests it runs, and
-    from its tokenizers' pings where to report them: their streams end if the worker goes."""
+    from its tokenizers' pings where to report them: they move (or fail) if the worker goes."""
 
     async def main():
         async with scheduler(tmp_path) as service:
@@ -98,9 +108,10 @@ def test_requests_a_worker_reports_holding_are_failed_when_it_goes(tmp_path):
                 again = await registered_worker(service.config.address, "w0", "second")  # w0 restarted
                 with again:  # the failure waits for the tokenizer's first ping: it says where it is
                     await tokenizer.send(Ping(sender="tok0", address="ipc:///tok0-out"))
-                    failed = await asyncio.wait_for(tokenizer.recv(), TIMEOUT_S)
-                    assert isinstance(failed, RequestFailed) and failed.request_id == "streaming"
-                    assert "w0 restarted" in failed.message and failed.status == 503
+                    migrate = await asyncio.wait_for(tokenizer.recv(), TIMEOUT_S)
+                    assert migrate == MigrateRequest(
+                        request_id="streaming", reason="worker w0 restarted", lost_worker_ids=["w0"]
+                    )
                     assert isinstance(await tokenizer.recv(), Pong)
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))

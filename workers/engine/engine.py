@@ -21,6 +21,7 @@ The engine composes one object per job, each holding its own state:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -210,24 +211,40 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: str | Seq[int], params: SamplingParams, prefill_only: bool = False
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        prefill_only: bool = False,
+        output_token_ids: Seq[int] = (),
     ) -> None:
         """Queue a request. Raises ValueError naming the field if anything is invalid.
-        `prefill_only`: stop after the first token(s) and hold the pages (see `take_prefilled`)."""
+        `prefill_only`: stop after the first token(s) and hold the pages (see `take_prefilled`).
+        `output_token_ids`: a request resumed after its worker was lost (one choice only): the
+        tokens it generated there, recomputed here (prefix cache first) and never reported
+        again; they count as output for max_tokens, min_tokens, penalties and JSON mode, and a
+        seeded request's generator is advanced past their draws, so it continues the sequence
+        it would have drawn on the first worker."""
         token_ids = self.validator.new_request(request_id, prompt, params, self.requests)
+        resumed = self.validator.resumed_output(output_token_ids, params, len(token_ids))
+        if resumed:
+            params = dataclasses.replace(params, prompt_logprobs=None)  # reported with its first token
         masks = self.json_masks.for_params(params)
+        cursor = masks.start() if masks is not None else None
+        for token in resumed if masks is not None else ():
+            cursor = masks.advance(cursor, token)
         forks = 0 if params.use_beam_search else params.num_sequences - 1
         seq = Sequence(
             request_id,
             0,
-            token_ids,
+            token_ids + resumed,
             len(token_ids),
             params,
             pending_forks=forks,
-            json=masks.start() if masks is not None else None,
+            json=cursor,
             json_masks=masks,
         )
-        self.generators.start(seq)
+        self.generators.start(seq, draws_done=len(resumed), vocab_size=self.model_config.vocab_size)
         beam = BeamState(params.num_sequences, params.length_penalty) if params.use_beam_search else None
         self.requests[request_id] = EngineRequest(
             request_id, params, [seq], len(token_ids), prefill_only=prefill_only, beam=beam

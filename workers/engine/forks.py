@@ -29,8 +29,15 @@ class SeqGenerators:
             return None
         return torch.Generator().manual_seed((params.seed + index) % 2**63)
 
-    def start(self, seq: Sequence) -> None:
-        self.adopt(seq, self.new(seq.sampling, seq.index))
+    def start(self, seq: Sequence, draws_done: int = 0, vocab_size: int = 0) -> None:
+        """Give `seq` its generator. `draws_done`: tokens it sampled before, elsewhere (a
+        resumed request): the generator skips their draws (one vocabulary-wide row of
+        exponentials each, as the sampler makes), so the next token is drawn as it would have
+        been there. Only sampled (temperature > 0) tokens drew."""
+        generator = self.new(seq.sampling, seq.index)
+        if generator is not None and not seq.sampling.greedy:
+            skip_draws(generator, draws_done, vocab_size)
+        self.adopt(seq, generator)
 
     def adopt(self, seq: Sequence, generator: torch.Generator | None) -> None:
         if generator is not None:
@@ -82,3 +89,12 @@ class Forks:
         req.seqs.append(child)
         self.scheduler.add_running(child)
         return child
+
+
+def skip_draws(generator: torch.Generator, draws: int, vocab_size: int) -> None:
+    """Advance a seeded row's host generator past `draws` sampled tokens: the sampler's race
+    draws one fp32 row of `vocab_size` exponentials per token (workers/engine/sampler.py). Drawn
+    row by row, as the sampler did, so the generator's state matches exactly."""
+    row = torch.empty(vocab_size)
+    for _ in range(draws):
+        row.exponential_(generator=generator)

@@ -14,11 +14,9 @@ import dataclasses
 from collections.abc import Callable, Container
 from collections.abc import Sequence as Seq
 
-import torch
-
 from common.sampling import SamplingParams
 from workers.engine.block_manager import BlockManager
-from workers.engine.forks import SeqGenerators
+from workers.engine.forks import SeqGenerators, skip_draws
 from workers.engine.json_cache import JsonMaskCache
 from workers.engine.outputs import PrefillResult
 from workers.engine.scheduler import Scheduler
@@ -117,7 +115,7 @@ class PrefillHandoff:
             )
             gen = self.generators.new(params, index)
             if gen is not None:  # the prefill worker drew the first token from this stream
-                torch.empty(self.validator.vocab_size).exponential_(generator=gen)
+                skip_draws(gen, 1, self.validator.vocab_size)
                 self.generators.adopt(seq, gen)
             req.seqs.append(seq)
             req.finished_sent.add(index)  # the prefill worker reported the first token

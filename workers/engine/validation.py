@@ -45,6 +45,22 @@ class RequestValidator:
             )
         return token_ids
 
+    def resumed_output(self, output_token_ids: Seq[int], params: SamplingParams, prompt_len: int) -> list[int]:
+        """The tokens a resumed request generated before (see `Engine.add_request`), checked:
+        inside the vocabulary, one choice, fewer than max_tokens (a request with all of them
+        had ended)."""
+        ids = list(output_token_ids)
+        if not ids:
+            return ids
+        if params.num_sequences != 1 or params.use_beam_search:
+            raise ValueError("output_token_ids: only a request of one choice can be resumed")
+        if len(ids) >= params.max_tokens:
+            raise ValueError(f"output_token_ids: {len(ids)} tokens leave none of max_tokens ({params.max_tokens})")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"output_token_ids: token id {t!r} outside vocabulary [0, {self.vocab_size})")
+        return ids
+
     @staticmethod
     def not_running(request_id: str, running: Container[str]) -> None:
         if request_id in running:

@@ -85,7 +85,14 @@ class LLMWorker:
         self.scheduler_queued[task.request_id] = task.queued_s
         prefill_only = isinstance(task, PrefillTask)
         try:
-            self.engine.add_request(task.request_id, task.prompt_token_ids, task.sampling, prefill_only=prefill_only)
+            resumed = task.output_token_ids if isinstance(task, GenerateTask) else ()  # migrated here
+            self.engine.add_request(
+                task.request_id,
+                task.prompt_token_ids,
+                task.sampling,
+                prefill_only=prefill_only,
+                output_token_ids=resumed,
+            )
         except ValueError as e:
             self.ctx.log.warning("request refused", request_id=task.request_id, error=str(e))
             self.scheduler_queued.pop(task.request_id, None)

@@ -1,0 +1,37 @@
+"""Request migration: which requests may move to another worker when theirs is lost.
+
+    worker lost ──▶ scheduler: cannot_migrate(placed)? ──yes──▶ RequestFailed (503 worker_failure)
+                                                      └─no───▶ MigrateRequest ──▶ tokenizer
+    tokenizer ──ScheduleRequest(resume: generated ids, migrations + 1)──▶ scheduler
+    scheduler ──GenerateTask(output_token_ids)──▶ a decode or mixed worker: recomputes, goes on
+
+A request moves when it is an LLM request (an image is not resumable) and has moved fewer than
+`--max-migrations` times (a request that keeps killing its workers ends). Whether its state can
+move is the tokenizer's call, which knows what was streamed: one choice moves with the ids its
+client received; several choices (n > 1), or best_of and beams (nothing streamed until the end),
+start over if no token of theirs went out yet, and fail otherwise. Pure logic.
+"""
+
+from __future__ import annotations
+
+from common.messages import ScheduleRequest
+
+
+def migrations_of(request: ScheduleRequest) -> int:
+    """How often the request has moved so far."""
+    return request.resume.migrations if request.resume is not None else 0
+
+
+def cannot_migrate(migrations: int | None, max_migrations: int) -> str | None:
+    """Why a request that lost its worker cannot move, said after the loss's own why ("" when
+    nothing need be added), or None: it moves."""
+    if max_migrations == 0 or migrations is None:
+        return ""  # migration is off, or not for this request (an image): the loss says it all
+    if migrations >= max_migrations:
+        return f" (the request has moved {migrations} times already; --max-migrations is {max_migrations})"
+    return None
+
+
+def resumed_output(request: ScheduleRequest) -> list[int]:
+    """The tokens a migrated request generated before (empty: it starts from its prompt)."""
+    return request.resume.output_token_ids if request.resume is not None else []

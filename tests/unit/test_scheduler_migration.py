@@ -1,0 +1,171 @@
+"""Request migration in the scheduler's core (no sockets, an injected clock): a lost worker's
+requests go back to their tokenizer to move, the resumed request is placed on one decode or mixed
+worker that recomputes its tokens, and what cannot move (too many moves, no worker left) fails
+with the OpenAI error."""
+
+from __future__ import annotations
+
+from common.messages import (
+    AbortRequest,
+    DecodeTask,
+    GenerateTask,
+    MigrateRequest,
+    PrefillTask,
+    ResumeState,
+    ScheduleRequest,
+    WorkerKind,
+)
+from common.sampling import SamplingParams
+from tests.unit.test_scheduler_core import (
+    AFTER_GRACE,
+    DEFAULT,
+    PROMPT,
+    T0,
+    TIMEOUT,
+    TOK,
+    TOK_OUT,
+    failed,
+    heartbeat,
+    new_core,
+    refused,
+    register,
+    schedule,
+    status,
+)
+
+SILENT = T0 + TIMEOUT + 0.1  # when a worker heard from last at T0 is dropped
+
+
+def resume(core, rid: str, output: list[int], migrations: int = 1, now: float = T0, sampling=DEFAULT):
+    msg = ScheduleRequest(
+        request_id=rid,
+        prompt_token_ids=PROMPT,
+        sampling=sampling,
+        reply_to=TOK_OUT,
+        arrival_time=0.0,
+        resume=ResumeState(output_token_ids=output, migrations=migrations),
+    )
+    return core.handle(TOK, msg, now)
+
+
+def resumed_task(rid: str, output: list[int], sampling=DEFAULT) -> GenerateTask:
+    return GenerateTask(
+        request_id=rid, prompt_token_ids=PROMPT, sampling=sampling, reply_to=TOK_OUT, output_token_ids=output
+    )
+
+
+def keep_alive(core, now: float, *workers: str) -> None:
+    for wid in workers:
+        assert heartbeat(core, wid, now) == []
+
+
+def test_a_lost_mixed_workers_request_moves_to_the_other_worker():
+    core = new_core()
+    register(core, "m0")
+    register(core, "m1")
+    assert [dest for dest, _ in schedule(core, "r1")] == ["m0"]
+    keep_alive(core, T0 + 4, "m1")
+    why = "worker m0 stopped responding"
+    assert core.tick(SILENT) == [
+        (TOK, MigrateRequest(request_id="r1", reason=why, lost_worker_ids=["m0"])),
+        ("m0", AbortRequest(request_id="r1", reason=why)),
+    ]
+    assert core.placed == {} and status(core, SILENT).migrations == 0
+    # the tokenizer sends it again with the 3 tokens its client has: recomputed on m1
+    assert resume(core, "r1", [5, 6, 7], now=SILENT) == [("m1", resumed_task("r1", [5, 6, 7]))]
+    assert core.placed["r1"].holders == {"m1"} and core.placed["r1"].migrations == 1
+    assert status(core, SILENT).migrations == 1
+
+
+def test_a_resumed_request_with_tokens_goes_to_a_decode_worker_without_a_handoff():
+    core = new_core()
+    register(core, "p0", "prefill")
+    register(core, "d0", "decode")
+    assert resume(core, "r1", [5]) == [("d0", resumed_task("r1", [5]))]
+    assert core.placed["r1"].holders == {"d0"} and core.placed["r1"].prefill is None
+    # one that lost its worker before any token starts over: prefilled again, handed off
+    out = resume(core, "r2", [])
+    assert [(dest, type(msg)) for dest, msg in out] == [("d0", DecodeTask), ("p0", PrefillTask)]
+
+
+def test_a_prefill_worker_lost_mid_handoff_moves_the_request_and_frees_the_decode_side():
+    core = new_core()
+    register(core, "p0", "prefill")
+    register(core, "p1", "prefill")
+    register(core, "d0", "decode")
+    out = schedule(core, "r1")
+    assert [(dest, type(msg)) for dest, msg in out] == [("d0", DecodeTask), ("p0", PrefillTask)]
+    keep_alive(core, T0 + 4, "p1", "d0")
+    why = "worker p0 stopped responding"
+    out = core.tick(SILENT)
+    assert out[0] == (TOK, MigrateRequest(request_id="r1", reason=why, lost_worker_ids=["d0", "p0"]))
+    assert set(out[1:]) == {
+        ("p0", AbortRequest(request_id="r1", reason=why)),
+        ("d0", AbortRequest(request_id="r1", reason=why)),
+    }
+    assert core.registry.workers["d0"].requests == set()
+    out = resume(core, "r1", [], now=SILENT)  # no token had come: prefilled again, on p1
+    assert [(dest, type(msg)) for dest, msg in out] == [("d0", DecodeTask), ("p1", PrefillTask)]
+
+
+def test_with_no_prefill_worker_left_a_decode_worker_prefills_the_migrated_request_itself():
+    core = new_core()
+    register(core, "p0", "prefill")
+    register(core, "d0", "decode")
+    assert [dest for dest, _ in schedule(core, "r1")] == ["d0", "p0"]
+    keep_alive(core, T0 + 4, "d0")
+    assert isinstance(core.tick(SILENT)[0][1], MigrateRequest)
+    assert not core.can_serve(WorkerKind.LLM, SILENT)  # a new request has no prefill worker...
+    assert resume(core, "r1", [], now=SILENT) == [("d0", resumed_task("r1", []))]  # ...a moved one goes on
+
+
+def test_a_request_that_moved_max_migrations_times_fails_when_it_loses_its_worker_again():
+    core = new_core(max_migrations=2)
+    register(core, "m0")
+    register(core, "m1")
+    assert [dest for dest, _ in resume(core, "r1", [5], migrations=2)] == ["m0"]
+    keep_alive(core, T0 + 4, "m1")
+    why = "worker m0 stopped responding"
+    out = core.tick(SILENT)
+    assert out == [
+        (TOK, failed("r1", f"{why} (the request has moved 2 times already; --max-migrations is 2)")),
+        (
+            "m0",
+            AbortRequest(
+                request_id="r1", reason=f"{why} (the request has moved 2 times already; --max-migrations is 2)"
+            ),
+        ),
+    ]
+
+
+def test_a_request_of_several_choices_goes_to_its_tokenizer_which_knows_if_it_can_move():
+    core = new_core()
+    register(core, "m0")
+    register(core, "m1")
+    two = SamplingParams(n=2)
+    assert [dest for dest, _ in schedule(core, "r1", sampling=two)] == ["m0"]
+    keep_alive(core, T0 + 4, "m1")
+    why = "worker m0 stopped responding"
+    assert core.tick(SILENT)[0] == (TOK, MigrateRequest(request_id="r1", reason=why, lost_worker_ids=["m0"]))
+    assert resume(core, "r1", [], now=SILENT, sampling=two) == [("m1", resumed_task("r1", [], sampling=two))]
+
+
+def test_with_no_worker_left_the_resumed_request_is_refused():
+    core = new_core()
+    register(core, "m0")
+    keep_alive(core, AFTER_GRACE, "m0")
+    assert [dest for dest, _ in schedule(core, "r1", now=AFTER_GRACE)] == ["m0"]
+    gone = AFTER_GRACE + TIMEOUT + 0.1
+    [(_, migrate), _] = core.tick(gone)
+    assert isinstance(migrate, MigrateRequest)
+    out = resume(core, "r1", [5, 6], now=gone)
+    assert out == [(TOK, refused("r1", "no workers are available"))]
+
+
+def test_a_worker_restarted_under_its_id_gets_the_request_back_to_recompute():
+    core = new_core()
+    register(core, "m0")
+    assert [dest for dest, _ in schedule(core, "r1")] == ["m0"]
+    out = register(core, "m0", now=T0 + 1, instance="m0-second")
+    assert out[1] == (TOK, MigrateRequest(request_id="r1", reason="worker m0 restarted", lost_worker_ids=["m0"]))
+    assert resume(core, "r1", [9], now=T0 + 1) == [("m0", resumed_task("r1", [9]))]
