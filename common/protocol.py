@@ -34,8 +34,12 @@ from common.sampling import SamplingParams
 
 # 2: RegisterWorker.instance, UnknownWorker; 3: Ping, Pong, AbortRequest.worker_id, prompt logprobs,
 # RegisterWorker.held; 4: messages by channel, enums, worker kinds, KVPoolInfo/KVPoolLoad, RequestStarted;
-# 5: the image channel (ImageRequest, ImageTask, ImageResult), RegisterWorker.images
-PROTOCOL_VERSION = 5
+# 5: the image channel (ImageRequest, ImageTask, ImageResult), RegisterWorker.images;
+# 6: Heartbeat.produced/.feature_cache/.busy_s, WorkerStopped, MigrateRequest, ResumeState,
+# ScheduleRequest.resume, GenerateTask.output_token_ids, TokenDelta.num_cached_tokens,
+# TextDelta.cached_tokens, RegisterWorker.ranks, WorkerStatus.produced/.feature_cache/.ranks,
+# ClusterStatus.migrations
+PROTOCOL_VERSION = 6
 
 MAX_STR_LEN = 4 << 20  # characters; a prompt of ~1M tokens of text fits
 MAX_TOKEN_IDS = 1 << 20  # length of any list[int] (token ids, page indices, shapes)

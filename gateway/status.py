@@ -143,6 +143,8 @@ def worker_json(w: WorkerStatus, rate: float) -> dict:
         "rate_per_s": round(rate, 2),
         "kv": None,
     }
+    if w.ranks > 1:  # the page shows "llm (3 ranks)"
+        row["ranks"] = w.ranks
     if kv is not None:
         row["kv"] = {
             "used_pages": kv.used_pages,

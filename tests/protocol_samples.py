@@ -278,6 +278,7 @@ SAMPLES = [
         max_running=64,
         kv=KVPoolInfo(page_size=16, num_pages=1000, kv_endpoint="tcp://10.0.0.1:7000"),
         instance="9f2c",
+        ranks=3,
     ),
     RegisterWorker(
         worker_id="x0", kind="diffusion", role="mixed", model="digits-dit", max_running=16, kv=None, images=IMAGES

@@ -59,6 +59,7 @@ class WorkerStatus:
     kv: KVPoolLoad | None
     model: str = ""
     images: ImageModelInfo | None = None  # diffusion workers
+    ranks: int = 1  # RegisterWorker.ranks
     produced: int = 0  # Heartbeat.produced: tokens or images made, ever (a rate is its slope)
     feature_cache: FeatureCacheLoad | None = None  # diffusion workers: their last heartbeat's
 

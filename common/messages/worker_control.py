@@ -118,12 +118,15 @@ class RegisterWorker:
     instance: str = ""  # random per process start: a new one under a known worker id is a restart
     held: list[HeldRequest] | None = None  # registering again: the requests it is working on
     images: ImageModelInfo | None = None  # diffusion workers: sizes, samplers, step limits
+    ranks: int = 1  # the processes it runs on: its tensor-parallel size
 
     def _check(self) -> None:
         if (self.kind == WorkerKind.LLM) != (self.kv is not None):
             raise ProtocolError("RegisterWorker.kv: an LLM worker has a KV pool, others none")
         if (self.kind == WorkerKind.DIFFUSION) != (self.images is not None):
             raise ProtocolError("RegisterWorker.images: a diffusion worker says what it makes, others nothing")
+        if not 1 <= self.ranks <= 4096:
+            raise ProtocolError("RegisterWorker.ranks: must be in [1, 4096]")
 
 
 @message

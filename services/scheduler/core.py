@@ -209,6 +209,7 @@ class SchedulerCore:
                 kv=_kv_load(w) if w.kind == WorkerKind.LLM else None,
                 model=w.model,
                 images=w.images,
+                ranks=w.ranks,
                 produced=w.produced,
                 feature_cache=w.feature_cache,
             )

@@ -12,7 +12,18 @@ from dataclasses import dataclass, field
 from common.messages import FeatureCacheLoad, Heartbeat, ImageModelInfo, RegisterWorker, WorkerKind, WorkerRole
 
 # what a registration renews on a worker the registry knows (same process); its load figures stay
-_RENEWED = ("kind", "role", "model", "max_running", "last_seen", "page_size", "total_pages", "kv_endpoint", "images")
+_RENEWED = (
+    "kind",
+    "role",
+    "model",
+    "max_running",
+    "last_seen",
+    "page_size",
+    "total_pages",
+    "kv_endpoint",
+    "images",
+    "ranks",
+)
 
 
 @dataclass
@@ -43,6 +54,7 @@ class WorkerInfo:
     requests: set[str] = field(default_factory=set)  # placed here and not yet done
     page_hashes: set[int] = field(default_factory=set)  # prefix-cache keys it reported holding
     images: ImageModelInfo | None = None  # a diffusion worker's sizes, samplers, step limits
+    ranks: int = 1  # RegisterWorker.ranks
     feature_cache: FeatureCacheLoad | None = None  # a diffusion worker's, from its last heartbeat
     busy_since: float | None = None  # when its step in progress began (by its last heartbeat)
 
@@ -58,6 +70,7 @@ class WorkerInfo:
             last_seen=now,
             instance=msg.instance,
             images=msg.images,
+            ranks=msg.ranks,
         )
         if msg.kv is not None:
             info.page_size, info.total_pages, info.kv_endpoint = msg.kv.page_size, msg.kv.num_pages, msg.kv.kv_endpoint

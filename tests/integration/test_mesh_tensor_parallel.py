@@ -11,8 +11,10 @@ because `pagemesh up` itself stops the whole mesh when one of them exits.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import time
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -86,6 +88,9 @@ def stream_text(stream, chat: bool) -> str:
 def test_the_worker_runs_three_ranks(mesh):
     ranks = [pid for pid in children(mesh.children["mixed-0"].pid) if is_rank(pid)]
     assert len(ranks) == 2  # ranks 1 and 2; rank 0 is the worker process itself
+    with urllib.request.urlopen(mesh.url + "/status", timeout=HANG_S) as response:  # the status page's figures
+        workers = {w["id"]: w for w in json.load(response)["workers"]}
+    assert workers["mixed-0"]["ranks"] == 3
 
 
 def test_greedy_text_equals_the_single_rank_engine(client, offline):

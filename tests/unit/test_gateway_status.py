@@ -35,7 +35,7 @@ def delta(token_ids, index=0, request_id="r", prompt_tokens=4) -> TextDelta:
     )
 
 
-def worker(worker_id, kind="llm", role="decode", alive=True, running=0, waiting=0, produced=0, kv=True):
+def worker(worker_id, kind="llm", role="decode", alive=True, running=0, waiting=0, produced=0, kv=True, ranks=1):
     return WorkerStatus(
         worker_id=worker_id,
         kind=kind,
@@ -47,6 +47,7 @@ def worker(worker_id, kind="llm", role="decode", alive=True, running=0, waiting=
         kv=KVPoolLoad(free_pages=75, used_pages=25, total_pages=100, bytes_sent=10, bytes_received=20) if kv else None,
         model="m",
         produced=produced,
+        ranks=ranks,
     )
 
 
@@ -100,7 +101,7 @@ def test_document_lists_workers_by_pool_with_state_kv_and_rates():
     later = ClusterStatus(
         ready=True,
         workers=[
-            worker("d0", running=2, produced=300),
+            worker("d0", running=2, produced=300, ranks=3),
             worker("p0", role="prefill", waiting=1, produced=10),
             worker("img0", kind="diffusion", role="mixed", kv=False, produced=8),
         ],
@@ -114,6 +115,7 @@ def test_document_lists_workers_by_pool_with_state_kv_and_rates():
     ]
     by_id = {w["id"]: w for w in doc["workers"]}
     assert by_id["d0"]["rate_per_s"] == 100.0 and by_id["d0"]["unit"] == "tokens"
+    assert by_id["d0"]["ranks"] == 3 and "ranks" not in by_id["p0"]  # a tensor-parallel worker's processes
     assert by_id["img0"]["rate_per_s"] == 2.0 and by_id["img0"]["unit"] == "images" and by_id["img0"]["kv"] is None
     assert by_id["p0"]["kv"] == {
         "used_pages": 25,

@@ -39,6 +39,7 @@ class Registration:
     max_running: int
     kv: KVPoolInfo | None = None  # an LLM worker's paged pool
     images: ImageModelInfo | None = None  # a diffusion worker's sizes, samplers, step limits
+    ranks: int = 1  # processes it runs on (tensor parallel)
 
 
 @dataclass(frozen=True, kw_only=True)

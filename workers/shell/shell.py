@@ -81,6 +81,7 @@ class WorkerShell:
             kv=reg.kv,
             instance=self.instance,
             images=reg.images,
+            ranks=reg.ranks,
         )
         self.handlers: dict[type, Callable[[Any], None]] = {
             **{t: self._on_task for t in self.backend.task_types},
