@@ -169,7 +169,7 @@ class SchedulerCore:
             hung = self.registry.stuck(dead, now)
             self.log.warning("worker lost", worker=dead.worker_id, requests=len(dead.requests), hung=hung)
             why = "is stuck in one step" if hung else "stopped responding"
-            self._requests_lost(dead, f"worker {dead.worker_id} {why}", out)
+            self._requests_lost(dead, f"worker {dead.worker_id} {why}", now, out)
         if not self._starting(now):
             for queue in self.queues.values():
                 for entry in [e for e in queue.values() if not self._can_serve_entry(e, now)]:
@@ -232,7 +232,7 @@ class SchedulerCore:
         out.append((identity, Registered(worker_id=msg.worker_id)))
         if replaced is not None:  # a new process under the id: the old one's requests are gone
             self.log.warning("worker restarted", worker=msg.worker_id, requests=len(replaced.requests))
-            self._requests_lost(replaced, f"worker {msg.worker_id} restarted", out)
+            self._requests_lost(replaced, f"worker {msg.worker_id} restarted", now, out)
         for held in msg.held or ():  # placed by an earlier scheduler process: keep them in the books
             migrations = 0 if msg.kind == WorkerKind.LLM else None  # the count before the restart is lost
             placed = self.placed.setdefault(
@@ -259,7 +259,7 @@ class SchedulerCore:
         self.log.warning("worker stopped", worker=msg.worker_id, requests=len(gone.requests), error=msg.error)
         # the error's text stays in the logs: clients learn that the engine failed, not its internals
         why = f"the engine of worker {msg.worker_id} failed" if msg.error else f"worker {msg.worker_id} stopped"
-        self._requests_lost(gone, why, out)
+        self._requests_lost(gone, why, now, out)
 
     def _on_prefix_update(self, identity: bytes, msg: PrefixCacheUpdate, now: float, out: Outputs) -> None:
         self.registry.prefix_update(msg.worker_id, msg.added, msg.removed)
@@ -501,17 +501,24 @@ class SchedulerCore:
             if len(waiting) < MAX_UNREPORTED:
                 waiting.append(msg)
 
-    def _requests_lost(self, gone: WorkerInfo, why: str, out: Outputs) -> None:
+    def _requests_lost(self, gone: WorkerInfo, why: str, now: float, out: Outputs) -> None:
         """Every request placed on a worker process that is gone moves to another worker (its
-        tokenizer sends it again, MigrateRequest), or fails if it cannot move or has moved
-        `max_migrations` times. Either way it is aborted at every holder, the gone worker's id
-        too: a worker only silent for a while stops computing it, and a process restarted under
-        the id does not know it."""
+        tokenizer sends it again, MigrateRequest), or fails if it cannot move, has moved
+        `max_migrations` times, or no worker of its kind is left to take it (said at once, with
+        the loss's own why, rather than after a round trip through the tokenizer). Either way it
+        is aborted at every holder, the gone worker's id too: a worker only silent for a while
+        stops computing it, and a process restarted under the id does not know it."""
+        takers = [
+            w for role in (WorkerRole.DECODE, WorkerRole.MIXED) for w in self.registry.alive(WorkerKind.LLM, role, now)
+        ]
+        nowhere = "" if takers else ", and no workers are available to move it to"
         for rid in list(gone.requests):
             placed = self.placed.get(rid)
             if placed is None:
                 continue
             refusal = cannot_migrate(placed.migrations, self.config.max_migrations)
+            if refusal is None and nowhere and placed.migrations is not None:
+                refusal = nowhere
             if refusal is not None:
                 self._fail(placed, f"{why}{refusal}", out)
                 continue

@@ -251,14 +251,15 @@ def test_a_worker_heartbeating_through_a_long_step_stays_until_the_step_timeout(
     assert heartbeat(core, "w0", T0 + 64) == [("w0", UnknownWorker(worker_id="w0"))]
 
 
-def test_a_worker_whose_engine_failed_is_dropped_at_once_and_its_requests_move():
+def test_a_worker_whose_engine_failed_is_dropped_at_once_and_its_requests_fail_when_no_worker_can_take_them():
     core = disaggregated()
     placed_on_p0_d0(core, "r1")
     stale = WorkerStopped(worker_id="d0", instance="d0-before", error="RuntimeError: boom")
     assert core.handle(b"d0", stale, T0 + 1) == []  # an older process's word: d0 stays
     out = core.handle(b"d0", WorkerStopped(worker_id="d0", instance="d0-first", error="RuntimeError: boom"), T0 + 1)
-    reason = "the engine of worker d0 failed"  # the exception's text stays in the worker's log
-    assert out[0] == (TOK, MigrateRequest(request_id="r1", reason=reason, lost_worker_ids=["d0", "p0"]))
+    # the exception's text stays in the worker's log; with d0 gone no decode worker is left to move r1 to
+    reason = "the engine of worker d0 failed, and no workers are available to move it to"
+    assert out[0] == (TOK, failed("r1", reason))
     assert set(out[1:]) == {
         ("p0", AbortRequest(request_id="r1", reason=reason)),
         ("d0", AbortRequest(request_id="r1", reason=reason)),

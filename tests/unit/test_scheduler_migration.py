@@ -156,9 +156,9 @@ def test_with_no_worker_left_the_resumed_request_is_refused():
     keep_alive(core, AFTER_GRACE, "m0")
     assert [dest for dest, _ in schedule(core, "r1", now=AFTER_GRACE)] == ["m0"]
     gone = AFTER_GRACE + TIMEOUT + 0.1
-    [(_, migrate), _] = core.tick(gone)
-    assert isinstance(migrate, MigrateRequest)
-    out = resume(core, "r1", [5, 6], now=gone)
+    why = "worker m0 stopped responding, and no workers are available to move it to"
+    assert core.tick(gone) == [(TOK, failed("r1", why)), ("m0", AbortRequest(request_id="r1", reason=why))]
+    out = resume(core, "r1", [5, 6], now=gone)  # one that was moving already when the last went
     assert out == [(TOK, refused("r1", "no workers are available"))]
 
 
