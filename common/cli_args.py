@@ -31,3 +31,9 @@ def add(
     help_text = kwargs.pop("help", "")
     kwargs["help"] = f"{help_text} [env {env_name(flag)}]".strip()
     parser.add_argument(flag, *aliases, default=default, **kwargs)
+
+
+# every process's --drain-timeout (common/process.py drains; the flag is declared by each config,
+# which must stay free of zmq: the scheduler's core imports its config)
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+DRAIN_TIMEOUT_HELP = "seconds a SIGTERM lets requests in flight finish before stopping (0: stop at once)"

@@ -24,10 +24,9 @@ import structlog
 import uvloop
 
 from common import transport
+from common.cli_args import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP  # noqa: F401 - re-exported
 
 DRAIN_POLL_S = 0.05
-DEFAULT_DRAIN_TIMEOUT_S = 30.0  # every process's --drain-timeout
-DRAIN_TIMEOUT_HELP = "seconds a SIGTERM lets requests in flight finish before stopping (0: stop at once)"
 
 
 class ProcessFailed(Exception):

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import cli_args
+from common.cli_args import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP
 from common.model_config import DEFAULT_MAX_MODEL_LEN_CAP, default_max_model_len
 from common.model_files import model_aliases, resolve_model_path, served_model_name
-from common.process import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP
 from gateway.auth import key_problem, read_key_file
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20

@@ -9,6 +9,7 @@ followed by tests/unit/test_cuda_graphs.py)."""
 
 import os
 
+import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -16,3 +17,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def ieee_subnormals():
+    """Each test starts with IEEE subnormals, as a fresh process does. The CPU kernels' library is
+    built with -ffast-math, whose start-up code sets the loading thread to flush subnormals to
+    zero; once a test had loaded it, every later test in this process ran in that mode
+    (Hypothesis refuses to draw floats then, and the gateway's range checks saw -1e-310 as 0).
+    A worker process keeps that mode: only the tests' shared process is reset."""
+    torch.set_flush_denormal(False)
+    yield

@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from common.cli_args import add
-from common.process import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP
+from common.cli_args import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP, add
 from services.scheduler.placement import PLACEMENTS, PlacementPolicy
 
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import cli_args
+from common.cli_args import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP
 from common.model_config import DEFAULT_MAX_MODEL_LEN_CAP, default_max_model_len
 from common.model_files import resolve_model_path
-from common.process import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP
 
 
 @dataclass(frozen=True)

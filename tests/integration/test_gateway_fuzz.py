@@ -31,19 +31,6 @@ MAX_FUZZ_TOKENS = 8
 SCHEMA = schemathesis.openapi.from_dict(DOCUMENT).exclude(path="/v1/images/generations")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def subnormals_representable():
-    """Hypothesis refuses to draw floats while the CPU flushes subnormals to zero, and an earlier
-    test in this process may have loaded the C kernels, whose fast-math start-up code turns that
-    on for the whole process. The client fuzzes as a gateway runs: with IEEE subnormals."""
-    import torch
-
-    flushing = not 0.0 < 5e-324
-    torch.set_flush_denormal(False)
-    yield
-    torch.set_flush_denormal(flushing)
-
-
 @pytest.fixture(scope="module")
 def mesh():
     if os.environ.get("PAGEMESH_FUZZ_URL"):  # fuzz a gateway already running (started with --api-key sk-fuzz)
