@@ -19,12 +19,19 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_collectstart(collector):
+    """Each test module is compiled with IEEE subnormals (see `ieee_subnormals`): compiled while
+    the process flushes them, a literal such as 5e-324 or -1e-310 becomes 0.0 in the code."""
+    torch.set_flush_denormal(False)
+
+
 @pytest.fixture(autouse=True)
 def ieee_subnormals():
     """Each test starts with IEEE subnormals, as a fresh process does. The CPU kernels' library is
     built with -ffast-math, whose start-up code sets the loading thread to flush subnormals to
-    zero; once a test had loaded it, every later test in this process ran in that mode
-    (Hypothesis refuses to draw floats then, and the gateway's range checks saw -1e-310 as 0).
-    A worker process keeps that mode: only the tests' shared process is reset."""
+    zero; once a test (or a module's import, at collection) had loaded it, every later test in
+    this process ran in that mode: Hypothesis refused to draw floats, and modules imported after
+    it had their subnormal literals compiled to 0.0. A worker process keeps that mode: only the
+    tests' shared process is reset."""
     torch.set_flush_denormal(False)
     yield
