@@ -125,11 +125,14 @@ def test_a_killed_workers_stream_goes_on_on_the_other_with_the_fault_free_text(m
         ended = pool.submit(stream, client, pieces, **request)
         victim = holder_once_streaming(mesh, pieces, at_least=3)
         mesh.kill(victim)
-        error = ended.result(timeout=HANG_S)
-    assert error is None  # one unbroken stream
-    assert "".join(pieces) == expected  # nothing lost, nothing repeated, the same tokens
-    assert sample_until(lambda: migrations(mesh), lambda n: n is not None and n >= before + 1, timeout=LATE_S)
-    mesh.restart(victim)  # the pool is whole again for the next test
+        try:
+            error = ended.result(timeout=HANG_S)
+            assert error is None  # one unbroken stream
+            assert "".join(pieces) == expected  # nothing lost, nothing repeated, the same tokens
+            moved = sample_until(lambda: migrations(mesh), lambda n: n is not None and n >= before + 1, timeout=LATE_S)
+            assert moved is not None
+        finally:
+            mesh.restart(victim)  # the pool is whole again for the next test, whatever this one found
 
 
 def test_a_request_that_keeps_losing_its_workers_ends_at_max_migrations(mesh):
