@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import sys
 from pathlib import Path
 
@@ -229,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"cost model: {describe_cost(cost)}; KV pages per worker: {base.num_pages}; link: {base.link}")
     print(table(rows, first))
     if args.out:
-        (args.out / "simulate.json").write_text(json.dumps({label: s for label, s in rows}, indent=2, default=_finite))
+        (args.out / "simulate.json").write_text(json.dumps({label: s for label, s in rows}, indent=2, default=str))
         if args.sweep:
             path = plot_sweep(rows, first, args.out)
             if path:
@@ -240,10 +239,6 @@ def describe_cost(cost) -> str:
     if isinstance(cost, RooflineStepCost):
         return f"roofline {cost.gpu.name} x{cost.tp}, weights {cost.weight_bytes / 1e9:.1f} GB"
     return f"fitted on this CPU ({cost.source})"
-
-
-def _finite(value):
-    return None if isinstance(value, float) and not math.isfinite(value) else str(value)
 
 
 def calibrate_main(argv: list[str]) -> None:

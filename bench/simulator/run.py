@@ -4,7 +4,6 @@ plus what only a simulation sees (KV use, preemptions, busy time per worker)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from bench.loadgen.metrics import summarize
@@ -116,7 +115,3 @@ def describe(settings: SimSettings) -> str:
     if settings.mixed:
         return f"{settings.mixed} mixed"
     return f"{settings.prefill}P+{settings.decode}D"
-
-
-def finite(x: float) -> float | None:
-    return None if math.isinf(x) or math.isnan(x) else x

@@ -33,6 +33,7 @@ from common.messages import (
     WorkerKind,
     WorkerRole,
 )
+from common.sampling import SamplingParams
 from workers.engine.block_manager import BlockManager
 from workers.engine.scheduler import Scheduler, StepPlan, StepSchedulerConfig
 from workers.engine.sequence import Sequence
@@ -155,8 +156,6 @@ class SimWorker:
 
     # ---- requests -------------------------------------------------------------------------
     def _start(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
-        from common.sampling import SamplingParams
-
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         seq = Sequence(request_id, 0, list(prompt), len(prompt), params, arrival_time=self.loop.now)
         self.seqs[request_id] = seq
