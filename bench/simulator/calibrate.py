@@ -9,6 +9,7 @@ stepped a few times and the median kept; the first steps (warm-up) are dropped.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from pathlib import Path
@@ -83,4 +84,45 @@ def calibrate(out: Path, threads: int) -> LinearStepCost:
     errors = [abs(model.step_time(s) - t) / t for s, t in samples if t > 0]
     print(f"calibrated in {time.time() - started:.0f} s: {model}")
     print(f"median relative error over the steps: {statistics.median(errors):.1%}")
+    return model
+
+
+BACK_TO_BACK_S = 0.05  # a gap shorter than this between two steps: the worker had work throughout
+
+
+def samples_from_trace(folder: Path) -> list[tuple[StepShape, float]]:
+    """(shape, seconds) of every step the workers of a running mesh traced (PAGEMESH_STEP_TRACE,
+    workers/engine/step_trace.py). A step's seconds are its whole cycle, from its start to the
+    next step's start when the worker went straight on (the host work between steps: publishing
+    tokens, taking messages, which a loaded mesh pays and the engine alone does not); the last
+    step of a busy stretch gets its own time plus the median such gap of its worker."""
+    samples: list[tuple[StepShape, float]] = []
+    for path in sorted(folder.glob("steps-*.jsonl")):
+        steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        gaps = []
+        cycles: list[float | None] = []
+        for step, following in zip(steps, [*steps[1:], None]):
+            gap = None if following is None else following["start"] - step["start"] - step["seconds"]
+            if gap is not None and gap < BACK_TO_BACK_S:
+                gaps.append(gap)
+                cycles.append(step["seconds"] + gap)
+            else:
+                cycles.append(None)
+        usual_gap = statistics.median(gaps) if gaps else 0.0
+        for step, cycle in zip(steps, cycles):
+            shape = StepShape(**{k: step[k] for k in StepShape.__dataclass_fields__})
+            samples.append((shape, cycle if cycle is not None else step["seconds"] + usual_gap))
+    return samples
+
+
+def fit_trace(folder: Path, out: Path | None = None) -> LinearStepCost:
+    """The linear step-time model of the steps a mesh traced (see samples_from_trace)."""
+    samples = samples_from_trace(folder)
+    if not samples:
+        raise SystemExit(f"no traced steps under {folder} (was PAGEMESH_STEP_TRACE set on the workers?)")
+    model = LinearStepCost.fit([(s, t) for s, t in samples if s.prefill_tokens or s.decode_rows], source=(
+        f"{len(samples)} steps traced inside a running mesh ({folder.name})"
+    ))  # fmt: skip
+    if out is not None:
+        model.save(out)
     return model

@@ -34,6 +34,9 @@ class ClusterSpec:
     transfer: TransferModel = TransferModel(2e9, 0.002)
     control_latency_s: float = 0.0005  # one hop between processes over zmq
     delivery_latency_s: float = 0.001  # worker → tokenizer → gateway → client, per token batch
+    # the fixed time a request spends outside the steps and hops modelled here (the HTTP request,
+    # the gateway, tokenizing, detokenizing): measured per mesh (bench.simulator.validate)
+    request_overhead_s: float = 0.0
     tick_s: float = 1.25  # the scheduler's expiry tick (heartbeat timeout / 4)
 
 
@@ -137,7 +140,8 @@ class Cluster:
             arrival_time=self.loop.now,
         )
         self.loop.after(
-            self.spec.control_latency_s, lambda: self._deliver(self.core.handle(TOKENIZER, msg, self.loop.now))
+            self.spec.control_latency_s + self.spec.request_overhead_s,
+            lambda: self._deliver(self.core.handle(TOKENIZER, msg, self.loop.now)),
         )
 
     def kv_pages_in_use(self) -> dict[str, int]:

@@ -71,6 +71,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-prefill-chunk", type=int, default=512)
     g.add_argument("--batching", default="iteration", choices=["iteration", "request"])
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument(
+        "--request-overhead-ms", type=float, default=0.0, help="fixed time per request outside the steps (measured)"
+    )
     w = p.add_argument_group("workload")
     w.add_argument("--rate", type=float, default=2.0, help="requests/s (inf: all at once)")
     w.add_argument("--num-requests", type=int, default=100)
@@ -140,6 +143,7 @@ def settings_from(args, kv_bytes_per_token: int, cost) -> SimSettings:
         batching=args.batching,
         prefix_caching=not args.no_prefix_caching,
         link=args.link or ("loopback" if args.cost == "cpu" else "nvlink"),
+        request_overhead_s=args.request_overhead_ms / 1000,
         workload=workload,
     )
 

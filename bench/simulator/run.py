@@ -30,6 +30,7 @@ class SimSettings:
     batching: str = "iteration"
     prefix_caching: bool = True
     link: str = "loopback"
+    request_overhead_s: float = 0.0  # before a request reaches the scheduler (HTTP, gateway, tokenizer)
     workload: WorkloadSpec = WorkloadSpec()
 
     def with_knob(self, name: str, value) -> SimSettings:
@@ -57,7 +58,7 @@ def cluster_spec(settings: SimSettings, page_bytes: int) -> ClusterSpec:
         WorkerSpec(wid, role, settings.page_size, settings.num_pages, page_bytes, step, settings.prefix_caching)
         for wid, role in roles(settings.mixed, settings.prefill, settings.decode)
     )
-    return ClusterSpec(workers=workers, transfer=LINKS[settings.link])
+    return ClusterSpec(workers=workers, transfer=LINKS[settings.link], request_overhead_s=settings.request_overhead_s)
 
 
 def simulate(

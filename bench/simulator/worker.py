@@ -37,6 +37,7 @@ from common.sampling import SamplingParams
 from workers.engine.block_manager import BlockManager
 from workers.engine.scheduler import Scheduler, StepPlan, StepSchedulerConfig
 from workers.engine.sequence import Sequence
+from workers.engine.step_trace import step_shape
 
 PLACEHOLDER_TOKEN = 0  # sampled ids are not modelled; what matters is how many and when
 MAX_CACHE_KEYS = 4096
@@ -280,12 +281,5 @@ class SimWorker:
 
 
 def shape_of(plan: StepPlan) -> StepShape:
-    """The step's work, from the real plan: the first num_decodes chunks are decodes."""
-    decodes = plan.chunks[: plan.num_decodes]
-    prefills = plan.chunks[plan.num_decodes :]
-    return StepShape(
-        prefill_tokens=sum(c.num_tokens for c in prefills),
-        prefill_attention=sum(c.num_tokens * (c.start + (c.num_tokens + 1) // 2) for c in prefills),
-        decode_rows=len(decodes),
-        decode_context=sum(c.start + 1 for c in decodes),
-    )
+    """The step's work, from the real plan, as the workers' step trace records it."""
+    return StepShape(**step_shape(plan))

@@ -28,8 +28,10 @@ pytestmark = pytest.mark.slow
 
 HEARTBEAT_TIMEOUT_S = 5.0  # the default: a step on a loaded CPU can starve heartbeats for seconds
 MAX_MIGRATIONS = 1
-GREEDY = dict(prompt="Count on and on:", max_tokens=48, temperature=0)
-SEEDED = dict(prompt="Tell me a story:", max_tokens=48, temperature=0.9, top_p=0.95, seed=1234)
+# Long enough that the kill lands mid-stream: the holder is read from heartbeats (0.25 s apart)
+# through /metrics scrapes, which take a while on a loaded machine.
+GREEDY = dict(prompt="Count on and on:", max_tokens=64, temperature=0)
+SEEDED = dict(prompt="Tell me a story:", max_tokens=64, temperature=0.9, top_p=0.95, seed=1234)
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +94,16 @@ def running(mesh) -> dict[str, float]:
     return {name: n for name, n in samples.items() if name in pool_of(mesh)}  # not a prefill worker's
 
 
+def pool_idle(mesh) -> bool:
+    """Every worker of the pool reports no running request. Wait for this before starting the
+    stream whose holder is wanted: a heartbeat sent just before the previous request ended still
+    counts it (CI once killed that stale holder, and the stream went on untouched elsewhere)."""
+    return wait_until(lambda: sum(running(mesh).values()) == 0)
+
+
 def holder_once_streaming(mesh, pieces: list[str], at_least: int) -> str:
-    """The worker running the one request, once `at_least` pieces of it have arrived."""
+    """The worker running the one request, once `at_least` pieces of it have arrived (the pool
+    was idle before it started: see pool_idle)."""
     counts = sample_until(lambda: running(mesh), lambda c: sum(c.values()) == 1 and len(pieces) >= at_least)
     assert counts, "the stream never ran"
     return max(counts, key=counts.get)
@@ -121,6 +131,7 @@ def test_a_killed_workers_stream_goes_on_on_the_other_with_the_fault_free_text(m
     expected = fault_free(client, **request)
     before = sample_until(lambda: migrations(mesh), lambda n: n is not None)
     pieces: list[str] = []
+    assert pool_idle(mesh)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         ended = pool.submit(stream, client, pieces, **request)
         victim = holder_once_streaming(mesh, pieces, at_least=3)
@@ -139,6 +150,7 @@ def test_a_request_that_keeps_losing_its_workers_ends_at_max_migrations(mesh):
     client = client_of(mesh)
     assert both_workers_live(mesh)
     pieces: list[str] = []
+    assert pool_idle(mesh)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         ended = pool.submit(stream, client, pieces, **GREEDY)
         first = holder_once_streaming(mesh, pieces, at_least=3)
@@ -158,6 +170,7 @@ def test_with_no_worker_left_in_the_pool_the_stream_ends_with_the_error_event(me
     mesh.restart(survivor)  # the pool's only live worker (the previous test killed both)
     assert wait_until(lambda: registered(mesh) == llm_workers(mesh) - {dead})
     pieces: list[str] = []
+    assert pool_idle(mesh)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         ended = pool.submit(stream, client, pieces, **GREEDY)
         assert holder_once_streaming(mesh, pieces, at_least=2) == survivor

@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 
+from bench.simulator.calibrate import fit_trace, samples_from_trace
 from bench.simulator.clock import EventLoop
 from bench.simulator.cost import GPUS, LinearStepCost, RooflineStepCost, StepShape, model_shape
 from bench.simulator.run import SimSettings, find_smallest, meets, simulate
@@ -11,6 +12,7 @@ from bench.simulator.worker import shape_of
 from bench.simulator.workload import WorkloadSpec, generate
 from services.scheduler.placement import Placer
 from workers.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
+from workers.engine.step_trace import StepTrace
 
 # a CPU-like step: 12 ms, plus per prompt token and per decode row
 COST = LinearStepCost(0.012, 0.0001, 0.0, 0.0003, 1e-7)
@@ -127,3 +129,31 @@ def test_workloads_share_prefixes_when_asked():
     reqs = generate(spec)
     assert reqs[0].prompt_token_ids[:32] == reqs[2].prompt_token_ids[:32] != reqs[1].prompt_token_ids[:32]
     assert [r.arrival_s for r in reqs] == sorted(r.arrival_s for r in reqs) and reqs[0].arrival_s == 0.0
+
+
+def test_a_traced_step_reads_back_as_its_whole_cycle_and_the_fit_recovers_the_cost(tmp_path):
+    """The workers' step trace (what bench.simulator.validate fits in-mesh): a step followed at once
+    by the next one counts until that one starts (host work included); the last of a busy stretch
+    gets the worker's usual gap."""
+    trace = StepTrace(tmp_path)
+    seq = type("Seq", (), {"num_tokens": 0})
+    start, shapes = 100.0, []
+    for rows in (1, 4, 16, 1, 8, 32) * 3:
+        plan = StepPlan(num_decodes=rows)
+        plan.chunks = [ScheduledChunk(seq, 50 + i, 1) for i in range(rows)]
+        seconds = COST.step_time(shape_of(plan)) - 0.002  # the step; 2 ms of host work follow it
+        trace.record(plan, start, seconds)
+        shapes.append(shape_of(plan))
+        start += seconds + 0.002
+    trace.file.close()
+    samples = samples_from_trace(tmp_path)
+    assert [s for s, _ in samples] == shapes
+    assert [t for _, t in samples] == pytest.approx([COST.step_time(s) for s in shapes])
+    fitted = fit_trace(tmp_path)
+    assert fitted.step_time(shapes[2]) == pytest.approx(COST.step_time(shapes[2]), rel=1e-3)
+
+
+def test_the_fixed_request_overhead_delays_the_first_token_by_itself():
+    base = simulate(small(), COST.step_time, KV_BYTES)
+    later = simulate(dataclasses.replace(small(), request_overhead_s=0.05), COST.step_time, KV_BYTES)
+    assert later["median_ttft_ms"] == pytest.approx(base["median_ttft_ms"] + 50, abs=5)

@@ -47,6 +47,7 @@ from workers.engine.prefilled import PrefillHandoff
 from workers.engine.scheduler import Scheduler, StepSchedulerConfig
 from workers.engine.sequence import EngineRequest, Sequence
 from workers.engine.stats import EngineStats
+from workers.engine.step_trace import StepTrace
 from workers.engine.stopping import StopRules
 from workers.engine.tensor_parallel import (
     FollowerRanks,
@@ -155,6 +156,7 @@ class Engine:
             self.blocks, self.scheduler, self.validator, self.json_masks, self.generators, self.stops
         )
         self.stats = EngineStats()
+        self.step_trace = StepTrace.from_env()  # None unless a bench asks (PAGEMESH_STEP_TRACE)
         self.stalled = False
 
     # ---- set-up ---------------------------------------------------------------------------
@@ -279,6 +281,8 @@ class Engine:
             if req.prefill_only:
                 self.handoff.hold(req)
         self.stats.record_step(plan, self.scheduler, self.blocks, time.perf_counter() - started)
+        if self.step_trace is not None:
+            self.step_trace.record(plan, started, time.perf_counter() - started)
         outputs = build_outputs(touched)
         for req, out in zip(touched, outputs):
             if out.finished:
