@@ -182,3 +182,14 @@ def test_docker_compose_config_accepts_compose_yaml():
         [docker, "compose", "-f", str(ROOT / "compose.yaml"), "config", "--quiet"], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_the_zmq_keys_override_gives_every_compose_service_the_keys_folder():
+    base = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    override = yaml.safe_load((ROOT / "compose.zmq-keys.yaml").read_text())
+    assert set(override["services"]) == set(base["services"])
+    for name, service in override["services"].items():
+        folder = service["environment"]["PAGEMESH_ZMQ_KEYS"]
+        assert [v.rsplit(":", 2)[1:] for v in service["volumes"]] == [[folder, "ro"]], name
+    result = check_compose(ROOT / "compose.zmq-keys.yaml")
+    assert result.returncode == 0, result.stdout + result.stderr
