@@ -1,8 +1,8 @@
 """CurveZMQ on a whole mesh (issue 19): `pagemesh up --zmq-keys DIR` with the keys of `pagemesh
-keys DIR`. A rogue peer that connects to the scheduler, the tokenizer or the gateway without keys,
-or with keys of its own, is refused at the handshake: its valid messages get no answer, each
-process logs the refusal, nothing of it reaches a decoder; a client with the mesh's keys is
-answered, and the mesh serves a completion after."""
+keys DIR`. A rogue peer that connects to the scheduler, the tokenizer, the gateway or the decode
+worker's KV endpoint without keys, or with keys of its own, is refused at the handshake: its
+valid messages get no answer, each process logs the refusal, nothing of it reaches a decoder; a
+client with the mesh's keys is answered, and the mesh serves a completion after."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def keys_dir(tmp_path_factory):
 def mesh(keys_dir, tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("run"))
     output: list[str] = []
-    flags = ("--mixed", "1", "--zmq-keys", keys_dir, "--run-dir", run_dir, "--log-format", "json")
+    # prefill and decode workers: the KV handoff runs keyed too (KV-sized frames over CurveZMQ)
+    flags = ("--zmq-keys", keys_dir, "--run-dir", run_dir, "--log-format", "json")
     with running_mesh(*flags, output=output) as url:
         yield url, run_dir, output
 
@@ -48,6 +49,7 @@ def test_rogues_without_or_with_other_keys_get_nothing_through_and_the_mesh_serv
         ("tokenizer-0", "tokenizer", zmq.DEALER, StatusRequest(requester="rogue")),
         ("tokenizer-0", "tokenizer-out", zmq.PUSH, TokenDeltaBatch(worker_id="rogue", deltas=[])),
         ("gateway-0", "gateway-0", zmq.PUSH, TokenDeltaBatch(worker_id="rogue", deltas=[])),
+        ("decode-0", "kv-decode-0", zmq.DEALER, StatusRequest(requester="rogue")),
     ]
     rogues = []
     for _, name, kind, msg in targets:
@@ -56,7 +58,7 @@ def test_rogues_without_or_with_other_keys_get_nothing_through_and_the_mesh_serv
             rogues.append(sock := connect(address, kind, keys=keys, server_key=mesh_keys.public))
             sock.send_multipart(encode(msg))
     try:
-        for process in ("scheduler", "tokenizer-0", "gateway-0"):  # each refused both kinds and said so
+        for process in ("scheduler", "tokenizer-0", "gateway-0", "decode-0"):  # each refused both kinds and said so
             assert wait_until(lambda p=process: logged(output, p, NO_KEYS) and logged(output, p, OTHER_KEYS))
         # a client with the mesh's keys is answered where the rogues were not
         with connect(
@@ -68,11 +70,11 @@ def test_rogues_without_or_with_other_keys_get_nothing_through_and_the_mesh_serv
             client.send_multipart(encode(StatusRequest(requester="keyed")))
             assert client.poll(HANG_S * 1000)
             assert isinstance(decode(client.recv_multipart()), ClusterStatus)
-        assert [sock.poll(0) for sock in rogues if sock.type == zmq.DEALER] == [0, 0, 0, 0]
+        assert [sock.poll(0) for sock in rogues if sock.type == zmq.DEALER] == [0] * 6
         assert not any("dropped malformed message" in line for line in output)  # nothing got to decode
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
         done = client.completions.create(model=DEFAULT_MODEL_NAME, prompt="Hello", max_tokens=3, temperature=0)
-        assert done.usage.completion_tokens == 3
+        assert done.usage.completion_tokens == 3  # through the keyed KV handoff too
     finally:
         for sock in rogues:
             sock.close()
