@@ -55,7 +55,8 @@ def run(frame_bytes: int, frames: int, pings: int, keys: str | None) -> tuple[fl
                     target=sender, args=(address, frame_bytes, frames, pings, keys)
                 )
                 proc.start()
-                await router._sock.recv_multipart(copy=False)  # the first frame: timing starts
+                # raw frames (the socket's cost, not the decoder's); the first one starts the clock
+                await router._sock.recv_multipart(copy=False)
                 start = time.perf_counter()
                 for _ in range(frames - 1):
                     await router._sock.recv_multipart(copy=False)

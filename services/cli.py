@@ -84,7 +84,7 @@ def take_zmq_keys(argv: list[str]) -> list[str]:
         else:
             rest.append(arg)
             i += 1
-    if os.environ.get(KEYS_ENV):
+    if os.environ.get(KEYS_ENV) and rest[:1] != ["keys"]:  # `pagemesh keys` makes them
         from common.transport import load_keys  # zmq: only for a process that uses keys
 
         os.environ[KEYS_ENV] = os.path.abspath(os.environ[KEYS_ENV])
