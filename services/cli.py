@@ -11,6 +11,7 @@ pagemesh bench       load generator for any OpenAI-compatible server
 pagemesh experiment  the experiments of the papers (paged-memory, orca, sarathi, ...)
 pagemesh simulate    the mesh's scheduling code in virtual time on a cost model (cluster sizing)
 pagemesh tokenizer-export DIR   the model's tokenizer as a Hugging Face folder (for load tools)
+pagemesh keys DIR    the CurveZMQ keypair of the internal sockets (then --zmq-keys DIR everywhere)
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import os
 import sys
 
 from common.logging import FORMAT_ENV, FORMATS
+
+KEYS_ENV = "PAGEMESH_ZMQ_KEYS"  # common.transport.KEYS_ENV (not imported here: no zmq for every command)
 
 COMMANDS = {
     "up": ("services.launcher", "the whole mesh on this machine"),
@@ -33,6 +36,7 @@ COMMANDS = {
     "experiment": ("bench.experiments.main", "reproduce a paper's experiment: pagemesh experiment NAME --out DIR"),
     "simulate": ("bench.simulator.main", "the scheduling code on a cost model: cluster sizing, what-ifs"),
     "tokenizer-export": ("services.tokenizer_export", "write the tokenizer as a Hugging Face folder: DIR"),
+    "keys": ("services.mesh_keys", "make the CurveZMQ keypair of the internal sockets: DIR"),
 }
 
 
@@ -40,6 +44,7 @@ def usage() -> str:
     lines = ["usage: pagemesh <command> [flags]   (pagemesh <command> --help for its flags)", ""]
     lines += [f"  {name:<10} {what}" for name, (_, what) in COMMANDS.items()]
     lines += ["", "every command: --log-format console|json (default: console on a terminal, else json)"]
+    lines += ["               --zmq-keys DIR  CurveZMQ on every internal socket (`pagemesh keys DIR` makes them)"]
     return "\n".join(lines)
 
 
@@ -64,8 +69,35 @@ def take_log_format(argv: list[str]) -> list[str]:
     return rest
 
 
+def take_zmq_keys(argv: list[str]) -> list[str]:
+    """`--zmq-keys DIR` / `--zmq-keys=DIR`, valid for every command, goes to $PAGEMESH_ZMQ_KEYS
+    (an absolute path: the processes `pagemesh up` starts inherit it), which every socket reads
+    (common/transport.py). The keys are checked here, before anything starts; the rest of argv
+    is returned."""
+    rest, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--zmq-keys" and i + 1 < len(argv):
+            os.environ[KEYS_ENV], i = argv[i + 1], i + 2
+        elif arg.startswith("--zmq-keys="):
+            os.environ[KEYS_ENV], i = arg.partition("=")[2], i + 1
+        else:
+            rest.append(arg)
+            i += 1
+    if os.environ.get(KEYS_ENV) and rest[:1] != ["keys"]:  # `pagemesh keys` makes them
+        from common.transport import load_keys  # zmq: only for a process that uses keys
+
+        os.environ[KEYS_ENV] = os.path.abspath(os.environ[KEYS_ENV])
+        try:
+            load_keys(os.environ[KEYS_ENV])
+        except ValueError as e:
+            print(f"pagemesh: --zmq-keys: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+    return rest
+
+
 def main(argv: list[str] | None = None) -> None:
-    argv = take_log_format(sys.argv[1:] if argv is None else argv)
+    argv = take_zmq_keys(take_log_format(sys.argv[1:] if argv is None else argv))
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return

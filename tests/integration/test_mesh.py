@@ -12,11 +12,14 @@ from pathlib import Path
 
 import openai
 import pytest
+import zmq
 
 from bench.local_mesh import HANG_S, LATE_S, metrics, pages_free, per_worker, running_mesh, sample_until, wait_until
 from common.model_files import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME
 from common.sampling import SamplingParams
+from common.transport import CONTROL, ipc_address
 from tests.default_model import tokenizer as default_tokenizer
+from tests.rogue_peers import MALFORMED, connect, logged
 
 pytestmark = pytest.mark.slow
 MODEL = DEFAULT_MODEL_NAME
@@ -32,8 +35,18 @@ WORKERS = {"prefill-0", "decode-0"}  # `pagemesh up`'s default mesh
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    with running_mesh("--dtype", "float32") as url:
+def run_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("run"))  # the mesh's ipc sockets: where a rogue connects
+
+
+@pytest.fixture(scope="module")
+def mesh_output():
+    return []  # the mesh's log lines, as they come
+
+
+@pytest.fixture(scope="module")
+def mesh(run_dir, mesh_output):
+    with running_mesh("--dtype", "float32", "--run-dir", run_dir, output=mesh_output) as url:
         yield url
 
 
@@ -370,3 +383,40 @@ def test_every_series_the_vllm_dashboard_queries_is_in_metrics(client, mesh):
         if key.startswith("vllm:"):
             assert f'model_name="{MODEL}"' in key, key
     assert samples[f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}'] >= 1
+
+
+def test_malformed_messages_from_a_rogue_peer_are_dropped_logged_and_the_mesh_serves_on(client, run_dir, mesh_output):
+    """Without keys, anyone who reaches a socket can send to it: malformed msgpack, an unknown type,
+    wrong fields, pickle and json to every socket that binds (the scheduler, the tokenizer's two,
+    the gateway's replies, the decode worker's KV endpoint), and a frame over the control
+    sockets' MAXMSGSIZE to the scheduler. Each malformed message is dropped and logged by its
+    process exactly once, the oversize one is never read (libzmq disconnects its sender), and
+    every process serves on."""
+    dropped = "dropped malformed message"
+    targets = [
+        ("scheduler", "scheduler", zmq.DEALER),
+        ("tokenizer-0", "tokenizer", zmq.DEALER),
+        ("tokenizer-0", "tokenizer-out", zmq.PUSH),
+        ("gateway-0", "gateway-0", zmq.PUSH),
+        ("decode-0", "kv-decode-0", zmq.DEALER),
+    ]
+    processes = {process for process, _, _ in targets}
+    before = {p: logged(mesh_output, p, dropped) for p in processes}
+    expected = {p: before[p] + len(MALFORMED) * sum(t[0] == p for t in targets) for p in processes}
+    oversize = connect(ipc_address(run_dir, "scheduler"), zmq.DEALER)
+    disconnected = oversize.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    rogues = [disconnected, oversize]
+    try:
+        oversize.send_multipart([b"Ready", bytes(CONTROL.max_msg_bytes + 1)])
+        assert disconnected.poll(HANG_S * 1000)  # the scheduler read its size and hung up
+        for _, name, kind in targets:
+            rogues.append(sock := connect(ipc_address(run_dir, name), kind))
+            for frames in MALFORMED.values():
+                sock.send_multipart(frames)
+        assert wait_until(lambda: all(logged(mesh_output, p, dropped) >= n for p, n in expected.items()))
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0)
+        assert r.usage.completion_tokens == 3  # through every process, the KV handoff too
+        assert {p: logged(mesh_output, p, dropped) for p in processes} == expected  # the oversize one: never
+    finally:
+        for sock in rogues:
+            sock.close()

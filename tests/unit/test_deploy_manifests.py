@@ -7,6 +7,7 @@ select those pods on the ports the processes bind, and the worker pools scale.""
 
 from __future__ import annotations
 
+import copy
 import shutil
 import subprocess
 import sys
@@ -182,3 +183,48 @@ def test_docker_compose_config_accepts_compose_yaml():
         [docker, "compose", "-f", str(ROOT / "compose.yaml"), "config", "--quiet"], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_the_zmq_keys_override_gives_every_compose_service_the_keys_folder():
+    base = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    override = yaml.safe_load((ROOT / "compose.zmq-keys.yaml").read_text())
+    assert set(override["services"]) == set(base["services"])
+    for name, service in override["services"].items():
+        folder = service["environment"]["PAGEMESH_ZMQ_KEYS"]
+        assert [v.rsplit(":", 2)[1:] for v in service["volumes"]] == [[folder, "ro"]], name
+    result = check_compose(ROOT / "compose.zmq-keys.yaml")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def json_patch_add(doc: dict, ops: list[dict]) -> dict:
+    """The `add` operations of a JSON patch (RFC 6902), applied to a copy: what kustomize does
+    with the zmq-keys component's patch (it has no other op)."""
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        assert op["op"] == "add"
+        *parents, last = op["path"].strip("/").split("/")
+        node = doc
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        if isinstance(node, list):
+            node.append(op["value"]) if last == "-" else node.insert(int(last), op["value"])
+        else:
+            node[last] = op["value"]
+    return doc
+
+
+def test_the_zmq_keys_component_mounts_the_secret_into_every_deployment():
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    component = yaml.safe_load((K8S / "zmq-keys" / "kustomization.yaml").read_text())
+    (patch,) = component["patches"]
+    assert patch["target"] == {"kind": "Deployment"}
+    for name, deployment in DEPLOYMENTS.items():
+        keyed = json_patch_add(deployment, yaml.safe_load(patch["patch"]))
+        kubernetes_validate.validate(keyed, KUBERNETES_VERSION, strict=True)
+        pod = keyed["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        (mount,) = container["volumeMounts"]
+        assert {"name": "PAGEMESH_ZMQ_KEYS", "value": mount["mountPath"]} in container["env"], name
+        assert pod["volumes"] == [
+            {"name": mount["name"], "secret": {"secretName": "pagemesh-zmq-keys", "defaultMode": 0o400}}
+        ]
