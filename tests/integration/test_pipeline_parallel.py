@@ -12,24 +12,20 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from bench.local_mesh import HANG_S
+from bench.local_mesh import HANG_S, wait_until
+from tests.integration import test_tensor_parallel as tp_tests
+from tests.integration.test_tensor_parallel import NUM_PAGES, PAGE_SIZE, steps
 from workers.engine.model_runner import ModelRunner
 from workers.engine.pipeline_parallel import StagePipe, stage_group, stage_layers
 from workers.engine.tensor_parallel import COLLECTIVE_TIMEOUT_S, FollowerRanks, FollowerSpec, rank_context
 from workers.model.loader import load_model
 
-from tests.integration.test_tensor_parallel import (  # noqa: F401  (fixtures)
-    NUM_PAGES,
-    PAGE_SIZE,
-    single_rank_logits,
-    steps,
-    tiny_llama,
-)
+tiny_llama = tp_tests.tiny_llama  # the same model and steps, with their single-rank logits
+single_rank_logits = tp_tests.single_rank_logits
 
 
 def stage_zero(folder, tp_size: int, pp_size: int) -> tuple[ModelRunner, FollowerRanks]:
@@ -72,3 +68,74 @@ def test_pipeline_stages_give_the_single_rank_models_logits(tiny_llama, single_r
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
         torch.testing.assert_close(again, got, rtol=0, atol=0)
+
+
+def test_a_pipeline_engine_generates_what_one_rank_does(tiny_llama):
+    """The engine as a worker runs it (`pipeline_parallel_size=2`: it starts the second stage
+    itself), under page pressure (preemption by recompute) and with shared prompt prefixes
+    (prefix-cache hits), n > 1: every greedy token equals the single-rank engine's."""
+    from common.sampling import SamplingParams
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import Engine
+
+    gen = torch.Generator().manual_seed(11)
+    shared = torch.randint(0, 256, (24,), generator=gen).tolist()
+    prompts = [shared + torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 17, 30)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
+    base = dict(model=str(tiny_llama), dtype="float32", num_pages=24, page_size=4, max_num_batched_tokens=32)
+    base.update(max_prefill_chunk=16)
+
+    def run(engine: Engine) -> list[list[list[int]]]:
+        return [r.token_ids for r in engine.generate(prompts, greedy)]
+
+    want = run(Engine(EngineConfig(**base)))
+    engine = Engine(EngineConfig(**base, pipeline_parallel_size=2))
+    try:
+        assert engine.runner.kv_cache.shape[0] == 1  # this stage's layer only
+        got = run(engine)
+        assert engine.scheduler.num_preemptions > 0 and engine.blocks.num_used_pages == 0
+        assert engine.blocks.prefix_hits > 0
+    finally:
+        engine.close()
+        torch.distributed.destroy_process_group()
+    assert got == want
+
+
+DIES = """
+import sys
+from common.sampling import SamplingParams
+from workers.engine.config import EngineConfig
+from workers.engine.engine import Engine
+
+config = EngineConfig(model=sys.argv[1], dtype="float32", num_pages=64, page_size=4, tensor_parallel_size=2,
+                      pipeline_parallel_size=2)
+engine = Engine(config)
+print(*[p.pid for p in engine.followers.procs], flush=True)
+while True:
+    engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+"""
+
+
+def test_a_stage_that_dies_takes_the_worker_and_its_other_ranks_down(tiny_llama):
+    """tp 2 × pp 2, generating without pause: rank 3 (stage 1, tp rank 1) killed mid-step. Rank 0
+    exits with an error, and ranks 1 and 2 (one waits on an all-reduce with the dead rank, one
+    for activations) are gone too: nothing hangs."""
+    worker = subprocess.Popen([sys.executable, "-c", DIES, str(tiny_llama)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in worker.stdout.readline().split()]
+        assert len(pids) == 3, "the engine did not start its three followers"
+        os.kill(pids[2], signal.SIGKILL)
+        assert worker.wait(timeout=HANG_S) == 1
+        assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") and not is_zombie(pid) for pid in pids))
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

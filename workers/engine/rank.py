@@ -54,9 +54,9 @@ def main(argv: list[str]) -> None:
 
     import torch
 
+    from common.model_config import read_model_config
     from workers.engine.backend import select_backend
     from workers.engine.model_runner import ModelRunner
-    from common.model_config import read_model_config
     from workers.engine.pipeline_parallel import StagePipe, join_stage_groups, stage_group, stage_layers
     from workers.engine.tensor_parallel import (
         COLLECTIVE_TIMEOUT_S,
