@@ -12,6 +12,7 @@ On a 2-core CPU this is a correctness feature, not a speed-up: the stages share 
 cores, so overlap can only hide the transfer and the waiting, never add compute.
 
     python bench/pp_step.py [--streams 1,8,32] [--in-flight 1,2,4] [--context 128] [--rounds 8]
+    python bench/pp_step.py --transfer      # one activation hand-over: gloo point-to-point vs a pipe
 
 `measure(...)` is the entry for other drivers (`pagemesh experiment parallel`): rows as dicts.
 """
@@ -124,6 +125,61 @@ def measure(
     return rows
 
 
+def _ping_pong(rank: int, init: str, tokens: tuple[int, ...], reps: int, pipe, out) -> None:
+    """Two processes hand [2, T, 576] fp32 (SmolLM2's activations) back and forth, over gloo
+    point-to-point and over an OS pipe (bytes, what a zmq ipc socket also does); rank 0 puts the
+    median one-way µs of each into `out`."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    results = {}
+    for t in tokens:
+        x = torch.randn(2, t, 576)
+        for channel in ("gloo", "pipe"):
+            times = []
+            for _ in range(reps + 2):
+                start = time.perf_counter()
+                if channel == "gloo" and rank == 0:
+                    dist.send(x, 1)
+                    dist.recv(x, 1)
+                elif channel == "gloo":
+                    dist.recv(x, 0)
+                    dist.send(x, 0)
+                elif rank == 0:
+                    pipe.send_bytes(x.numpy().tobytes())
+                    x = torch.frombuffer(bytearray(pipe.recv_bytes()), dtype=torch.float32).view(2, t, 576)
+                else:
+                    x = torch.frombuffer(bytearray(pipe.recv_bytes()), dtype=torch.float32).view(2, t, 576)
+                    pipe.send_bytes(x.numpy().tobytes())
+                times.append((time.perf_counter() - start) / 2)
+            results[(t, channel)] = statistics.median(times[2:]) * 1e6
+    if rank == 0:
+        out.put(results)
+
+
+def transfer(tokens: tuple[int, ...] = (1, 32, 512, 2048), reps: int = 30) -> list[dict]:
+    """One-way µs of a stage's activations, gloo against a pipe, per token count."""
+    import multiprocessing as mp
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as folder:
+        init = "file://" + os.path.join(folder, "group")
+        procs = [ctx.Process(target=_ping_pong, args=(r, init, tokens, reps, end, out)) for r, end in ((0, a), (1, b))]
+        for proc in procs:
+            proc.start()
+        results = out.get()
+        for proc in procs:
+            proc.join()
+    return [
+        dict(tokens=t, bytes=2 * t * 576 * 4, gloo_us=results[(t, "gloo")], pipe_us=results[(t, "pipe")])
+        for t in tokens
+    ]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", default="1,8,32")
@@ -131,7 +187,16 @@ def main() -> None:
     p.add_argument("--stages", default="1,2")
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--transfer", action="store_true", help="time one activation hand-over instead")
     args = p.parse_args()
+    if args.transfer:
+        print("| tokens | bytes | gloo µs | pipe µs | load |")
+        print("| ---: | ---: | ---: | ---: | ---: |")
+        for r in transfer():
+            print(
+                f"| {r['tokens']} | {r['bytes']} | {r['gloo_us']:.0f} | {r['pipe_us']:.0f} | {os.getloadavg()[0]:.1f} |"
+            )
+        return
 
     def ints(s: str) -> tuple[int, ...]:
         return tuple(int(x) for x in s.split(","))
