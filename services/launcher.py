@@ -80,6 +80,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
             f"--tensor-parallel-size {args.tensor_parallel_size}: prefill/decode workers have one rank only for "
             "now (the KV handoff between tensor-parallel workers is not built); use --mixed N"
         )
+    if args.pipeline_parallel_size > 1 and args.prefill + args.decode > 0:
+        parser.error(
+            f"--pipeline-parallel-size {args.pipeline_parallel_size}: prefill/decode workers have one stage only "
+            "for now (the KV handoff between pipeline stages is not built); use --mixed N"
+        )
     if args.diffusion < 0 or args.diffusion_student < 0:
         parser.error("--diffusion, --diffusion-student: must be >= 0")
     return args

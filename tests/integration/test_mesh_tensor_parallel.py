@@ -3,6 +3,8 @@
 driven by the official openai client. Greedy text equals the single-rank engine's for
 completions and chats, streamed and not, n > 1; then a rank killed mid-stream takes its worker
 down: the stream ends with an OpenAI error, the worker and its other ranks exit, nothing hangs.
+Last, a second mesh, `pagemesh up --mixed 1 -pp 2` (two pipeline stages of 15 layers each), gives
+the same greedy text.
 
 The processes are started one by one (`SeparateProcesses`), with `pagemesh up`'s arguments,
 because `pagemesh up` itself stops the whole mesh when one of them exits.
@@ -130,3 +132,27 @@ def test_a_killed_rank_takes_its_worker_down_and_its_stream_ends_with_an_error(m
     assert ended_at - killed_at < HEARTBEAT_TIMEOUT_S + LATE_S
     assert worker.wait(timeout=HANG_S) == 1  # the worker went down as a whole
     assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() and is_rank(pid) for pid in ranks))
+
+
+@pytest.fixture(scope="module")
+def pp_mesh(tmp_path_factory):
+    procs = SeparateProcesses(str(tmp_path_factory.mktemp("pp-mesh")), "--mixed", "1", "-pp", "2", "--dtype", "float32")
+    try:
+        procs.start()
+        yield procs
+    finally:
+        procs.stop()
+
+
+def test_two_pipeline_stages_give_the_single_rank_engines_greedy_text(pp_mesh, offline):
+    ranks = [pid for pid in children(pp_mesh.children["mixed-0"].pid) if is_rank(pid)]
+    assert len(ranks) == 1  # stage 1; stage 0 is the worker process itself
+    client = openai.OpenAI(base_url=pp_mesh.url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
+    completions, chats = offline
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, n=2)
+    assert [c.text for c in r.choices] == [completions[0], completions[0]]
+    messages = [{"role": "user", "content": CHATS[0]}]
+    s = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
+    assert stream_text(s, chat=True) == chats[0]

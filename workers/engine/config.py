@@ -41,6 +41,7 @@ class EngineConfig:
     seed: int = 0
     cuda_graphs: bool = True  # replay decode-only steps from CUDA graphs (CUDA only)
     tensor_parallel_size: int = 1  # rank processes sharing the model's heads (workers/engine/tensor_parallel.py)
+    pipeline_parallel_size: int = 1  # stages of contiguous layers, tp ranks each (workers/engine/pipeline_parallel.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -57,6 +58,7 @@ class EngineConfig:
             "max_prefill_chunk",
             "max_num_partial_prefills",
             "tensor_parallel_size",
+            "pipeline_parallel_size",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
@@ -101,6 +103,15 @@ def add_engine_arguments(parser) -> None:
         aliases=("-tp",),
         help="rank processes per worker, each with its share of the attention heads and MLP (mixed workers only; "
         "all-reduce in shared memory or gloo on a CPU, NCCL on CUDA)",
+    )
+    add(
+        parser,
+        "--pipeline-parallel-size",
+        1,
+        type=int,
+        aliases=("-pp",),
+        help="pipeline stages per worker, each with a contiguous range of the layers and -tp ranks (mixed "
+        "workers only; activations go stage to stage, the last stage's logits back to rank 0)",
     )
     add(parser, "--dtype", "auto", choices=["auto", *DTYPES], help="weights, activations and KV dtype")
     add(parser, "--device", "auto", choices=["auto", "cpu", "cuda"])
@@ -170,6 +181,7 @@ ENGINE_FLAGS = (
     "max_long_partial_prefills",
     "long_prefill_threshold",
     "tensor_parallel_size",
+    "pipeline_parallel_size",
 )
 
 
@@ -196,6 +208,7 @@ def engine_config_from_args(args) -> EngineConfig:
         max_long_partial_prefills=args.max_long_partial_prefills,
         long_prefill_threshold=args.long_prefill_threshold,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
     )
 
 

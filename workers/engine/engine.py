@@ -43,6 +43,7 @@ from workers.engine.model_input import build_model_input
 from workers.engine.model_runner import ModelRunner
 from workers.engine.output_builder import build_outputs
 from workers.engine.outputs import CompletionResult, PrefillResult, RequestOutput
+from workers.engine.pipeline_parallel import StagePipe, check_pipeline_parallel, stage_group, stage_layers
 from workers.engine.prefilled import PrefillHandoff
 from workers.engine.scheduler import Scheduler, StepSchedulerConfig
 from workers.engine.sequence import EngineRequest, Sequence
@@ -50,6 +51,7 @@ from workers.engine.stats import EngineStats
 from workers.engine.step_trace import StepTrace
 from workers.engine.stopping import StopRules
 from workers.engine.tensor_parallel import (
+    COLLECTIVE_TIMEOUT_S,
     FollowerRanks,
     FollowerSpec,
     check_tensor_parallel,
@@ -83,30 +85,43 @@ class Engine:
     prefill-only request's pages wait in `take_prefilled` until `release_prefilled`.
 
     With `tensor_parallel_size` N > 1 this engine is rank 0: it loads its shard, starts the other
-    N-1 ranks (`FollowerRanks`) and the runner sends them each step; `close()` stops them."""
+    N-1 ranks (`FollowerRanks`) and the runner sends them each step; `close()` stops them.
+    With `pipeline_parallel_size` M > 1 it is also stage 0 of M (the first layers; the logits
+    come back from the last stage): N×M ranks in all."""
 
     def __init__(self, config: EngineConfig = DEFAULT_CONFIG, model: LlamaForCausalLM | None = None, tokenizer=None):
         self.config = config
         self.device = config.resolve_device()
         self.model_path: Path | None = None
-        tp_size = config.tensor_parallel_size
+        tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
         self.shm_path, self.shm_numel = None, 0
+        pipe = None
         if model is None:
             self.model_path = resolve_model_path(config.model)
             model_config = read_model_config(self.model_path)
             check_tensor_parallel(model_config, tp_size)
+            check_pipeline_parallel(model_config, pp_size)
             dtype = config.resolve_dtype(self.device)
-            self.shm_path, self.shm_numel = create_shared_all_reduce(
-                tp_size, model_config, config.max_num_batched_tokens, dtype, self.device
-            )
+            group, layers = None, None
+            if pp_size > 1:  # the stages' all-reduces go over gloo: one shared-memory file serves one group
+                group = stage_group(0, tp_size) if tp_size > 1 else None
+                layers = stage_layers(model_config.num_layers, pp_size, 0)
+                pipe = StagePipe(0, tp_size, pp_size, model_config, dtype, self.device, COLLECTIVE_TIMEOUT_S)
+            else:
+                self.shm_path, self.shm_numel = create_shared_all_reduce(
+                    tp_size, model_config, config.max_num_batched_tokens, dtype, self.device
+                )
             try:
-                tp = rank_context(0, tp_size, self.shm_path, self.shm_numel, dtype)
-                model = load_model(self.model_path, dtype, self.device, tp)
+                tp = rank_context(0, tp_size, self.shm_path, self.shm_numel, dtype, group)
+                model = load_model(self.model_path, dtype, self.device, tp, layers)
             except BaseException:
                 self._unlink_shared_file()
                 raise
-        elif model.tp.world_size != tp_size:
-            raise ValueError(f"engine: the model is sharded {model.tp.world_size} ways, tensor_parallel_size={tp_size}")
+        elif model.tp.world_size != tp_size or pp_size > 1:
+            raise ValueError(
+                f"engine: the model is sharded {model.tp.world_size} ways, tensor_parallel_size={tp_size} "
+                f"(and pipeline stages load from a path: pipeline_parallel_size={pp_size})"
+            )
         self.model_config = model.config
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.max_model_len = min(
@@ -120,9 +135,9 @@ class Engine:
         self.scheduler = Scheduler(
             StepSchedulerConfig.for_engine(config, self.max_model_len, self._page_bytes(model)), self.blocks
         )
-        self.backend = select_backend(self.device, model.embed_tokens.weight.dtype)
+        self.backend = select_backend(self.device, model.dtype)
         try:
-            self.followers = self._start_followers(model, num_pages) if tp_size > 1 else None
+            self.followers = self._start_followers(model, num_pages) if tp_size * pp_size > 1 else None
         finally:
             self._unlink_shared_file()  # every rank has mapped it (or none will)
         self.runner = ModelRunner(
@@ -135,6 +150,7 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             followers=self.followers,
+            pipe=pipe,
         )
         self.requests: dict[str, EngineRequest] = {}
         self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len, self.tokenizer)
@@ -171,7 +187,7 @@ class Engine:
     def _start_followers(self, model: LlamaForCausalLM, num_pages: int) -> FollowerRanks:
         if self.model_path is None:
             raise ValueError("engine: tensor parallel needs a model path (the other ranks load their shards from it)")
-        dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+        dtype = str(model.dtype).removeprefix("torch.")
         spec = FollowerSpec(
             self.model_path,
             dtype,
@@ -182,21 +198,25 @@ class Engine:
             threads=torch.get_num_threads(),  # as many as this rank was given
             shm_path=self.shm_path,
             shm_numel=self.shm_numel,
+            pipeline_size=self.config.pipeline_parallel_size,
         )
-        return FollowerRanks(spec)
+        return FollowerRanks(spec, model.tp.group)
 
     def _unlink_shared_file(self) -> None:
         if self.shm_path is not None and os.path.exists(self.shm_path):
             os.unlink(self.shm_path)
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do for a single-rank engine)."""
+        """Stop the other ranks (nothing to do for a single-rank engine)."""
         if self.followers is not None:
             self.followers.close()
 
     def _page_bytes(self, model: LlamaForCausalLM) -> int:
-        dtype_bytes = model.embed_tokens.weight.element_size()
-        return self.model_config.kv_bytes_per_token(dtype_bytes, model.tp.world_size) * self.config.page_size
+        """Bytes of a page in one rank's pool: its KV heads of its stage's layers (stage 0, this
+        one, has the most layers where the stages are uneven)."""
+        dtype_bytes = model.layers[0].input_layernorm.weight.element_size()
+        per_token = self.model_config.kv_bytes_per_token(dtype_bytes, model.tp.world_size)
+        return per_token * len(model.layers) // self.model_config.num_layers * self.config.page_size
 
     def _pages_from_budget(self, model: LlamaForCausalLM) -> int:
         page_bytes = self._page_bytes(model)

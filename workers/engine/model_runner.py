@@ -14,6 +14,7 @@ from workers.engine.attention import AttentionMetadata
 from workers.engine.backend import Backend, select_backend
 from workers.engine.cuda_graphs import DecodeGraphs
 from workers.engine.model_input import ModelInput
+from workers.engine.pipeline_parallel import InFlightStep, StagePipe
 from workers.engine.tensor_parallel import FollowerRanks
 from workers.model.layers import pack_linear_weights
 from workers.model.llama import ForwardContext, LlamaForCausalLM
@@ -34,6 +35,9 @@ class ModelRunner:
     In a tensor-parallel worker the model holds this rank's shard and the pool this rank's KV
     heads; on rank 0, `followers` gets every step before it runs here, so that all ranks make
     the same page moves and meet in the same all-reduces (no CUDA graphs then).
+    In a pipeline stage (`pipe`) the model and the pool hold the stage's layers only; activations
+    come from the previous stage and go to the next, and rank 0 gets the logits back
+    (workers/engine/pipeline_parallel.py).
     """
 
     def __init__(
@@ -48,16 +52,18 @@ class ModelRunner:
         max_model_len: int | None = None,
         backend: Backend | None = None,
         followers: FollowerRanks | None = None,
+        pipe: StagePipe | None = None,
     ):
         cfg = model.config
         self.model = model
         self.followers = followers
+        self.pipe = pipe
         self.device = device
         self.page_size = page_size
-        self.dtype = model.embed_tokens.weight.dtype
+        self.dtype = model.dtype
         kv_heads = cfg.num_kv_heads // model.tp.world_size
         self.kv_cache = torch.zeros(
-            cfg.num_layers, num_pages, 2, page_size, kv_heads, cfg.head_dim, dtype=self.dtype, device=device
+            len(model.layers), num_pages, 2, page_size, kv_heads, cfg.head_dim, dtype=self.dtype, device=device
         )
         self.host_pages: dict[int, torch.Tensor] = {}  # swapped-out sequences' pages
         self.backend = backend or select_backend(device, self.dtype)
@@ -67,7 +73,7 @@ class ModelRunner:
         if device.type == "cpu":
             keep_freed_memory_for_reuse()
         self.graphs: DecodeGraphs | None = None
-        if cuda_graphs and device.type == "cuda" and model.tp.world_size == 1:
+        if cuda_graphs and device.type == "cuda" and model.tp.world_size == 1 and pipe is None:
             self.graphs = DecodeGraphs(
                 model,
                 self.kv_cache,
@@ -99,6 +105,13 @@ class ModelRunner:
         """Run one step (`build_model_input(plan)`); return fp32 logits for `step.logit_rows`:
         each sampled row in plan order, then the prompt-logprob rows, on the model's device (on
         CUDA a replayed graph's output buffer: read it before the next step)."""
+        return self.launch(step).result()
+
+    def launch(self, step: ModelInput) -> InFlightStep:
+        """Start one step. With pipeline stages, rank 0 returns once its stage is done and the
+        activations are on their way; the logits follow from the last stage (`result()`), so
+        that up to M steps can be in flight, each stage running a different one. Steps finish
+        in launch order. (A stage that is not rank 0 gets no logits: an empty result.)"""
         if self.followers is not None:
             self.followers.send_step(step)
         self.move_pages(step)
@@ -108,7 +121,7 @@ class ModelRunner:
             and not step.prompt_logprob_rows
             and self.graphs.can_run(step.query_lens, step.block_tables, len(logit_rows))
         ):
-            return self.graphs.run(step.token_ids, step.seq_lens, step.block_tables)
+            return InFlightStep(self.graphs.run(step.token_ids, step.seq_lens, step.block_tables))
         md = AttentionMetadata.build(
             step.query_lens,
             step.seq_lens,
@@ -121,4 +134,14 @@ class ModelRunner:
         ids = torch.tensor(step.token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         rows = torch.tensor(logit_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         ctx = ForwardContext(self.kv_cache, md, self.attention, self.ops)
-        return self.model(ids, ctx, rows)
+        pipe = self.pipe
+        if pipe is None:
+            return InFlightStep(self.model(ids, ctx, rows))
+        hidden = None if pipe.first else pipe.receive_hidden(len(step.token_ids))
+        out = self.model(ids, ctx, rows, hidden)
+        if pipe.last:
+            if pipe.sends_logits:
+                pipe.send_logits(out)
+            return InFlightStep(out)
+        pipe.send_hidden(out)
+        return pipe.expect_logits(len(logit_rows)) if pipe.rank == 0 else InFlightStep(out[:0, 0])

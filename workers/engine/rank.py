@@ -1,4 +1,4 @@
-"""A follower rank of a tensor-parallel worker (rank 1 .. N-1), started by rank 0
+"""A follower rank of a tensor- or pipeline-parallel worker (rank 1 .. N×M-1), started by rank 0
 (`workers.engine.tensor_parallel.FollowerRanks`), never by hand.
 
     load this rank's shard → join the group → loop: read a step from stdin → run it
@@ -23,7 +23,8 @@ PARENT_POLL_S = 0.5
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m workers.engine.rank", description=__doc__)
     parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True, help="tensor-parallel ranks of each stage")
+    parser.add_argument("--pipeline-size", type=int, default=1, help="pipeline stages")
     parser.add_argument("--init-method", required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", required=True)
@@ -53,9 +54,17 @@ def main(argv: list[str]) -> None:
 
     import torch
 
+    from common.model_config import read_model_config
     from workers.engine.backend import select_backend
     from workers.engine.model_runner import ModelRunner
-    from workers.engine.tensor_parallel import follower_step, init_group, rank_context, read_step
+    from workers.engine.pipeline_parallel import StagePipe, join_stage_groups, stage_group, stage_layers
+    from workers.engine.tensor_parallel import (
+        COLLECTIVE_TIMEOUT_S,
+        follower_step,
+        init_group,
+        rank_context,
+        read_step,
+    )
     from workers.model.loader import load_model
 
     try:  # the worker's JSON lines; a GPU machine without structlog gets plain stdlib logging
@@ -68,8 +77,15 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(args.threads)
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     dtype = getattr(torch, args.dtype)
-    tp = rank_context(args.rank, args.world_size, args.shm_path, args.shm_numel, dtype)
-    model = load_model(Path(args.model), dtype, device, tp)
+    stage, tp_rank = divmod(args.rank, args.world_size)
+    cfg = read_model_config(Path(args.model))
+    pipe, group, layers = None, None, None
+    if args.pipeline_size > 1:
+        pipe = StagePipe(args.rank, args.world_size, args.pipeline_size, cfg, dtype, device, COLLECTIVE_TIMEOUT_S)
+        group = stage_group(stage, args.world_size) if args.world_size > 1 else None
+        layers = stage_layers(cfg.num_layers, args.pipeline_size, stage)
+    tp = rank_context(tp_rank, args.world_size, args.shm_path, args.shm_numel, dtype, group)
+    model = load_model(Path(args.model), dtype, device, tp, layers)
     runner = ModelRunner(
         model,
         args.num_pages,
@@ -77,15 +93,27 @@ def main(argv: list[str]) -> None:
         device,
         cuda_graphs=False,
         backend=select_backend(device, dtype),
+        pipe=pipe,
     )
-    init_group(args.rank, args.world_size, args.init_method, args.device)
-    log.info("tensor-parallel rank %d of %d ready (pid %d)", args.rank, args.world_size, os.getpid())
+    world = args.world_size * args.pipeline_size
+    init_group(args.rank, world, args.init_method, args.device)
+    join_stage_groups(args.rank, args.world_size, args.pipeline_size, group)
+    computes_logits = pipe is not None and pipe.sends_logits
+    log.info(
+        "rank %d of %d ready: stage %d (layers %s), tp rank %d (pid %d)",
+        args.rank,
+        world,
+        stage,
+        model.layer_range,
+        tp_rank,
+        os.getpid(),
+    )
     stdin = sys.stdin.buffer
     steps = 0
     while (step := read_step(stdin)) is not None:
-        runner.execute(follower_step(step))
+        runner.execute(follower_step(step, computes_logits))
         steps += 1
-    log.info("tensor-parallel rank %d done after %d steps", args.rank, steps)
+    log.info("rank %d done after %d steps", args.rank, steps)
     # Leave without tearing the process group down: gloo's teardown can wait on peers that are
     # leaving too, and this rank holds nothing that needs a clean close.
     sys.stderr.flush()

@@ -12,6 +12,9 @@
     torch.distributed (gloo on a CPU, NCCL on CUDA), with a timeout: a rank gone mid-step makes
     the others raise, never wait forever.
 
+With M pipeline stages (`--pipeline-parallel-size`) the followers are ranks 1 .. N×M-1, each
+stage N ranks of its own layers: workers/engine/pipeline_parallel.py.
+
 Why a pipe, not a broadcast, for the step: a follower waits for the next step as long as the
 worker is idle (minutes, days), which no collective timeout allows; and the pipe's end of file
 tells a follower at once that rank 0 is gone. Liveness both ways: rank 0 watches each follower
@@ -39,7 +42,8 @@ import torch
 
 from common.model_config import ModelConfig
 from workers.engine.model_input import ModelInput, decode_model_input, encode_model_input
-from workers.model.layers import ParallelContext
+from workers.engine.pipeline_parallel import join_stage_groups
+from workers.model.layers import ParallelContext, StageGroup
 from workers.model.shm_allreduce import SharedMemoryAllReduce, create_file, shared_memory_supported
 
 # Steps of up to this many tokens all-reduce through shared memory, longer ones over gloo: at 512
@@ -89,13 +93,20 @@ def init_group(rank: int, world_size: int, init_method: str, device_type: str) -
 
 
 def rank_context(
-    rank: int, world_size: int, shm_path: str | None, shm_numel: int, dtype: torch.dtype
+    rank: int,
+    world_size: int,
+    shm_path: str | None,
+    shm_numel: int,
+    dtype: torch.dtype,
+    group: StageGroup | None = None,
 ) -> ParallelContext:
-    """A rank's ParallelContext: all-reduces through the shared-memory file where there is one."""
+    """A rank's ParallelContext (`rank` of `world_size`: within its pipeline stage): all-reduces
+    through the shared-memory file where there is one, else over the stage's `group` (None: the
+    default group)."""
     shared = None
     if shm_path is not None:
         shared = SharedMemoryAllReduce(shm_path, rank, world_size, shm_numel, dtype, COLLECTIVE_TIMEOUT_S)
-    return ParallelContext(rank, world_size, shared)
+    return ParallelContext(rank, world_size, shared, group)
 
 
 def create_shared_all_reduce(
@@ -145,29 +156,42 @@ class FollowerSpec:
     threads: int | None = None
     shm_path: str | None = None  # the shared-memory all-reduce's file (None: gloo only)
     shm_numel: int = 0
+    pipeline_size: int = 1  # stages (workers/engine/pipeline_parallel.py); world_size ranks each
+
+    @property
+    def total_ranks(self) -> int:
+        return self.world_size * self.pipeline_size
 
 
 class FollowerRanks:
-    """Rank 0's side: starts ranks 1..N-1, joins their process group, sends them every step,
-    and takes the worker down if one of them exits."""
+    """Rank 0's side: starts ranks 1..N×M-1 (N tensor-parallel ranks in each of M pipeline
+    stages), joins their process group (and `stage_group`, rank 0's stage's tensor-parallel
+    group, where there are several stages of several ranks), sends them every step, and takes
+    the worker down if one of them exits."""
 
-    def __init__(self, spec: FollowerSpec):
+    def __init__(self, spec: FollowerSpec, stage_group: StageGroup | None = None):
         self.spec = spec
         self.closing = False
         self.rendezvous = tempfile.mkdtemp(prefix="pagemesh-tp-")
         init_method = "file://" + os.path.join(self.rendezvous, "group")
         self.procs: list[subprocess.Popen] = []
-        for rank in range(1, spec.world_size):
+        for rank in range(1, spec.total_ranks):
             self.procs.append(self._start(rank, init_method))
         for rank, proc in enumerate(self.procs, start=1):
             threading.Thread(target=self._watch, args=(rank, proc), daemon=True, name=f"tp-rank-{rank}").start()
         try:
-            init_group(0, spec.world_size, init_method, spec.device)  # every rank has mapped the file
+            init_group(0, spec.total_ranks, init_method, spec.device)  # every rank has mapped the file
+            join_stage_groups(0, spec.world_size, spec.pipeline_size, stage_group)
         finally:
             # (the rendezvous file stays until close(): ranks still read it after the group is up)
             if spec.shm_path is not None and os.path.exists(spec.shm_path):
                 os.unlink(spec.shm_path)
-        log.info("tensor-parallel group up: %d ranks, followers %s", spec.world_size, [p.pid for p in self.procs])
+        log.info(
+            "worker ranks up: tp %d x pp %d, followers %s",
+            spec.world_size,
+            spec.pipeline_size,
+            [p.pid for p in self.procs],
+        )
 
     def _start(self, rank: int, init_method: str) -> subprocess.Popen:
         s = self.spec
@@ -183,7 +207,8 @@ class FollowerRanks:
             f"--device={s.device}",
             f"--num-pages={s.num_pages}",
             f"--page-size={s.page_size}",
-            f"--threads={s.threads or threads_per_rank(s.world_size)}",
+            f"--threads={s.threads or threads_per_rank(s.total_ranks)}",
+            f"--pipeline-size={s.pipeline_size}",
         ]
         if s.shm_path is not None:
             argv += [f"--shm-path={s.shm_path}", f"--shm-numel={s.shm_numel}"]
@@ -232,7 +257,8 @@ class FollowerRanks:
         shutil.rmtree(self.rendezvous, ignore_errors=True)
 
 
-def follower_step(step: ModelInput) -> ModelInput:
+def follower_step(step: ModelInput, computes_logits: bool = False) -> ModelInput:
     """A follower's copy of the step: the same tokens and page moves, but no logit rows (only
-    rank 0 samples, so the others skip the LM head)."""
-    return dataclasses.replace(step, sample_rows=[], prompt_logprob_rows=[])
+    rank 0 samples, so the others skip the LM head), unless it `computes_logits` for rank 0
+    (the last pipeline stage's tp rank 0: `StagePipe.sends_logits`)."""
+    return step if computes_logits else dataclasses.replace(step, sample_rows=[], prompt_logprob_rows=[])

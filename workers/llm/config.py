@@ -28,3 +28,9 @@ class LLMWorkerConfig:
                 f"tensor-parallel size {self.engine.tensor_parallel_size} with role {self.role.value}: "
                 "a disaggregated (prefill/decode) worker has one rank only for now; use --role mixed"
             )
+        if self.role is not WorkerRole.MIXED and self.engine.pipeline_parallel_size > 1:
+            # KV pages would go stage j -> stage j; that handoff is not built
+            raise ValueError(
+                f"pipeline-parallel size {self.engine.pipeline_parallel_size} with role {self.role.value}: "
+                "a disaggregated (prefill/decode) worker has one stage only for now; use --role mixed"
+            )

@@ -47,9 +47,9 @@ def main(argv: list[str]) -> None:
 
     config = parse(argv)
     configure_logging("worker", config.shell.worker_id)
-    tp_size = config.engine.tensor_parallel_size
-    if config.threads or tp_size > 1:  # tensor-parallel ranks share the worker's cores out
-        torch.set_num_threads(threads_per_rank(tp_size, config.threads))
+    ranks = config.engine.tensor_parallel_size * config.engine.pipeline_parallel_size
+    if config.threads or ranks > 1:  # tensor- and pipeline-parallel ranks share the worker's cores out
+        torch.set_num_threads(threads_per_rank(ranks, config.threads))
     engine = Engine(config.engine)
     try:
         shell = WorkerShell(config.shell, lambda ctx: LLMWorker(config, engine, ctx))

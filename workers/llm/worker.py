@@ -74,7 +74,7 @@ class LLMWorker:
                 num_pages=blocks.num_usable_pages,
                 kv_endpoint=self.config.kv_advertise or "",
             ),
-            ranks=self.engine.config.tensor_parallel_size,
+            ranks=self.engine.config.tensor_parallel_size * self.engine.config.pipeline_parallel_size,
         )
 
     def add(self, task: GenerateTask | PrefillTask | DecodeTask) -> None:

@@ -19,22 +19,34 @@ from torch import nn
 from workers.model.shm_allreduce import SharedMemoryAllReduce
 
 
+@dataclass
+class StageGroup:
+    """The torch.distributed group of one pipeline stage's tensor-parallel ranks (global `ranks`).
+    The model is built before the worker's process group is up, so `group` is filled in later
+    (`workers.engine.tensor_parallel.init_group`)."""
+
+    ranks: tuple[int, ...]
+    group: object = None
+
+
 @dataclass(frozen=True)
 class ParallelContext:
     """Which shard of the weights and KV heads this process holds, and how its all-reduces
     travel: through `shared` memory where it was set up and the tensor fits (CPU ranks of one
-    host: `workers.model.shm_allreduce`), else torch.distributed's default group."""
+    host: `workers.model.shm_allreduce`), else torch.distributed: the default group, or the
+    stage's `group` in a pipeline-parallel worker (whose default group spans every stage)."""
 
     rank: int = 0
     world_size: int = 1
     shared: SharedMemoryAllReduce | None = field(default=None, compare=False)
+    group: StageGroup | None = field(default=None, compare=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
             if self.shared is not None and self.shared.fits(x):
                 self.shared.all_reduce(x)
             else:
-                torch.distributed.all_reduce(x)
+                torch.distributed.all_reduce(x, group=None if self.group is None else self.group.group)
         return x
 
     def shard(self, size: int, name: str) -> tuple[int, int]:

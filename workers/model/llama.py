@@ -107,24 +107,53 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(token ids [T], ctx, logit rows) -> logits [len(logit rows), vocab] in fp32."""
+    """forward(token ids [T], ctx, logit rows) -> logits [len(logit rows), vocab] in fp32.
 
-    def __init__(self, cfg: ModelConfig, tp: ParallelContext = ParallelContext()):
+    A pipeline stage (`layers`: a contiguous range of the model's layers, default all) holds only
+    those decoder layers, the embedding if it is the first stage, the final norm and the LM head
+    if it is the last; `self.layers[i]` is layer `layers.start + i` and reads KV pool layer i.
+    A stage that is not the first takes the previous stage's activations (`hidden`); one that is
+    not the last returns its own, `[2, T, hidden]`: the layers' output and the residual stream."""
+
+    def __init__(self, cfg: ModelConfig, tp: ParallelContext = ParallelContext(), layers: range | None = None):
         super().__init__()
         self.config = cfg
         self.tp = tp
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layer_range = layers if layers is not None else range(cfg.num_layers)
+        self.is_first = self.layer_range.start == 0
+        self.is_last = self.layer_range.stop == cfg.num_layers
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size) if self.is_first else None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, i - self.layer_range.start) for i in self.layer_range)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling_dict)
-        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = None
+        if self.is_last:
+            tied = cfg.tie_word_embeddings and self.embed_tokens is not None
+            self.lm_head = self.embed_tokens if tied else VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' and activations' dtype (every stage has a layer, so a norm to ask)."""
+        return self.layers[0].input_layernorm.weight.dtype
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, logit_rows: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        ctx: ForwardContext,
+        logit_rows: torch.Tensor,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.is_first:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = hidden[0], hidden[1]
         ctx.rope = ctx.ops.rope_tables(self.rotary.cos_sin_cache, ctx.metadata.positions, x.dtype)
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
+        if not self.is_last:
+            # both halves, not their sum: the next stage's first norm adds them as this one would
+            return torch.stack((x, residual))
         x, _ = self.norm(x, residual, ctx.ops)
         return linear(x[logit_rows], self.lm_head.weight, None, self.lm_head.packed, torch.float32)
 
@@ -143,11 +172,17 @@ class LlamaForCausalLM(nn.Module):
 
     def _load_one(self, name: str, t: torch.Tensor) -> None:
         if name == "model.embed_tokens.weight":
-            return self.embed_tokens.weight.data.copy_(t)
+            if self.embed_tokens is not None:
+                self.embed_tokens.weight.data.copy_(t)
+            if self.lm_head is not None and self.lm_head is not self.embed_tokens and self.config.tie_word_embeddings:
+                self.lm_head.weight.data.copy_(t)  # a last stage without the embedding: the tied head
+            return
         if name == "model.norm.weight":
-            return self.norm.weight.data.copy_(t)
+            if self.norm is not None:
+                self.norm.weight.data.copy_(t)
+            return
         if name == "lm_head.weight":
-            if not self.config.tie_word_embeddings:
+            if not self.config.tie_word_embeddings and self.lm_head is not None:
                 self.lm_head.weight.data.copy_(t)
             return
         m = self._LAYER.fullmatch(name)
@@ -155,7 +190,12 @@ class LlamaForCausalLM(nn.Module):
             if name.endswith("rotary_emb.inv_freq"):
                 return
             raise ValueError(f"model: unexpected tensor {name}")
-        layer = self.layers[int(m.group(1))]
+        index = int(m.group(1))
+        if index not in self.layer_range:
+            if index >= self.config.num_layers:
+                raise ValueError(f"model: unexpected tensor {name}")
+            return  # another pipeline stage's layer
+        layer = self.layers[index - self.layer_range.start]
         attn, mlp, rest = layer.self_attn, layer.mlp, m.group(2)
         qkv_part = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
         if rest.startswith("self_attn.") and rest.split(".")[1] in qkv_part:
@@ -182,10 +222,15 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"model: unexpected tensor {name}")
 
     def _expected_names(self) -> set[str]:
-        names = {"model.embed_tokens.weight", "model.norm.weight"}
-        if not self.config.tie_word_embeddings:
-            names.add("lm_head.weight")
-        for i in range(self.config.num_layers):
+        """The checkpoint's tensors this stage needs (all of them without pipeline stages)."""
+        names = set()
+        if self.is_first or (self.is_last and self.config.tie_word_embeddings):
+            names.add("model.embed_tokens.weight")
+        if self.is_last:
+            names.add("model.norm.weight")
+            if not self.config.tie_word_embeddings:
+                names.add("lm_head.weight")
+        for i in self.layer_range:
             p = f"model.layers.{i}."
             names |= {p + f"self_attn.{x}_proj.weight" for x in "qkvo"}
             names |= {p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
@@ -196,7 +241,7 @@ class LlamaForCausalLM(nn.Module):
 
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:
         """Random weights (benchmarks of large shapes with nothing to download)."""
-        gen = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(seed)
+        gen = torch.Generator(device=self.rotary.cos_sin_cache.device).manual_seed(seed)
         for name, p in self.named_parameters():
             if name.endswith("layernorm.weight") or name == "norm.weight":
                 p.data.fill_(1.0)

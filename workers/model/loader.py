@@ -37,11 +37,17 @@ _GGUF_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def load_model(
-    path: Path, dtype: torch.dtype, device: torch.device, tp: ParallelContext = ParallelContext()
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: ParallelContext = ParallelContext(),
+    layers: range | None = None,
 ) -> LlamaForCausalLM:
+    """The model (or, with `layers`, one pipeline stage of it: see LlamaForCausalLM), this
+    rank's tensor-parallel shard, its weights loaded."""
     cfg = read_model_config(path)
     with torch.device(device), _default_dtype(dtype):
-        model = LlamaForCausalLM(cfg, tp)
+        model = LlamaForCausalLM(cfg, tp, layers)
     weights = _hf_folder_weights(path) if path.is_dir() else _gguf_weights(path, cfg)
     model.load_weights(weights)
     return model.eval()
