@@ -118,7 +118,7 @@ class RegisterWorker:
     instance: str = ""  # random per process start: a new one under a known worker id is a restart
     held: list[HeldRequest] | None = None  # registering again: the requests it is working on
     images: ImageModelInfo | None = None  # diffusion workers: sizes, samplers, step limits
-    ranks: int = 1  # the processes it runs on: its tensor-parallel size
+    ranks: int = 1  # its rank processes: tensor-parallel size × pipeline-parallel size
 
     def _check(self) -> None:
         if (self.kind == WorkerKind.LLM) != (self.kv is not None):
