@@ -100,6 +100,31 @@ def measure(ctx, configuration: Configuration, setup: Setup) -> list[dict] | str
     return points
 
 
+def serving_summary(results: dict[str, list[dict] | str], threads: int) -> str:
+    """Each configuration's throughput as a share of one rank's, stream count by stream count."""
+    base = results.get("tp1")
+    if not isinstance(base, list):
+        return ""
+    by_streams = {p["streams"]: p["output_throughput"] for p in base}
+    shares = []
+    for label, points in results.items():
+        if label == "tp1" or isinstance(points, str):
+            continue
+        ratios = ", ".join(
+            f"{p['output_throughput'] / by_streams[p['streams']]:.0%} at {p['streams']}"
+            for p in points
+            if by_streams.get(p["streams"])
+        )
+        shares.append(f"{label} gave {ratios} streams")
+    return (
+        f"Against one rank ({threads} torch thread(s)): {'; '.join(shares) or 'no other configuration ran'} "
+        "(output tokens/s as a share of tp1's). The ranks' extra threads find no idle core here, and "
+        "each step adds the all-reduces above and the step's trip down the followers' pipes; "
+        "the greedy text is the same (tests/integration/test_mesh_tensor_parallel*.py), which is "
+        "what tensor parallel is for on this machine."
+    )
+
+
 def run(ctx):
     setup = QUICK if ctx.quick else FULL
     model_cfg = read_model_config(resolve_model_path(ctx.model_path))
@@ -156,6 +181,7 @@ def run(ctx):
     )
     if refused:
         report.table(("configuration", "not run"), refused, caption="Configurations this model cannot take")
+    report.text(serving_summary(results, ctx.threads))
 
     report.text("## What it buys on GPUs: a roofline model")
     models = {"SmolLM2-135M": model_cfg, "Llama-3-8B": LLAMA_3_8B}
