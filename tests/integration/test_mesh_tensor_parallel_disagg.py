@@ -1,7 +1,8 @@
 """Disaggregation between tensor-parallel workers in the real mesh: `pagemesh up -tp 3` (one
 prefill and one decode worker of three ranks each, SmolLM2-135M's 3 KV heads one per rank), driven
 by the official openai client. Each rank's KV pages go to the decode worker's same rank (relayed by
-the two rank-0 processes, one KVPagesHeader per rank); greedy text equals the single-rank engine's.
+the two rank-0 processes, one KVPagesHeader per rank); greedy text equals the single-rank engine's,
+for a completion with n = 2 and a streamed chat.
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ def status_workers(mesh) -> dict[str, dict]:
 
 def test_greedy_text_through_tensor_parallel_prefill_and_decode_equals_the_single_rank_engine(mesh, client, offline):
     completion, chat = offline
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
-    assert r.choices[0].text == completion
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, n=2)
+    assert [c.text for c in r.choices] == [completion, completion]  # both choices' first tokens travel too
     messages = [{"role": "user", "content": CHAT}]
     s = client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
