@@ -29,7 +29,9 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tp-disagg-mesh")
-    procs = SeparateProcesses(str(run_dir), "--prefill", "1", "--decode", "1", "-tp", "3", "--dtype", "float32")
+    # a small pool: by default each of the six ranks takes --kv-cache-gb (2 GB) for its KV heads
+    flags = ("--prefill", "1", "--decode", "1", "-tp", "3", "--dtype", "float32", "--num-pages", "256")
+    procs = SeparateProcesses(str(run_dir), *flags)
     try:
         procs.start()
         yield procs
