@@ -24,6 +24,7 @@ EXPERIMENTS = {
     "prefix": ("bench.experiments.prefix", "prefix caching on/off; prefix-aware vs round-robin placement"),
     "cow": ("bench.experiments.cow", "pages for n=4 sampling and beam search, with and without copy-on-write"),
     "page-size": ("bench.experiments.page_size", "throughput and KV utilization across page sizes"),
+    "parallel": ("bench.experiments.parallel", "tensor parallel: all-reduce, tp1/tp2/tp3 on this CPU, the GPU model"),
     "diffusion-cache": ("bench.experiments.diffusion_cache", "feature caches vs fewer steps: speed against fidelity"),
     "diffusion-cache-deep": (
         "bench.experiments.diffusion_cache_deep",

@@ -22,6 +22,10 @@ class KVPagesHeader:
     CRC-32 of all tensor frames' bytes in order (see `encode_tensor_frames`). `seq_index` numbers
     the transfers of one request from 0; `last` marks the final one. `first_token_ids` are the
     tokens the prefill worker sampled (one per choice).
+
+    A tensor-parallel prefill worker of `tp_size` ranks sends one header per rank: `tp_rank`'s
+    pages hold that rank's KV heads only (`page_shape` is a rank's), and the decode worker,
+    which must have the same `tp_size`, writes them into its rank `tp_rank`'s pool.
     """
 
     TENSOR_FRAMES: typing.ClassVar[bool] = True
@@ -38,6 +42,8 @@ class KVPagesHeader:
     first_token_ids: list[int]
     last: bool
     page_indices: list[int]
+    tp_rank: int = 0  # the sending rank: these pages hold its share of the KV heads
+    tp_size: int = 1  # the sending worker's tensor-parallel size (one header per rank)
 
     @property
     def num_frames(self) -> int:
@@ -54,6 +60,8 @@ class KVPagesHeader:
             raise ProtocolError("KVPagesHeader.page_shape: 1 to 8 positive dimensions")
         if not 0 <= self.checksum <= 0xFFFFFFFF:
             raise ProtocolError("KVPagesHeader.checksum: must be a 32-bit unsigned integer")
+        if not 0 <= self.tp_rank < self.tp_size <= 4096:
+            raise ProtocolError("KVPagesHeader: need 0 <= tp_rank < tp_size <= 4096")
 
 
 @message

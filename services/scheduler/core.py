@@ -63,7 +63,7 @@ from common.messages import (
 )
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.migration import cannot_migrate, migrations_of, resumed_output
-from services.scheduler.placement import Placer
+from services.scheduler.placement import Placer, pairing_problem, tp_sizes_in_both
 from services.scheduler.prefix_index import PromptPages
 from services.scheduler.registry import Registry, WorkerInfo
 
@@ -174,7 +174,8 @@ class SchedulerCore:
             for queue in self.queues.values():
                 for entry in [e for e in queue.values() if not self._can_serve_entry(e, now)]:
                     del queue[entry.request.request_id]  # no worker came
-                    self._reject(entry.origin, entry.request.request_id, "no workers are available", out)
+                    why = self._pairing_problem(now) if entry.kind == WorkerKind.LLM else None
+                    self._reject(entry.origin, entry.request.request_id, why or "no workers are available", out)
         return out
 
     def _can_serve_entry(self, entry: Queued, now: float) -> bool:
@@ -230,6 +231,8 @@ class SchedulerCore:
             pages=msg.kv.num_pages if msg.kv else 0,
         )
         out.append((identity, Registered(worker_id=msg.worker_id)))
+        if msg.role in (WorkerRole.PREFILL, WorkerRole.DECODE) and (problem := self._pairing_problem(now)):
+            self.log.warning("prefill and decode workers cannot pair", worker=msg.worker_id, problem=problem)
         if replaced is not None:  # a new process under the id: the old one's requests are gone
             self.log.warning("worker restarted", worker=msg.worker_id, requests=len(replaced.requests))
             self._requests_lost(replaced, f"worker {msg.worker_id} restarted", now, out)
@@ -297,7 +300,8 @@ class SchedulerCore:
         """Queue a request on its kind's queue, or refuse it (no worker of its kind, queue full)."""
         request_id = entry.request.request_id
         if not self._can_serve_entry(entry, now) and not self._starting(now):
-            return self._reject(identity, request_id, "no workers are available", out)
+            why = self._pairing_problem(now) if entry.kind == WorkerKind.LLM else None
+            return self._reject(identity, request_id, why or "no workers are available", out)
         queue = self.queues[entry.kind]
         if len(queue) >= self.config.max_queue:
             return self._reject(identity, request_id, "the request queue is full", out)
@@ -441,7 +445,17 @@ class SchedulerCore:
         def alive(role: WorkerRole) -> bool:
             return bool(self.registry.alive(WorkerKind.LLM, role, now))
 
-        return alive(WorkerRole.MIXED) or (alive(WorkerRole.PREFILL) and alive(WorkerRole.DECODE))
+        prefill, decode = (
+            self.registry.alive(WorkerKind.LLM, role, now) for role in (WorkerRole.PREFILL, WorkerRole.DECODE)
+        )
+        return alive(WorkerRole.MIXED) or bool(tp_sizes_in_both(prefill, decode))
+
+    def _pairing_problem(self, now: float) -> str | None:
+        """Why the live prefill and decode workers cannot pair (different tensor-parallel sizes)."""
+        alive = self.registry.alive
+        return pairing_problem(
+            alive(WorkerKind.LLM, WorkerRole.PREFILL, now), alive(WorkerKind.LLM, WorkerRole.DECODE, now)
+        )
 
     def _starting(self, now: float) -> bool:
         """Within a heartbeat timeout of this process's start, workers may not have registered

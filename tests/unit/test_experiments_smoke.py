@@ -47,3 +47,14 @@ def test_diffusion_cache_deep_quick_runs_the_sweeps_on_the_12_block_asset(tmp_pa
     md = (tmp_path / "diffusion-cache-deep.md").read_text()
     assert "digits-dit-deep: 12-layer DiT" in md and "**Key figure:** " + last in md
     assert "## Step-level batching under load" not in md  # the batching experiment covers load
+
+
+@pytest.mark.slow
+def test_parallel_quick_measures_one_rank_refuses_two_and_models_the_gpus(tmp_path, capsys):
+    main(["parallel", "--quick", "--out", str(tmp_path), "--threads", "1"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("parallel: tp1 ") and "Llama-3-8B on H200 KV tokens tp1 0.86M -> tp8 7.53M" in last
+    md = (tmp_path / "parallel.md").read_text()
+    assert "| tp2 | tensor-parallel size 2 does not divide the model's 9 query heads" in md  # SmolLM2's heads
+    assert "| tp1 | 1 |" in md and "| Llama-3-8B | 8 |" in md and "**Key figure:** " + last in md
+    assert (tmp_path / "parallel_tp.png").stat().st_size > 0

@@ -120,12 +120,12 @@ def test_a_rank_that_never_arrives_is_an_error_not_a_hang(tmp_path):
         alone.all_reduce(torch.ones(4))
 
 
-def test_pagemesh_up_passes_the_size_to_mixed_workers_and_refuses_it_for_prefill_and_decode(tmp_path, capsys):
+def test_pagemesh_up_passes_the_size_to_mixed_prefill_and_decode_workers(tmp_path):
     from services import launcher
 
     args = launcher.parse(["--mixed", "1", "-tp", "3"])
     [worker] = [argv for name, argv in launcher.plan(args, str(tmp_path)) if name == "mixed-0"]
     assert worker[worker.index("--tensor-parallel-size") + 1] == "3"
-    with pytest.raises(SystemExit):
-        launcher.parse(["-tp", "3"])  # the default mesh: one prefill and one decode worker
-    assert "prefill/decode workers have one rank only for now" in capsys.readouterr().err
+    args = launcher.parse(["-tp", "3"])  # the default mesh: one prefill and one decode worker, 3 ranks each
+    pair = [argv for name, argv in launcher.plan(args, str(tmp_path)) if name in ("prefill-0", "decode-0")]
+    assert [argv[argv.index("--tensor-parallel-size") + 1] for argv in pair] == ["3", "3"]

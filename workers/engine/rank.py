@@ -2,6 +2,7 @@
 (`workers.engine.tensor_parallel.FollowerRanks`), never by hand.
 
     load this rank's shard → join the group → loop: read a step from stdin → run it
+                                               (or a KV page command: gather / scatter pages)
 It exits when its stdin ends (rank 0 closed it or died) or its parent changes; a collective
 that fails (another rank gone mid-step) raises, and it exits with an error.
 """
@@ -56,6 +57,8 @@ def main(argv: list[str]) -> None:
 
     from common.model_config import read_model_config
     from workers.engine.backend import select_backend
+    from workers.engine.kv_relay import decode_kv_command, follow_kv_command, is_kv_command
+    from workers.engine.model_input import decode_model_input
     from workers.engine.model_runner import ModelRunner
     from workers.engine.pipeline_parallel import StagePipe, join_stage_groups, stage_group, stage_layers
     from workers.engine.tensor_parallel import (
@@ -63,7 +66,7 @@ def main(argv: list[str]) -> None:
         follower_step,
         init_group,
         rank_context,
-        read_step,
+        read_frame,
     )
     from workers.model.loader import load_model
 
@@ -110,8 +113,11 @@ def main(argv: list[str]) -> None:
     )
     stdin = sys.stdin.buffer
     steps = 0
-    while (step := read_step(stdin)) is not None:
-        runner.execute(follower_step(step, computes_logits))
+    while (frame := read_frame(stdin)) is not None:
+        if is_kv_command(frame):  # a KV handoff's pages, in or out (workers/engine/kv_relay.py)
+            follow_kv_command(decode_kv_command(frame), runner.kv_cache)
+            continue
+        runner.execute(follower_step(decode_model_input(frame), computes_logits))
         steps += 1
     log.info("rank %d done after %d steps", args.rank, steps)
     # Leave without tearing the process group down: gloo's teardown can wait on peers that are

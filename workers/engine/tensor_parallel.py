@@ -126,13 +126,18 @@ def create_shared_all_reduce(
 
 
 def write_step(pipe: BinaryIO, step: ModelInput) -> None:
-    data = encode_model_input(step)
+    write_frame(pipe, encode_model_input(step))
+
+
+def write_frame(pipe: BinaryIO, data: bytes) -> None:
+    """One length-prefixed frame down a follower's pipe: a step, or a KV page command
+    (workers/engine/kv_relay.py)."""
     pipe.write(_LENGTH.pack(len(data)) + data)
     pipe.flush()
 
 
-def read_step(pipe: BinaryIO) -> ModelInput | None:
-    """The next step, or None at end of file (rank 0 closed the pipe or is gone)."""
+def read_frame(pipe: BinaryIO) -> bytes | None:
+    """The next frame's bytes, or None at end of file (rank 0 closed the pipe or is gone)."""
     head = pipe.read(_LENGTH.size)
     if len(head) < _LENGTH.size:
         return None
@@ -140,7 +145,13 @@ def read_step(pipe: BinaryIO) -> ModelInput | None:
     data = pipe.read(length)
     if len(data) < length:
         return None
-    return decode_model_input(data)
+    return data
+
+
+def read_step(pipe: BinaryIO) -> ModelInput | None:
+    """The next step, or None at end of file (rank 0 closed the pipe or is gone)."""
+    data = read_frame(pipe)
+    return None if data is None else decode_model_input(data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,9 +245,13 @@ class FollowerRanks:
         os._exit(1)
 
     def send_step(self, step: ModelInput) -> None:
+        self.send_frame(encode_model_input(step))
+
+    def send_frame(self, data: bytes) -> None:
+        """The same frame to every follower (a step, or a KV page command)."""
         for proc in self.procs:
             try:
-                write_step(proc.stdin, step)
+                write_frame(proc.stdin, data)
             except (BrokenPipeError, ValueError):  # that rank is gone: its watcher stops the worker
                 pass
 

@@ -22,12 +22,6 @@ class LLMWorkerConfig:
     def __post_init__(self) -> None:
         if self.role is WorkerRole.DECODE and not self.kv_address:
             raise ValueError("kv_address: a decode worker needs one (--kv-address)")
-        if self.role is not WorkerRole.MIXED and self.engine.tensor_parallel_size > 1:
-            # KV pages would go rank i -> rank i; that handoff is not built yet (issue 17)
-            raise ValueError(
-                f"tensor-parallel size {self.engine.tensor_parallel_size} with role {self.role.value}: "
-                "a disaggregated (prefill/decode) worker has one rank only for now; use --role mixed"
-            )
         if self.role is not WorkerRole.MIXED and self.engine.pipeline_parallel_size > 1:
             # KV pages would go stage j -> stage j; that handoff is not built
             raise ValueError(

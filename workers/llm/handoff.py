@@ -13,7 +13,11 @@
 The scheduler tells both sides how many leading prompt pages the decode worker holds
 (`skip_pages`): the decode side pins them when its task comes (eviction cannot take them), the
 prefill side sends only the rest, and the import builds the block table from the pinned pages
-plus the received ones (or refuses if they are gone). Every method runs in the shell's engine
+plus the received ones (or refuses if they are gone). Tensor-parallel workers send one
+`KVPagesHeader` per rank (rank i's KV heads, for the decode worker's rank i); the decode side
+imports once every rank's part is in, and both sides' rank 0 relays its followers' shards
+(workers/engine/kv_relay.py). Sizes must match: the scheduler never pairs workers of different
+sizes, and a mismatched transfer is refused (KV_REJECTED), never resharded. Every method runs in the shell's engine
 loop, between steps; the socket loops only post commands.
 """
 
@@ -28,7 +32,7 @@ from common import protocol as p
 from common.messages import DecodeTask, DoneReason, HeldRequest, KVPagesAck, KVPagesHeader
 from common.transport import KV, Dealer, Router
 from workers.engine.engine import Engine
-from workers.llm.kv_pages import check_header, pack_pages, write_pages
+from workers.llm.kv_pages import check_header, pack_rank_pages, write_rank_pages
 from workers.shell.backend import WorkerContext
 
 
@@ -36,7 +40,7 @@ from workers.shell.backend import WorkerContext
 class _Outgoing:
     """Prefill side: pages sent, waiting for the decode worker's acknowledgement."""
 
-    frames: list  # kept alive until acknowledged: zero-copy frames point into them
+    frames: list  # kept alive until acknowledged: zero-copy frames point into them (every rank's)
     deadline: float
 
 
@@ -61,15 +65,18 @@ class HandoffOut:
 
     async def send(self, request_id: str) -> None:
         endpoint, skip = self.targets.pop(request_id)
-        header, layers = pack_pages(self.engine.runner.kv_cache, self.engine.take_prefilled(request_id), skip)
-        frames = p.encode_tensor_frames(header, layers)
+        result = self.engine.take_prefilled(request_id)
+        # one message per rank (a tensor-parallel worker's ranks each hold their KV heads)
+        parts = pack_rank_pages(self.engine.runner.kv_cache, result, skip, self.engine.followers)
+        messages = [p.encode_tensor_frames(header, layers) for header, layers in parts]
         dealer = self.dealers.get(endpoint)
         if dealer is None:
             dealer = self.dealers[endpoint] = Dealer(endpoint, self.ctx.worker_id, options=KV)
             asyncio.ensure_future(self._ack_loop(dealer))
-        self.outgoing[request_id] = _Outgoing(frames, time.monotonic() + self.timeout)
-        await dealer.send_frames(frames)
-        self.bytes_sent += sum(t.numel() * t.element_size() for t in layers)
+        self.outgoing[request_id] = _Outgoing(messages, time.monotonic() + self.timeout)
+        for frames in messages:
+            await dealer.send_frames(frames)
+        self.bytes_sent += sum(t.numel() * t.element_size() for _, layers in parts for t in layers)
 
     async def _ack_loop(self, dealer: Dealer) -> None:
         while True:
@@ -107,8 +114,7 @@ class _Incoming:
     """Decode side: the two halves of a handoff, which may arrive in either order."""
 
     task: DecodeTask | None = None
-    header: KVPagesHeader | None = None
-    frames: list | None = None
+    parts: dict[int, tuple[KVPagesHeader, list]] = field(default_factory=dict)  # sender's rank -> header, frames
     sender: bytes | None = None
     deadline: float = 0.0
     pinned: list[int] = field(default_factory=list)  # our cached pages for the task's skip_pages
@@ -160,33 +166,42 @@ class HandoffIn:
         self._maybe_import(task.request_id)
 
     def pages(self, header: KVPagesHeader, frames: list, sender: bytes) -> None:
+        """One rank's pages (a single-rank sender sends one part, an N-rank sender N)."""
         entry = self.incoming.setdefault(header.request_id, _Incoming())
-        entry.header, entry.frames, entry.sender = header, frames, sender
+        entry.parts[header.tp_rank] = (header, frames)
+        entry.sender = sender
         entry.deadline = max(entry.deadline, time.monotonic() + self.timeout)
         self._maybe_import(header.request_id)
 
     def _maybe_import(self, request_id: str) -> None:
         entry = self.incoming.get(request_id)
-        if entry is None or entry.task is None or entry.header is None:
+        if entry is None or entry.task is None or not entry.parts:
+            return
+        header = entry.parts[min(entry.parts)][0]
+        if len(entry.parts) < header.tp_size:  # the sender's other ranks' pages are on their way
             return
         del self.incoming[request_id]
-        task, header, pinned = entry.task, entry.header, entry.pinned  # pinned: ours until the engine takes them
+        task, pinned = entry.task, entry.pinned  # pinned: ours until the engine takes them
         error = None
         try:
-            kv_cache = self.engine.runner.kv_cache
-            skip = check_header(header, kv_cache, len(task.prompt_token_ids))
+            kv_cache, followers = self.engine.runner.kv_cache, self.engine.followers
+            tp_size = self.engine.config.tensor_parallel_size
+            skips = {check_header(h, kv_cache, len(task.prompt_token_ids), tp_size) for h, _ in entry.parts.values()}
+            if len(skips) != 1 or sorted(entry.parts) != list(range(tp_size)):
+                raise ValueError(f"kv: the ranks' parts disagree (ranks {sorted(entry.parts)}, skips {sorted(skips)})")
+            (skip,) = skips
             if skip > len(pinned):
                 raise ValueError(f"kv: {skip} leading pages not sent, but this worker holds {len(pinned)} of them")
             self.engine.blocks.free_table(pinned[skip:])
             del pinned[skip:]
-            layers = p.decode_tensor_frames(header, entry.frames)
+            rank_layers = [p.decode_tensor_frames(*entry.parts[rank]) for rank in range(tp_size)]
             prefix, pinned = pinned, []
             self.engine.import_prefilled(
                 request_id,
                 list(task.prompt_token_ids),
                 task.sampling,
                 list(header.first_token_ids),
-                lambda table: write_pages(kv_cache, table, layers),
+                lambda table: write_rank_pages(kv_cache, table, rank_layers, followers),
                 prefix,
             )
         except Exception as e:  # a bad transfer must not take the worker down

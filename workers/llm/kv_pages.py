@@ -7,6 +7,9 @@ decode side. The wire format is `KVPagesHeader` + one tensor frame per layer (co
 Only the pages the decode worker lacks travel: the scheduler says how many leading prompt pages
 it holds (`skip_pages`), and the header's `page_indices` are the logical pages sent, always the
 tail [skip, total) of the prompt's pages.
+
+A tensor-parallel worker sends one header per rank (`tp_rank`, `tp_size`), each with that
+rank's KV heads; rank 0 gathers and scatters the other ranks' shards (workers/engine/kv_relay.py).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import torch
 
 from common.messages import KVPagesHeader
 from workers.engine.engine import PrefillResult
+from workers.engine.kv_relay import gather_pages, scatter_pages
+from workers.engine.tensor_parallel import FollowerRanks
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -24,30 +29,57 @@ def pack_pages(
 ) -> tuple[KVPagesHeader, list[torch.Tensor]]:
     """One contiguous CPU tensor per layer holding the request's prompt pages from `skip_pages`
     on, and the header. At least the last page is always sent."""
-    total = len(result.block_table)
-    skip = max(0, min(skip_pages, total - 1))
+    skip = _skip(result, skip_pages)
     index = torch.tensor(result.block_table[skip:], dtype=torch.int64, device=kv_cache.device)
     pages = kv_cache.index_select(1, index).cpu()  # [L, n, 2, S, H, D], one copy
-    header = KVPagesHeader(
+    return _header(result, skip, pages), list(pages.unbind(0))
+
+
+def pack_rank_pages(
+    kv_cache: torch.Tensor, result: PrefillResult, skip_pages: int, followers: FollowerRanks | None
+) -> list[tuple[KVPagesHeader, list[torch.Tensor]]]:
+    """`pack_pages` for every rank of the worker, rank 0's first: a tensor-parallel worker's
+    followers hand their shards to rank 0 (`gather_pages`), one header per rank."""
+    if followers is None:
+        return [pack_pages(kv_cache, result, skip_pages)]
+    skip = _skip(result, skip_pages)
+    shards = gather_pages(followers, kv_cache, result.block_table[skip:])
+    return [(_header(result, skip, s, rank, len(shards)), list(s.unbind(0))) for rank, s in enumerate(shards)]
+
+
+def _skip(result: PrefillResult, skip_pages: int) -> int:
+    return max(0, min(skip_pages, len(result.block_table) - 1))
+
+
+def _header(result: PrefillResult, skip: int, pages: torch.Tensor, tp_rank: int = 0, tp_size: int = 1) -> KVPagesHeader:
+    total = len(result.block_table)
+    return KVPagesHeader(
         request_id=result.request_id,
         seq_index=0,
         num_tokens=len(result.prompt_token_ids),
         layer_start=0,
-        layer_end=kv_cache.shape[0],
+        layer_end=pages.shape[0],
         num_pages=total - skip,
-        dtype=DTYPE_NAMES[kv_cache.dtype],
-        page_shape=list(kv_cache.shape[2:]),
+        dtype=DTYPE_NAMES[pages.dtype],
+        page_shape=list(pages.shape[2:]),
         checksum=0,  # filled in by encode_tensor_frames
         first_token_ids=list(result.first_token_ids),
         last=True,
         page_indices=list(range(skip, total)),
+        tp_rank=tp_rank,
+        tp_size=tp_size,
     )
-    return header, list(pages.unbind(0))
 
 
-def check_header(header: KVPagesHeader, kv_cache: torch.Tensor, prompt_len: int) -> int:
-    """Raise ValueError unless the pages fit this worker's pool exactly. Returns how many leading
+def check_header(header: KVPagesHeader, kv_cache: torch.Tensor, prompt_len: int, tp_size: int = 1) -> int:
+    """Raise ValueError unless the pages fit this worker's pool exactly (`kv_cache`: a rank's
+    pool; `tp_size`: this worker's ranks, which must be the sender's). Returns how many leading
     prompt pages the header skips (the receiver must hold them already)."""
+    if header.tp_size != tp_size:
+        raise ValueError(
+            f"kv: pages from a worker of tensor-parallel size {header.tp_size}, this worker's is {tp_size} "
+            "(KV heads are not resharded: pair workers of one size)"
+        )
     layers, _, *page_shape = kv_cache.shape
     page_size = page_shape[1]
     if (header.layer_start, header.layer_end) != (0, layers):
@@ -63,6 +95,19 @@ def check_header(header: KVPagesHeader, kv_cache: torch.Tensor, prompt_len: int)
     if header.page_indices != list(range(skip, total)):
         raise ValueError(f"kv: pages must be the prompt's last {header.num_pages} of {total}, in order")
     return skip
+
+
+def write_rank_pages(
+    kv_cache: torch.Tensor,
+    block_table: list[int],
+    rank_layers: list[list[torch.Tensor]],
+    followers: FollowerRanks | None,
+) -> None:
+    """`write_pages` for every rank: `rank_layers[i]` are rank i's layers (`scatter_pages`
+    hands the followers theirs)."""
+    if followers is None:
+        return write_pages(kv_cache, block_table, rank_layers[0])
+    scatter_pages(followers, kv_cache, block_table, [torch.stack(layers) for layers in rank_layers])
 
 
 def write_pages(kv_cache: torch.Tensor, block_table: list[int], layers: list[torch.Tensor]) -> None:

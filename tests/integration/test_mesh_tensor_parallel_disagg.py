@@ -1,0 +1,81 @@
+"""Disaggregation between tensor-parallel workers in the real mesh: `pagemesh up -tp 3` (one
+prefill and one decode worker of three ranks each, SmolLM2-135M's 3 KV heads one per rank), driven
+by the official openai client. Each rank's KV pages go to the decode worker's same rank (relayed by
+the two rank-0 processes, one KVPagesHeader per rank); greedy text equals the single-rank engine's,
+for a completion with n = 2 and a streamed chat.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import openai
+import pytest
+
+from bench.local_mesh import HANG_S, SeparateProcesses, wait_until
+from common.model_files import DEFAULT_MODEL_NAME
+from common.sampling import SamplingParams
+from tests.integration.test_mesh_tensor_parallel import children, is_rank, stream_text
+
+pytestmark = pytest.mark.slow
+MODEL = DEFAULT_MODEL_NAME
+# longer than a page (16 tokens), so that several pages of every rank travel
+PROMPT = "The three primary colours are red, yellow and blue. Mixing two of them gives the secondary colours:"
+CHAT = "Name a fruit that is yellow."
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("tp-disagg-mesh")
+    # a small pool: by default each of the six ranks takes --kv-cache-gb (2 GB) for its KV heads
+    flags = ("--prefill", "1", "--decode", "1", "-tp", "3", "--dtype", "float32", "--num-pages", "256")
+    procs = SeparateProcesses(str(run_dir), *flags)
+    try:
+        procs.start()
+        yield procs
+    finally:
+        procs.stop()
+
+
+@pytest.fixture(scope="module")
+def client(mesh):
+    return openai.OpenAI(base_url=mesh.url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """What a single-rank engine produces (fp32, greedy): the completion's and the chat's text."""
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import Engine
+
+    engine = Engine(EngineConfig(dtype="float32", num_pages=64))
+    tok = engine.tokenizer
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    prompts = [tok.encode(PROMPT), tok.encode_chat([{"role": "user", "content": CHAT}])]
+    return [r.texts[0] for r in engine.generate(prompts, params)]
+
+
+def status_workers(mesh) -> dict[str, dict]:
+    with urllib.request.urlopen(mesh.url + "/status", timeout=HANG_S) as response:
+        return {w["id"]: w for w in json.load(response)["workers"]}
+
+
+def test_greedy_text_through_tensor_parallel_prefill_and_decode_equals_the_single_rank_engine(mesh, client, offline):
+    completion, chat = offline
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, n=2)
+    assert [c.text for c in r.choices] == [completion, completion]  # both choices' first tokens travel too
+    messages = [{"role": "user", "content": CHAT}]
+    s = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
+    assert stream_text(s, chat=True) == chat
+
+    workers = status_workers(mesh)
+    assert {w: workers[w]["ranks"] for w in ("prefill-0", "decode-0")} == {"prefill-0": 3, "decode-0": 3}
+    for name in ("prefill-0", "decode-0"):  # ranks 1 and 2 of each; rank 0 is the worker process
+        assert len([pid for pid in children(mesh.children[name].pid) if is_rank(pid)]) == 2
+    # the pages took the handoff (the figures come with the workers' next heartbeats)
+    assert wait_until(lambda: status_workers(mesh)["decode-0"]["kv"]["bytes_received"] > 0)
+    assert status_workers(mesh)["prefill-0"]["kv"]["bytes_sent"] > 0

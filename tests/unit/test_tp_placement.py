@@ -1,0 +1,69 @@
+"""A prefill and a decode worker pair only at one tensor-parallel size (KV pages go rank i -> rank
+i and are not resharded): the pure placement logic, and the scheduler core that refuses requests
+with the reason when the live pools have no pair of one size."""
+
+from __future__ import annotations
+
+from common.messages import KVPoolInfo, Registered, RegisterWorker, WorkerKind
+from services.scheduler.placement import Placement, PlacementPolicy, Placer, pairing_problem
+from services.scheduler.prefix_index import PromptPages
+from tests.unit.test_prefix_placement import PROMPT, worker
+from tests.unit.test_scheduler_core import AFTER_GRACE, PAGE, TOK, new_core, refused, schedule
+
+MISMATCH = (
+    "no prefill and decode worker of one tensor-parallel size (prefill: 1, 2; decode: 3): "
+    "KV pages go rank i to rank i and are not resharded"
+)
+
+
+def test_only_workers_of_one_size_pair_even_when_another_is_less_loaded_or_holds_the_prompt():
+    prompt = PromptPages(PROMPT)
+    p1, p3 = worker("p1", ranks=1, held=4), worker("p3", ranks=3, load=5)
+    d1, d3 = worker("d1", "decode", ranks=1, load=7), worker("d3", "decode", ranks=3, held=4)
+    for mode in ("prefix", "load", "round-robin"):
+        placed = Placer(PlacementPolicy(mode)).place([p1, p3], [d3], [], prompt)
+        assert (placed.prefill, placed.worker) == (p3, d3)
+        placed = Placer(PlacementPolicy(mode)).place([p3], [d1, d3], [], prompt)
+        assert (placed.prefill, placed.worker, placed.skip_pages) == (p3, d3, 4)
+    # both sizes pair: the decode worker is picked first (its cache), then a prefill worker of its size
+    placed = Placer().place([p1, p3], [d1, d3], [], prompt)
+    assert (placed.prefill, placed.worker) == (p3, d3)
+    placed = Placer(PlacementPolicy("load")).place([p1, p3], [d1, d3], [], prompt)
+    assert (placed.prefill, placed.worker) == (p3, d3)  # d3 is less loaded than d1
+
+
+def test_a_size_whose_partner_has_no_room_does_not_pair():
+    prompt = PromptPages(PROMPT)
+    busy_p3 = worker("p3", ranks=3, load=8)  # at max_running
+    placed = Placer().place([worker("p1", ranks=1), busy_p3], [worker("d3", "decode", ranks=3)], [], prompt)
+    assert placed is None  # waits for p3 (or a mixed worker), never pairs p1 with d3
+
+
+def test_no_pair_of_one_size_falls_back_to_mixed_or_nothing_and_says_why():
+    prompt = PromptPages(PROMPT)
+    prefill = [worker("p1", ranks=1), worker("p2", ranks=2)]
+    decode = [worker("d3", "decode", ranks=3)]
+    assert Placer().place(prefill, decode, [], prompt) is None
+    mixed = worker("m0", "mixed", ranks=3)
+    assert Placer().place(prefill, decode, [mixed], prompt) == Placement(None, mixed)
+    assert pairing_problem(prefill, decode) == MISMATCH
+    assert pairing_problem(prefill + [worker("p3", ranks=3)], decode) is None
+    assert pairing_problem(prefill, []) is None and pairing_problem([], decode) is None  # nothing to pair yet
+
+
+def register(core, wid: str, role: str, ranks: int, now: float):
+    kv = KVPoolInfo(page_size=PAGE, num_pages=100, kv_endpoint=f"ipc:///{wid}-kv")
+    msg = RegisterWorker(worker_id=wid, kind=WorkerKind.LLM, role=role, model="m", max_running=8, kv=kv, ranks=ranks)
+    return core.handle(wid.encode(), msg, now)
+
+
+def test_the_scheduler_is_not_ready_and_refuses_requests_naming_the_sizes_until_a_pair_of_one_size_registers():
+    core = new_core()
+    for wid, role, ranks in (("p1", "prefill", 1), ("p2", "prefill", 2), ("d3", "decode", 3)):
+        assert register(core, wid, role, ranks, AFTER_GRACE) == [(wid.encode(), Registered(worker_id=wid))]
+    assert not core.status(AFTER_GRACE).ready
+    assert schedule(core, "r1", now=AFTER_GRACE) == [(TOK, refused("r1", MISMATCH))]
+    register(core, "p3", "prefill", 3, AFTER_GRACE)
+    assert core.status(AFTER_GRACE).ready
+    [(to, task)] = [o for o in schedule(core, "r2", now=AFTER_GRACE) if o[0] == "p3"]
+    assert task.decode_kv_endpoint == "ipc:///d3-kv"
