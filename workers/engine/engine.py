@@ -39,6 +39,7 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.forks import Forks, SeqGenerators
 from workers.engine.json_cache import JsonMaskCache
+from workers.engine.kv_quant import calibration_token_ids, kv_storage_dtype
 from workers.engine.model_input import build_model_input
 from workers.engine.model_runner import ModelRunner
 from workers.engine.output_builder import build_outputs
@@ -134,6 +135,8 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             followers=self.followers,
+            kv_dtype=self._kv_dtype(model),
+            kv_calibration_ids=calibration_token_ids(self.tokenizer, self.model_config.vocab_size),
         )
         self.requests: dict[str, EngineRequest] = {}
         self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len, self.tokenizer)
@@ -192,8 +195,11 @@ class Engine:
         if self.followers is not None:
             self.followers.close()
 
+    def _kv_dtype(self, model: LlamaForCausalLM) -> torch.dtype:
+        return kv_storage_dtype(self.config.kv_cache_dtype, model.embed_tokens.weight.dtype)
+
     def _page_bytes(self, model: LlamaForCausalLM) -> int:
-        dtype_bytes = model.embed_tokens.weight.element_size()
+        dtype_bytes = self._kv_dtype(model).itemsize  # an fp8 pool: half of bf16's, twice the pages
         return self.model_config.kv_bytes_per_token(dtype_bytes, model.tp.world_size) * self.config.page_size
 
     def _pages_from_budget(self, model: LlamaForCausalLM) -> int:
