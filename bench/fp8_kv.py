@@ -18,6 +18,7 @@ requests of `prompt-len` random tokens are prefilled, then `steps` decode steps 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -46,8 +47,9 @@ FIRST_CHUNK = 16
 def decode_logits(engine: Engine, sequences: list[list[int]]) -> torch.Tensor:
     """Teacher-force equal-length `sequences` through `engine`'s runner, all at once: a first
     chunk of FIRST_CHUNK tokens each, then one decode step per position. Returns fp32 logits
-    [num_seqs, len - FIRST_CHUNK, vocab], row j predicting token FIRST_CHUNK + j. Uses pool pages
-    from 1 directly: the engine must be idle (no request holds pages)."""
+    [num_seqs, len - FIRST_CHUNK, vocab], row j predicting token FIRST_CHUNK + j. Writes pool pages
+    from 1 directly, past the block manager: use an idle engine whose prefix cache is off or
+    thrown away after."""
     runner, size = engine.runner, engine.config.page_size
     n = len(sequences[0])
     per_seq = -(-n // size)
@@ -85,7 +87,7 @@ def agreement_and_kl(reference: torch.Tensor, other: torch.Tensor) -> tuple[floa
 
 
 def quality(args) -> None:
-    base = Engine(EngineConfig(dtype=args.dtype, num_pages=2048, max_model_len=1024))
+    base = Engine(EngineConfig(dtype=args.dtype, num_pages=2048, max_model_len=1024, enable_prefix_caching=False))
     tok = base.tokenizer
     prompts = [tok.encode(p)[:FIRST_CHUNK] for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=args.positions, ignore_eos=True)
@@ -98,7 +100,7 @@ def quality(args) -> None:
     for kv in KV_DTYPES:
         engine = base
         if kv != "auto":
-            config = EngineConfig(dtype=args.dtype, num_pages=2048, max_model_len=1024, kv_cache_dtype=kv)
+            config = dataclasses.replace(base.config, kv_cache_dtype=kv)
             engine = Engine(config, model=base.runner.model, tokenizer=tok)
         agree, kl = agreement_and_kl(reference, decode_logits(engine, sequences))
         pages = 2**30 // engine.runner.page_bytes

@@ -125,3 +125,67 @@ def test_calibrated_scales_map_each_heads_amax_below_the_fp8_maximum():
     amax = torch.tensor([[[8.0, 0.0]], [[1.0, 2.0]]]).view(1, 2, 2)
     scales = scales_from_amax(amax, torch.float8_e4m3fn)
     assert torch.equal(scales, torch.tensor([[[8.0 / 112, 1.0], [1.0 / 112, 2.0 / 112]]]))
+
+
+def c_kernels():
+    import kernels.cpu as ck
+
+    if not ck.available():
+        pytest.skip(f"C kernels did not build: {ck.load_error()}")
+    return ck
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 32), (9, 3, 64), (8, 2, 128), (6, 3, 24)])
+def test_c_kernel_reads_fp8_pages_exactly_and_within_the_rounding_bound(fmt, heads, kv_heads, head_dim):
+    ck, dtype = c_kernels(), FP8[fmt]
+    batch = make_paged_batch(
+        QUERY_LENS,
+        SEQ_LENS,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        page_size=8,
+        dtype=torch.float32,
+        device="cpu",
+        seed=11,
+        poison=False,
+    )
+    batch.kv_layer *= torch.tensor([4.0, 0.25, 1.0, 9.0][:kv_heads])[:, None]
+    fp8_layer, scales, dequantized = quantize_kv_layer(batch.kv_layer, dtype)
+    got = ck.paged_attention(
+        batch.q, fp8_layer, batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.scale, kv_scales=scales
+    )
+    # fp32 sums in another order and the kernels' polynomial exp, on scores up to 9x those of
+    # test_cpu_kernels (heads scaled): 1e-4, still two orders below fp8's own error here
+    torch.testing.assert_close(got, reference(batch, dequantized), atol=1e-4, rtol=1e-4)
+    error = (got - reference(batch, batch.kv_layer)).abs()
+    assert (error <= error_bound(batch, batch.kv_layer, dequantized, scales, dtype)).all()
+    # bf16 queries and output: the same, rounded once at the end
+    got16 = ck.paged_attention(
+        batch.q.bfloat16(),
+        fp8_layer,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        batch.scale,
+        kv_scales=scales,
+    )
+    want16 = paged_attention_ref(batch.q.bfloat16(), dequantized, *batch.attention_args()[2:])
+    torch.testing.assert_close(got16, want16, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_c_write_kv_stores_the_same_bytes_as_the_torch_path(fmt):
+    ck, dtype = c_kernels(), FP8[fmt]
+    gen = torch.Generator().manual_seed(2)
+    k, v = torch.randn(3, 2, 8, generator=gen).bfloat16(), torch.randn(3, 2, 8, generator=gen).bfloat16()
+    scales = torch.tensor([[0.5, 0.01], [0.02, 0.03]])
+    md = AttentionMetadata.build([1, 2], [3, 6], [[5], [2, 4]], 4, torch.device("cpu"), for_cpu=True)
+    torch_pool, c_pool = torch.zeros(6, 2, 4, 2, 8, dtype=dtype), torch.zeros(6, 2, 4, 2, 8, dtype=dtype)
+    write_kv_fp8_torch(k, v, torch_pool, md, scales)
+    ck.write_kv(k, v, c_pool, md.slot_mapping, kv_scales=scales)
+    assert torch.equal(torch_pool.view(torch.uint8), c_pool.view(torch.uint8))
+    assert torch_pool.view(torch.uint8).count_nonzero() > 0
+    with pytest.raises(ValueError, match="kv_scales"):
+        ck.write_kv(k, v, c_pool, md.slot_mapping)
