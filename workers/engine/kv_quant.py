@@ -97,3 +97,26 @@ class AmaxRecorder:
 
     def attend(self, q, kv_layer, md, scale, k=None, v=None):
         return self.inner.attend(q, kv_layer, md, scale, k, v)
+
+
+def convert_pages(
+    pages: torch.Tensor,
+    from_scales: torch.Tensor | None,
+    to_dtype: torch.dtype,
+    to_scales: torch.Tensor | None,
+) -> torch.Tensor:
+    """Pages [n, 2, S, KVH, D] of one layer, as another pool stores them: dequantized with
+    `from_scales` [2, KVH] if fp8, then quantized with `to_scales` if `to_dtype` is fp8. The
+    same dtype and scales come back as they are (no copy)."""
+    same_scales = (from_scales is None) == (to_scales is None) and (
+        from_scales is None or torch.equal(from_scales.cpu(), to_scales.cpu())
+    )
+    if pages.dtype == to_dtype and same_scales:
+        return pages
+    x = pages.float()
+    if from_scales is not None:
+        x = x * from_scales.cpu()[None, :, None, :, None]
+    if to_scales is None:
+        return x.to(to_dtype)
+    limit = torch.finfo(to_dtype).max
+    return (x / to_scales.cpu()[None, :, None, :, None]).clamp_(-limit, limit).to(to_dtype)

@@ -61,7 +61,8 @@ class HandoffOut:
 
     async def send(self, request_id: str) -> None:
         endpoint, skip = self.targets.pop(request_id)
-        header, layers = pack_pages(self.engine.runner.kv_cache, self.engine.take_prefilled(request_id), skip)
+        runner = self.engine.runner
+        header, layers = pack_pages(runner.kv_cache, self.engine.take_prefilled(request_id), skip, runner.kv_scales)
         frames = p.encode_tensor_frames(header, layers)
         dealer = self.dealers.get(endpoint)
         if dealer is None:
@@ -186,7 +187,7 @@ class HandoffIn:
                 list(task.prompt_token_ids),
                 task.sampling,
                 list(header.first_token_ids),
-                lambda table: write_pages(kv_cache, table, layers),
+                lambda table: write_pages(kv_cache, table, layers, header.kv_scales, self.engine.runner.kv_scales),
                 prefix,
             )
         except Exception as e:  # a bad transfer must not take the worker down
