@@ -132,7 +132,8 @@ def speed(args) -> None:
             while engine.has_unfinished():
                 engine.step()
             cells.append(f"{streams / statistics.median(times):.0f}")
-        print(f"| {kv} | " + " | ".join(cells) + " |", flush=True)
+        kernels = getattr(engine.runner.attention, "kernels", type(engine.runner.attention).__name__)
+        print(f"| {kv} ({kernels}) | " + " | ".join(cells) + " |", flush=True)
 
 
 def main() -> None:

@@ -8,10 +8,11 @@ byte per value. Each (layer, K|V, kv_head) has one fixed fp32 scale:
 
 Why fixed per head per layer and not per page: fp8 is a float format, so a scale only places a
 head's range inside fp8's exponent range (precision is relative, 3 or 2 mantissa bits, wherever
-the values sit); one per head follows the real spread between heads (measured on SmolLM2: the K
-amax of heads in one layer differ by up to ~8x), and a fixed scale lets a token be written into a
-half-filled page without requantizing the page, lets pages be shared (prefix cache, copy-on-write)
-and moved (swap, KV transfer) as bytes, and costs the kernels one load per head.
+the values sit); one per head follows the spread between heads (in SmolLM2's first layer K's
+range is ~15x V's, and its heads' differ by up to 1.8x), and a fixed scale lets a token be
+written into a half-filled page without requantizing the page, lets pages be shared (prefix
+cache, copy-on-write) and moved (swap, KV transfer) as bytes, and costs the kernels one load per
+head. Per-page scales would need a page requantized whenever a later token exceeds its range.
 
 The scales come from one calibration forward pass at start-up (`calibrate_kv_scales`) over a fixed
 text (the tokenizer's) or fixed random token ids (a model without one): the amax of each head
