@@ -132,7 +132,10 @@ def speed(args) -> None:
             while engine.has_unfinished():
                 engine.step()
             cells.append(f"{streams / statistics.median(times):.0f}")
-        kernels = getattr(engine.runner.attention, "kernels", type(engine.runner.attention).__name__)
+        attention = engine.runner.attention
+        kernels = (
+            attention.kernels if isinstance(getattr(attention, "kernels", None), str) else type(attention).__name__
+        )
         print(f"| {kv} ({kernels}) | " + " | ".join(cells) + " |", flush=True)
 
 

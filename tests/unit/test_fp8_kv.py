@@ -189,3 +189,13 @@ def test_c_write_kv_stores_the_same_bytes_as_the_torch_path(fmt):
     assert torch_pool.view(torch.uint8).count_nonzero() > 0
     with pytest.raises(ValueError, match="kv_scales"):
         ck.write_kv(k, v, c_pool, md.slot_mapping)
+
+
+def test_config_takes_vllms_names_and_refuses_fp8_with_tensor_parallel():
+    from workers.engine.config import EngineConfig
+
+    assert EngineConfig(kv_cache_dtype="fp8_e5m2").kv_cache_dtype == "fp8_e5m2"
+    with pytest.raises(ValueError, match="kv_cache_dtype: must be one of"):
+        EngineConfig(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        EngineConfig(kv_cache_dtype="fp8_e4m3", tensor_parallel_size=2)
