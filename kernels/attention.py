@@ -103,6 +103,7 @@ def _attend_tiles(
     MASKED: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    FP8: tl.constexpr = False,  # fp8 pages: widened to q's dtype here, their scales applied by the caller
 ):
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -120,6 +121,8 @@ def _attend_tiles(
             k = tl.load(k_ptrs, mask=key_ok[None, :], other=0.0)
         else:
             k = tl.load(k_ptrs)
+        if FP8:
+            k = k.to(q.dtype)
         s = _dot(q, k, tl.zeros([BLOCK_M, TILE_N], tl.float32), UPCAST_DOT, IEEE_DOT)
         s = s * qk_scale  # [M, TILE_N], log2 units
         if MASKED:
@@ -137,6 +140,8 @@ def _attend_tiles(
             v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
         else:
             v = tl.load(v_ptrs)
+        if FP8:
+            v = v.to(q.dtype)
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], UPCAST_DOT, IEEE_DOT)
         m_i = m_new
     return acc, m_i, l_i
@@ -167,6 +172,7 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_pages] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
+    kv_scales_ptr,  # [2, KVH] fp32 (FP8 only): K's, then V's scale of each kv head
     num_seqs,
     num_splits,
     qk_scale,
@@ -190,6 +196,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    FP8: tl.constexpr,  # the pool is fp8: a page value is fp8 * its head's scale (kv_quant.py)
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * QPK_PAD
     pid = tl.program_id(0)
@@ -236,6 +243,10 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     bt_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     kv_head_off = kv_head.to(tl.int64) * stride_kv_head
+    v_scale = 1.0
+    if FP8:  # K's scale goes into the scores' scale, V's onto the output (both linear)
+        qk_scale = qk_scale * tl.load(kv_scales_ptr + kv_head)
+        v_scale = tl.load(kv_scales_ptr + tl.num_programs(1) + kv_head)
     acc, m_i, l_i = _attend_tiles(
         acc,
         m_i,
@@ -259,6 +270,7 @@ def _paged_attention_kernel(
         False,
         UPCAST_DOT,
         IEEE_DOT,
+        FP8,
     )
     acc, m_i, l_i = _attend_tiles(
         acc,
@@ -283,6 +295,7 @@ def _paged_attention_kernel(
         True,
         UPCAST_DOT,
         IEEE_DOT,
+        FP8,
     )
 
     out_off = (q_start + tok).to(tl.int64) * stride_o_tok + head.to(tl.int64) * stride_o_head
@@ -292,9 +305,9 @@ def _paged_attention_kernel(
         lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
         part_off = out_off + split * stride_o_split
         tl.store(lse_ptr + part_off // HEAD_DIM, lse, mask=row_ok)
-        tl.store(out_ptr + part_off[:, None] + offs_d[None, :], acc / l_safe[:, None], mask=row_ok[:, None])
+        tl.store(out_ptr + part_off[:, None] + offs_d[None, :], acc * (v_scale / l_safe)[:, None], mask=row_ok[:, None])
     else:
-        out = acc / l_i[:, None]
+        out = acc * (v_scale / l_i)[:, None]
         tl.store(out_ptr + out_off[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -336,8 +349,12 @@ def paged_attention(
     *,
     num_splits: int | None = None,
     config: AttentionConfig | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a mixed prefill/decode batch; returns a new [T, H, D] tensor.
+
+    An fp8 `kv_layer` (float8_e4m3fn / float8_e5m2) needs `kv_scales` [2, KVH] fp32 on its
+    device: page values are fp8 * the head's scale (workers/engine/kv_quant.py).
 
     `max_query_len` / `max_seq_len` must be upper bounds of the true values (they pick the tile
     shape and the split count without a device sync). `num_splits`: None = heuristic, 1 = no
@@ -348,7 +365,10 @@ def paged_attention(
     _, two, page_size, num_kv_heads, kv_head_dim = kv_layer.shape
     if two != 2 or kv_head_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"q {tuple(q.shape)} does not match kv_layer {tuple(kv_layer.shape)}")
-    if q.dtype != kv_layer.dtype:
+    fp8 = kv_layer.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if fp8 and (kv_scales is None or kv_scales.dtype != torch.float32 or kv_scales.shape != (2, num_kv_heads)):
+        raise ValueError(f"an fp8 kv_layer needs kv_scales fp32 [2, {num_kv_heads}]")
+    if not fp8 and q.dtype != kv_layer.dtype:
         raise ValueError(f"q is {q.dtype} but kv_layer is {kv_layer.dtype}")
     if head_dim & (head_dim - 1) or page_size & (page_size - 1) or head_dim < 16:
         raise ValueError(f"head_dim {head_dim} and page_size {page_size} must be powers of two")
@@ -391,6 +411,7 @@ def paged_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        kv_scales.contiguous() if fp8 else seq_lens,  # any pointer when unused
         num_seqs,
         num_splits,
         scale * math.log2(math.e),
@@ -412,6 +433,7 @@ def paged_attention(
         SPLIT=split,
         UPCAST_DOT=upcast_bf16_dot(q.dtype),
         IEEE_DOT=q.dtype == torch.float32,
+        FP8=fp8,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -114,3 +114,18 @@ def make_paged_batch(
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
     )
+
+
+def quantize_kv_layer(
+    kv_layer: torch.Tensor, dtype: torch.dtype, headroom: float = 4.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An fp8 copy of a float pool layer [P, 2, S, KVH, D] with one scale per (K|V, kv_head) from
+    the layer's own amax (NaN slots ignored, kept NaN): returns (fp8 layer, scales [2, KVH] fp32,
+    the fp8 layer dequantized to fp32: what an exact fp8 kernel sees)."""
+    finite = torch.nan_to_num(kv_layer.float(), nan=0.0)
+    amax = finite.abs().amax(dim=(0, 2, 4))  # [2, KVH]
+    scales = torch.where(amax > 0, amax / (torch.finfo(dtype).max / headroom), torch.ones_like(amax))
+    shaped = scales[None, :, None, :, None]
+    limit = torch.finfo(dtype).max
+    quantized = (kv_layer.float() / shaped).clamp(-limit, limit).to(dtype)
+    return quantized, scales, quantized.float() * shaped

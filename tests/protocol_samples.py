@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from common import protocol as p
 from common.protocol import (
     AbortRequest,
@@ -347,6 +349,9 @@ SAMPLES = [
         ],
     ),
     HEADER,
+    dataclasses.replace(
+        HEADER, dtype="float8_e4m3fn", kv_scales=[0.5, 0.25, 0.125, 1.0] * 2
+    ),  # 2 layers x K/V x 2 heads
     KVPagesAck(request_id="r1", ok=True, error=None),
     KVPagesAck(request_id="r1", ok=False, error="out of pages"),
     Ready(service="worker", name="p0"),

@@ -5,6 +5,8 @@ A DEALER per destination at the prefill worker, a ROUTER at the decode worker's 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import typing
 
 from common.messages.base import MAX_ID, ProtocolError, message
@@ -21,7 +23,9 @@ class KVPagesHeader:
     `page_indices[j]` (pages the decode worker already holds are skipped). `checksum` is the
     CRC-32 of all tensor frames' bytes in order (see `encode_tensor_frames`). `seq_index` numbers
     the transfers of one request from 0; `last` marks the final one. `first_token_ids` are the
-    tokens the prefill worker sampled (one per choice).
+    tokens the prefill worker sampled (one per choice). An fp8 `dtype` comes with the sender's
+    `kv_scales`: (layer, K|V, kv_head) flattened in that order over the frames' layers (a page's
+    value is fp8 * its scale, workers/engine/kv_quant.py); other dtypes send none.
 
     A tensor-parallel prefill worker of `tp_size` ranks sends one header per rank: `tp_rank`'s
     pages hold that rank's KV heads only (`page_shape` is a rank's), and the decode worker,
@@ -44,6 +48,7 @@ class KVPagesHeader:
     page_indices: list[int]
     tp_rank: int = 0  # the sending rank: these pages hold its share of the KV heads
     tp_size: int = 1  # the sending worker's tensor-parallel size (one header per rank)
+    kv_scales: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def num_frames(self) -> int:
@@ -58,6 +63,9 @@ class KVPagesHeader:
             raise ProtocolError(f"KVPagesHeader.dtype: must be one of {KV_DTYPES}")
         if not 1 <= len(self.page_shape) <= 8 or 0 in self.page_shape:
             raise ProtocolError("KVPagesHeader.page_shape: 1 to 8 positive dimensions")
+        want = self.num_frames * 2 * self.page_shape[-2] if self.dtype.startswith("float8") else 0
+        if len(self.kv_scales) != want or not all(math.isfinite(x) and x > 0 for x in self.kv_scales):
+            raise ProtocolError(f"KVPagesHeader.kv_scales: {want} finite positive scales for {self.dtype}")
         if not 0 <= self.checksum <= 0xFFFFFFFF:
             raise ProtocolError("KVPagesHeader.checksum: must be a 32-bit unsigned integer")
         if not 0 <= self.tp_rank < self.tp_size <= 4096:

@@ -39,7 +39,9 @@ _SIGNATURES = {
     "pm_amx_pack": [_P, _P, _I64, _I64],
     "pm_amx_linear": [_P, _P, _P, _P, _I32, _I64, _I64, _I64],
     "pm_argmax_rows": [_P, _I64, _I64, _I64, _P],
+    "pm_paged_attention_fp8": [_P, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F, _P, _I32, _I32],
 }
+FP8_DTYPES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}  # an fp8 KV pool's formats (FP8_E4M3, FP8_E5M2)
 _amx: bool | None = None
 
 
@@ -152,8 +154,18 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_c
     return q, k
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k, v [T, KVH, D] into kv_layer [pages, 2, page_size, KVH, D] at slot_mapping (int64 [T])."""
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
+) -> None:
+    """k, v [T, KVH, D] into kv_layer [pages, 2, page_size, KVH, D] at slot_mapping (int64 [T]).
+    An fp8 layer takes its `kv_scales` [2, KVH] fp32: k / scale, saturated, rounded to nearest
+    (torch's conversion, the same bytes as workers/engine/kv_quant.quantize), copied as bytes."""
+    if kv_layer.dtype in FP8_DTYPES:
+        return _write_kv_fp8(k, v, kv_layer, slot_mapping, kv_scales)
     dt = _code(k)
     if v.dtype != k.dtype or kv_layer.dtype != k.dtype or v.shape != k.shape or kv_layer.shape[-2:] != k.shape[1:]:
         raise ValueError("write_kv: k, v and the KV layer must agree in dtype and [kv_heads, head_dim]")
@@ -180,15 +192,22 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T, H, D] (sequence s's rows query_start_loc[s]:[s+1], the last of
     them its newest token) over the pages of block_tables [S, max_pages] (int32); seq_lens
-    (int32 [S]) counts each sequence's tokens including this step's. Returns [T, H, D]."""
+    (int32 [S]) counts each sequence's tokens including this step's. Returns [T, H, D].
+    An fp8 layer (FP8_DTYPES) is read with its `kv_scales` [2, KVH] fp32 (K's, V's)."""
     dt = _code(q)
     tokens, heads, dim = q.shape
     num_kv_heads = kv_layer.shape[-2]
-    if kv_layer.dtype != q.dtype or kv_layer.shape[-1] != dim or heads % num_kv_heads or not kv_layer.is_contiguous():
-        raise ValueError("paged_attention: q and a contiguous KV layer must agree in dtype and head_dim")
+    fp8 = kv_layer.dtype in FP8_DTYPES
+    if fp8 and (kv_scales is None or kv_scales.dtype != torch.float32 or kv_scales.shape != (2, num_kv_heads)):
+        raise ValueError(f"paged_attention: an fp8 KV layer needs kv_scales fp32 [2, {num_kv_heads}]")
+    if not fp8 and kv_layer.dtype != q.dtype:
+        raise ValueError("paged_attention: q and the KV layer must agree in dtype")
+    if kv_layer.shape[-1] != dim or heads % num_kv_heads or not kv_layer.is_contiguous():
+        raise ValueError("paged_attention: q and a contiguous KV layer must agree in head_dim")
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
         if t.dtype != torch.int32 or not t.is_contiguous():
             raise ValueError(f"paged_attention: {name} must be contiguous int32")
@@ -198,6 +217,28 @@ def paged_attention(
     if int(query_start_loc[-1]) != tokens:
         raise ValueError("paged_attention: query_start_loc[-1] must equal the number of query rows")
     out = q.new_empty(tokens, heads, dim)
+    if fp8:
+        kv_scales = kv_scales.contiguous()
+        _lib.pm_paged_attention_fp8(
+            q.data_ptr(),
+            _rows(q, "q"),
+            out.data_ptr(),
+            kv_layer.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            seq_lens.data_ptr(),
+            query_start_loc.data_ptr(),
+            num_seqs,
+            heads,
+            num_kv_heads,
+            dim,
+            kv_layer.shape[2],
+            scale,
+            kv_scales.data_ptr(),
+            FP8_DTYPES[kv_layer.dtype],
+            dt,
+        )
+        return out
     _lib.pm_paged_attention(
         q.data_ptr(),
         _rows(q, "q"),
@@ -216,6 +257,20 @@ def paged_attention(
         dt,
     )
     return out
+
+
+def _write_kv_fp8(k, v, kv_layer, slot_mapping, kv_scales) -> None:
+    num_kv_heads = kv_layer.shape[-2]
+    if kv_scales is None or kv_scales.dtype != torch.float32 or kv_scales.shape != (2, num_kv_heads):
+        raise ValueError(f"write_kv: an fp8 KV layer needs kv_scales fp32 [2, {num_kv_heads}]")
+    if v.shape != k.shape or kv_layer.shape[-2:] != k.shape[1:] or not kv_layer.is_contiguous():
+        raise ValueError("write_kv: k, v and a contiguous KV layer must agree in [kv_heads, head_dim]")
+    page_size, limit = kv_layer.shape[2], torch.finfo(kv_layer.dtype).max
+    rows = slot_mapping // page_size * (2 * page_size) + slot_mapping % page_size  # K rows of [pages*2*S, KVH, D]
+    flat = kv_layer.view(torch.uint8).view(-1, *k.shape[1:])
+    for half, x in ((0, k), (1, v)):
+        fp8 = (x.float() / kv_scales[half][:, None]).clamp_(-limit, limit).to(kv_layer.dtype)
+        flat.index_copy_(0, rows + half * page_size, fp8.view(torch.uint8))
 
 
 def amx_available() -> bool:

@@ -105,6 +105,16 @@ def record_launches() -> list:
 
     k = torch.randn(6, 8, 128, dtype=torch.bfloat16)
     kv_write.write_kv(k, k, decode.kv_layer[:, :, :, :8], torch.arange(6))
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):  # --kv-cache-dtype fp8_*: bf16 q over an fp8 pool
+        args = list(decode.attention_args())
+        args[1] = decode.kv_layer.to(fp8)
+        scales = torch.ones(2, 8)
+        attention.paged_attention(*args, num_splits=1, kv_scales=scales)
+        attention.paged_attention(*args, num_splits=8, kv_scales=scales)
+        args = list(mixed.attention_args())
+        args[1] = mixed.kv_layer.to(fp8)
+        attention.paged_attention(*args, kv_scales=scales)
+        kv_write.write_kv(k, k, args[1][:, :, :, :8].contiguous(), torch.arange(6), kv_scales=scales)
     x = torch.randn(2, 4096, dtype=torch.bfloat16)
     norm.rms_norm(x, x[0], 1e-5)
     norm.fused_add_rms_norm(x, x.clone(), x[0], 1e-5)

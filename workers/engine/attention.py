@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from workers.engine.kv_quant import dequantize, quantize
+
 
 @dataclass
 class PrefillSlice:
@@ -130,6 +132,16 @@ def write_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, md:
     flat.index_copy_(0, md.write_index + md.page_size, v)
 
 
+def write_kv_fp8_torch(
+    k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, md: AttentionMetadata, kv_scales: torch.Tensor
+) -> None:
+    """write_kv_torch into an fp8 pool: quantize with the layer's `kv_scales` [2, KVH]. The rows
+    are copied as bytes (torch has no fp8 index_copy_ on a CPU)."""
+    flat = kv_layer.view(torch.uint8).view(-1, *kv_layer.shape[-2:])
+    flat.index_copy_(0, md.write_index, quantize(k, kv_scales[0], kv_layer.dtype).view(torch.uint8))
+    flat.index_copy_(0, md.write_index + md.page_size, quantize(v, kv_scales[1], kv_layer.dtype).view(torch.uint8))
+
+
 def paged_attention_torch(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -137,9 +149,11 @@ def paged_attention_torch(
     scale: float,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; kv_layer: [P, 2, S, KVH, D] with this step's K/V already written (k, v
-    [T, KVH, D]: the same rows, optional, see prefill_attention_torch)."""
+    [T, KVH, D]: the same rows, optional, see prefill_attention_torch). An fp8 pool comes with
+    its layer's `kv_scales` [2, KVH]: gathered rows are dequantized (workers/engine/kv_quant.py)."""
     num_kv_heads, head_dim = kv_layer.shape[-2:]
     out = torch.empty_like(q)
     group = q.shape[1] // num_kv_heads
@@ -152,11 +166,14 @@ def paged_attention_torch(
         # buffers (one memcpy per page, no second copy to merge the page and slot dimensions)
         halves = kv_layer.view(kv_layer.shape[0], 2, -1)
         index = md.decode_pages.reshape(-1)
-        kd = halves[:, 0].index_select(0, index).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
-        vd = halves[:, 1].index_select(0, index).view(nd, -1, num_kv_heads, head_dim).transpose(1, 2)
+        kd = halves[:, 0].index_select(0, index).view(nd, -1, num_kv_heads, head_dim)
+        vd = halves[:, 1].index_select(0, index).view(nd, -1, num_kv_heads, head_dim)
+        if kv_scales is not None:
+            kd, vd = dequantize(kd, kv_scales[0], q.dtype), dequantize(vd, kv_scales[1], q.dtype)
+        kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md.decode_mask, scale=scale)
         out[:nd] = o.reshape(nd, -1, head_dim)
-    prefill_attention_torch(q, kv_layer, md, scale, out, k, v)
+    prefill_attention_torch(q, kv_layer, md, scale, out, k, v, kv_scales)
     return out
 
 
@@ -168,6 +185,7 @@ def prefill_attention_torch(
     out: torch.Tensor,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """The prefill chunks of the batch (after its decodes), into `out`.
 
@@ -202,8 +220,10 @@ def prefill_attention_torch(
             i = j
             continue
         qp = q[p.query_start : p.query_start + p.query_len].transpose(0, 1).unsqueeze(0)
-        kp = flat[p.key_index].transpose(0, 1).unsqueeze(0)
-        vp = flat[p.key_index + md.page_size].transpose(0, 1).unsqueeze(0)
+        kp, vp = flat[p.key_index], flat[p.key_index + md.page_size]
+        if kv_scales is not None:
+            kp, vp = dequantize(kp, kv_scales[0], q.dtype), dequantize(vp, kv_scales[1], q.dtype)
+        kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(
             qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=group > 1
         )

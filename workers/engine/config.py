@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # vLLM's names; kv_quant.py maps them
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay decode-only steps from CUDA graphs (CUDA only)
     tensor_parallel_size: int = 1  # rank processes sharing the model's heads (workers/engine/tensor_parallel.py)
     pipeline_parallel_size: int = 1  # stages of contiguous layers, tp ranks each (workers/engine/pipeline_parallel.py)
+    kv_cache_dtype: str = "auto"  # auto (the model's) | fp8_e4m3 | fp8_e5m2 (workers/engine/kv_quant.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -62,6 +64,11 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be one of {list(KV_CACHE_DTYPES)}")
+        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            # the scales are calibrated by one forward pass on rank 0 alone
+            raise ValueError("kv_cache_dtype: an fp8 KV cache needs tensor_parallel_size and pipeline_parallel_size 1")
 
     def resolve_device(self) -> torch.device:
         import torch
@@ -116,6 +123,13 @@ def add_engine_arguments(parser) -> None:
     add(parser, "--dtype", "auto", choices=["auto", *DTYPES], help="weights, activations and KV dtype")
     add(parser, "--device", "auto", choices=["auto", "cpu", "cuda"])
     add(parser, "--page-size", 16, type=int, help="tokens per KV page")
+    add(
+        parser,
+        "--kv-cache-dtype",
+        "auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="KV pool storage: auto = the model dtype; fp8 halves a page's bytes (per-head scales)",
+    )
     add(parser, "--num-pages", None, type=int, help="KV pool size in pages (overrides --kv-cache-gb)")
     add(
         parser,
@@ -182,6 +196,7 @@ ENGINE_FLAGS = (
     "long_prefill_threshold",
     "tensor_parallel_size",
     "pipeline_parallel_size",
+    "kv_cache_dtype",
 )
 
 
@@ -209,6 +224,7 @@ def engine_config_from_args(args) -> EngineConfig:
         long_prefill_threshold=args.long_prefill_threshold,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

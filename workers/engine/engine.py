@@ -39,6 +39,7 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.forks import Forks, SeqGenerators
 from workers.engine.json_cache import JsonMaskCache
+from workers.engine.kv_quant import calibration_token_ids, kv_storage_dtype
 from workers.engine.model_input import build_model_input
 from workers.engine.model_runner import ModelRunner
 from workers.engine.output_builder import build_outputs
@@ -151,6 +152,8 @@ class Engine:
             max_model_len=self.max_model_len,
             followers=self.followers,
             pipe=pipe,
+            kv_dtype=self._kv_dtype(model),
+            kv_calibration_ids=calibration_token_ids(self.tokenizer, self.model_config.vocab_size),
         )
         self.requests: dict[str, EngineRequest] = {}
         self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len, self.tokenizer)
@@ -211,10 +214,14 @@ class Engine:
         if self.followers is not None:
             self.followers.close()
 
+    def _kv_dtype(self, model: LlamaForCausalLM) -> torch.dtype:
+        return kv_storage_dtype(self.config.kv_cache_dtype, model.embed_tokens.weight.dtype)
+
     def _page_bytes(self, model: LlamaForCausalLM) -> int:
         """Bytes of a page in one rank's pool: its KV heads of its stage's layers (stage 0, this
-        one, has the most layers where the stages are uneven)."""
-        dtype_bytes = model.layers[0].input_layernorm.weight.element_size()
+        one, has the most layers where the stages are uneven), in the pool's dtype (an fp8 pool:
+        half of bf16's, twice the pages)."""
+        dtype_bytes = self._kv_dtype(model).itemsize
         per_token = self.model_config.kv_bytes_per_token(dtype_bytes, model.tp.world_size)
         return per_token * len(model.layers) // self.model_config.num_layers * self.config.page_size
 

@@ -13,6 +13,8 @@ from kernels.cpu.memory import keep_freed_memory_for_reuse
 from workers.engine.attention import AttentionMetadata
 from workers.engine.backend import Backend, select_backend
 from workers.engine.cuda_graphs import DecodeGraphs
+from workers.engine.fp8_attention import Fp8KVAttention, fp8_kernels_for
+from workers.engine.kv_quant import AmaxRecorder, calibration_token_ids, is_fp8, scales_from_amax
 from workers.engine.model_input import ModelInput
 from workers.engine.pipeline_parallel import InFlightStep, StagePipe
 from workers.engine.tensor_parallel import FollowerRanks
@@ -24,6 +26,10 @@ DEFAULT_MAX_GRAPH_BATCH = 256
 
 class ModelRunner:
     """Holds the model and the KV pool `[layers, pages, 2, page_size, kv_heads, head_dim]`.
+
+    The pool is in the model dtype, or in `kv_dtype` fp8 (`--kv-cache-dtype`): then its scales
+    come from one calibration pass over `kv_calibration_ids` (`calibrate_kv_scales`) and attention
+    goes through `Fp8KVAttention` (workers/engine/kv_quant.py, fp8_attention.py).
 
     `backend` (default: `select_backend` for the model's device and dtype) gives the attention
     backend and the ops (`self.attention`, `self.ops`) and says whether the linear weights are
@@ -53,6 +59,8 @@ class ModelRunner:
         backend: Backend | None = None,
         followers: FollowerRanks | None = None,
         pipe: StagePipe | None = None,
+        kv_dtype: torch.dtype | None = None,
+        kv_calibration_ids: list[int] | None = None,
     ):
         cfg = model.config
         self.model = model
@@ -62,9 +70,11 @@ class ModelRunner:
         self.page_size = page_size
         self.dtype = model.dtype
         kv_heads = cfg.num_kv_heads // model.tp.world_size
+        self.kv_dtype = kv_dtype or self.dtype
         self.kv_cache = torch.zeros(
-            len(model.layers), num_pages, 2, page_size, kv_heads, cfg.head_dim, dtype=self.dtype, device=device
+            len(model.layers), num_pages, 2, page_size, kv_heads, cfg.head_dim, dtype=self.kv_dtype, device=device
         )
+        self.kv_scales: torch.Tensor | None = None  # [layers, 2, kv_heads] fp32: an fp8 pool's scales
         self.host_pages: dict[int, torch.Tensor] = {}  # swapped-out sequences' pages
         self.backend = backend or select_backend(device, self.dtype)
         self.attention, self.ops = self.backend.attention, self.backend.ops
@@ -72,6 +82,10 @@ class ModelRunner:
             pack_linear_weights(model, amx=self.backend.amx)
         if device.type == "cpu":
             keep_freed_memory_for_reuse()
+        if is_fp8(self.kv_dtype):
+            ids = kv_calibration_ids or calibration_token_ids(None, cfg.vocab_size)
+            self.kv_scales = self.calibrate_kv_scales(ids)
+            self.attention = Fp8KVAttention(self.kv_cache, self.kv_scales, fp8_kernels_for(self.backend))
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda" and model.tp.world_size == 1 and pipe is None:
             self.graphs = DecodeGraphs(
@@ -88,6 +102,29 @@ class ModelRunner:
     def page_bytes(self) -> int:
         """Bytes of one page across all layers."""
         return self.kv_cache[:, 0].numel() * self.kv_cache.element_size()
+
+    def calibrate_kv_scales(self, token_ids: list[int]) -> torch.Tensor:
+        """One forward pass of `token_ids` over a scratch pool of the model dtype, recording each
+        head's K and V amax: the fp8 pool's scales [layers, 2, kv_heads] (kv_quant.py)."""
+        cfg, size, n = self.model.config, self.page_size, len(token_ids)
+        pages = -(-n // size)
+        scratch = torch.zeros(
+            cfg.num_layers, pages + 1, 2, size, *self.kv_cache.shape[-2:], dtype=self.dtype, device=self.device
+        )
+        md = AttentionMetadata.build(
+            [n],
+            [n],
+            [list(range(1, pages + 1))],
+            size,
+            self.device,
+            for_cpu=self.attention.builds_cpu_indices,
+            decode_gather=self.attention.decode_gather,
+        )
+        recorder = AmaxRecorder(self.attention, cfg.num_layers, self.kv_cache.shape[-2])
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            self.model(ids, ForwardContext(scratch, md, recorder, self.ops), torch.tensor([n - 1], device=self.device))
+        return scales_from_amax(recorder.amax, self.kv_dtype).to(self.device)
 
     def move_pages(self, step: ModelInput) -> None:
         """Before the forward pass: swap preempted pages out to host memory (their page ids may

@@ -66,8 +66,9 @@ class HandoffOut:
     async def send(self, request_id: str) -> None:
         endpoint, skip = self.targets.pop(request_id)
         result = self.engine.take_prefilled(request_id)
+        runner = self.engine.runner
         # one message per rank (a tensor-parallel worker's ranks each hold their KV heads)
-        parts = pack_rank_pages(self.engine.runner.kv_cache, result, skip, self.engine.followers)
+        parts = pack_rank_pages(runner.kv_cache, result, skip, self.engine.followers, runner.kv_scales)
         messages = [p.encode_tensor_frames(header, layers) for header, layers in parts]
         dealer = self.dealers.get(endpoint)
         if dealer is None:
@@ -201,7 +202,9 @@ class HandoffIn:
                 list(task.prompt_token_ids),
                 task.sampling,
                 list(header.first_token_ids),
-                lambda table: write_rank_pages(kv_cache, table, rank_layers, followers),
+                lambda table: write_rank_pages(
+                    kv_cache, table, rank_layers, followers, header.kv_scales, self.engine.runner.kv_scales
+                ),
                 prefix,
             )
         except Exception as e:  # a bad transfer must not take the worker down
