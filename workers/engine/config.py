@@ -68,7 +68,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype: must be one of {list(KV_CACHE_DTYPES)}")
         if self.kv_cache_dtype != "auto" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             # the scales are calibrated by one forward pass on rank 0 alone
-            raise ValueError("kv_cache_dtype: an fp8 KV cache needs tensor_parallel_size 1 and pipeline_parallel_size 1")
+            raise ValueError(
+                "kv_cache_dtype: an fp8 KV cache needs tensor_parallel_size 1 and pipeline_parallel_size 1"
+            )
 
     def resolve_device(self) -> torch.device:
         import torch
