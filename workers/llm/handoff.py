@@ -30,6 +30,7 @@ from common.transport import KV, Dealer, Router
 from workers.engine.engine import Engine
 from workers.llm.kv_pages import check_header, pack_pages, write_pages
 from workers.shell.backend import WorkerContext
+from workers.shell.faults import kv_send_delay_s
 
 
 @dataclass
@@ -51,6 +52,7 @@ class HandoffOut:
         self.outgoing: dict[str, _Outgoing] = {}
         self.dealers: dict[str, Dealer] = {}
         self.bytes_sent = 0
+        self.send_delay_s = kv_send_delay_s()  # test-only; 0 unless a test sets it
 
     def expect(self, request_id: str, endpoint: str, skip_pages: int) -> None:
         self.targets[request_id] = (endpoint, skip_pages)
@@ -68,6 +70,8 @@ class HandoffOut:
             dealer = self.dealers[endpoint] = Dealer(endpoint, self.ctx.worker_id, options=KV)
             asyncio.ensure_future(self._ack_loop(dealer))
         self.outgoing[request_id] = _Outgoing(frames, time.monotonic() + self.timeout)
+        if self.send_delay_s > 0:
+            await asyncio.sleep(self.send_delay_s)  # packed, held, not sent: "mid-transfer" (tests)
         await dealer.send_frames(frames)
         self.bytes_sent += sum(t.numel() * t.element_size() for t in layers)
 
