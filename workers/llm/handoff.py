@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from common import protocol as p
 from common.messages import DecodeTask, DoneReason, HeldRequest, KVPagesAck, KVPagesHeader
-from common.transport import KV, Dealer, Router
+from common.transport import KV, Dealer, Router, UnknownPeer
 from workers.engine.engine import Engine
 from workers.llm.kv_pages import check_header, pack_pages, write_pages
 from workers.shell.backend import WorkerContext
@@ -201,7 +201,13 @@ class HandoffIn:
         else:
             self.on_imported(task)
         ack = KVPagesAck(request_id=request_id, ok=error is None, error=error)
-        asyncio.ensure_future(self.router.send(entry.sender, ack))
+        asyncio.ensure_future(self._acknowledge(entry.sender, ack))
+
+    async def _acknowledge(self, sender: bytes, ack: KVPagesAck) -> None:
+        try:
+            await self.router.send(sender, ack)
+        except UnknownPeer:  # the prefill worker died after sending: its pages went with it
+            self.ctx.log.warning("kv sender gone: acknowledgement dropped", request_id=ack.request_id)
 
     def held(self) -> list[HeldRequest]:
         return [
