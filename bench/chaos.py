@@ -47,6 +47,7 @@ PROMPTS = [
 ]
 OUTCOMES = ("completed", "wrong", "4xx", "5xx", "aborted", "hung")
 LOST = ("wrong", "hung")
+RETRY_AFTER_S = 1.0  # a client's pause after an error response
 GATEWAY_TIMEOUT_ENV = "PAGEMESH_REQUEST_TIMEOUT"  # the gateway's --request-timeout
 
 
@@ -58,8 +59,8 @@ class Job:
 
 
 def request_text(client: openai.OpenAI, job: Job, max_tokens: int) -> tuple[str, str | None]:
-    """Run one request; returns (its outcome, the text when it completed). An error that comes
-    after the stream finished would be a second ending: it is reported as `wrong`."""
+    """Run one request; returns (its outcome, the text when it completed, or the error's code
+    when it failed). An error after the stream finished would be a second ending: `wrong`."""
     request = dict(
         model=DEFAULT_MODEL_NAME,
         prompt=job.prompt,
@@ -89,11 +90,11 @@ def request_text(client: openai.OpenAI, job: Job, max_tokens: int) -> tuple[str,
     except openai.APITimeoutError:
         return "hung", None
     except openai.APIStatusError as e:
-        return ("4xx" if e.status_code < 500 else "5xx"), None
+        return ("4xx" if e.status_code < 500 else "5xx"), f"{e.status_code} {e.code}"
     except openai.APIConnectionError:
         return "hung", None  # the gateway is never signalled: a lost connection is a defect
-    except openai.APIError:  # a stream's error event
-        return ("wrong" if finished else "5xx"), None
+    except openai.APIError as e:  # a stream's error event
+        return ("wrong" if finished else "5xx"), f"event {e.code}"
 
 
 class Tally:
@@ -102,6 +103,7 @@ class Tally:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.outcomes: collections.Counter[str] = collections.Counter()
+        self.errors: collections.Counter[str] = collections.Counter()  # "503 worker_failure": n
         self.lost: list[str] = []
 
     def add(self, job: Job, outcome: str, text: str | None, expected: str) -> None:
@@ -109,6 +111,8 @@ class Tally:
             outcome = "wrong"
         with self.lock:
             self.outcomes[outcome] += 1
+            if outcome in ("4xx", "5xx"):
+                self.errors[str(text)] += 1
             if outcome in LOST:
                 self.lost.append(f"{outcome}: {job} got {text!r}, expected {expected!r}")
 
@@ -267,11 +271,13 @@ def main(argv: list[str] | None = None) -> int:
         "restarts": restarts,
         "migrations": migrations_in(args.log),
         "kv_pages_free_after": settled is not None,
+        "errors": dict(tally.errors.most_common()),
         "clients": round(args.load * args.max_num_seqs * (args.mixed + args.pd_pairs)),
         "duration_s": args.duration,
     }
     print(json.dumps(counts, indent=1))
     print("kills by process:", dict(driver.kills), " stops by process:", dict(driver.stops))
+    print("errors by code:", dict(tally.errors.most_common()))
     for line in tally.lost[:20]:
         print("LOST", line)
     if gave_up:
@@ -303,6 +309,8 @@ def soak(args: argparse.Namespace, mesh: SupervisedMesh, driver: FaultDriver, ll
                 job = Job(prompt, stream, rng.randint(1, args.max_tokens // 2) if stream and abandon else None)
             outcome, text = request_text(client, job, args.max_tokens)
             tally.add(job, outcome, text, expected[job.prompt])
+            if outcome in ("4xx", "5xx"):
+                time.sleep(RETRY_AFTER_S)  # as a client told Retry-After would, not at once again
 
     faults = threading.Thread(target=driver.run, daemon=True)
     threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(clients)]
