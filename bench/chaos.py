@@ -106,15 +106,16 @@ class Tally:
         self.errors: collections.Counter[str] = collections.Counter()  # "503 worker_failure": n
         self.lost: list[str] = []
 
-    def add(self, job: Job, outcome: str, text: str | None, expected: str) -> None:
-        if outcome == "completed" and text != expected:
+    def add(self, job: Job, outcome: str, said: str | None, expected: str) -> None:
+        """`said`: what request_text returned with the outcome (the text, or the error's code)."""
+        if outcome == "completed" and said != expected:
             outcome = "wrong"
         with self.lock:
             self.outcomes[outcome] += 1
             if outcome in ("4xx", "5xx"):
-                self.errors[str(text)] += 1
+                self.errors[str(said)] += 1
             if outcome in LOST:
-                self.lost.append(f"{outcome}: {job} got {text!r}, expected {expected!r}")
+                self.lost.append(f"{outcome}: {job} got {said!r}, expected {expected!r}")
 
 
 class FaultDriver:
