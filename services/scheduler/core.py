@@ -178,6 +178,12 @@ class SchedulerCore:
                     self._reject(entry.origin, entry.request.request_id, why or "no workers are available", out)
         return out
 
+    def excuse_silence(self, seconds: float) -> None:
+        """This process did not run for `seconds` (stopped, or starved): no worker is judged by
+        them (their heartbeats of that time are still unread); a dead one is found a heartbeat
+        timeout later than it would have been."""
+        self.registry.excuse_silence(seconds)
+
     def _can_serve_entry(self, entry: Queued, now: float) -> bool:
         if entry.kind == WorkerKind.DIFFUSION:
             return bool(self._image_workers(entry.model, now))

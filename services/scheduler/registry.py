@@ -119,6 +119,11 @@ class Registry:
             info.kv_bytes_sent, info.kv_bytes_received = msg.kv.bytes_sent, msg.kv.bytes_received
         return True
 
+    def excuse_silence(self, seconds: float) -> None:
+        """Count `seconds` of every worker's silence as heard (the scheduler itself was paused)."""
+        for info in self.workers.values():
+            info.last_seen += seconds
+
     def prefix_update(self, worker_id: str, added: Iterable[int], removed: Iterable[int]) -> bool:
         """Apply a worker's PrefixCacheUpdate (a key is never in both lists of one update)."""
         info = self.workers.get(worker_id)

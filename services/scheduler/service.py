@@ -55,9 +55,17 @@ class SchedulerService:
             await self._send(self.core.handle(identity, msg, time.monotonic()))
 
     async def _expiry_loop(self) -> None:
+        interval = self.config.heartbeat_timeout / 4
         while True:
-            await asyncio.sleep(self.config.heartbeat_timeout / 4)
-            await self._send(self.core.tick(time.monotonic()))
+            slept_from = time.monotonic()
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            overslept = now - slept_from - interval
+            if overslept > interval:  # this process did not run (SIGSTOP, starved of CPU) ...
+                # ... and the heartbeats of that time wait in its socket, unread: not the workers' silence
+                self.log.warning("scheduler was paused: workers' silence excused", seconds=round(overslept, 1))
+                self.core.excuse_silence(overslept)
+            await self._send(self.core.tick(now))
 
     async def _send(self, outputs: Outputs) -> None:
         for destination, msg in outputs:

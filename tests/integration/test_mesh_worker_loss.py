@@ -2,7 +2,9 @@
 on the pool's other worker, with the text of a run without the fault, no token lost or repeated
 and no error event (greedy, and seeded sampling, which continues its seed's sequence). A request
 that keeps losing its workers ends at `--max-migrations` with the OpenAI error event, and so does
-one whose pool has no worker left.
+one whose pool has no worker left. A prefill worker killed while its KV pages are on their way to
+the decode worker (held there by a test-only delay): the request moves and ends with the fault-free
+text, and the decode worker keeps no page of the lost handoff.
 
 One mesh for the module's tests, of a prefill and two decode workers (the migrated request is
 recomputed on the other decode worker, no handoff; a mixed worker takes a migrated request the
@@ -17,12 +19,14 @@ texts are equal.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 
 import openai
 import pytest
 
 from bench.local_mesh import HANG_S, LATE_S, SeparateProcesses, metrics, per_worker, sample_until, wait_until
 from common.model_files import DEFAULT_MODEL_NAME
+from workers.shell.faults import KV_SEND_DELAY_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -144,6 +148,44 @@ def test_a_killed_workers_stream_goes_on_on_the_other_with_the_fault_free_text(m
             assert moved is not None
         finally:
             mesh.restart(victim)  # the pool is whole again for the next test, whatever this one found
+
+
+def prefill_holds_pages_for_a_transfer(mesh) -> bool:
+    """prefill-0 has prefilled (runs nothing) and still holds pages: they wait for the transfer."""
+    samples = metrics(mesh.url)
+    used = per_worker(samples, "pagemesh_kv_cache_usage_ratio").get("prefill-0", 0)
+    return used > 0 and per_worker(samples, "pagemesh_num_requests_running").get("prefill-0") == 0
+
+
+def pool_pages_free(mesh) -> bool:
+    usage = per_worker(metrics(mesh.url), "pagemesh_kv_cache_usage_ratio")
+    return all(usage.get(name) == 0 for name in pool_of(mesh))
+
+
+def test_a_prefill_worker_killed_mid_transfer_loses_nothing(mesh):
+    client = client_of(mesh)
+    assert both_workers_live(mesh)
+    expected = fault_free(client, **GREEDY)
+    before = sample_until(lambda: migrations(mesh), lambda n: n is not None)
+    os.environ[KV_SEND_DELAY_ENV] = str(HANG_S)  # the restarted prefill worker never sends: killed first
+    try:
+        mesh.restart("prefill-0")
+    finally:
+        del os.environ[KV_SEND_DELAY_ENV]
+    try:
+        assert both_workers_live(mesh)
+        pieces: list[str] = []
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            ended = pool.submit(stream, client, pieces, **GREEDY)
+            assert wait_until(lambda: prefill_holds_pages_for_a_transfer(mesh))
+            mesh.kill("prefill-0")  # its pages packed, the decode worker waiting for them
+            error = ended.result(timeout=HANG_S)
+        assert error is None  # one unbroken stream
+        assert "".join(pieces) == expected
+        assert sample_until(lambda: migrations(mesh), lambda n: n is not None and n >= before + 1, timeout=LATE_S)
+        assert wait_until(lambda: pool_pages_free(mesh))  # the decode half gave back what it pinned
+    finally:
+        mesh.restart("prefill-0")  # without the delay, for the next tests
 
 
 def test_a_request_that_keeps_losing_its_workers_ends_at_max_migrations(mesh):

@@ -230,6 +230,23 @@ def test_a_worker_that_stops_heartbeating_is_dropped_and_its_requests_fail():
 # --------------------------------------------------------------------------- admission
 
 
+def test_a_pause_of_the_scheduler_itself_is_not_its_workers_silence():
+    """The scheduler SIGSTOPped for longer than the heartbeat timeout (the chaos soak found it):
+    on resuming, its expiry tick came before the heartbeats waiting in its socket, and every
+    worker was dropped at once and its requests failed. The pause is excused; a worker that
+    really stopped is still dropped a heartbeat timeout later."""
+    core = new_core(max_migrations=0)
+    register(core, "m0", "mixed")
+    register(core, "m1", "mixed")
+    assert schedule(core, "r1") == [("m0", generate("r1"))]
+    core.excuse_silence(TIMEOUT + 2)  # paused from T0 to T0 + TIMEOUT + 2
+    assert core.tick(T0 + TIMEOUT + 2) == []  # nobody dropped, nothing failed
+    assert heartbeat(core, "m1", T0 + TIMEOUT + 2.1) == []  # m1's queued heartbeats come in
+    out = core.tick(T0 + 2 * TIMEOUT + 2.1)  # m0 is silent a whole timeout after the pause
+    assert out[0] == (TOK, failed("r1", "worker m0 stopped responding"))
+    assert sorted(core.registry.workers) == ["m1"]
+
+
 def test_a_worker_heartbeating_through_a_long_step_stays_until_the_step_timeout():
     # migration off: the request of a hung worker fails (with it on, it moves: test_scheduler_migration.py)
     config = SchedulerConfig("ipc:///unused", heartbeat_timeout=TIMEOUT, step_timeout=60.0, max_migrations=0)

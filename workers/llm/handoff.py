@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 
 from common import protocol as p
 from common.messages import DecodeTask, DoneReason, HeldRequest, KVPagesAck, KVPagesHeader
-from common.transport import KV, Dealer, Router
+from common.transport import KV, Dealer, Router, UnknownPeer
 from workers.engine.engine import Engine
 from workers.llm.kv_pages import check_header, pack_rank_pages, write_rank_pages
 from workers.shell.backend import WorkerContext
+from workers.shell.faults import kv_send_delay_s
 
 
 @dataclass
@@ -55,6 +56,7 @@ class HandoffOut:
         self.outgoing: dict[str, _Outgoing] = {}
         self.dealers: dict[str, Dealer] = {}
         self.bytes_sent = 0
+        self.send_delay_s = kv_send_delay_s()  # test-only; 0 unless a test sets it
 
     def expect(self, request_id: str, endpoint: str, skip_pages: int) -> None:
         self.targets[request_id] = (endpoint, skip_pages)
@@ -75,6 +77,8 @@ class HandoffOut:
             dealer = self.dealers[endpoint] = Dealer(endpoint, self.ctx.worker_id, options=KV)
             asyncio.ensure_future(self._ack_loop(dealer))
         self.outgoing[request_id] = _Outgoing(messages, time.monotonic() + self.timeout)
+        if self.send_delay_s > 0:
+            await asyncio.sleep(self.send_delay_s)  # packed, held, not sent: "mid-transfer" (tests)
         for frames in messages:
             await dealer.send_frames(frames)
         self.bytes_sent += sum(t.numel() * t.element_size() for _, layers in parts for t in layers)
@@ -215,7 +219,13 @@ class HandoffIn:
         else:
             self.on_imported(task)
         ack = KVPagesAck(request_id=request_id, ok=error is None, error=error)
-        asyncio.ensure_future(self.router.send(entry.sender, ack))
+        asyncio.ensure_future(self._acknowledge(entry.sender, ack))
+
+    async def _acknowledge(self, sender: bytes, ack: KVPagesAck) -> None:
+        try:
+            await self.router.send(sender, ack)
+        except UnknownPeer:  # the prefill worker died after sending: its pages went with it
+            self.ctx.log.warning("kv sender gone: acknowledgement dropped", request_id=ack.request_id)
 
     def held(self) -> list[HeldRequest]:
         return [

@@ -5,6 +5,9 @@ below are set. Nothing in a deployment sets them.
                                         than the heartbeat timeout; the loop's thread is held)
     PAGEMESH_TEST_FAIL_STEP=N           the Nth step of work raises (an exception in the forward
                                         pass: the engine is dead)
+    PAGEMESH_TEST_KV_SEND_DELAY_S=SECS  a prefill worker holds each request's packed KV pages this
+                                        long before they go out (the event loop stays free): a
+                                        window in which the test kills it mid-transfer
 """
 
 from __future__ import annotations
@@ -15,6 +18,12 @@ from dataclasses import dataclass
 
 DELAY_ENV = "PAGEMESH_TEST_STEP_DELAY_S"
 FAIL_ENV = "PAGEMESH_TEST_FAIL_STEP"
+KV_SEND_DELAY_ENV = "PAGEMESH_TEST_KV_SEND_DELAY_S"
+
+
+def kv_send_delay_s() -> float:
+    """Seconds a KV handoff waits between packing its pages and sending them (0: none)."""
+    return float(os.environ.get(KV_SEND_DELAY_ENV, "0"))
 
 
 class InjectedFault(RuntimeError):

@@ -50,6 +50,19 @@ STALL_WAIT = 0.05  # seconds a stalled backend waits for news before trying agai
 REGISTER_RETRY = 1.0  # seconds between registrations while the scheduler does not answer
 
 log = structlog.get_logger()
+# Turns of the event loop from "a message came during a blocking step" to "its handler ran": the
+# selector sees the socket readable and zmq's callback completes the recv future; the future's
+# callback wakes the waiting loop; that loop runs its handler (which posts into the inbox). With
+# one turn, an abort or KV ack that came during step k was handled only after step k+2
+# (tests/unit/test_shell_turns.py).
+TURNS_TO_HANDLE_A_MESSAGE = 3
+
+
+async def let_other_loops_run() -> None:
+    """Between two steps on the loop's own thread: let every loop woken by a message that came
+    during the step run its handler before the next step starts."""
+    for _ in range(TURNS_TO_HANDLE_A_MESSAGE):
+        await asyncio.sleep(0)
 
 
 class WorkerShell:
@@ -203,7 +216,7 @@ class WorkerShell:
                 continue
             if backend.step_inline:
                 result = self._step()
-                await asyncio.sleep(0)  # the other loops take their messages between steps
+                await let_other_loops_run()  # what came during the step is in the inbox before the next
             else:
                 result = await loop.run_in_executor(self.compute, self._step)
             if backend.stalled():  # nothing could run: wait for a message (an ack frees pages)
