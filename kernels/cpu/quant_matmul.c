@@ -22,13 +22,14 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
+    defined(__F16C__)
 #include <immintrin.h>
 #define PM_VNNI 1
 #endif
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
-enum { BLOCK = 32, ROWS = 4 }; /* ROWS: activation rows sharing one decode of a weight block */
+enum { BLOCK = 32, GROUP = 4, ROWS = 4, PREFETCH = 4 }; /* GROUP: blocks per vector step; ROWS: x rows per weight decode */
 
 typedef uint16_t bf16;
 
@@ -46,22 +47,22 @@ static inline bf16 f32_to_bf16(float f) {
     return (bf16)(u >> 16);
 }
 
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    union { uint32_t u; float f; } c;
-    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
-        c.f = (float)man * 5.9604644775390625e-8f;
-        c.u |= sign;
-    } else if (exp == 31) {
-        c.u = sign | 0x7f800000u | (man << 13);
-    } else {
-        c.u = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    return c.f;
+/* Activations, quantized once per call: row r holds kpad = K rounded up to GROUP blocks int8
+ * values (zero past K), and per block dx (scale) and dxt (scale times the sum of the block's
+ * values), zero past K, so that a group reaching past K adds nothing. With VNNI, a 4-bit
+ * weight's group of 4 blocks is 64 bytes whose low nibbles are codes 0..15 of each block and
+ * high nibbles codes 16..31; the activations of a group are laid out to match: the 4 blocks'
+ * values 0..15, then their values 16..31. 8-bit weights keep the natural order. */
+static inline int64_t act_index(int64_t b, int j, int bits) {
+#if defined(PM_VNNI)
+    if (bits == 4) return (b / GROUP) * GROUP * BLOCK + (j < 16 ? 0 : 64) + (b % GROUP) * 16 + (j & 15);
+#else
+    (void)bits;
+#endif
+    return b * BLOCK + j;
 }
 
-/* x [K] -> qx [K] int8, dx [K/32] scales, tx [K/32] sums of qx */
-static void quantize_row(const void *x, int dt, int64_t k, int8_t *qx, float *dx, float *tx) {
+static void quantize_row(const void *x, int dt, int64_t k, int bits, int8_t *qx, float *dx, float *dxt) {
     float v[BLOCK];
     for (int64_t b = 0; b < k / BLOCK; b++) {
         float amax = 0.0f;
@@ -74,65 +75,124 @@ static void quantize_row(const void *x, int dt, int64_t k, int8_t *qx, float *dx
         int sum = 0;
         for (int j = 0; j < BLOCK; j++) {
             int q = (int)lrintf(v[j] * inv);
-            qx[b * BLOCK + j] = (int8_t)q;
+            qx[act_index(b, j, bits)] = (int8_t)q;
             sum += q;
         }
         dx[b] = d;
-        tx[b] = (float)sum;
+        dxt[b] = d * (float)sum;
     }
 }
 
-/* sum_j q[j] * qx[j] over one block of 32, q the block's 32 codes */
 #if defined(PM_VNNI)
-static inline __m256i block_codes(const uint8_t *codes, int bits) {
-    if (bits == 8) return _mm256_loadu_si256((const __m256i *)codes);
-    const __m128i packed = _mm_loadu_si128((const __m128i *)codes), low = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_and_si128(packed, low), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
-    return _mm256_set_m128i(hi, lo);
-}
-
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#else
-static inline int block_dot(const uint8_t *codes, int bits, const int8_t *qx) {
-    int sum = 0;
-    for (int j = 0; j < BLOCK; j++) {
-        int q = bits == 8 ? codes[j] : (j < 16 ? codes[j] & 15 : codes[j - 16] >> 4);
-        sum += q * qx[j];
+/* sums[r] = x_r . W_n for rows r < rows of a tile (see the header for the algebra). Always
+ * inlined with constant rows and bits (dispatch below), so the accumulators live in registers */
+static inline __attribute__((always_inline)) void row_dots(const uint8_t *codes, const uint16_t *d, const uint16_t *c, int bits, int64_t kb,
+                            const int8_t *qx, const float *dx, const float *dxt, int64_t kpad, int64_t kbpad, int rows,
+                            float *sums) {
+    const __m512i low = _mm512_set1_epi8(0x0f), zero = _mm512_setzero_si512();
+    /* a group's 4 scales, each widened to the lanes that hold its block's sums */
+    const __m512i by4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i by8_lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i by8_hi = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+    __m512 acc[ROWS];
+    __m128 cacc[ROWS];
+    for (int r = 0; r < ROWS; r++) {
+        acc[r] = _mm512_setzero_ps();
+        cacc[r] = _mm_setzero_ps();
     }
-    return sum;
-}
-#endif
-
-/* out[r, n] for the rows r < rows of one tile, weight row n */
-static inline void tile_dot(const uint8_t *wrow, const float *dw, const float *cw, int bits, int64_t kb,
-                            const int8_t *qx, const float *dx, const float *tx, int64_t k, int rows, float *sums) {
-    const int64_t block_bytes = bits == 8 ? BLOCK : BLOCK / 2;
-    for (int r = 0; r < rows; r++) {
-        float corr = 0.0f;
-        for (int64_t b = 0; b < kb; b++) corr += cw[b] * dx[r * kb + b] * tx[r * kb + b];
-        sums[r] = corr;
-    }
-#if defined(PM_VNNI)
-    __m256 acc[ROWS] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t b = 0; b < kb; b++) {
-        const __m256i q = block_codes(wrow + b * block_bytes, bits);
-        for (int r = 0; r < rows; r++) {
-            const __m256i a = _mm256_loadu_si256((const __m256i *)(qx + r * k + b * BLOCK));
-            const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, a);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw[b] * dx[r * kb + b]), acc[r]);
+    for (int64_t b = 0; b < kb; b += GROUP) {
+        const int nt = kb - b < GROUP ? (int)(kb - b) : GROUP;
+        const __mmask8 hm = (__mmask8)((1u << nt) - 1);
+        const __m128 dw = _mm_cvtph_ps(_mm_maskz_loadu_epi16(hm, d + b));
+        const __m128 cw = _mm_cvtph_ps(_mm_maskz_loadu_epi16(hm, c + b));
+        if (bits == 4) {
+            const __mmask64 cm = nt == GROUP ? ~0ULL : (1ULL << (16 * nt)) - 1;
+            const __m512i packed = _mm512_maskz_loadu_epi8(cm, codes + b * 16);
+            const __m512i lo = _mm512_and_si512(packed, low);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xr = qx + r * kpad + b * BLOCK;
+                __m512i dot = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(xr));
+                dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(xr + 64));
+                const __m128 s = _mm_mul_ps(dw, _mm_loadu_ps(dx + r * kbpad + b));
+                const __m512 scale = _mm512_permutexvar_ps(by4, _mm512_castps128_ps512(s));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+                cacc[r] = _mm_fmadd_ps(cw, _mm_loadu_ps(dxt + r * kbpad + b), cacc[r]);
+            }
+        } else {
+            const __mmask64 m1 = nt >= 2 ? ~0ULL : 0xffffffffULL, m2 = nt == 4 ? ~0ULL : (nt == 3 ? 0xffffffffULL : 0);
+            const __m512i w1 = _mm512_maskz_loadu_epi8(m1, codes + b * BLOCK);
+            const __m512i w2 = _mm512_maskz_loadu_epi8(m2, codes + b * BLOCK + 64);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xr = qx + r * kpad + b * BLOCK;
+                const __m512i dot1 = _mm512_dpbusd_epi32(zero, w1, _mm512_loadu_si512(xr));
+                const __m512i dot2 = _mm512_dpbusd_epi32(zero, w2, _mm512_loadu_si512(xr + 64));
+                const __m512 s = _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_loadu_ps(dx + r * kbpad + b)));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_permutexvar_ps(by8_lo, s), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot2), _mm512_permutexvar_ps(by8_hi, s), acc[r]);
+                cacc[r] = _mm_fmadd_ps(cw, _mm_loadu_ps(dxt + r * kbpad + b), cacc[r]);
+            }
         }
     }
-    for (int r = 0; r < rows; r++) sums[r] += hsum256(acc[r]);
+    for (int r = 0; r < rows; r++) {
+        __m128 t = _mm_add_ps(cacc[r], _mm_movehl_ps(cacc[r], cacc[r]));
+        t = _mm_add_ss(t, _mm_movehdup_ps(t));
+        sums[r] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(t);
+    }
+}
 #else
-    for (int r = 0; r < rows; r++)
-        for (int64_t b = 0; b < kb; b++)
-            sums[r] += (float)block_dot(wrow + b * block_bytes, bits, qx + r * k + b * BLOCK) * dw[b] * dx[r * kb + b];
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    union { uint32_t u; float f; } v;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+        v.f = (float)man * 5.9604644775390625e-8f;
+        v.u |= sign;
+    } else if (exp == 31) {
+        v.u = sign | 0x7f800000u | (man << 13);
+    } else {
+        v.u = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    return v.f;
+}
+
+static inline void row_dots(const uint8_t *codes, const uint16_t *d, const uint16_t *c, int bits, int64_t kb,
+                            const int8_t *qx, const float *dx, const float *dxt, int64_t kpad, int64_t kbpad, int rows,
+                            float *sums) {
+    for (int r = 0; r < rows; r++) {
+        float sum = 0.0f;
+        for (int64_t b = 0; b < kb; b++) {
+            const uint8_t *q = codes + b * (bits == 8 ? BLOCK : BLOCK / 2);
+            int dot = 0;
+            for (int j = 0; j < BLOCK; j++)
+                dot += (bits == 8 ? q[j] : (j < 16 ? q[j] & 15 : q[j - 16] >> 4)) * qx[r * kpad + b * BLOCK + j];
+            sum += f16_to_f32(d[b]) * dx[r * kbpad + b] * (float)dot + f16_to_f32(c[b]) * dxt[r * kbpad + b];
+        }
+        sums[r] = sum;
+    }
+}
 #endif
+
+/* row_dots with rows and bits as compile-time constants */
+static void tile_dots(const uint8_t *codes, const uint16_t *d, const uint16_t *c, int bits, int64_t kb,
+                      const int8_t *qx, const float *dx, const float *dxt, int64_t kpad, int64_t kbpad, int rows,
+                      float *sums) {
+#define PM_ROWS(B, R) row_dots(codes, d, c, B, kb, qx, dx, dxt, kpad, kbpad, R, sums)
+    if (bits == 4) {
+        switch (rows) {
+        case 1: PM_ROWS(4, 1); break;
+        case 2: PM_ROWS(4, 2); break;
+        case 3: PM_ROWS(4, 3); break;
+        default: PM_ROWS(4, 4);
+        }
+    } else {
+        switch (rows) {
+        case 1: PM_ROWS(8, 1); break;
+        case 2: PM_ROWS(8, 2); break;
+        case 3: PM_ROWS(8, 3); break;
+        default: PM_ROWS(8, 4);
+        }
+    }
+#undef PM_ROWS
 }
 
 /* x [M, K] (row stride x_stride elements, dtype x_dt) times W^T as described above, plus bias
@@ -140,38 +200,37 @@ static inline void tile_dot(const uint8_t *wrow, const float *dw, const float *c
 void pm_quant_matmul(const void *x, int64_t x_stride, int x_dt, const uint8_t *codes, const uint16_t *d,
                      const uint16_t *c, int bits, const float *bias, void *out, int out_dt, int64_t m, int64_t n,
                      int64_t k) {
-    const int64_t kb = k / BLOCK, row_bytes = bits == 8 ? k : k / 2, xsize = x_dt == DT_BF16 ? 2 : 4;
-    int8_t *qx = (int8_t *)aligned_alloc(64, (size_t)((m * k + 63) / 64 * 64));
-    float *dx = (float *)malloc((size_t)(m * kb) * sizeof(float)), *tx = (float *)malloc((size_t)(m * kb) * sizeof(float));
+    const int64_t kb = k / BLOCK, kbpad = (kb + GROUP - 1) / GROUP * GROUP, kpad = kbpad * BLOCK;
+    const int64_t row_bytes = bits == 8 ? k : k / 2, xsize = x_dt == DT_BF16 ? 2 : 4;
+    int8_t *qx = (int8_t *)aligned_alloc(64, (size_t)(m * kpad));
+    float *dx = (float *)calloc((size_t)(2 * m * kbpad), sizeof(float)), *dxt = dx + m * kbpad;
+    memset(qx, 0, (size_t)(m * kpad));
 #pragma omp parallel for schedule(static) if (m * k > 65536)
     for (int64_t r = 0; r < m; r++)
-        quantize_row((const char *)x + r * x_stride * xsize, x_dt, k, qx + r * k, dx + r * kb, tx + r * kb);
-#pragma omp parallel if (n * m * k > 262144)
-    {
-        float *dw = (float *)malloc((size_t)(2 * kb) * sizeof(float)), *cw = dw + kb;
-#pragma omp for schedule(static)
-        for (int64_t j = 0; j < n; j++) {
-            for (int64_t b = 0; b < kb; b++) {
-                dw[b] = f16_to_f32(d[j * kb + b]);
-                cw[b] = f16_to_f32(c[j * kb + b]);
-            }
-            for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
-                const int rows = m - r0 < ROWS ? (int)(m - r0) : ROWS;
-                float sums[ROWS];
-                tile_dot(codes + j * row_bytes, dw, cw, bits, kb, qx + r0 * k, dx + r0 * kb, tx + r0 * kb, k, rows,
-                         sums);
-                for (int r = 0; r < rows; r++) {
-                    const float y = sums[r] + (bias ? bias[j] : 0.0f);
-                    if (out_dt == DT_BF16)
-                        ((bf16 *)out)[(r0 + r) * n + j] = f32_to_bf16(y);
-                    else
-                        ((float *)out)[(r0 + r) * n + j] = y;
-                }
+        quantize_row((const char *)x + r * x_stride * xsize, x_dt, k, bits, qx + r * kpad, dx + r * kbpad,
+                     dxt + r * kbpad);
+#pragma omp parallel for schedule(static) if (n * m * k > 262144)
+    for (int64_t j = 0; j < n; j++) {
+        /* the weights stream from memory once per call: ask for row j + PREFETCH's now */
+        if (j + PREFETCH < n) {
+            for (int64_t i = 0; i < row_bytes; i += 64) __builtin_prefetch(codes + (j + PREFETCH) * row_bytes + i, 0, 0);
+            __builtin_prefetch(d + (j + PREFETCH) * kb, 0, 0);
+            __builtin_prefetch(c + (j + PREFETCH) * kb, 0, 0);
+        }
+        for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+            const int rows = m - r0 < ROWS ? (int)(m - r0) : ROWS;
+            float sums[ROWS];
+            tile_dots(codes + j * row_bytes, d + j * kb, c + j * kb, bits, kb, qx + r0 * kpad, dx + r0 * kbpad,
+                      dxt + r0 * kbpad, kpad, kbpad, rows, sums);
+            for (int r = 0; r < rows; r++) {
+                const float y = sums[r] + (bias ? bias[j] : 0.0f);
+                if (out_dt == DT_BF16)
+                    ((bf16 *)out)[(r0 + r) * n + j] = f32_to_bf16(y);
+                else
+                    ((float *)out)[(r0 + r) * n + j] = y;
             }
         }
-        free(dw);
     }
     free(qx);
     free(dx);
-    free(tx);
 }
