@@ -62,12 +62,15 @@ def test_shards_and_fused_rows_keep_the_values():
 @pytest.mark.parametrize("m, n, k", [(1, 37, 32), (7, 37, 96), (5, 64, 1536)])
 def test_cpu_kernel_matches_dequantize_then_matmul(fmt, m, n, k):
     qw = _weight(fmt, n, k, seed=m + n + k)
-    x = torch.randn(m, k)  # fp32 random: no activation lands on a rounding tie, where ulps decide
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
     bias = torch.randn(n)
     got = quant.quant_linear(x, qw, bias)
-    # exact reference: the kernel's activation rounding, then plain matmul in float64
+    # the kernel's activation rounding, then plain matmul in float64; an activation within an
+    # ulp of a rounding tie may round the other way in C (-ffast-math takes 1/amax once), so
+    # one activation step times the largest weight is allowed on top of fp32 summation
     want = quantize_activations(x).double() @ dequantize(qw).double().T + bias.double()
-    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    step = float(x.abs().max() / 127 * dequantize(qw).abs().max())
+    torch.testing.assert_close(got.double(), want, atol=1e-4 + step, rtol=1e-4)
     # and within the int8 activation rounding of the unrounded product
     plain = x.double() @ dequantize(qw).double().T + bias.double()
     assert (got.double() - plain).abs().max() < 0.02 * plain.abs().max()
