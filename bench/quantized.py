@@ -2,6 +2,7 @@
 
     python bench/quantized.py quality [--positions 512] [--out docs/perf/quantization.md]
     python bench/quantized.py speed [--prompt-len 128] [--tokens 128] [--repeats 2]
+    python bench/quantized.py linears [--rows 1] [--repeats 20]
 
 `quality` runs the default model (the shipped Q4_1 GGUF) dense in bf16 (`none`, the reference),
 then `int8` and `gguf`, over fixed texts that ship with the dependencies (a license, Python
@@ -10,6 +11,9 @@ distribution. Per format: mean KL(none || format) and greedy-token agreement ove
 positions, and perplexity of each on numpy's LICENSE.txt. `--out` writes the table.
 `speed`: single-stream decode tok/s of an in-process engine per format (A-B-C repeated),
 after the prefill; the machine's load average is printed beside the figures.
+`linears`: the linears of one decode step alone (every layer's own random weights in the default
+model's shapes, so they stream from memory as in a real step, and the LM head), per format:
+bf16 packed for oneDNN (the `none` path without AMX), int8 and Q4_1 through the C kernel.
 """
 
 from __future__ import annotations
@@ -163,6 +167,52 @@ def speed(args: argparse.Namespace) -> None:
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
 
 
+def linears(args: argparse.Namespace) -> None:
+    import gguf
+    from gguf.quants import quantize as gguf_quantize
+
+    from common.model_config import read_model_config
+    from kernels.cpu.quant import quant_linear
+    from kernels.quantized import from_gguf_blocks, quantize_int8
+
+    cfg = read_model_config(default_model_path())
+    h, inter, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
+    shapes = [(h + 2 * kv, h), (h, h), (2 * inter, h), (h, inter)] * cfg.num_layers + [(cfg.vocab_size, h)]
+    gen = torch.Generator().manual_seed(0)
+    dense = [torch.randn(n, k, generator=gen) * 0.05 for n, k in shapes]
+    q4_1 = gguf.GGMLQuantizationType.Q4_1
+    weights = {
+        "bf16": [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 32) for w in dense],
+        "int8": [quantize_int8(w) for w in dense],
+        "q4_1": [from_gguf_blocks("Q4_1", gguf_quantize(w.numpy(), q4_1)) for w in dense],
+    }
+    del dense
+    xs = {k: torch.randn(args.rows, k).bfloat16() for k in {k for _, k in shapes}}
+
+    def one_pass(fmt: str) -> None:
+        for w in weights[fmt]:
+            if fmt == "bf16":
+                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], w, None, "none", [], "")
+            else:
+                quant_linear(xs[w.shape[1]], w)
+
+    times: dict[str, list[float]] = {fmt: [] for fmt in weights}
+    for _ in range(args.repeats):  # A-B-C, repeated
+        for fmt in weights:
+            t0 = time.perf_counter()
+            one_pass(fmt)
+            times[fmt].append(time.perf_counter() - t0)
+    for fmt, ts in times.items():
+        mb = sum(_nbytes(w) for w in weights[fmt]) / 1e6
+        print(f"{fmt:5s} {args.rows} row(s): {statistics.median(ts) * 1e3:6.2f} ms per step's linears ({mb:.0f} MB)")
+    load = os.getloadavg()
+    print(f"threads {torch.get_num_threads()}, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+
+
+def _nbytes(w) -> int:
+    return w.nbytes if hasattr(w, "codes") else w.numel() * w.element_size()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -174,8 +224,11 @@ def main() -> None:
     s.add_argument("--tokens", type=int, default=128)
     s.add_argument("--repeats", type=int, default=2)
     s.add_argument("--formats", nargs="+", default=list(QUANTIZATIONS), choices=list(QUANTIZATIONS))
+    li = sub.add_parser("linears")
+    li.add_argument("--rows", type=int, default=1)
+    li.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    quality(args) if args.command == "quality" else speed(args)
+    {"quality": quality, "speed": speed, "linears": linears}[args.command](args)
 
 
 if __name__ == "__main__":
