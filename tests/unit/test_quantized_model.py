@@ -2,6 +2,7 @@
 next token at nearly every position of a short fixed set (bench/quantized.py measures the full
 set, KL divergence and perplexity: docs/perf/quantization.md)."""
 
+import argparse
 import dataclasses
 
 import pytest
@@ -12,7 +13,7 @@ from common.model_files import default_model_path
 from kernels.cpu import quant
 from tests.default_model import tokenizer
 from workers.engine.backend import select_backend
-from workers.engine.config import EngineConfig
+from workers.engine.config import EngineConfig, add_engine_arguments, engine_args_to_argv, engine_config_from_args
 from workers.engine.model_runner import ModelRunner
 from workers.model.layers import ColumnParallelLinear, RowParallelLinear
 from workers.model.loader import load_model
@@ -67,6 +68,12 @@ def test_quantization_is_checked_where_it_is_configured():
         EngineConfig(quantization="int4")
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):
         EngineConfig(quantization="gguf", tensor_parallel_size=2)
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--quantization", "gguf"])
+    assert engine_config_from_args(args).quantization == "gguf"
+    argv = engine_args_to_argv(args)  # what `pagemesh up` hands each worker
+    assert argv[argv.index("--quantization") + 1] == "gguf"
 
 
 def test_gguf_quantization_needs_a_gguf_file(tmp_path):
