@@ -51,7 +51,7 @@ def install_gguf_weights(model, blocks: dict[str, QuantizedWeight]) -> int:
         done += _install_row(mlp.down_proj, blocks.get(p + "mlp.down_proj.weight"))
     head_name = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     head = blocks.get(head_name)
-    if head is not None:
+    if head is not None and model.lm_head is not None:
         _install(model.lm_head, head.to(model.lm_head.weight.device), release=False)
         done += 1
     return done
@@ -83,7 +83,8 @@ def _linears(model):
     for name, m in model.named_modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             yield name, m
-    yield "lm_head", model.lm_head
+    if model.lm_head is not None:  # a pipeline stage before the last has none
+        yield "lm_head", model.lm_head
 
 
 def permute_rows(qw: QuantizedWeight, order: torch.Tensor) -> QuantizedWeight:
