@@ -52,27 +52,28 @@ def _compiler() -> str:
     return cc
 
 
-def library_path() -> Path:
-    """Path of the built library for this machine, building it first if needed."""
+def library_path(source: Path = SOURCE) -> Path:
+    """Path of the library built from `source` (a C file next to this one) for this machine,
+    building it first if needed."""
     cc = _compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         raise BuildError(f"C compiler {cc} does not run: {e}") from e
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_signature().encode()):
+    for part in (source.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_signature().encode()):
         key.update(part)
     cache = Path(os.environ.get("PAGEMESH_CACHE_DIR", Path.home() / ".cache" / "pagemesh")) / "kernels"
-    target = cache / f"pagemesh_cpu-{key.hexdigest()[:16]}.so"
+    target = cache / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        done = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
         if done.returncode != 0:
-            raise BuildError(f"building {SOURCE.name} failed:\n{done.stderr[-2000:]}")
+            raise BuildError(f"building {source.name} failed:\n{done.stderr[-2000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

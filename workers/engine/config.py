@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # vLLM's names; kv_quant.py maps them
+QUANTIZATIONS = ("none", "int8", "gguf")  # as workers/model/quantization.py
 
 
 @dataclass(frozen=True)
@@ -44,12 +45,19 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # rank processes sharing the model's heads (workers/engine/tensor_parallel.py)
     pipeline_parallel_size: int = 1  # stages of contiguous layers, tp ranks each (workers/engine/pipeline_parallel.py)
     kv_cache_dtype: str = "auto"  # auto (the model's) | fp8_e4m3 | fp8_e5m2 (workers/engine/kv_quant.py)
+    quantization: str = "none"  # none | int8 | gguf: linear weights kept quantized (workers/model/quantization.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype: must be auto or one of {sorted(DTYPES)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError("device: must be auto, cpu or cuda")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}")
+        if self.quantization != "none" and (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1):
+            raise ValueError(
+                "quantization: int8 and gguf run with tensor_parallel_size 1 and pipeline_parallel_size 1 for now"
+            )
         if self.page_size < 1 or self.page_size & (self.page_size - 1) or self.page_size > 128:
             raise ValueError("page_size: must be a power of two up to 128")
         if not 0 < self.gpu_memory_fraction <= 1:
@@ -123,6 +131,14 @@ def add_engine_arguments(parser) -> None:
         "workers only; activations go stage to stage, the last stage's logits back to rank 0)",
     )
     add(parser, "--dtype", "auto", choices=["auto", *DTYPES], help="weights, activations and KV dtype")
+    add(
+        parser,
+        "--quantization",
+        "none",
+        choices=list(QUANTIZATIONS),
+        help="linear weights kept quantized: int8 (made at load from any weights) or gguf (a GGUF's "
+        "Q4_0/Q4_1/Q8_0 blocks as they are); none = dense in --dtype",
+    )
     add(parser, "--device", "auto", choices=["auto", "cpu", "cuda"])
     add(parser, "--page-size", 16, type=int, help="tokens per KV page")
     add(
@@ -199,6 +215,7 @@ ENGINE_FLAGS = (
     "tensor_parallel_size",
     "pipeline_parallel_size",
     "kv_cache_dtype",
+    "quantization",
 )
 
 
@@ -227,6 +244,7 @@ def engine_config_from_args(args) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
     )
 
 

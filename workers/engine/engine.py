@@ -114,7 +114,7 @@ class Engine:
                 )
             try:
                 tp = rank_context(0, tp_size, self.shm_path, self.shm_numel, dtype, group)
-                model = load_model(self.model_path, dtype, self.device, tp, layers)
+                model = load_model(self.model_path, dtype, self.device, tp, layers, config.quantization)
             except BaseException:
                 self._unlink_shared_file()
                 raise

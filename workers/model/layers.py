@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.quantized import QuantizedWeight
 from workers.model.shm_allreduce import SharedMemoryAllReduce
 
 
@@ -67,7 +68,7 @@ class ColumnParallelLinear(nn.Module):
         self.local_sizes = [tp.shard(size, "output")[1] for size in output_sizes]
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)), requires_grad=False) if bias else None
-        self.packed: PackedWeight | None = None  # see pack_linear_weights
+        self.packed: PackedWeight | QuantizedWeight | None = None  # see pack_linear_weights, quantization.py
 
     def load_part(self, part: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Copy this rank's shard of full sub-matrix `part` into place."""
@@ -89,7 +90,7 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.in_start, local_in = tp.shard(in_features, "input")
         self.weight = nn.Parameter(torch.empty(out_features, local_in), requires_grad=False)
-        self.packed: PackedWeight | None = None  # see pack_linear_weights
+        self.packed: PackedWeight | QuantizedWeight | None = None  # see pack_linear_weights, quantization.py
 
     def load(self, weight: torch.Tensor) -> None:
         self.weight.data.copy_(weight[:, self.in_start : self.in_start + self.weight.shape[1]])
@@ -114,11 +115,14 @@ def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    packed: PackedWeight | None,
+    packed: PackedWeight | QuantizedWeight | None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x W^T (+ b) in x's dtype, then cast to out_dtype if given; through a packed copy of W when
-    there is one (the AMX kernel writes the widened values itself, no second pass)."""
+    there is one (the AMX kernel writes the widened values itself, no second pass), or the
+    quantized matmul when W is held quantized (`workers.model.quantization`)."""
+    if isinstance(packed, QuantizedWeight):
+        return quantized_linear(x, packed, bias, out_dtype)
     if packed is not None and packed.amx is not None and x.shape[0] <= AMX_MAX_ROWS:
         import kernels.cpu
 
@@ -140,7 +144,11 @@ def pack_linear_weights(model: nn.Module, batch_hint: int = 32, *, amx: bool = F
     The dense weights are released: call after loading; a model already packed (a second engine
     on it) is left as it is. fp32 keeps the dense path (its packed matmuls round differently from
     the HF reference). Returns whether the model's linears are packed."""
-    modules = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    modules = [
+        m
+        for m in model.modules()
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and not isinstance(m.packed, QuantizedWeight)
+    ]
     if modules and modules[0].packed is not None:
         return True
     if not modules or modules[0].weight.dtype != torch.bfloat16 or modules[0].weight.device.type != "cpu":
@@ -162,9 +170,22 @@ def pack_linear_weights(model: nn.Module, batch_hint: int = 32, *, amx: bool = F
         m.packed = pack(m.weight.detach())
         m.weight.data = m.weight.data.new_empty(0)
     head = getattr(model, "lm_head", None)
-    if head is not None:
+    if head is not None and head.packed is None:
         head.packed = pack(head.weight.detach())
     return True
+
+
+def quantized_linear(
+    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype | None
+) -> torch.Tensor:
+    """x W^T (+ b) with W quantized: the C kernel on a CPU, the Triton kernel on CUDA."""
+    if x.device.type == "cuda":
+        import kernels.quant_matmul
+
+        return kernels.quant_matmul.quant_linear(x, qw, bias, out_dtype)
+    import kernels.cpu.quant
+
+    return kernels.cpu.quant.quant_linear(x, qw, bias, out_dtype)
 
 
 class VocabEmbedding(nn.Module):
@@ -173,7 +194,7 @@ class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden), requires_grad=False)
-        self.packed: PackedWeight | None = None  # as the LM head: see pack_linear_weights
+        self.packed: PackedWeight | QuantizedWeight | None = None  # as the LM head: see pack_linear_weights
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)

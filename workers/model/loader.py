@@ -6,6 +6,7 @@ Both yield tensors under Hugging Face names, so the model has one loading path.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,8 +15,12 @@ import numpy as np
 import torch
 
 from common.model_config import ModelConfig, read_model_config
+from kernels.quantized import GGUF_BLOCK_FORMATS, QuantizedWeight, from_gguf_blocks
 from workers.model.layers import ParallelContext
 from workers.model.llama import LlamaForCausalLM
+from workers.model.quantization import QUANTIZATIONS, install_gguf_weights, permute_rows, quantize_int8_model
+
+log = logging.getLogger(__name__)
 
 _GGUF_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -42,14 +47,28 @@ def load_model(
     device: torch.device,
     tp: ParallelContext = ParallelContext(),
     layers: range | None = None,
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
     """The model (or, with `layers`, one pipeline stage of it: see LlamaForCausalLM), this
-    rank's tensor-parallel shard, its weights loaded."""
+    rank's tensor-parallel shard, its weights loaded; `quantization` (workers/model/quantization.py)
+    says which linear weights stay quantized: `gguf` keeps a GGUF file's blocks, `int8` rounds
+    any weights."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}")
+    if quantization == "gguf" and path.is_dir():
+        raise ValueError("quantization gguf: the model must be a GGUF file (int8 quantizes any weights)")
     cfg = read_model_config(path)
     with torch.device(device), _default_dtype(dtype):
         model = LlamaForCausalLM(cfg, tp, layers)
-    weights = _hf_folder_weights(path) if path.is_dir() else _gguf_weights(path, cfg)
+    blocks: dict[str, QuantizedWeight] | None = {} if quantization == "gguf" else None
+    weights = _hf_folder_weights(path) if path.is_dir() else _gguf_weights(path, cfg, blocks)
     model.load_weights(weights)
+    if blocks is not None:
+        done = install_gguf_weights(model, blocks)
+        log.info("quantization gguf: %d linears run on the GGUF's blocks", done)
+    elif quantization == "int8":
+        done = quantize_int8_model(model)
+        log.info("quantization int8: %d linears run on int8 blocks", done)
     return model.eval()
 
 
@@ -90,7 +109,14 @@ def _hf_folder_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # ---- GGUF ----------------------------------------------------------------------------------
-def _gguf_weights(path: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+_QUANTIZABLE = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+
+
+def _gguf_weights(
+    path: Path, cfg: ModelConfig, blocks: dict[str, QuantizedWeight] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantized tensors under HF names; with `blocks`, the linear weights' quantized blocks
+    too (formats of `kernels.quantized`; others are logged and served dense)."""
     import gguf
     from gguf.quants import dequantize
 
@@ -102,6 +128,7 @@ def _gguf_weights(path: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Ten
         shape = [int(d) for d in reversed(t.shape)]
         tensor = torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))
         name = _GGUF_TOP.get(t.name)
+        rope_heads = None
         if name is None:
             m = _GGUF_BLOCK.fullmatch(t.name)
             if m is None or m.group(2) not in _GGUF_NAMES:
@@ -109,11 +136,26 @@ def _gguf_weights(path: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Ten
             layer, kind, suffix = m.groups()
             name = f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}"
             if cfg.architecture in ("llama", "mistral"):
-                if kind == "attn_q":
-                    tensor = _unpermute_rope_rows(tensor, cfg.num_heads)
-                elif kind == "attn_k":
-                    tensor = _unpermute_rope_rows(tensor, cfg.num_kv_heads)
+                rope_heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(kind)
+                if rope_heads is not None:
+                    tensor = _unpermute_rope_rows(tensor, rope_heads)
+        if blocks is not None and _is_linear_weight(t.name):
+            if t.tensor_type.name in GGUF_BLOCK_FORMATS:
+                qw = from_gguf_blocks(t.tensor_type.name, t.data)
+                if rope_heads is not None:
+                    qw = permute_rows(qw, _unpermute_rope_rows(torch.arange(qw.shape[0]), rope_heads))
+                blocks[name] = qw
+            else:
+                log.info("quantization gguf: %s is %s, served dense", t.name, t.tensor_type.name)
         yield name, tensor
+
+
+def _is_linear_weight(gguf_name: str) -> bool:
+    """A linear layer's weight, or the token embedding / output matrix (the LM head)."""
+    if gguf_name in ("token_embd.weight", "output.weight"):
+        return True
+    m = _GGUF_BLOCK.fullmatch(gguf_name)
+    return m is not None and m.group(2) in _QUANTIZABLE and m.group(3) == "weight"
 
 
 def _unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -1,0 +1,235 @@
+"""Quantized weights (`--quantization`): quality against the dense model, and decode speed.
+
+    python bench/quantized.py quality [--positions 512] [--out docs/perf/quantization.md]
+    python bench/quantized.py speed [--prompt-len 128] [--tokens 128] [--repeats 2]
+    python bench/quantized.py linears [--rows 1] [--repeats 20]
+
+`quality` runs the default model (the shipped Q4_1 GGUF) dense in bf16 (`none`, the reference),
+then `int8` and `gguf`, over fixed texts that ship with the dependencies (a license, Python
+source, package descriptions, a chat exchange), teacher-forced: every position's next-token
+distribution. Per format: mean KL(none || format) and greedy-token agreement over all
+positions, and perplexity of each on numpy's LICENSE.txt. `--out` writes the table.
+`speed`: single-stream decode tok/s of an in-process engine per format (A-B-C repeated),
+after the prefill; the machine's load average is printed beside the figures.
+`linears`: the linears of one decode step alone (every layer's own random weights in the default
+model's shapes, so they stream from memory as in a real step, and the LM head), per format:
+bf16 packed for oneDNN (the `none` path without AMX), int8 and Q4_1 through the C kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.model_files import default_model_path  # noqa: E402
+from common.sampling import SamplingParams  # noqa: E402
+from workers.engine.attention import AttentionMetadata  # noqa: E402
+from workers.engine.config import QUANTIZATIONS, EngineConfig  # noqa: E402
+from workers.engine.model_runner import ModelRunner  # noqa: E402
+from workers.model.llama import ForwardContext, LlamaForCausalLM  # noqa: E402
+from workers.model.loader import load_model  # noqa: E402
+
+PAGE = 16
+CHAT = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    "<|im_start|>user\nWhat are three good reasons to learn a second language?<|im_end|>\n"
+    "<|im_start|>assistant\nLearning a second language opens doors to new cultures, improves memory and "
+    "problem solving, and makes travel and work abroad far easier.<|im_end|>\n"
+    "<|im_start|>user\nWrite a short poem about the sea at night.<|im_end|>\n"
+    "<|im_start|>assistant\nThe tide comes in beneath the moon, the waves repeat a silver tune, "
+    "and every star that lights the foam is one more lantern guiding home.<|im_end|>\n"
+)
+
+
+def _package_file(package: str, *parts: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    return Path(spec.origin).parent.joinpath(*parts)
+
+
+def quality_texts() -> dict[str, str]:
+    """Fixed, varied texts that ship with the dependencies (no downloads)."""
+    import json.decoder
+
+    site = Path(importlib.util.find_spec("numpy").origin).parents[1]
+    license_file = next(site.glob("numpy-*.dist-info/licenses/LICENSE.txt"), None) or next(
+        site.glob("numpy-*.dist-info/LICENSE.txt")
+    )
+    aiohttp_meta = next(site.glob("aiohttp-*.dist-info/METADATA"))
+    return {
+        "license": license_file.read_text(),
+        "python": Path(json.decoder.__file__).read_text(),
+        "prose": aiohttp_meta.read_text().split("\n\n", 1)[1],
+        "chat": CHAT * 4,
+    }
+
+
+def prompt_logits(runner: ModelRunner, token_ids: list[int]) -> torch.Tensor:
+    """fp32 logits [T, vocab] at every position of one sequence, in one forward pass."""
+    n = len(token_ids)
+    pages = list(range(1, (n + PAGE - 1) // PAGE + 1))
+    md = AttentionMetadata.build(
+        [n], [n], [pages], PAGE, runner.device, for_cpu=runner.attention.builds_cpu_indices,
+        decode_gather=runner.attention.decode_gather,
+    )  # fmt: skip
+    ctx = ForwardContext(runner.kv_cache, md, runner.attention, runner.ops)
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=runner.device)
+    return runner.model(ids, ctx, torch.arange(n, device=runner.device)).float().cpu()
+
+
+def make_runner(model: LlamaForCausalLM, max_tokens: int) -> ModelRunner:
+    return ModelRunner(model, max_tokens // PAGE + 2, PAGE, torch.device("cpu"), cuda_graphs=False)
+
+
+def compare(reference: torch.Tensor, other: torch.Tensor) -> tuple[float, int]:
+    """(sum over rows of KL(reference || other), rows whose argmax agrees)."""
+    p_log, q_log = reference.log_softmax(-1), other.log_softmax(-1)
+    kl = (p_log.exp() * (p_log - q_log)).sum(-1)
+    return float(kl.sum()), int((reference.argmax(-1) == other.argmax(-1)).sum())
+
+
+def perplexity(logits: torch.Tensor, token_ids: list[int]) -> tuple[float, int]:
+    """(summed negative log-likelihood of tokens 1.., how many)."""
+    targets = torch.tensor(token_ids[1:])
+    nll = -logits[:-1].log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+    return float(nll.sum()), len(targets)
+
+
+def quality(args: argparse.Namespace) -> None:
+    from tests.default_model import tokenizer
+
+    tok = tokenizer()
+    windows = {name: tok.encode(text)[: args.positions] for name, text in quality_texts().items()}
+    ppl_ids = windows["license"]
+    results: dict[str, dict[str, float]] = {}
+    reference: dict[str, torch.Tensor] = {}
+    for fmt in QUANTIZATIONS:
+        model = load_model(default_model_path(), torch.bfloat16, torch.device("cpu"), quantization=fmt)
+        runner = make_runner(model, args.positions)
+        kl = agree = rows = 0.0
+        for name, ids in windows.items():
+            logits = prompt_logits(runner, ids)
+            if fmt == "none":
+                reference[name] = logits
+            k, a = compare(reference[name], logits)
+            kl, agree, rows = kl + k, agree + a, rows + len(ids)
+        nll, count = perplexity(prompt_logits(runner, ppl_ids), ppl_ids)
+        results[fmt] = {"kl": kl / rows, "agree": agree / rows, "ppl": float(torch.tensor(nll / count).exp())}
+        results[fmt]["positions"] = rows
+        print(fmt, results[fmt], flush=True)
+    table = quality_table(results, args.positions)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table)
+
+
+def quality_table(results: dict[str, dict[str, float]], positions: int) -> str:
+    lines = [
+        "| --quantization | weights | mean KL(bf16 ‖ q) | greedy agreement | perplexity (numpy LICENSE) |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    kinds = {"none": "bf16 (Q4_1 dequantized)", "int8": "int8 blocks of 32", "gguf": "Q4_1 (Q8_0 LM head)"}
+    for fmt, r in results.items():
+        lines.append(f"| {fmt} | {kinds[fmt]} | {r['kl']:.4f} | {r['agree']:.2%} | {r['ppl']:.3f} |")
+    return "\n".join(lines) + f"\n\n{int(results['none']['positions'])} positions ({positions} per text).\n"
+
+
+def speed(args: argparse.Namespace) -> None:
+    from workers.engine.engine import Engine
+
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    prompt = list(range(1000, 1000 + args.prompt_len))
+    engines = {
+        fmt: Engine(EngineConfig(dtype="bfloat16", quantization=fmt, num_pages=64, enable_prefix_caching=False))
+        for fmt in args.formats
+    }
+    figures: dict[str, list[float]] = {fmt: [] for fmt in engines}
+    for repeat in range(args.repeats):
+        for fmt, engine in engines.items():
+            engine.add_request(f"{fmt}-{repeat}", prompt, params)
+            engine.step()  # the prefill and first token
+            t0, steps = time.perf_counter(), 0
+            while engine.requests:
+                engine.step()
+                steps += 1
+            figures[fmt].append(steps / (time.perf_counter() - t0))
+    load = os.getloadavg()
+    for fmt, tps in figures.items():
+        print(f"{fmt:5s} decode {statistics.median(tps):6.1f} tok/s (runs: {', '.join(f'{t:.1f}' for t in tps)})")
+    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
+
+
+def linears(args: argparse.Namespace) -> None:
+    import gguf
+    from gguf.quants import quantize as gguf_quantize
+
+    from common.model_config import read_model_config
+    from kernels.cpu.quant import quant_linear
+    from kernels.quantized import from_gguf_blocks, quantize_int8
+
+    cfg = read_model_config(default_model_path())
+    h, inter, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
+    shapes = [(h + 2 * kv, h), (h, h), (2 * inter, h), (h, inter)] * cfg.num_layers + [(cfg.vocab_size, h)]
+    gen = torch.Generator().manual_seed(0)
+    dense = [torch.randn(n, k, generator=gen) * 0.05 for n, k in shapes]
+    q4_1 = gguf.GGMLQuantizationType.Q4_1
+    weights = {
+        "bf16": [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 32) for w in dense],
+        "int8": [quantize_int8(w) for w in dense],
+        "q4_1": [from_gguf_blocks("Q4_1", gguf_quantize(w.numpy(), q4_1)) for w in dense],
+    }
+    del dense
+    xs = {k: torch.randn(args.rows, k).bfloat16() for k in {k for _, k in shapes}}
+
+    def one_pass(fmt: str) -> None:
+        for w in weights[fmt]:
+            if fmt == "bf16":
+                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], w, None, "none", [], "")
+            else:
+                quant_linear(xs[w.shape[1]], w)
+
+    times: dict[str, list[float]] = {fmt: [] for fmt in weights}
+    for _ in range(args.repeats):  # A-B-C, repeated
+        for fmt in weights:
+            t0 = time.perf_counter()
+            one_pass(fmt)
+            times[fmt].append(time.perf_counter() - t0)
+    for fmt, ts in times.items():
+        mb = sum(_nbytes(w) for w in weights[fmt]) / 1e6
+        print(f"{fmt:5s} {args.rows} row(s): {statistics.median(ts) * 1e3:6.2f} ms per step's linears ({mb:.0f} MB)")
+    load = os.getloadavg()
+    print(f"threads {torch.get_num_threads()}, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+
+
+def _nbytes(w) -> int:
+    return w.nbytes if hasattr(w, "codes") else w.numel() * w.element_size()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    q = sub.add_parser("quality")
+    q.add_argument("--positions", type=int, default=512, help="tokens per text")
+    q.add_argument("--out", default=None)
+    s = sub.add_parser("speed")
+    s.add_argument("--prompt-len", type=int, default=128)
+    s.add_argument("--tokens", type=int, default=128)
+    s.add_argument("--repeats", type=int, default=2)
+    s.add_argument("--formats", nargs="+", default=list(QUANTIZATIONS), choices=list(QUANTIZATIONS))
+    li = sub.add_parser("linears")
+    li.add_argument("--rows", type=int, default=1)
+    li.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    {"quality": quality, "speed": speed, "linears": linears}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The weight-quantized matmul in C (`quant_matmul.c`), for the CPU path:
+
+    quant_linear(x, qw, bias, out_dtype) -> x W^T (+ bias)   W a `kernels.quantized.QuantizedWeight`
+
+x is fp32 or bf16 [M, K] (rows may be strided); x is rounded per row and block of 32 to int8
+inside (see quant_matmul.c), the sums are fp32, the result is rounded to `out_dtype` (default x's).
+A library of its own next to pagemesh_cpu.c (same build, same cache), loaded on first use;
+`available()` says whether it loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from kernels.cpu import build
+from kernels.quantized import QuantizedWeight
+
+SOURCE = build.SOURCE.with_name("quant_matmul.c")
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_lib: ctypes.PyDLL | None = None
+_error: str | None = None
+
+
+def available() -> bool:
+    """Build and load the library once; False (with `load_error()`) where that fails or
+    PAGEMESH_CPU_KERNELS=0."""
+    global _lib, _error
+    if _lib is not None:
+        return True
+    if _error is not None:
+        return False
+    if os.environ.get("PAGEMESH_CPU_KERNELS", "1") == "0":
+        _error = "disabled by PAGEMESH_CPU_KERNELS=0"
+        return False
+    try:
+        lib = ctypes.PyDLL(str(build.library_path(SOURCE)))  # PyDLL: as kernels.cpu, the call keeps the GIL
+    except (build.BuildError, OSError) as e:
+        _error = str(e)
+        return False
+    lib.pm_quant_matmul.argtypes = [_P, _I64, _I32, _P, _P, _P, _I32, _P, _P, _I32, _I64, _I64, _I64]
+    lib.pm_quant_matmul.restype = None
+    _lib = lib
+    return True
+
+
+def load_error() -> str | None:
+    return _error
+
+
+def quant_linear(
+    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    n, k = qw.shape
+    out_dtype = out_dtype or x.dtype
+    if x.dtype not in _DTYPES or out_dtype not in _DTYPES or x.device.type != "cpu":
+        raise ValueError("quant_linear: x and the output are CPU float32 or bfloat16")
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"quant_linear: x must be [M, {k}]")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    for t in (qw.codes, qw.scale, qw.offset):
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("quant_linear: the weight's tensors must be contiguous CPU tensors")
+    if bias is not None:
+        if bias.shape != (n,):
+            raise ValueError(f"quant_linear: bias must be [{n}]")
+        bias = bias.float().contiguous()
+    if not available():
+        raise RuntimeError(f"quant_linear: {load_error()}")
+    out = torch.empty(x.shape[0], n, dtype=out_dtype)
+    if x.shape[0] == 0:
+        return out
+    _lib.pm_quant_matmul(
+        x.data_ptr(),
+        x.stride(0),
+        _DTYPES[x.dtype],
+        qw.codes.data_ptr(),
+        qw.scale.data_ptr(),
+        qw.offset.data_ptr(),
+        qw.bits,
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+        _DTYPES[out_dtype],
+        x.shape[0],
+        n,
+        k,
+    )
+    return out

@@ -1,0 +1,236 @@
+/* pagemesh's weight-quantized matmul for the CPU: y = x W^T (+ b) with W in blocks of 32 codes.
+ *
+ * Built at first use by kernels/cpu/build.py like pagemesh_cpu.c, and called through ctypes by
+ * kernels/cpu/quant.py, which checks shapes and dtypes; the functions here trust their arguments.
+ *
+ * One layout serves every format (kernels/quantized.py makes it, from GGUF blocks or any dense
+ * weight): row n of W is K unsigned 8-bit codes q (two per byte for 4-bit formats: byte j of a
+ * block holds code j in its low nibble and code j + 16 in its high one, GGUF's order), and each
+ * block b of 32 codes has an fp16 scale d and an fp16 offset c:
+ *
+ *     W[n, 32 b + j] = d[n, b] * q[n, 32 b + j] + c[n, b]
+ *
+ * (Q4_0: c = -8 d; Q4_1: c = m; Q8_0 and our int8: q = w + 128, c = -128 d.)
+ *
+ * Activations are quantized here per row and block of 32 to int8 (scale dx = max|x| / 127, as
+ * llama.cpp's Q8 activations), so a block's dot product is integer work, one VNNI instruction
+ * (u8 codes x s8 activations, 32 products) where the CPU has AVX512-VNNI:
+ *
+ *     sum_j W x = d dx sum_j q qx  +  c dx sum_j qx
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
+    defined(__F16C__)
+#include <immintrin.h>
+#define PM_VNNI 1
+#endif
+
+enum { DT_F32 = 0, DT_BF16 = 1 };
+enum { BLOCK = 32, GROUP = 4, ROWS = 4, PREFETCH = 4 }; /* GROUP: blocks per vector step; ROWS: x rows per weight decode */
+
+typedef uint16_t bf16;
+
+static inline float bf16_to_f32(bf16 h) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)h << 16;
+    return c.f;
+}
+
+static inline bf16 f32_to_bf16(float f) {
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    uint32_t u = c.u;
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+    return (bf16)(u >> 16);
+}
+
+/* Activations, quantized once per call: row r holds kpad = K rounded up to GROUP blocks int8
+ * values (zero past K), and per block dx (scale) and dxt (scale times the sum of the block's
+ * values), zero past K, so that a group reaching past K adds nothing. With VNNI, a 4-bit
+ * weight's group of 4 blocks is 64 bytes whose low nibbles are codes 0..15 of each block and
+ * high nibbles codes 16..31; the activations of a group are laid out to match: the 4 blocks'
+ * values 0..15, then their values 16..31. 8-bit weights keep the natural order. */
+static inline int64_t act_index(int64_t b, int j, int bits) {
+#if defined(PM_VNNI)
+    if (bits == 4) return (b / GROUP) * GROUP * BLOCK + (j < 16 ? 0 : 64) + (b % GROUP) * 16 + (j & 15);
+#else
+    (void)bits;
+#endif
+    return b * BLOCK + j;
+}
+
+static void quantize_row(const void *x, int dt, int64_t k, int bits, int8_t *qx, float *dx, float *dxt) {
+    float v[BLOCK];
+    for (int64_t b = 0; b < k / BLOCK; b++) {
+        float amax = 0.0f;
+        for (int j = 0; j < BLOCK; j++) {
+            v[j] = dt == DT_BF16 ? bf16_to_f32(((const bf16 *)x)[b * BLOCK + j]) : ((const float *)x)[b * BLOCK + j];
+            float a = fabsf(v[j]);
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < BLOCK; j++) {
+            int q = (int)lrintf(v[j] * inv);
+            qx[act_index(b, j, bits)] = (int8_t)q;
+            sum += q;
+        }
+        dx[b] = d;
+        dxt[b] = d * (float)sum;
+    }
+}
+
+#if defined(PM_VNNI)
+/* sums[r] = x_r . W_n for rows r < rows of a tile (see the header for the algebra). Always
+ * inlined with constant rows and bits (dispatch below), so the accumulators live in registers */
+static inline __attribute__((always_inline)) void row_dots(const uint8_t *codes, const uint16_t *d, const uint16_t *c, int bits, int64_t kb,
+                            const int8_t *qx, const float *dx, const float *dxt, int64_t kpad, int64_t kbpad, int rows,
+                            float *sums) {
+    const __m512i low = _mm512_set1_epi8(0x0f), zero = _mm512_setzero_si512();
+    /* a group's 4 scales, each widened to the lanes that hold its block's sums */
+    const __m512i by4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i by8_lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i by8_hi = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2);
+    __m512 acc[ROWS];
+    __m128 cacc[ROWS];
+    for (int r = 0; r < ROWS; r++) {
+        acc[r] = _mm512_setzero_ps();
+        cacc[r] = _mm_setzero_ps();
+    }
+    for (int64_t b = 0; b < kb; b += GROUP) {
+        const int nt = kb - b < GROUP ? (int)(kb - b) : GROUP;
+        const __mmask8 hm = (__mmask8)((1u << nt) - 1);
+        const __m128 dw = _mm_cvtph_ps(_mm_maskz_loadu_epi16(hm, d + b));
+        const __m128 cw = _mm_cvtph_ps(_mm_maskz_loadu_epi16(hm, c + b));
+        if (bits == 4) {
+            const __mmask64 cm = nt == GROUP ? ~0ULL : (1ULL << (16 * nt)) - 1;
+            const __m512i packed = _mm512_maskz_loadu_epi8(cm, codes + b * 16);
+            const __m512i lo = _mm512_and_si512(packed, low);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xr = qx + r * kpad + b * BLOCK;
+                __m512i dot = _mm512_dpbusd_epi32(zero, lo, _mm512_loadu_si512(xr));
+                dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(xr + 64));
+                const __m128 s = _mm_mul_ps(dw, _mm_loadu_ps(dx + r * kbpad + b));
+                const __m512 scale = _mm512_permutexvar_ps(by4, _mm512_castps128_ps512(s));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+                cacc[r] = _mm_fmadd_ps(cw, _mm_loadu_ps(dxt + r * kbpad + b), cacc[r]);
+            }
+        } else {
+            const __mmask64 m1 = nt >= 2 ? ~0ULL : 0xffffffffULL, m2 = nt == 4 ? ~0ULL : (nt == 3 ? 0xffffffffULL : 0);
+            const __m512i w1 = _mm512_maskz_loadu_epi8(m1, codes + b * BLOCK);
+            const __m512i w2 = _mm512_maskz_loadu_epi8(m2, codes + b * BLOCK + 64);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *xr = qx + r * kpad + b * BLOCK;
+                const __m512i dot1 = _mm512_dpbusd_epi32(zero, w1, _mm512_loadu_si512(xr));
+                const __m512i dot2 = _mm512_dpbusd_epi32(zero, w2, _mm512_loadu_si512(xr + 64));
+                const __m512 s = _mm512_castps128_ps512(_mm_mul_ps(dw, _mm_loadu_ps(dx + r * kbpad + b)));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot1), _mm512_permutexvar_ps(by8_lo, s), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot2), _mm512_permutexvar_ps(by8_hi, s), acc[r]);
+                cacc[r] = _mm_fmadd_ps(cw, _mm_loadu_ps(dxt + r * kbpad + b), cacc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        __m128 t = _mm_add_ps(cacc[r], _mm_movehl_ps(cacc[r], cacc[r]));
+        t = _mm_add_ss(t, _mm_movehdup_ps(t));
+        sums[r] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(t);
+    }
+}
+#else
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    union { uint32_t u; float f; } v;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+        v.f = (float)man * 5.9604644775390625e-8f;
+        v.u |= sign;
+    } else if (exp == 31) {
+        v.u = sign | 0x7f800000u | (man << 13);
+    } else {
+        v.u = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    return v.f;
+}
+
+static inline void row_dots(const uint8_t *codes, const uint16_t *d, const uint16_t *c, int bits, int64_t kb,
+                            const int8_t *qx, const float *dx, const float *dxt, int64_t kpad, int64_t kbpad, int rows,
+                            float *sums) {
+    for (int r = 0; r < rows; r++) {
+        float sum = 0.0f;
+        for (int64_t b = 0; b < kb; b++) {
+            const uint8_t *q = codes + b * (bits == 8 ? BLOCK : BLOCK / 2);
+            int dot = 0;
+            for (int j = 0; j < BLOCK; j++)
+                dot += (bits == 8 ? q[j] : (j < 16 ? q[j] & 15 : q[j - 16] >> 4)) * qx[r * kpad + b * BLOCK + j];
+            sum += f16_to_f32(d[b]) * dx[r * kbpad + b] * (float)dot + f16_to_f32(c[b]) * dxt[r * kbpad + b];
+        }
+        sums[r] = sum;
+    }
+}
+#endif
+
+/* row_dots with rows and bits as compile-time constants */
+static void tile_dots(const uint8_t *codes, const uint16_t *d, const uint16_t *c, int bits, int64_t kb,
+                      const int8_t *qx, const float *dx, const float *dxt, int64_t kpad, int64_t kbpad, int rows,
+                      float *sums) {
+#define PM_ROWS(B, R) row_dots(codes, d, c, B, kb, qx, dx, dxt, kpad, kbpad, R, sums)
+    if (bits == 4) {
+        switch (rows) {
+        case 1: PM_ROWS(4, 1); break;
+        case 2: PM_ROWS(4, 2); break;
+        case 3: PM_ROWS(4, 3); break;
+        default: PM_ROWS(4, 4);
+        }
+    } else {
+        switch (rows) {
+        case 1: PM_ROWS(8, 1); break;
+        case 2: PM_ROWS(8, 2); break;
+        case 3: PM_ROWS(8, 3); break;
+        default: PM_ROWS(8, 4);
+        }
+    }
+#undef PM_ROWS
+}
+
+/* x [M, K] (row stride x_stride elements, dtype x_dt) times W^T as described above, plus bias
+ * (fp32 [N] or NULL), into out [M, N] (contiguous, out_dt). K is a multiple of 32. */
+void pm_quant_matmul(const void *x, int64_t x_stride, int x_dt, const uint8_t *codes, const uint16_t *d,
+                     const uint16_t *c, int bits, const float *bias, void *out, int out_dt, int64_t m, int64_t n,
+                     int64_t k) {
+    const int64_t kb = k / BLOCK, kbpad = (kb + GROUP - 1) / GROUP * GROUP, kpad = kbpad * BLOCK;
+    const int64_t row_bytes = bits == 8 ? k : k / 2, xsize = x_dt == DT_BF16 ? 2 : 4;
+    int8_t *qx = (int8_t *)aligned_alloc(64, (size_t)(m * kpad));
+    float *dx = (float *)calloc((size_t)(2 * m * kbpad), sizeof(float)), *dxt = dx + m * kbpad;
+    memset(qx, 0, (size_t)(m * kpad));
+#pragma omp parallel for schedule(static) if (m * k > 65536)
+    for (int64_t r = 0; r < m; r++)
+        quantize_row((const char *)x + r * x_stride * xsize, x_dt, k, bits, qx + r * kpad, dx + r * kbpad,
+                     dxt + r * kbpad);
+#pragma omp parallel for schedule(static) if (n * m * k > 262144)
+    for (int64_t j = 0; j < n; j++) {
+        /* the weights stream from memory once per call: ask for row j + PREFETCH's now */
+        if (j + PREFETCH < n) {
+            for (int64_t i = 0; i < row_bytes; i += 64) __builtin_prefetch(codes + (j + PREFETCH) * row_bytes + i, 0, 0);
+            __builtin_prefetch(d + (j + PREFETCH) * kb, 0, 0);
+            __builtin_prefetch(c + (j + PREFETCH) * kb, 0, 0);
+        }
+        for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+            const int rows = m - r0 < ROWS ? (int)(m - r0) : ROWS;
+            float sums[ROWS];
+            tile_dots(codes + j * row_bytes, d + j * kb, c + j * kb, bits, kb, qx + r0 * kpad, dx + r0 * kbpad,
+                      dxt + r0 * kbpad, kpad, kbpad, rows, sums);
+            for (int r = 0; r < rows; r++) {
+                const float y = sums[r] + (bias ? bias[j] : 0.0f);
+                if (out_dt == DT_BF16)
+                    ((bf16 *)out)[(r0 + r) * n + j] = f32_to_bf16(y);
+                else
+                    ((float *)out)[(r0 + r) * n + j] = y;
+            }
+        }
+    }
+    free(qx);
+    free(dx);
+}

@@ -1,0 +1,144 @@
+"""Quantized linear weights in one layout for every format, and the conversions into it.
+
+A `QuantizedWeight` holds W [N, K] (K a multiple of 32) as unsigned codes with, per row and block
+of 32 codes, an fp16 scale d and an fp16 offset c:
+
+    W[n, 32 b + j] = d[n, b] * q[n, 32 b + j] + c[n, b]
+
+    format   bits  codes q                 c          source
+    q4_0     4     GGUF nibbles (0..15)    -8 d       a GGUF Q4_0 tensor, bit for bit
+    q4_1     4     GGUF nibbles (0..15)    m          a GGUF Q4_1 tensor, bit for bit
+    q8_0     8     int8 + 128              -128 d     a GGUF Q8_0 tensor, bit for bit
+    int8     8     int8 + 128              -128 d     any dense weight (`quantize_int8`): d = max|w| / 127
+
+4-bit codes are two to a byte in GGUF's order: byte j of a block holds code j in its low nibble
+and code j + 16 in its high one. The matmul kernels (`kernels.cpu.quant`, `kernels.quant_matmul`)
+read this layout; `dequantize` is their reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+BLOCK = 32
+FORMATS = {"q4_0": 4, "q4_1": 4, "q8_0": 8, "int8": 8}
+# GGUF tensor type name -> (our format, bytes per block)
+GGUF_BLOCK_FORMATS = {"Q4_0": ("q4_0", 18), "Q4_1": ("q4_1", 20), "Q8_0": ("q8_0", 34)}
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """W [N, K] as codes [N, K * bits / 8] uint8, scale and offset [N, K / 32] float16 (see above)."""
+
+    format: str
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+
+    @property
+    def bits(self) -> int:
+        return FORMATS[self.format]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.scale.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset))
+
+    def rows(self, start: int, size: int) -> QuantizedWeight:
+        """Rows start:start+size (a column-parallel shard)."""
+        return QuantizedWeight(
+            self.format, *(t[start : start + size].contiguous() for t in (self.codes, self.scale, self.offset))
+        )
+
+    def columns(self, start: int, size: int) -> QuantizedWeight:
+        """Columns start:start+size, both multiples of 32 (a row-parallel shard)."""
+        if start % BLOCK or size % BLOCK:
+            raise ValueError(f"quantized weight: columns {start}:{start + size} do not fall on blocks of {BLOCK}")
+        per_code = 8 // self.bits
+        codes = self.codes[:, start // per_code : (start + size) // per_code]
+        blocks = slice(start // BLOCK, (start + size) // BLOCK)
+        return QuantizedWeight(
+            self.format, codes.contiguous(), self.scale[:, blocks].contiguous(), self.offset[:, blocks].contiguous()
+        )
+
+    def to(self, device: torch.device) -> QuantizedWeight:
+        return QuantizedWeight(self.format, self.codes.to(device), self.scale.to(device), self.offset.to(device))
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stack row blocks of one format (fused q/k/v or gate/up)."""
+    if len({p.format for p in parts}) != 1:
+        raise ValueError("quantized weight: fused parts must share one format")
+    return QuantizedWeight(
+        parts[0].format, *(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "offset"))
+    )
+
+
+def from_gguf_blocks(type_name: str, blocks: np.ndarray) -> QuantizedWeight:
+    """A GGUF tensor's raw blocks (uint8 [N, bytes per row], as gguf.GGUFReader gives them) in our
+    layout, the same bits: Q4_0, Q4_1 and Q8_0."""
+    fmt, block_bytes = GGUF_BLOCK_FORMATS[type_name]
+    rows = blocks.shape[0]
+    raw = np.ascontiguousarray(blocks).reshape(rows, -1, block_bytes)
+    scale = raw[:, :, 0:2].copy().view(np.float16)[:, :, 0]
+    if fmt == "q4_1":
+        offset = raw[:, :, 2:4].copy().view(np.float16)[:, :, 0]
+        codes = raw[:, :, 4:]
+    elif fmt == "q4_0":
+        offset = (scale.astype(np.float32) * -8).astype(np.float16)
+        codes = raw[:, :, 2:]
+    else:
+        offset = (scale.astype(np.float32) * -128).astype(np.float16)
+        codes = (raw[:, :, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    return QuantizedWeight(
+        fmt,
+        torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, -1)),
+        torch.from_numpy(np.ascontiguousarray(scale)),
+        torch.from_numpy(np.ascontiguousarray(offset)),
+    )
+
+
+def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
+    """Weight-only int8 of a dense W [N, K] (K a multiple of 32): per block of 32, symmetric,
+    d = max|w| / 127 rounded to fp16, q = round(w / d) in [-127, 127]."""
+    n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"quantize_int8: K={k} is not a multiple of {BLOCK}")
+    blocks = w.detach().float().reshape(n, k // BLOCK, BLOCK)
+    scale = (blocks.abs().amax(dim=-1) / 127).to(torch.float16)
+    inv = torch.where(scale > 0, 1 / scale.float(), torch.zeros(()))
+    q = torch.round(blocks * inv.unsqueeze(-1)).clamp(-127, 127)
+    codes = (q + 128).to(torch.uint8).reshape(n, k)
+    return QuantizedWeight("int8", codes.contiguous(), scale.contiguous(), (scale.float() * -128).to(torch.float16))
+
+
+def unpack_codes(qw: QuantizedWeight) -> torch.Tensor:
+    """The codes one per element: uint8 [N, K]."""
+    if qw.bits == 8:
+        return qw.codes
+    n = qw.codes.shape[0]
+    packed = qw.codes.reshape(n, -1, BLOCK // 2)
+    return torch.cat((packed & 15, packed >> 4), dim=-1).reshape(n, -1)
+
+
+def dequantize(qw: QuantizedWeight) -> torch.Tensor:
+    """W [N, K] in fp32: the reference the kernels are tested against."""
+    n, k = qw.shape
+    q = unpack_codes(qw).float().reshape(n, k // BLOCK, BLOCK)
+    return (q * qw.scale.float().unsqueeze(-1) + qw.offset.float().unsqueeze(-1)).reshape(n, k)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the kernels see it: rounded per row and block of 32 to int8 with scale
+    max|x| / 127 (llama.cpp's Q8 activations), returned dequantized in fp32."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros(()))
+    return (torch.round(blocks * inv) * (amax / 127)).reshape(m, k)

@@ -1,0 +1,91 @@
+"""Quantized weights: the GGUF blocks and our int8 in one layout (`kernels.quantized`), and the C
+matmul (`kernels.cpu.quant`) against dequantize-then-matmul on random blocks, tails included."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from kernels.cpu import quant
+from kernels.quantized import (
+    concat_rows,
+    dequantize,
+    from_gguf_blocks,
+    quantize_activations,
+    quantize_int8,
+)
+
+
+def _weight(fmt: str, n: int, k: int, seed: int):
+    """A random W [N, K] in `fmt`: GGUF formats through gguf's own quantizer."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    if fmt == "int8":
+        return quantize_int8(torch.from_numpy(w))
+    qtype = getattr(gguf.GGMLQuantizationType, fmt.upper())
+    return from_gguf_blocks(fmt.upper(), gguf_quantize(w, qtype))
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+def test_gguf_blocks_convert_bit_for_bit(fmt):
+    w = np.random.default_rng(1).standard_normal((7, 96)).astype(np.float32)
+    qtype = getattr(gguf.GGMLQuantizationType, fmt.upper())
+    blocks = gguf_quantize(w, qtype)
+    qw = from_gguf_blocks(fmt.upper(), blocks)
+    assert qw.format == fmt and qw.shape == (7, 96)
+    assert torch.equal(dequantize(qw), torch.from_numpy(gguf_dequantize(blocks, qtype).reshape(7, 96)))
+
+
+def test_int8_rounds_each_block_to_its_own_scale():
+    w = torch.randn(5, 64)
+    w[2, :32] *= 100  # one loud block must not coarsen its neighbours
+    qw = quantize_int8(w)
+    err = (dequantize(qw) - w).abs()
+    bound = w.reshape(5, 2, 32).abs().amax(-1) / 127 * 0.51  # half a step, and fp16 scale rounding
+    assert (err.reshape(5, 2, 32) <= bound.unsqueeze(-1) + 1e-6).all()
+
+
+def test_shards_and_fused_rows_keep_the_values():
+    qw = _weight("q4_1", 12, 128, 2)
+    dense = dequantize(qw)
+    assert torch.equal(dequantize(qw.rows(3, 4)), dense[3:7])
+    assert torch.equal(dequantize(qw.columns(64, 64)), dense[:, 64:])
+    assert torch.equal(dequantize(concat_rows([qw.rows(0, 5), qw.rows(5, 7)])), dense)
+    with pytest.raises(ValueError, match="blocks of 32"):
+        qw.columns(16, 64)
+
+
+@pytest.mark.skipif(not quant.available(), reason=f"quantized C kernel did not build: {quant.load_error()}")
+@pytest.mark.parametrize("fmt", ["int8", "q4_0", "q4_1", "q8_0"])
+# M 1 and 7 (a tile of 4 and a tail of 3), N 37 (no round count), K from one block to 48
+@pytest.mark.parametrize("m, n, k", [(1, 37, 32), (7, 37, 96), (5, 64, 1536)])
+def test_cpu_kernel_matches_dequantize_then_matmul(fmt, m, n, k):
+    qw = _weight(fmt, n, k, seed=m + n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+    bias = torch.randn(n)
+    got = quant.quant_linear(x, qw, bias)
+    # the kernel's activation rounding, then plain matmul in float64; an activation within an
+    # ulp of a rounding tie may round the other way in C (-ffast-math takes 1/amax once), so
+    # one activation step times the largest weight is allowed on top of fp32 summation
+    want = quantize_activations(x).double() @ dequantize(qw).double().T + bias.double()
+    step = float(x.abs().max() / 127 * dequantize(qw).abs().max())
+    torch.testing.assert_close(got.double(), want, atol=1e-4 + step, rtol=1e-4)
+    # and within the int8 activation rounding of the unrounded product
+    plain = x.double() @ dequantize(qw).double().T + bias.double()
+    assert (got.double() - plain).abs().max() < 0.02 * plain.abs().max()
+    # bf16 in: the same values read, the same sums; bf16 out: those sums rounded once
+    x16, bias16 = x.bfloat16(), bias.bfloat16()
+    wide = quant.quant_linear(x16.float(), qw, bias16.float())
+    assert torch.equal(quant.quant_linear(x16, qw, bias16, torch.float32), wide)
+    assert torch.equal(quant.quant_linear(x16, qw, bias16), wide.bfloat16())
+
+
+@pytest.mark.skipif(not quant.available(), reason=f"quantized C kernel did not build: {quant.load_error()}")
+def test_cpu_kernel_reads_strided_rows_and_rejects_bad_shapes():
+    qw = _weight("q4_0", 16, 64, 3)
+    wide = torch.randn(3, 128)
+    assert torch.equal(quant.quant_linear(wide[:, :64], qw), quant.quant_linear(wide[:, :64].contiguous(), qw))
+    assert quant.quant_linear(torch.zeros(0, 64), qw).shape == (0, 16)
+    with pytest.raises(ValueError, match=r"\[M, 64\]"):
+        quant.quant_linear(torch.randn(2, 32), qw)

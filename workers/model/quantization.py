@@ -1,0 +1,92 @@
+"""`--quantization none|int8|gguf`: which linear weights the model keeps quantized, and how.
+
+    none   the dense weights as loaded (a GGUF is dequantized at load): today's path
+    int8   every linear weight and the LM head rounded at load to int8 blocks of 32 with an fp16
+           scale each (`kernels.quantized.quantize_int8`), from any checkpoint
+    gguf   a GGUF's own Q4_0 / Q4_1 / Q8_0 blocks kept bit for bit; a tensor of another type
+           stays dense (bf16/fp32, dequantized as today), with a log line
+
+The quantized weight sits in the linear's `packed` slot (`workers.model.layers.linear` runs the
+quantized matmul for it) and the dense one is released; the token embedding keeps its dense
+rows for the lookup (tied LM heads read the quantized copy).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kernels.quantized import BLOCK, QuantizedWeight, concat_rows, quantize_int8
+from workers.engine.config import QUANTIZATIONS  # noqa: F401  (the names live with the flag)
+from workers.model.layers import ColumnParallelLinear, RowParallelLinear, VocabEmbedding
+
+log = logging.getLogger(__name__)
+
+
+def quantize_int8_model(model) -> int:
+    """Replace every linear weight (and the LM head) by its int8 blocks; returns how many.
+    Weights whose input size is not a multiple of 32 stay dense."""
+    done = 0
+    for name, m in _linears(model):
+        weight = m.weight.detach()
+        if weight.shape[1] % BLOCK:
+            log.info("quantization: %s stays dense (%d inputs, not a multiple of %d)", name, weight.shape[1], BLOCK)
+            continue
+        _install(m, quantize_int8(weight.cpu()).to(weight.device), release=not isinstance(m, VocabEmbedding))
+        done += 1
+    return done
+
+
+def install_gguf_weights(model, blocks: dict[str, QuantizedWeight]) -> int:
+    """Put a GGUF's quantized tensors (by Hugging Face name, rows already in HF order) in place
+    of the dense copies, sharded as the layers are. Returns how many linears run quantized."""
+    done = 0
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        done += _install_column(attn.qkv_proj, [blocks.get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        done += _install_column(mlp.gate_up_proj, [blocks.get(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
+        done += _install_row(attn.o_proj, blocks.get(p + "self_attn.o_proj.weight"))
+        done += _install_row(mlp.down_proj, blocks.get(p + "mlp.down_proj.weight"))
+    head_name = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
+    head = blocks.get(head_name)
+    if head is not None and model.lm_head is not None:
+        _install(model.lm_head, head.to(model.lm_head.weight.device), release=False)
+        done += 1
+    return done
+
+
+def _install_column(m: ColumnParallelLinear, parts: list[QuantizedWeight | None]) -> int:
+    if any(p is None for p in parts) or len({p.format for p in parts}) != 1:
+        return 0
+    shards = [p.rows(*m.tp.shard(size, "output")) for p, size in zip(parts, m.output_sizes)]
+    _install(m, concat_rows(shards).to(m.weight.device), release=True)
+    return 1
+
+
+def _install_row(m: RowParallelLinear, weight: QuantizedWeight | None) -> int:
+    local_in = m.weight.shape[1]
+    if weight is None or m.in_start % BLOCK or local_in % BLOCK:
+        return 0
+    _install(m, weight.columns(m.in_start, local_in).to(m.weight.device), release=True)
+    return 1
+
+
+def _install(m, qw: QuantizedWeight, release: bool) -> None:
+    m.packed = qw
+    if release:
+        m.weight.data = m.weight.data.new_empty(0)
+
+
+def _linears(model):
+    for name, m in model.named_modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            yield name, m
+    if model.lm_head is not None:  # a pipeline stage before the last has none
+        yield "lm_head", model.lm_head
+
+
+def permute_rows(qw: QuantizedWeight, order: torch.Tensor) -> QuantizedWeight:
+    """Rows in `order` (the GGUF converter's Q/K row order undone)."""
+    return QuantizedWeight(qw.format, qw.codes[order], qw.scale[order], qw.offset[order])
