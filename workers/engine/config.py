@@ -10,6 +10,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from workers.engine.speculative import SpeculativeConfig
+
 if TYPE_CHECKING:
     import torch
 
@@ -41,6 +43,7 @@ class EngineConfig:
     seed: int = 0
     cuda_graphs: bool = True  # replay decode-only steps from CUDA graphs (CUDA only)
     tensor_parallel_size: int = 1  # rank processes sharing the model's heads (workers/engine/tensor_parallel.py)
+    speculative_config: SpeculativeConfig | None = None  # n-gram speculative decoding (workers/engine/speculative.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -141,6 +144,14 @@ def add_engine_arguments(parser) -> None:
     add(parser, "--max-long-partial-prefills", 1, type=int, help="long prompts prefilled at once")
     add(
         parser,
+        "--speculative-config",
+        None,
+        help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (plus "max_decode_rows": no speculation in '
+        "steps with more decode rows)",
+    )
+    add(
+        parser,
         "--long-prefill-threshold",
         None,
         type=int,
@@ -170,6 +181,7 @@ ENGINE_FLAGS = (
     "max_long_partial_prefills",
     "long_prefill_threshold",
     "tensor_parallel_size",
+    "speculative_config",
 )
 
 
@@ -196,6 +208,7 @@ def engine_config_from_args(args) -> EngineConfig:
         max_long_partial_prefills=args.max_long_partial_prefills,
         long_prefill_threshold=args.long_prefill_threshold,
         tensor_parallel_size=args.tensor_parallel_size,
+        speculative_config=SpeculativeConfig.from_json(args.speculative_config),
     )
 
 

@@ -46,6 +46,7 @@ from workers.engine.outputs import CompletionResult, PrefillResult, RequestOutpu
 from workers.engine.prefilled import PrefillHandoff
 from workers.engine.scheduler import Scheduler, StepSchedulerConfig
 from workers.engine.sequence import EngineRequest, Sequence
+from workers.engine.speculative import Speculator
 from workers.engine.stats import EngineStats
 from workers.engine.stopping import StopRules
 from workers.engine.tensor_parallel import (
@@ -116,8 +117,9 @@ class Engine:
         ) - {None}
         num_pages = config.num_pages or self._pages_from_budget(model)
         self.blocks = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
+        speculator = Speculator(config.speculative_config, self.max_model_len) if config.speculative_config else None
         self.scheduler = Scheduler(
-            StepSchedulerConfig.for_engine(config, self.max_model_len, self._page_bytes(model)), self.blocks
+            StepSchedulerConfig.for_engine(config, self.max_model_len, self._page_bytes(model)), self.blocks, speculator
         )
         self.backend = select_backend(self.device, model.embed_tokens.weight.dtype)
         try:
@@ -150,11 +152,12 @@ class Engine:
             self.forks,
             BeamSearch(self.scheduler, self.forks, self.stops),
             self.stops,
+            speculator.stats if speculator else None,
         )
         self.handoff = PrefillHandoff(
             self.blocks, self.scheduler, self.validator, self.json_masks, self.generators, self.stops
         )
-        self.stats = EngineStats()
+        self.stats = EngineStats(speculation=self.updater.speculation)
         self.stalled = False
 
     # ---- set-up ---------------------------------------------------------------------------

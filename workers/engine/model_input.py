@@ -37,7 +37,8 @@ class ModelInput:
     query_lens: list[int]  # [S] tokens of each chunk
     seq_lens: list[int]  # [S] the sequence's context length after this step
     block_tables: list[list[int]]  # [S][pages] each sequence's pages
-    sample_rows: list[int]  # rows of token_ids whose logits are sampled: the last of each sampling chunk
+    sample_rows: list[int]  # rows of token_ids whose logits are sampled: the last of each sampling chunk,
+    # every row of a speculating decode's chunk (its last token and K drafts: K+1 rows)
     prompt_logprob_rows: list[int]  # rows whose logits score a prompt token, chunk by chunk
     num_decodes: int = 0  # the first num_decodes chunks are single-token decodes
     page_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy-on-write before running
@@ -63,10 +64,15 @@ def build_model_input(plan: StepPlan) -> ModelInput:
     for chunk in plan.chunks:
         seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
         first = len(token_ids)
-        token_ids += seq.token_ids[start : start + n]
         query_lens.append(n)
         seq_lens.append(start + n)
         block_tables.append(seq.block_table)
+        if chunk.drafts:  # speculating decode: its last token, then drafts; every position is sampled
+            token_ids.append(seq.token_ids[start])
+            token_ids += chunk.drafts
+            sample_rows.extend(range(first, first + n))
+            continue
+        token_ids += seq.token_ids[start : start + n]
         if start + n == seq.num_tokens:  # chunk.samples
             sample_rows.append(first + n - 1)
         if seq.sampling.prompt_logprobs is not None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from workers.engine.speculative import SpeculationStats
 
 
 @dataclass
@@ -18,6 +20,7 @@ class EngineStats:
     kv_utilization_sum: float = 0.0
     kv_utilization_last: float = 0.0
     preemptions: int = 0
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)  # drafts proposed / accepted
 
     @property
     def mean_kv_utilization(self) -> float:
