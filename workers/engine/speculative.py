@@ -143,3 +143,15 @@ class Speculator:
         cfg = self.config
         k = min(cfg.num_speculative_tokens, max_drafts)
         return propose_ngram(token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max) if k > 0 else []
+
+
+def use_speculation(engine, config: SpeculativeConfig | None) -> SpeculationStats | None:
+    """Turn speculation on (with `config`, fresh stats) or off (None) in a running `Engine`,
+    between steps: the scheduler reads its speculator each step. For benchmarks and tests that
+    compare both on one loaded model."""
+    speculator = Speculator(config, engine.max_model_len) if config is not None else None
+    engine.scheduler.speculator = speculator
+    if speculator is not None:
+        engine.updater.speculation = engine.stats.speculation = speculator.stats
+        return speculator.stats
+    return None
