@@ -180,17 +180,33 @@ SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_l
 
 
 def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation():
-    params = [SamplingParams(temperature=0.8, seed=s, max_tokens=12, ignore_eos=True, logprobs=2) for s in range(24)]
-    plain = _tiny_engine(None).generate([PROMPT] * 24, params)
+    """n = 2 forks share the prompt's last, partial page (18 tokens, 4 a page): the first
+    verifying chunk of each copies it (copy-on-write); the pool's invariants hold after every
+    step, and no page stays used."""
+    prompt = PROMPT + [0, 1]
+    params = [
+        SamplingParams(temperature=0.8, seed=s, n=1 + s % 2, max_tokens=12, ignore_eos=True, logprobs=2)
+        for s in range(16)
+    ]
+    plain = _tiny_engine(None).generate([prompt] * 16, params)
     engine = _tiny_engine(SPEC)
-    spec = engine.generate([PROMPT] * 24, params)
-    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
-    for a, b in zip(spec, plain):
-        got = [lp.logprob for lp in a.logprobs[0]]
-        want = [lp.logprob for lp in b.logprobs[0]]
-        assert got == pytest.approx(want, abs=1e-4) and [lp.top_ids for lp in a.logprobs[0]] == [
-            lp.top_ids for lp in b.logprobs[0]
-        ]
+    for i, p in enumerate(params):
+        engine.add_request(f"r{i}", prompt, p)
+    tokens: dict[tuple[int, int], list[int]] = {}
+    logprobs: dict[tuple[int, int], list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            for choice in out.outputs:
+                key = (int(out.request_id[1:]), choice.index)
+                tokens.setdefault(key, []).extend(choice.new_token_ids)
+                logprobs.setdefault(key, []).extend(choice.logprobs)
+        engine.blocks.check_invariants([s.block_table for s in engine.scheduler.live_sequences])
+    for i, r in enumerate(plain):
+        for k in range(len(r.token_ids)):
+            assert tokens[(i, k)] == r.token_ids[k]
+            assert [lp.top_ids for lp in logprobs[(i, k)]] == [lp.top_ids for lp in r.logprobs[k]]
+            got = [lp.logprob for lp in logprobs[(i, k)]]
+            assert got == pytest.approx([lp.logprob for lp in r.logprobs[k]], abs=1e-4)
     stats = engine.stats.speculation
     assert stats.passes > 0 and 0 < stats.accepted < stats.proposed  # drafts were kept and rejected
     assert engine.blocks.num_used_pages == 0

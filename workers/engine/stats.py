@@ -29,8 +29,9 @@ class EngineStats:
     def record_step(self, plan, scheduler, blocks, seconds: float) -> None:
         self.steps += 1
         self.tokens += plan.num_tokens
-        self.decode_tokens += plan.num_decodes
-        self.prefill_tokens += plan.num_tokens - plan.num_decodes
+        decodes = plan.num_decodes + sum(c.num_tokens for c in plan.chunks if c.drafts)  # verifying rows decode
+        self.decode_tokens += decodes
+        self.prefill_tokens += plan.num_tokens - decodes
         self.step_seconds += seconds
         self.preemptions = scheduler.num_preemptions
         self.kv_utilization_last = kv_utilization(scheduler.running, blocks.page_size)
