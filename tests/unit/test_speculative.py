@@ -12,6 +12,7 @@ import torch
 from common.model_config import ModelConfig
 from common.sampling import SamplingParams
 from workers.engine.block_manager import BlockManager
+from workers.engine.model_input import build_model_input
 from workers.engine.scheduler import Scheduler, StepSchedulerConfig
 from workers.engine.sequence import Sequence
 from workers.engine.speculative import SpeculativeConfig, Speculator, propose_ngram
@@ -97,6 +98,19 @@ def test_a_decode_carries_its_drafts_after_the_plain_decodes_and_the_budget_coun
     assert plan.num_decodes == 1 and plan.num_tokens == 6 and all(c.samples for c in plan.chunks)
     assert len(quoting.block_table) == 4  # 13 positions written: pages for the drafts taken
     bm.check_invariants([x.block_table for x in s.live_sequences])
+
+
+def test_a_verifying_chunk_runs_as_single_token_rows_over_one_table():
+    bm = BlockManager(64, 4)
+    s = _scheduler(bm, k=4)
+    quoting = _decoding([1, 2, 3, 4, 5, 6, 7, 1], 8, max_tokens=100)
+    plain = _decoding([9, 8, 7, 6], 4, max_tokens=100, speculative=False)
+    _prefill(s, quoting, plain)
+    step = build_model_input(s.schedule())
+    assert step.token_ids == [8, 2, 3, 4, 5, 6]
+    assert step.query_lens == [1] * 6 and step.seq_lens == [5, 9, 10, 11, 12, 13]
+    assert step.block_tables[1:] == [quoting.block_table] * 5
+    assert step.sample_rows == [0, 1, 2, 3, 4, 5] and step.num_decodes == 6
 
 
 def test_drafts_stop_at_the_step_budget_and_at_max_tokens():
