@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--streams", type=int, nargs="*", default=[8, 32])
     parser.add_argument("--sweep", type=int, nargs="*", default=[])
+    parser.add_argument("--no-single", action="store_true", help="skip the single streams")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
