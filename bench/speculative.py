@@ -92,7 +92,7 @@ def main() -> None:
     print(f"k={args.k}, max_tokens={args.max_tokens}, dtype {engine.runner.dtype}, repeats {args.repeats}")
     if not args.sweep:
         print(header)
-        for name, prompt in chat.items():
+        for name, prompt in chat.items() if not args.no_single else ():
             print(
                 row(f"1 stream, {name}", *compare(engine, [prompt], args.max_tokens, args.repeats, config)), flush=True
             )
