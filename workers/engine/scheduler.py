@@ -189,6 +189,9 @@ class Scheduler:
         p = seq.sampling
         if seq.num_output_tokens == 0 or seq.pending_forks or not self.speculator.request_allows(p):
             return []
+        if seq.spec_cooldown > 0:  # its last drafts were all rejected (free text): back off a while
+            seq.spec_cooldown -= 1
+            return []
         room = min(budget, p.max_tokens - seq.num_output_tokens, self.speculator.max_model_len - seq.num_tokens) - 1
         return self.speculator.drafts(seq.token_ids, room) if room > 0 else []
 

@@ -23,6 +23,7 @@ from workers.engine.sequence import EngineRequest, Sequence
 from workers.engine.speculative import SpeculationStats
 from workers.engine.stopping import StopRules
 
+MAX_SPEC_COOLDOWN = 16  # decode steps a sequence whose drafts keep missing waits between proposals
 Owner = tuple[Sequence, int, "torch.Generator | None"]  # (sequence, fork k, generator) of a sampled row
 
 
@@ -166,6 +167,10 @@ class StepUpdate:
         while accepted < len(drafts) and results[accepted][0] == drafts[accepted]:
             accepted += 1
         self.speculation.record(len(drafts), accepted)
+        # a row whose drafts keep missing (free text) waits 1, 2, 4 .. 16 steps before the next
+        # proposal, so it stops paying for verification where lookup does not work
+        seq.spec_misses = 0 if accepted else seq.spec_misses + 1
+        seq.spec_cooldown = min(MAX_SPEC_COOLDOWN, 1 << (seq.spec_misses - 1)) if seq.spec_misses else 0
         for token, lp in results[: accepted + 1]:
             if lp is not None:
                 seq.cumulative_logprob += lp.logprob
