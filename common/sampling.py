@@ -56,6 +56,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-k per prompt token (echo with logprobs); never prefix-cached
     json_object: bool = False  # output constrained to one JSON object (response_format json_object)
     json_schema: str | None = None  # output constrained to this JSON Schema (JSON text; common/json_schema.py)
+    speculative: bool = True  # False: never verify drafts for this request (a worker with --speculative-config)
 
     @property
     def constrained(self) -> bool:
@@ -167,6 +168,7 @@ class SamplingParams:
             "token ids must be distinct",
         )
         _check(isinstance(self.json_object, bool), "json_object", "must be a boolean")
+        _check(isinstance(self.speculative, bool), "speculative", "must be a boolean")
         _check(
             self.json_schema is None or (isinstance(self.json_schema, str) and len(self.json_schema) <= MAX_SCHEMA_LEN),
             "json_schema",

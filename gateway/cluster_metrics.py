@@ -54,6 +54,14 @@ class ClusterCollector(Collector):
             "Bytes the running requests' feature caches hold, per diffusion worker",
             labels=["worker"],
         )
+        spec = [
+            CounterMetricFamily(f"pagemesh_spec_decode_{name}", doc, labels=["worker"])
+            for name, doc in (
+                ("verify_passes", "Decode rows verified with n-gram drafts, per worker."),
+                ("draft_tokens", "Draft tokens run through the model, per worker."),
+                ("accepted_tokens", "Draft tokens accepted (acceptance rate = accepted / draft), per worker."),
+            )
+        ]
         for w in {w.worker_id: w for w in workers}.values():
             vl = [w.model or self.model_name, w.worker_id]
             running.add_metric(vl, w.running)
@@ -67,7 +75,11 @@ class ClusterCollector(Collector):
                 p_usage.add_metric([w.worker_id], ratio)
             if w.feature_cache is not None:
                 feature_cache.add_metric([w.worker_id], w.feature_cache.bytes)
-        yield from (running, waiting, usage, p_running, p_waiting, p_usage, finished, feature_cache)
+            if w.speculation is not None:
+                s = w.speculation
+                for family, value in zip(spec, (s.verify_passes, s.draft_tokens, s.accepted_tokens)):
+                    family.add_metric([w.worker_id], value)
+        yield from (running, waiting, usage, p_running, p_waiting, p_usage, finished, feature_cache, *spec)
         yield CounterMetricFamily(
             "pagemesh_kv_transfer_bytes",
             "KV-cache bytes sent by all workers.",

@@ -60,6 +60,7 @@ _SAMPLING = {
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
     "ignore_eos": {"type": "boolean"},
+    "speculative": {"type": "boolean", "description": "false: no speculative decoding for this request"},
     "min_tokens": {"type": "integer", "minimum": 0},
     "include_stop_str_in_output": {"type": "boolean"},
     "user": {"type": "string"},

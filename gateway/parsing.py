@@ -237,6 +237,7 @@ def _sampling(f: _Fields, max_tokens: int, logprobs: int | None, rename: dict[st
             length_penalty=f.number("length_penalty", defaults.length_penalty),
             priority=f.int("priority", defaults.priority),
             logit_bias=_logit_bias(f),
+            speculative=f.bool("speculative", True),
         ).validate()
     except ValueError as e:
         raise from_value_error(e, rename) from None

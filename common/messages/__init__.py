@@ -64,6 +64,7 @@ from common.messages.worker_control import (
     Registered,
     RegisterWorker,
     RequestDone,
+    SpeculationLoad,
     UnknownWorker,
     WorkerStopped,
 )
@@ -112,6 +113,7 @@ __all__ = [
     "Registered",
     "RegisterWorker",
     "RequestDone",
+    "SpeculationLoad",
     "UnknownWorker",
     "WorkerStopped",
     "KVPagesAck",

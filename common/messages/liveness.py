@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from common.messages.base import WorkerKind, WorkerRole, message, record
 from common.messages.images import FeatureCacheLoad, ImageModelInfo
-from common.messages.worker_control import KVPoolLoad
+from common.messages.worker_control import KVPoolLoad, SpeculationLoad
 
 
 @message
@@ -62,6 +62,7 @@ class WorkerStatus:
     ranks: int = 1  # RegisterWorker.ranks
     produced: int = 0  # Heartbeat.produced: tokens or images made, ever (a rate is its slope)
     feature_cache: FeatureCacheLoad | None = None  # diffusion workers: their last heartbeat's
+    speculation: SpeculationLoad | None = None  # Heartbeat.speculation: LLM workers that speculate
 
 
 @message

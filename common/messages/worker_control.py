@@ -95,6 +95,17 @@ class KVPoolInfo:
 
 
 @record
+class SpeculationLoad:
+    """An LLM worker's speculative decoding, ever (counters, in each heartbeat): decode rows
+    verified with drafts, draft tokens run, draft tokens accepted. Acceptance rate = accepted /
+    drafts; mean accepted length = (accepted + passes) / passes tokens per verifying pass."""
+
+    verify_passes: int
+    draft_tokens: int
+    accepted_tokens: int
+
+
+@record
 class KVPoolLoad:
     """The paged KV pool's state, in each heartbeat (and the scheduler's status)."""
 
@@ -160,6 +171,7 @@ class Heartbeat:
     produced: int = 0  # output made, ever: tokens (LLM workers) or images (diffusion workers)
     feature_cache: FeatureCacheLoad | None = None  # diffusion workers
     busy_s: float = 0.0
+    speculation: SpeculationLoad | None = None  # LLM workers with --speculative-config
 
     def _check(self) -> None:
         if not self.busy_s >= 0:

@@ -219,6 +219,7 @@ class SchedulerCore:
                 ranks=w.ranks,
                 produced=w.produced,
                 feature_cache=w.feature_cache,
+                speculation=w.speculation,
             )
             for w in self.registry.workers.values()
         ]

@@ -9,7 +9,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from common.messages import FeatureCacheLoad, Heartbeat, ImageModelInfo, RegisterWorker, WorkerKind, WorkerRole
+from common.messages import (
+    FeatureCacheLoad,
+    Heartbeat,
+    ImageModelInfo,
+    RegisterWorker,
+    SpeculationLoad,
+    WorkerKind,
+    WorkerRole,
+)
 
 # what a registration renews on a worker the registry knows (same process); its load figures stay
 _RENEWED = (
@@ -56,6 +64,7 @@ class WorkerInfo:
     images: ImageModelInfo | None = None  # a diffusion worker's sizes, samplers, step limits
     ranks: int = 1  # RegisterWorker.ranks
     feature_cache: FeatureCacheLoad | None = None  # a diffusion worker's, from its last heartbeat
+    speculation: SpeculationLoad | None = None  # an LLM worker's that speculates, from its last heartbeat
     busy_since: float | None = None  # when its step in progress began (by its last heartbeat)
 
     @classmethod
@@ -113,6 +122,7 @@ class Registry:
         info.last_seen, info.running, info.waiting = now, msg.running, msg.waiting
         info.requests_finished, info.produced = msg.requests_finished, msg.produced
         info.feature_cache = msg.feature_cache
+        info.speculation = msg.speculation
         info.busy_since = now - msg.busy_s if msg.busy_s > 0 else None
         if msg.kv is not None:
             info.used_pages, info.free_pages = msg.kv.used_pages, msg.kv.free_pages

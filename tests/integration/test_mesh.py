@@ -34,6 +34,10 @@ MAX_TOKENS = 24
 WORKERS = {"prefill-0", "decode-0"}  # `pagemesh up`'s default mesh
 
 
+# the workers speculate (n-gram drafts): every greedy test here also checks it changes no token
+SPECULATIVE_CONFIG = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("run"))  # the mesh's ipc sockets: where a rogue connects
@@ -46,7 +50,9 @@ def mesh_output():
 
 @pytest.fixture(scope="module")
 def mesh(run_dir, mesh_output):
-    with running_mesh("--dtype", "float32", "--run-dir", run_dir, output=mesh_output) as url:
+    with running_mesh(
+        "--dtype", "float32", "--speculative-config", SPECULATIVE_CONFIG, "--run-dir", run_dir, output=mesh_output
+    ) as url:
         yield url
 
 
@@ -131,6 +137,49 @@ def test_a_batch_of_prompts_answers_each_as_alone(client, mesh, offline):
     refused = time.monotonic()
     assert wait_until(lambda: pages_free(metrics(mesh), WORKERS))
     assert time.monotonic() - refused < 300 * step_s / 4
+
+
+PARAGRAPH = (
+    "The lighthouse keeper climbed the narrow stairs every evening at dusk. He lit the great lamp, "
+    "wound the clockwork that turned the lens, and wrote the weather in a leather book. Ships passed "
+    "the rocks safely for forty years, and nobody in the village ever learned his name."
+)
+
+
+def test_speculation_changes_no_greedy_text_and_each_worker_counts_its_drafts(client, mesh):
+    """Quoting makes the decode worker speculate; the same requests with `"speculative": false`
+    give the same text and finish reasons: completions (max_tokens and a stop string met
+    mid-draft, n=2), streamed, and chat."""
+    prompt = f"Copy this text exactly.\nText: {PARAGRAPH}\nCopy: {PARAGRAPH[:40]}"
+    off = {"speculative": False}
+    for kw in (
+        {"max_tokens": 40},
+        {"max_tokens": 9},
+        {"max_tokens": 40, "stop": [" forty"]},
+        {"max_tokens": 16, "n": 2},
+    ):
+        want = client.completions.create(model=MODEL, prompt=prompt, temperature=0, extra_body=off, **kw)
+        got = client.completions.create(model=MODEL, prompt=prompt, temperature=0, **kw)
+        assert [(c.text, c.finish_reason) for c in got.choices] == [(c.text, c.finish_reason) for c in want.choices]
+        if kw.get("n", 1) == 1:
+            streamed = client.completions.create(model=MODEL, prompt=prompt, temperature=0, stream=True, **kw)
+            assert stream_text(streamed, chat=False) == want.choices[0].text
+    assert got.choices[0].text == want.choices[0].text != ""
+    stopped = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=40, stop=[" forty"])
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text.endswith("safely for")
+    messages = [{"role": "user", "content": f"Repeat this paragraph exactly:\n\n{PARAGRAPH}"}]
+    want = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40, extra_body=off)
+    got = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=40, stream=True)
+    assert stream_text(streamed, chat=True) == want.choices[0].message.content
+
+    def counted(samples):
+        accepted = per_worker(samples, "pagemesh_spec_decode_accepted_tokens_total")
+        drafts = per_worker(samples, "pagemesh_spec_decode_draft_tokens_total")
+        return accepted.get("decode-0", 0) > 20 and drafts["decode-0"] >= accepted["decode-0"]
+
+    assert sample_until(lambda: metrics(mesh), counted) is not None
 
 
 def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client, engine):

@@ -18,6 +18,7 @@ PURE_MODULES = [
     "workers.engine.scheduler",
     "workers.engine.sequence",
     "workers.engine.model_input",
+    "workers.engine.speculative",
     "services.scheduler.core",
     "services.scheduler.placement",
     "services.scheduler.registry",

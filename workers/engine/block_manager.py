@@ -128,6 +128,16 @@ class BlockManager:
             page.token_ids = None
             self.free.append(page_id)
 
+    def truncate(self, block_table: list[int], num_tokens: int) -> None:
+        """Shrink `block_table` (in place) to the pages holding its first `num_tokens` tokens,
+        dropping one reference to each page past them (speculative decoding's rollback of
+        rejected drafts: a page only they reached falls free; a shared page stays with its
+        other holders)."""
+        keep = -(-num_tokens // self.page_size)
+        for page_id in reversed(block_table[keep:]):
+            self._release(page_id)
+        del block_table[keep:]
+
     def free_table(self, block_table: list[int]) -> None:
         """Drop one reference to every page of a table (in reverse, so a prefix's tail is
         evicted before its head) and empty the table."""

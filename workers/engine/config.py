@@ -10,6 +10,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from workers.engine.speculative import SpeculativeConfig
+
 if TYPE_CHECKING:
     import torch
 
@@ -46,6 +48,7 @@ class EngineConfig:
     pipeline_parallel_size: int = 1  # stages of contiguous layers, tp ranks each (workers/engine/pipeline_parallel.py)
     kv_cache_dtype: str = "auto"  # auto (the model's) | fp8_e4m3 | fp8_e5m2 (workers/engine/kv_quant.py)
     quantization: str = "none"  # none | int8 | gguf: linear weights kept quantized (workers/model/quantization.py)
+    speculative_config: SpeculativeConfig | None = None  # n-gram speculative decoding (workers/engine/speculative.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -184,6 +187,14 @@ def add_engine_arguments(parser) -> None:
     add(parser, "--max-long-partial-prefills", 1, type=int, help="long prompts prefilled at once")
     add(
         parser,
+        "--speculative-config",
+        None,
+        help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (plus "max_decode_rows": no speculation in '
+        "steps with more decode rows)",
+    )
+    add(
+        parser,
         "--long-prefill-threshold",
         None,
         type=int,
@@ -216,6 +227,7 @@ ENGINE_FLAGS = (
     "pipeline_parallel_size",
     "kv_cache_dtype",
     "quantization",
+    "speculative_config",
 )
 
 
@@ -245,6 +257,7 @@ def engine_config_from_args(args) -> EngineConfig:
         pipeline_parallel_size=args.pipeline_parallel_size,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
+        speculative_config=SpeculativeConfig.from_json(args.speculative_config),
     )
 
 

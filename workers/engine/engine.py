@@ -48,6 +48,7 @@ from workers.engine.pipeline_parallel import StagePipe, check_pipeline_parallel,
 from workers.engine.prefilled import PrefillHandoff
 from workers.engine.scheduler import Scheduler, StepSchedulerConfig
 from workers.engine.sequence import EngineRequest, Sequence
+from workers.engine.speculative import Speculator
 from workers.engine.stats import EngineStats
 from workers.engine.step_trace import StepTrace
 from workers.engine.stopping import StopRules
@@ -133,8 +134,9 @@ class Engine:
         ) - {None}
         num_pages = config.num_pages or self._pages_from_budget(model)
         self.blocks = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
+        speculator = Speculator(config.speculative_config, self.max_model_len) if config.speculative_config else None
         self.scheduler = Scheduler(
-            StepSchedulerConfig.for_engine(config, self.max_model_len, self._page_bytes(model)), self.blocks
+            StepSchedulerConfig.for_engine(config, self.max_model_len, self._page_bytes(model)), self.blocks, speculator
         )
         self.backend = select_backend(self.device, model.dtype)
         try:
@@ -170,11 +172,12 @@ class Engine:
             self.forks,
             BeamSearch(self.scheduler, self.forks, self.stops),
             self.stops,
+            speculator.stats if speculator else None,
         )
         self.handoff = PrefillHandoff(
             self.blocks, self.scheduler, self.validator, self.json_masks, self.generators, self.stops
         )
-        self.stats = EngineStats()
+        self.stats = EngineStats(speculation=self.updater.speculation)
         self.step_trace = StepTrace.from_env()  # None unless a bench asks (PAGEMESH_STEP_TRACE)
         self.stalled = False
 

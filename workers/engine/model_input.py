@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import msgpack
 
 if TYPE_CHECKING:
-    from workers.engine.scheduler import StepPlan
+    from workers.engine.scheduler import ScheduledChunk, StepPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,9 +37,10 @@ class ModelInput:
     query_lens: list[int]  # [S] tokens of each chunk
     seq_lens: list[int]  # [S] the sequence's context length after this step
     block_tables: list[list[int]]  # [S][pages] each sequence's pages
-    sample_rows: list[int]  # rows of token_ids whose logits are sampled: the last of each sampling chunk
+    sample_rows: list[int]  # rows of token_ids whose logits are sampled: the last of each sampling chunk,
+    # every row of a speculating decode's chunk (its last token and K drafts: K+1 rows)
     prompt_logprob_rows: list[int]  # rows whose logits score a prompt token, chunk by chunk
-    num_decodes: int = 0  # the first num_decodes chunks are single-token decodes
+    num_decodes: int = 0  # the first num_decodes rows are single-token decodes (verifying rows included)
     page_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy-on-write before running
     swap_out: list[tuple[int, list[int]]] = field(default_factory=list)  # (seq_id, pages) to host memory
     swap_in: list[tuple[int, list[int]]] = field(default_factory=list)  # (seq_id, new pages) from host memory
@@ -63,14 +64,18 @@ def build_model_input(plan: StepPlan) -> ModelInput:
     for chunk in plan.chunks:
         seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
         first = len(token_ids)
-        token_ids += seq.token_ids[start : start + n]
+        if chunk.drafts:  # speculating decode: see `_verify_rows`
+            _verify_rows(chunk, token_ids, query_lens, seq_lens, block_tables, sample_rows)
+            continue
         query_lens.append(n)
         seq_lens.append(start + n)
         block_tables.append(seq.block_table)
+        token_ids += seq.token_ids[start : start + n]
         if start + n == seq.num_tokens:  # chunk.samples
             sample_rows.append(first + n - 1)
         if seq.sampling.prompt_logprobs is not None:
             prompt_rows.extend(first + p - start for p in seq.prompt_logprob_positions(start, n))
+    verify_rows = sum(c.num_tokens for c in plan.chunks if c.drafts)  # right after the plain decodes
     return ModelInput(
         token_ids,
         query_lens,
@@ -78,12 +83,34 @@ def build_model_input(plan: StepPlan) -> ModelInput:
         block_tables,
         sample_rows,
         prompt_rows,
-        plan.num_decodes,
+        plan.num_decodes + verify_rows,
         plan.page_copies,
         plan.swap_out,
         plan.swap_in,
         plan.swap_discard,
     )
+
+
+def _verify_rows(
+    chunk: ScheduledChunk,
+    token_ids: list[int],
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    sample_rows: list[int],
+) -> None:
+    """A speculating decode's last token and K drafts, as K+1 single-token rows over the same
+    block table with context lengths start+1 .. start+K+1: the attention writes every row's K/V
+    before any row reads, so row j sees the drafts before it and none after (causal), and the
+    rows take the decode kernels' path (pages read in place) rather than a prefill chunk's.
+    Every row is sampled."""
+    seq, start = chunk.seq, chunk.start
+    for j, token in enumerate([seq.token_ids[start], *chunk.drafts]):
+        sample_rows.append(len(token_ids))
+        token_ids.append(token)
+        query_lens.append(1)
+        seq_lens.append(start + j + 1)
+        block_tables.append(seq.block_table)
 
 
 _FIELDS = tuple(f.name for f in fields(ModelInput))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 
 from workers.engine.block_manager import BlockManager
 from workers.engine.sequence import SeqStatus, Sequence
+from workers.engine.speculative import Speculator
 
 
 @dataclass(frozen=True)
@@ -55,16 +56,19 @@ class StepSchedulerConfig:
 
 @dataclass
 class ScheduledChunk:
-    """`num_tokens` tokens of `seq` starting at position `start` run this step."""
+    """`num_tokens` tokens of `seq` starting at position `start` run this step. A speculating
+    decode's chunk is its last token then its `drafts` (not in `seq.token_ids` until accepted)."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the end of the known tokens, so a new token is sampled after it."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+        """The chunk reaches the end of the known tokens, so a new token is sampled after it
+        (after each of its positions when it carries drafts)."""
+        return self.start + self.num_tokens - len(self.drafts) == self.seq.num_tokens
 
 
 @dataclass
@@ -75,7 +79,7 @@ class StepPlan:
     swap_in: list[tuple[int, list[int]]] = field(default_factory=list)  # (seq_id, new pages) from host
     swap_discard: list[int] = field(default_factory=list)  # seq_ids whose host copy is no longer needed
     preempted: list[Sequence] = field(default_factory=list)
-    num_decodes: int = 0  # the first num_decodes chunks are single-token decodes
+    num_decodes: int = 0  # the first num_decodes chunks are single-token decodes (speculating ones follow them)
 
     @property
     def num_tokens(self) -> int:
@@ -93,9 +97,10 @@ def _order(seq: Sequence) -> tuple[int, float, int]:
 class Scheduler:
     """Decides, each step, which tokens of which sequences run."""
 
-    def __init__(self, config: StepSchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(self, config: StepSchedulerConfig, blocks: BlockManager, speculator: Speculator | None = None) -> None:
         self.config = config
         self.blocks = blocks
+        self.speculator = speculator  # None: no speculative decoding
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
         self.swapped_pages = 0  # host pages in use
@@ -146,10 +151,20 @@ class Scheduler:
 
     def _schedule_decodes(self, plan: StepPlan, budget: int) -> int:
         scheduled: set[int] = set()
+        speculating: list[ScheduledChunk] = []  # after the single-token decodes (attention's fast path)
+        speculate = self.speculator is not None and self.speculator.step_allows(
+            sum(1 for s in self.running if not s.is_prefilling)
+        )
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING or seq.is_prefilling:
+                continue
+            drafts = self._drafts(seq, budget) if speculate else []
+            if drafts and self._reserve(seq, 1 + len(drafts), plan):
+                speculating.append(ScheduledChunk(seq, seq.num_computed, 1 + len(drafts), drafts))
+                scheduled.add(seq.seq_id)
+                budget -= 1 + len(drafts)
                 continue
             while not self._reserve(seq, 1, plan):
                 unscheduled = [s for s in self.running if s.seq_id not in scheduled]
@@ -163,7 +178,22 @@ class Scheduler:
             plan.num_decodes += 1
             scheduled.add(seq.seq_id)
             budget -= 1
+        plan.chunks += [c for c in speculating if c.seq.status is SeqStatus.RUNNING]
         return budget
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """Draft tokens for a decode of `seq`, within the step's `budget` and the tokens the
+        sequence may still emit (the one sampled token included): none for a request that
+        opted out, beam search, or a sequence that has not sampled its first token yet (its
+        n > 1 siblings fork from it; a prefill-only request stops after it)."""
+        p = seq.sampling
+        if seq.num_output_tokens == 0 or seq.pending_forks or not self.speculator.request_allows(p):
+            return []
+        if seq.spec_cooldown > 0:  # its last drafts were all rejected (free text): back off a while
+            seq.spec_cooldown -= 1
+            return []
+        room = min(budget, p.max_tokens - seq.num_output_tokens, self.speculator.max_model_len - seq.num_tokens) - 1
+        return self.speculator.drafts(seq.token_ids, room) if room > 0 else []
 
     def _schedule_running_prefills(self, plan: StepPlan, budget: int) -> int:
         for seq in self.running:

@@ -58,6 +58,8 @@ class Sequence:
     cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs (best_of, beams)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1, 2, ... so far
     json: JsonCursor | None = None  # JSON mode: where the output is in the JSON grammar
+    spec_misses: int = 0  # speculative decoding: verifying passes in a row that kept no draft
+    spec_cooldown: int = 0  # decode steps to run without drafts before proposing again
     json_masks: JsonMasks | None = None  # JSON mode: the token masks of its grammar
 
     def prompt_logprob_positions(self, start: int, num_tokens: int) -> range:

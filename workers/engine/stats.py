@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from workers.engine.speculative import SpeculationStats
 
 
 @dataclass
@@ -18,6 +20,7 @@ class EngineStats:
     kv_utilization_sum: float = 0.0
     kv_utilization_last: float = 0.0
     preemptions: int = 0
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)  # drafts proposed / accepted
 
     @property
     def mean_kv_utilization(self) -> float:
@@ -26,8 +29,9 @@ class EngineStats:
     def record_step(self, plan, scheduler, blocks, seconds: float) -> None:
         self.steps += 1
         self.tokens += plan.num_tokens
-        self.decode_tokens += plan.num_decodes
-        self.prefill_tokens += plan.num_tokens - plan.num_decodes
+        decodes = plan.num_decodes + sum(c.num_tokens for c in plan.chunks if c.drafts)  # verifying rows decode
+        self.decode_tokens += decodes
+        self.prefill_tokens += plan.num_tokens - decodes
         self.step_seconds += seconds
         self.preemptions = scheduler.num_preemptions
         self.kv_utilization_last = kv_utilization(scheduler.running, blocks.page_size)

@@ -8,18 +8,36 @@ token from the logits (each row under its own sampling parameters), and stop whe
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
 import torch
 
 from workers.engine.backend import Backend
 from workers.engine.beam import BeamSearch
 from workers.engine.block_manager import BlockManager
-from workers.engine.forks import Forks, SeqGenerators
+from workers.engine.forks import Forks, SeqGenerators, skip_draws
 from workers.engine.sampler import SampleRow, prompt_token_logprobs, sample
 from workers.engine.scheduler import StepPlan
 from workers.engine.sequence import EngineRequest, Sequence
+from workers.engine.speculative import SpeculationStats
 from workers.engine.stopping import StopRules
 
+MAX_SPEC_COOLDOWN = 16  # decode steps a sequence whose drafts keep missing waits between proposals
 Owner = tuple[Sequence, int, "torch.Generator | None"]  # (sequence, fork k, generator) of a sampled row
+
+
+@dataclass
+class Verification:
+    """A speculating decode's K+1 sampled rows (`first` .. `first + K` in the step's sample
+    list): row j samples the token after drafts[:j]. `generator_state`: a seeded sampled row's
+    generator before its K+1 draws, rewound to after the draws of the tokens it keeps."""
+
+    seq: Sequence
+    first: int
+    drafts: list[int]
+    generator: torch.Generator | None
+    generator_state: torch.Tensor | None
 
 
 class StepUpdate:
@@ -35,7 +53,9 @@ class StepUpdate:
         forks: Forks,
         beams: BeamSearch,
         stops: StopRules,
+        speculation: SpeculationStats | None = None,
     ) -> None:
+        self.speculation = speculation if speculation is not None else SpeculationStats()
         self.requests = requests
         self.blocks = blocks
         self.backend = backend
@@ -47,7 +67,7 @@ class StepUpdate:
     def apply(self, plan: StepPlan, logits: torch.Tensor) -> list[EngineRequest]:
         """logits: `ModelRunner.execute`'s rows for this plan. Returns the requests that got tokens
         (or ended), in the order of their first sampled row."""
-        rows, logit_index, owners, beam_rows, num_sampled = self._advance(plan)
+        rows, logit_index, owners, beam_rows, num_sampled, verifications = self._advance(plan)
         if num_sampled < logits.shape[0]:  # rows after the sampled ones are prompt positions
             with torch.inference_mode():
                 self._collect_prompt_logprobs(plan, logits[num_sampled:])
@@ -71,6 +91,9 @@ class StepUpdate:
                 target.json = target.json_masks.advance(target.json, token)
             self.stops.check(target)
             touched[seq.request_id] = self.requests[seq.request_id]
+        for v in verifications:
+            self._accept(v, results[v.first : v.first + len(v.drafts) + 1], logits.shape[1])
+            touched[v.seq.request_id] = self.requests[v.seq.request_id]
         for request_id, items in beam_rows.items():
             req = touched[request_id] = self.requests[request_id]
             self.beams.step(req, [s for s, _ in items], logits[[r for _, r in items]].cpu())
@@ -83,14 +106,19 @@ class StepUpdate:
         logit_index: list[int] = []
         owners: list[Owner] = []
         beam_rows: dict[str, list[tuple[Sequence, int]]] = {}
+        verifications: list[tuple[Sequence, list[int], list[int]]] = []  # (seq, drafts, logits rows)
         row = -1
         for chunk in plan.chunks:
             seq = chunk.seq
-            seq.num_computed += chunk.num_tokens
+            seq.num_computed += chunk.num_tokens - len(chunk.drafts)  # drafts count once accepted
             seq.num_cached_pages = self.blocks.cache_full_pages(
                 seq.block_table, seq.token_ids, seq.num_cached_pages, seq.num_computed
             )
             if not chunk.samples:
+                continue
+            if chunk.drafts:
+                verifications.append((seq, chunk.drafts, list(range(row + 1, row + 2 + len(chunk.drafts)))))
+                row += 1 + len(chunk.drafts)
                 continue
             row += 1
             if seq.sampling.use_beam_search:
@@ -101,7 +129,65 @@ class StepUpdate:
                 rows.append(self.sample_row(seq, gen))
                 logit_index.append(row)
                 owners.append((seq, k, gen))
-        return rows, logit_index, owners, beam_rows, row + 1
+        # speculating rows go after the plain ones, so results[:len(owners)] stay the owners'
+        planned: list[Verification] = []
+        for seq, drafts, logit_rows in verifications:
+            gen = self.generators.get(seq)
+            state = gen.get_state() if gen is not None and not seq.sampling.greedy else None
+            planned.append(Verification(seq, len(rows), drafts, gen, state))
+            rows += self._draft_rows(seq, gen, drafts)
+            logit_index += logit_rows
+        return rows, logit_index, owners, beam_rows, row + 1, planned
+
+    def _draft_rows(self, seq: Sequence, generator: torch.Generator | None, drafts: list[int]) -> list[SampleRow]:
+        """Row j as `seq` would sample it with drafts[:j] appended: penalties count them, JSON
+        mode's mask follows them (from a draft the grammar refuses on, the rows repeat the last
+        mask: that draft is rejected, so no later row is used)."""
+        out: list[SampleRow] = []
+        cursor = seq.json
+        for j in range(len(drafts) + 1):
+            row = self.sample_row(seq, generator, drafts[:j], cursor)
+            out.append(row)
+            if cursor is not None and j < len(drafts) and bool(row.allowed[drafts[j]]):
+                cursor = seq.json_masks.advance(cursor, drafts[j])
+        return out
+
+    def _accept(self, v: Verification, results: list, vocab_size: int) -> None:
+        """Keep the drafts that equal what their row sampled, then the first sampled token that
+        differs (or the bonus after the last draft).
+
+        Exact for sampled rows too: row j draws its token t_j from the target distribution p_j
+        (the sampler's race, with that position's own noise), and the draft d_j is kept iff
+        t_j == d_j, which happens with probability p_j(d_j); when it is not, t_j is a draw from
+        p_j without d_j, renormalised: the rejection sampler for a point-mass draft. A seeded
+        row's generator is rewound to just after the draws of the tokens kept, so its tokens are
+        those it draws without speculation, whatever the batch."""
+        seq, drafts = v.seq, v.drafts
+        accepted = 0
+        while accepted < len(drafts) and results[accepted][0] == drafts[accepted]:
+            accepted += 1
+        self.speculation.record(len(drafts), accepted)
+        # a row whose drafts keep missing (free text) waits 1, 2, 4 .. 16 steps before the next
+        # proposal, so it stops paying for verification where lookup does not work
+        seq.spec_misses = 0 if accepted else seq.spec_misses + 1
+        seq.spec_cooldown = min(MAX_SPEC_COOLDOWN, 1 << (seq.spec_misses - 1)) if seq.spec_misses else 0
+        for token, lp in results[: accepted + 1]:
+            if lp is not None:
+                seq.cumulative_logprob += lp.logprob
+            seq.append_token(token, lp if seq.sampling.logprobs is not None else None)
+            if seq.json is not None:
+                seq.json = seq.json_masks.advance(seq.json, token)
+            self.stops.check(seq)
+            if seq.finished:  # a stop token or max_tokens mid-draft: what follows is dropped (pages freed)
+                return
+        seq.num_computed += accepted  # the accepted drafts' K/V is written; the rejected positions' is not ours
+        self.blocks.truncate(seq.block_table, seq.num_computed)
+        seq.num_cached_pages = self.blocks.cache_full_pages(
+            seq.block_table, seq.token_ids, seq.num_cached_pages, seq.num_computed
+        )
+        if v.generator_state is not None and accepted < len(drafts):
+            v.generator.set_state(v.generator_state)
+            skip_draws(v.generator, accepted + 1, vocab_size)
 
     def _collect_prompt_logprobs(self, plan: StepPlan, logits: torch.Tensor) -> None:
         """The prompt logprobs of this step's chunks, from their rows after the sampled ones;
@@ -117,15 +203,22 @@ class StepUpdate:
                 )
                 at += len(positions)
 
-    def sample_row(self, seq: Sequence, generator: torch.Generator | None) -> SampleRow:
-        """What the sampler needs to know to pick `seq`'s next token."""
+    def sample_row(
+        self, seq: Sequence, generator: torch.Generator | None, ahead: Seq[int] = (), cursor: object = None
+    ) -> SampleRow:
+        """What the sampler needs to know to pick `seq`'s next token; with `ahead` (draft tokens
+        not appended yet) and their JSON `cursor`, the token after them."""
         p = seq.sampling
+        if not ahead:
+            cursor = seq.json
         banned: tuple[int, ...] = ()
-        allowed = None if seq.json is None else seq.json_masks.allowed(seq.json, self.backend.device)
-        if seq.num_output_tokens < p.min_tokens and not (seq.json is not None and seq.json.complete):
+        allowed = None if cursor is None else seq.json_masks.allowed(cursor, self.backend.device)
+        if seq.num_output_tokens + len(ahead) < p.min_tokens and not (cursor is not None and cursor.complete):
             banned = tuple(sorted(self.stops.stop_ids(p)))
         # the token lists only feed penalties: no copies of long contexts per row and step without them
         repetition = p.repetition_penalty != 1.0
         prompt_ids = seq.token_ids[: seq.num_prompt_tokens] if repetition else []
         output_ids = seq.output_token_ids if repetition or p.frequency_penalty or p.presence_penalty else []
+        if ahead and (repetition or p.frequency_penalty or p.presence_penalty):
+            output_ids = output_ids + list(ahead)
         return SampleRow(p, prompt_ids, output_ids, generator, banned, allowed, want_logprob=not p.streams)

@@ -28,6 +28,7 @@ from common.messages import (
     PrefillTask,
     PrefixCacheUpdate,
     RequestStarted,
+    SpeculationLoad,
     TokenDelta,
     TokenDeltaBatch,
     WorkerKind,
@@ -187,7 +188,14 @@ class LLMWorker:
                 bytes_sent=self.out.bytes_sent,
                 bytes_received=received,
             ),
+            speculation=self._speculation(),
         )
+
+    def _speculation(self) -> SpeculationLoad | None:
+        if self.engine.scheduler.speculator is None:
+            return None
+        stats = self.engine.stats.speculation
+        return SpeculationLoad(verify_passes=stats.passes, draft_tokens=stats.proposed, accepted_tokens=stats.accepted)
 
     def held(self) -> list[HeldRequest]:
         held = {rid: HeldRequest(request_id=rid, reply_to=reply_to) for rid, reply_to in self.reply_to.items()}

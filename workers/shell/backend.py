@@ -23,6 +23,7 @@ from common.messages import (
     KVPoolInfo,
     KVPoolLoad,
     Message,
+    SpeculationLoad,
     WorkerKind,
     WorkerRole,
 )
@@ -51,6 +52,7 @@ class Load:
     kv: KVPoolLoad | None = None
     produced: int = 0  # output made, ever: tokens or images
     feature_cache: FeatureCacheLoad | None = None  # a diffusion worker's
+    speculation: SpeculationLoad | None = None  # an LLM worker's that speculates
 
 
 class WorkerContext(Protocol):

@@ -88,6 +88,7 @@ class HeartbeatThread:
                     kv=snap.load.kv,
                     produced=snap.load.produced,
                     feature_cache=snap.load.feature_cache,
+                    speculation=snap.load.speculation,
                     busy_s=float(self.state.busy_s(now, self.interval)),
                 )
             )
