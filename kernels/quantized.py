@@ -18,6 +18,7 @@ read this layout; `dequantize` is their reference.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +33,10 @@ GGUF_BLOCK_FORMATS = {"Q4_0": ("q4_0", 18), "Q4_1": ("q4_1", 20), "Q8_0": ("q8_0
 @dataclass(frozen=True)
 class QuantizedWeight:
     """W [N, K] as codes [N, K * bits / 8] uint8, scale and offset [N, K / 32] float16 (see above)."""
+
+    # tell one apart by this, not isinstance: the Triton tests reload kernels.* (TRITON_INTERPRET),
+    # which makes a second class while models built before still hold the first one's weights
+    is_quantized_weight: typing.ClassVar[bool] = True
 
     format: str
     codes: torch.Tensor
@@ -142,3 +147,8 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     inv = torch.where(amax > 0, 127 / amax, torch.zeros(()))
     return (torch.round(blocks * inv) * (amax / 127)).reshape(m, k)
+
+
+def is_quantized(weight: object) -> bool:
+    """A QuantizedWeight, whichever load of this module made it (see QuantizedWeight)."""
+    return getattr(weight, "is_quantized_weight", False)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.quantized import QuantizedWeight
+from kernels.quantized import QuantizedWeight, is_quantized
 from workers.model.shm_allreduce import SharedMemoryAllReduce
 
 
@@ -121,7 +121,7 @@ def linear(
     """x W^T (+ b) in x's dtype, then cast to out_dtype if given; through a packed copy of W when
     there is one (the AMX kernel writes the widened values itself, no second pass), or the
     quantized matmul when W is held quantized (`workers.model.quantization`)."""
-    if isinstance(packed, QuantizedWeight):
+    if is_quantized(packed):
         return quantized_linear(x, packed, bias, out_dtype)
     if packed is not None and packed.amx is not None and x.shape[0] <= AMX_MAX_ROWS:
         import kernels.cpu
@@ -147,7 +147,7 @@ def pack_linear_weights(model: nn.Module, batch_hint: int = 32, *, amx: bool = F
     modules = [
         m
         for m in model.modules()
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and not isinstance(m.packed, QuantizedWeight)
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and not is_quantized(m.packed)
     ]
     if modules and modules[0].packed is not None:
         return True
