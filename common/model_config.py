@@ -138,9 +138,9 @@ def read_model_config(path: Path) -> ModelConfig:
 
 
 def _gguf_meta(path: Path) -> tuple[dict, set[str]]:
-    import gguf
+    from common.gguf_file import read_gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = read_gguf(path)
     meta = {}
     for key, field in reader.fields.items():
         if key in (

@@ -268,9 +268,9 @@ class IncrementalDetokenizer:
 
 
 def _gguf_parts(path: Path) -> dict[str, Any]:
-    import gguf  # imported here: only GGUF loading needs it
+    from common.gguf_file import read_gguf
 
-    fields = gguf.GGUFReader(path).fields
+    fields = read_gguf(path).fields
 
     def meta(key: str, default: Any = None) -> Any:
         return fields[key].contents() if key in fields else default

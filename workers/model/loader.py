@@ -117,10 +117,11 @@ def _gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Dequantized tensors under HF names; with `blocks`, the linear weights' quantized blocks
     too (formats of `kernels.quantized`; others are logged and served dense)."""
-    import gguf
     from gguf.quants import dequantize
 
-    reader = gguf.GGUFReader(str(path))
+    from common.gguf_file import read_gguf
+
+    reader = read_gguf(path)
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             raise ValueError("model: GGUF with rope_freqs (llama3 scaling) is not supported; use the HF folder")
