@@ -204,9 +204,11 @@ def test_a_completion_across_hosts_equals_the_single_host_one(network, single_ho
             doc = json.loads(urllib.request.urlopen(url + "/status", timeout=HANG_S).read())
             return {w["id"]: w for w in doc["workers"]}["decode-0"]
 
-        # the decode worker's next heartbeats report the pages it took in
-        decode = sample_until(decode_worker, lambda w: w["kv"]["bytes_received"] > 0)
-        assert decode is not None and decode["produced"] > 0
+        # the decode worker's next heartbeats report the pages it took in and the tokens it made
+        # (one heartbeat may carry the pages before the tokens: its load snapshot is taken
+        # between steps, CI once read it there)
+        decode = sample_until(decode_worker, lambda w: w["kv"]["bytes_received"] > 0 and w["produced"] > 0)
+        assert decode is not None, "the decode worker never reported the pages it took in and decoded"
         received = decode["kv"]["bytes_received"]
         # ...and they came in over the decode host's interface (with the tokens it was sent and
         # its heartbeats' replies), not over a socket that never left a host
