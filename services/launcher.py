@@ -97,8 +97,12 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
     engine = engine_args_to_argv(args)
     workers = max(1, args.prefill + args.decode + args.mixed)  # LLM workers share the cores
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
+    # what the mesh serves: /ready (and the launcher's ready line) waits for each kind's pool, so a
+    # diffusion worker that registers first does not make an LLM mesh look ready
+    counts = {"llm": args.prefill + args.decode + args.mixed, "diffusion": args.diffusion + args.diffusion_student}
+    serves = ",".join(kind for kind, n in counts.items() if n)
     procs = [
-        ("scheduler", ["scheduler", "--address", sched, *policy_args_to_argv(args), *common]),
+        ("scheduler", ["scheduler", "--address", sched, *policy_args_to_argv(args), "--serves", serves, *common]),
         (
             "tokenizer",
             [

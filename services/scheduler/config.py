@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass
 
 from common.cli_args import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP, add
+from common.messages import WorkerKind
 from services.scheduler.placement import PLACEMENTS, PlacementPolicy
 
 
@@ -20,6 +21,9 @@ class SchedulerConfig:
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
     placement: PlacementPolicy = PlacementPolicy()
     max_migrations: int = 3  # times one request moves to another worker after losing its own
+    # the kinds the mesh serves: it is ready when each can take a request. Empty: the kinds of the
+    # workers registered so far (an LLM mesh's, or a diffusion-only mesh's)
+    serves: tuple[WorkerKind, ...] = ()
 
 
 # the policy flags, as `add_policy_arguments` declares them (dest names)
@@ -67,9 +71,31 @@ def policy_args_to_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def add_serves_argument(parser: argparse.ArgumentParser) -> None:
+    add(
+        parser,
+        "--serves",
+        "",
+        help="comma-separated kinds the mesh serves (llm, diffusion): /ready waits until each has a usable "
+        "pool. Default: the kinds of the workers registered so far",
+    )
+
+
+def parse_serves(text: str) -> tuple[WorkerKind, ...]:
+    """`llm,diffusion` -> the kinds; an unknown one raises ValueError naming the known ones."""
+    known = {k.value: k for k in WorkerKind}
+    kinds = []
+    for name in filter(None, (part.strip() for part in text.split(","))):
+        if name not in known:
+            raise ValueError(f"--serves: unknown kind {name!r} (known: {', '.join(sorted(known))})")
+        kinds.append(known[name])
+    return tuple(dict.fromkeys(kinds))
+
+
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> SchedulerConfig:
     try:
         policy = PlacementPolicy(args.placement, args.prefix_weight, args.load_weight)
+        serves = parse_serves(getattr(args, "serves", ""))
     except ValueError as e:
         parser.error(str(e))
     if args.max_migrations < 0:
@@ -83,4 +109,5 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         drain_timeout=args.drain_timeout,
         placement=policy,
         max_migrations=args.max_migrations,
+        serves=serves,
     )

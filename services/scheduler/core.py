@@ -201,9 +201,18 @@ class SchedulerCore:
         ready = self._readiness.get(kind)
         return ready is not None and ready(now)
 
+    def is_ready(self, now: float) -> bool:
+        """Every kind the mesh serves can take a request (an LLM pool: a mixed worker, or a prefill
+        and a decode one of one size). The kinds are the configured ones (`--serves`, which `pagemesh
+        up` sets). With none configured: the LLM pools, or in a mesh of diffusion workers only, theirs
+        (a lone diffusion worker registered before the LLM ones would then read as ready)."""
+        if self.config.serves:
+            return all(self.can_serve(kind, now) for kind in self.config.serves)
+        has_llm = any(w.kind == WorkerKind.LLM for w in self.registry.workers.values())
+        return self.can_serve(WorkerKind.LLM if has_llm or not self.registry.workers else WorkerKind.DIFFUSION, now)
+
     def status(self, now: float) -> ClusterStatus:
-        """`ready` is the LLM pools' readiness (a mixed worker, or a prefill and a decode one);
-        in a mesh of diffusion workers only, theirs."""
+        """`ready`: see `is_ready`."""
         workers = [
             WorkerStatus(
                 worker_id=w.worker_id,
@@ -223,9 +232,7 @@ class SchedulerCore:
             )
             for w in self.registry.workers.values()
         ]
-        has_llm = any(w.kind == WorkerKind.LLM for w in self.registry.workers.values())
-        ready = self.can_serve(WorkerKind.LLM if has_llm or not workers else WorkerKind.DIFFUSION, now)
-        return ClusterStatus(ready=ready, workers=workers, queued=self.queued, migrations=self.migrations)
+        return ClusterStatus(ready=self.is_ready(now), workers=workers, queued=self.queued, migrations=self.migrations)
 
     # ---- workers --------------------------------------------------------------------------
     def _on_register(self, identity: bytes, msg: RegisterWorker, now: float, out: Outputs) -> None:

@@ -7,7 +7,7 @@ import argparse
 from common.cli_args import add
 from common.logging import configure_logging
 from common.process import run_until_signalled
-from services.scheduler.config import SchedulerConfig, add_policy_arguments, config_from_args
+from services.scheduler.config import SchedulerConfig, add_policy_arguments, add_serves_argument, config_from_args
 from services.scheduler.service import SchedulerService
 
 
@@ -16,6 +16,7 @@ def parse(argv: list[str]) -> SchedulerConfig:
     add(parser, "--address", "tcp://127.0.0.1:5557", help="Router bind address")
     add(parser, "--ready-address", None)
     add_policy_arguments(parser)
+    add_serves_argument(parser)
     return config_from_args(parser.parse_args(argv), parser)
 
 

@@ -1,0 +1,76 @@
+"""When the scheduler calls the mesh ready (the gateway's /ready and its start-up wait read it):
+with `--serves` (which `pagemesh up` sets from what it starts), every kind named needs a usable
+pool; without it, the LLM pools, or the diffusion ones in a mesh of diffusion workers only."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from common.messages import WorkerKind
+from services.scheduler.config import SchedulerConfig, add_policy_arguments, add_serves_argument, config_from_args
+from services.scheduler.core import SchedulerCore
+from tests.unit.test_scheduler_core import T0, TIMEOUT, register
+
+
+def core_serving(*kinds: WorkerKind) -> SchedulerCore:
+    config = SchedulerConfig("ipc:///unused", heartbeat_timeout=TIMEOUT, serves=kinds)
+    return SchedulerCore(config, "inst-1", T0)
+
+
+def test_a_diffusion_worker_registered_first_does_not_make_an_llm_and_image_mesh_ready():
+    core = core_serving(WorkerKind.LLM, WorkerKind.DIFFUSION)
+    register(core, "img0", kind=WorkerKind.DIFFUSION)
+    assert not core.status(T0 + 1).ready
+    register(core, "p0", role="prefill", now=T0 + 1)
+    assert not core.status(T0 + 1).ready  # a prefill worker alone is no LLM pool
+    register(core, "d0", role="decode", now=T0 + 1)
+    assert core.status(T0 + 1).ready
+
+
+def test_an_llm_mesh_named_so_is_not_ready_until_its_llm_pool_is():
+    core = core_serving(WorkerKind.LLM)
+    assert not core.status(T0).ready
+    register(core, "img0", kind=WorkerKind.DIFFUSION)  # a stray diffusion worker changes nothing
+    assert not core.status(T0 + 1).ready
+    register(core, "m0", now=T0 + 1)
+    assert core.status(T0 + 1).ready
+
+
+def test_without_serves_a_lone_diffusion_worker_reads_as_ready_as_before():
+    core = core_serving()
+    assert not core.status(T0).ready
+    register(core, "img0", kind=WorkerKind.DIFFUSION)
+    assert core.status(T0 + 1).ready
+    register(core, "p0", role="prefill", now=T0 + 1)  # an LLM worker: the LLM pools decide now
+    assert not core.status(T0 + 1).ready
+
+
+def parse(argv: list[str]) -> SchedulerConfig:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--address", default="ipc:///unused")
+    parser.add_argument("--ready-address", default=None)
+    add_policy_arguments(parser)
+    add_serves_argument(parser)
+    return config_from_args(parser.parse_args(argv), parser)
+
+
+def test_the_serves_flag_reads_kinds_and_refuses_an_unknown_one(capsys):
+    assert parse(["--serves", "llm,diffusion"]).serves == (WorkerKind.LLM, WorkerKind.DIFFUSION)
+    assert parse([]).serves == ()
+    with pytest.raises(SystemExit):
+        parse(["--serves", "llm,video"])
+    assert "unknown kind 'video'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "up_args, serves",
+    [([], "llm,diffusion"), (["--diffusion", "0"], "llm"), (["--prefill", "0", "--decode", "0"], "diffusion")],
+)
+def test_pagemesh_up_tells_its_scheduler_what_it_starts(up_args, serves):
+    from services.launcher import parse as parse_up
+    from services.launcher import plan
+
+    (argv,) = [argv for name, argv in plan(parse_up(up_args), "/tmp/pm") if name == "scheduler"]
+    assert argv[argv.index("--serves") + 1] == serves
