@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ def systems(peers_dir: Path) -> list[System]:
     f16 = peers_dir / "llama_cpp" / "SmolLM2-135M-Instruct.F16.gguf"
     vllm = peers_dir / "vllm"
     peers_env = {"PEERS_DIR": str(peers_dir)}
-    up = [py, "-m", "services.cli", "up", "--port", "{port}", "--no-prefix-caching"]
+    up = [py, "-m", "services.cli", "up", "--port", "{port}", "--no-prefix-caching", "--diffusion", "0"]
     llama_serve = ["bash", "bench/peers/llama_cpp.sh", "serve", "{port}"]
     llama_describe = ["bash", "bench/peers/llama_cpp.sh", "describe"]
 
@@ -80,6 +81,18 @@ def systems(peers_dir: Path) -> list[System]:
     return [
         System("pagemesh mixed", up + ["--mixed", "1"], "/ready", describe=pagemesh_how + ["--mixed 1"]),
         System("pagemesh 1P+1D", up, "/ready", describe=pagemesh_how + ["1 prefill + 1 decode"]),
+        System(
+            "pagemesh mixed gguf",
+            up + ["--mixed", "1", "--quantization", "gguf"],
+            "/ready",
+            describe=["echo", "pagemesh, the GGUF's Q4_1 weights as they are (--quantization gguf), --mixed 1"],
+        ),
+        System(
+            "pagemesh mixed gguf fp8",
+            up + ["--mixed", "1", "--quantization", "gguf", "--kv-cache-dtype", "fp8_e4m3"],
+            "/ready",
+            describe=["echo", "pagemesh, --quantization gguf --kv-cache-dtype fp8_e4m3, --mixed 1"],
+        ),
         llama_cpp("llama.cpp Q4_1", "q4_1", [llama], {}),
         # Its thread pool spins while it waits: on a loaded 2-core machine one thread can beat two.
         llama_cpp("llama.cpp Q4_1 -t 1", "q4_1", [llama], {"THREADS": "1"}),
@@ -159,6 +172,45 @@ class Server:
         self.log.close()
 
 
+class PeakMemory:
+    """Samples, in a thread, the memory of every process in the server's session (the launcher
+    and its children, or the peer's server and its workers): the peak of the summed RSS (shared
+    libraries counted once per process, as `ps` does) and of the summed PSS (shared pages split
+    between the processes that map them: what the system as a whole holds)."""
+
+    def __init__(self, session: int, every_s: float = 0.5) -> None:
+        self.session, self.every_s = session, every_s
+        self.rss = self.pss = 0
+        self.processes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            rss = pss = n = 0
+            for proc in psutil.process_iter():
+                try:
+                    if os.getsid(proc.pid) != self.session:
+                        continue
+                    info = proc.memory_full_info()
+                except (psutil.Error, OSError):
+                    continue
+                rss, pss, n = rss + info.rss, pss + info.pss, n + 1
+            if pss > self.pss:
+                self.rss, self.pss, self.processes = rss, pss, n
+            self._stop.wait(self.every_s)
+
+
 def prompts_for(concurrency: int) -> int:
     """Requests per point: 4 one after another, two waves of 8, one wave of 32."""
     return max(4, min(2 * concurrency, 32))
@@ -210,7 +262,9 @@ def run_system(system: System, concurrencies: list[int], results: Path, round_in
         row["start_s"] = time.monotonic() - started
         for c in concurrencies:
             print(f"== {system.name}: concurrency {c}", flush=True)
-            row["points"][c] = bench_point(system, server.url, c, tag, results)
+            with PeakMemory(server.proc.pid) as memory:
+                row["points"][c] = bench_point(system, server.url, c, tag, results)
+            row["points"][c] |= {"peak_rss": memory.rss, "peak_pss": memory.pss, "processes": memory.processes}
         row["status"] = "ok"
     except SystemExit as e:  # pagemesh bench could not run a point (e.g. the server stopped answering)
         row["status"] = f"failed: pagemesh bench exited with {e.code} (log {server.log.name})"
@@ -303,12 +357,12 @@ def table(rows: dict[str, dict], concurrencies: list[int], reference: str) -> st
     ref = rows.get(reference, {}).get("points", {})
     lines = [
         "| system | streams | output tok/s | range over rounds | × ref tok/s | TTFT p50 (ms) | ITL p99 (ms) | "
-        "× ref ITL p99 | TPOT p50 (ms) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "× ref ITL p99 | TPOT p50 (ms) | peak RSS / PSS (GB, processes) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, row in rows.items():
         if row.get("status") != "ok":
-            lines.append(f"| {name} | — | {row.get('status')} | | | | | | |")
+            lines.append(f"| {name} | — | {row.get('status')} | | | | | | | |")
             continue
         for c in concurrencies:
             s, r = row["points"].get(c), ref.get(c)
@@ -323,9 +377,15 @@ def table(rows: dict[str, dict], concurrencies: list[int], reference: str) -> st
             lines.append(
                 f"| {name} | {c} | {_fmt(s['output_throughput'])} | {spread} | {tok_ratio} | "
                 f"{_fmt(s['median_ttft_ms'])} | {_fmt(s.get('p99_itl_ms'))} | {itl_ratio} | "
-                f"{_fmt(s.get('median_tpot_ms'))} |"
+                f"{_fmt(s.get('median_tpot_ms'))} | {_memory(s)} |"
             )
     return "\n".join(lines)
+
+
+def _memory(point: dict) -> str:
+    if not point.get("peak_pss"):
+        return "—"
+    return f"{point['peak_rss'] / 1e9:.1f} / {point['peak_pss'] / 1e9:.1f} ({point['processes']})"
 
 
 def machine() -> str:
