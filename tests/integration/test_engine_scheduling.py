@@ -161,3 +161,30 @@ def test_best_of_returns_the_n_most_likely_samples(tiny_vocab_model):
     # the same seeds draw the same six samples; best_of kept the two most likely of them
     ranked = sorted(samples.values(), key=lambda c: -sequence_logprob(hf, prompt, c))
     assert result.token_ids == ranked[:2]
+
+
+def test_a_request_larger_than_the_kv_pool_is_refused_or_cut_instead_of_waiting_for_ever(tiny_qwen2):
+    folder, _ = tiny_qwen2
+    engine = tiny_engine(folder, num_pages=20, page_size=4)  # 19 usable pages: 76 tokens
+    with pytest.raises(ValueError, match="do not fit this worker's KV pool"):
+        engine.add_request("long", list(range(1, 91)), SamplingParams(max_tokens=4))
+    assert not engine.has_unfinished()
+    params = SamplingParams(n=2, temperature=0, max_tokens=400, ignore_eos=True)
+    (tokens_a, tokens_b) = run_checked_choices(engine, list(range(1, 55)), params)
+    assert len(tokens_a) == len(tokens_b) == 76 - 54  # the pool was the context: cut, and ended
+    assert engine.blocks.num_used_pages == 0
+
+
+def run_checked_choices(engine: Engine, prompt: list[int], params) -> list[list[int]]:
+    engine.add_request("r", prompt, params)
+    out: dict[int, list[int]] = {}
+    reasons = set()
+    while engine.has_unfinished():
+        for o in engine.step():
+            for so in o.outputs:
+                out.setdefault(so.index, []).extend(so.new_token_ids)
+                if so.finish_reason is not None:
+                    reasons.add(so.finish_reason)
+        engine.blocks.check_invariants([s.block_table for s in engine.scheduler.live_sequences])
+    assert reasons == {"length"}
+    return [out[i] for i in sorted(out)]

@@ -158,7 +158,13 @@ class Engine:
             kv_calibration_ids=calibration_token_ids(self.tokenizer, self.model_config.vocab_size),
         )
         self.requests: dict[str, EngineRequest] = {}
-        self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len, self.tokenizer)
+        self.validator = RequestValidator(
+            self.model_config.vocab_size,
+            self.max_model_len,
+            self.tokenizer,
+            self.blocks.num_usable_pages,
+            config.page_size,
+        )
         self.json_masks = JsonMaskCache(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         # unseeded rows draw from the default generator, on the device the sampler runs on
         self.generators = SeqGenerators(self.device, config.seed)
@@ -259,6 +265,7 @@ class Engine:
         it would have drawn on the first worker."""
         token_ids = self.validator.new_request(request_id, prompt, params, self.requests)
         resumed = self.validator.resumed_output(output_token_ids, params, len(token_ids))
+        params = self.validator.fit_pool(len(token_ids), params, prefill_only)
         if resumed:
             params = dataclasses.replace(params, prompt_logprobs=None)  # reported with its first token
         masks = self.json_masks.for_params(params)

@@ -92,6 +92,7 @@ class PrefillHandoff:
             masks = self.json_masks.for_params(params)
             self.validator.not_running(request_id, running)
             prompt = self.validator.prompt_ids(prompt_token_ids)
+            params = self.validator.fit_pool(len(prompt), params)
             self.blocks.grow(table, len(prompt))
             write_pages(table[len(prefix_pages) :])
         except Exception:

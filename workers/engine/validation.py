@@ -3,6 +3,7 @@ prompt and output inside the context length. Raises ValueError naming the field.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Container
 from collections.abc import Sequence as Seq
 
@@ -13,10 +14,14 @@ class RequestValidator:
     """The limits of one model: `vocab_size`, `max_model_len`, and its tokenizer (None: token
     ids only)."""
 
-    def __init__(self, vocab_size: int, max_model_len: int, tokenizer=None) -> None:
+    def __init__(
+        self, vocab_size: int, max_model_len: int, tokenizer=None, num_pages: int | None = None, page_size: int = 1
+    ) -> None:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
+        self.num_pages = num_pages  # the KV pool (None: unbounded)
+        self.page_size = page_size
 
     def new_request(
         self, request_id: str, prompt: str | Seq[int], params: SamplingParams, running: Container[str]
@@ -44,6 +49,30 @@ class RequestValidator:
                 f"exceeds the context length {self.max_model_len}"
             )
         return token_ids
+
+    def fit_pool(self, prompt_len: int, params: SamplingParams, prefill_only: bool = False) -> SamplingParams:
+        """A request runs alone at worst, so it must fit the KV pool alone, or it would wait (or be
+        preempted and recomputed) for ever. The pool is then the request's context: a prompt that
+        cannot fit with one more token raises ValueError; a max_tokens beyond the pool is cut to what
+        fits (the answer ends with "length", as at the context length). One sequence holds its
+        prompt and output; a beam search's beams step side by side, sharing the prompt's whole pages;
+        n > 1 sequences are preempted and recomputed one at a time, so each alone must fit. A
+        prefill-only request holds its prompt and first token only."""
+        if self.num_pages is None:
+            return params
+        ps, beams = self.page_size, params.num_sequences if params.use_beam_search and not prefill_only else 1
+        shared = prompt_len // ps if beams > 1 else 0
+        per_beam = (self.num_pages - shared) // beams  # pages each beam may hold beyond the shared ones
+        room = (shared + per_beam) * ps - prompt_len  # output tokens that fit
+        if room < 1:
+            what = f"{beams} beams of " if beams > 1 else ""
+            raise ValueError(
+                f"prompt: {what}{prompt_len} tokens and one more do not fit this worker's KV pool "
+                f"({self.num_pages} pages of {ps} tokens)"
+            )
+        if prefill_only or params.max_tokens <= room:
+            return params
+        return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
 
     def resumed_output(self, output_token_ids: Seq[int], params: SamplingParams, prompt_len: int) -> list[int]:
         """The tokens a resumed request generated before (see `Engine.add_request`), checked:
