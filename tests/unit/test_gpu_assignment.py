@@ -79,6 +79,15 @@ def test_rank_0_names_each_followers_gpu_from_what_it_sees(monkeypatch):
     tensor_parallel.check_rank_gpus(torch.device("cpu"), 4, 4)  # the CPU: ranks share it
 
 
+def test_rank_0_starts_no_follower_when_it_sees_too_few_gpus(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(tensor_parallel.subprocess, "Popen", lambda *a, **k: pytest.fail("started a rank"))
+    spec = tensor_parallel.FollowerSpec(tmp_path, "float32", "cuda", 8, 4, world_size=2)
+    with pytest.raises(ValueError, match=r"-tp 2 x -pp 1 runs 2 ranks, one GPU each, but 1 GPU is visible \(0\)"):
+        tensor_parallel.FollowerRanks(spec)
+
+
 def test_a_cuda_engine_with_too_few_gpus_is_refused_before_it_loads_anything(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -197,10 +197,10 @@ class FollowerRanks:
     def __init__(self, spec: FollowerSpec, stage_group: StageGroup | None = None):
         self.spec = spec
         self.closing = False
+        gpus = rank_gpu_names(spec.world_size, spec.pipeline_size) if spec.device == "cuda" else None
         self.rendezvous = tempfile.mkdtemp(prefix="pagemesh-tp-")
         init_method = "file://" + os.path.join(self.rendezvous, "group")
         self.procs: list[subprocess.Popen] = []
-        gpus = rank_gpu_names(spec.world_size, spec.pipeline_size) if spec.device == "cuda" else None
         for rank in range(1, spec.total_ranks):
             self.procs.append(self._start(rank, init_method, gpus[rank] if gpus else None))
         for rank, proc in enumerate(self.procs, start=1):
