@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check: kernel tests at full shapes, kernel benchmarks, and (if present) the engine bench,
+# GPU check: kernel tests at full shapes, kernel benchmarks, (if present) the engine bench and,
+# with two or more GPUs visible, a tensor-parallel run (skipped with its reason otherwise),
 # written to docs/perf/gpu.md. One command, run from anywhere, finishes in under 8 minutes on
 # one H200; needs torch, triton, pytest (no pip install, no network, no zmq/structlog/gguf).
 #
@@ -72,6 +73,13 @@ if ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
   exit 1
 fi
 
+# Tensor parallel across GPUs (step 4) only where a worker's two ranks can each have a GPU: its
+# time is kept back from the steps before it.
+gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+TP_SIZE=2  # bench/gpu_engine.py's Llama-3-8B shape: 32 query and 8 KV heads split 2 ways
+TP_RESERVE_S=0
+((gpus >= TP_SIZE)) && TP_RESERVE_S=${GPU_CHECK_TP_RESERVE_S:-150}
+
 # 1. Tests, the two suites side by side (their Triton compiles use separate CPU cores).
 t=$(cap 240)
 echo "[gpu_check] tests (limit ${t}s)"
@@ -94,7 +102,7 @@ wait "$gpu_pid"; gpu_rc=$?
 #    each section when measured and starts no sweep case past its deadline.
 ENGINE_RESERVE_S=${GPU_CHECK_ENGINE_RESERVE_S:-120}
 t=$(cap 200)
-((t > $(remaining) - ENGINE_RESERVE_S)) && t=$(($(remaining) - ENGINE_RESERVE_S))
+((t > $(remaining) - ENGINE_RESERVE_S - TP_RESERVE_S)) && t=$(($(remaining) - ENGINE_RESERVE_S - TP_RESERVE_S))
 ((t < 120)) && QUICK="--quick"
 ((t < 30)) && t=30
 echo "[gpu_check] kernel bench (limit ${t}s) $QUICK"
@@ -116,7 +124,7 @@ echo >>"$REPORT"
 
 # 3. Engine benchmark, written by the engine's owner; it prints markdown.
 if [[ -f bench/gpu_engine.py ]]; then
-  t=$(($(remaining) - 5))
+  t=$(($(remaining) - 5 - TP_RESERVE_S))
   echo "[gpu_check] engine bench (limit ${t}s)"
   echo "## Engine (bench/gpu_engine.py)" >>"$REPORT"
   echo >>"$REPORT"
@@ -130,6 +138,30 @@ if [[ -f bench/gpu_engine.py ]]; then
       status=1
       { echo; echo "**gpu_engine.py failed (exit $engine_rc):**"; echo; echo '```'
         tail -n 40 "$LOGS/engine.err"; echo '```'; } >>"$REPORT"
+    fi
+  fi
+fi
+
+# 4. Tensor parallel: the engine at -tp 2 (rank i on GPU i, NCCL) against -tp 1, when 2 GPUs are visible.
+echo "## Tensor parallel (bench/gpu_tensor_parallel.py)" >>"$REPORT"
+echo >>"$REPORT"
+if ((gpus < TP_SIZE)); then
+  why="skipped: $gpus GPU(s) visible, -tp $TP_SIZE needs $TP_SIZE (one per rank)"
+  echo "[gpu_check] tensor parallel $why"
+  echo "_${why}._" >>"$REPORT"
+else
+  t=$(($(remaining) - 5))
+  echo "[gpu_check] tensor parallel -tp $TP_SIZE on $gpus GPUs (limit ${t}s)"
+  if ((t < 30)); then
+    echo "_skipped: only ${t}s of the time budget left_" >>"$REPORT"
+  else
+    timeout -k 10 "$t" "$PY" bench/gpu_tensor_parallel.py --tp "$TP_SIZE" >"$LOGS/tp.md" 2>"$LOGS/tp.err"
+    tp_rc=$?
+    cat "$LOGS/tp.md" >>"$REPORT"
+    if ((tp_rc)); then
+      status=1
+      { echo; echo "**gpu_tensor_parallel.py failed (exit $tp_rc):**"; echo; echo '```'
+        tail -n 40 "$LOGS/tp.err"; echo '```'; } >>"$REPORT"
     fi
   fi
 fi

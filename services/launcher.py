@@ -4,8 +4,9 @@ Starts the scheduler, a tokenizer, the LLM workers, the diffusion workers and th
 over ipc:// sockets in a run folder, waits until each reports READY, prints the URL, starts
 again a process that exits (services/supervisor.py: the mesh stops only when one keeps dying at
 start), and stops them all on Ctrl-C / SIGTERM. On CUDA the workers are spread over
-the visible GPUs, one GPU each (CUDA_VISIBLE_DEVICES), and workers that share a GPU share its
-memory (`--gpu-memory-fraction` divided among them).
+the visible GPUs (CUDA_VISIBLE_DEVICES): an LLM worker of -tp x -pp ranks gets that many GPUs of
+its own, a diffusion worker one; workers that share GPUs share their memory
+(`--gpu-memory-fraction` divided among them); too few GPUs for one worker is an error at start.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 from common.cli_args import add
+from common.gpus import visible_gpu_ids, worker_gpu_groups
 from common.logging import FORMAT_ENV, log_format
 from common.messages import Ready
 from common.model_files import model_aliases, resolve_model_path, served_model_name
@@ -200,47 +202,36 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
     return procs
 
 
-def gpu_placement(worker_names: list[str], visible: list[str]) -> dict[str, tuple[str, int]]:
-    """Worker -> (the one GPU it sees, how many workers share that GPU), round-robin over the
-    `visible` GPUs (ids as CUDA_VISIBLE_DEVICES names them)."""
-    if not visible:
-        return {}
-    gpus = {name: visible[i % len(visible)] for i, name in enumerate(worker_names)}
-    sharing = Counter(gpus.values())
-    return {name: (gpu, sharing[gpu]) for name, gpu in gpus.items()}
-
-
 def visible_gpus(device: str) -> list[str]:
     """The GPUs this process may use when the workers run on CUDA, else none."""
     if device == "cpu":
         return []
     import torch
 
-    count = torch.cuda.device_count()
-    if count == 0:
-        return []
-    listed = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    return listed[:count] if listed else [str(i) for i in range(count)]
+    return visible_gpu_ids(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
 
 
 def on_gpus(
     args: argparse.Namespace, procs: list[tuple[str, list[str]]]
 ) -> list[tuple[str, list[str], dict[str, str]]]:
-    """(name, argv, environment overrides) per process: a worker on CUDA sees its one GPU, and
-    its argv ends with its share of that GPU's memory when others share it."""
+    """(name, argv, environment overrides) per process: an LLM worker on CUDA sees its own group
+    of -tp x -pp GPUs (common/gpus.py; its ranks take one each), a diffusion worker one GPU, and
+    a worker's argv ends with its share of its GPUs' memory when other LLM workers share them.
+    ValueError when fewer GPUs are visible than one worker's ranks."""
     workers = [name for name, argv in procs if argv[0] in ("worker", "diffusion")]
-    placement = gpu_placement(workers, visible_gpus(args.device))
     llm = {name for name, argv in procs if argv[0] == "worker"}
-    # the memory fraction is the LLM workers' KV budget: it is divided among those on a GPU (a
+    tp, pp = (args.tensor_parallel_size, args.pipeline_parallel_size) if llm else (1, 1)
+    placement = worker_gpu_groups(workers, visible_gpus(args.device), tp, pp, one_gpu=set(workers) - llm)
+    # the memory fraction is the LLM workers' KV budget: it is divided among those on a group (a
     # diffusion worker's weights and activations come on top; lower the fraction for a big one)
-    llm_sharing = Counter(gpu for name, (gpu, _) in placement.items() if name in llm)
+    llm_sharing = Counter(gpus for name, gpus in placement.items() if name in llm)
     out = []
     for name, argv in procs:
         env: dict[str, str] = {}
         if name in placement:
-            gpu, _ = placement[name]
-            env = {"CUDA_VISIBLE_DEVICES": gpu}
-            sharing = llm_sharing[gpu]
+            gpus = placement[name]
+            env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+            sharing = llm_sharing[gpus]
             if sharing > 1 and name in llm:  # argparse keeps the last value
                 argv = [*argv, "--gpu-memory-fraction", f"{args.gpu_memory_fraction / sharing:.4f}"]
         out.append((name, argv, env))
@@ -348,7 +339,10 @@ def main(argv: list[str]) -> None:
             starting.cancel()
             await asyncio.gather(starting, return_exceptions=True)
             return 0
-        starting.result()  # raises if a process failed to start
+        if starting.exception() is not None:  # a process failed to start, or too few GPUs
+            stopped.cancel()
+            await asyncio.gather(stopped, return_exceptions=True)
+            starting.result()
         llm = f"{args.prefill} prefill + {args.decode} decode" if args.prefill else f"{args.mixed} mixed"
         parts = [llm] if args.prefill or args.mixed else []
         parts += [f"{args.diffusion} diffusion"] if args.diffusion else []
@@ -371,7 +365,7 @@ def main(argv: list[str]) -> None:
     code, failure = 1, None
     try:
         code = loop.run_until_complete(lifetime())
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:  # ValueError: a flag the machine cannot honour (too few GPUs)
         failure = e
     finally:
         mesh.stop()

@@ -1,8 +1,10 @@
 """A tensor-parallel worker in the real mesh: the processes `pagemesh up --mixed 1 -tp 3` starts
 (one worker of three ranks: SmolLM2-135M's 9 query heads and 3 KV heads split 3 and 1 per rank),
 driven by the official openai client. Greedy text equals the single-rank engine's for
-completions and chats, streamed and not, n > 1; then a rank killed mid-stream takes its worker
-down: the stream ends with an OpenAI error, the worker and its other ranks exit, nothing hangs.
+completions and chats, streamed and not, n > 1; the greedy tokens served are Hugging Face
+transformers' (fp32, teacher-forced); beam search gives the single-rank engine's beams; then a
+rank killed mid-stream takes its worker down: the stream ends with an OpenAI error, the worker and
+its other ranks exit, nothing hangs.
 Last, a second mesh, `pagemesh up --mixed 1 -pp 2` (two pipeline stages of 15 layers each), gives
 the same greedy text.
 
@@ -25,13 +27,14 @@ import pytest
 from bench.local_mesh import HANG_S, LATE_S, SeparateProcesses, sample_until, wait_until
 from common.model_files import DEFAULT_MODEL_NAME
 from common.sampling import SamplingParams
-from tests.integration.conftest import stream_counting
+from tests.integration.conftest import hf_argmax_after_each, stream_counting
 
 pytestmark = pytest.mark.slow
 MODEL = DEFAULT_MODEL_NAME
 PROMPTS = ["The three primary colours are", "def fibonacci(n):"]
 CHATS = ["What is 2 + 2?", "Name a fruit that is yellow."]
 MAX_TOKENS = 12
+BEAM_TOKENS = 6
 HEARTBEAT_TIMEOUT_S = 20.0  # a loaded 2-core machine runs three ranks slowly; the loss test waits this long
 
 
@@ -66,12 +69,17 @@ def client(mesh):
 
 
 @pytest.fixture(scope="module")
-def offline():
-    """What a single-rank engine produces for the same prompts (fp32, greedy)."""
+def engine():
+    """A single-rank engine (fp32) on the same model: the reference for the mesh's output."""
     from workers.engine.config import EngineConfig
     from workers.engine.engine import Engine
 
-    engine = Engine(EngineConfig(dtype="float32", num_pages=256))
+    return Engine(EngineConfig(dtype="float32", num_pages=256))
+
+
+@pytest.fixture(scope="module")
+def offline(engine):
+    """What a single-rank engine produces for the same prompts (fp32, greedy)."""
     tok = engine.tokenizer
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     completions = engine.generate([tok.encode(p) for p in PROMPTS], params)
@@ -110,6 +118,45 @@ def test_greedy_text_equals_the_single_rank_engine(client, offline):
             model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
         )
         assert stream_text(s, chat=True) == expected
+
+
+def token_ids_of(hf_tokenizer, token_bytes: list[bytes]) -> list[int]:
+    """The ids of tokens given as their bytes (what a logprobs entry names): SmolLM2's vocabulary
+    is byte-level BPE, one string per byte sequence, so the mapping is exact; a token whose bytes
+    are not one vocabulary entry raises KeyError."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    chars, vocab = bytes_to_unicode(), hf_tokenizer.get_vocab()
+    return [vocab["".join(chars[b] for b in token)] for token in token_bytes]
+
+
+def test_the_greedy_tokens_served_are_hf_transformers(client, engine, hf_model, hf_tokenizer):
+    """The tokens the TP mesh sends (read from their logprobs entries) are HF's greedy choice
+    after the prompt and each prefix of them: one teacher-forced pass per answer."""
+    tok = engine.tokenizer
+    prompt = tok.encode(PROMPTS[1])
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, logprobs=1)
+    served = token_ids_of(hf_tokenizer, [t.encode() for t in r.choices[0].logprobs.tokens])
+    assert len(served) == r.usage.completion_tokens > 1 and tok.decode(served) == r.choices[0].text
+    assert served == hf_argmax_after_each(hf_model, prompt, served)
+
+    messages = [{"role": "user", "content": CHATS[0]}]
+    prompt = tok.encode_chat(messages)
+    assert prompt == hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, logprobs=True
+    )
+    served = token_ids_of(hf_tokenizer, [bytes(t.bytes) for t in r.choices[0].logprobs.content])
+    assert len(served) == r.usage.completion_tokens > 1 and tok.decode(served) == r.choices[0].message.content
+    assert served == hf_argmax_after_each(hf_model, prompt, served)
+
+
+def test_beam_search_gives_the_single_rank_engines_beams(client, engine):
+    beams = dict(n=2, best_of=3, max_tokens=BEAM_TOKENS)
+    [want] = engine.generate([engine.tokenizer.encode(PROMPTS[0])], SamplingParams(use_beam_search=True, **beams))
+    assert len(set(want.texts)) == 2  # two different beams, the best first
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], extra_body={"use_beam_search": True}, **beams)
+    assert [c.text for c in r.choices] == want.texts
 
 
 def test_a_killed_rank_takes_its_worker_down_and_its_stream_ends_with_an_error(mesh, client):

@@ -1,6 +1,7 @@
 """scripts/gpu_check.sh's control flow, with a stand-in `python` (PYTHON=...) that answers the
-CUDA probe and prints canned results: the report's sections, the bench's time limit and deadline,
-the exit status. The real steps run on a GPU machine only."""
+CUDA probes (FAKE_GPUS: how many GPUs it counts) and prints canned results: the report's
+sections, the bench's time limit and deadline, the tensor-parallel run or the reason it was
+skipped, the exit status. The real steps run on a GPU machine only."""
 
 import os
 import re
@@ -13,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FAKE_PY = """#!/usr/bin/env bash
 case "$*" in
   *cuda.is_available*) exit ${FAKE_CUDA_RC:-0} ;;
+  *cuda.device_count*) echo "${FAKE_GPUS:-1}" ;;
   *"import torch, triton"*) echo "torch T, triton R, CUDA C" ;;
   *get_device_name*) echo "Stand-in GPU" ;;
   "-m pytest"*"tests/gpu"*) [[ ${FAKE_GPU_RC:-1} == 0 ]] && echo "23 passed in 9.00s" || echo "1 failed, 22 passed in 9.00s"
@@ -20,6 +22,7 @@ case "$*" in
   "-m pytest"*) echo "90 passed in 9.00s" ;;
   bench/kernel_bench.py*) echo "kernel_bench $*"; exit ${FAKE_BENCH_RC:-0} ;;
   bench/gpu_engine.py*) echo "| 1 | CUDA graphs | 100 |" ;;
+  bench/gpu_tensor_parallel.py*) echo "tp bench $*"; echo "tp trouble" >&2; exit ${FAKE_TP_RC:-0} ;;
   *) echo "unexpected: $*" >&2; exit 9 ;;
 esac
 """
@@ -95,3 +98,29 @@ def test_without_cuda_it_says_so_and_fails(tmp_path):
     proc, report = run_check(tmp_path, FAKE_CUDA_RC="1")
     assert proc.returncode == 1
     assert "**No CUDA device: nothing run.**" in report and "## Kernel benchmarks" not in report
+
+
+def test_one_gpu_skips_the_tensor_parallel_run_and_says_why(tmp_path):
+    proc, report = run_check(tmp_path, FAKE_GPU_RC="0")
+    assert proc.returncode == 0, report
+    why = "skipped: 1 GPU(s) visible, -tp 2 needs 2 (one per rank)"
+    assert f"[gpu_check] tensor parallel {why}" in proc.stdout
+    assert f"## Tensor parallel (bench/gpu_tensor_parallel.py)\n\n_{why}._" in report
+    assert "tp bench" not in report
+
+
+def test_two_gpus_run_tensor_parallel_with_time_kept_for_it(tmp_path):
+    proc, report = run_check(tmp_path, FAKE_GPUS="2", FAKE_GPU_RC="0", GPU_CHECK_BUDGET_S="460")
+    assert proc.returncode == 0, report
+    assert "tp bench bench/gpu_tensor_parallel.py --tp 2" in report and "tp trouble" not in report
+    assert report.index("## Engine (bench/gpu_engine.py)") < report.index("## Tensor parallel")
+    # the kernel bench leaves 120 s for the engine and 150 s for tensor parallel: 460 - 270
+    assert 190 - int(run_check.took) - 1 <= bench_limit(proc.stdout) <= 190
+    took = int(run_check.took) + 1
+    engine = int(re.search(r"engine bench \(limit (\d+)s\)", proc.stdout)[1])
+    assert 460 - 5 - 150 - took <= engine <= 460 - 5 - 150  # the engine step leaves tensor parallel its 150 s
+    limit = int(re.search(r"tensor parallel -tp 2 on 2 GPUs \(limit (\d+)s\)", proc.stdout)[1])
+    assert 460 - 5 - took <= limit <= 460 - 5  # the stand-in steps took no time: what is left
+    proc, report = run_check(tmp_path, FAKE_GPUS="2", FAKE_GPU_RC="0", FAKE_TP_RC="1")
+    assert proc.returncode == 1
+    assert "**gpu_tensor_parallel.py failed (exit 1):**" in report and "tp trouble" in report

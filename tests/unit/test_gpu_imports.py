@@ -72,3 +72,15 @@ def test_bench_measurements_run_on_a_tiny_model_on_cpu():
     assert [r.split(" | ")[:2] for r in rows] == [["| 1", "eager"], ["| 3", "eager"], ["| 1", "eager"]]
     assert all(r.split(" | ")[4] == "—" for r in rows)  # no graphs on CPU: no replay timing
     assert "TTFT of a 40-token prompt" in proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="checks the message given without two GPUs")
+def test_tensor_parallel_bench_imports_without_them_and_exits_2_without_two_gpus():
+    proc = run_python(f"""
+        spec = importlib.util.spec_from_file_location("gpu_tp", {str(ROOT / "bench" / "gpu_tensor_parallel.py")!r})
+        gpu_tp = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(gpu_tp)
+        sys.exit(gpu_tp.main(["--tp", "2"]))
+    """)
+    assert proc.returncode == 2, proc.stderr
+    assert "-tp 2 needs 2 GPUs" in proc.stderr and proc.stdout == ""

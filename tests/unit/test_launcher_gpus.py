@@ -1,6 +1,7 @@
-"""`pagemesh up` on CUDA: workers spread over the visible GPUs, a shared GPU's memory divided
-among its workers, and the KV pool sized from a worker's share (the arithmetic; a real GPU run is
-scripts/gpu_check.sh's)."""
+"""`pagemesh up` on CUDA: workers spread over the visible GPUs (a tensor-parallel worker over a
+group of its own: tests/unit/test_gpu_assignment.py has the arithmetic), a shared GPU's memory
+divided among its workers, and the KV pool sized from a worker's share (the arithmetic; a real GPU
+run is scripts/gpu_check.sh's)."""
 
 import pytest
 
@@ -9,12 +10,6 @@ from workers.engine.engine import gpu_kv_budget
 from workers.llm.main import parse as parse_worker
 
 GB = 2**30
-
-
-def test_workers_go_round_robin_over_the_gpus_and_count_who_shares():
-    assert launcher.gpu_placement(["p0", "d0"], ["0"]) == {"p0": ("0", 2), "d0": ("0", 2)}
-    assert launcher.gpu_placement(["p0", "d0", "d1"], ["3", "5"]) == {"p0": ("3", 2), "d0": ("5", 1), "d1": ("3", 2)}
-    assert launcher.gpu_placement(["p0"], []) == {}
 
 
 def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
@@ -74,3 +69,30 @@ def test_a_diffusion_worker_gets_a_gpu_in_turn_and_leaves_the_llm_workers_memory
     assert env == {"prefill-0": "0", "decode-0": "1", "diffusion-0": "0"}
     assert parse_worker(argv["prefill-0"][1:]).engine.gpu_memory_fraction == 0.9  # alone among LLM workers
     assert argv["diffusion-0"][0] == "diffusion" and "--gpu-memory-fraction" not in argv["diffusion-0"]
+
+
+def test_a_tensor_parallel_worker_sees_a_group_of_gpus_of_its_own(monkeypatch, tmp_path):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,2,3,4,5")  # the driver counts 4 of them
+    args = launcher.parse(["--mixed", "2", "-tp", "2", "--diffusion", "1"])
+    procs = launcher.on_gpus(args, launcher.plan(args, str(tmp_path)))
+    env = {name: e["CUDA_VISIBLE_DEVICES"] for name, _, e in procs if e}
+    assert env == {"mixed-0": "1,2", "mixed-1": "3,4", "diffusion-0": "1"}
+    argv = {name: a for name, a, _ in procs}
+    assert parse_worker(argv["mixed-1"][1:]).engine.gpu_memory_fraction == 0.9  # no other LLM worker on 3,4
+
+
+def test_too_few_gpus_for_a_worker_stops_pagemesh_up_at_start_naming_the_numbers(monkeypatch, tmp_path, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    spawned = []
+    monkeypatch.setattr(launcher.Supervisor, "spawn", lambda self, *a: spawned.append(a))
+    with pytest.raises(SystemExit) as exit:
+        launcher.main(["--mixed", "1", "-tp", "3", "--diffusion", "0", "--run-dir", str(tmp_path / "run")])
+    assert exit.value.code == 1 and spawned == []  # nothing started
+    err = capsys.readouterr().err
+    assert "pagemesh up: a worker of -tp 3 x -pp 1 runs 3 ranks, one GPU each, but 2 GPUs are visible (0,1)" in err

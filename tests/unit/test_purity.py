@@ -26,6 +26,7 @@ PURE_MODULES = [
     "common.messages",
     "common.page_hash",
     "common.model_config",
+    "common.gpus",
     "workers.diffusion.engine.batcher",
     "workers.diffusion.engine.cache_policy",
     "workers.diffusion.engine.config",

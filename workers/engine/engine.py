@@ -56,6 +56,7 @@ from workers.engine.tensor_parallel import (
     COLLECTIVE_TIMEOUT_S,
     FollowerRanks,
     FollowerSpec,
+    check_rank_gpus,
     check_tensor_parallel,
     create_shared_all_reduce,
     rank_context,
@@ -103,6 +104,7 @@ class Engine:
             model_config = read_model_config(self.model_path)
             check_tensor_parallel(model_config, tp_size)
             check_pipeline_parallel(model_config, pp_size)
+            check_rank_gpus(self.device, tp_size, pp_size)
             dtype = config.resolve_dtype(self.device)
             group, layers = None, None
             if pp_size > 1:  # the stages' all-reduces go over gloo: one shared-memory file serves one group

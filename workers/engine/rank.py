@@ -78,6 +78,7 @@ def main(argv: list[str]) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log = logging.getLogger(f"pagemesh.rank{args.rank}")
     torch.set_num_threads(args.threads)
+    # on CUDA this rank sees one GPU, its own: rank 0 named it in CUDA_VISIBLE_DEVICES (common/gpus.py)
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     dtype = getattr(torch, args.dtype)
     stage, tp_rank = divmod(args.rank, args.world_size)

@@ -40,6 +40,7 @@ from typing import BinaryIO
 
 import torch
 
+from common.gpus import rank_gpus, visible_gpu_ids
 from common.model_config import ModelConfig
 from workers.engine.model_input import ModelInput, decode_model_input, encode_model_input
 from workers.engine.pipeline_parallel import join_stage_groups
@@ -70,6 +71,19 @@ def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
             f"tensor-parallel size {size} does not divide the model's {' and '.join(bad)} "
             f"(it has {cfg.num_heads} query heads, {cfg.num_kv_heads} KV heads)"
         )
+
+
+def rank_gpu_names(tp: int, pp: int) -> list[str]:
+    """On CUDA: rank i -> the GPU its process runs on, named as CUDA_VISIBLE_DEVICES names it: the
+    i-th this worker sees (`pagemesh up` gives a worker tp x pp of its own). ValueError, naming
+    the numbers, when it sees fewer (NCCL refuses two ranks on one GPU)."""
+    return rank_gpus(visible_gpu_ids(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count()), tp, pp)
+
+
+def check_rank_gpus(device: torch.device, tp: int, pp: int) -> None:
+    """Before anything loads: a worker of tp x pp ranks on CUDA sees a GPU for each."""
+    if device.type == "cuda" and tp * pp > 1:
+        rank_gpu_names(tp, pp)
 
 
 def threads_per_rank(world_size: int, worker_threads: int | None = None) -> int:
@@ -183,11 +197,12 @@ class FollowerRanks:
     def __init__(self, spec: FollowerSpec, stage_group: StageGroup | None = None):
         self.spec = spec
         self.closing = False
+        gpus = rank_gpu_names(spec.world_size, spec.pipeline_size) if spec.device == "cuda" else None
         self.rendezvous = tempfile.mkdtemp(prefix="pagemesh-tp-")
         init_method = "file://" + os.path.join(self.rendezvous, "group")
         self.procs: list[subprocess.Popen] = []
         for rank in range(1, spec.total_ranks):
-            self.procs.append(self._start(rank, init_method))
+            self.procs.append(self._start(rank, init_method, gpus[rank] if gpus else None))
         for rank, proc in enumerate(self.procs, start=1):
             threading.Thread(target=self._watch, args=(rank, proc), daemon=True, name=f"tp-rank-{rank}").start()
         try:
@@ -204,7 +219,8 @@ class FollowerRanks:
             [p.pid for p in self.procs],
         )
 
-    def _start(self, rank: int, init_method: str) -> subprocess.Popen:
+    def _start(self, rank: int, init_method: str, gpu: str | None) -> subprocess.Popen:
+        """Rank `rank`'s process; on CUDA it sees only `gpu` (its cuda:0)."""
         s = self.spec
         argv = [
             sys.executable,
@@ -224,10 +240,8 @@ class FollowerRanks:
         if s.shm_path is not None:
             argv += [f"--shm-path={s.shm_path}", f"--shm-numel={s.shm_numel}"]
         env = dict(os.environ)
-        if s.device == "cuda":
-            # rank i takes the i-th GPU this worker was given; rank 0 uses the first (cuda:0)
-            visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-            env["CUDA_VISIBLE_DEVICES"] = visible[rank] if len(visible) > rank else str(rank)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
         return subprocess.Popen(argv, stdin=subprocess.PIPE, env=env)
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
