@@ -93,7 +93,7 @@ def gather_pages(
 
     width = len(layers[0])  # stage 0 holds the most layers: every shard crosses at its count
     followers.send_frame(encode_kv_command(KVPageCommand(export=True, pages=pages, layers=width)))
-    mine = kv_cache.index_select(1, _index(kv_cache, pages))
+    mine = _padded(kv_cache.index_select(1, _index(kv_cache, pages)), width)
     shards = [torch.empty_like(mine) for _ in range(followers.spec.total_ranks)]
     dist.gather(mine, gather_list=shards, dst=0)
     return [s[: len(r)].cpu() for s, r in zip(shards, layers, strict=True)]

@@ -74,7 +74,12 @@ class HandoffOut:
         runner = self.engine.runner
         # one message per rank (a parallel worker's ranks each hold their KV heads of their layers)
         parts = pack_rank_pages(
-            runner.kv_cache, result, skip, self.engine.followers, runner.kv_scales, self.engine.model_config.num_layers
+            runner.kv_cache,
+            result,
+            skip,
+            self.engine.followers,
+            runner.kv_scales,
+            num_layers=self.engine.model_config.num_layers,
         )
         messages = [p.encode_tensor_frames(header, layers) for header, layers in parts]
         dealer = self.dealers.get(endpoint)

@@ -56,7 +56,8 @@ def pack_rank_pages(
     skip_pages: int,
     followers: FollowerRanks | None,
     kv_scales: torch.Tensor | None = None,
-    num_layers: int = 0,
+    *,
+    num_layers: int,
 ) -> list[tuple[KVPagesHeader, list[torch.Tensor]]]:
     """`pack_pages` for every rank of the worker, rank 0's first: a parallel worker's followers
     hand their shards to rank 0 (`gather_pages`), one header per rank, with its tp rank and its
