@@ -39,8 +39,8 @@ from common.sampling import SamplingParams
 # ScheduleRequest.resume, GenerateTask.output_token_ids, TokenDelta.num_cached_tokens,
 # TextDelta.cached_tokens, RegisterWorker.ranks, WorkerStatus.produced/.feature_cache/.ranks,
 # ClusterStatus.migrations; 7: KVPagesHeader.tp_rank/.tp_size/.kv_scales, SamplingParams.speculative,
-# SpeculationLoad, Heartbeat.speculation, WorkerStatus.speculation
-PROTOCOL_VERSION = 7
+# SpeculationLoad, Heartbeat.speculation, WorkerStatus.speculation; 8: RegisterWorker.pipeline_stages
+PROTOCOL_VERSION = 8
 
 MAX_STR_LEN = 4 << 20  # characters; a prompt of ~1M tokens of text fits
 MAX_TOKEN_IDS = 1 << 20  # length of any list[int] (token ids, page indices, shapes)

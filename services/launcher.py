@@ -77,11 +77,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.error("--prefill and --decode go together (or use --mixed)")
     if args.prefill + args.decode + args.mixed + args.diffusion + args.diffusion_student == 0:
         parser.error("no workers: give --prefill/--decode, --mixed, --diffusion or --diffusion-student")
-    if args.pipeline_parallel_size > 1 and args.prefill + args.decode > 0:
-        parser.error(
-            f"--pipeline-parallel-size {args.pipeline_parallel_size}: prefill/decode workers have one stage only "
-            "for now (the KV handoff between pipeline stages is not built); use --mixed N"
-        )
     if args.diffusion < 0 or args.diffusion_student < 0:
         parser.error("--diffusion, --diffusion-student: must be >= 0")
     return args

@@ -283,6 +283,16 @@ SAMPLES = [
         ranks=3,
     ),
     RegisterWorker(
+        worker_id="p1",
+        kind="llm",
+        role="prefill",
+        model="smollm",
+        max_running=64,
+        kv=KVPoolInfo(page_size=16, num_pages=1000, kv_endpoint="tcp://10.0.0.1:7000"),
+        ranks=6,
+        pipeline_stages=2,
+    ),
+    RegisterWorker(
         worker_id="x0", kind="diffusion", role="mixed", model="digits-dit", max_running=16, kv=None, images=IMAGES
     ),
     RegisterWorker(

@@ -29,7 +29,9 @@ class KVPagesHeader:
 
     A tensor-parallel prefill worker of `tp_size` ranks sends one header per rank: `tp_rank`'s
     pages hold that rank's KV heads only (`page_shape` is a rank's), and the decode worker,
-    which must have the same `tp_size`, writes them into its rank `tp_rank`'s pool.
+    which must have the same `tp_size`, writes them into its rank `tp_rank`'s pool. A worker of
+    pipeline stages sends one header per rank of every stage, [layer_start, layer_end) being
+    that stage's layers; the decode worker's stages must hold the same ranges.
     """
 
     TENSOR_FRAMES: typing.ClassVar[bool] = True

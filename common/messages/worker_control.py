@@ -130,6 +130,7 @@ class RegisterWorker:
     held: list[HeldRequest] | None = None  # registering again: the requests it is working on
     images: ImageModelInfo | None = None  # diffusion workers: sizes, samplers, step limits
     ranks: int = 1  # its rank processes: tensor-parallel size × pipeline-parallel size
+    pipeline_stages: int = 1  # its pipeline-parallel size (ranks / stages = tensor-parallel size)
 
     def _check(self) -> None:
         if (self.kind == WorkerKind.LLM) != (self.kv is not None):
@@ -138,6 +139,8 @@ class RegisterWorker:
             raise ProtocolError("RegisterWorker.images: a diffusion worker says what it makes, others nothing")
         if not 1 <= self.ranks <= 4096:
             raise ProtocolError("RegisterWorker.ranks: must be in [1, 4096]")
+        if not 1 <= self.pipeline_stages <= self.ranks or self.ranks % self.pipeline_stages:
+            raise ProtocolError("RegisterWorker.pipeline_stages: must divide ranks")
 
 
 @message

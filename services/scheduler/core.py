@@ -63,7 +63,7 @@ from common.messages import (
 )
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.migration import cannot_migrate, migrations_of, resumed_output
-from services.scheduler.placement import Placer, pairing_problem, tp_sizes_in_both
+from services.scheduler.placement import Placer, pairing_problem, shapes_in_both
 from services.scheduler.prefix_index import PromptPages
 from services.scheduler.registry import Registry, WorkerInfo
 
@@ -462,10 +462,10 @@ class SchedulerCore:
         prefill, decode = (
             self.registry.alive(WorkerKind.LLM, role, now) for role in (WorkerRole.PREFILL, WorkerRole.DECODE)
         )
-        return alive(WorkerRole.MIXED) or bool(tp_sizes_in_both(prefill, decode))
+        return alive(WorkerRole.MIXED) or bool(shapes_in_both(prefill, decode))
 
     def _pairing_problem(self, now: float) -> str | None:
-        """Why the live prefill and decode workers cannot pair (different tensor-parallel sizes)."""
+        """Why the live prefill and decode workers cannot pair (different parallel shapes: tp x pp)."""
         alive = self.registry.alive
         return pairing_problem(
             alive(WorkerKind.LLM, WorkerRole.PREFILL, now), alive(WorkerKind.LLM, WorkerRole.DECODE, now)

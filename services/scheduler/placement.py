@@ -10,10 +10,11 @@ its pages), `--placement` picks:
   round-robin  the next worker by id after the one picked last
 Whatever the policy, pages the chosen decode worker holds are not transferred (`skip_pages`).
 
-A prefill and a decode worker pair only when they have the same tensor-parallel size (`ranks`):
-KV pages go rank i -> rank i, each rank holding its share of the KV heads, and are not resharded
-(resharding would split or merge every page's heads on the way, for a pairing `pagemesh up` never
-makes; compose users scale pools of one size). `pairing_problem` says why no pair exists.
+A prefill and a decode worker pair only when they have the same parallel shape (tensor-parallel
+size, pipeline stages: `WorkerInfo.parallel_shape`): KV pages go rank i -> rank i, each rank
+holding its share of the KV heads of its stage's layers, and are not resharded (resharding would
+split or merge every page's heads, or regroup the layers, on the way, for a pairing `pagemesh up`
+never makes; compose users scale pools of one shape). `pairing_problem` says why no pair exists.
 """
 
 from __future__ import annotations
@@ -64,23 +65,23 @@ def load_key(worker: WorkerInfo) -> tuple:
     return (worker.load, -worker.free_pages, worker.worker_id)
 
 
-def tp_sizes_in_both(prefill: list[WorkerInfo], decode: list[WorkerInfo]) -> set[int]:
-    """The tensor-parallel sizes that some prefill and some decode worker share."""
-    return {w.ranks for w in prefill} & {w.ranks for w in decode}
+def shapes_in_both(prefill: list[WorkerInfo], decode: list[WorkerInfo]) -> set[tuple[int, int]]:
+    """The parallel shapes (tp, pp) that some prefill and some decode worker share."""
+    return {w.parallel_shape for w in prefill} & {w.parallel_shape for w in decode}
 
 
 def pairing_problem(prefill: list[WorkerInfo], decode: list[WorkerInfo]) -> str | None:
     """Why no prefill worker can hand its pages to a decode worker: both pools have workers but
-    no two of one tensor-parallel size. None when a pair exists or a pool is empty."""
-    if not prefill or not decode or tp_sizes_in_both(prefill, decode):
+    no two of one parallel shape. None when a pair exists or a pool is empty."""
+    if not prefill or not decode or shapes_in_both(prefill, decode):
         return None
 
-    def sizes(pool: list[WorkerInfo]) -> str:
-        return ", ".join(map(str, sorted({w.ranks for w in pool})))
+    def shapes(pool: list[WorkerInfo]) -> str:
+        return ", ".join(f"tp {tp} x pp {pp}" for tp, pp in sorted({w.parallel_shape for w in pool}))
 
     return (
-        f"no prefill and decode worker of one tensor-parallel size (prefill: {sizes(prefill)}; "
-        f"decode: {sizes(decode)}): KV pages go rank i to rank i and are not resharded"
+        f"no prefill and decode worker of one parallel shape (prefill: {shapes(prefill)}; "
+        f"decode: {shapes(decode)}): KV pages go rank i to rank i and stage j to stage j, not resharded"
     )
 
 
@@ -98,17 +99,17 @@ class Placer:
     def place(
         self, prefill: list[WorkerInfo], decode: list[WorkerInfo], mixed: list[WorkerInfo], prompt: PromptPages
     ) -> Placement | None:
-        """Disaggregated when both pools have a worker with room, of one tensor-parallel size,
-        else mixed; None = none can take it now (the caller queues or rejects). The decode
-        worker is picked first (its prefix cache decides what travels), then a prefill worker of
-        its size."""
+        """Disaggregated when both pools have a worker with room, of one parallel shape, else
+        mixed; None = none can take it now (the caller queues or rejects). The decode worker is
+        picked first (its prefix cache decides what travels), then a prefill worker of its
+        shape."""
         n = len(prompt.token_ids)
         if prefill and decode:
             ps = [w for w in prefill if can_take(w, pages_for(n, 0, w.page_size))]
             ds = [w for w in decode if can_take(w, pages_for(n, 1, w.page_size))]
-            sizes = tp_sizes_in_both(ps, ds)
-            d = self._pick("decode", [w for w in ds if w.ranks in sizes], prompt)
-            p = self._pick("prefill", [w for w in ps if d is not None and w.ranks == d.ranks], prompt)
+            shapes = shapes_in_both(ps, ds)
+            d = self._pick("decode", [w for w in ds if w.parallel_shape in shapes], prompt)
+            p = self._pick("prefill", [w for w in ps if d is not None and w.parallel_shape == d.parallel_shape], prompt)
             if p is not None and d is not None:
                 self.last["prefill"], self.last["decode"] = p.worker_id, d.worker_id
                 return Placement(p, d, prompt.cached_pages(d))

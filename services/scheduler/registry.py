@@ -63,6 +63,7 @@ class WorkerInfo:
     page_hashes: set[int] = field(default_factory=set)  # prefix-cache keys it reported holding
     images: ImageModelInfo | None = None  # a diffusion worker's sizes, samplers, step limits
     ranks: int = 1  # RegisterWorker.ranks
+    pipeline_stages: int = 1  # RegisterWorker.pipeline_stages
     feature_cache: FeatureCacheLoad | None = None  # a diffusion worker's, from its last heartbeat
     speculation: SpeculationLoad | None = None  # an LLM worker's that speculates, from its last heartbeat
     busy_since: float | None = None  # when its step in progress began (by its last heartbeat)
@@ -80,11 +81,17 @@ class WorkerInfo:
             instance=msg.instance,
             images=msg.images,
             ranks=msg.ranks,
+            pipeline_stages=msg.pipeline_stages,
         )
         if msg.kv is not None:
             info.page_size, info.total_pages, info.kv_endpoint = msg.kv.page_size, msg.kv.num_pages, msg.kv.kv_endpoint
             info.free_pages = msg.kv.num_pages
         return info
+
+    @property
+    def parallel_shape(self) -> tuple[int, int]:
+        """(tensor-parallel size, pipeline stages): what a prefill and a decode worker share to pair."""
+        return self.ranks // self.pipeline_stages, self.pipeline_stages
 
     @property
     def load(self) -> int:

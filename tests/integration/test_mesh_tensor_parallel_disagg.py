@@ -1,8 +1,9 @@
-"""Disaggregation between tensor-parallel workers in the real mesh: `pagemesh up -tp 3` (one
-prefill and one decode worker of three ranks each, SmolLM2-135M's 3 KV heads one per rank), driven
-by the official openai client. Each rank's KV pages go to the decode worker's same rank (relayed by
-the two rank-0 processes, one KVPagesHeader per rank); greedy text equals the single-rank engine's,
-for a completion with n = 2 and a streamed chat.
+"""Disaggregation between parallel workers in the real mesh, driven by the official openai client:
+`pagemesh up -tp 3` (one prefill and one decode worker of three ranks each, SmolLM2-135M's 3 KV
+heads one per rank) and `pagemesh up -pp 2` (two pipeline stages each, layers [0, 15) and [15,
+30)). Each rank's KV pages go to the decode worker's same rank (its heads, its stage's layers;
+relayed by the two rank-0 processes, one KVPagesHeader per rank); greedy text equals the
+single-rank engine's, for a completion with n = 2 and a streamed chat.
 """
 
 from __future__ import annotations
@@ -26,11 +27,10 @@ CHAT = "Name a fruit that is yellow."
 MAX_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("tp-disagg-mesh")
-    # a small pool: by default each of the six ranks takes --kv-cache-gb (2 GB) for its KV heads
-    flags = ("--prefill", "1", "--decode", "1", "-tp", "3", "--dtype", "float32", "--num-pages", "256")
+def start_mesh(run_dir, *parallel: str):
+    """One prefill and one decode worker of the `parallel` flags' shape, fp32."""
+    # a small pool: by default each rank takes --kv-cache-gb (2 GB) for its KV heads
+    flags = ("--prefill", "1", "--decode", "1", *parallel, "--dtype", "float32", "--num-pages", "256")
     procs = SeparateProcesses(str(run_dir), *flags)
     try:
         procs.start()
@@ -40,8 +40,22 @@ def mesh(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(mesh):
+def mesh(tmp_path_factory):
+    yield from start_mesh(tmp_path_factory.mktemp("tp-disagg-mesh"), "-tp", "3")
+
+
+@pytest.fixture(scope="module")
+def pp_mesh(tmp_path_factory):
+    yield from start_mesh(tmp_path_factory.mktemp("pp-disagg-mesh"), "-pp", "2")
+
+
+def openai_client(mesh) -> openai.OpenAI:
     return openai.OpenAI(base_url=mesh.url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
+
+
+@pytest.fixture(scope="module")
+def client(mesh):
+    return openai_client(mesh)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +76,9 @@ def status_workers(mesh) -> dict[str, dict]:
         return {w["id"]: w for w in json.load(response)["workers"]}
 
 
-def test_greedy_text_through_tensor_parallel_prefill_and_decode_equals_the_single_rank_engine(mesh, client, offline):
+def check_greedy_text_and_handoff(mesh, client, offline, ranks: int) -> None:
+    """A completion (n = 2) and a streamed chat equal the single-rank engine's text, through
+    workers of `ranks` processes each, and KV bytes crossed between them."""
     completion, chat = offline
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, n=2)
     assert [c.text for c in r.choices] == [completion, completion]  # both choices' first tokens travel too
@@ -73,9 +89,18 @@ def test_greedy_text_through_tensor_parallel_prefill_and_decode_equals_the_singl
     assert stream_text(s, chat=True) == chat
 
     workers = status_workers(mesh)
-    assert {w: workers[w]["ranks"] for w in ("prefill-0", "decode-0")} == {"prefill-0": 3, "decode-0": 3}
-    for name in ("prefill-0", "decode-0"):  # ranks 1 and 2 of each; rank 0 is the worker process
-        assert len([pid for pid in children(mesh.children[name].pid) if is_rank(pid)]) == 2
+    assert {w: workers[w]["ranks"] for w in ("prefill-0", "decode-0")} == {"prefill-0": ranks, "decode-0": ranks}
+    for name in ("prefill-0", "decode-0"):  # the followers of each; rank 0 is the worker process
+        assert len([pid for pid in children(mesh.children[name].pid) if is_rank(pid)]) == ranks - 1
     # the pages took the handoff (the figures come with the workers' next heartbeats)
     assert wait_until(lambda: status_workers(mesh)["decode-0"]["kv"]["bytes_received"] > 0)
     assert status_workers(mesh)["prefill-0"]["kv"]["bytes_sent"] > 0
+
+
+def test_greedy_text_through_tensor_parallel_prefill_and_decode_equals_the_single_rank_engine(mesh, client, offline):
+    check_greedy_text_and_handoff(mesh, client, offline, ranks=3)
+
+
+def test_greedy_text_through_pipeline_parallel_prefill_and_decode_equals_the_single_rank_engine(pp_mesh, offline):
+    # each stage's pages (layers [0, 15) from rank 0, [15, 30) from rank 1) go to the same stage
+    check_greedy_text_and_handoff(pp_mesh, openai_client(pp_mesh), offline, ranks=2)

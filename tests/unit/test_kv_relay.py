@@ -1,21 +1,35 @@
-"""The parts of the tensor-parallel KV handoff that need no second process: KV page commands
-share a follower's pipe with the steps and are told apart from them, and a transfer between
-workers of different tensor-parallel sizes is refused with both sizes named (the pages
-themselves travel rank i -> rank i in tests/integration/test_mesh_tensor_parallel_disagg.py)."""
+"""The parallel KV handoff's parts: KV page commands share a follower's pipe with the steps and
+are told apart from them; a transfer between workers of different tensor-parallel sizes or
+pipeline shapes is refused with both named; the relay gathers and scatters each pipeline stage's
+own layers (four ranks in a real gloo group; the pages travel between workers in
+tests/integration/test_mesh_tensor_parallel_disagg.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import multiprocessing
+from pathlib import Path
 
 import pytest
 import torch
 
+from bench.local_mesh import HANG_S
 from common.messages import KVPagesHeader
 from common.messages.base import ProtocolError
-from workers.engine.kv_relay import KVPageCommand, decode_kv_command, encode_kv_command, is_kv_command
+from workers.engine.kv_relay import (
+    KVPageCommand,
+    decode_kv_command,
+    encode_kv_command,
+    follow_kv_command,
+    gather_pages,
+    is_kv_command,
+    rank_layers,
+    scatter_pages,
+)
 from workers.engine.model_input import ModelInput, decode_model_input, encode_model_input
-from workers.engine.tensor_parallel import read_frame, write_frame, write_step
-from workers.llm.kv_pages import check_header
+from workers.engine.tensor_parallel import FollowerSpec, init_group, read_frame, write_frame, write_step
+from workers.llm.kv_pages import check_header, parts_cover, rank_parts
 
 STEP = ModelInput([5, 6], [2], [2], [[3]], [1], [])
 
@@ -68,3 +82,108 @@ def test_pages_from_a_worker_of_another_tensor_parallel_size_are_refused_naming_
 def test_a_header_with_its_rank_outside_its_size_is_malformed():
     with pytest.raises(ProtocolError, match="tp_rank < tp_size"):
         header(3, 3)._check()
+
+
+# ---- pipeline stages: each rank's pages are its stage's layers -----------------------------------
+LAYERS, PAGES = 3, 6  # tp 2 x pp 2 over 3 layers: stage 0 holds [0, 2), stage 1 [2, 3) (padded on the wire)
+TP, PP = 2, 2
+
+
+def pool_of(rank: int) -> torch.Tensor:
+    """Rank `rank`'s pool [its layers, PAGES, 2, 4, 1, 2]: every value says (layer, page, tp rank)."""
+    layers = rank_layers(LAYERS, TP, PP)[rank]
+    pool = torch.zeros(len(layers), PAGES, 2, 4, 1, 2)
+    for i, layer in enumerate(layers):
+        for page in range(PAGES):
+            pool[i, page] = layer * 100 + page * 10 + rank % TP
+    return pool
+
+
+class PipeToFollowers:
+    """Rank 0's side of the followers' pipes, as FollowerRanks sends a KV command (here a queue
+    per follower instead of its stdin: the frame and the collective are the real ones)."""
+
+    def __init__(self, queues):
+        self.queues = queues
+        self.spec = FollowerSpec(Path("m"), "float32", "cpu", PAGES, 4, TP, pipeline_size=PP)
+
+    def send_frame(self, data: bytes) -> None:
+        for queue in self.queues:
+            queue.put(data)
+
+
+def run_rank(rank: int, init_method: str, queues, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    init_group(rank, TP * PP, init_method, "cpu")
+    pool = pool_of(rank)
+    if rank == 0:
+        followers = PipeToFollowers(queues)
+        gathered = gather_pages(followers, pool, [1, 3], rank_layers(LAYERS, TP, PP))
+        shards = [-pool_of(r).index_select(1, torch.tensor([2, 4])) for r in range(TP * PP)]
+        scatter_pages(followers, pool, [4, 5], shards)
+        torch.save(gathered, f"{out_dir}/gathered.pt")
+        for queue in queues:
+            queue.put(None)
+    else:
+        while (frame := queues[rank - 1].get()) is not None:
+            follow_kv_command(decode_kv_command(frame), pool)
+    torch.save(pool, f"{out_dir}/pool{rank}.pt")
+
+
+def test_the_relay_gathers_and_scatters_each_stage_its_own_layers_over_gloo(tmp_path):
+    """Four real ranks (tp 2 x pp 2, stages of 2 and 1 layers) in a gloo group: rank 0 gathers
+    every rank's pages with that rank's layers only, and scatters each rank its own."""
+    ctx = multiprocessing.get_context("spawn")
+    queues = [ctx.Queue() for _ in range(TP * PP - 1)]
+    init = f"file://{tmp_path}/group"
+    procs = [ctx.Process(target=run_rank, args=(r, init, queues, str(tmp_path))) for r in range(TP * PP)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(HANG_S)
+        assert proc.exitcode == 0
+    gathered = torch.load(tmp_path / "gathered.pt")
+    assert [g.shape[0] for g in gathered] == [2, 2, 1, 1]  # rank r: tp rank r % 2 of stage r // 2
+    for rank, shard in enumerate(gathered):
+        assert torch.equal(shard, pool_of(rank).index_select(1, torch.tensor([1, 3])))
+        pool, before = torch.load(tmp_path / f"pool{rank}.pt"), pool_of(rank)
+        assert torch.equal(pool[:, 4:], -before.index_select(1, torch.tensor([2, 4])))
+        assert torch.equal(pool[:, :4], before[:, :4])  # nothing else written
+
+
+def test_a_stage_split_of_uneven_layers_and_the_order_of_ranks():
+    assert rank_layers(3, 2, 2) == [range(0, 2), range(0, 2), range(2, 3), range(2, 3)]
+    assert rank_layers(30, 1, 4) == [range(0, 8), range(8, 16), range(16, 23), range(23, 30)]
+    assert rank_layers(30, 3, 1) == [range(0, 30)] * 3
+
+
+def stage_header(tp_rank: int, tp_size: int, layers: range) -> KVPagesHeader:
+    return dataclasses.replace(header(tp_rank, tp_size), layer_start=layers.start, layer_end=layers.stop)
+
+
+def test_the_decode_side_waits_for_every_tp_rank_to_cover_the_layers_then_orders_the_parts_by_rank():
+    sent = {
+        (h.tp_rank, h.layer_start): h
+        for h in (stage_header(t, 2, r) for t in (0, 1) for r in (range(0, 2), range(2, 3)))
+    }
+    partial = dict(sent)
+    del partial[(1, 2)]
+    assert not parts_cover(partial, 2, LAYERS)  # tp rank 1 of stage 1 is on its way
+    assert parts_cover(sent, 2, LAYERS)
+    assert rank_parts(sent, 2, 2, LAYERS) == [(0, 0), (1, 0), (0, 2), (1, 2)]
+
+
+def test_pages_from_a_worker_of_another_pipeline_shape_are_refused_naming_both_shapes():
+    one_stage = {(0, 0): stage_header(0, 1, range(0, 30))}
+    assert parts_cover(one_stage, 1, 30)
+    with pytest.raises(
+        ValueError,
+        match=r"worker of tp 1 x pp 1 \(layers \[0, 30\)\), this worker is tp 1 x pp 2 "
+        r"\(layers \[0, 15\) \[15, 30\)\)",
+    ):
+        rank_parts(one_stage, 1, 2, 30)
+    three = {(0, r.start): stage_header(0, 1, r) for r in rank_layers(30, 1, 3)}
+    with pytest.raises(ValueError, match=r"tp 1 x pp 3 .*this worker is tp 1 x pp 2"):
+        rank_parts(three, 1, 2, 30)
+    with pytest.raises(ValueError, match=r"layers \[0, 2\) but this worker's stage holds \[2, 3\)"):
+        check_header(header(0, 1), torch.zeros(1, 8, 2, 16, 1, 8), prompt_len=20, layers=range(2, 3))

@@ -123,23 +123,11 @@ def test_the_flag_reaches_the_engine_config_and_the_child_command_line():
         type(config)(pipeline_parallel_size=0)
 
 
-def test_pagemesh_up_passes_the_stages_to_mixed_workers_and_refuses_them_for_prefill_and_decode(tmp_path, capsys):
+def test_pagemesh_up_passes_the_stages_to_every_llm_worker(tmp_path):
     from services import launcher
 
-    args = launcher.parse(["--mixed", "1", "-pp", "2"])
-    [worker] = [argv for name, argv in launcher.plan(args, str(tmp_path)) if name == "mixed-0"]
-    assert worker[worker.index("--pipeline-parallel-size") + 1] == "2"
-    with pytest.raises(SystemExit):
-        launcher.parse(["-pp", "2"])  # the default mesh: one prefill and one decode worker
-    assert "prefill/decode workers have one stage only for now" in capsys.readouterr().err
-
-
-def test_a_disaggregated_worker_with_stages_is_refused_at_start():
-    from common.messages import WorkerRole
-    from workers.engine.config import EngineConfig
-    from workers.llm.config import LLMWorkerConfig
-    from workers.shell.config import ShellConfig
-
-    shell = ShellConfig.__new__(ShellConfig)  # not read: the role check comes first
-    with pytest.raises(ValueError, match="pipeline-parallel size 2 with role prefill: .*use --role mixed"):
-        LLMWorkerConfig(shell=shell, role=WorkerRole.PREFILL, engine=EngineConfig(pipeline_parallel_size=2))
+    for flags, names in ((["--mixed", "1"], ["mixed-0"]), ([], ["prefill-0", "decode-0"])):
+        args = launcher.parse([*flags, "-pp", "2"])  # no flags: the default mesh, a prefill and a decode worker
+        workers = dict(launcher.plan(args, str(tmp_path)))
+        for name in names:
+            assert workers[name][workers[name].index("--pipeline-parallel-size") + 1] == "2"

@@ -121,8 +121,8 @@ def add_engine_arguments(parser) -> None:
         1,
         type=int,
         aliases=("-tp",),
-        help="rank processes per worker, each with its share of the attention heads and MLP (mixed workers only; "
-        "all-reduce in shared memory or gloo on a CPU, NCCL on CUDA)",
+        help="rank processes per worker, each with its share of the attention heads and MLP (any role: KV pages "
+        "go rank i to rank i; all-reduce in shared memory or gloo on a CPU, NCCL on CUDA)",
     )
     add(
         parser,
@@ -130,8 +130,8 @@ def add_engine_arguments(parser) -> None:
         1,
         type=int,
         aliases=("-pp",),
-        help="pipeline stages per worker, each with a contiguous range of the layers and -tp ranks (mixed "
-        "workers only; activations go stage to stage, the last stage's logits back to rank 0)",
+        help="pipeline stages per worker, each with a contiguous range of the layers and -tp ranks (any role: "
+        "KV pages go stage j to stage j; activations go stage to stage, the last stage's logits back to rank 0)",
     )
     add(parser, "--dtype", "auto", choices=["auto", *DTYPES], help="weights, activations and KV dtype")
     add(

@@ -22,9 +22,3 @@ class LLMWorkerConfig:
     def __post_init__(self) -> None:
         if self.role is WorkerRole.DECODE and not self.kv_address:
             raise ValueError("kv_address: a decode worker needs one (--kv-address)")
-        if self.role is not WorkerRole.MIXED and self.engine.pipeline_parallel_size > 1:
-            # KV pages would go stage j -> stage j; that handoff is not built
-            raise ValueError(
-                f"pipeline-parallel size {self.engine.pipeline_parallel_size} with role {self.role.value}: "
-                "a disaggregated (prefill/decode) worker has one stage only for now; use --role mixed"
-            )

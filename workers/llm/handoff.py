@@ -13,12 +13,14 @@
 The scheduler tells both sides how many leading prompt pages the decode worker holds
 (`skip_pages`): the decode side pins them when its task comes (eviction cannot take them), the
 prefill side sends only the rest, and the import builds the block table from the pinned pages
-plus the received ones (or refuses if they are gone). Tensor-parallel workers send one
-`KVPagesHeader` per rank (rank i's KV heads, for the decode worker's rank i); the decode side
-imports once every rank's part is in, and both sides' rank 0 relays its followers' shards
-(workers/engine/kv_relay.py). Sizes must match: the scheduler never pairs workers of different
-sizes, and a mismatched transfer is refused (KV_REJECTED), never resharded. Every method runs in the shell's engine
-loop, between steps; the socket loops only post commands.
+plus the received ones (or refuses if they are gone). Tensor- and pipeline-parallel workers send
+one `KVPagesHeader` per rank (rank r's KV heads of its stage's layers, for the decode worker's
+rank r); the decode side imports once every tp rank's parts cover all the layers, and both
+sides' rank 0 relays its followers' shards (workers/engine/kv_relay.py). Shapes (tp, pp) must
+match: the scheduler never pairs workers of different shapes, and a mismatched transfer is
+refused (KV_REJECTED), never resharded. A rank that dies mid-transfer takes its worker down
+(tensor_parallel.FollowerRanks); the other side's deadline frees what it held (KV_TIMEOUT).
+Every method runs in the shell's engine loop, between steps; the socket loops only post commands.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from common import protocol as p
 from common.messages import DecodeTask, DoneReason, HeldRequest, KVPagesAck, KVPagesHeader
 from common.transport import KV, Dealer, Router, UnknownPeer
 from workers.engine.engine import Engine
-from workers.llm.kv_pages import check_header, pack_rank_pages, write_rank_pages
+from workers.engine.kv_relay import rank_layers
+from workers.llm.kv_pages import check_header, pack_rank_pages, parts_cover, rank_parts, write_rank_pages
 from workers.shell.backend import WorkerContext
 from workers.shell.faults import kv_send_delay_s
 
@@ -69,8 +72,15 @@ class HandoffOut:
         endpoint, skip = self.targets.pop(request_id)
         result = self.engine.take_prefilled(request_id)
         runner = self.engine.runner
-        # one message per rank (a tensor-parallel worker's ranks each hold their KV heads)
-        parts = pack_rank_pages(runner.kv_cache, result, skip, self.engine.followers, runner.kv_scales)
+        # one message per rank (a parallel worker's ranks each hold their KV heads of their layers)
+        parts = pack_rank_pages(
+            runner.kv_cache,
+            result,
+            skip,
+            self.engine.followers,
+            runner.kv_scales,
+            num_layers=self.engine.model_config.num_layers,
+        )
         messages = [p.encode_tensor_frames(header, layers) for header, layers in parts]
         dealer = self.dealers.get(endpoint)
         if dealer is None:
@@ -119,7 +129,8 @@ class _Incoming:
     """Decode side: the two halves of a handoff, which may arrive in either order."""
 
     task: DecodeTask | None = None
-    parts: dict[int, tuple[KVPagesHeader, list]] = field(default_factory=dict)  # sender's rank -> header, frames
+    # the sender's (tp rank, first layer of its stage) -> header, frames
+    parts: dict[tuple[int, int], tuple[KVPagesHeader, list]] = field(default_factory=dict)
     sender: bytes | None = None
     deadline: float = 0.0
     pinned: list[int] = field(default_factory=list)  # our cached pages for the task's skip_pages
@@ -171,9 +182,9 @@ class HandoffIn:
         self._maybe_import(task.request_id)
 
     def pages(self, header: KVPagesHeader, frames: list, sender: bytes) -> None:
-        """One rank's pages (a single-rank sender sends one part, an N-rank sender N)."""
+        """One rank's pages (a single-rank sender sends one part, an N×M-rank sender N×M)."""
         entry = self.incoming.setdefault(header.request_id, _Incoming())
-        entry.parts[header.tp_rank] = (header, frames)
+        entry.parts[(header.tp_rank, header.layer_start)] = (header, frames)
         entry.sender = sender
         entry.deadline = max(entry.deadline, time.monotonic() + self.timeout)
         self._maybe_import(header.request_id)
@@ -183,23 +194,28 @@ class HandoffIn:
         if entry is None or entry.task is None or not entry.parts:
             return
         header = entry.parts[min(entry.parts)][0]
-        if len(entry.parts) < header.tp_size:  # the sender's other ranks' pages are on their way
+        headers = {key: h for key, (h, _) in entry.parts.items()}
+        num_layers = self.engine.model_config.num_layers
+        if not parts_cover(headers, header.tp_size, num_layers):  # the sender's other ranks' pages are on their way
             return
         del self.incoming[request_id]
         task, pinned = entry.task, entry.pinned  # pinned: ours until the engine takes them
         error = None
         try:
             kv_cache, followers = self.engine.runner.kv_cache, self.engine.followers
-            tp_size = self.engine.config.tensor_parallel_size
-            skips = {check_header(h, kv_cache, len(task.prompt_token_ids), tp_size) for h, _ in entry.parts.values()}
-            if len(skips) != 1 or sorted(entry.parts) != list(range(tp_size)):
-                raise ValueError(f"kv: the ranks' parts disagree (ranks {sorted(entry.parts)}, skips {sorted(skips)})")
+            tp_size, pp_size = self.engine.config.tensor_parallel_size, self.engine.config.pipeline_parallel_size
+            keys = rank_parts(headers, tp_size, pp_size, num_layers)  # ours, rank by rank, or refused
+            prompt_len = len(task.prompt_token_ids)
+            layers = rank_layers(num_layers, tp_size, pp_size)
+            skips = {check_header(headers[k], kv_cache, prompt_len, tp_size, r) for k, r in zip(keys, layers)}
+            if len(skips) != 1:
+                raise ValueError(f"kv: the ranks' parts disagree (skips {sorted(skips)})")
             (skip,) = skips
             if skip > len(pinned):
                 raise ValueError(f"kv: {skip} leading pages not sent, but this worker holds {len(pinned)} of them")
             self.engine.blocks.free_table(pinned[skip:])
             del pinned[skip:]
-            rank_layers = [p.decode_tensor_frames(*entry.parts[rank]) for rank in range(tp_size)]
+            rank_pages = [p.decode_tensor_frames(*entry.parts[key]) for key in keys]
             prefix, pinned = pinned, []
             self.engine.import_prefilled(
                 request_id,
@@ -207,7 +223,7 @@ class HandoffIn:
                 task.sampling,
                 list(header.first_token_ids),
                 lambda table: write_rank_pages(
-                    kv_cache, table, rank_layers, followers, header.kv_scales, self.engine.runner.kv_scales
+                    kv_cache, table, rank_pages, followers, header.kv_scales, self.engine.runner.kv_scales
                 ),
                 prefix,
             )

@@ -12,8 +12,10 @@ Only the pages the decode worker lacks travel: the scheduler says how many leadi
 it holds (`skip_pages`), and the header's `page_indices` are the logical pages sent, always the
 tail [skip, total) of the prompt's pages.
 
-A tensor-parallel worker sends one header per rank (`tp_rank`, `tp_size`), each with that
-rank's KV heads; rank 0 gathers and scatters the other ranks' shards (workers/engine/kv_relay.py).
+A tensor- or pipeline-parallel worker sends one header per rank (`tp_rank`, `tp_size`, and its
+stage's `layer_start`/`layer_end`), each with that rank's KV heads of its stage's layers; rank 0
+gathers and scatters the other ranks' shards (workers/engine/kv_relay.py). The receiver keys the
+parts by (tp rank, first layer) and imports once every tp rank's layers cover the model.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from common.messages import KVPagesHeader
 from workers.engine.engine import PrefillResult
 from workers.engine.kv_quant import convert_pages, is_fp8
-from workers.engine.kv_relay import gather_pages, scatter_pages
+from workers.engine.kv_relay import gather_pages, rank_layers, scatter_pages
 from workers.engine.tensor_parallel import FollowerRanks
 
 DTYPE_NAMES = {
@@ -54,14 +56,22 @@ def pack_rank_pages(
     skip_pages: int,
     followers: FollowerRanks | None,
     kv_scales: torch.Tensor | None = None,
+    *,
+    num_layers: int,
 ) -> list[tuple[KVPagesHeader, list[torch.Tensor]]]:
-    """`pack_pages` for every rank of the worker, rank 0's first: a tensor-parallel worker's
-    followers hand their shards to rank 0 (`gather_pages`), one header per rank."""
+    """`pack_pages` for every rank of the worker, rank 0's first: a parallel worker's followers
+    hand their shards to rank 0 (`gather_pages`), one header per rank, with its tp rank and its
+    stage's layers of the model's `num_layers`."""
     if followers is None:
         return [pack_pages(kv_cache, result, skip_pages, kv_scales)]
     skip = _skip(result, skip_pages)
-    shards = gather_pages(followers, kv_cache, result.block_table[skip:])
-    return [(_header(result, skip, s, rank, len(shards)), list(s.unbind(0))) for rank, s in enumerate(shards)]
+    tp_size = followers.spec.world_size
+    layers = rank_layers(num_layers, tp_size, followers.spec.pipeline_size)
+    shards = gather_pages(followers, kv_cache, result.block_table[skip:], layers)
+    return [
+        (_header(result, skip, s, rank % tp_size, tp_size, layers=layers[rank]), list(s.unbind(0)))
+        for rank, s in enumerate(shards)
+    ]
 
 
 def _skip(result: PrefillResult, skip_pages: int) -> int:
@@ -75,14 +85,16 @@ def _header(
     tp_rank: int = 0,
     tp_size: int = 1,
     kv_scales: torch.Tensor | None = None,
+    layers: range | None = None,  # None: all of them, [0, pages.shape[0])
 ) -> KVPagesHeader:
     total = len(result.block_table)
+    layers = range(pages.shape[0]) if layers is None else layers
     return KVPagesHeader(
         request_id=result.request_id,
         seq_index=0,
         num_tokens=len(result.prompt_token_ids),
-        layer_start=0,
-        layer_end=pages.shape[0],
+        layer_start=layers.start,
+        layer_end=layers.stop,
         num_pages=total - skip,
         dtype=DTYPE_NAMES[pages.dtype],
         page_shape=list(pages.shape[2:]),
@@ -96,19 +108,26 @@ def _header(
     )
 
 
-def check_header(header: KVPagesHeader, kv_cache: torch.Tensor, prompt_len: int, tp_size: int = 1) -> int:
+def check_header(
+    header: KVPagesHeader, kv_cache: torch.Tensor, prompt_len: int, tp_size: int = 1, layers: range | None = None
+) -> int:
     """Raise ValueError unless the pages fit this worker's pool exactly (`kv_cache`: a rank's
-    pool; `tp_size`: this worker's ranks, which must be the sender's). Returns how many leading
-    prompt pages the header skips (the receiver must hold them already)."""
+    pool; `tp_size`: this worker's tensor-parallel ranks, which must be the sender's; `layers`:
+    the layers of the receiving rank's stage, which the header's must be; None: the whole pool's).
+    Returns how many leading prompt pages the header skips (the receiver must hold them already)."""
     if header.tp_size != tp_size:
         raise ValueError(
             f"kv: pages from a worker of tensor-parallel size {header.tp_size}, this worker's is {tp_size} "
             "(KV heads are not resharded: pair workers of one size)"
         )
-    layers, _, *page_shape = kv_cache.shape
+    _, _, *page_shape = kv_cache.shape
     page_size = page_shape[1]
-    if (header.layer_start, header.layer_end) != (0, layers):
-        raise ValueError(f"kv: layers [{header.layer_start}, {header.layer_end}) but the model has {layers}")
+    layers = range(kv_cache.shape[0]) if layers is None else layers
+    if (header.layer_start, header.layer_end) != (layers.start, layers.stop):
+        raise ValueError(
+            f"kv: layers [{header.layer_start}, {header.layer_end}) but this worker's stage holds "
+            f"[{layers.start}, {layers.stop}) (pipeline stages are not resharded: pair workers of one shape)"
+        )
     if header.page_shape != page_shape:
         raise ValueError(f"kv: page shape {header.page_shape}, this pool's is {page_shape}")
     if header.dtype not in DTYPES_BY_NAME:  # any other is converted on write (write_pages)
@@ -122,19 +141,55 @@ def check_header(header: KVPagesHeader, kv_cache: torch.Tensor, prompt_len: int,
     return skip
 
 
+def parts_cover(parts: dict[tuple[int, int], KVPagesHeader], tp_size: int, num_layers: int) -> bool:
+    """Whether the parts received so far (keyed by (tp rank, first layer)) hold every layer of
+    the model for each of the sender's `tp_size` ranks: the sender's stages, whatever their
+    number, chain [0, num_layers) for every tp rank."""
+    for tp_rank in range(tp_size):
+        layer = 0
+        while layer < num_layers and (h := parts.get((tp_rank, layer))) is not None and h.layer_end > layer:
+            layer = h.layer_end
+        if layer != num_layers:
+            return False
+    return True
+
+
+def rank_parts(
+    parts: dict[tuple[int, int], KVPagesHeader], tp_size: int, pp_size: int, num_layers: int
+) -> list[tuple[int, int]]:
+    """The keys of `parts` in this worker's rank order (rank r: tp rank r % tp_size, its stage's
+    first layer). ValueError naming both shapes unless the sender's ranks are exactly ours: KV
+    heads and layer ranges are not resharded."""
+    layers = rank_layers(num_layers, tp_size, pp_size)
+    mine = sorted((rank % tp_size, r.start, r.stop) for rank, r in enumerate(layers))
+    sent = sorted((h.tp_rank, h.layer_start, h.layer_end) for h in parts.values())
+    if sent != mine:
+        their_tp = next(iter(parts.values())).tp_size
+        raise ValueError(
+            f"kv: pages from a worker of {_shape(their_tp, sent)}, this worker is {_shape(tp_size, mine)} "
+            "(KV pages go rank i to rank i and stage j to stage j, not resharded: pair workers of one shape)"
+        )
+    return [(rank % tp_size, r.start) for rank, r in enumerate(layers)]
+
+
+def _shape(tp_size: int, ranks: list[tuple[int, int, int]]) -> str:
+    stages = sorted({(start, end) for _, start, end in ranks})
+    return f"tp {tp_size} x pp {len(stages)} (layers {' '.join(f'[{s}, {e})' for s, e in stages)})"
+
+
 def write_rank_pages(
     kv_cache: torch.Tensor,
     block_table: list[int],
-    rank_layers: list[list[torch.Tensor]],
+    rank_pages: list[list[torch.Tensor]],
     followers: FollowerRanks | None,
     sent_scales: list[float] | None = None,
     kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """`write_pages` for every rank: `rank_layers[i]` are rank i's layers (`scatter_pages`
+    """`write_pages` for every rank: `rank_pages[i]` are rank i's layers (`scatter_pages`
     hands the followers theirs; an fp8 pool has one rank only, so scales go with rank 0)."""
     if followers is None:
-        return write_pages(kv_cache, block_table, rank_layers[0], sent_scales, kv_scales)
-    scatter_pages(followers, kv_cache, block_table, [torch.stack(layers) for layers in rank_layers])
+        return write_pages(kv_cache, block_table, rank_pages[0], sent_scales, kv_scales)
+    scatter_pages(followers, kv_cache, block_table, [torch.stack(layers) for layers in rank_pages])
 
 
 def write_pages(

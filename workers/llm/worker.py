@@ -76,6 +76,7 @@ class LLMWorker:
                 kv_endpoint=self.config.kv_advertise or "",
             ),
             ranks=self.engine.config.tensor_parallel_size * self.engine.config.pipeline_parallel_size,
+            pipeline_stages=self.engine.config.pipeline_parallel_size,
         )
 
     def add(self, task: GenerateTask | PrefillTask | DecodeTask) -> None:

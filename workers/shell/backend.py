@@ -40,7 +40,8 @@ class Registration:
     max_running: int
     kv: KVPoolInfo | None = None  # an LLM worker's paged pool
     images: ImageModelInfo | None = None  # a diffusion worker's sizes, samplers, step limits
-    ranks: int = 1  # processes it runs on (tensor parallel)
+    ranks: int = 1  # processes it runs on (tensor parallel × pipeline parallel)
+    pipeline_stages: int = 1  # of those ranks, how many pipeline stages (the rest is tensor parallel)
 
 
 @dataclass(frozen=True, kw_only=True)

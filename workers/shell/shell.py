@@ -95,6 +95,7 @@ class WorkerShell:
             instance=self.instance,
             images=reg.images,
             ranks=reg.ranks,
+            pipeline_stages=reg.pipeline_stages,
         )
         self.handlers: dict[type, Callable[[Any], None]] = {
             **{t: self._on_task for t in self.backend.task_types},
