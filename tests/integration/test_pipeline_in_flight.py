@@ -27,7 +27,7 @@ def engines(tiny_llama):
     single = Engine(EngineConfig(model=str(tiny_llama), **LIMITS))
     pipelined = Engine(EngineConfig(model=str(tiny_llama), pipeline_parallel_size=2, **LIMITS))
     try:
-        assert pipelined.scheduler.in_flight.depth == 2
+        assert pipelined.scheduler.in_flight.depth == 2 and pipelined.runner.kv_cache.shape[0] == 1  # its layer
         yield single, pipelined
     finally:
         pipelined.close()

@@ -10,6 +10,8 @@ Pure Python (no torch, no zmq: tests/unit/test_purity.py). Every step it builds 
 all within a per-step token budget, so a long prompt is cut into chunks that ride along with
 decodes instead of stalling them. `batching="request"` is the pre-ORCA baseline: a batch is
 formed when nothing runs, and no request joins it until all of its members are done.
+With pipeline stages (`max_steps_in_flight` > 0) a plan skips the requests that have a step in
+flight and takes about 1/M of the live sequences (workers/engine/in_flight.py).
 """
 
 from __future__ import annotations
