@@ -2,11 +2,13 @@
 real second stage (a rank process, gloo point-to-point on loopback), this test process being
 rank 0, on the tiny random Llama of test_tensor_parallel. Against a single-rank engine of the
 same model and limits: the same greedy tokens over many concurrent requests (prefill chunks
-beside decodes, n > 1, beam search, preemption by recompute, prefix-cache hits, speculative
-decoding), an abort while its step is in flight (pages kept until the step returns, none leaked),
+beside decodes, n > 1, beam search, preemption by recompute and by swap, prefix-cache hits,
+speculative decoding), an abort while its step is in flight (pages kept until the step returns, none leaked),
 and the pipeline really held two steps at once (its counters, not a clock)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from tests.integration import test_tensor_parallel as tp_tests
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
 from workers.engine.speculative import SpeculativeConfig, use_speculation
+from workers.engine.step_trace import StepTrace
 
 tiny_llama = tp_tests.tiny_llama
 LIMITS = dict(dtype="float32", num_pages=40, page_size=4, max_num_batched_tokens=32, max_prefill_chunk=16)
@@ -55,12 +58,12 @@ def assert_no_page_leaked(engine: Engine) -> None:
     engine.blocks.check_invariants([])
 
 
-def test_many_requests_in_flight_give_the_single_rank_engines_tokens(engines):
+def test_many_requests_in_flight_give_the_single_rank_engines_tokens(engines, tmp_path):
     single, pipelined = engines
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    batch = prompts(10, seed=3)
-    params = [greedy] * 10
-    params[1] = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2)
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    batch = prompts(8, seed=3)
+    params = [greedy] * 8
+    params[1] = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2)
     params[4] = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=2, use_beam_search=True)
     steps = pipelined.scheduler.in_flight
     launched, overlapped = steps.launched, steps.overlapped
@@ -70,12 +73,42 @@ def test_many_requests_in_flight_give_the_single_rank_engines_tokens(engines):
         pipelined.stats.steps,
     )
     want = tokens(single, batch, params)
-    got = tokens(pipelined, batch, params)
+    pipelined.step_trace = StepTrace(tmp_path)  # what the simulator's fit reads: one line a step
+    try:
+        got = tokens(pipelined, batch, params)
+    finally:
+        pipelined.step_trace.file.close()
+        pipelined.step_trace = None
     assert got == want
     assert steps.overlapped > overlapped and steps.peak == 2  # a step launched while another was in the pipe
     assert pipelined.stats.steps - applied == steps.launched - launched  # every launched step counted once
-    assert pipelined.scheduler.num_preemptions > preemptions  # 39 pages for ~370 tokens
+    (trace,) = tmp_path.glob("steps-*.jsonl")
+    assert len(trace.read_text().splitlines()) == steps.launched - launched
+    assert pipelined.scheduler.num_preemptions > preemptions  # 39 pages of 4 for ~300 tokens
     assert pipelined.blocks.prefix_hits > hits
+    assert_no_page_leaked(pipelined)
+
+
+def test_swapping_out_and_in_while_steps_are_in_flight(engines):
+    """Preemption by swap (a scheduler switch on the loaded engine): pages go to host memory and
+    back on every stage in launch order, a preempted sequence never in flight; same tokens."""
+    single, pipelined = engines
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    batch = prompts(6, seed=13, shared=0)
+    want = tokens(single, batch, [greedy] * 6)
+    scheduler = pipelined.scheduler
+    recompute = scheduler.config
+    moves = []
+    move_pages = pipelined.runner.move_pages
+    pipelined.runner.move_pages = lambda step: (moves.append(bool(step.swap_out or step.swap_in)), move_pages(step))
+    scheduler.config = dataclasses.replace(recompute, preemption_mode="swap", swap_pages=64)
+    try:
+        got = tokens(pipelined, batch, [greedy] * 6)
+    finally:
+        scheduler.config = recompute
+        pipelined.runner.move_pages = move_pages
+    assert got == want
+    assert sum(moves) > 0 and not pipelined.runner.host_pages and scheduler.swapped_pages == 0
     assert_no_page_leaked(pipelined)
 
 
