@@ -345,7 +345,9 @@ class Engine:
 
     def _apply(self, ran: StepPlan, plan: StepPlan, logits: torch.Tensor, started: float) -> list[RequestOutput]:
         """The update after a step: `plan`'s sequences take their tokens; `ran` (the same plan,
-        or a pipeline's with the chunks of aborted sequences too) counts in the statistics."""
+        or a pipeline's with the chunks of aborted sequences too) counts in the statistics and the
+        step trace, as one step of `started` (its launch) to now: with steps in flight these
+        spans overlap, so their sum exceeds the wall time."""
         touched = self.updater.apply(plan, logits)
         for req in touched:
             if req.prefill_only:

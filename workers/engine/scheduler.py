@@ -180,7 +180,9 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not SeqStatus.RUNNING or seq.is_prefilling or not self._takes(seq, plan, speculating):
+            if seq.status is not SeqStatus.RUNNING or seq.is_prefilling:
+                continue
+            if self.in_flight is not None and not self._takes(seq, plan, speculating):
                 continue
             drafts = self._drafts(seq, budget) if speculate else []
             if drafts and self._reserve(seq, 1 + len(drafts), plan):
@@ -221,7 +223,7 @@ class Scheduler:
         for seq in self.running:
             if budget == 0:
                 break
-            if not seq.is_prefilling or not self._takes(seq, plan):
+            if not seq.is_prefilling or (self.in_flight is not None and not self._takes(seq, plan)):
                 continue
             n = self._fit(seq, min(seq.num_uncomputed, budget, self.config.max_prefill_chunk))
             if n == 0:
@@ -235,12 +237,9 @@ class Scheduler:
         return self.in_flight is not None and self.in_flight.is_busy(seq)
 
     def _takes(self, seq: Sequence, plan: StepPlan, more: list[ScheduledChunk] | tuple = ()) -> bool:
-        """`seq` may join this plan (whose chunks so far are `plan.chunks` and `more`): always
-        without a pipeline; with one, unless its request has a step in flight, or the plan holds
-        its micro-batch's share already (a request's other sequences still join it: a group
-        stays together)."""
-        if self.in_flight is None:
-            return True
+        """With a pipeline: `seq` may join this plan (whose chunks so far are `plan.chunks` and
+        `more`) unless its request has a step in flight, or the plan holds its micro-batch's
+        share already (a request's other sequences still join it: a group stays together)."""
         if self.in_flight.is_busy(seq):
             return False
         if len(plan.chunks) + len(more) < plan.max_seqs:
@@ -262,7 +261,7 @@ class Scheduler:
                 break
             if self.batch is not None and cfg.batching == "request" and seq.seq_id not in self.batch:
                 break
-            if not self._takes(seq, plan):
+            if self.in_flight is not None and not self._takes(seq, plan):
                 continue
             if (
                 seq.swapped_computed is None
