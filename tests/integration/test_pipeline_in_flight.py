@@ -17,6 +17,7 @@ from common.sampling import SamplingParams
 from tests.integration import test_tensor_parallel as tp_tests
 from workers.engine.config import EngineConfig
 from workers.engine.engine import Engine
+from workers.engine.model_input import ModelInput
 from workers.engine.speculative import SpeculativeConfig, use_speculation
 from workers.engine.step_trace import StepTrace
 
@@ -110,6 +111,11 @@ def test_swapping_out_and_in_while_steps_are_in_flight(engines):
     assert got == want
     assert sum(moves) > 0 and not pipelined.runner.host_pages and scheduler.swapped_pages == 0
     assert_no_page_leaked(pipelined)
+    # a preemption that leaves nothing to run still moves pages, on every stage: a step of no tokens
+    pipelined.runner.launch(ModelInput([], [], [], [], [], [], swap_out=[(-1, [1, 2])])).result()
+    assert pipelined.runner.host_pages[-1].shape[1] == 2
+    pipelined.runner.launch(ModelInput([], [], [], [], [], [], swap_discard=[-1])).result()
+    assert not pipelined.runner.host_pages and pipelined.followers.procs[0].poll() is None
 
 
 def test_an_abort_while_in_flight_keeps_the_pages_until_the_step_returns(engines):
