@@ -134,6 +134,7 @@ def test_an_abort_while_in_flight_keeps_the_pages_until_the_step_returns(engines
             collected[out.request_id] += out.outputs[0].new_token_ids if out.outputs else []
 
     while not (steps.holds(victim) and victim.num_output_tokens > 0):  # decoding, a step in the pipe
+        assert not victim.finished, "r0 ended before it was seen in flight"
         step()
     pages = list(victim.block_table)
     before = len(collected["r0"])
