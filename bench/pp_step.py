@@ -5,8 +5,8 @@ scheduler or sampler), through the real rank processes.
 B streams decode at a fixed context; with M stages and K batches in flight the streams are split
 into K micro-batches of B/K that rank 0 launches round-robin, keeping K launched and not yet
 collected (`ModelRunner.launch`), so stage 1 runs micro-batch k while stage 0 runs k+1. The bubble
-is stage 0's idle share: the time rank 0 waits for logits over the wall time. K = 1 is what the
-engine does today (one step in flight).
+is stage 0's idle share: the time rank 0 waits for logits over the wall time. K = 1 is one step
+in flight (the engine's own micro-batches, through its scheduler: bench/pp_engine.py).
 
 On a 2-core CPU this is a correctness feature, not a speed-up: the stages share the same two
 cores, so overlap can only hide the transfer and the waiting, never add compute.

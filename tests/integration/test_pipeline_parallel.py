@@ -3,8 +3,8 @@ point-to-point on loopback), this test process being rank 0 (stage 0), on the ti
 of test_tensor_parallel (2 layers: one a stage; heads divisible by 2).
 The logits of every step equal the single-rank model's, over mixed prefill chunks and decodes,
 copy-on-write page copies, swaps and prompt-logprob rows, with one step in flight or all of
-them; an engine of two stages generates what one rank does (preemption, prefix cache); a stage
-that dies takes its worker down, its other ranks with it."""
+them; a stage that dies takes its worker down, its other ranks with it. The engine of two
+stages (steps in flight, preemption, prefix cache, n > 1, aborts) is test_pipeline_in_flight.py."""
 
 from __future__ import annotations
 
@@ -68,37 +68,6 @@ def test_pipeline_stages_give_the_single_rank_models_logits(tiny_llama, single_r
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
         torch.testing.assert_close(again, got, rtol=0, atol=0)
-
-
-def test_a_pipeline_engine_generates_what_one_rank_does(tiny_llama):
-    """The engine as a worker runs it (`pipeline_parallel_size=2`: it starts the second stage
-    itself), under page pressure (preemption by recompute) and with shared prompt prefixes
-    (prefix-cache hits), n > 1: every greedy token equals the single-rank engine's."""
-    from common.sampling import SamplingParams
-    from workers.engine.config import EngineConfig
-    from workers.engine.engine import Engine
-
-    gen = torch.Generator().manual_seed(11)
-    shared = torch.randint(0, 256, (24,), generator=gen).tolist()
-    prompts = [shared + torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 17, 30)]
-    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2)
-    base = dict(model=str(tiny_llama), dtype="float32", num_pages=24, page_size=4, max_num_batched_tokens=32)
-    base.update(max_prefill_chunk=16)
-
-    def run(engine: Engine) -> list[list[list[int]]]:
-        return [r.token_ids for r in engine.generate(prompts, greedy)]
-
-    want = run(Engine(EngineConfig(**base)))
-    engine = Engine(EngineConfig(**base, pipeline_parallel_size=2))
-    try:
-        assert engine.runner.kv_cache.shape[0] == 1  # this stage's layer only
-        got = run(engine)
-        assert engine.scheduler.num_preemptions > 0 and engine.blocks.num_used_pages == 0
-        assert engine.blocks.prefix_hits > 0
-    finally:
-        engine.close()
-        torch.distributed.destroy_process_group()
-    assert got == want
 
 
 DIES = """

@@ -19,6 +19,7 @@ PURE_MODULES = [
     "workers.engine.sequence",
     "workers.engine.model_input",
     "workers.engine.speculative",
+    "workers.engine.in_flight",
     "services.scheduler.core",
     "services.scheduler.placement",
     "services.scheduler.registry",

@@ -46,6 +46,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay decode-only steps from CUDA graphs (CUDA only)
     tensor_parallel_size: int = 1  # rank processes sharing the model's heads (workers/engine/tensor_parallel.py)
     pipeline_parallel_size: int = 1  # stages of contiguous layers, tp ranks each (workers/engine/pipeline_parallel.py)
+    max_steps_in_flight: int | None = None  # pipeline steps launched, not yet applied (None: the stages)
     kv_cache_dtype: str = "auto"  # auto (the model's) | fp8_e4m3 | fp8_e5m2 (workers/engine/kv_quant.py)
     quantization: str = "none"  # none | int8 | gguf: linear weights kept quantized (workers/model/quantization.py)
     speculative_config: SpeculativeConfig | None = None  # n-gram speculative decoding (workers/engine/speculative.py)
@@ -75,6 +76,8 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
+        if self.max_steps_in_flight is not None and self.max_steps_in_flight < 1:
+            raise ValueError("max_steps_in_flight: must be >= 1")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: must be one of {list(KV_CACHE_DTYPES)}")
         if self.kv_cache_dtype != "auto" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:

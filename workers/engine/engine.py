@@ -38,6 +38,7 @@ from workers.engine.beam import BeamSearch, BeamState
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.forks import Forks, SeqGenerators
+from workers.engine.in_flight import surviving_rows
 from workers.engine.json_cache import JsonMaskCache
 from workers.engine.kv_quant import calibration_token_ids, kv_storage_dtype
 from workers.engine.model_input import build_model_input
@@ -46,7 +47,7 @@ from workers.engine.output_builder import build_outputs
 from workers.engine.outputs import CompletionResult, PrefillResult, RequestOutput
 from workers.engine.pipeline_parallel import StagePipe, check_pipeline_parallel, stage_group, stage_layers
 from workers.engine.prefilled import PrefillHandoff
-from workers.engine.scheduler import Scheduler, StepSchedulerConfig
+from workers.engine.scheduler import Scheduler, StepPlan, StepSchedulerConfig
 from workers.engine.sequence import EngineRequest, Sequence
 from workers.engine.speculative import Speculator
 from workers.engine.stats import EngineStats
@@ -90,7 +91,9 @@ class Engine:
     With `tensor_parallel_size` N > 1 this engine is rank 0: it loads its shard, starts the other
     N-1 ranks (`FollowerRanks`) and the runner sends them each step; `close()` stops them.
     With `pipeline_parallel_size` M > 1 it is also stage 0 of M (the first layers; the logits
-    come back from the last stage): N×M ranks in all."""
+    come back from the last stage): N×M ranks in all, and `step` keeps up to M steps in flight
+    (`max_steps_in_flight`; workers/engine/in_flight.py): a call may launch a step and return
+    nothing, the outputs of each step come out in launch order."""
 
     def __init__(self, config: EngineConfig = DEFAULT_CONFIG, model: LlamaForCausalLM | None = None, tokenizer=None):
         self.config = config
@@ -309,19 +312,58 @@ class Engine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.scheduler.in_flight is not None:
+            return self._pipelined_step()
         plan = self.scheduler.schedule()
         self.stalled = plan.empty  # work is queued but nothing fits (pages held elsewhere)
         if plan.empty:
             return []
         started = time.perf_counter()
         logits = self.runner.execute(build_model_input(plan))
+        return self._apply(plan, plan, logits, started)
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """With pipeline stages: launch the next micro-batch while there is room in the pipe
+        and something to plan (returning nothing yet), else wait for the oldest step in flight
+        and apply its output."""
+        steps = self.scheduler.in_flight
+        self.stalled = False
+        if not steps.full:
+            plan = self.scheduler.schedule()
+            if not plan.empty:
+                started = time.perf_counter()
+                steps.launch(plan, self.runner.launch(build_model_input(plan)), started)
+                if not steps.full:
+                    return []
+            elif plan.swap_out or plan.swap_discard:  # preempted with nothing to run: the moves still happen
+                self.runner.launch(build_model_input(plan))
+            self.stalled = plan.empty and not steps  # nothing runs and nothing fits
+        if not steps:
+            return []
+        step = steps.oldest()
+        waiting = time.perf_counter()
+        logits = step.handle.result()
+        steps.wait_seconds += time.perf_counter() - waiting
+        self.scheduler.step_returned(step.plan)
+        plan = step.plan
+        survivors = surviving_rows(plan)  # an abort while in flight: its rows are dropped
+        if survivors is not None:
+            plan, rows = survivors
+            logits = logits[rows]
+        return self._apply(step.plan, plan, logits, step.started)
+
+    def _apply(self, ran: StepPlan, plan: StepPlan, logits: torch.Tensor, started: float) -> list[RequestOutput]:
+        """The update after a step: `plan`'s sequences take their tokens; `ran` (the same plan,
+        or a pipeline's with the chunks of aborted sequences too) counts in the statistics and the
+        step trace, as one step of `started` (its launch) to now: with steps in flight these
+        spans overlap, so their sum exceeds the wall time."""
         touched = self.updater.apply(plan, logits)
         for req in touched:
             if req.prefill_only:
                 self.handoff.hold(req)
-        self.stats.record_step(plan, self.scheduler, self.blocks, time.perf_counter() - started)
+        self.stats.record_step(ran, self.scheduler, self.blocks, time.perf_counter() - started)
         if self.step_trace is not None:
-            self.step_trace.record(plan, started, time.perf_counter() - started)
+            self.step_trace.record(ran, started, time.perf_counter() - started)
         outputs = build_outputs(touched)
         for req, out in zip(touched, outputs):
             if out.finished:

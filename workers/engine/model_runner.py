@@ -152,6 +152,8 @@ class ModelRunner:
         if self.followers is not None:
             self.followers.send_step(step)
         self.move_pages(step)
+        if not step.token_ids:  # page moves only (a pipeline's preemption with nothing to run): on every rank
+            return InFlightStep(torch.empty(0, 0))
         logit_rows = step.logit_rows
         if (
             self.graphs is not None

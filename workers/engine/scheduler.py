@@ -10,6 +10,8 @@ Pure Python (no torch, no zmq: tests/unit/test_purity.py). Every step it builds 
 all within a per-step token budget, so a long prompt is cut into chunks that ride along with
 decodes instead of stalling them. `batching="request"` is the pre-ORCA baseline: a batch is
 formed when nothing runs, and no request joins it until all of its members are done.
+With pipeline stages (`max_steps_in_flight` > 0) a plan skips the requests that have a step in
+flight and takes about 1/M of the live sequences (workers/engine/in_flight.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from dataclasses import dataclass, field, fields
 
 from workers.engine.block_manager import BlockManager
+from workers.engine.in_flight import StepsInFlight
 from workers.engine.sequence import SeqStatus, Sequence
 from workers.engine.speculative import Speculator
 
@@ -36,6 +39,7 @@ class StepSchedulerConfig:
     batching: str = "iteration"  # iteration (ORCA) | request (baseline)
     preemption_mode: str = "recompute"  # recompute | swap
     swap_pages: int = 0  # host pages available to swap into
+    max_steps_in_flight: int = 0  # a pipeline's steps launched, not yet applied (0: one step at a time)
 
     def __post_init__(self) -> None:
         if self.batching not in ("iteration", "request"):
@@ -51,6 +55,8 @@ class StepSchedulerConfig:
         shared = {f.name: getattr(config, f.name) for f in fields(cls) if hasattr(config, f.name)}
         shared["long_prefill_threshold"] = config.long_prefill_threshold or max(64, max_model_len * 4 // 100)
         shared["swap_pages"] = int(config.swap_space_gb * 2**30 // page_bytes)
+        pp = getattr(config, "pipeline_parallel_size", 1)
+        shared["max_steps_in_flight"] = (getattr(config, "max_steps_in_flight", None) or pp) if pp > 1 else 0
         return cls(**shared)
 
 
@@ -80,6 +86,7 @@ class StepPlan:
     swap_discard: list[int] = field(default_factory=list)  # seq_ids whose host copy is no longer needed
     preempted: list[Sequence] = field(default_factory=list)
     num_decodes: int = 0  # the first num_decodes chunks are single-token decodes (speculating ones follow them)
+    max_seqs: int = 0  # a pipeline's micro-batch: sequences this plan may take (Scheduler._takes)
 
     @property
     def num_tokens(self) -> int:
@@ -107,6 +114,8 @@ class Scheduler:
         self.batch: set[int] | None = None  # request-level batching: the current batch's seq ids
         self.discarded_swaps: list[int] = []  # host copies of sequences that ended while swapped
         self.num_preemptions = 0
+        # a pipeline: the steps in flight (workers/engine/in_flight.py); None: one step at a time
+        self.in_flight = StepsInFlight(config.max_steps_in_flight) if config.max_steps_in_flight else None
 
     # ---- membership -----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -128,11 +137,20 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.free_table(seq.block_table)
+        if self.in_flight is None or not self.in_flight.holds(seq):
+            self.blocks.free_table(seq.block_table)
+        # else a step in flight still writes its pages: `step_returned` frees them
         self._drop_swap(seq)
 
+    def step_returned(self, plan: StepPlan) -> None:
+        """A step in flight came back (before its output is applied): free the pages of its
+        sequences that ended meanwhile (an abort)."""
+        for chunk in plan.chunks:
+            if chunk.seq.finished:
+                self.blocks.free_table(chunk.seq.block_table)
+
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.in_flight)
 
     @property
     def live_sequences(self) -> list[Sequence]:
@@ -142,6 +160,10 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan(swap_discard=self.discarded_swaps)
         self.discarded_swaps = []
+        if self.in_flight is not None:
+            plan.max_seqs = self.in_flight.batch_cap(
+                min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+            )
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_decodes(plan, budget)
         budget = self._schedule_running_prefills(plan, budget)
@@ -160,6 +182,8 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING or seq.is_prefilling:
                 continue
+            if self.in_flight is not None and not self._takes(seq, plan, speculating):
+                continue
             drafts = self._drafts(seq, budget) if speculate else []
             if drafts and self._reserve(seq, 1 + len(drafts), plan):
                 speculating.append(ScheduledChunk(seq, seq.num_computed, 1 + len(drafts), drafts))
@@ -167,7 +191,7 @@ class Scheduler:
                 budget -= 1 + len(drafts)
                 continue
             while not self._reserve(seq, 1, plan):
-                unscheduled = [s for s in self.running if s.seq_id not in scheduled]
+                unscheduled = [s for s in self.running if s.seq_id not in scheduled and not self._busy(s)]
                 victim = max(unscheduled, key=_order)
                 self._preempt(victim, plan)
                 if victim is seq:
@@ -199,7 +223,7 @@ class Scheduler:
         for seq in self.running:
             if budget == 0:
                 break
-            if not seq.is_prefilling:
+            if not seq.is_prefilling or (self.in_flight is not None and not self._takes(seq, plan)):
                 continue
             n = self._fit(seq, min(seq.num_uncomputed, budget, self.config.max_prefill_chunk))
             if n == 0:
@@ -208,6 +232,19 @@ class Scheduler:
             plan.chunks.append(ScheduledChunk(seq, seq.num_computed, n))
             budget -= n
         return budget
+
+    def _busy(self, seq: Sequence) -> bool:
+        return self.in_flight is not None and self.in_flight.is_busy(seq)
+
+    def _takes(self, seq: Sequence, plan: StepPlan, more: list[ScheduledChunk] | tuple = ()) -> bool:
+        """With a pipeline: `seq` may join this plan (whose chunks so far are `plan.chunks` and
+        `more`) unless its request has a step in flight, or the plan holds its micro-batch's
+        share already (a request's other sequences still join it: a group stays together)."""
+        if self.in_flight.is_busy(seq):
+            return False
+        if len(plan.chunks) + len(more) < plan.max_seqs:
+            return True
+        return any(c.seq.request_id == seq.request_id for c in (*plan.chunks, *more))
 
     def _is_long(self, seq: Sequence) -> bool:
         return seq.num_uncomputed > self.config.long_prefill_threshold
@@ -224,6 +261,8 @@ class Scheduler:
                 break
             if self.batch is not None and cfg.batching == "request" and seq.seq_id not in self.batch:
                 break
+            if self.in_flight is not None and not self._takes(seq, plan):
+                continue
             if (
                 seq.swapped_computed is None
                 and not seq.block_table
