@@ -26,8 +26,7 @@ import torch
 from kernels.cpu import build
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_lib: ctypes.PyDLL | None = None
-_error: str | None = None
+_lib: ctypes.PyDLL | None = None  # _library's, once available() has loaded it
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
@@ -41,6 +40,7 @@ _SIGNATURES = {
     "pm_argmax_rows": [_P, _I64, _I64, _I64, _P],
     "pm_paged_attention_fp8": [_P, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F, _P, _I32, _I32],
 }
+_library = build.Library(build.SOURCE, _SIGNATURES)
 FP8_DTYPES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}  # an fp8 KV pool's formats (FP8_E4M3, FP8_E5M2)
 _amx: bool | None = None
 
@@ -48,31 +48,13 @@ _amx: bool | None = None
 def available() -> bool:
     """Build and load the library once; False (with `load_error()`) where that fails or
     PAGEMESH_CPU_KERNELS=0."""
-    global _lib, _error
-    if _lib is not None:
-        return True
-    if _error is not None:
-        return False
-    if os.environ.get("PAGEMESH_CPU_KERNELS", "1") == "0":
-        _error = "disabled by PAGEMESH_CPU_KERNELS=0"
-        return False
-    try:
-        # PyDLL: calls keep the GIL. They are short (tens of µs to ~0.5 ms, OpenMP inside), and a
-        # worker's engine thread would otherwise queue for the GIL behind its event loop ~150
-        # times a step
-        lib = ctypes.PyDLL(str(build.library_path()))
-    except (build.BuildError, OSError) as e:
-        _error = str(e)
-        return False
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
-    _lib = lib
-    return True
+    global _lib
+    _lib = _library.load()
+    return _lib is not None
 
 
 def load_error() -> str | None:
-    return _error
+    return _library.error
 
 
 def supports(dtype: torch.dtype) -> bool:

@@ -4,12 +4,16 @@ The library is built with the system C compiler (`$CC`, else `cc`) for the host 
 (`-march=native`), so the cache key holds the source, the flags, the compiler and the CPU's
 feature flags; a cached build is never used on a different CPU. Builds are atomic (written
 aside, then renamed), so processes starting together may build at once safely.
+`Library` loads a built library once per process for the modules that call it
+(`kernels.cpu`, `kernels.cpu.quant`).
 
-    PAGEMESH_CACHE_DIR   where builds go (default ~/.cache/pagemesh)
+    PAGEMESH_CACHE_DIR     where builds go (default ~/.cache/pagemesh)
+    PAGEMESH_CPU_KERNELS   0: load no library (callers fall back to torch)
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -79,3 +83,36 @@ def library_path(source: Path = SOURCE) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+class Library:
+    """One C library of this folder, built and loaded on first `load()`. Every outcome is kept:
+    the library, or why there is none (`error`: PAGEMESH_CPU_KERNELS=0, a failed build or load),
+    so a process tries once."""
+
+    def __init__(self, source: Path, signatures: dict[str, list]):
+        self.source = source
+        self.signatures = signatures  # function name -> ctypes argtypes; every function returns void
+        self.error: str | None = None
+        self._dll: ctypes.PyDLL | None = None
+
+    def load(self) -> ctypes.PyDLL | None:
+        """The loaded library with its functions' argtypes set, or None (see `error`)."""
+        if self._dll is not None or self.error is not None:
+            return self._dll
+        if os.environ.get("PAGEMESH_CPU_KERNELS", "1") == "0":
+            self.error = "disabled by PAGEMESH_CPU_KERNELS=0"
+            return None
+        try:
+            # PyDLL: calls keep the GIL. They are short (tens of µs to ~0.5 ms, OpenMP inside), and a
+            # worker's engine thread would otherwise queue for the GIL behind its event loop ~150
+            # times a step
+            dll = ctypes.PyDLL(str(library_path(self.source)))
+        except (BuildError, OSError) as e:
+            self.error = str(e)
+            return None
+        for name, argtypes in self.signatures.items():
+            fn = getattr(dll, name)
+            fn.argtypes, fn.restype = argtypes, None
+        self._dll = dll
+        return dll

@@ -11,7 +11,6 @@ A library of its own next to pagemesh_cpu.c (same build, same cache), loaded on 
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
@@ -21,34 +20,21 @@ from kernels.quantized import QuantizedWeight
 SOURCE = build.SOURCE.with_name("quant_matmul.c")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_lib: ctypes.PyDLL | None = None
-_error: str | None = None
+_SIGNATURES = {"pm_quant_matmul": [_P, _I64, _I32, _P, _P, _P, _I32, _P, _P, _I32, _I64, _I64, _I64]}
+_library = build.Library(SOURCE, _SIGNATURES)
+_lib: ctypes.PyDLL | None = None  # _library's, once available() has loaded it
 
 
 def available() -> bool:
     """Build and load the library once; False (with `load_error()`) where that fails or
     PAGEMESH_CPU_KERNELS=0."""
-    global _lib, _error
-    if _lib is not None:
-        return True
-    if _error is not None:
-        return False
-    if os.environ.get("PAGEMESH_CPU_KERNELS", "1") == "0":
-        _error = "disabled by PAGEMESH_CPU_KERNELS=0"
-        return False
-    try:
-        lib = ctypes.PyDLL(str(build.library_path(SOURCE)))  # PyDLL: as kernels.cpu, the call keeps the GIL
-    except (build.BuildError, OSError) as e:
-        _error = str(e)
-        return False
-    lib.pm_quant_matmul.argtypes = [_P, _I64, _I32, _P, _P, _P, _I32, _P, _P, _I32, _I64, _I64, _I64]
-    lib.pm_quant_matmul.restype = None
-    _lib = lib
-    return True
+    global _lib
+    _lib = _library.load()
+    return _lib is not None
 
 
 def load_error() -> str | None:
-    return _error
+    return _library.error
 
 
 def quant_linear(

@@ -294,3 +294,19 @@ def test_the_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.raises(build.BuildError):
         build.library_path()
+
+
+def test_a_library_that_does_not_build_is_tried_once(tmp_path, monkeypatch):
+    from kernels.cpu import build
+
+    monkeypatch.setenv("PAGEMESH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PAGEMESH_CPU_KERNELS", "1")
+    source = tmp_path / "broken.c"
+    source.write_text("this is not C\n")
+    library = build.Library(source, {})
+    assert library.load() is None and "building broken.c failed" in library.error
+    source.write_text("void pm_nothing(void) {}\n")  # a fixed source is not picked up: the failure is kept
+    assert library.load() is None and "building broken.c failed" in library.error
+    fresh = build.Library(source, {"pm_nothing": []})
+    assert fresh.load() is not None and fresh.error is None
+    assert fresh.load().pm_nothing.restype is None
