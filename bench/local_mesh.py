@@ -125,6 +125,18 @@ class SeparateProcesses:
     def stop(self) -> None:
         self.mesh.stop()
 
+    def __enter__(self) -> SeparateProcesses:
+        """`start()`; what did start is stopped if it fails."""
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def kill(self, name: str) -> None:
         self.children[name].send_signal(signal.SIGKILL)
         self.children[name].wait()

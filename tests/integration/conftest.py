@@ -3,9 +3,11 @@
 import json
 import time
 
+import openai
 import pytest
 import torch
 
+from bench.local_mesh import HANG_S
 from common.model_files import default_model_path
 from tests import default_model
 
@@ -39,6 +41,31 @@ def engine_fp32():
             dtype="float32", max_num_batched_tokens=32, max_prefill_chunk=32, num_pages=1024, max_model_len=1024
         )
     )
+
+
+@pytest.fixture(scope="module")
+def single_rank_engine():
+    """A single-rank fp32 engine on the default model: the reference a parallel mesh's output is
+    checked against (one per module)."""
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import Engine
+
+    return Engine(EngineConfig(dtype="float32", num_pages=256))
+
+
+def greedy_texts(engine, prompts: list[str | list[dict]], max_tokens: int) -> list[str]:
+    """What `engine` answers greedily, a text per prompt: a string (a completion) or a list of
+    chat messages. The prompts run as one batch."""
+    from common.sampling import SamplingParams
+
+    tok = engine.tokenizer
+    ids = [tok.encode(p) if isinstance(p, str) else tok.encode_chat(p) for p in prompts]
+    return [r.texts[0] for r in engine.generate(ids, SamplingParams(temperature=0, max_tokens=max_tokens))]
+
+
+def openai_client(mesh) -> openai.OpenAI:
+    """The official client on a mesh's gateway (`mesh.url`), no retries, a hang's ceiling."""
+    return openai.OpenAI(base_url=mesh.url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
 
 
 def hf_greedy(hf_model, prompt_ids, max_new_tokens, **generate_kwargs):

@@ -27,7 +27,7 @@ import pytest
 from bench.local_mesh import HANG_S, LATE_S, SeparateProcesses, sample_until, wait_until
 from common.model_files import DEFAULT_MODEL_NAME
 from common.sampling import SamplingParams
-from tests.integration.conftest import hf_argmax_after_each, stream_counting
+from tests.integration.conftest import greedy_texts, hf_argmax_after_each, openai_client, stream_counting
 
 pytestmark = pytest.mark.slow
 MODEL = DEFAULT_MODEL_NAME
@@ -53,38 +53,27 @@ def is_rank(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tp-mesh")
-    procs = SeparateProcesses(
-        str(run_dir), "--mixed", "1", "-tp", "3", "--dtype", "float32", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)
-    )
-    try:
-        procs.start()
+    flags = ("--mixed", "1", "-tp", "3", "--dtype", "float32", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S))
+    with SeparateProcesses(str(run_dir), *flags) as procs:
         yield procs
-    finally:
-        procs.stop()
 
 
 @pytest.fixture(scope="module")
 def client(mesh):
-    return openai.OpenAI(base_url=mesh.url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
+    return openai_client(mesh)
 
 
 @pytest.fixture(scope="module")
-def engine():
-    """A single-rank engine (fp32) on the same model: the reference for the mesh's output."""
-    from workers.engine.config import EngineConfig
-    from workers.engine.engine import Engine
-
-    return Engine(EngineConfig(dtype="float32", num_pages=256))
+def engine(single_rank_engine):
+    """The single-rank engine (conftest.py) the mesh's output is checked against."""
+    return single_rank_engine
 
 
 @pytest.fixture(scope="module")
 def offline(engine):
     """What a single-rank engine produces for the same prompts (fp32, greedy)."""
-    tok = engine.tokenizer
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    completions = engine.generate([tok.encode(p) for p in PROMPTS], params)
-    chats = engine.generate([tok.encode_chat([{"role": "user", "content": c}]) for c in CHATS], params)
-    return [r.texts[0] for r in completions], [r.texts[0] for r in chats]
+    chats = [[{"role": "user", "content": c}] for c in CHATS]
+    return greedy_texts(engine, PROMPTS, MAX_TOKENS), greedy_texts(engine, chats, MAX_TOKENS)
 
 
 def stream_text(stream, chat: bool) -> str:
@@ -183,18 +172,15 @@ def test_a_killed_rank_takes_its_worker_down_and_its_stream_ends_with_an_error(m
 
 @pytest.fixture(scope="module")
 def pp_mesh(tmp_path_factory):
-    procs = SeparateProcesses(str(tmp_path_factory.mktemp("pp-mesh")), "--mixed", "1", "-pp", "2", "--dtype", "float32")
-    try:
-        procs.start()
+    run_dir = str(tmp_path_factory.mktemp("pp-mesh"))
+    with SeparateProcesses(run_dir, "--mixed", "1", "-pp", "2", "--dtype", "float32") as procs:
         yield procs
-    finally:
-        procs.stop()
 
 
 def test_two_pipeline_stages_give_the_single_rank_engines_greedy_text(pp_mesh, offline):
     ranks = [pid for pid in children(pp_mesh.children["mixed-0"].pid) if is_rank(pid)]
     assert len(ranks) == 1  # stage 1; stage 0 is the worker process itself
-    client = openai.OpenAI(base_url=pp_mesh.url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
+    client = openai_client(pp_mesh)
     completions, chats = offline
     r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, n=2)
     assert [c.text for c in r.choices] == [completions[0], completions[0]]

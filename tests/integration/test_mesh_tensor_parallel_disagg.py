@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import urllib.request
 
-import openai
 import pytest
 
 from bench.local_mesh import HANG_S, SeparateProcesses, wait_until
 from common.model_files import DEFAULT_MODEL_NAME
-from common.sampling import SamplingParams
+from tests.integration.conftest import greedy_texts, openai_client
 from tests.integration.test_mesh_tensor_parallel import children, is_rank, stream_text
 
 pytestmark = pytest.mark.slow
@@ -31,12 +30,8 @@ def start_mesh(run_dir, *parallel: str):
     """One prefill and one decode worker of the `parallel` flags' shape, fp32."""
     # a small pool: by default each rank takes --kv-cache-gb (2 GB) for its KV heads
     flags = ("--prefill", "1", "--decode", "1", *parallel, "--dtype", "float32", "--num-pages", "256")
-    procs = SeparateProcesses(str(run_dir), *flags)
-    try:
-        procs.start()
+    with SeparateProcesses(str(run_dir), *flags) as procs:
         yield procs
-    finally:
-        procs.stop()
 
 
 @pytest.fixture(scope="module")
@@ -49,26 +44,15 @@ def pp_mesh(tmp_path_factory):
     yield from start_mesh(tmp_path_factory.mktemp("pp-disagg-mesh"), "-pp", "2")
 
 
-def openai_client(mesh) -> openai.OpenAI:
-    return openai.OpenAI(base_url=mesh.url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
-
-
 @pytest.fixture(scope="module")
 def client(mesh):
     return openai_client(mesh)
 
 
 @pytest.fixture(scope="module")
-def offline():
+def offline(single_rank_engine):
     """What a single-rank engine produces (fp32, greedy): the completion's and the chat's text."""
-    from workers.engine.config import EngineConfig
-    from workers.engine.engine import Engine
-
-    engine = Engine(EngineConfig(dtype="float32", num_pages=64))
-    tok = engine.tokenizer
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    prompts = [tok.encode(PROMPT), tok.encode_chat([{"role": "user", "content": CHAT}])]
-    return [r.texts[0] for r in engine.generate(prompts, params)]
+    return greedy_texts(single_rank_engine, [PROMPT, [{"role": "user", "content": CHAT}]], MAX_TOKENS)
 
 
 def status_workers(mesh) -> dict[str, dict]:
