@@ -9,6 +9,7 @@ handoff's bookkeeping, and failure handling.
     worker death ──▶ MigrateRequest to the request's tokenizer, which sends it again with the
              tokens it has generated (ScheduleRequest.resume): placed as a GenerateTask on a
              decode or mixed worker, which recomputes them (services/scheduler/migration.py)
+             (the placed requests' books and their endings: services/scheduler/failures.py)
     Ping ──▶ Pong(instance): tokenizers learn that this process restarted (common/liveness.py);
              a tokenizer's Ping gives its token address, where its requests' failures go
     RegisterWorker.held ──▶ a restarted scheduler takes back the requests workers hold
@@ -37,7 +38,6 @@ from common.messages import (
     AbortRequest,
     ClusterStatus,
     DecodeTask,
-    DoneReason,
     GenerateTask,
     Heartbeat,
     ImageRequest,
@@ -62,35 +62,13 @@ from common.messages import (
     WorkerStopped,
 )
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.migration import cannot_migrate, migrations_of, resumed_output
+from services.scheduler.failures import Outputs, Placed, PlacedRequests
+from services.scheduler.migration import migrations_of, resumed_output
 from services.scheduler.placement import Placer, pairing_problem, shapes_in_both
 from services.scheduler.prefix_index import PromptPages
 from services.scheduler.registry import Registry, WorkerInfo
 
 log = structlog.get_logger()
-
-Destination = bytes | str  # a peer's Router identity, or a worker id
-Outputs = list[tuple[Destination, Message]]
-
-MAX_UNREPORTED = 10_000  # failures kept per tokenizer that has not pinged yet
-# RequestDone reasons that end a request with an error for the client (REJECTED says its own why)
-FAILURES = {
-    DoneReason.KV_REJECTED: "the decode worker refused the KV pages",
-    DoneReason.KV_TIMEOUT: "the KV handoff timed out",
-}
-
-
-@dataclass
-class Placed:
-    """A request on workers: who asked (its tokenizer's token address) and which workers hold it.
-    `prefill` is the prefill worker of a handoff not yet done (None: no handoff). `migrations`:
-    times it moved after losing its worker (None: it cannot move, see migration.py)."""
-
-    request_id: str
-    reply_to: str
-    holders: set[str]
-    prefill: str | None
-    migrations: int | None = 0
 
 
 @dataclass
@@ -119,10 +97,7 @@ class SchedulerCore:
         self.placer = Placer(config.placement)
         # per kind: request id -> entry, oldest first
         self.queues: dict[WorkerKind, OrderedDict[str, Queued]] = {kind: OrderedDict() for kind in WorkerKind}
-        self.placed: dict[str, Placed] = {}
-        self.tokenizers: dict[str, bytes] = {}  # a tokenizer's token address -> its identity here
-        # failures and migrations for tokenizers not heard from yet
-        self.unreported: dict[str, list[RequestFailed | MigrateRequest]] = {}
+        self.requests = PlacedRequests(self.registry, config.max_migrations)  # the requests on workers
         self.migrations = 0  # resumed requests received (metrics)
         self.log = log.bind(service="scheduler")
         self._handlers: dict[type, Callable[[bytes, Message, float, Outputs], None]] = {
@@ -147,6 +122,21 @@ class SchedulerCore:
         }
 
     @property
+    def placed(self) -> dict[str, Placed]:
+        """The requests on workers, by request id."""
+        return self.requests.placed
+
+    @property
+    def tokenizers(self) -> dict[str, bytes]:
+        """A tokenizer's token address -> its identity here."""
+        return self.requests.tokenizers
+
+    @property
+    def unreported(self) -> dict[str, list[RequestFailed | MigrateRequest]]:
+        """Failures and migrations for tokenizers not heard from yet, by token address."""
+        return self.requests.unreported
+
+    @property
     def queued(self) -> int:
         """Requests admitted and not placed yet, of every kind."""
         return sum(map(len, self.queues.values()))
@@ -169,7 +159,7 @@ class SchedulerCore:
             hung = self.registry.stuck(dead, now)
             self.log.warning("worker lost", worker=dead.worker_id, requests=len(dead.requests), hung=hung)
             why = "is stuck in one step" if hung else "stopped responding"
-            self._requests_lost(dead, f"worker {dead.worker_id} {why}", now, out)
+            self.requests.lost(dead, f"worker {dead.worker_id} {why}", now, out)
         if not self._starting(now):
             for queue in self.queues.values():
                 for entry in [e for e in queue.values() if not self._can_serve_entry(e, now)]:
@@ -249,7 +239,7 @@ class SchedulerCore:
             self.log.warning("prefill and decode workers cannot pair", worker=msg.worker_id, problem=problem)
         if replaced is not None:  # a new process under the id: the old one's requests are gone
             self.log.warning("worker restarted", worker=msg.worker_id, requests=len(replaced.requests))
-            self._requests_lost(replaced, f"worker {msg.worker_id} restarted", now, out)
+            self.requests.lost(replaced, f"worker {msg.worker_id} restarted", now, out)
         for held in msg.held or ():  # placed by an earlier scheduler process: keep them in the books
             migrations = 0 if msg.kind == WorkerKind.LLM else None  # the count before the restart is lost
             placed = self.placed.setdefault(
@@ -276,7 +266,7 @@ class SchedulerCore:
         self.log.warning("worker stopped", worker=msg.worker_id, requests=len(gone.requests), error=msg.error)
         # the error's text stays in the logs: clients learn that the engine failed, not its internals
         why = f"the engine of worker {msg.worker_id} failed" if msg.error else f"worker {msg.worker_id} stopped"
-        self._requests_lost(gone, why, now, out)
+        self.requests.lost(gone, why, now, out)
 
     def _on_prefix_update(self, identity: bytes, msg: PrefixCacheUpdate, now: float, out: Outputs) -> None:
         self.registry.prefix_update(msg.worker_id, msg.added, msg.removed)
@@ -476,94 +466,20 @@ class SchedulerCore:
         yet (a restarted scheduler): requests wait for them rather than being refused."""
         return now - self.started_at <= self.config.heartbeat_timeout
 
-    # ---- endings --------------------------------------------------------------------------
+    # ---- endings (services/scheduler/failures.py) ----------------------------------------
     def _on_done(self, identity: bytes, msg: RequestDone, now: float, out: Outputs) -> None:
-        placed = self.placed.get(msg.request_id)
-        self._release(msg.worker_id, msg.request_id)
-        if placed is None:
-            return
-        placed.holders.discard(msg.worker_id)
-        if msg.reason.failed:
-            self._fail(placed, FAILURES.get(msg.reason) or f"rejected: {msg.detail}", out)
-        elif msg.reason is DoneReason.FINISHED and msg.worker_id == placed.prefill:
-            self._abort_holders(placed, "finished at the first token", out)  # no handoff needed
-        if not placed.holders:
-            self.placed.pop(msg.request_id, None)
+        self.requests.done(msg, out)
         self._drain(now, out)
 
     def _on_abort(self, identity: bytes, msg: AbortRequest, now: float, out: Outputs) -> None:
         for queue in self.queues.values():
             queue.pop(msg.request_id, None)
-        placed = self.placed.get(msg.request_id)
-        if placed is not None:
-            self._abort_holders(placed, msg.reason, out)
-        elif msg.worker_id in self.registry.workers:  # placed by an earlier scheduler process
-            out.append((msg.worker_id, AbortRequest(request_id=msg.request_id, reason=msg.reason)))
-
-    def _abort_holders(self, placed: Placed, reason: str, out: Outputs) -> None:
-        rid = placed.request_id
-        for wid in list(placed.holders):
-            out.append((wid, AbortRequest(request_id=rid, reason=reason)))
-            self._release(wid, rid)
-        self.placed.pop(rid, None)
-
-    def _fail(self, placed: Placed, why: str, out: Outputs) -> None:
-        """Tell the request's tokenizer it failed (or keep that until it pings), abort it everywhere."""
-        failed = RequestFailed(
-            request_id=placed.request_id,
-            status=503,
-            error_type="server_error",
-            message=f"Request failed: {why}; retry later.",
-            param=None,
-            code="worker_failure",
-        )
-        self._tell_tokenizer(placed.reply_to, failed, out)
-        self._abort_holders(placed, why, out)
-
-    def _tell_tokenizer(self, reply_to: str, msg: RequestFailed | MigrateRequest, out: Outputs) -> None:
-        origin = self.tokenizers.get(reply_to)
-        if origin is not None:
-            out.append((origin, msg))
-        else:  # its tokenizer has not pinged this scheduler process yet: tell it when it does
-            waiting = self.unreported.setdefault(reply_to, [])
-            if len(waiting) < MAX_UNREPORTED:
-                waiting.append(msg)
-
-    def _requests_lost(self, gone: WorkerInfo, why: str, now: float, out: Outputs) -> None:
-        """Every request placed on a worker process that is gone moves to another worker (its
-        tokenizer sends it again, MigrateRequest), or fails if it cannot move, has moved
-        `max_migrations` times, or no worker of its kind is left to take it (said at once, with
-        the loss's own why, rather than after a round trip through the tokenizer). Either way it
-        is aborted at every holder, the gone worker's id too: a worker only silent for a while
-        stops computing it, and a process restarted under the id does not know it."""
-        takers = [
-            w for role in (WorkerRole.DECODE, WorkerRole.MIXED) for w in self.registry.alive(WorkerKind.LLM, role, now)
-        ]
-        nowhere = "" if takers else ", and no workers are available to move it to"
-        for rid in list(gone.requests):
-            placed = self.placed.get(rid)
-            if placed is None:
-                continue
-            refusal = cannot_migrate(placed.migrations, self.config.max_migrations)
-            if refusal is None and nowhere and placed.migrations is not None:
-                refusal = nowhere
-            if refusal is not None:
-                self._fail(placed, f"{why}{refusal}", out)
-                continue
-            lost = sorted(placed.holders | {gone.worker_id})
-            self._tell_tokenizer(placed.reply_to, MigrateRequest(request_id=rid, reason=why, lost_worker_ids=lost), out)
-            self._abort_holders(placed, why, out)
-
-    def _release(self, worker_id: str, request_id: str) -> None:
-        info = self.registry.workers.get(worker_id)
-        if info is not None:
-            info.requests.discard(request_id)
+        self.requests.abort(msg, out)
 
     # ---- peers ----------------------------------------------------------------------------
     def _on_ping(self, identity: bytes, msg: Ping, now: float, out: Outputs) -> None:
         if msg.address is not None:
-            self.tokenizers[msg.address] = identity
-            out.extend((identity, failed) for failed in self.unreported.pop(msg.address, ()))
+            self.requests.tokenizer_pinged(msg.address, identity, out)
         out.append((identity, Pong(service="scheduler", instance=self.instance)))
 
     def _on_status(self, identity: bytes, msg: StatusRequest, now: float, out: Outputs) -> None:

@@ -21,6 +21,7 @@ PURE_MODULES = [
     "workers.engine.speculative",
     "workers.engine.in_flight",
     "services.scheduler.core",
+    "services.scheduler.failures",
     "services.scheduler.placement",
     "services.scheduler.registry",
     "services.scheduler.prefix_index",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import services.scheduler.core as core_module
+import services.scheduler.failures as failures_module
 from common.messages import (
     AbortRequest,
     ClusterStatus,
@@ -462,7 +462,7 @@ def test_held_requests_are_adopted_and_a_prefill_finish_aborts_the_decode_holder
 
 
 def test_failures_for_a_tokenizer_not_heard_from_yet_wait_for_its_first_ping(monkeypatch):
-    monkeypatch.setattr(core_module, "MAX_UNREPORTED", 2)
+    monkeypatch.setattr(failures_module, "MAX_UNREPORTED", 2)
     core = new_core(max_migrations=0)  # failures (migrations wait for the ping the same way)
     register(core, "w0", held=[HeldRequest(request_id=f"r{i}", reply_to=TOK_OUT) for i in range(3)])
     out = register(core, "w0", now=T0 + 1, instance="w0-second")  # restarted: its requests are lost

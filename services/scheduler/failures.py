@@ -1,0 +1,156 @@
+"""The scheduler's failure and migration handling: the books of the requests placed on workers,
+and how each ends other than by running to its end on its workers.
+
+    RequestDone(failed reason) ──────────────────────────▶ fail
+    RequestDone(FINISHED) from the prefill worker ───────▶ abort at the decode worker (no handoff)
+    AbortRequest ────────────────────────────────────────▶ abort at every holder
+    worker lost (heartbeats stopped, WorkerStopped, restarted under its id) ─▶ for each request:
+        cannot move (migration.py), or no decode/mixed worker left ──▶ fail
+        else ──▶ MigrateRequest to its tokenizer, abort at every holder
+    fail = RequestFailed (503 worker_failure) to its tokenizer, abort at every holder
+
+A tokenizer that has not pinged this scheduler process yet (it restarted) is told when it does:
+what is for it waits in `unreported`. Pure logic: no sockets, no clock; what to send is appended
+to the caller's Outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.messages import (
+    AbortRequest,
+    DoneReason,
+    Message,
+    MigrateRequest,
+    RequestDone,
+    RequestFailed,
+    WorkerKind,
+    WorkerRole,
+)
+from services.scheduler.migration import cannot_migrate
+from services.scheduler.registry import Registry, WorkerInfo
+
+Destination = bytes | str  # a peer's Router identity, or a worker id
+Outputs = list[tuple[Destination, Message]]
+
+MAX_UNREPORTED = 10_000  # failures kept per tokenizer that has not pinged yet
+# RequestDone reasons that end a request with an error for the client (REJECTED says its own why)
+FAILURES = {
+    DoneReason.KV_REJECTED: "the decode worker refused the KV pages",
+    DoneReason.KV_TIMEOUT: "the KV handoff timed out",
+}
+
+
+@dataclass
+class Placed:
+    """A request on workers: who asked (its tokenizer's token address) and which workers hold it.
+    `prefill` is the prefill worker of a handoff not yet done (None: no handoff). `migrations`:
+    times it moved after losing its worker (None: it cannot move, see migration.py)."""
+
+    request_id: str
+    reply_to: str
+    holders: set[str]
+    prefill: str | None
+    migrations: int | None = 0
+
+
+class PlacedRequests:
+    """The requests on workers (`placed`, by request id), the tokenizers to tell about them
+    (`tokenizers`: token address -> identity) and what waits for a tokenizer not heard from yet
+    (`unreported`). Placement adds to `placed` and to the holders' `requests` in the registry;
+    everything here takes requests off both."""
+
+    def __init__(self, registry: Registry, max_migrations: int):
+        self.registry = registry
+        self.max_migrations = max_migrations
+        self.placed: dict[str, Placed] = {}
+        self.tokenizers: dict[str, bytes] = {}
+        self.unreported: dict[str, list[RequestFailed | MigrateRequest]] = {}
+
+    def done(self, msg: RequestDone, out: Outputs) -> None:
+        """A worker finished its part of a request: a failure fails it everywhere; a prefill
+        worker that finished it at the first token frees the decode worker's pages."""
+        placed = self.placed.get(msg.request_id)
+        self.release(msg.worker_id, msg.request_id)
+        if placed is None:
+            return
+        placed.holders.discard(msg.worker_id)
+        if msg.reason.failed:
+            self.fail(placed, FAILURES.get(msg.reason) or f"rejected: {msg.detail}", out)
+        elif msg.reason is DoneReason.FINISHED and msg.worker_id == placed.prefill:
+            self.abort_holders(placed, "finished at the first token", out)  # no handoff needed
+        if not placed.holders:
+            self.placed.pop(msg.request_id, None)
+
+    def abort(self, msg: AbortRequest, out: Outputs) -> None:
+        """Abort a request at every worker holding it (a queued one is the caller's to drop)."""
+        placed = self.placed.get(msg.request_id)
+        if placed is not None:
+            self.abort_holders(placed, msg.reason, out)
+        elif msg.worker_id in self.registry.workers:  # placed by an earlier scheduler process
+            out.append((msg.worker_id, AbortRequest(request_id=msg.request_id, reason=msg.reason)))
+
+    def abort_holders(self, placed: Placed, reason: str, out: Outputs) -> None:
+        rid = placed.request_id
+        for wid in list(placed.holders):
+            out.append((wid, AbortRequest(request_id=rid, reason=reason)))
+            self.release(wid, rid)
+        self.placed.pop(rid, None)
+
+    def fail(self, placed: Placed, why: str, out: Outputs) -> None:
+        """Tell the request's tokenizer it failed (or keep that until it pings), abort it everywhere."""
+        failed = RequestFailed(
+            request_id=placed.request_id,
+            status=503,
+            error_type="server_error",
+            message=f"Request failed: {why}; retry later.",
+            param=None,
+            code="worker_failure",
+        )
+        self.tell_tokenizer(placed.reply_to, failed, out)
+        self.abort_holders(placed, why, out)
+
+    def tell_tokenizer(self, reply_to: str, msg: RequestFailed | MigrateRequest, out: Outputs) -> None:
+        origin = self.tokenizers.get(reply_to)
+        if origin is not None:
+            out.append((origin, msg))
+        else:  # its tokenizer has not pinged this scheduler process yet: tell it when it does
+            waiting = self.unreported.setdefault(reply_to, [])
+            if len(waiting) < MAX_UNREPORTED:
+                waiting.append(msg)
+
+    def tokenizer_pinged(self, address: str, identity: bytes, out: Outputs) -> None:
+        """A tokenizer said where its token address is: what waited for it goes now."""
+        self.tokenizers[address] = identity
+        out.extend((identity, failed) for failed in self.unreported.pop(address, ()))
+
+    def lost(self, gone: WorkerInfo, why: str, now: float, out: Outputs) -> None:
+        """Every request placed on a worker process that is gone moves to another worker (its
+        tokenizer sends it again, MigrateRequest), or fails if it cannot move, has moved
+        `max_migrations` times, or no worker of its kind is left to take it (said at once, with
+        the loss's own why, rather than after a round trip through the tokenizer). Either way it
+        is aborted at every holder, the gone worker's id too: a worker only silent for a while
+        stops computing it, and a process restarted under the id does not know it."""
+        takers = [
+            w for role in (WorkerRole.DECODE, WorkerRole.MIXED) for w in self.registry.alive(WorkerKind.LLM, role, now)
+        ]
+        nowhere = "" if takers else ", and no workers are available to move it to"
+        for rid in list(gone.requests):
+            placed = self.placed.get(rid)
+            if placed is None:
+                continue
+            refusal = cannot_migrate(placed.migrations, self.max_migrations)
+            if refusal is None and nowhere and placed.migrations is not None:
+                refusal = nowhere
+            if refusal is not None:
+                self.fail(placed, f"{why}{refusal}", out)
+                continue
+            lost = sorted(placed.holders | {gone.worker_id})
+            self.tell_tokenizer(placed.reply_to, MigrateRequest(request_id=rid, reason=why, lost_worker_ids=lost), out)
+            self.abort_holders(placed, why, out)
+
+    def release(self, worker_id: str, request_id: str) -> None:
+        info = self.registry.workers.get(worker_id)
+        if info is not None:
+            info.requests.discard(request_id)
