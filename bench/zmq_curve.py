@@ -21,12 +21,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import transport as t  # noqa: E402
+from common import transport_curve as curve  # noqa: E402
 from common.protocol import KVPagesAck, Ping, Pong, encode  # noqa: E402
 
 
 def sender(address: str, frame_bytes: int, frames: int, pings: int, keys: str | None) -> None:
     if keys:
-        os.environ[t.KEYS_ENV] = keys
+        os.environ[curve.KEYS_ENV] = keys
 
     async def main() -> None:
         with t.Dealer(address, "prefill", options=t.KV) as dealer:
@@ -45,9 +46,9 @@ def run(frame_bytes: int, frames: int, pings: int, keys: str | None) -> tuple[fl
     with tempfile.TemporaryDirectory() as run_dir:
         address = t.ipc_address(run_dir, "bench")
         if keys:
-            os.environ[t.KEYS_ENV] = keys
+            os.environ[curve.KEYS_ENV] = keys
         else:
-            os.environ.pop(t.KEYS_ENV, None)
+            os.environ.pop(curve.KEYS_ENV, None)
 
         async def receive() -> tuple[float, float]:
             with t.Router(address, options=t.KV) as router:
@@ -80,7 +81,7 @@ def main() -> None:
     args = parser.parse_args()
     frame_bytes = int(args.frame_mib * (1 << 20))
     with tempfile.TemporaryDirectory() as keys:
-        t.make_keys(keys)
+        curve.make_keys(keys)
         for label, folder in (("plain", None), ("curve", keys)):
             mib_s, rtt_us = run(frame_bytes, args.frames, args.pings, folder)
             print(f"{label:6} {args.frame_mib:g} MiB frames: {mib_s:8.0f} MiB/s   control round trip: {rtt_us:6.0f} µs")

@@ -22,7 +22,7 @@ import sys
 
 from common.logging import FORMAT_ENV, FORMATS
 
-KEYS_ENV = "PAGEMESH_ZMQ_KEYS"  # common.transport.KEYS_ENV (not imported here: no zmq for every command)
+KEYS_ENV = "PAGEMESH_ZMQ_KEYS"  # common.transport_curve.KEYS_ENV (not imported here: no zmq for every command)
 
 COMMANDS = {
     "up": ("services.launcher", "the whole mesh on this machine"),
@@ -72,7 +72,7 @@ def take_log_format(argv: list[str]) -> list[str]:
 def take_zmq_keys(argv: list[str]) -> list[str]:
     """`--zmq-keys DIR` / `--zmq-keys=DIR`, valid for every command, goes to $PAGEMESH_ZMQ_KEYS
     (an absolute path: the processes `pagemesh up` starts inherit it), which every socket reads
-    (common/transport.py). The keys are checked here, before anything starts; the rest of argv
+    (common/transport_curve.py). The keys are checked here, before anything starts; the rest of argv
     is returned."""
     rest, i = [], 0
     while i < len(argv):
@@ -85,7 +85,7 @@ def take_zmq_keys(argv: list[str]) -> list[str]:
             rest.append(arg)
             i += 1
     if os.environ.get(KEYS_ENV) and rest[:1] != ["keys"]:  # `pagemesh keys` makes them
-        from common.transport import load_keys  # zmq: only for a process that uses keys
+        from common.transport_curve import load_keys  # zmq: only for a process that uses keys
 
         os.environ[KEYS_ENV] = os.path.abspath(os.environ[KEYS_ENV])
         try:

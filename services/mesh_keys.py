@@ -1,5 +1,5 @@
 """`pagemesh keys DIR`: the CurveZMQ keypair that encrypts and authenticates the mesh's internal
-sockets (common/transport.py). Every process then starts with `--zmq-keys DIR` (or with
+sockets (common/transport_curve.py). Every process then starts with `--zmq-keys DIR` (or with
 $PAGEMESH_ZMQ_KEYS=DIR; `pagemesh up` passes it to its children): a peer without the folder's
 secret key cannot connect to any of them.
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.transport import KEYS_ENV, make_keys
+from common.transport_curve import KEYS_ENV, make_keys
 
 
 def main(argv: list[str]) -> None:

@@ -4,6 +4,7 @@ raises ImportError."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -34,6 +35,8 @@ PURE_MODULES = [
     "workers.diffusion.engine.config",
     "workers.diffusion.engine.stats",
 ]
+# DESIGN.md §2: the sockets (transport.py) and their CurveZMQ keys (transport_curve.py)
+ZMQ_MODULES = {"common/transport.py", "common/transport_curve.py"}
 # processes that talk over sockets but must not load torch: the launcher parses every kind's flags
 NO_TORCH_MODULES = ["services.launcher", "services.tokenizer.core", "services.tokenizer.config", "gateway.app"]
 
@@ -83,3 +86,26 @@ def test_the_guard_blocks_torch():
     """The finder really refuses what it should (a test that could not fail would prove nothing)."""
     done = import_guarded("torch.nn")
     assert done.returncode != 0 and "torch is blocked" in done.stderr
+
+
+def zmq_importers() -> set[str]:
+    """The project's modules (tests aside: they drive raw zmq as rogue peers) that import zmq."""
+    found = set()
+    for folder, subfolders, files in os.walk(ROOT):
+        subfolders[:] = [d for d in subfolders if not d.startswith((".", "__")) and d not in ("tests", "node_modules")]
+        for name in (f for f in files if f.endswith(".py")):
+            path = Path(folder, name)
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    modules = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    modules = [node.module]
+                else:
+                    continue
+                if any(m.split(".")[0] == "zmq" for m in modules):
+                    found.add(path.relative_to(ROOT).as_posix())
+    return found
+
+
+def test_only_the_transport_modules_import_zmq():
+    assert zmq_importers() == ZMQ_MODULES

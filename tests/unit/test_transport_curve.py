@@ -16,6 +16,7 @@ import zmq.asyncio
 
 from bench.local_mesh import HANG_S
 from common import transport as t
+from common import transport_curve as curve
 from common.protocol import Ready, encode
 from tests.unit.test_transport import free_tcp_port, run
 
@@ -25,14 +26,14 @@ READY = Ready(service="worker", name="w")
 @pytest.fixture(scope="module")
 def keys_dir(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("zmq-keys") / "keys")
-    t.make_keys(folder)
+    curve.make_keys(folder)
     return folder
 
 
 @pytest.fixture
 def keyed(keys_dir, monkeypatch):
-    monkeypatch.setenv(t.KEYS_ENV, keys_dir)
-    return t.load_keys(keys_dir)
+    monkeypatch.setenv(curve.KEYS_ENV, keys_dir)
+    return curve.load_keys(keys_dir)
 
 
 @pytest.fixture(params=["ipc", "tcp"])
@@ -48,7 +49,7 @@ def test_pagemesh_keys_writes_a_keypair_once_and_the_secret_for_its_owner_only(t
     made = subprocess.run(cli, capture_output=True, text=True, timeout=HANG_S)
     assert made.returncode == 0, made.stderr
     assert f"--zmq-keys {folder}" in made.stdout
-    keys = t.load_keys(str(folder))
+    keys = curve.load_keys(str(folder))
     assert zmq.curve_public(keys.secret) == keys.public
     assert stat.S_IMODE(os.stat(folder / "mesh.key_secret").st_mode) == 0o600
     secret_before = (folder / "mesh.key_secret").read_bytes()
@@ -59,16 +60,16 @@ def test_pagemesh_keys_writes_a_keypair_once_and_the_secret_for_its_owner_only(t
 
 def test_bad_key_folders_are_refused_with_the_reason(tmp_path):
     with pytest.raises(ValueError, match="pagemesh keys"):
-        t.load_keys(str(tmp_path / "missing"))
-    t.make_keys(str(tmp_path / "a"))
-    t.make_keys(str(tmp_path / "b"))
+        curve.load_keys(str(tmp_path / "missing"))
+    curve.make_keys(str(tmp_path / "a"))
+    curve.make_keys(str(tmp_path / "b"))
     # a secret file whose public key is another pair's
     a, b = (tmp_path / "a" / "mesh.key_secret").read_text(), (tmp_path / "b" / "mesh.key").read_text()
     public_b = next(line for line in b.splitlines() if "public-key" in line)
     mixed = "\n".join(public_b if "public-key" in line else line for line in a.splitlines())
     (tmp_path / "a" / "mesh.key_secret").write_text(mixed)
     with pytest.raises(ValueError, match="not the secret key's"):
-        t.load_keys(str(tmp_path / "a"))
+        curve.load_keys(str(tmp_path / "a"))
     # every command checks --zmq-keys before it starts anything
     done = subprocess.run(
         [sys.executable, "-m", "services.cli", "--zmq-keys", str(tmp_path / "missing"), "scheduler"],
@@ -86,7 +87,7 @@ def test_keyed_sockets_talk_in_both_directions(keyed, address):
             assert await router.recv() == (b"w", READY)
             await router.send(b"w", READY)
             assert await dealer.recv() == READY
-        assert t.gatekeeper().allowed == {keyed.public}
+        assert curve.gatekeeper().allowed == {keyed.public}
 
     run(main())
 
@@ -108,7 +109,7 @@ def rogue(address: str, server_key: bytes | None = None) -> zmq.Socket:
 def test_rogues_without_keys_or_with_other_keys_get_nothing_through(keyed, address):
     async def main():
         with t.Router(address) as router:
-            guard = t.gatekeeper()
+            guard = curve.gatekeeper()
             refused = guard.refused
             rogues = [rogue(address), rogue(address, server_key=keyed.public)]
             try:
@@ -132,7 +133,7 @@ def test_a_keyed_client_cannot_reach_a_server_without_keys(keys_dir, address, mo
 
     async def main():
         with t.Router(address) as router:  # no keys
-            monkeypatch.setenv(t.KEYS_ENV, keys_dir)
+            monkeypatch.setenv(curve.KEYS_ENV, keys_dir)
             with t.Dealer(address, "w") as dealer:
                 await dealer.send(READY)
                 # nothing to wait for here (over tcp one failed handshake, then silence): a second
