@@ -15,7 +15,7 @@ from common.messages import (
     RequestFailed,
     WorkerKind,
 )
-from tests.unit.test_scheduler_core import (
+from tests.scheduler_harness import (
     AFTER_GRACE,
     T0,
     TIMEOUT,

@@ -16,7 +16,7 @@ from common.messages import (
     WorkerKind,
 )
 from common.sampling import SamplingParams
-from tests.unit.test_scheduler_core import (
+from tests.scheduler_harness import (
     AFTER_GRACE,
     DEFAULT,
     PROMPT,
