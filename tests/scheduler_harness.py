@@ -119,25 +119,17 @@ def done(core: SchedulerCore, wid: str, rid: str, reason: DoneReason, detail: st
 
 
 def failed(rid: str, why: str) -> RequestFailed:
-    return RequestFailed(
-        request_id=rid,
-        status=503,
-        error_type="server_error",
-        message=f"Request failed: {why}; retry later.",
-        param=None,
-        code="worker_failure",
-    )
+    """What the request's tokenizer is told when its worker failed it."""
+    return _unavailable(rid, f"Request failed: {why}; retry later.", "worker_failure")
 
 
 def refused(rid: str, why: str) -> RequestFailed:
-    return RequestFailed(
-        request_id=rid,
-        status=503,
-        error_type="server_error",
-        message=f"Service unavailable: {why}; retry later.",
-        param=None,
-        code="overloaded",
-    )
+    """What a request's sender is told when the scheduler cannot take it."""
+    return _unavailable(rid, f"Service unavailable: {why}; retry later.", "overloaded")
+
+
+def _unavailable(rid: str, message: str, code: str) -> RequestFailed:
+    return RequestFailed(request_id=rid, status=503, error_type="server_error", message=message, param=None, code=code)
 
 
 def generate(rid: str, queued_s: float = 0.0, sampling: SamplingParams = DEFAULT) -> GenerateTask:
