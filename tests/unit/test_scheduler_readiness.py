@@ -11,7 +11,7 @@ import pytest
 from common.messages import WorkerKind
 from services.scheduler.config import SchedulerConfig, add_policy_arguments, add_serves_argument, config_from_args
 from services.scheduler.core import SchedulerCore
-from tests.unit.test_scheduler_core import T0, TIMEOUT, register
+from tests.scheduler_harness import T0, TIMEOUT, register
 
 
 def core_serving(*kinds: WorkerKind) -> SchedulerCore:
