@@ -22,15 +22,12 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {"pm_quant_matmul": [_P, _I64, _I32, _P, _P, _P, _I32, _P, _P, _I32, _I64, _I64, _I64]}
 _library = build.Library(SOURCE, _SIGNATURES)
-_lib: ctypes.PyDLL | None = None  # _library's, once available() has loaded it
 
 
 def available() -> bool:
     """Build and load the library once; False (with `load_error()`) where that fails or
     PAGEMESH_CPU_KERNELS=0."""
-    global _lib
-    _lib = _library.load()
-    return _lib is not None
+    return _library.load() is not None
 
 
 def load_error() -> str | None:
@@ -55,12 +52,13 @@ def quant_linear(
         if bias.shape != (n,):
             raise ValueError(f"quant_linear: bias must be [{n}]")
         bias = bias.float().contiguous()
-    if not available():
+    lib = _library.load()
+    if lib is None:
         raise RuntimeError(f"quant_linear: {load_error()}")
     out = torch.empty(x.shape[0], n, dtype=out_dtype)
     if x.shape[0] == 0:
         return out
-    _lib.pm_quant_matmul(
+    lib.pm_quant_matmul(
         x.data_ptr(),
         x.stride(0),
         _DTYPES[x.dtype],
