@@ -64,7 +64,7 @@ from common.messages import (
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.failures import Outputs, Placed, PlacedRequests
 from services.scheduler.migration import migrations_of, resumed_output
-from services.scheduler.placement import Placer, pairing_problem, shapes_in_both
+from services.scheduler.placement import Placer, pairing_problem, shapes_in_both, too_large_for_every_pool
 from services.scheduler.prefix_index import PromptPages
 from services.scheduler.registry import Registry, WorkerInfo
 
@@ -282,6 +282,13 @@ class SchedulerCore:
             self.migrations += 1
             self.log.info("request migrating", request_id=msg.request_id, migrations=msg.resume.migrations)
         prompt = PromptPages(msg.prompt_token_ids + resumed_output(msg))  # what the worker will (re)compute
+        roles = (
+            self.registry.alive(WorkerKind.LLM, r, now)
+            for r in (WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.MIXED)
+        )
+        too_large = too_large_for_every_pool(*roles, len(prompt.token_ids))
+        if too_large is not None:
+            return self._refuse(identity, msg.request_id, 400, too_large, None, out)
         self._admit(identity, Queued(identity, msg, prompt, WorkerKind.LLM, now), out, now)
 
     def _on_image(self, identity: bytes, msg: ImageRequest, now: float, out: Outputs) -> None:
@@ -316,18 +323,14 @@ class SchedulerCore:
     def _reject(self, identity: bytes, request_id: str, why: str, out: Outputs) -> None:
         self._refuse(identity, request_id, 503, f"Service unavailable: {why}; retry later.", "overloaded", out)
 
-    def _refuse(self, identity: bytes, request_id: str, status: int, text: str, code: str, out: Outputs) -> None:
+    def _refuse(self, identity: bytes, request_id: str, status: int, text: str, code: str | None, out: Outputs) -> None:
         self.log.info("request rejected", request_id=request_id, reason=text)
         error_type = "server_error" if status >= 500 else "invalid_request_error"
-        param = "model" if code == "model_not_found" else None
-        out.append(
-            (
-                identity,
-                RequestFailed(
-                    request_id=request_id, status=status, error_type=error_type, message=text, param=param, code=code
-                ),
-            )
+        param = "model" if code == "model_not_found" else "prompt" if text.startswith("prompt:") else None
+        failed = RequestFailed(
+            request_id=request_id, status=status, error_type=error_type, message=text, param=param, code=code
         )
+        out.append((identity, failed))
 
     def _drain(self, now: float, out: Outputs) -> None:
         """Place each kind's queued requests, oldest first, while some worker can take them."""

@@ -8,6 +8,7 @@ and how each ends other than by running to its end on its workers.
         cannot move (migration.py), or no decode/mixed worker left ──▶ fail
         else ──▶ MigrateRequest to its tokenizer, abort at every holder
     fail = RequestFailed (503 worker_failure) to its tokenizer, abort at every holder
+    refuse = RequestFailed (400, the field the worker named) for a request its worker refused
 
 A tokenizer that has not pinged this scheduler process yet (it restarted) is told when it does:
 what is for it waits in `unreported`. Pure logic: no sockets, no clock; what to send is appended
@@ -76,8 +77,10 @@ class PlacedRequests:
         if placed is None:
             return
         placed.holders.discard(msg.worker_id)
-        if msg.reason.failed:
-            self.fail(placed, FAILURES.get(msg.reason) or f"rejected: {msg.detail}", out)
+        if msg.reason is DoneReason.REJECTED:
+            self.refuse(placed, msg.detail or "refused by its worker", out)
+        elif msg.reason.failed:
+            self.fail(placed, FAILURES[msg.reason], out)
         elif msg.reason is DoneReason.FINISHED and msg.worker_id == placed.prefill:
             self.abort_holders(placed, "finished at the first token", out)  # no handoff needed
         if not placed.holders:
@@ -107,6 +110,22 @@ class PlacedRequests:
             message=f"Request failed: {why}; retry later.",
             param=None,
             code="worker_failure",
+        )
+        self.tell_tokenizer(placed.reply_to, failed, out)
+        self.abort_holders(placed, why, out)
+
+    def refuse(self, placed: Placed, why: str, out: Outputs) -> None:
+        """The worker refused the request as it is (its engine's ValueError, "field: why", e.g. a
+        prompt that cannot fit the KV pool): a 400 naming the field, as the gateway's own checks
+        give; retrying the same request would not help."""
+        field, sep, _ = why.partition(":")
+        failed = RequestFailed(
+            request_id=placed.request_id,
+            status=400,
+            error_type="invalid_request_error",
+            message=why,
+            param=field if sep and field.isidentifier() else None,
+            code=None,
         )
         self.tell_tokenizer(placed.reply_to, failed, out)
         self.abort_holders(placed, why, out)

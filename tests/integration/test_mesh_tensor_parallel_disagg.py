@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import urllib.request
 
+import openai
 import pytest
 
 from bench.local_mesh import HANG_S, SeparateProcesses, wait_until
@@ -88,3 +89,14 @@ def test_greedy_text_through_tensor_parallel_prefill_and_decode_equals_the_singl
 def test_greedy_text_through_pipeline_parallel_prefill_and_decode_equals_the_single_rank_engine(pp_mesh, offline):
     # each stage's pages (layers [0, 15) from rank 0, [15, 30) from rank 1) go to the same stage
     check_greedy_text_and_handoff(pp_mesh, openai_client(pp_mesh), offline, ranks=2)
+
+
+def test_a_prompt_larger_than_the_kv_pool_gets_a_400_naming_it_and_the_mesh_serves_on(pp_mesh, offline):
+    # 256 pages of 16 tokens, one of them the null page: 4,080 tokens; the context length is 8,192
+    client = openai_client(pp_mesh)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=[300] * 4085, max_tokens=1, temperature=0)
+    assert "do not fit any worker's KV pool (the largest holds 255 pages of 16 tokens)" in str(refused.value)
+    assert refused.value.body["param"] == "prompt"
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.choices[0].text == offline[0]

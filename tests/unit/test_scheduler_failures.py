@@ -14,6 +14,7 @@ from common.messages import (
     Ping,
     Pong,
     Registered,
+    RequestFailed,
     WorkerKind,
 )
 from tests.scheduler_harness import (
@@ -58,15 +59,16 @@ def test_finished_on_the_prefill_worker_before_the_handoff_aborts_the_decode_sid
     [
         ("d0", "p0", DoneReason.KV_REJECTED, None, "the decode worker refused the KV pages"),
         ("p0", "d0", DoneReason.KV_TIMEOUT, None, "the KV handoff timed out"),
-        ("d0", "p0", DoneReason.REJECTED, "no room for the prompt", "rejected: no room for the prompt"),
+        ("d0", "p0", DoneReason.REJECTED, "prompt: no room in the KV pool", None),
     ],
 )
 def test_failed_endings_fail_the_request_and_abort_it_on_the_other_holder(reporter, other, reason, detail, why):
     core = disaggregated()
     placed_on_p0_d0(core)
+    told = failed("r1", why) if why else invalid("r1", detail, "prompt")
     assert done(core, reporter, "r1", reason, detail) == [
-        (TOK, failed("r1", why)),
-        (other, AbortRequest(request_id="r1", reason=why)),
+        (TOK, told),
+        (other, AbortRequest(request_id="r1", reason=why or detail)),
     ]
     assert core.placed == {} and not any(w.requests for w in core.registry.workers.values())
 
@@ -79,9 +81,16 @@ def test_a_rejection_on_a_mixed_worker_fails_the_request_and_frees_it_for_the_ne
     assert heartbeat(core, "m0", T0 + 1, running=0) == []
     assert core.queues[WorkerKind.LLM].keys() == {"r2"}
     assert done(core, "m0", "r1", DoneReason.REJECTED, "too long", now=T0 + 2) == [
-        (TOK, failed("r1", "rejected: too long")),
+        (TOK, invalid("r1", "too long", None)),  # a detail naming no field: no param
         ("m0", generate("r2", queued_s=1.0)),
     ]
+
+
+def invalid(rid: str, message: str, param: str | None) -> RequestFailed:
+    """What the request's tokenizer is told when its worker refused it as it is."""
+    return RequestFailed(
+        request_id=rid, status=400, error_type="invalid_request_error", message=message, param=param, code=None
+    )
 
 
 def test_aborts_of_queued_and_placed_requests():

@@ -1,6 +1,7 @@
 """When the scheduler calls the mesh ready (the gateway's /ready and its start-up wait read it):
 with `--serves` (which `pagemesh up` sets from what it starts), every kind named needs a usable
-pool; without it, the LLM pools, or the diffusion ones in a mesh of diffusion workers only."""
+pool; without it, the LLM pools, or the diffusion ones in a mesh of diffusion workers only. And a
+prompt no worker's whole KV pool could hold is refused at once, not queued for ever."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import argparse
 
 import pytest
 
-from common.messages import WorkerKind
+from common.messages import RequestFailed, ScheduleRequest, WorkerKind
 from services.scheduler.config import SchedulerConfig, add_policy_arguments, add_serves_argument, config_from_args
 from services.scheduler.core import SchedulerCore
-from tests.scheduler_harness import T0, TIMEOUT, register
+from tests.scheduler_harness import DEFAULT, T0, TIMEOUT, TOK, TOK_OUT, disaggregated, register
 
 
 def core_serving(*kinds: WorkerKind) -> SchedulerCore:
@@ -74,3 +75,30 @@ def test_pagemesh_up_tells_its_scheduler_what_it_starts(up_args, serves):
 
     (argv,) = [argv for name, argv in plan(parse_up(up_args), "/tmp/pm") if name == "scheduler"]
     assert argv[argv.index("--serves") + 1] == serves
+
+
+def test_a_prompt_larger_than_every_kv_pool_is_refused_at_once_instead_of_queued_for_ever():
+    core = disaggregated()  # prefill and decode pools of 100 pages of 4 tokens
+
+    def schedule_prompt(rid: str, n: int):
+        msg = ScheduleRequest(
+            request_id=rid, prompt_token_ids=[5] * n, sampling=DEFAULT, reply_to=TOK_OUT, arrival_time=0.0
+        )
+        return core.handle(TOK, msg, T0)
+
+    assert schedule_prompt("big", 400) == [
+        (
+            TOK,
+            RequestFailed(
+                request_id="big",
+                status=400,
+                error_type="invalid_request_error",
+                message="prompt: 400 tokens and one more do not fit any worker's KV pool "
+                "(the largest holds 100 pages of 4 tokens)",
+                param="prompt",
+                code=None,
+            ),
+        )
+    ]
+    assert core.queued == 0
+    assert {dest for dest, _ in schedule_prompt("fits", 399)} == {"p0", "d0"}  # 400 tokens: the whole pool
