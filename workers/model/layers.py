@@ -175,16 +175,29 @@ def pack_linear_weights(model: nn.Module, batch_hint: int = 32, *, amx: bool = F
     return True
 
 
+# From this many rows of bf16 activations (a prefill chunk, a large decode batch) a CPU quantized
+# linear widens W to bf16 and runs the bf16 GEMM (oneDNN): the integer kernel does one weight row's
+# dot products per x row, ~4x slower than oneDNN's AVX512-BF16 GEMM at 128 rows, while widening
+# costs about as much as 2 rows of it. Crossover measured at 8-16 rows (docs/perf/quantization.md).
+DEQUANTIZE_MIN_ROWS = 12
+
+
 def quantized_linear(
     x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype | None
 ) -> torch.Tensor:
-    """x W^T (+ b) with W quantized: the C kernel on a CPU, the Triton kernel on CUDA."""
+    """x W^T (+ b) with W quantized: the C kernel on a CPU (below DEQUANTIZE_MIN_ROWS rows or for
+    fp32 x: int8-rounded activations; else W widened to bf16, exactly `dequantize`'s values, and
+    the dense bf16 GEMM, so prefill matches the dense model's path), the Triton kernel on CUDA."""
     if x.device.type == "cuda":
         import kernels.quant_matmul
 
         return kernels.quant_matmul.quant_linear(x, qw, bias, out_dtype)
     import kernels.cpu.quant
 
+    if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] >= DEQUANTIZE_MIN_ROWS:
+        weight = kernels.cpu.quant.dequantize_bf16(qw)
+        y = F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+        return y if out_dtype is None else y.to(out_dtype)
     return kernels.cpu.quant.quant_linear(x, qw, bias, out_dtype)
 
 
