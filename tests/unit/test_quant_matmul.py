@@ -106,6 +106,7 @@ def test_dequantize_bf16_is_the_reference_rounded_once(fmt, n, k):
 @pytest.mark.skipif(not quant.available(), reason=f"quantized C kernel did not build: {quant.load_error()}")
 @pytest.mark.parametrize("fmt", ["int8", "q4_1"])
 def test_linear_takes_the_bf16_gemm_from_the_row_threshold(fmt):
+    from workers.model import layers
     from workers.model.layers import DEQUANTIZE_MIN_ROWS, quantized_linear
 
     qw = _weight(fmt, 40, 128, 5)
@@ -118,6 +119,10 @@ def test_linear_takes_the_bf16_gemm_from_the_row_threshold(fmt):
         want = torch.nn.functional.linear(x, dense, bias.bfloat16())
         assert torch.equal(quantized_linear(x, qw, bias, None), want)
         assert torch.equal(quantized_linear(x, qw, bias, torch.float32), want.float())
+    # a weight larger than a tile goes through in row tiles (the last one cut): the same numbers
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layers, "DEQUANTIZE_TILE", 128 * 15)
+        assert torch.equal(quantized_linear(x, qw, bias, None), want)
     # below the threshold, and for fp32 activations, the integer kernel
     x = torch.randn(DEQUANTIZE_MIN_ROWS - 1, 128, generator=gen).bfloat16()
     assert torch.equal(quantized_linear(x, qw, bias, None), quant.quant_linear(x, qw, bias))

@@ -195,10 +195,29 @@ def quantized_linear(
     import kernels.cpu.quant
 
     if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] >= DEQUANTIZE_MIN_ROWS:
-        weight = kernels.cpu.quant.dequantize_bf16(qw)
-        y = F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+        y = _dequantized_linear(x, qw, None if bias is None else bias.to(x.dtype))
         return y if out_dtype is None else y.to(out_dtype)
     return kernels.cpu.quant.quant_linear(x, qw, bias, out_dtype)
+
+
+DEQUANTIZE_TILE = 1 << 23  # weights widened at most this many values at a time (16 MB of bf16)
+
+
+def _dequantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ b) through W widened to bf16; a large W (an LM head) in row tiles, so that the
+    widened copy stays small."""
+    import kernels.cpu.quant
+
+    n, k = qw.shape
+    if n * k <= DEQUANTIZE_TILE:
+        return F.linear(x, kernels.cpu.quant.dequantize_bf16(qw), bias)
+    step = max(1, DEQUANTIZE_TILE // k)
+    y = x.new_empty(x.shape[0], n)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        part = None if bias is None else bias[start:stop]
+        y[:, start:stop] = F.linear(x, kernels.cpu.quant.dequantize_bf16(qw, start, stop), part)
+    return y
 
 
 class VocabEmbedding(nn.Module):
