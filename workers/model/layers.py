@@ -176,10 +176,11 @@ def pack_linear_weights(model: nn.Module, batch_hint: int = 32, *, amx: bool = F
 
 
 # From this many rows of bf16 activations (a prefill chunk, a large decode batch) a CPU quantized
-# linear widens W to bf16 and runs the bf16 GEMM (oneDNN): the integer kernel does one weight row's
-# dot products per x row, ~4x slower than oneDNN's AVX512-BF16 GEMM at 128 rows, while widening
-# costs about as much as 2 rows of it. Crossover measured at 8-16 rows (docs/perf/quantization.md).
-DEQUANTIZE_MIN_ROWS = 12
+# linear widens W to bf16 and runs the bf16 GEMM (oneDNN): the integer kernel re-decodes each
+# weight row for every 4 activation rows, ~4x slower than oneDNN's AVX512-BF16 GEMM at 128 rows,
+# while widening has a fixed cost per call (writing the bf16 copy). With the weights streaming
+# from memory (a whole model) the two cross at ~24 rows here (docs/perf/quantization.md).
+DEQUANTIZE_MIN_ROWS = 24
 
 
 def quantized_linear(
