@@ -2,6 +2,7 @@
 
     python bench/fp8_kv.py quality [--dtype bfloat16] [--positions 192]
     python bench/fp8_kv.py speed [--streams 1 8 32] [--prompt-len 128] [--steps 32]
+    python bench/fp8_kv.py attention [--seqs 32] [--context 160] [--layers 1 30] [--repeats 30]
 
 `quality`: fixed prompts (varied: prose, code, lists, chat) are continued greedily by the model-
 dtype engine; then each engine (auto, fp8_e4m3, fp8_e5m2, on the same loaded model) is
@@ -13,6 +14,11 @@ mean next-token KL(reference || fp8) over every position.
 `speed`: decode tokens per second of the in-process engine at each stream count: `streams`
 requests of `prompt-len` random tokens are prefilled, then `steps` decode steps are timed
 (median step time; tok/s = streams / median).
+
+`attention`: the C attention kernel alone on SmolLM2's shapes (9 query heads of 64 over 3 KV
+heads, pages of 16 in shuffled order), one decode query per sequence, bf16 queries: the bf16 pool
+against fp8_e4m3, alternated (A-B-A-B). With 1 layer the pool stays in cache (the kernels'
+arithmetic); with 30 distinct layers it streams from memory, as a decode step's does.
 """
 
 from __future__ import annotations
@@ -139,6 +145,44 @@ def speed(args) -> None:
         print(f"| {kv} ({kernels}) | " + " | ".join(cells) + " |", flush=True)
 
 
+def attention(args) -> None:
+    import os
+
+    import kernels.cpu as ck
+
+    if not ck.available():
+        raise SystemExit(f"C kernels did not build: {ck.load_error()}")
+    gen = torch.Generator().manual_seed(0)
+    seqs, heads, kv_heads, dim, page = args.seqs, 9, 3, 64, 16
+    pages_per = -(-args.context // page)
+    tables = (torch.randperm(seqs * pages_per, generator=gen) + 1).reshape(seqs, pages_per).int()
+    seq_lens = torch.full((seqs,), args.context, dtype=torch.int32)
+    starts = torch.arange(seqs + 1, dtype=torch.int32)
+    q = torch.randn(seqs, heads, dim, generator=gen).bfloat16()
+    for layers in args.layers:
+        pools: dict[str, list] = {"bf16": [], "fp8_e4m3": []}
+        for _ in range(layers):
+            kv = torch.randn(seqs * pages_per + 1, 2, page, kv_heads, dim, generator=gen).bfloat16()
+            scales = (kv.float().abs().amax(dim=(0, 2, 4)) / 112).contiguous()  # amax -> fp8 max / 4
+            fp8 = (kv.float() / scales[None, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+            pools["bf16"].append((kv, None))
+            pools["fp8_e4m3"].append((fp8.contiguous(), scales))
+        times: dict[str, list[float]] = {name: [] for name in pools}
+        for _ in range(args.repeats):
+            for name, pool in pools.items():
+                t = time.perf_counter()
+                for layer, scales in pool:
+                    ck.paged_attention(q, layer, tables, seq_lens, starts, dim**-0.5, kv_scales=scales)
+                times[name].append((time.perf_counter() - t) / layers)
+        for name, ts in times.items():
+            print(
+                f"{name:8s} {seqs} seqs x {args.context} tokens, {layers} layer(s): "
+                f"median {statistics.median(ts) * 1e3:.3f} ms per layer, best {min(ts) * 1e3:.3f}"
+            )
+    load = os.getloadavg()
+    print(f"threads {torch.get_num_threads()}, load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -150,8 +194,13 @@ def main() -> None:
     s.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     s.add_argument("--prompt-len", type=int, default=128)
     s.add_argument("--steps", type=int, default=32)
+    a = sub.add_parser("attention")
+    a.add_argument("--seqs", type=int, default=32)
+    a.add_argument("--context", type=int, default=160)
+    a.add_argument("--layers", type=int, nargs="+", default=[1, 30])
+    a.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
-    quality(args) if args.what == "quality" else speed(args)
+    {"quality": quality, "speed": speed, "attention": attention}[args.what](args)
 
 
 if __name__ == "__main__":

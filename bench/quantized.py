@@ -3,17 +3,24 @@
     python bench/quantized.py quality [--positions 512] [--out docs/perf/quantization.md]
     python bench/quantized.py speed [--prompt-len 128] [--tokens 128] [--repeats 2]
     python bench/quantized.py linears [--rows 1] [--repeats 20]
+    python bench/quantized.py prefill [--prompt-len 128] [--repeats 5]
 
 `quality` runs the default model (the shipped Q4_1 GGUF) dense in bf16 (`none`, the reference),
 then `int8` and `gguf`, over fixed texts that ship with the dependencies (a license, Python
 source, package descriptions, a chat exchange), teacher-forced: every position's next-token
 distribution. Per format: mean KL(none || format) and greedy-token agreement over all
-positions, and perplexity of each on numpy's LICENSE.txt. `--out` writes the table.
+positions, and perplexity of each on numpy's LICENSE.txt. `--out` writes the table. Every
+quantized linear takes the int8-activation kernel (the path of decode steps, where quantization
+costs quality; prefill rows from `layers.DEQUANTIZE_MIN_ROWS` widen W to bf16 and match `none`
+exactly): `--served` keeps the row threshold instead.
 `speed`: single-stream decode tok/s of an in-process engine per format (A-B-C repeated),
 after the prefill; the machine's load average is printed beside the figures.
 `linears`: the linears of one decode step alone (every layer's own random weights in the default
 model's shapes, so they stream from memory as in a real step, and the LM head), per format:
-bf16 packed for oneDNN (the `none` path without AMX), int8 and Q4_1 through the C kernel.
+bf16 packed for oneDNN (the `none` path without AMX), int8 and Q4_1 as served
+(`layers.quantized_linear`: the C kernel, or W widened to bf16 from DEQUANTIZE_MIN_ROWS rows).
+`prefill`: one prompt's prefill (a single forward of --prompt-len tokens) per format, A-B-C
+repeated, median ms: the TTFT of one stream without the gateway.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from common.sampling import SamplingParams  # noqa: E402
 from workers.engine.attention import AttentionMetadata  # noqa: E402
 from workers.engine.config import QUANTIZATIONS, EngineConfig  # noqa: E402
 from workers.engine.model_runner import ModelRunner  # noqa: E402
+from workers.model import layers  # noqa: E402
 from workers.model.llama import ForwardContext, LlamaForCausalLM  # noqa: E402
 from workers.model.loader import load_model  # noqa: E402
 
@@ -106,6 +114,8 @@ def perplexity(logits: torch.Tensor, token_ids: list[int]) -> tuple[float, int]:
 def quality(args: argparse.Namespace) -> None:
     from tests.default_model import tokenizer
 
+    if not args.served:
+        layers.DEQUANTIZE_MIN_ROWS = 1 << 30
     tok = tokenizer()
     windows = {name: tok.encode(text)[: args.positions] for name, text in quality_texts().items()}
     ppl_ids = windows["license"]
@@ -172,7 +182,6 @@ def linears(args: argparse.Namespace) -> None:
     from gguf.quants import quantize as gguf_quantize
 
     from common.model_config import read_model_config
-    from kernels.cpu.quant import quant_linear
     from kernels.quantized import from_gguf_blocks, quantize_int8
 
     cfg = read_model_config(default_model_path())
@@ -194,7 +203,7 @@ def linears(args: argparse.Namespace) -> None:
             if fmt == "bf16":
                 torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], w, None, "none", [], "")
             else:
-                quant_linear(xs[w.shape[1]], w)
+                layers.quantized_linear(xs[w.shape[1]], w, None, None)
 
     times: dict[str, list[float]] = {fmt: [] for fmt in weights}
     for _ in range(args.repeats):  # A-B-C, repeated
@@ -209,6 +218,33 @@ def linears(args: argparse.Namespace) -> None:
     print(f"threads {torch.get_num_threads()}, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
 
+def prefill(args: argparse.Namespace) -> None:
+    from workers.engine.engine import Engine
+
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    engines = {
+        fmt: Engine(EngineConfig(dtype="bfloat16", quantization=fmt, num_pages=64, enable_prefix_caching=False))
+        for fmt in args.formats
+    }
+    figures: dict[str, list[float]] = {fmt: [] for fmt in engines}
+    for repeat in range(args.repeats + 1):  # the first round warms up, not counted
+        for fmt, engine in engines.items():
+            prompt = [1000 + (7 * i + repeat) % 5000 for i in range(args.prompt_len)]
+            engine.add_request(f"{fmt}-{repeat}", prompt, params)
+            t0 = time.perf_counter()
+            while engine.requests:
+                engine.step()
+            if repeat:
+                figures[fmt].append(time.perf_counter() - t0)
+    load = os.getloadavg()
+    base = statistics.median(figures[args.formats[0]])
+    for fmt, ts in figures.items():
+        med = statistics.median(ts)
+        runs = ", ".join(f"{t * 1e3:.0f}" for t in ts)
+        print(f"{fmt:5s} prefill {args.prompt_len} tokens: {med * 1e3:7.1f} ms ({base / med:.2f}x; runs {runs})")
+    print(f"threads {torch.get_num_threads()}, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+
+
 def _nbytes(w) -> int:
     return w.nbytes if hasattr(w, "codes") else w.numel() * w.element_size()
 
@@ -219,6 +255,7 @@ def main() -> None:
     q = sub.add_parser("quality")
     q.add_argument("--positions", type=int, default=512, help="tokens per text")
     q.add_argument("--out", default=None)
+    q.add_argument("--served", action="store_true", help="prefill rows widen W to bf16, as served")
     s = sub.add_parser("speed")
     s.add_argument("--prompt-len", type=int, default=128)
     s.add_argument("--tokens", type=int, default=128)
@@ -227,8 +264,12 @@ def main() -> None:
     li = sub.add_parser("linears")
     li.add_argument("--rows", type=int, default=1)
     li.add_argument("--repeats", type=int, default=20)
+    p = sub.add_parser("prefill")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--formats", nargs="+", default=list(QUANTIZATIONS), choices=list(QUANTIZATIONS))
     args = parser.parse_args()
-    {"quality": quality, "speed": speed, "linears": linears}[args.command](args)
+    {"quality": quality, "speed": speed, "linears": linears, "prefill": prefill}[args.command](args)
 
 
 if __name__ == "__main__":

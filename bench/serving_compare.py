@@ -81,17 +81,18 @@ def systems(peers_dir: Path) -> list[System]:
     return [
         System("pagemesh mixed", up + ["--mixed", "1"], "/ready", describe=pagemesh_how + ["--mixed 1"]),
         System("pagemesh 1P+1D", up, "/ready", describe=pagemesh_how + ["1 prefill + 1 decode"]),
+        # the shipped GGUF's Q4_1/Q8_0 blocks as they are (docs/perf/quantization.md), and with an fp8 KV cache
         System(
             "pagemesh mixed gguf",
             up + ["--mixed", "1", "--quantization", "gguf"],
             "/ready",
-            describe=["echo", "pagemesh, the GGUF's Q4_1 weights as they are (--quantization gguf), --mixed 1"],
+            describe=pagemesh_how + ["--mixed 1 --quantization gguf"],
         ),
         System(
-            "pagemesh mixed gguf fp8",
+            "pagemesh mixed gguf fp8kv",
             up + ["--mixed", "1", "--quantization", "gguf", "--kv-cache-dtype", "fp8_e4m3"],
             "/ready",
-            describe=["echo", "pagemesh, --quantization gguf --kv-cache-dtype fp8_e4m3, --mixed 1"],
+            describe=pagemesh_how + ["--mixed 1 --quantization gguf --kv-cache-dtype fp8_e4m3"],
         ),
         llama_cpp("llama.cpp Q4_1", "q4_1", [llama], {}),
         # Its thread pool spins while it waits: on a loaded 2-core machine one thread can beat two.

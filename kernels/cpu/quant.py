@@ -1,6 +1,7 @@
 """The weight-quantized matmul in C (`quant_matmul.c`), for the CPU path:
 
     quant_linear(x, qw, bias, out_dtype) -> x W^T (+ bias)   W a `kernels.quantized.QuantizedWeight`
+    dequantize_bf16(qw, start, stop) -> W[start:stop] in bf16 (the prefill path's weight tiles)
 
 x is fp32 or bf16 [M, K] (rows may be strided); x is rounded per row and block of 32 to int8
 inside (see quant_matmul.c), the sums are fp32, the result is rounded to `out_dtype` (default x's).
@@ -20,7 +21,10 @@ from kernels.quantized import QuantizedWeight
 SOURCE = build.SOURCE.with_name("quant_matmul.c")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_SIGNATURES = {"pm_quant_matmul": [_P, _I64, _I32, _P, _P, _P, _I32, _P, _P, _I32, _I64, _I64, _I64]}
+_SIGNATURES = {
+    "pm_quant_matmul": [_P, _I64, _I32, _P, _P, _P, _I32, _P, _P, _I32, _I64, _I64, _I64],
+    "pm_quant_dequantize_bf16": [_P, _P, _P, _I32, _P, _I64, _I64, _I64],
+}
 _library = build.Library(SOURCE, _SIGNATURES)
 
 
@@ -72,5 +76,25 @@ def quant_linear(
         x.shape[0],
         n,
         k,
+    )
+    return out
+
+
+def dequantize_bf16(qw: QuantizedWeight, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """Rows start:stop of W in bf16, [stop - start, K]: `kernels.quantized.dequantize` rounded to
+    bf16, bit for bit (see pm_quant_dequantize_bf16)."""
+    n, k = qw.shape
+    stop = n if stop is None else stop
+    if not 0 <= start <= stop <= n:
+        raise ValueError(f"dequantize_bf16: rows {start}:{stop} of {n}")
+    for t in (qw.codes, qw.scale, qw.offset):
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("dequantize_bf16: the weight's tensors must be contiguous CPU tensors")
+    lib = _library.load()
+    if lib is None:
+        raise RuntimeError(f"dequantize_bf16: {load_error()}")
+    out = torch.empty(stop - start, k, dtype=torch.bfloat16)
+    lib.pm_quant_dequantize_bf16(
+        qw.codes.data_ptr(), qw.scale.data_ptr(), qw.offset.data_ptr(), qw.bits, out.data_ptr(), start, stop, k
     )
     return out

@@ -83,6 +83,20 @@ static void quantize_row(const void *x, int dt, int64_t k, int bits, int8_t *qx,
     }
 }
 
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    union { uint32_t u; float f; } v;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+        v.f = (float)man * 5.9604644775390625e-8f;
+        v.u |= sign;
+    } else if (exp == 31) {
+        v.u = sign | 0x7f800000u | (man << 13);
+    } else {
+        v.u = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    return v.f;
+}
+
 #if defined(PM_VNNI)
 /* sums[r] = x_r . W_n for rows r < rows of a tile (see the header for the algebra). Always
  * inlined with constant rows and bits (dispatch below), so the accumulators live in registers */
@@ -141,20 +155,6 @@ static inline __attribute__((always_inline)) void row_dots(const uint8_t *codes,
     }
 }
 #else
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    union { uint32_t u; float f; } v;
-    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
-        v.f = (float)man * 5.9604644775390625e-8f;
-        v.u |= sign;
-    } else if (exp == 31) {
-        v.u = sign | 0x7f800000u | (man << 13);
-    } else {
-        v.u = sign | ((exp + 112) << 23) | (man << 13);
-    }
-    return v.f;
-}
-
 static inline void row_dots(const uint8_t *codes, const uint16_t *d, const uint16_t *c, int bits, int64_t kb,
                             const int8_t *qx, const float *dx, const float *dxt, int64_t kpad, int64_t kbpad, int rows,
                             float *sums) {
@@ -233,4 +233,42 @@ void pm_quant_matmul(const void *x, int64_t x_stride, int x_dt, const uint8_t *c
     }
     free(qx);
     free(dx);
+}
+
+/* Rows n0..n1 of W widened to bf16, into out [n1 - n0, K] (contiguous): the prefill path, where
+ * a bf16 GEMM over many activation rows outruns the integer dot products above
+ * (workers/model/layers.py picks by row count). d * q is exact in fp32 (an fp16 scale times a
+ * code below 256 needs 19 bits), so d * q + c is rounded once, fused or not, and the result
+ * equals kernels.quantized.dequantize rounded to bf16 (nearest even), bit for bit. */
+void pm_quant_dequantize_bf16(const uint8_t *codes, const uint16_t *d, const uint16_t *c, int bits, bf16 *out,
+                              int64_t n0, int64_t n1, int64_t k) {
+    const int64_t kb = k / BLOCK, row_bytes = bits == 8 ? k : k / 2;
+#pragma omp parallel for schedule(static) if ((n1 - n0) * k > 262144)
+    for (int64_t j = n0; j < n1; j++) {
+        const uint8_t *q = codes + j * row_bytes;
+        bf16 *o = out + (j - n0) * k;
+        for (int64_t b = 0; b < kb; b++) {
+#if defined(PM_VNNI) && defined(__AVX512BF16__)
+            const __m512 dv = _mm512_set1_ps(_cvtsh_ss(d[j * kb + b])), cv = _mm512_set1_ps(_cvtsh_ss(c[j * kb + b]));
+            __m512i lo, hi;
+            if (bits == 4) {
+                const __m128i packed = _mm_loadu_si128((const __m128i *)(q + b * 16));
+                lo = _mm512_cvtepu8_epi32(_mm_and_si128(packed, _mm_set1_epi8(0x0f)));
+                hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0f)));
+            } else {
+                lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + b * BLOCK)));
+                hi = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + b * BLOCK + 16)));
+            }
+            const __m512 wlo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), dv, cv);
+            const __m512 whi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), dv, cv);
+            _mm512_storeu_si512((void *)(o + b * BLOCK), (__m512i)_mm512_cvtne2ps_pbh(whi, wlo));
+#else
+            const float dw = f16_to_f32(d[j * kb + b]), cw = f16_to_f32(c[j * kb + b]);
+            for (int i = 0; i < BLOCK; i++) {
+                const int code = bits == 8 ? q[b * BLOCK + i] : (i < 16 ? q[b * 16 + i] & 15 : q[b * 16 + i - 16] >> 4);
+                o[b * BLOCK + i] = f32_to_bf16(dw * (float)code + cw);
+            }
+#endif
+        }
+    }
 }

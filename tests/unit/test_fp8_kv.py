@@ -176,6 +176,36 @@ def test_c_kernel_reads_fp8_pages_exactly_and_within_the_rounding_bound(fmt, hea
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 2, 128), (12, 2, 64)])
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_c_kernel_bf16_path_over_full_and_partial_16_key_passes(fmt, heads, kv_heads, head_dim, page_size):
+    """bf16 queries take the fp8 -> bf16 table path (16 keys per pass, a group's V sums in
+    registers; a group of 6 x 64 is its largest): pages of 16 and 32 keys, full and cut passes."""
+    ck, dtype = c_kernels(), FP8[fmt]
+    batch = make_paged_batch(
+        [1, 1, 6, 1],
+        [40, 16, 70, 97],
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=torch.float32,
+        device="cpu",
+        seed=13,
+        poison=False,
+    )
+    batch.kv_layer *= torch.tensor([3.0, 0.5, 2.0])[:kv_heads, None]
+    fp8_layer, scales, dequantized = quantize_kv_layer(batch.kv_layer, dtype)
+    args = (batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.scale)
+    got = ck.paged_attention(batch.q.bfloat16(), fp8_layer, *args, kv_scales=scales)
+    want = paged_attention_ref(batch.q.bfloat16().float(), dequantized, *batch.attention_args()[2:])
+    # the same sums as the fp32 path but over bf16 queries, rounded to bf16 once at the end
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+    wide = ck.paged_attention(batch.q.bfloat16().float(), fp8_layer, *args, kv_scales=scales)  # the generic path
+    torch.testing.assert_close(got.float(), wide, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_c_write_kv_stores_the_same_bytes_as_the_torch_path(fmt):
     ck, dtype = c_kernels(), FP8[fmt]
     gen = torch.Generator().manual_seed(2)

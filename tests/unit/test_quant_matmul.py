@@ -89,3 +89,42 @@ def test_cpu_kernel_reads_strided_rows_and_rejects_bad_shapes():
     assert quant.quant_linear(torch.zeros(0, 64), qw).shape == (0, 16)
     with pytest.raises(ValueError, match=r"\[M, 64\]"):
         quant.quant_linear(torch.randn(2, 32), qw)
+
+
+@pytest.mark.skipif(not quant.available(), reason=f"quantized C kernel did not build: {quant.load_error()}")
+@pytest.mark.parametrize("fmt", ["int8", "q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("n, k", [(1, 32), (37, 96), (64, 1536)])
+def test_dequantize_bf16_is_the_reference_rounded_once(fmt, n, k):
+    qw = _weight(fmt, n, k, seed=n + k)
+    want = dequantize(qw).bfloat16()
+    assert torch.equal(quant.dequantize_bf16(qw), want)
+    assert torch.equal(quant.dequantize_bf16(qw, n // 3, n - n // 4), want[n // 3 : n - n // 4])
+    with pytest.raises(ValueError, match="rows"):
+        quant.dequantize_bf16(qw, 0, n + 1)
+
+
+@pytest.mark.skipif(not quant.available(), reason=f"quantized C kernel did not build: {quant.load_error()}")
+@pytest.mark.parametrize("fmt", ["int8", "q4_1"])
+def test_linear_takes_the_bf16_gemm_from_the_row_threshold(fmt):
+    from workers.model import layers
+    from workers.model.layers import DEQUANTIZE_MIN_ROWS, quantized_linear
+
+    qw = _weight(fmt, 40, 128, 5)
+    bias = torch.randn(40)
+    dense = dequantize(qw).bfloat16()
+    gen = torch.Generator().manual_seed(6)
+    for m in (DEQUANTIZE_MIN_ROWS, DEQUANTIZE_MIN_ROWS + 51):
+        x = torch.randn(m, 128, generator=gen).bfloat16()
+        # the dense model's own linear on the same bf16 weights, bit for bit
+        want = torch.nn.functional.linear(x, dense, bias.bfloat16())
+        assert torch.equal(quantized_linear(x, qw, bias, None), want)
+        assert torch.equal(quantized_linear(x, qw, bias, torch.float32), want.float())
+    # a weight larger than a tile goes through in row tiles (the last one cut): the same numbers
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layers, "DEQUANTIZE_TILE", 128 * 15)
+        assert torch.equal(quantized_linear(x, qw, bias, None), want)
+    # below the threshold, and for fp32 activations, the integer kernel
+    x = torch.randn(DEQUANTIZE_MIN_ROWS - 1, 128, generator=gen).bfloat16()
+    assert torch.equal(quantized_linear(x, qw, bias, None), quant.quant_linear(x, qw, bias))
+    x = torch.randn(DEQUANTIZE_MIN_ROWS + 3, 128, generator=gen)
+    assert torch.equal(quantized_linear(x, qw, bias, None), quant.quant_linear(x, qw, bias))

@@ -15,6 +15,7 @@ from tests.default_model import tokenizer
 from workers.engine.backend import select_backend
 from workers.engine.config import EngineConfig, add_engine_arguments, engine_args_to_argv, engine_config_from_args
 from workers.engine.model_runner import ModelRunner
+from workers.model import layers
 from workers.model.layers import ColumnParallelLinear, RowParallelLinear
 from workers.model.loader import load_model
 from workers.model.quantization import quantize_int8_model
@@ -27,12 +28,18 @@ FLOOR = {"int8": 0.88, "gguf": 0.88}
 CPU = torch.device("cpu")
 
 
-def _logits(model) -> torch.Tensor:
+def _logits(model, integer_kernel: bool = True) -> torch.Tensor:
+    """Every position's logits, teacher-forced in one forward per text; with `integer_kernel`
+    every quantized linear takes the int8-activation kernel (the decode path: the prefill rows
+    would otherwise widen W to bf16, `layers.DEQUANTIZE_MIN_ROWS`)."""
     # unpacked linears: the dense reference's weights stay readable for int8 rounding afterwards
     backend = dataclasses.replace(select_backend(CPU, torch.bfloat16), pack_linears=False)
     runner = ModelRunner(model, POSITIONS // PAGE + 2, PAGE, CPU, cuda_graphs=False, backend=backend)
     tok = tokenizer()
-    return torch.cat([prompt_logits(runner, tok.encode(t)[:POSITIONS]) for t in quality_texts().values()])
+    with pytest.MonkeyPatch.context() as patch:
+        if integer_kernel:
+            patch.setattr(layers, "DEQUANTIZE_MIN_ROWS", 1 << 30)
+        return torch.cat([prompt_logits(runner, tok.encode(t)[:POSITIONS]) for t in quality_texts().values()])
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +58,9 @@ def test_gguf_blocks_agree_with_the_dense_model(dense_model_and_logits):
     agreement = (_logits(model).argmax(-1) == reference.argmax(-1)).float().mean()
     print(f"gguf greedy agreement {agreement:.4f}")
     assert agreement >= FLOOR["gguf"], agreement
+    # prefill rows widen the same blocks to bf16: the dense model's numbers, bit for bit (the
+    # dense model is the GGUF dequantized at load, and both run F.linear on those bf16 weights)
+    assert torch.equal(_logits(model, integer_kernel=False), reference)
 
 
 @pytest.mark.slow

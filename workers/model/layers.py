@@ -175,17 +175,50 @@ def pack_linear_weights(model: nn.Module, batch_hint: int = 32, *, amx: bool = F
     return True
 
 
+# From this many rows of bf16 activations (a prefill chunk, a large decode batch) a CPU quantized
+# linear widens W to bf16 and runs the bf16 GEMM (oneDNN): the integer kernel re-decodes each
+# weight row for every 4 activation rows, ~4x slower than oneDNN's AVX512-BF16 GEMM at 128 rows,
+# while widening has a fixed cost per call (writing the bf16 copy). With the weights streaming
+# from memory (a whole model) the two cross at ~24 rows here (docs/perf/quantization.md).
+DEQUANTIZE_MIN_ROWS = 24
+
+
 def quantized_linear(
     x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype | None
 ) -> torch.Tensor:
-    """x W^T (+ b) with W quantized: the C kernel on a CPU, the Triton kernel on CUDA."""
+    """x W^T (+ b) with W quantized: the C kernel on a CPU (below DEQUANTIZE_MIN_ROWS rows or for
+    fp32 x: int8-rounded activations; else W widened to bf16, exactly `dequantize`'s values, and
+    the dense bf16 GEMM, so prefill matches the dense model's path), the Triton kernel on CUDA."""
     if x.device.type == "cuda":
         import kernels.quant_matmul
 
         return kernels.quant_matmul.quant_linear(x, qw, bias, out_dtype)
     import kernels.cpu.quant
 
+    if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] >= DEQUANTIZE_MIN_ROWS:
+        y = _dequantized_linear(x, qw, None if bias is None else bias.to(x.dtype))
+        return y if out_dtype is None else y.to(out_dtype)
     return kernels.cpu.quant.quant_linear(x, qw, bias, out_dtype)
+
+
+DEQUANTIZE_TILE = 1 << 23  # weights widened at most this many values at a time (16 MB of bf16)
+
+
+def _dequantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ b) through W widened to bf16; a large W (an LM head) in row tiles, so that the
+    widened copy stays small."""
+    import kernels.cpu.quant
+
+    n, k = qw.shape
+    if n * k <= DEQUANTIZE_TILE:
+        return F.linear(x, kernels.cpu.quant.dequantize_bf16(qw), bias)
+    step = max(1, DEQUANTIZE_TILE // k)
+    y = x.new_empty(x.shape[0], n)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        part = None if bias is None else bias[start:stop]
+        y[:, start:stop] = F.linear(x, kernels.cpu.quant.dequantize_bf16(qw, start, stop), part)
+    return y
 
 
 class VocabEmbedding(nn.Module):
