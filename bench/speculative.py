@@ -3,6 +3,7 @@
     python bench/speculative.py [--max-tokens 128] [--repeats 2] [--streams 8 32] [--k 4]
     python bench/speculative.py --methods none ngram draft_quantized   # the arms (default: none ngram)
     python bench/speculative.py --sweep 1 2 4 8 16 32      # where speculation stops paying
+    python bench/speculative.py --methods draft_quantized --forward-costs   # what a pass costs
 
 Single streams: quoting a paragraph, summarizing it, free chat (greedy, chat template), each
 run with every arm in turn (none = no `--speculative-config`; ngram; draft_quantized = the
@@ -77,6 +78,36 @@ def rows(workload, results) -> list[str]:
     ]
 
 
+def forward_costs(engine, k: int, context: int = 160, repeats: int = 20) -> dict[str, float]:
+    """CPU milliseconds (all threads; median of `repeats`) of the forwards a speculating single stream pays for, at
+    `context` tokens of context: the target's plain decode (1 row), its verifying pass (K+1 rows)
+    and one draft forward (1 row). A pass of the draft method costs verify + K x draft and yields
+    `tokens/pass` tokens, so its speed-up over plain decode is at most
+    tokens/pass / (verify / decode + K x draft / decode)."""
+    import torch
+
+    from workers.engine.model_input import ModelInput
+
+    pages = list(range(1, -(-(context + k + 1) // engine.config.page_size) + 1))
+
+    def timed(runner, rows: int) -> float:
+        step = ModelInput(
+            [1] * rows, [1] * rows, [context + j for j in range(rows)], [pages] * rows, list(range(rows)), [], rows
+        )
+        times = []
+        with torch.inference_mode():
+            for _ in range(repeats + 2):
+                start = time.process_time()  # CPU time of all threads: less at the mercy of the load
+                runner.execute(step)
+                times.append(time.process_time() - start)
+        return statistics.median(times[2:]) * 1000
+
+    out = {"decode": timed(engine.runner, 1), f"verify (K+1={k + 1} rows)": timed(engine.runner, k + 1)}
+    if getattr(engine, "drafter", None) is not None:
+        out["draft forward (1 row)"] = timed(engine.drafter.runner, 1)
+    return out
+
+
 def arms(methods: list[str], k: int, draft_quantization: str, max_decode_rows: int | None = None) -> dict:
     """The arms to compare, by name: None for `none`, else the method's config."""
     out: dict[str, SpeculativeConfig | None] = {}
@@ -103,6 +134,7 @@ def main() -> None:
     parser.add_argument("--draft-quantization", default="gguf", choices=["gguf", "int8"])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--forward-costs", action="store_true", help="only time the forwards a pass is made of")
     args = parser.parse_args()
     if args.methods[0] != "none":
         args.methods.insert(0, "none")  # the ratios are to it
@@ -113,6 +145,10 @@ def main() -> None:
     configs = arms(args.methods, args.k, args.draft_quantization)
     for config in configs.values():  # load a draft before timing anything
         use_speculation(engine, config)
+    if args.forward_costs:
+        for name, ms in forward_costs(engine, args.k).items():
+            print(f"{name}: {ms:.1f} CPU ms")
+        return
     run(engine, list(chat.values()), 8)  # warm up (and fill the prefix cache: every arm hits it alike)
     header = (
         "| workload | arm | tok/s | vs none | acceptance | tokens/pass |\n| --- | --- | ---: | ---: | ---: | ---: |"
