@@ -64,3 +64,44 @@ def test_greedy_and_seeded_outputs_equal_those_without_speculation(engine_fp32):
     assert stats.mean_accepted_length > 2.0, stats
     assert engine_fp32.blocks.num_used_pages == 0
     engine_fp32.blocks.check_invariants([])
+
+
+# ---- draft_quantized: the model's own Q4_1 weights propose --------------------------------------
+CHAT = "Write a short story about a robot who learns to paint."
+DRAFT_CASES = [  # (prompt, params, chat template)
+    (CHAT, SamplingParams(temperature=0, max_tokens=24, logprobs=2), True),
+    (FREE, SamplingParams(temperature=0, max_tokens=7), False),  # cut mid-draft (K=4: 1 + 5 + 1)
+    (FREE, SamplingParams(temperature=0, max_tokens=12, n=2, repetition_penalty=1.2, min_tokens=5), False),
+    (SUMMARIZING, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=(253,)), False),  # " a"
+    (CHAT, SamplingParams(temperature=0.8, seed=5, max_tokens=12), True),
+]
+
+
+def test_quantized_draft_outputs_equal_those_without_speculation(engine_fp32):
+    """Greedy and seeded outputs are the target's alone; the draft sees each prompt (acceptance
+    on free text, which n-gram lookup gets ~0.2 of); the pool is left clean after the rollbacks."""
+    encode = engine_fp32.tokenizer.encode_chat
+    prompts = [encode([{"role": "user", "content": p}]) if chat else p for p, _, chat in DRAFT_CASES]
+    params = [c for _, c, _ in DRAFT_CASES]
+    plain = engine_fp32.generate(prompts, params)
+    config = SpeculativeConfig(method="draft_quantized", num_speculative_tokens=4, max_decode_rows=64)
+    try:
+        with speculating(engine_fp32, config) as stats:
+            spec = engine_fp32.generate(prompts, params)
+        for a, b, p in zip(spec, plain, params):
+            assert a.token_ids == b.token_ids, p
+            assert a.finish_reasons == b.finish_reasons, p
+            if p.logprobs:
+                for got, want in zip(a.logprobs[0], b.logprobs[0]):
+                    assert got.token_id == want.token_id and got.top_ids == want.top_ids
+                    assert got.logprob == pytest.approx(want.logprob, abs=1e-3)
+        assert spec[1].finish_reasons == ["length"] and len(spec[1].token_ids[0]) == 7
+        assert spec[3].finish_reasons == ["stop"], spec[3]
+        assert len(spec[2].token_ids) == 2
+        # a 4-bit copy of the same model agrees with it most of the time, on any text
+        assert stats.acceptance_rate > 0.5, stats
+        assert stats.mean_accepted_length > 2.0, stats
+        assert engine_fp32.blocks.num_used_pages == 0  # both pools' pages: one block table each
+        engine_fp32.blocks.check_invariants([])
+    finally:
+        engine_fp32.drafter = None  # the session's other tests do not need its pool

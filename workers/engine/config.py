@@ -49,7 +49,7 @@ class EngineConfig:
     max_steps_in_flight: int | None = None  # pipeline steps launched, not yet applied (None: the stages)
     kv_cache_dtype: str = "auto"  # auto (the model's) | fp8_e4m3 | fp8_e5m2 (workers/engine/kv_quant.py)
     quantization: str = "none"  # none | int8 | gguf: linear weights kept quantized (workers/model/quantization.py)
-    speculative_config: SpeculativeConfig | None = None  # n-gram speculative decoding (workers/engine/speculative.py)
+    speculative_config: SpeculativeConfig | None = None  # n-gram or quantized-draft speculation (speculative.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -78,6 +78,16 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= 1")
         if self.max_steps_in_flight is not None and self.max_steps_in_flight < 1:
             raise ValueError("max_steps_in_flight: must be >= 1")
+        spec = self.speculative_config
+        if (
+            spec is not None
+            and spec.method == "draft_quantized"
+            and self.tensor_parallel_size * self.pipeline_parallel_size > 1
+        ):
+            # the draft and its pool live on rank 0 alone
+            raise ValueError(
+                "speculative_config: draft_quantized needs tensor_parallel_size 1 and pipeline_parallel_size 1"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: must be one of {list(KV_CACHE_DTYPES)}")
         if self.kv_cache_dtype != "auto" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
@@ -194,7 +204,8 @@ def add_engine_arguments(parser) -> None:
         None,
         help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (plus "max_decode_rows": no speculation in '
-        "steps with more decode rows)",
+        'steps with more decode rows), or \'{"method": "draft_quantized", "num_speculative_tokens": 4, '
+        '"quantization": "gguf"}\': the model\'s own 4-bit (gguf) or int8 weights propose',
     )
     add(
         parser,

@@ -37,6 +37,7 @@ from workers.engine.backend import select_backend
 from workers.engine.beam import BeamSearch, BeamState
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
+from workers.engine.draft_model import attach_drafter
 from workers.engine.forks import Forks, SeqGenerators
 from workers.engine.in_flight import surviving_rows
 from workers.engine.json_cache import JsonMaskCache
@@ -162,6 +163,9 @@ class Engine:
             kv_dtype=self._kv_dtype(model),
             kv_calibration_ids=calibration_token_ids(self.tokenizer, self.model_config.vocab_size),
         )
+        self.drafter = (
+            attach_drafter(self, config.speculative_config) if speculator and speculator.uses_draft_model else None
+        )
         self.requests: dict[str, EngineRequest] = {}
         self.validator = RequestValidator(
             self.model_config.vocab_size,
@@ -240,7 +244,9 @@ class Engine:
         return per_token * len(model.layers) // self.model_config.num_layers * self.config.page_size
 
     def _pages_from_budget(self, model: LlamaForCausalLM) -> int:
-        page_bytes = self._page_bytes(model)
+        spec = self.config.speculative_config
+        # a quantized draft's pool mirrors the target's page for page: the budget holds both
+        page_bytes = self._page_bytes(model) * (2 if spec is not None and spec.method == "draft_quantized" else 1)
         if self.config.kv_cache_memory_gb is not None:
             budget = self.config.kv_cache_memory_gb * 2**30
         elif self.device.type == "cuda":
@@ -319,6 +325,8 @@ class Engine:
         if plan.empty:
             return []
         started = time.perf_counter()
+        if self.drafter is not None:  # fills the plan's draft_quantized proposals
+            self.drafter.propose(plan)
         logits = self.runner.execute(build_model_input(plan))
         return self._apply(plan, plan, logits, started)
 

@@ -60,6 +60,7 @@ class Sequence:
     json: JsonCursor | None = None  # JSON mode: where the output is in the JSON grammar
     spec_misses: int = 0  # speculative decoding: verifying passes in a row that kept no draft
     spec_cooldown: int = 0  # decode steps to run without drafts before proposing again
+    draft_kv: tuple[int, int] = (0, 0)  # draft model: (positions written to its pool, num_preemptions then)
     json_masks: JsonMasks | None = None  # JSON mode: the token masks of its grammar
 
     def prompt_logprob_positions(self, start: int, num_tokens: int) -> range:

@@ -1,11 +1,18 @@
-"""Speculative decoding with n-gram (prompt-lookup) drafts: no draft model, the sequence itself
-proposes. Pure Python (no torch, no zmq: tests/unit/test_purity.py).
+"""Speculative decoding: who proposes drafts, and when. Two methods:
+
+    ngram            prompt lookup: no draft model, the sequence itself proposes (below)
+    draft_quantized  self-speculation: the same model's quantized weights propose, the full model
+                     verifies (workers/engine/draft_model.py runs the draft)
+
+Pure Python (no torch, no zmq: tests/unit/test_purity.py).
 
     tokens   ... the cat sat on the mat . the cat sat [?]
                      └── last n-gram "the cat sat" found earlier ──┘
     drafts   on the mat .          (the K tokens that followed the earlier occurrence)
 
-The scheduler asks `Speculator.drafts` for each decode it plans; a speculating decode runs its
+The scheduler asks `Speculator.drafts` for each decode it plans (a draft model's proposals are
+placeholders until the engine's `DraftProposer` fills them in after planning, when every
+speculating sequence's pages are reserved); a speculating decode runs its
 last token and its K drafts as one K+1-token chunk of the normal mixed batch, and the update
 (`workers/engine/update.py`) keeps the drafts the target model agrees with, then one more token
 (the bonus, or the correction at the first disagreement).
@@ -24,23 +31,33 @@ from common.sampling import SamplingParams
 # about as much as it saves once the step is big enough to be compute bound
 # (docs/perf/speculative.md has the measurement behind the default).
 DEFAULT_MAX_DECODE_ROWS = 8
+METHODS = ("ngram", "draft_quantized")
+DRAFT_QUANTIZATIONS = ("gguf", "int8")  # as `--quantization` (workers/model/quantization.py)
+PENDING_DRAFT = -1  # a draft model's proposal not made yet (never a token id)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`--speculative-config`, as vLLM spells it: `{"method": "ngram", "num_speculative_tokens": K,
     "prompt_lookup_max": N, "prompt_lookup_min": M}` (plus our `max_decode_rows`: steps with more
-    decode rows than this do not speculate)."""
+    decode rows than this do not speculate), or `{"method": "draft_quantized",
+    "num_speculative_tokens": K, "quantization": "gguf"}`: the draft is the served model with its
+    linear weights quantized as `--quantization` would (`gguf`: the GGUF file's own 4-bit blocks;
+    `int8`: rounded at load). `quantization` is the draft's only; the n-gram method ignores it,
+    the draft method ignores the prompt_lookup keys."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     max_decode_rows: int = DEFAULT_MAX_DECODE_ROWS
+    quantization: str = "gguf"
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError("speculative_config.method: only 'ngram' is supported")
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method: must be one of {list(METHODS)}")
+        if self.quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(f"speculative_config.quantization: must be one of {list(DRAFT_QUANTIZATIONS)}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "max_decode_rows"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -132,6 +149,10 @@ class Speculator:
         """Speculate in a step with this many decode rows (big batches do not gain)."""
         return num_decode_rows <= self.config.max_decode_rows
 
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.config.method == "draft_quantized"
+
     @staticmethod
     def request_allows(params: SamplingParams) -> bool:
         """Beam search is never speculated (its beams fork and rescore every step), nor a
@@ -139,10 +160,15 @@ class Speculator:
         return params.speculative and not params.use_beam_search
 
     def drafts(self, token_ids: Seq[int], max_drafts: int) -> list[int]:
-        """At most min(K, `max_drafts`) draft tokens for a sequence whose tokens are `token_ids`."""
+        """At most min(K, `max_drafts`) draft tokens for a sequence whose tokens are `token_ids`
+        (with a draft model: exactly that many PENDING_DRAFT placeholders, filled after planning)."""
         cfg = self.config
         k = min(cfg.num_speculative_tokens, max_drafts)
-        return propose_ngram(token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max) if k > 0 else []
+        if k <= 0:
+            return []
+        if self.uses_draft_model:
+            return [PENDING_DRAFT] * k
+        return propose_ngram(token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
 
 
 def use_speculation(engine, config: SpeculativeConfig | None) -> SpeculationStats | None:
@@ -151,6 +177,10 @@ def use_speculation(engine, config: SpeculativeConfig | None) -> SpeculationStat
     compare both on one loaded model."""
     speculator = Speculator(config, engine.max_model_len) if config is not None else None
     engine.scheduler.speculator = speculator
+    if speculator is not None and speculator.uses_draft_model:
+        from workers.engine.draft_model import attach_drafter  # torch: the engine has it loaded already
+
+        attach_drafter(engine, config)  # kept when speculation goes off: the next run reuses it
     if speculator is not None:
         engine.updater.speculation = engine.stats.speculation = speculator.stats
         return speculator.stats
