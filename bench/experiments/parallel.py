@@ -4,7 +4,8 @@ every layer's heads and MLP and of the KV heads; two all-reduces per layer join 
 On this 2-core CPU tensor parallel is a correctness feature, not a speed-up: N ranks share the
 same two cores, so the shards find no idle compute, and every layer pays two all-reduces between
 processes. What is measured here is that cost: the all-reduce (gloo against pagemesh's shared
-memory one) and the serving throughput and latency of 1, 2 and 3 ranks at 1, 8 and 32 streams.
+memory one) and the serving throughput and latency of 1, 2 and 3 ranks at 1, 8 and 32 streams,
+and of two pipeline stages with the engine keeping one step in flight against two.
 What tensor parallel buys on GPUs comes from a roofline model, not a run: weights and KV per GPU,
 the all-reduce bytes per token, and a decode step's lower bound.
 """
@@ -34,13 +35,15 @@ class Configuration:
     engine: dict = field(default_factory=dict)
 
 
-# The hook for more layouts: pipeline rows are one line each, e.g.
-#   Configuration("pp2", {"pipeline_parallel_size": 2}),
-#   Configuration("tp3 pp2", {"tensor_parallel_size": 3, "pipeline_parallel_size": 2}),
+# more layouts are one line each, e.g.
+#   Configuration("tp3 pp2", {"tensor_parallel_size": 3, "pipeline_parallel_size": 2})
 CONFIGURATIONS = [
     Configuration("tp1"),
     Configuration("tp2", {"tensor_parallel_size": 2}),
     Configuration("tp3", {"tensor_parallel_size": 3}),
+    # two stages, the engine keeping one step in flight against two (micro-batches: workers/engine/in_flight.py)
+    Configuration("pp2, 1 in flight", {"pipeline_parallel_size": 2, "max_steps_in_flight": 1}),
+    Configuration("pp2, 2 in flight", {"pipeline_parallel_size": 2}),
 ]
 
 
@@ -75,10 +78,12 @@ def all_reduce_rows(world_size: int, setup: Setup) -> list[tuple[int, int, float
 
 def refusal(cfg, configuration: Configuration) -> str | None:
     """Why the model cannot be split this way (the worker's own check), or None."""
+    from workers.engine.pipeline_parallel import check_pipeline_parallel
     from workers.engine.tensor_parallel import check_tensor_parallel
 
     try:
         check_tensor_parallel(cfg, configuration.engine.get("tensor_parallel_size", 1))
+        check_pipeline_parallel(cfg, configuration.engine.get("pipeline_parallel_size", 1))
     except ValueError as e:
         return str(e)
     return None
@@ -119,9 +124,11 @@ def serving_summary(results: dict[str, list[dict] | str], threads: int) -> str:
     return (
         f"Against one rank ({threads} torch thread(s)): {'; '.join(shares) or 'no other configuration ran'} "
         "(output tokens/s as a share of tp1's). The ranks' extra threads find no idle core here, and "
-        "each step adds the all-reduces above and the step's trip down the followers' pipes; "
-        "the greedy text is the same (tests/integration/test_mesh_tensor_parallel*.py), which is "
-        "what tensor parallel is for on this machine."
+        "each step adds the all-reduces above (tensor parallel) or the hand-over of activations between "
+        "stages (pipeline parallel) and the step's trip down the followers' pipes; with two steps in "
+        "flight the stages overlap, but on two shared cores overlap can only hide waiting, not add "
+        "compute. The greedy text is the same (tests/integration/test_mesh_tensor_parallel*.py, "
+        "test_pipeline_in_flight.py), which is what both are for on this machine."
     )
 
 
@@ -134,7 +141,7 @@ def run(ctx):
     for configuration in [c for c in CONFIGURATIONS if c.label in setup.labels]:
         results[configuration.label] = refusal(model_cfg, configuration) or measure(ctx, configuration, setup)
 
-    report = ctx.report("Tensor parallel on this CPU, and what it buys on GPUs")
+    report = ctx.report("Tensor and pipeline parallel on this CPU, and what they buy on GPUs")
     report.text(__doc__.split("\n\n", 1)[1])
     report.text("## The all-reduce: gloo against shared memory")
     report.table(
