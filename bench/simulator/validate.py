@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
                     "sim_in_mesh_seeds": seeds,
                 }
             )
-    (args.out / "validation.json").write_text(json.dumps(rows, indent=2, default=str))
+        # after each topology, so that a run cut short keeps what it measured
+        (args.out / "validation.json").write_text(json.dumps(rows, indent=2, default=str))
     print("in-process calibration:\n" + table(rows, "sim"))
     print("\nin-mesh calibration per role + fixed per-request cost (median over seeds):\n" + table(rows, "sim_in_mesh"))
     print("\np99, real bootstrap interval against the simulated range over seeds:\n" + p99_table(rows))
