@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-prompts", type=int, default=60, help="the fewest requests per rate")
     p.add_argument("--seconds-per-rate", type=float, default=60.0, help="arrivals per rate: about this long")
     p.add_argument("--sim-seeds", type=int, default=5, help="runs of the in-mesh model (its jitter's seeds)")
+    p.add_argument(
+        "--reuse", action="store_true", help="measure nothing: compare again the real runs and step traces in --out"
+    )
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rates = [float(r) for r in args.rates.split(",")]
@@ -103,35 +106,48 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for topology in TOPOLOGIES:
         load = " ".join(f"{x:.1f}" for x in os.getloadavg())
-        probe, measured = measure(topology, rates, counts, args.out)
-        load += " → " + " ".join(f"{x:.1f}" for x in os.getloadavg())  # before → after the real runs
-        calibration = args.out / f"calibration-{topology}.json"
-        fit_trace(args.out / f"steps-{topology}", calibration)
-        in_mesh = ["--calibration", str(calibration)]
-        probe_sim = simulate_trace(topology, probe, args.out, *in_mesh)
-        overhead_ms = max(0.0, float(summary(probe)["median_ttft_ms"]) - float(probe_sim["median_ttft_ms"]))
-        in_mesh += ["--request-overhead-ms", f"{overhead_ms:.2f}"]
-        for rate, path in measured.items():
-            seeds = [simulate_trace(topology, path, args.out, *in_mesh, seed=seed) for seed in range(args.sim_seeds)]
-            rows.append(
-                {
-                    "topology": topology,
-                    "rate": rate,
-                    "requests": summary(path)["completed"],
-                    "load": load,
-                    "overhead_ms": overhead_ms,
-                    "real": summary(path),
-                    "real_p99_interval_ms": p99_intervals(path),
-                    "sim": simulate_trace(topology, path, args.out),
-                    "sim_in_mesh": {m: statistics.median(float(s[m]) for s in seeds) for m in METRICS},
-                    "sim_in_mesh_seeds": seeds,
-                }
-            )
+        if args.reuse:
+            probe = args.out / f"probe-{topology}.json"
+            measured = {rate: args.out / f"real-{topology}-{rate:g}.json" for rate in rates}
+            load = "(a recorded run)"
+        else:
+            probe, measured = measure(topology, rates, counts, args.out)
+            load += " → " + " ".join(f"{x:.1f}" for x in os.getloadavg())  # before → after the real runs
+        rows += compare(topology, probe, measured, args.out, args.sim_seeds, load)
         # after each topology, so that a run cut short keeps what it measured
         (args.out / "validation.json").write_text(json.dumps(rows, indent=2, default=str))
     print("in-process calibration:\n" + table(rows, "sim"))
     print("\nin-mesh calibration per role + fixed per-request cost (median over seeds):\n" + table(rows, "sim_in_mesh"))
     print("\np99, real bootstrap interval against the simulated range over seeds:\n" + p99_table(rows))
+
+
+def compare(topology: str, probe: Path, measured: dict[float, Path], out: Path, sim_seeds: int, load: str) -> list:
+    """Fit the per-role model to the run's traced steps, take the fixed per-request cost from the
+    probe, and simulate each rate's requests: one row per rate."""
+    calibration = out / f"calibration-{topology}.json"
+    fit_trace(out / f"steps-{topology}", calibration)
+    in_mesh = ["--calibration", str(calibration)]
+    probe_sim = simulate_trace(topology, probe, out, *in_mesh)
+    overhead_ms = max(0.0, float(summary(probe)["median_ttft_ms"]) - float(probe_sim["median_ttft_ms"]))
+    in_mesh += ["--request-overhead-ms", f"{overhead_ms:.2f}"]
+    rows = []
+    for rate, path in measured.items():
+        seeds = [simulate_trace(topology, path, out, *in_mesh, seed=seed) for seed in range(sim_seeds)]
+        rows.append(
+            {
+                "topology": topology,
+                "rate": rate,
+                "requests": summary(path)["completed"],
+                "load": load,
+                "overhead_ms": overhead_ms,
+                "real": summary(path),
+                "real_p99_interval_ms": p99_intervals(path),
+                "sim": simulate_trace(topology, path, out),
+                "sim_in_mesh": {m: statistics.median(float(s[m]) for s in seeds) for m in METRICS},
+                "sim_in_mesh_seeds": seeds,
+            }
+        )
+    return rows
 
 
 def p99_intervals(path: Path, resamples: int = 2000) -> dict[str, list[float]]:
