@@ -96,15 +96,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-prompts", type=int, default=60, help="the fewest requests per rate")
     p.add_argument("--seconds-per-rate", type=float, default=60.0, help="arrivals per rate: about this long")
     p.add_argument("--sim-seeds", type=int, default=5, help="runs of the in-mesh model (its jitter's seeds)")
+    p.add_argument("--topologies", default=",".join(TOPOLOGIES), help=f"some of {', '.join(TOPOLOGIES)}")
     p.add_argument(
         "--reuse", action="store_true", help="measure nothing: compare again the real runs and step traces in --out"
     )
     args = p.parse_args(argv)
+    if unknown := set(args.topologies.split(",")) - set(TOPOLOGIES):
+        p.error(f"unknown topologies {sorted(unknown)}: choose from {', '.join(TOPOLOGIES)}")
     args.out.mkdir(parents=True, exist_ok=True)
     rates = [float(r) for r in args.rates.split(",")]
     counts = [requests_at(rate, args.seconds_per_rate, args.num_prompts) for rate in rates]
     rows = []
-    for topology in TOPOLOGIES:
+    for topology in args.topologies.split(","):
         load = " ".join(f"{x:.1f}" for x in os.getloadavg())
         if args.reuse:
             probe = args.out / f"probe-{topology}.json"
