@@ -17,7 +17,7 @@ Each rate runs for about `--seconds-per-rate` (at least `--num-prompts` requests
 p99 rests on more than one request; the p99 table gives the real p99's bootstrap interval
 (5-95%) and the simulated p99's range over the seeds beside each other.
 
-    python -m bench.simulator.validate --out /tmp/validate          # ~8 min on 2 idle cores
+    python -m bench.simulator.validate --out /tmp/validate          # ~7 min on 2 quiet cores
 """
 
 from __future__ import annotations
