@@ -9,12 +9,14 @@ stepped a few times and the median kept; the first steps (warm-up) are dropped.
 
 from __future__ import annotations
 
+import bisect
 import json
 import statistics
 import time
 from pathlib import Path
 
 from bench.simulator.cost import LinearStepCost, StepShape
+from bench.simulator.role_cost import MeshStepCost, RoleStepCost, TracedStep
 from bench.simulator.worker import shape_of
 
 # (prompt length, requests, output tokens): prompts alone, then decode batches at growing contexts
@@ -90,39 +92,80 @@ def calibrate(out: Path, threads: int) -> LinearStepCost:
 BACK_TO_BACK_S = 0.05  # a gap shorter than this between two steps: the worker had work throughout
 
 
-def samples_from_trace(folder: Path) -> list[tuple[StepShape, float]]:
-    """(shape, seconds) of every step the workers of a running mesh traced (PAGEMESH_STEP_TRACE,
-    workers/engine/step_trace.py). A step's seconds are its whole cycle, from its start to the
-    next step's start when the worker went straight on (the host work between steps: publishing
-    tokens, taking messages, which a loaded mesh pays and the engine alone does not); the last
-    step of a busy stretch gets its own time plus the median such gap of its worker."""
-    samples: list[tuple[StepShape, float]] = []
+def traced_workers(folder: Path) -> list[tuple[str, list[TracedStep]]]:
+    """(role, steps) of every worker of a running mesh that traced its steps (PAGEMESH_STEP_TRACE,
+    workers/engine/step_trace.py; role "" where the trace does not say). A step's seconds are its
+    whole cycle, from its start to the next step's start when the worker went straight on (the
+    host work between steps: publishing tokens, taking messages, which a loaded mesh pays and the
+    engine alone does not); the last step of a busy stretch gets its own time plus the median
+    such gap of its worker. `others_busy` sums, over the other workers, the share of the step's
+    time they spent in steps of their own (the clocks agree: perf_counter is system-wide)."""
+    workers: list[tuple[str, list[dict]]] = []
     for path in sorted(folder.glob("steps-*.jsonl")):
-        steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        gaps = []
-        cycles: list[float | None] = []
-        for step, following in zip(steps, [*steps[1:], None]):
-            gap = None if following is None else following["start"] - step["start"] - step["seconds"]
-            if gap is not None and gap < BACK_TO_BACK_S:
-                gaps.append(gap)
-                cycles.append(step["seconds"] + gap)
-            else:
-                cycles.append(None)
-        usual_gap = statistics.median(gaps) if gaps else 0.0
-        for step, cycle in zip(steps, cycles):
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        role = next((line["role"] for line in lines if "role" in line), "")
+        workers.append((role, [line for line in lines if "start" in line]))
+    intervals = [[(s["start"], s["start"] + s["seconds"]) for s in steps] for _, steps in workers]
+    out = []
+    for index, (role, steps) in enumerate(workers):
+        others = [sorted(ivs) for i, ivs in enumerate(intervals) if i != index]
+        traced = []
+        for step, cycle in zip(steps, _cycles(steps)):
             shape = StepShape(**{k: step[k] for k in StepShape.__dataclass_fields__})
-            samples.append((shape, cycle if cycle is not None else step["seconds"] + usual_gap))
-    return samples
+            traced.append(TracedStep(shape, cycle, sum(_busy_share(step, ivs) for ivs in others)))
+        out.append((role, traced))
+    return out
 
 
-def fit_trace(folder: Path, out: Path | None = None) -> LinearStepCost:
-    """The linear step-time model of the steps a mesh traced (see samples_from_trace)."""
-    samples = samples_from_trace(folder)
-    if not samples:
+def _cycles(steps: list[dict]) -> list[float]:
+    gaps, cycles = [], []
+    for step, following in zip(steps, [*steps[1:], None]):
+        gap = None if following is None else following["start"] - step["start"] - step["seconds"]
+        if gap is not None and gap < BACK_TO_BACK_S:
+            gaps.append(gap)
+            cycles.append(step["seconds"] + gap)
+        else:
+            cycles.append(None)
+    usual_gap = statistics.median(gaps) if gaps else 0.0
+    return [cycle if cycle is not None else step["seconds"] + usual_gap for step, cycle in zip(steps, cycles)]
+
+
+def _busy_share(step: dict, intervals: list[tuple[float, float]]) -> float:
+    """The share of the step's time that one other worker spent in steps (`intervals`: its
+    steps' (start, end), sorted and disjoint: at most one began before this step did)."""
+    begin, end = step["start"], step["start"] + step["seconds"]
+    if step["seconds"] <= 0:
+        return 0.0
+    index = max(0, bisect.bisect_left(intervals, (begin,)) - 1)
+    inside = 0.0
+    while index < len(intervals) and intervals[index][0] < end:
+        a, b = intervals[index]
+        inside += max(0.0, min(end, b) - max(begin, a))
+        index += 1
+    return inside / step["seconds"]
+
+
+def samples_from_trace(folder: Path) -> list[tuple[StepShape, float]]:
+    """(shape, seconds) of every traced step of every worker (see traced_workers)."""
+    return [(s.shape, s.seconds) for _, steps in traced_workers(folder) for s in steps]
+
+
+def fit_trace(folder: Path, out: Path | None = None) -> MeshStepCost:
+    """One model per worker role of the steps a mesh traced, and a pooled one (role_cost.py)."""
+    workers = traced_workers(folder)
+    steps = [s for _, ss in workers for s in ss if s.shape.prefill_tokens or s.shape.decode_rows]
+    if not steps:
         raise SystemExit(f"no traced steps under {folder} (was PAGEMESH_STEP_TRACE set on the workers?)")
-    model = LinearStepCost.fit([(s, t) for s, t in samples if s.prefill_tokens or s.decode_rows], source=(
-        f"{len(samples)} steps traced inside a running mesh ({folder.name})"
-    ))  # fmt: skip
+    pooled = RoleStepCost.fit(steps)
+    by_role: dict[str, list[TracedStep]] = {}
+    for role, ss in workers:
+        if role:
+            by_role.setdefault(role, []).extend(s for s in ss if s.shape.prefill_tokens or s.shape.decode_rows)
+    roles = {role: RoleStepCost.fit(ss, fallback=pooled.linear) for role, ss in by_role.items() if ss}
+    counts = ", ".join(f"{role} {len(ss)}" for role, ss in sorted(by_role.items()))
+    model = MeshStepCost(
+        pooled, roles, source=f"{len(steps)} steps traced inside a running mesh ({folder.name}: {counts})"
+    )
     if out is not None:
         model.save(out)
     return model

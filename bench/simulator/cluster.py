@@ -1,6 +1,9 @@
 """A simulated mesh: the real scheduler core between a tokenizer stand-in and SimWorkers, in
 virtual time. Messages between the core and workers take `control_latency_s`; KV handoffs take
 the transfer model's time; tokens reach their client `delivery_latency_s` after their step.
+A step's time comes from one model for every worker (a function of the step's shape), or from a
+`MeshStepCost`: the model of the worker's role, slowed by the other workers mid-step, with its
+jitter drawn from a generator seeded per worker (`seed`), so a run stays deterministic.
 
 The cluster is the tokenizer too (it sends ScheduleRequest and receives RequestFailed), so a
 run goes: arrival → ScheduleRequest → core.handle → tasks → workers → steps → tokens → done.
@@ -9,11 +12,15 @@ run goes: arrival → ScheduleRequest → core.handle → tasks → workers → 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from bench.loadgen.stream import RequestResult
 from bench.simulator.clock import EventLoop
-from bench.simulator.cost import TransferModel
+from bench.simulator.cost import StepShape, TransferModel
+from bench.simulator.role_cost import MeshStepCost
 from bench.simulator.worker import SimWorker, WorkerSpec
 from bench.simulator.workload import SimRequest
 from common.messages import Message, RequestFailed, ScheduleRequest, WorkerRole
@@ -38,6 +45,7 @@ class ClusterSpec:
     # the gateway, tokenizing, detokenizing): measured per mesh (bench.simulator.validate)
     request_overhead_s: float = 0.0
     tick_s: float = 1.25  # the scheduler's expiry tick (heartbeat timeout / 4)
+    step_jitter: bool = True  # a MeshStepCost's jitter (off: every step takes its modelled time)
 
 
 @dataclass
@@ -63,7 +71,7 @@ class Trace:
 
 
 class Cluster:
-    def __init__(self, spec: ClusterSpec, step_time):
+    def __init__(self, spec: ClusterSpec, step_time: Callable[[StepShape], float] | MeshStepCost, seed: int = 0):
         self.spec = spec
         self.loop = EventLoop()
         self.core = SchedulerCore(
@@ -72,9 +80,22 @@ class Cluster:
             now=0.0,
         )
         self.workers: dict[str, SimWorker] = {}
-        for ws in spec.workers:
-            self.workers[ws.worker_id] = SimWorker(ws, self.loop, step_time, self._to_core, self._emit, self._handoff)
+        for index, ws in enumerate(spec.workers):
+            timing = (
+                self._role_step_time(step_time, ws, seed, index) if isinstance(step_time, MeshStepCost) else step_time
+            )
+            self.workers[ws.worker_id] = SimWorker(ws, self.loop, timing, self._to_core, self._emit, self._handoff)
         self.traces: dict[str, Trace] = {}
+
+    def _role_step_time(self, cost: MeshStepCost, ws: WorkerSpec, seed: int, index: int):
+        model = cost.for_role(ws.role.value)
+        draws = np.random.default_rng([seed, index])
+
+        def step_time(shape: StepShape) -> float:
+            others = sum(1 for w in self.workers.values() if w.stepping and w.spec.worker_id != ws.worker_id)
+            return model.step_time(shape, others, draws.random() if self.spec.step_jitter else None)
+
+        return step_time
 
     # ---- wiring ---------------------------------------------------------------------------
     def _deliver(self, outputs: list[tuple[object, Message]]) -> None:

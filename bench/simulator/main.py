@@ -29,6 +29,7 @@ import structlog
 
 from bench.loadgen.metrics import parse_goodput
 from bench.simulator.cost import GPUS, LINKS, MODEL_SHAPES, LinearStepCost, RooflineStepCost, model_shape
+from bench.simulator.role_cost import MeshStepCost
 from bench.simulator.run import SimSettings, describe, find_smallest, simulate
 from bench.simulator.workload import WorkloadSpec, from_trace
 
@@ -60,7 +61,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill", type=int, default=0)
     g.add_argument("--decode", type=int, default=0)
     g.add_argument("--cost", default="cpu", choices=["cpu", *GPUS], help="step-time model")
-    g.add_argument("--calibration", type=Path, default=None, help="a LinearStepCost JSON (--cost cpu)")
+    g.add_argument(
+        "--calibration", type=Path, default=None, help="a LinearStepCost or per-role MeshStepCost JSON (--cost cpu)"
+    )
+    g.add_argument("--no-step-jitter", action="store_true", help="a per-role model's steps without their jitter")
     g.add_argument("--model", default="smollm2-135m", help=f"a model shape ({', '.join(MODEL_SHAPES)}) or a path")
     g.add_argument("--tp", type=int, default=1, help="GPUs per worker (roofline)")
     g.add_argument("--link", default=None, choices=list(LINKS), help="KV transfer (default loopback on cpu, nvlink)")
@@ -106,7 +110,8 @@ def cost_model(args) -> tuple[object, int]:
                 f"pagemesh simulate: no CPU step-time model at {path}; make one on a quiet machine with "
                 f"`pagemesh simulate calibrate --threads {threads} --out {path}` (or use --cost h100|h200)"
             )
-        return LinearStepCost.load(path), shape.kv_bytes_per_token(2)
+        cost = MeshStepCost.load(path) if MeshStepCost.is_one(path) else LinearStepCost.load(path)
+        return cost, shape.kv_bytes_per_token(2)
     roofline = RooflineStepCost(GPUS[args.cost], shape, args.tp)
     return roofline, int(roofline.kv_bytes_per_token)
 
@@ -144,6 +149,7 @@ def settings_from(args, kv_bytes_per_token: int, cost) -> SimSettings:
         prefix_caching=not args.no_prefix_caching,
         link=args.link or ("loopback" if args.cost == "cpu" else "nvlink"),
         request_overhead_s=args.request_overhead_ms / 1000,
+        step_jitter=not args.no_step_jitter,
         workload=workload,
     )
 
@@ -201,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         raise SystemExit(f"pagemesh simulate: {e}") from None
     cost, kv_bytes = cost_model(args)
+    step_time = cost if isinstance(cost, MeshStepCost) else cost.step_time
     base = settings_from(args, kv_bytes, cost)
     requests = from_trace(args.trace, seed=args.seed) if args.trace else None
     if args.out:
@@ -208,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.find:
         if not slos:
             raise SystemExit("pagemesh simulate --find: give the SLOs with --goodput, e.g. ttft:500 tpot:50")
-        found = find_smallest(base, cost.step_time, kv_bytes, slos, args.max_workers)
+        found = find_smallest(base, step_time, kv_bytes, slos, args.max_workers)
         if found is None:
             print(f"no cluster of up to {args.max_workers} workers meets {slos} at p99")
             raise SystemExit(1)
@@ -225,9 +232,9 @@ def main(argv: list[str] | None = None) -> None:
                 settings = base.with_knob(knob, value)
             except (AttributeError, TypeError, ValueError) as e:
                 raise SystemExit(f"pagemesh simulate --sweep: cannot set {knob}={value}: {e}") from None
-            rows.append((value, simulate(settings, cost.step_time, kv_bytes, slos or None, requests)))
+            rows.append((value, simulate(settings, step_time, kv_bytes, slos or None, requests)))
     else:
-        rows.append((describe(base), simulate(base, cost.step_time, kv_bytes, slos or None, requests)))
+        rows.append((describe(base), simulate(base, step_time, kv_bytes, slos or None, requests)))
     first = args.sweep.partition("=")[0] if args.sweep else "cluster"
     print(f"cost model: {describe_cost(cost)}; KV pages per worker: {base.num_pages}; link: {base.link}")
     print(table(rows, first))
@@ -242,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
 def describe_cost(cost) -> str:
     if isinstance(cost, RooflineStepCost):
         return f"roofline {cost.gpu.name} x{cost.tp}, weights {cost.weight_bytes / 1e9:.1f} GB"
+    if isinstance(cost, MeshStepCost):
+        return f"fitted per role ({', '.join(cost.roles) or 'pooled only'}) on this CPU ({cost.source})"
     return f"fitted on this CPU ({cost.source})"
 
 

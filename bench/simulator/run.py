@@ -31,6 +31,7 @@ class SimSettings:
     prefix_caching: bool = True
     link: str = "loopback"
     request_overhead_s: float = 0.0  # before a request reaches the scheduler (HTTP, gateway, tokenizer)
+    step_jitter: bool = True  # draw each step's jitter from a MeshStepCost's (per-role, in-mesh) ratios
     workload: WorkloadSpec = WorkloadSpec()
 
     def with_knob(self, name: str, value) -> SimSettings:
@@ -58,7 +59,12 @@ def cluster_spec(settings: SimSettings, page_bytes: int) -> ClusterSpec:
         WorkerSpec(wid, role, settings.page_size, settings.num_pages, page_bytes, step, settings.prefix_caching)
         for wid, role in roles(settings.mixed, settings.prefill, settings.decode)
     )
-    return ClusterSpec(workers=workers, transfer=LINKS[settings.link], request_overhead_s=settings.request_overhead_s)
+    return ClusterSpec(
+        workers=workers,
+        transfer=LINKS[settings.link],
+        request_overhead_s=settings.request_overhead_s,
+        step_jitter=settings.step_jitter,
+    )
 
 
 def simulate(
@@ -68,9 +74,10 @@ def simulate(
     goodput_ms: dict[str, float] | None = None,
     requests: list[SimRequest] | None = None,
 ) -> dict:
-    """Run one simulation; returns the loadgen summary plus `sim_*` figures."""
+    """Run one simulation; returns the loadgen summary plus `sim_*` figures. `step_time`: a
+    function of the step's shape for every worker, or a MeshStepCost (a model per role)."""
     page_bytes = settings.page_bytes or kv_bytes_per_token * settings.page_size
-    cluster = Cluster(cluster_spec(settings, page_bytes), step_time)
+    cluster = Cluster(cluster_spec(settings, page_bytes), step_time, seed=settings.workload.seed)
     requests = requests if requests is not None else generate(settings.workload)
     traces = cluster.run(requests)
     results = [t.result() for t in traces]

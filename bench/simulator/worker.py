@@ -96,6 +96,7 @@ class SimWorker:
         self.held: dict[str, Held] = {}
         self.expected: dict[str, Expected] = {}
         self.busy = False
+        self.stepping = False  # a step is running (busy also covers waiting for pages)
         self.finished = 0
         self.steps = 0
         self.busy_s = 0.0
@@ -235,7 +236,7 @@ class SimWorker:
             self.loop.after(0.001, self._retry)
             return
         duration = self.step_time(shape_of(plan))
-        self.busy = True
+        self.busy = self.stepping = True
         self.steps += 1
         self.busy_s += duration
         self.max_used_pages = max(self.max_used_pages, self.blocks.num_used_pages)
@@ -246,7 +247,7 @@ class SimWorker:
         self.kick()
 
     def _step_done(self, plan: StepPlan) -> None:
-        self.busy = False
+        self.busy = self.stepping = False
         for chunk in plan.chunks:
             seq = chunk.seq
             if seq.finished:  # aborted while the step ran

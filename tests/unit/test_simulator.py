@@ -1,12 +1,15 @@
 """`pagemesh simulate`: deterministic virtual time over the mesh's own scheduling code."""
 
 import dataclasses
+import json
 
 import pytest
 
 from bench.simulator.calibrate import fit_trace, samples_from_trace
 from bench.simulator.clock import EventLoop
 from bench.simulator.cost import GPUS, LinearStepCost, RooflineStepCost, StepShape, model_shape
+from bench.simulator.main import main as simulate_main
+from bench.simulator.role_cost import MeshStepCost, RoleStepCost
 from bench.simulator.run import SimSettings, find_smallest, meets, simulate
 from bench.simulator.worker import shape_of
 from bench.simulator.workload import WorkloadSpec, generate
@@ -150,10 +153,102 @@ def test_a_traced_step_reads_back_as_its_whole_cycle_and_the_fit_recovers_the_co
     assert [s for s, _ in samples] == shapes
     assert [t for _, t in samples] == pytest.approx([COST.step_time(s) for s in shapes])
     fitted = fit_trace(tmp_path)
-    assert fitted.step_time(shapes[2]) == pytest.approx(COST.step_time(shapes[2]), rel=1e-3)
+    assert fitted.roles == {}  # the trace did not say the worker's role: only the pooled model
+    assert fitted.pooled.step_time(shapes[2]) == pytest.approx(COST.step_time(shapes[2]), rel=1e-3)
 
 
 def test_the_fixed_request_overhead_delays_the_first_token_by_itself():
     base = simulate(small(), COST.step_time, KV_BYTES)
     later = simulate(dataclasses.replace(small(), request_overhead_s=0.05), COST.step_time, KV_BYTES)
     assert later["median_ttft_ms"] == pytest.approx(base["median_ttft_ms"] + 50, abs=5)
+
+
+# ---- a cost model per worker role (bench/simulator/role_cost.py) ------------------------------
+PREFILL_COST = LinearStepCost(0.004, 0.0008, 0.0, 0.0, 0.0)  # 0.8 ms a prompt token
+DECODE_COST = LinearStepCost(0.015, 0.0, 0.0, 0.001, 2e-7)
+
+
+def write_trace(path, role, steps):
+    """A worker's step trace as workers/engine/step_trace.py writes it: [(start, seconds, shape)]."""
+    lines = [{"role": role}] + [{"start": t, "seconds": sec, **dataclasses.asdict(sh)} for t, sec, sh in steps]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_each_role_gets_the_model_of_its_own_steps_and_the_slowdown_while_another_steps(tmp_path):
+    """A decode worker steps back to back from 0 to 6 s; the prefill worker's prompts run 25%
+    slower while it does (0-6 s) than alone (after 10 s). The fit finds each role's coefficients,
+    the prefill role's contention and none for the decode role (its steps never slowed)."""
+    decode, t = [], 0.0
+    while t < 6.0:
+        shape = StepShape(decode_rows=1 + int(t * 5) % 8, decode_context=(1 + int(t * 5) % 8) * (200 + int(t * 40)))
+        decode.append((t, DECODE_COST.step_time(shape), shape))
+        t += DECODE_COST.step_time(shape)
+    prefill = []
+    for i, start in enumerate([0.5, 1.5, 2.5, 3.5, 4.5, 10.5, 11.5, 12.5, 13.5, 14.5]):
+        shape = StepShape(prefill_tokens=(64, 128, 256, 384, 512)[i % 5])
+        slowdown = 1.25 if start < 6 else 1.0
+        prefill.append((start, PREFILL_COST.step_time(shape) * slowdown, shape))
+    write_trace(tmp_path / "steps-1.jsonl", "decode", decode)
+    write_trace(tmp_path / "steps-2.jsonl", "prefill", prefill)
+    model = fit_trace(tmp_path, tmp_path / "mesh.json")
+    assert set(model.roles) == {"prefill", "decode"}
+    p, d = model.for_role("prefill"), model.for_role("decode")
+    assert p.contention == pytest.approx(0.25, rel=0.02) and d.contention == pytest.approx(0.0, abs=1e-6)
+    for shape in (StepShape(prefill_tokens=200), StepShape(prefill_tokens=64)):
+        assert p.step_time(shape) == pytest.approx(PREFILL_COST.step_time(shape), rel=0.02)
+        assert p.step_time(shape, others_busy=1) == pytest.approx(1.25 * PREFILL_COST.step_time(shape), rel=0.02)
+    shape = StepShape(decode_rows=5, decode_context=1500)
+    assert d.step_time(shape) == pytest.approx(DECODE_COST.step_time(shape), rel=1e-3)
+    # the prefill worker never ran decode rows: that coefficient comes from the pooled fit
+    assert p.linear.per_decode_row_s == model.pooled.linear.per_decode_row_s
+    assert model.for_role("mixed") is model.pooled  # a role the trace did not have
+    assert MeshStepCost.load(tmp_path / "mesh.json") == model
+
+
+def constant(seconds: float) -> RoleStepCost:
+    return RoleStepCost(LinearStepCost(seconds, 0.0, 0.0, 0.0, 0.0))
+
+
+def test_the_simulation_times_each_worker_by_the_model_of_its_role():
+    """Prefill steps 80 ms, decode steps 8 ms: a lone request's first token waits one prefill
+    step and its next tokens one decode step each; swapped roles swap the figures."""
+    lone = dataclasses.replace(small().workload, num_requests=4, rate=1.0, input_spread=0.0)
+    settings = small(mixed=0, prefill=1, decode=1, workload=lone)
+    pooled = constant(1.0)  # a role without a model of its own would take 1 s a step
+    summary = simulate(settings, MeshStepCost(pooled, {"prefill": constant(0.08), "decode": constant(0.008)}), KV_BYTES)
+    swapped = simulate(settings, MeshStepCost(pooled, {"prefill": constant(0.008), "decode": constant(0.08)}), KV_BYTES)
+    assert summary["completed"] == swapped["completed"] == 4
+    assert 80 < summary["median_ttft_ms"] < 80 + 5 and 8 <= summary["median_tpot_ms"] < 8 + 1
+    assert 8 < swapped["median_ttft_ms"] < 8 + 5 and 80 <= swapped["median_tpot_ms"] < 80 + 1
+    mixed = simulate(small(workload=lone), MeshStepCost(pooled, {"prefill": constant(0.08)}), KV_BYTES)
+    assert mixed["median_tpot_ms"] > 900  # the mixed worker took the pooled model
+
+
+def test_the_slowdown_applies_while_another_worker_steps_and_the_jitter_is_seeded():
+    lone = dataclasses.replace(small().workload, num_requests=4, rate=1.0, input_spread=0.0)
+    settings = small(mixed=0, prefill=1, decode=1, workload=lone)
+    slowed = RoleStepCost(LinearStepCost(0.08, 0.0, 0.0, 0.0, 0.0), contention=0.5)
+    alone = simulate(settings, MeshStepCost(constant(0.008), {"prefill": slowed}), KV_BYTES)
+    assert 80 < alone["median_ttft_ms"] < 85  # requests 1 s apart: the decode worker is idle by then
+    busy = dataclasses.replace(lone, output_len=400)  # 3.2 s of decodes each: later prompts meet them
+    loaded = simulate(
+        dataclasses.replace(settings, workload=busy), MeshStepCost(constant(0.008), {"prefill": slowed}), KV_BYTES
+    )
+    assert 120 < loaded["median_ttft_ms"] < 125  # the first prompt ran alone (80 ms), the other three at 120
+    assert loaded["mean_ttft_ms"] == pytest.approx((80 + 3 * 120) / 4, abs=4)
+    jittery = MeshStepCost(RoleStepCost(COST, 0.0, tuple(0.5 + i / 100 for i in range(101))))
+    first, again = simulate(small(), jittery, KV_BYTES), simulate(small(), jittery, KV_BYTES)
+    assert first == again
+    other = simulate(small(workload=dataclasses.replace(small().workload, seed=4)), jittery, KV_BYTES)
+    assert other["median_tpot_ms"] != first["median_tpot_ms"]
+    steady = simulate(dataclasses.replace(small(), step_jitter=False), jittery, KV_BYTES)
+    assert steady == simulate(small(), MeshStepCost(RoleStepCost(COST)), KV_BYTES)
+
+
+def test_the_cli_reads_a_per_role_calibration(tmp_path, capsys):
+    MeshStepCost(constant(0.02), {"decode": constant(0.01)}).save(tmp_path / "mesh.json")
+    simulate_main(["--prefill", "1", "--decode", "1", "--num-requests", "6", "--output-len", "8",
+                   "--calibration", str(tmp_path / "mesh.json"), "--out", str(tmp_path / "run")])  # fmt: skip
+    assert "fitted per role (decode)" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "run" / "simulate.json").read_text())["1P+1D"]
+    assert summary["completed"] == 6 and 10 <= summary["median_tpot_ms"] < 11

@@ -6,6 +6,9 @@ line per step to `DIR/steps-<pid>.jsonl`:
 
     {"start": perf_counter s, "seconds": the step's wall time, **step_shape(plan)}
 
+and one line `{"role": "prefill" | "decode" | "mixed"}` where the worker says its role (the
+simulator fits one cost model per role).
+
 `start` lets the reader see the gap to the next step (the worker's host time between steps:
 publishing tokens, taking messages), which a cost model of a loaded mesh has to include.
 """
@@ -30,6 +33,9 @@ class StepTrace:
     def from_env(cls) -> StepTrace | None:
         folder = os.environ.get(ENV)
         return cls(Path(folder)) if folder else None
+
+    def record_role(self, role: str) -> None:
+        self.file.write(json.dumps({"role": role}) + "\n")
 
     def record(self, plan, start: float, seconds: float) -> None:
         self.file.write(json.dumps({"start": start, "seconds": seconds, **step_shape(plan)}) + "\n")

@@ -51,6 +51,8 @@ def main(argv: list[str]) -> None:
     if config.threads or ranks > 1:  # tensor- and pipeline-parallel ranks share the worker's cores out
         torch.set_num_threads(threads_per_rank(ranks, config.threads))
     engine = Engine(config.engine)
+    if engine.step_trace is not None:
+        engine.step_trace.record_role(config.role.value)
     try:
         shell = WorkerShell(config.shell, lambda ctx: LLMWorker(config, engine, ctx))
         try:

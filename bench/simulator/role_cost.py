@@ -1,0 +1,129 @@
+"""Step-time models per worker role, fitted to the steps a running mesh traced.
+
+A prefill worker, a decode worker and a mixed worker run different steps and pay different host
+costs around them, and on a shared CPU a worker's step slows down while another worker is
+mid-step. So the in-mesh calibration (`bench.simulator.calibrate.fit_trace`) fits, per role:
+
+    seconds = linear(shape) · (1 + contention · others_busy) · jitter
+
+    linear        the role's own LinearStepCost (base, prompt tokens, attention, rows, context)
+    contention    the extra fraction a step takes per other worker mid-step when it starts
+                  (0 with one worker; what sharing the CPU costs)
+    others_busy   how many other workers of the mesh are mid-step (the trace: the summed
+                  fraction of the step that each other worker spent stepping)
+    jitter        a draw from the role's ratios of measured to modelled time, kept as quantiles,
+                  so that long steps (a descheduled thread, a collection) come at the rate the
+                  trace saw them; drawn from a seeded generator, so a run stays deterministic
+
+`MeshStepCost` holds the model of each role the trace had, and a pooled one (every step of every
+role) for a role it did not.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from bench.simulator.cost import FEATURES, LinearStepCost, StepShape
+
+QUANTILES = np.linspace(0.0, 1.0, 101)  # the jitter's grid: every percentile of the ratios
+ROUNDS = 200  # at most this many alternations of the linear fit and the contention fit ...
+CONVERGED = 1e-7  # ... stopping once the contention moves less than this
+
+
+@dataclass(frozen=True)
+class TracedStep:
+    """One traced step: its shape, its whole cycle's seconds, the other workers' busy share."""
+
+    shape: StepShape
+    seconds: float
+    others_busy: float = 0.0
+
+
+@dataclass(frozen=True)
+class RoleStepCost:
+    """See the module doc. `ratio_quantiles` empty: no jitter."""
+
+    linear: LinearStepCost
+    contention: float = 0.0
+    ratio_quantiles: tuple[float, ...] = ()
+
+    def step_time(self, shape: StepShape, others_busy: float = 0.0, draw: float | None = None) -> float:
+        """Seconds of a step of `shape` starting while `others_busy` other workers step; `draw`
+        in [0, 1) picks the jitter (None: the model's own time, no jitter)."""
+        seconds = self.linear.step_time(shape) * (1.0 + self.contention * others_busy)
+        if draw is not None and self.ratio_quantiles:
+            seconds *= float(np.interp(draw, QUANTILES, self.ratio_quantiles))
+        return seconds
+
+    @classmethod
+    def fit(cls, steps: list[TracedStep], fallback: LinearStepCost | None = None) -> RoleStepCost:
+        """Least squares for the linear part and the contention, alternated; a coefficient whose
+        feature no step exercised (a prefill worker has no decode rows) is taken from `fallback`."""
+        contention, previous = 0.0, -1.0
+        for _ in range(ROUNDS):
+            if abs(contention - previous) < CONVERGED:
+                break
+            previous = contention
+            linear = LinearStepCost.fit([(s.shape, s.seconds / (1 + contention * s.others_busy)) for s in steps])
+            predicted = np.array([linear.step_time(s.shape) for s in steps])
+            busy = np.array([s.others_busy for s in steps])
+            measured = np.array([s.seconds for s in steps])
+            # measured / predicted - 1 ≈ contention · busy, through the origin, >= 0: in ratios, so
+            # that a few long steps do not outweigh the many short ones
+            denominator = float(busy @ busy)
+            excess = measured / np.maximum(predicted, 1e-9) - 1.0
+            contention = max(0.0, float(excess @ busy) / denominator) if denominator else 0.0
+        linear = LinearStepCost.fit([(s.shape, s.seconds / (1 + contention * s.others_busy)) for s in steps])
+        if fallback is not None:
+            unused = [
+                name
+                for name, column in zip(FEATURES, np.array([s.shape.features() for s in steps]).T)
+                if not column.any()
+            ]
+            linear = LinearStepCost(**{**asdict(linear), **{name: getattr(fallback, name) for name in unused}})
+        modelled = np.array([linear.step_time(s.shape) * (1 + contention * s.others_busy) for s in steps])
+        ratios = np.array([s.seconds for s in steps]) / np.maximum(modelled, 1e-9)
+        return cls(linear, contention, tuple(float(q) for q in np.quantile(ratios, QUANTILES)))
+
+    def to_json(self) -> dict:
+        return {"linear": asdict(self.linear), "contention": self.contention, "ratio_quantiles": self.ratio_quantiles}
+
+    @classmethod
+    def from_json(cls, data: dict) -> RoleStepCost:
+        linear = {k: v for k, v in data["linear"].items() if k in LinearStepCost.__dataclass_fields__}
+        return cls(LinearStepCost(**linear), data.get("contention", 0.0), tuple(data.get("ratio_quantiles", ())))
+
+
+@dataclass(frozen=True)
+class MeshStepCost:
+    """One RoleStepCost per worker role (`WorkerRole.value`) and a pooled one for the others."""
+
+    pooled: RoleStepCost
+    roles: dict[str, RoleStepCost] = field(default_factory=dict)
+    source: str = ""
+
+    def for_role(self, role: str) -> RoleStepCost:
+        return self.roles.get(role, self.pooled)
+
+    def save(self, path: Path) -> None:
+        data = {
+            "source": self.source,
+            "pooled": self.pooled.to_json(),
+            "roles": {role: cost.to_json() for role, cost in sorted(self.roles.items())},
+        }
+        path.write_text(json.dumps(data, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> MeshStepCost:
+        data = json.loads(Path(path).read_text())
+        roles = {role: RoleStepCost.from_json(cost) for role, cost in data["roles"].items()}
+        return cls(RoleStepCost.from_json(data["pooled"]), roles, data.get("source", ""))
+
+    @staticmethod
+    def is_one(path: Path) -> bool:
+        """Whether the JSON at `path` is a MeshStepCost (else a plain LinearStepCost)."""
+        return "roles" in json.loads(Path(path).read_text())
