@@ -286,7 +286,7 @@ class SchedulerCore:
             self.registry.alive(WorkerKind.LLM, r, now)
             for r in (WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.MIXED)
         )
-        too_large = too_large_for_every_pool(*roles, len(prompt.token_ids))
+        too_large = too_large_for_every_pool(*roles, len(prompt.token_ids), decode_alone=msg.resume is not None)
         if too_large is not None:
             return self._refuse(identity, msg.request_id, 400, too_large, None, out)
         self._admit(identity, Queued(identity, msg, prompt, WorkerKind.LLM, now), out, now)

@@ -56,21 +56,25 @@ def pages_for(prompt_len: int, max_tokens: int, page_size: int) -> int:
 
 
 def too_large_for_every_pool(
-    prefill: list[WorkerInfo], decode: list[WorkerInfo], mixed: list[WorkerInfo], prompt_len: int
+    prefill: list[WorkerInfo],
+    decode: list[WorkerInfo],
+    mixed: list[WorkerInfo],
+    prompt_len: int,
+    decode_alone: bool = False,
 ) -> str | None:
-    """Why a prompt of `prompt_len` tokens could never be placed (its pages, and one more token's,
-    exceed the whole KV pool of every mixed worker, and of every prefill or every decode worker),
-    or None if some worker could take it once free, or no worker is known yet. Such a request
-    would otherwise wait at the head of the queue for ever."""
+    """Why a prompt of `prompt_len` tokens could never be placed: no mixed worker's whole KV pool
+    holds its pages and one more token's, nor a decode worker's with a prefill worker's holding the
+    prompt (`decode_alone`, a migrated request, or no live prefill worker: a decode worker's pool
+    is enough). None if some placement could take it once free, or no worker is known yet. Such a
+    request would otherwise wait at the head of the queue for ever."""
 
-    def fits(workers: list[WorkerInfo], max_tokens: int) -> bool:
-        return any(pages_for(prompt_len, max_tokens, w.page_size) <= w.total_pages for w in workers)
+    def fits(workers: list[WorkerInfo], extra: int) -> bool:
+        return any(pages_for(prompt_len, extra, w.page_size) <= w.total_pages for w in workers)
 
-    if not (prefill or decode or mixed):
+    everyone = prefill + decode + mixed
+    if not everyone or fits(mixed, 1) or (fits(decode, 1) and (decode_alone or not prefill or fits(prefill, 0))):
         return None
-    if fits(mixed, 1) or (fits(prefill, 0) and fits(decode, 1)):
-        return None
-    largest = max(prefill + decode + mixed, key=lambda w: w.total_pages * w.page_size)
+    largest = max(everyone, key=lambda w: w.total_pages * w.page_size)
     return (
         f"prompt: {prompt_len} tokens and one more do not fit any worker's KV pool (the largest holds "
         f"{largest.total_pages} pages of {largest.page_size} tokens)"

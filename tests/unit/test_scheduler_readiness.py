@@ -102,3 +102,21 @@ def test_a_prompt_larger_than_every_kv_pool_is_refused_at_once_instead_of_queued
     ]
     assert core.queued == 0
     assert {dest for dest, _ in schedule_prompt("fits", 399)} == {"p0", "d0"}  # 400 tokens: the whole pool
+
+
+def test_which_pools_a_prompt_must_fit():
+    from types import SimpleNamespace
+
+    from services.scheduler.placement import too_large_for_every_pool
+
+    def pool(pages: int):
+        return [SimpleNamespace(page_size=4, total_pages=pages)]
+
+    big, small = pool(100), pool(10)
+    assert too_large_for_every_pool([], [], [], 10_000) is None  # no worker known yet: no verdict
+    assert too_large_for_every_pool([], [], big, 399) is None  # 400 tokens: a mixed pool exactly
+    assert too_large_for_every_pool([], [], big, 400) is not None
+    assert too_large_for_every_pool(small, big, [], 200) is not None  # the prefill pool cannot hold it
+    assert too_large_for_every_pool(small, big, [], 200, decode_alone=True) is None  # migrated: decode recomputes
+    assert too_large_for_every_pool([], big, [], 200) is None  # no prefill worker left: a decode worker alone
+    assert too_large_for_every_pool(big, small, big, 200) is None  # a mixed worker will do
