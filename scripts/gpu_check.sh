@@ -27,6 +27,20 @@ status=0
 
 remaining() { echo $((BUDGET_S - SECONDS)); }
 cap() { local r; r=$(remaining); ((r < $1)) && echo "$r" || echo "$1"; }
+# run_markdown_bench LOG LIMIT SCRIPT [ARGS]: a bench that prints markdown, within LIMIT seconds;
+# its output goes into the report, and a failure (with its stderr's tail) fails the check.
+run_markdown_bench() {
+  local log=$1 limit=$2 script=$3 rc
+  shift 2
+  timeout -k 10 "$limit" "$PY" "$@" >"$LOGS/$log.md" 2>"$LOGS/$log.err"
+  rc=$?
+  cat "$LOGS/$log.md" >>"$REPORT"
+  if ((rc)); then
+    status=1
+    { echo; echo "**$(basename "$script") failed (exit $rc):**"; echo; echo '```'
+      tail -n 40 "$LOGS/$log.err"; echo '```'; } >>"$REPORT"
+  fi
+}
 
 commit=$(git rev-parse --short=12 HEAD 2>/dev/null || echo "${PAGEMESH_COMMIT:-unknown}")
 if git diff --quiet HEAD -- 2>/dev/null; then dirty=""; else dirty=" (plus uncommitted changes)"; fi
@@ -131,14 +145,7 @@ if [[ -f bench/gpu_engine.py ]]; then
   if ((t < 30)); then
     echo "_skipped: only ${t}s of the time budget left_" >>"$REPORT"
   else
-    timeout -k 10 "$t" "$PY" bench/gpu_engine.py >"$LOGS/engine.md" 2>"$LOGS/engine.err"
-    engine_rc=$?
-    cat "$LOGS/engine.md" >>"$REPORT"
-    if ((engine_rc)); then
-      status=1
-      { echo; echo "**gpu_engine.py failed (exit $engine_rc):**"; echo; echo '```'
-        tail -n 40 "$LOGS/engine.err"; echo '```'; } >>"$REPORT"
-    fi
+    run_markdown_bench engine "$t" bench/gpu_engine.py
   fi
 fi
 
@@ -155,14 +162,7 @@ else
   if ((t < 30)); then
     echo "_skipped: only ${t}s of the time budget left_" >>"$REPORT"
   else
-    timeout -k 10 "$t" "$PY" bench/gpu_tensor_parallel.py --tp "$TP_SIZE" >"$LOGS/tp.md" 2>"$LOGS/tp.err"
-    tp_rc=$?
-    cat "$LOGS/tp.md" >>"$REPORT"
-    if ((tp_rc)); then
-      status=1
-      { echo; echo "**gpu_tensor_parallel.py failed (exit $tp_rc):**"; echo; echo '```'
-        tail -n 40 "$LOGS/tp.err"; echo '```'; } >>"$REPORT"
-    fi
+    run_markdown_bench tp "$t" bench/gpu_tensor_parallel.py --tp "$TP_SIZE"
   fi
 fi
 
