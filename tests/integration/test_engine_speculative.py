@@ -45,6 +45,17 @@ CASES = [  # (prompt, params): one batch, run with and without speculation
 ]
 
 
+def assert_same_outputs(spec, plain, params) -> None:
+    """Each request's tokens and finish reasons equal, and its logprobs where it asked for them."""
+    for a, b, p in zip(spec, plain, params, strict=True):
+        assert a.token_ids == b.token_ids, p
+        assert a.finish_reasons == b.finish_reasons, p
+        if p.logprobs:
+            for got, want in zip(a.logprobs[0], b.logprobs[0]):
+                assert got.token_id == want.token_id and got.top_ids == want.top_ids
+                assert got.logprob == pytest.approx(want.logprob, abs=1e-3)
+
+
 def test_greedy_and_seeded_outputs_equal_those_without_speculation(engine_fp32):
     prompts = [p for p, _ in CASES]
     params = [c for _, c in CASES]
@@ -52,13 +63,7 @@ def test_greedy_and_seeded_outputs_equal_those_without_speculation(engine_fp32):
     config = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, max_decode_rows=64)
     with speculating(engine_fp32, config) as stats:
         spec = engine_fp32.generate(prompts, params)
-    for a, b, p in zip(spec, plain, params):
-        assert a.token_ids == b.token_ids, p
-        assert a.finish_reasons == b.finish_reasons, p
-        if p.logprobs:
-            for got, want in zip(a.logprobs[0], b.logprobs[0]):
-                assert got.token_id == want.token_id and got.top_ids == want.top_ids
-                assert got.logprob == pytest.approx(want.logprob, abs=1e-3)
+    assert_same_outputs(spec, plain, params)
     assert spec[3].finish_reasons == ["stop"] and spec[1].finish_reasons == ["length"]
     assert stats.accepted > 0.5 * stats.proposed, stats  # mostly quoting
     assert stats.mean_accepted_length > 2.0, stats
@@ -88,13 +93,7 @@ def test_quantized_draft_outputs_equal_those_without_speculation(engine_fp32):
     try:
         with speculating(engine_fp32, config) as stats:
             spec = engine_fp32.generate(prompts, params)
-        for a, b, p in zip(spec, plain, params):
-            assert a.token_ids == b.token_ids, p
-            assert a.finish_reasons == b.finish_reasons, p
-            if p.logprobs:
-                for got, want in zip(a.logprobs[0], b.logprobs[0]):
-                    assert got.token_id == want.token_id and got.top_ids == want.top_ids
-                    assert got.logprob == pytest.approx(want.logprob, abs=1e-3)
+        assert_same_outputs(spec, plain, params)
         assert spec[1].finish_reasons == ["length"] and len(spec[1].token_ids[0]) == 7
         assert spec[3].finish_reasons == ["stop"], spec[3]
         assert len(spec[2].token_ids) == 2
