@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from bench.simulator.cost import LinearStepCost, StepShape
-from bench.simulator.role_cost import MeshStepCost, RoleStepCost, TracedStep
+from bench.simulator.role_cost import HostSlowdown, MeshStepCost, RoleStepCost, TracedStep
 from bench.simulator.worker import shape_of
 
 # (prompt length, requests, output tokens): prompts alone, then decode batches at growing contexts
@@ -112,7 +112,7 @@ def traced_workers(folder: Path) -> list[tuple[str, list[TracedStep]]]:
         traced = []
         for step, cycle in zip(steps, _cycles(steps)):
             shape = StepShape(**{k: step[k] for k in StepShape.__dataclass_fields__})
-            traced.append(TracedStep(shape, cycle, sum(_busy_share(step, ivs) for ivs in others)))
+            traced.append(TracedStep(shape, cycle, sum(_busy_share(step, ivs) for ivs in others), step["start"]))
         out.append((role, traced))
     return out
 
@@ -150,22 +150,59 @@ def samples_from_trace(folder: Path) -> list[tuple[StepShape, float]]:
     return [(s.shape, s.seconds) for _, steps in traced_workers(folder) for s in steps]
 
 
-def fit_trace(folder: Path, out: Path | None = None) -> MeshStepCost:
-    """One model per worker role of the steps a mesh traced, and a pooled one (role_cost.py)."""
-    workers = traced_workers(folder)
-    steps = [s for _, ss in workers for s in ss if s.shape.prefill_tokens or s.shape.decode_rows]
+HOST_WINDOW_S = 1.0  # the host's slowdown is taken per second of the trace
+HOST_ROUNDS = 2  # fit the roles, then the host's factors against them, then the roles on deflated steps ...
+
+
+def fit_trace(folder: Path, out: Path | None = None, host_window_s: float | None = HOST_WINDOW_S) -> MeshStepCost:
+    """One model per worker role of the steps a mesh traced, a pooled one, and the host's slowdown
+    over time (role_cost.py). The roles are fitted to steps deflated by the host factor of their
+    second, and the factors against the roles' models, alternately (`host_window_s` None: no host
+    slowdown, the roles fitted to the steps as measured)."""
+    workers = [
+        (role, [s for s in ss if s.shape.prefill_tokens or s.shape.decode_rows]) for role, ss in traced_workers(folder)
+    ]
+    steps = [s for _, ss in workers for s in ss]
     if not steps:
         raise SystemExit(f"no traced steps under {folder} (was PAGEMESH_STEP_TRACE set on the workers?)")
-    pooled = RoleStepCost.fit(steps)
-    by_role: dict[str, list[TracedStep]] = {}
+    host, factors = HostSlowdown(), [1.0] * len(steps)
+    for _ in range(HOST_ROUNDS if host_window_s else 0):
+        pooled, roles = _fit_roles(workers, factors)
+        ratios = [
+            s.seconds / max(roles.get(role, pooled).step_time(s.shape, s.others_busy), 1e-9)
+            for role, ss in workers
+            for s in ss
+        ]
+        host, factors = HostSlowdown.fit([s.start for s in steps], ratios, host_window_s)
+    pooled, roles = _fit_roles(workers, factors)
+    per_role: dict[str, int] = {}
     for role, ss in workers:
         if role:
-            by_role.setdefault(role, []).extend(s for s in ss if s.shape.prefill_tokens or s.shape.decode_rows)
-    roles = {role: RoleStepCost.fit(ss, fallback=pooled.linear) for role, ss in by_role.items() if ss}
-    counts = ", ".join(f"{role} {len(ss)}" for role, ss in sorted(by_role.items()))
+            per_role[role] = per_role.get(role, 0) + len(ss)
+    counts = ", ".join(f"{role} {n}" for role, n in sorted(per_role.items()))
     model = MeshStepCost(
-        pooled, roles, source=f"{len(steps)} steps traced inside a running mesh ({folder.name}: {counts})"
+        pooled,
+        roles,
+        source=f"{len(steps)} steps traced inside a running mesh ({folder.name}: {counts})",
+        host=host,
     )
     if out is not None:
         model.save(out)
     return model
+
+
+def _fit_roles(
+    workers: list[tuple[str, list[TracedStep]]], factors: list[float]
+) -> tuple[RoleStepCost, dict[str, RoleStepCost]]:
+    """The pooled model and one per role, fitted to the steps each divided by its host factor
+    (`factors`: one per step, in the order of `workers`)."""
+    deflated, index = [], 0
+    for role, ss in workers:
+        deflated.append((role, [s.deflated(f) for s, f in zip(ss, factors[index : index + len(ss)])]))
+        index += len(ss)
+    pooled = RoleStepCost.fit([s for _, ss in deflated for s in ss])
+    by_role: dict[str, list[TracedStep]] = {}
+    for role, ss in deflated:
+        if role:
+            by_role.setdefault(role, []).extend(ss)
+    return pooled, {role: RoleStepCost.fit(ss, fallback=pooled.linear) for role, ss in by_role.items() if ss}

@@ -3,7 +3,8 @@ virtual time. Messages between the core and workers take `control_latency_s`; KV
 the transfer model's time; tokens reach their client `delivery_latency_s` after their step.
 A step's time comes from one model for every worker (a function of the step's shape), or from a
 `MeshStepCost`: the model of the worker's role, slowed by the other workers mid-step, with its
-jitter drawn from a generator seeded per worker (`seed`), so a run stays deterministic.
+jitter drawn from a generator seeded per worker (`seed`), so a run stays deterministic, and by the
+host's slowdown of that moment, its recorded sequence entered at a seeded offset.
 
 The cluster is the tokenizer too (it sends ScheduleRequest and receives RequestFailed), so a
 run goes: arrival → ScheduleRequest → core.handle → tasks → workers → steps → tokens → done.
@@ -30,6 +31,7 @@ from services.scheduler.core import SchedulerCore
 from services.scheduler.placement import PlacementPolicy
 
 TOKENIZER = b"sim-tokenizer"
+HOST_STREAM = 1 << 20  # the host slowdown's generator: apart from the workers' jitter streams (their index)
 REPLY_TO = "sim://tokenizer"
 
 
@@ -45,7 +47,7 @@ class ClusterSpec:
     # the gateway, tokenizing, detokenizing): measured per mesh (bench.simulator.validate)
     request_overhead_s: float = 0.0
     tick_s: float = 1.25  # the scheduler's expiry tick (heartbeat timeout / 4)
-    step_jitter: bool = True  # a MeshStepCost's jitter (off: every step takes its modelled time)
+    step_jitter: bool = True  # a MeshStepCost's jitter and host slowdown (off: every step its modelled time)
 
 
 @dataclass
@@ -80,6 +82,10 @@ class Cluster:
             now=0.0,
         )
         self.workers: dict[str, SimWorker] = {}
+        # where in the host's recorded slowdown this run starts: seeded, the same for every worker
+        self.host_offset_s = 0.0
+        if isinstance(step_time, MeshStepCost):
+            self.host_offset_s = float(np.random.default_rng([seed, HOST_STREAM]).random()) * step_time.host.span_s
         for index, ws in enumerate(spec.workers):
             timing = (
                 self._role_step_time(step_time, ws, seed, index) if isinstance(step_time, MeshStepCost) else step_time
@@ -93,7 +99,10 @@ class Cluster:
 
         def step_time(shape: StepShape) -> float:
             others = sum(1 for w in self.workers.values() if w.stepping and w.spec.worker_id != ws.worker_id)
-            return model.step_time(shape, others, draws.random() if self.spec.step_jitter else None)
+            if not self.spec.step_jitter:
+                return model.step_time(shape, others)
+            host = cost.host.at(self.loop.now + self.host_offset_s)
+            return model.step_time(shape, others, draws.random()) * host
 
         return step_time
 

@@ -4,7 +4,7 @@ A prefill worker, a decode worker and a mixed worker run different steps and pay
 costs around them, and on a shared CPU a worker's step slows down while another worker is
 mid-step. So the in-mesh calibration (`bench.simulator.calibrate.fit_trace`) fits, per role:
 
-    seconds = linear(shape) · (1 + contention · others_busy) · jitter
+    seconds = linear(shape) · (1 + contention · others_busy) · host(t) · jitter
 
     linear        the role's own LinearStepCost (base, prompt tokens, attention, rows, context)
     contention    the extra fraction a step takes per other worker mid-step when it starts
@@ -14,9 +14,14 @@ mid-step. So the in-mesh calibration (`bench.simulator.calibrate.fit_trace`) fit
     jitter        a draw from the role's ratios of measured to modelled time, kept as quantiles,
                   so that long steps (a descheduled thread, a collection) come at the rate the
                   trace saw them; drawn from a seeded generator, so a run stays deterministic
+    host(t)       the whole machine's slowdown at time t (`HostSlowdown`): on a shared host every
+                  worker's steps run slower together for seconds at a time (other processes take
+                  the cores), which per-step jitter, drawn independently, averages away within a
+                  request; kept as the trace's sequence of per-second factors and replayed in
+                  order from a seeded offset, so that slow stretches keep their length
 
 `MeshStepCost` holds the model of each role the trace had, and a pooled one (every step of every
-role) for a role it did not.
+role) for a role it did not, and the host's slowdown over time.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from bench.simulator.cost import FEATURES, LinearStepCost, StepShape
 QUANTILES = np.linspace(0.0, 1.0, 101)  # the jitter's grid: every percentile of the ratios
 ROUNDS = 200  # at most this many alternations of the linear fit and the contention fit ...
 CONVERGED = 1e-7  # ... stopping once the contention moves less than this
+MIN_WINDOW_STEPS = 5  # a host window with fewer steps than this says too little: left out
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,11 @@ class TracedStep:
     shape: StepShape
     seconds: float
     others_busy: float = 0.0
+    start: float = 0.0  # when it began (seconds, the trace's clock): which host window it ran in
+
+    def deflated(self, factor: float) -> TracedStep:
+        """The step as it would have run without the host's slowdown `factor`."""
+        return TracedStep(self.shape, self.seconds / factor, self.others_busy, self.start)
 
 
 @dataclass(frozen=True)
@@ -99,12 +110,59 @@ class RoleStepCost:
 
 
 @dataclass(frozen=True)
+class HostSlowdown:
+    """The machine's slowdown over time: `factors[k]` is the median ratio of measured to modelled
+    step time over every worker's steps in the k-th `window_s` of the trace that held at least
+    MIN_WINDOW_STEPS steps (idle stretches left out), divided by the median over those windows
+    (a typical second is 1). No factors: no slowdown."""
+
+    factors: tuple[float, ...] = ()
+    window_s: float = 1.0
+
+    @property
+    def span_s(self) -> float:
+        return len(self.factors) * self.window_s
+
+    def at(self, t: float) -> float:
+        """The factor at time t (seconds from any origin: the sequence repeats)."""
+        if not self.factors:
+            return 1.0
+        return self.factors[int(t // self.window_s) % len(self.factors)]
+
+    @classmethod
+    def fit(cls, starts: list[float], ratios: list[float], window_s: float = 1.0) -> tuple[HostSlowdown, list[float]]:
+        """From each step's start and its measured-to-modelled ratio (the model without jitter):
+        the slowdown, and each step's own window factor (1 where its window was left out)."""
+        if not starts:
+            return cls((), window_s), []
+        origin = min(starts)
+        keys = [int((start - origin) // window_s) for start in starts]
+        windows: dict[int, list[float]] = {}
+        for key, ratio in zip(keys, ratios):
+            windows.setdefault(key, []).append(ratio)
+        medians = {k: float(np.median(r)) for k, r in sorted(windows.items()) if len(r) >= MIN_WINDOW_STEPS}
+        # relative to the typical second: the roles' models keep the scale, the factors the changes
+        typical = float(np.median(list(medians.values()))) if medians else 1.0
+        factors = {k: m / typical for k, m in medians.items()}
+        return cls(tuple(factors.values()), window_s), [factors.get(key, 1.0) for key in keys]
+
+    def to_json(self) -> dict:
+        return {"window_s": self.window_s, "factors": self.factors}
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> HostSlowdown:
+        return cls(tuple(data["factors"]), data["window_s"]) if data else cls()
+
+
+@dataclass(frozen=True)
 class MeshStepCost:
-    """One RoleStepCost per worker role (`WorkerRole.value`) and a pooled one for the others."""
+    """One RoleStepCost per worker role (`WorkerRole.value`) and a pooled one for the others,
+    and the host's slowdown over time (shared by every worker)."""
 
     pooled: RoleStepCost
     roles: dict[str, RoleStepCost] = field(default_factory=dict)
     source: str = ""
+    host: HostSlowdown = HostSlowdown()
 
     def for_role(self, role: str) -> RoleStepCost:
         return self.roles.get(role, self.pooled)
@@ -114,6 +172,7 @@ class MeshStepCost:
             "source": self.source,
             "pooled": self.pooled.to_json(),
             "roles": {role: cost.to_json() for role, cost in sorted(self.roles.items())},
+            "host": self.host.to_json(),
         }
         path.write_text(json.dumps(data, indent=2) + "\n")
 
@@ -121,7 +180,12 @@ class MeshStepCost:
     def load(cls, path: Path) -> MeshStepCost:
         data = json.loads(Path(path).read_text())
         roles = {role: RoleStepCost.from_json(cost) for role, cost in data["roles"].items()}
-        return cls(RoleStepCost.from_json(data["pooled"]), roles, data.get("source", ""))
+        return cls(
+            RoleStepCost.from_json(data["pooled"]),
+            roles,
+            data.get("source", ""),
+            HostSlowdown.from_json(data.get("host")),
+        )
 
     @staticmethod
     def is_one(path: Path) -> bool:

@@ -9,7 +9,7 @@ from bench.simulator.calibrate import fit_trace, samples_from_trace
 from bench.simulator.clock import EventLoop
 from bench.simulator.cost import GPUS, LinearStepCost, RooflineStepCost, StepShape, model_shape
 from bench.simulator.main import main as simulate_main
-from bench.simulator.role_cost import MeshStepCost, RoleStepCost
+from bench.simulator.role_cost import HostSlowdown, MeshStepCost, RoleStepCost
 from bench.simulator.run import SimSettings, find_smallest, meets, simulate
 from bench.simulator.worker import shape_of
 from bench.simulator.workload import WorkloadSpec, generate
@@ -243,6 +243,61 @@ def test_the_slowdown_applies_while_another_worker_steps_and_the_jitter_is_seede
     assert other["median_tpot_ms"] != first["median_tpot_ms"]
     steady = simulate(dataclasses.replace(small(), step_jitter=False), jittery, KV_BYTES)
     assert steady == simulate(small(), MeshStepCost(RoleStepCost(COST)), KV_BYTES)
+
+
+def test_the_fit_finds_the_hosts_slow_seconds_and_keeps_them_out_of_the_step_model(tmp_path):
+    """One decode worker steps back to back for 20 s; from 6 s to 10 s every step runs 1.5x
+    slower (the host is busy elsewhere). The fit gives those seconds a factor of 1.5 and the rest
+    1, in order, and the role's model the coefficients of the steps as they run when the host is
+    not slowed; without the host term the slow seconds would inflate the model instead."""
+    steps, t = [], 0.0
+    while t < 20.0:
+        rows = 1 + len(steps) % 12
+        shape = StepShape(decode_rows=rows, decode_context=rows * 300)
+        seconds = DECODE_COST.step_time(shape) * (1.5 if 6.0 <= t < 10.0 else 1.0)
+        steps.append((t, seconds, shape))
+        t += seconds
+    write_trace(tmp_path / "steps-1.jsonl", "decode", steps)
+    model = fit_trace(tmp_path)
+    factors = model.host.factors
+    assert len(factors) == 20 and model.host.window_s == 1.0
+    assert factors[6:10] == pytest.approx([1.5] * 4, rel=0.02)
+    assert factors[:5] + factors[11:] == pytest.approx([1.0] * 14, rel=0.02)
+    shape = StepShape(decode_rows=6, decode_context=1800)
+    assert model.for_role("decode").step_time(shape) == pytest.approx(DECODE_COST.step_time(shape), rel=0.02)
+    assert fit_trace(tmp_path, host_window_s=None).for_role("decode").step_time(shape) > 1.05 * (
+        DECODE_COST.step_time(shape)
+    )
+    model.save(tmp_path / "mesh.json")
+    assert MeshStepCost.load(tmp_path / "mesh.json") == model
+
+
+def test_the_hosts_slowdown_is_replayed_from_a_seeded_offset_for_every_worker_alike():
+    """Every step runs `factor` times its model while the replayed second says so; the offset into
+    the recorded seconds comes from the run's seed (the same seed, the same run); turning the
+    jitter off turns the host's slowdown off too."""
+    lone = dataclasses.replace(small().workload, num_requests=4, rate=1.0, input_spread=0.0)
+    settings = small(mixed=0, prefill=1, decode=1, workload=lone)
+    roles = {"prefill": constant(0.08), "decode": constant(0.008)}
+    doubled = simulate(settings, MeshStepCost(constant(1.0), roles, host=HostSlowdown((2.0,))), KV_BYTES)
+    assert 160 < doubled["median_ttft_ms"] < 165 and 16 <= doubled["median_tpot_ms"] < 17
+    steady = simulate(
+        dataclasses.replace(settings, step_jitter=False),
+        MeshStepCost(constant(1.0), roles, host=HostSlowdown((2.0,))),
+        KV_BYTES,
+    )
+    assert 80 < steady["median_ttft_ms"] < 85 and 8 <= steady["median_tpot_ms"] < 9
+    stretches = MeshStepCost(RoleStepCost(COST), host=HostSlowdown((1.0,) * 6 + (3.0,) * 2, window_s=0.5))
+    first, again = simulate(small(), stretches, KV_BYTES), simulate(small(), stretches, KV_BYTES)
+    assert first == again
+    # the same requests under other seeds: only where the run enters the recorded seconds changes
+    requests = generate(small().workload)
+    seeds = [small(workload=dataclasses.replace(small().workload, seed=seed)) for seed in range(4)]
+    assert len({simulate(x, stretches, KV_BYTES, requests=requests)["p99_tpot_ms"] for x in seeds}) > 1
+    flat = MeshStepCost(RoleStepCost(COST))
+    assert len({simulate(x, flat, KV_BYTES, requests=requests)["p99_tpot_ms"] for x in seeds}) == 1
+    plain = simulate(small(), MeshStepCost(RoleStepCost(COST)), KV_BYTES)
+    assert first["p99_tpot_ms"] > plain["p99_tpot_ms"]  # a request decoded in a slow second pays for it
 
 
 def test_the_cli_reads_a_per_role_calibration(tmp_path, capsys):
