@@ -64,7 +64,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--calibration", type=Path, default=None, help="a LinearStepCost or per-role MeshStepCost JSON (--cost cpu)"
     )
-    g.add_argument("--no-step-jitter", action="store_true", help="a per-role model's steps without their jitter")
+    g.add_argument(
+        "--no-step-jitter",
+        action="store_true",
+        help="a per-role model's steps without their jitter and the host's slowdown",
+    )
     g.add_argument("--model", default="smollm2-135m", help=f"a model shape ({', '.join(MODEL_SHAPES)}) or a path")
     g.add_argument("--tp", type=int, default=1, help="GPUs per worker (roofline)")
     g.add_argument("--link", default=None, choices=list(LINKS), help="KV transfer (default loopback on cpu, nvlink)")
@@ -250,7 +254,8 @@ def describe_cost(cost) -> str:
     if isinstance(cost, RooflineStepCost):
         return f"roofline {cost.gpu.name} x{cost.tp}, weights {cost.weight_bytes / 1e9:.1f} GB"
     if isinstance(cost, MeshStepCost):
-        return f"fitted per role ({', '.join(cost.roles) or 'pooled only'}) on this CPU ({cost.source})"
+        host = f", the host's slowdown over {cost.host.span_s:.0f} s" if cost.host.factors else ""
+        return f"fitted per role ({', '.join(cost.roles) or 'pooled only'}) on this CPU ({cost.source}){host}"
     return f"fitted on this CPU ({cost.source})"
 
 
