@@ -100,11 +100,7 @@ def traced_workers(folder: Path) -> list[tuple[str, list[TracedStep]]]:
     engine alone does not); the last step of a busy stretch gets its own time plus the median
     such gap of its worker. `others_busy` sums, over the other workers, the share of the step's
     time they spent in steps of their own (the clocks agree: perf_counter is system-wide)."""
-    workers: list[tuple[str, list[dict]]] = []
-    for path in sorted(folder.glob("steps-*.jsonl")):
-        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        role = next((line["role"] for line in lines if "role" in line), "")
-        workers.append((role, [line for line in lines if "start" in line]))
+    workers = read_traces(folder)
     intervals = [[(s["start"], s["start"] + s["seconds"]) for s in steps] for _, steps in workers]
     out = []
     for index, (role, steps) in enumerate(workers):
@@ -115,6 +111,16 @@ def traced_workers(folder: Path) -> list[tuple[str, list[TracedStep]]]:
             traced.append(TracedStep(shape, cycle, sum(_busy_share(step, ivs) for ivs in others), step["start"]))
         out.append((role, traced))
     return out
+
+
+def read_traces(folder: Path) -> list[tuple[str, list[dict]]]:
+    """(role, steps as traced: start, seconds of the step alone, shape) of every worker's trace."""
+    workers = []
+    for path in sorted(folder.glob("steps-*.jsonl")):
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        role = next((line["role"] for line in lines if "role" in line), "")
+        workers.append((role, [line for line in lines if "start" in line]))
+    return workers
 
 
 def _cycles(steps: list[dict]) -> list[float]:

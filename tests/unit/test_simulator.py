@@ -3,6 +3,7 @@
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from bench.simulator.calibrate import fit_trace, samples_from_trace
@@ -11,6 +12,7 @@ from bench.simulator.cost import GPUS, LinearStepCost, RooflineStepCost, StepSha
 from bench.simulator.main import main as simulate_main
 from bench.simulator.role_cost import HostSlowdown, MeshStepCost, RoleStepCost
 from bench.simulator.run import SimSettings, find_smallest, meets, simulate
+from bench.simulator.tail import clock_offset
 from bench.simulator.worker import shape_of
 from bench.simulator.workload import WorkloadSpec, generate
 from services.scheduler.placement import Placer
@@ -307,3 +309,12 @@ def test_the_cli_reads_a_per_role_calibration(tmp_path, capsys):
     assert "fitted per role (decode)" in capsys.readouterr().out
     summary = json.loads((tmp_path / "run" / "simulate.json").read_text())["1P+1D"]
     assert summary["completed"] == 6 and 10 <= summary["median_tpot_ms"] < 11
+
+
+def test_the_tail_analysis_puts_the_clients_clock_on_the_traces():
+    """bench.simulator.tail: first tokens reach the client 3 ms after the step that sampled them
+    ends; the offset between the two clocks is found from that alone."""
+    step_ends = np.cumsum(np.random.default_rng(0).uniform(0.08, 0.3, size=200)) + 5000.0
+    sampled = step_ends[[3, 10, 11, 40, 41, 42, 90, 150]]
+    firsts = sampled + 0.003 - 4990.0  # the client's clock runs 4990 s behind the trace's
+    assert clock_offset(firsts, step_ends) == pytest.approx(4990.0 - 0.003, abs=1e-6)
