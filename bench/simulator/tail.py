@@ -62,7 +62,10 @@ def clock_offset(firsts: np.ndarray, step_ends: np.ndarray) -> float:
 def analyse(run: Path, topology: str, rates: list[float]) -> str:
     model = fit_trace(run / f"steps-{topology}", host_window_s=None)
     workers = traced_workers(run / f"steps-{topology}")
-    decode_role = "decode" if any(role == "decode" for role, _ in workers) else workers[0][0]
+    if {role for role, _ in workers} != {"prefill", "decode"}:
+        # a mixed worker's first tokens come from steps that also decode: the clocks cannot be matched
+        raise SystemExit(f"bench.simulator.tail: {topology} has no prefill and decode worker to compare")
+    decode_role = "decode"
     own = [s for role, ss in workers if role == decode_role for s in ss]
     others = [(role, s) for role, ss in workers if role != decode_role for s in ss]
     ratio = lambda role, s: s.seconds / model.for_role(role).step_time(s.shape, s.others_busy)  # noqa: E731
@@ -74,9 +77,7 @@ def analyse(run: Path, topology: str, rates: list[float]) -> str:
     other_r = np.array([ratio(role, s) for role, s in others])
     # where the steps that sample first tokens ended (the traced step alone, not its cycle)
     raw = read_traces(run / f"steps-{topology}")
-    step_ends = np.sort(
-        [s["start"] + s["seconds"] for role, ss in raw if role != "decode" for s in ss if s["prefill_tokens"]]
-    )
+    step_ends = np.sort([s["start"] + s["seconds"] for role, ss in raw if role == "prefill" for s in ss])
     lines = []
     for rate in rates:
         reqs = requests(run / f"real-{topology}-{rate:g}.json")
@@ -144,7 +145,7 @@ def overlap_table(steps: list[TracedStep], prefill_ends: np.ndarray) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", type=Path, required=True, help="a bench.simulator.validate --out folder")
-    p.add_argument("--topology", default="1P+1D")
+    p.add_argument("--topology", default="1P+1D", help="a prefill + decode topology of the run")
     p.add_argument("--rates", default="1,3,6")
     args = p.parse_args(argv)
     print(analyse(args.run, args.topology, [float(r) for r in args.rates.split(",")]))
