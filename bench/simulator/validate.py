@@ -8,10 +8,11 @@ models:
 - in-process: the CPU model calibrated on the engine alone (`pagemesh simulate calibrate`);
 - in-mesh: a model per worker role fitted to every step the mesh's workers ran during this very
   run (PAGEMESH_STEP_TRACE, whole cycles with the host work between steps, the slowdown while
-  another worker steps, the jitter; pooled over the rates: bench/simulator/role_cost.py), plus a
-  fixed per-request cost measured before the rates: a probe of requests sent one at a time, real
-  TTFT minus simulated TTFT. The jitter makes a run depend on its seed, so the in-mesh model runs
-  `--sim-seeds` times; the table gives the median over seeds.
+  another worker steps, the jitter, the host's slow seconds; pooled over the rates:
+  bench/simulator/role_cost.py), plus a fixed per-request cost measured before the rates: a
+  probe of requests sent one at a time, real TTFT minus simulated TTFT. The jitter makes a run
+  depend on its seed, so the in-mesh model runs `--sim-seeds` times; the table gives the median
+  over seeds.
 
 Each rate runs for about `--seconds-per-rate` (at least `--num-prompts` requests), so that a
 p99 rests on more than one request; the p99 table gives the real p99's bootstrap interval
