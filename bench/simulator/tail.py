@@ -13,7 +13,8 @@ Printed, per rate: for the slowest 5% of requests by TPOT, the middle 20% and al
 what their decode stretch (first token to last) met — the decode steps' ratio of measured time
 to the role's model (with its contention term, without jitter or host slowdown), the other
 workers' steps' ratio over the same stretch, the share of it another worker was mid-step, the
-mean decode batch — and each one's correlation with TPOT over the requests. Then the decode
+mean decode batch — and each one's correlation with TPOT over the requests; and whether the two
+workers' steps ran slow at the same times (per 2 s window, their mean ratios). Then the decode
 steps' cycles by rows and by what overlapped them: nothing, another worker's step throughout,
 or the end of a prefill step (a KV handoff arriving).
 """
@@ -115,9 +116,33 @@ def analyse(run: Path, topology: str, rates: list[float]) -> str:
             ok = ~np.isnan(table[:, k])
             corr.append(f"{np.corrcoef(table[ok, 0], table[ok, k])[0, 1]:+.2f}" if ok.sum() > 2 else "—")
         lines.append("| correlation with TPOT | | " + " | ".join(corr) + " |")
+        span = (min(q["first"] for q in reqs) + offset, max(q["end"] for q in reqs) + offset)
+        together, windows = window_correlation((own_t, own_r), (other_t, other_r), *span)
+        lines.append(
+            f"per {WINDOW_S:g} s window ({windows} with steps of both workers): "
+            f"their mean step/model ratios correlate {together:+.2f}"
+        )
     lines.append(f"\n{decode_role} step cycles (median ms) by what overlapped them:")
     lines.append(overlap_table(own, step_ends))
     return "\n".join(lines)
+
+
+WINDOW_S = 2.0  # the windows in which the two workers' slowdowns are compared
+
+
+def window_correlation(
+    a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray], t0: float, t1: float
+) -> tuple[float, int]:
+    """Correlation, over the WINDOW_S windows from t0 to t1 in which both (start times, ratios)
+    have steps, of their mean ratios (whether the two workers slow down together), and how many
+    windows that was."""
+    pairs = []
+    for t in np.arange(t0, t1, WINDOW_S):
+        x = a[1][(a[0] >= t) & (a[0] < t + WINDOW_S)]
+        y = b[1][(b[0] >= t) & (b[0] < t + WINDOW_S)]
+        if len(x) and len(y):
+            pairs.append((x.mean(), y.mean()))
+    return (float(np.corrcoef(np.array(pairs).T)[0, 1]) if len(pairs) > 2 else float("nan")), len(pairs)
 
 
 def overlap_table(steps: list[TracedStep], prefill_ends: np.ndarray) -> str:
