@@ -6,8 +6,8 @@ step traces, request by request (how docs/experiments/simulator.md checked the p
 DIR is a `bench.simulator.validate --out DIR` folder: real-TOPOLOGY-RATE.json (each request's
 send time, TTFT, latency) and steps-TOPOLOGY/ (every worker step, on the system-wide
 perf_counter clock). The client's clock is put on the trace's by the first tokens: each one
-reaches the client a few ms after a prefill (or mixed) step ends, so the offset is the one that
-puts the first tokens nearest after step ends.
+reaches the client a few ms after a prefill step ends, so the offset is the one that puts the
+first tokens nearest after step ends.
 
 Printed, per rate: for the slowest 5% of requests by TPOT, the middle 20% and all, the mean of
 what their decode stretch (first token to last) met — the decode steps' ratio of measured time
@@ -35,7 +35,7 @@ ROWS = ((1, 3), (3, 8), (8, 16), (16, 64))
 
 
 def requests(path: Path) -> list[dict]:
-    """Each completed request's send time, first-token time and end (client clock, s) and TPOT (ms)."""
+    """Each completed request's first-token time and end (client clock, s) and TPOT (ms)."""
     r = json.loads(path.read_text())["points"][0]["requests"]
     out = []
     for i, start in enumerate(r["starts"]):
@@ -69,7 +69,10 @@ def analyse(run: Path, topology: str, rates: list[float]) -> str:
     decode_role = "decode"
     own = [s for role, ss in workers if role == decode_role for s in ss]
     others = [(role, s) for role, ss in workers if role != decode_role for s in ss]
-    ratio = lambda role, s: s.seconds / model.for_role(role).step_time(s.shape, s.others_busy)  # noqa: E731
+
+    def ratio(role: str, s: TracedStep) -> float:
+        return s.seconds / model.for_role(role).step_time(s.shape, s.others_busy)
+
     own_t = np.array([s.start for s in own])
     own_r = np.array([ratio(decode_role, s) for s in own])
     own_rows = np.array([s.shape.decode_rows for s in own])
