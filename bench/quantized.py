@@ -163,7 +163,7 @@ def llama_positions(args: argparse.Namespace) -> None:
     runners, references = {}, {}
     for dtype in args.dtypes:
         rows = [(f"{dtype} {label}", default_model_path(), q) for label, q in formats]
-        rows += [(f"{dtype} gguf: {label}", path, "gguf") for label, path in (g.split("=", 1) for g in args.gguf)]
+        rows += [(f"{dtype} gguf: {label}", Path(path), "gguf") for label, path in (g.split("=", 1) for g in args.gguf)]
         for label, path, q in rows:
             model = load_model(path, getattr(torch, dtype), torch.device("cpu"), quantization=q)
             runners[label], references[label] = make_runner(model, base.n_ctx), rows[0][0]

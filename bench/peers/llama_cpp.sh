@@ -86,7 +86,11 @@ quant_gguf() {  # the GGUF of one quantization: q4_1 is the shipped file, others
             upper=$(echo "$1" | tr '[:lower:]' '[:upper:]')
             if [ ! -f "$stem.$upper.gguf" ]; then
                 cmake --build "$BUILD" -j "$JOBS" --target llama-quantize >&2
-                "$BUILD/bin/llama-quantize" "$stem.F16.gguf" "$stem.$upper.gguf" "$upper" >&2
+                # its log says which tensors fell back to other types (SmolLM2's 576 columns are
+                # not a multiple of 256, so a Q4_K_M file is mostly Q5_0 and Q8_0)
+                "$BUILD/bin/llama-quantize" "$stem.F16.gguf" "$stem.$upper.gguf" "$upper" \
+                    > "$stem.$upper.quantize.log" 2>&1
+                echo "made $stem.$upper.gguf (log: $stem.$upper.quantize.log)" >&2
             fi
             echo "$stem.$upper.gguf"
             ;;
@@ -111,7 +115,7 @@ perplexity() {
         "$BUILD/bin/llama-perplexity" -m "$model" "${common[@]}" --kl-divergence-base "$out/f16-c$ctx.logits" \
             --kl-divergence > "$out/$quant-c$ctx.log" 2>&1
         echo "$quant ($model):"
-        grep -E "Mean PPL\(Q\)|Mean PPL\(base\)|Mean +KLD|Same top p" "$out/$quant-c$ctx.log"
+        grep -E "^(Mean PPL\((Q|base)\) +:|Mean +KLD|Same top p:)" "$out/$quant-c$ctx.log"
     done
     echo "base log-probs: $out/f16-c$ctx.logits (bench/quantized.py llama-positions --base-logits)"
 }
