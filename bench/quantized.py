@@ -4,6 +4,9 @@
     python bench/quantized.py speed [--prompt-len 128] [--tokens 128] [--repeats 2]
     python bench/quantized.py linears [--rows 1] [--repeats 20]
     python bench/quantized.py prefill [--prompt-len 128] [--repeats 5]
+    python bench/quantized.py llama-positions --base-logits FILE [--dtypes bfloat16 float32]
+        [--gguf LABEL=PATH] [--llama-log LABEL=PATH] [--out F]   (after bench/peers/llama_cpp.sh perplexity)
+    python bench/quantized.py texts --out FILE
 
 `quality` runs the default model (the shipped Q4_1 GGUF) dense in bf16 (`none`, the reference),
 then `int8` and `gguf`, over fixed texts that ship with the dependencies (a license, Python
@@ -19,6 +22,9 @@ after the prefill; the machine's load average is printed beside the figures.
 model's shapes, so they stream from memory as in a real step, and the LM head), per format:
 bf16 packed for oneDNN (the `none` path without AMX), int8 and Q4_1 as served
 (`layers.quantized_linear`: the C kernel, or W widened to bf16 from DEQUANTIZE_MIN_ROWS rows).
+`llama-positions`: our formats scored on exactly the positions llama.cpp's llama-perplexity
+scores, against our bf16 and against its F16 log-probabilities, beside its own rows
+(bench/llama_cpp_positions.py). `texts`: the quality texts as one file (what it reads).
 `prefill`: one prompt's prefill (a single forward of --prompt-len tokens) per format, A-B-C
 repeated, median ms: the TTFT of one stream without the gateway.
 """
