@@ -4,6 +4,9 @@
     python bench/quantized.py speed [--prompt-len 128] [--tokens 128] [--repeats 2]
     python bench/quantized.py linears [--rows 1] [--repeats 20]
     python bench/quantized.py prefill [--prompt-len 128] [--repeats 5]
+    python bench/quantized.py llama-positions --base-logits FILE [--dtypes bfloat16 float32]
+        [--gguf LABEL=PATH] [--llama-log LABEL=PATH] [--out F]   (after bench/peers/llama_cpp.sh perplexity)
+    python bench/quantized.py texts --out FILE
 
 `quality` runs the default model (the shipped Q4_1 GGUF) dense in bf16 (`none`, the reference),
 then `int8` and `gguf`, over fixed texts that ship with the dependencies (a license, Python
@@ -19,6 +22,9 @@ after the prefill; the machine's load average is printed beside the figures.
 model's shapes, so they stream from memory as in a real step, and the LM head), per format:
 bf16 packed for oneDNN (the `none` path without AMX), int8 and Q4_1 as served
 (`layers.quantized_linear`: the C kernel, or W widened to bf16 from DEQUANTIZE_MIN_ROWS rows).
+`llama-positions`: our formats scored on exactly the positions llama.cpp's llama-perplexity
+scores, against our bf16 and against its F16 log-probabilities, beside its own rows
+(bench/llama_cpp_positions.py). `texts`: the quality texts as one file (what it reads).
 `prefill`: one prompt's prefill (a single forward of --prompt-len tokens) per format, A-B-C
 repeated, median ms: the TTFT of one stream without the gateway.
 """
@@ -80,6 +86,12 @@ def quality_texts() -> dict[str, str]:
     }
 
 
+def write_texts(args: argparse.Namespace) -> None:
+    """The quality texts as one file (in `quality_texts` order, a blank line between them): the
+    text llama.cpp's llama-perplexity reads (bench/peers/llama_cpp.sh perplexity)."""
+    Path(args.out).write_text("\n\n".join(quality_texts().values()))
+
+
 def prompt_logits(runner: ModelRunner, token_ids: list[int]) -> torch.Tensor:
     """fp32 logits [T, vocab] at every position of one sequence, in one forward pass."""
     n = len(token_ids)
@@ -139,6 +151,36 @@ def quality(args: argparse.Namespace) -> None:
     print(table)
     if args.out:
         Path(args.out).write_text(table)
+
+
+def llama_positions(args: argparse.Namespace) -> None:
+    """Our formats on llama-perplexity's positions (bench/llama_cpp_positions.py), beside llama.cpp."""
+    from bench import llama_cpp_positions as lcp
+    from tests.default_model import tokenizer
+
+    if not args.served:
+        layers.DEQUANTIZE_MIN_ROWS = 1 << 30
+    base = lcp.read_base_logits(args.base_logits)
+    tok = tokenizer()
+    ours_ids = tok.encode("\n\n".join(quality_texts().values()))[: len(base.tokens)]
+    same = sum(a == b for a, b in zip(ours_ids, base.tokens.tolist()))
+    print(f"our tokenizer gives llama.cpp's token at {same}/{len(base.tokens)} places (we score its tokens)")
+    formats = [("Q4_1 dequantized", "none"), ("int8 blocks of 32", "int8"), ("gguf: Q4_1 (Q8_0 LM head)", "gguf")]
+    runners, references = {}, {}
+    for dtype in args.dtypes:
+        rows = [(f"{dtype} {label}", default_model_path(), q) for label, q in formats]
+        rows += [(f"{dtype} gguf: {label}", Path(path), "gguf") for label, path in (g.split("=", 1) for g in args.gguf)]
+        for label, path, q in rows:
+            model = load_model(path, getattr(torch, dtype), torch.device("cpu"), quantization=q)
+            runners[label], references[label] = make_runner(model, base.n_ctx), rows[0][0]
+    bos = tok.bos_token_id if tok.add_bos else None
+    ours = lcp.score(base, runners, references, prompt_logits, bos, args.chunks)
+    theirs = lcp.llama_rows(dict(g.split("=", 1) for g in args.llama_log))
+    text = lcp.table(ours, theirs, base)
+    load = os.getloadavg()
+    print(text + f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    if args.out:
+        Path(args.out).write_text(text)
 
 
 def quality_table(results: dict[str, dict[str, float]], positions: int) -> str:
@@ -268,8 +310,25 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--formats", nargs="+", default=list(QUANTIZATIONS), choices=list(QUANTIZATIONS))
+    lp = sub.add_parser("llama-positions", help="llama-perplexity's positions (bench/peers/llama_cpp.sh perplexity)")
+    lp.add_argument("--base-logits", required=True, help="llama-perplexity --kl-divergence-base FILE (its F16 run)")
+    lp.add_argument("--gguf", action="append", default=[], help="LABEL=PATH: one more GGUF served with gguf")
+    lp.add_argument("--llama-log", action="append", default=[], help="LABEL=PATH: a --kl-divergence log")
+    lp.add_argument("--chunks", type=int, default=None)
+    lp.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"])
+    lp.add_argument("--served", action="store_true", help="prefill rows widen W to bf16, as served")
+    lp.add_argument("--out", default=None)
+    t = sub.add_parser("texts")
+    t.add_argument("--out", required=True)
     args = parser.parse_args()
-    {"quality": quality, "speed": speed, "linears": linears, "prefill": prefill}[args.command](args)
+    {
+        "texts": write_texts,
+        "llama-positions": llama_positions,
+        "quality": quality,
+        "speed": speed,
+        "linears": linears,
+        "prefill": prefill,
+    }[args.command](args)
 
 
 if __name__ == "__main__":

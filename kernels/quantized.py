@@ -10,6 +10,8 @@ of 32 codes, an fp16 scale d and an fp16 offset c:
     q4_1     4     GGUF nibbles (0..15)    m          a GGUF Q4_1 tensor, bit for bit
     q8_0     8     int8 + 128              -128 d     a GGUF Q8_0 tensor, bit for bit
     int8     8     int8 + 128              -128 d     any dense weight (`quantize_int8`): d = max|w| / 127
+    q4_k     4     Q4_K sub-block codes    -dmin m    a GGUF Q4_K tensor (kernels/gguf_conversions.py)
+    u8       8     codes as they are       any        GGUF Q5_0/Q5_1/Q5_K, or 4-bit parts widened
 
 4-bit codes are two to a byte in GGUF's order: byte j of a block holds code j in its low nibble
 and code j + 16 in its high one. The matmul kernels (`kernels.cpu.quant`, `kernels.quant_matmul`)
@@ -26,6 +28,8 @@ import torch
 
 BLOCK = 32
 FORMATS = {"q4_0": 4, "q4_1": 4, "q8_0": 8, "int8": 8}
+# converted GGUF types (kernels/gguf_conversions.py): Q4_K sub-blocks; any codes one per byte
+FORMATS.update(q4_k=4, u8=8)
 # GGUF tensor type name -> (our format, bytes per block)
 GGUF_BLOCK_FORMATS = {"Q4_0": ("q4_0", 18), "Q4_1": ("q4_1", 20), "Q8_0": ("q8_0", 34)}
 

@@ -8,6 +8,13 @@
 #                                             run llama-server on 127.0.0.1:PORT (foreground)
 #   bench/peers/llama_cpp.sh describe [q4_1|f16] [SLOTS]
 #                                             one line: how `serve` runs it
+#   bench/peers/llama_cpp.sh perplexity [CTX] [QUANT...]
+#                                             build llama-perplexity (and a Q4_K_M GGUF when QUANT
+#                                             names q4_k_m), run it on the quality texts: the F16
+#                                             GGUF saves its log-probs (--kl-divergence-base), then
+#                                             each QUANT (default q4_1) gives its KL divergence,
+#                                             top-token agreement and perplexity against them; logs
+#                                             and the base file in $PEERS_DIR/llama_cpp/quality
 #
 # PEERS_DIR (default /work/peers) holds everything; PYTHON is the interpreter that can import
 # the project (to find the default GGUF). Its AMX kernels crash on this VM: always --no-repack.
@@ -67,9 +74,56 @@ describe() {
     echo "llama-server ($version), $variant, -np $slots -c ${CTX:-16384} -t ${THREADS:-2} --no-repack (its AMX repack crashes on this VM), GGML_NATIVE build"
 }
 
+quant_gguf() {  # the GGUF of one quantization: q4_1 is the shipped file, others made from F16
+    local q41 stem
+    q41=$(default_gguf)
+    stem=$ROOT/$(basename "${q41%.Q4_1.gguf}")
+    case $1 in
+        q4_1) echo "$q41" ;;
+        f16) echo "$stem.F16.gguf" ;;
+        *)
+            local upper
+            upper=$(echo "$1" | tr '[:lower:]' '[:upper:]')
+            if [ ! -f "$stem.$upper.gguf" ]; then
+                cmake --build "$BUILD" -j "$JOBS" --target llama-quantize >&2
+                # its log says which tensors fell back to other types (SmolLM2's 576 columns are
+                # not a multiple of 256, so a Q4_K_M file is mostly Q5_0 and Q8_0)
+                "$BUILD/bin/llama-quantize" "$stem.F16.gguf" "$stem.$upper.gguf" "$upper" \
+                    > "$stem.$upper.quantize.log" 2>&1
+                echo "made $stem.$upper.gguf (log: $stem.$upper.quantize.log)" >&2
+            fi
+            echo "$stem.$upper.gguf"
+            ;;
+    esac
+}
+
+perplexity() {
+    local ctx=${1:-512} out=$ROOT/quality quant model
+    shift || true
+    [ $# -gt 0 ] || set -- q4_1
+    [ -x "$BUILD/bin/llama-server" ] && [ -f "$(quant_gguf f16)" ] || build
+    [ -x "$BUILD/bin/llama-perplexity" ] || cmake --build "$BUILD" -j "$JOBS" --target llama-perplexity
+    mkdir -p "$out"
+    (cd "$REPO" && "$PYTHON" bench/quantized.py texts --out "$out/texts.txt")
+    # -b CTX: one chunk per batch (the scores do not depend on it); --no-repack: the AMX repack crashes here
+    local common=(-f "$out/texts.txt" -c "$ctx" -b "$ctx" -t "${THREADS:-2}" --no-repack)
+    "$BUILD/bin/llama-perplexity" -m "$(quant_gguf f16)" "${common[@]}" \
+        --kl-divergence-base "$out/f16-c$ctx.logits" > "$out/f16-c$ctx.log" 2>&1
+    grep "Final estimate" "$out/f16-c$ctx.log" | sed 's/^.* I /f16: /'
+    for quant in "$@"; do
+        model=$(quant_gguf "$quant")
+        "$BUILD/bin/llama-perplexity" -m "$model" "${common[@]}" --kl-divergence-base "$out/f16-c$ctx.logits" \
+            --kl-divergence > "$out/$quant-c$ctx.log" 2>&1
+        echo "$quant ($model):"
+        grep -E "^(Mean PPL\((Q|base)\) +:|Mean +KLD|Same top p:)" "$out/$quant-c$ctx.log"
+    done
+    echo "base log-probs: $out/f16-c$ctx.logits (bench/quantized.py llama-positions --base-logits)"
+}
+
 case ${1:-} in
     build) build ;;
+    perplexity) shift; perplexity "$@" ;;
     serve) shift; serve "$@" ;;
     describe) shift; describe "$@" ;;
-    *) sed -n '2,14p' "$0"; exit 2 ;;
+    *) sed -n '2,21p' "$0"; exit 2 ;;
 esac

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from common.model_config import ModelConfig, read_model_config
+from kernels.gguf_conversions import GGUF_CONVERSIONS, from_gguf_converted
 from kernels.quantized import GGUF_BLOCK_FORMATS, QuantizedWeight, from_gguf_blocks
 from workers.model.layers import ParallelContext
 from workers.model.llama import LlamaForCausalLM
@@ -122,6 +123,7 @@ def _gguf_weights(
     from common.gguf_file import read_gguf
 
     reader = read_gguf(path)
+    routes: dict[str, list[str]] = {}
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             raise ValueError("model: GGUF with rope_freqs (llama3 scaling) is not supported; use the HF folder")
@@ -141,14 +143,24 @@ def _gguf_weights(
                 if rope_heads is not None:
                     tensor = _unpermute_rope_rows(tensor, rope_heads)
         if blocks is not None and _is_linear_weight(t.name):
-            if t.tensor_type.name in GGUF_BLOCK_FORMATS:
-                qw = from_gguf_blocks(t.tensor_type.name, t.data)
-                if rope_heads is not None:
-                    qw = permute_rows(qw, _unpermute_rope_rows(torch.arange(qw.shape[0]), rope_heads))
-                blocks[name] = qw
+            gtype = t.tensor_type.name
+            qw = None
+            if gtype in GGUF_BLOCK_FORMATS:
+                qw = from_gguf_blocks(gtype, t.data)
+            elif gtype in GGUF_CONVERSIONS:
+                qw = from_gguf_converted(gtype, t.data)
+                routes.setdefault(gtype, []).append(t.name)
             else:
-                log.info("quantization gguf: %s is %s, served dense", t.name, t.tensor_type.name)
+                log.info("quantization gguf: %s is %s, served dense", t.name, gtype)
+            if qw is not None and rope_heads is not None:
+                qw = permute_rows(qw, _unpermute_rope_rows(torch.arange(qw.shape[0]), rope_heads))
+            if qw is not None:
+                blocks[name] = qw
         yield name, tensor
+    for kind, names in routes.items():  # which tensors took which route (kernels/gguf_conversions.py)
+        log.info(
+            "quantization gguf: %d %s tensors as %s: %s", len(names), kind, GGUF_CONVERSIONS[kind][2], " ".join(names)
+        )
 
 
 def _is_linear_weight(gguf_name: str) -> bool:

@@ -3,8 +3,9 @@
     none   the dense weights as loaded (a GGUF is dequantized at load): today's path
     int8   every linear weight and the LM head rounded at load to int8 blocks of 32 with an fp16
            scale each (`kernels.quantized.quantize_int8`), from any checkpoint
-    gguf   a GGUF's own Q4_0 / Q4_1 / Q8_0 blocks kept bit for bit; a tensor of another type
-           stays dense (bf16/fp32, dequantized as today), with a log line
+    gguf   a GGUF's own Q4_0 / Q4_1 / Q8_0 blocks kept bit for bit; Q5_0, Q5_1 and the K-quants
+           converted (kernels/gguf_conversions.py, one log line per route); a tensor of another
+           type stays dense (bf16/fp32, dequantized as today), with a log line
 
 The quantized weight sits in the linear's `packed` slot (`workers.model.layers.linear` runs the
 quantized matmul for it) and the dense one is released; the token embedding keeps its dense
@@ -17,6 +18,7 @@ import logging
 
 import torch
 
+from kernels.gguf_conversions import fusable
 from kernels.quantized import BLOCK, QuantizedWeight, concat_rows, quantize_int8
 from workers.engine.config import QUANTIZATIONS  # noqa: F401  (the names live with the flag)
 from workers.model.layers import ColumnParallelLinear, RowParallelLinear, VocabEmbedding
@@ -58,8 +60,9 @@ def install_gguf_weights(model, blocks: dict[str, QuantizedWeight]) -> int:
 
 
 def _install_column(m: ColumnParallelLinear, parts: list[QuantizedWeight | None]) -> int:
-    if any(p is None for p in parts) or len({p.format for p in parts}) != 1:
+    if any(p is None for p in parts):
         return 0
+    parts = fusable(parts)  # a K-quant file mixes types within one fused weight
     shards = [p.rows(*m.tp.shard(size, "output")) for p, size in zip(parts, m.output_sizes)]
     _install(m, concat_rows(shards).to(m.weight.device), release=True)
     return 1
