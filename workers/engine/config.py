@@ -146,6 +146,14 @@ def add_engine_arguments(parser) -> None:
         help="pipeline stages per worker, each with a contiguous range of the layers and -tp ranks (any role: "
         "KV pages go stage j to stage j; activations go stage to stage, the last stage's logits back to rank 0)",
     )
+    add(
+        parser,
+        "--max-steps-in-flight",
+        None,
+        type=int,
+        help="with -pp M: steps launched before the oldest one's output is applied (default M, one per stage; "
+        "1: one step at a time); ignored without pipeline stages",
+    )
     add(parser, "--dtype", "auto", choices=["auto", *DTYPES], help="weights, activations and KV dtype")
     add(
         parser,
@@ -242,6 +250,7 @@ ENGINE_FLAGS = (
     "kv_cache_dtype",
     "quantization",
     "speculative_config",
+    "max_steps_in_flight",
 )
 
 
@@ -272,6 +281,7 @@ def engine_config_from_args(args) -> EngineConfig:
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         speculative_config=SpeculativeConfig.from_json(args.speculative_config),
+        max_steps_in_flight=args.max_steps_in_flight,
     )
 
 
