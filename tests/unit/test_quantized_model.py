@@ -76,8 +76,8 @@ def test_quantization_is_checked_where_it_is_configured():
     assert EngineConfig().quantization == "none"
     with pytest.raises(ValueError, match="quantization: must be one of none, int8, gguf"):
         EngineConfig(quantization="int4")
-    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
-        EngineConfig(quantization="gguf", tensor_parallel_size=2)
+    # each rank holds its shard quantized (tests/integration/test_parallel_quantized.py)
+    assert EngineConfig(quantization="gguf", tensor_parallel_size=3, pipeline_parallel_size=2).quantization == "gguf"
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     args = parser.parse_args(["--quantization", "gguf"])
@@ -91,3 +91,52 @@ def test_gguf_quantization_needs_a_gguf_file(tmp_path):
         load_model(tmp_path, torch.bfloat16, CPU, quantization="gguf")
     with pytest.raises(ValueError, match="quantization: must be one of"):
         load_model(default_model_path(), torch.bfloat16, CPU, quantization="int4")
+
+
+def _shard(cfg, rank: int, size: int):
+    from workers.model.layers import ParallelContext
+    from workers.model.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM(cfg, ParallelContext(rank, size))
+    model.init_random(0)
+    return model
+
+
+def test_a_row_parallel_shard_off_the_blocks_is_refused_naming_the_layer():
+    """MLP of 192: tp 2 cuts down_proj's inputs into 96 (three blocks of 32) a rank, tp 4 into 48
+    (a block and a half): refused, for int8 and for a GGUF's blocks, naming the layer."""
+    from common.model_config import ModelConfig
+    from kernels.quantized import quantize_int8
+    from workers.model.quantization import install_gguf_weights
+
+    cfg = ModelConfig(
+        architecture="llama",
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=192,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=32,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
+    whole = _shard(cfg, 0, 1)
+    ok = _shard(cfg, 1, 2)
+    assert quantize_int8_model(ok) == 5  # qkv, o, gate_up, down, the LM head
+    assert ok.layers[0].mlp.down_proj.packed.shape == (128, 96)
+    with pytest.raises(ValueError, match=r"int8: layers.0.mlp.down_proj has 192 inputs.*size 4.*48 a rank"):
+        quantize_int8_model(_shard(cfg, 1, 4))
+    blocks = {
+        "model.layers.0.mlp.down_proj.weight": quantize_int8(whole.layers[0].mlp.down_proj.weight.detach()),
+    }
+    part = _shard(cfg, 2, 4)
+    with pytest.raises(ValueError, match=r"gguf: model.layers.0.mlp.down_proj has 192 inputs.*columns 96:144"):
+        install_gguf_weights(part, blocks)
+    half = _shard(cfg, 1, 2)
+    assert install_gguf_weights(half, blocks) == 1  # whole blocks: the second rank's are columns 96:192
+    assert torch.equal(
+        half.layers[0].mlp.down_proj.packed.codes, blocks["model.layers.0.mlp.down_proj.weight"].codes[:, 96:]
+    )

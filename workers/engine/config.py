@@ -58,10 +58,6 @@ class EngineConfig:
             raise ValueError("device: must be auto, cpu or cuda")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}")
-        if self.quantization != "none" and (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1):
-            raise ValueError(
-                "quantization: int8 and gguf run with tensor_parallel_size 1 and pipeline_parallel_size 1 for now"
-            )
         if self.page_size < 1 or self.page_size & (self.page_size - 1) or self.page_size > 128:
             raise ValueError("page_size: must be a power of two up to 128")
         if not 0 < self.gpu_memory_fraction <= 1:
@@ -90,11 +86,6 @@ class EngineConfig:
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: must be one of {list(KV_CACHE_DTYPES)}")
-        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            # the scales are calibrated by one forward pass on rank 0 alone
-            raise ValueError(
-                "kv_cache_dtype: an fp8 KV cache needs tensor_parallel_size 1 and pipeline_parallel_size 1"
-            )
 
     def resolve_device(self) -> torch.device:
         import torch

@@ -220,6 +220,9 @@ class Engine:
             shm_path=self.shm_path,
             shm_numel=self.shm_numel,
             pipeline_size=self.config.pipeline_parallel_size,
+            quantization=self.config.quantization,
+            kv_cache_dtype=self.config.kv_cache_dtype,
+            kv_calibration_ids=tuple(calibration_token_ids(self.tokenizer, self.model_config.vocab_size)),
         )
         return FollowerRanks(spec, model.tp.group)
 
