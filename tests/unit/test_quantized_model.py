@@ -102,14 +102,40 @@ def _shard(cfg, rank: int, size: int):
     return model
 
 
-def test_a_row_parallel_shard_off_the_blocks_is_refused_naming_the_layer():
-    """MLP of 192: tp 2 cuts down_proj's inputs into 96 (three blocks of 32) a rank, tp 4 into 48
-    (a block and a half): refused, for int8 and for a GGUF's blocks, naming the layer."""
-    from common.model_config import ModelConfig
+def test_a_pipeline_stage_takes_its_own_layers_gguf_blocks():
+    """Stage 1 of 2 (layer 1 and the LM head) installs layer 1's blocks, not layer 0's: the GGUF's
+    names are the model's, a stage's `layers[0]` is layer 1; tp rank 1 of 2 takes its shards."""
     from kernels.quantized import quantize_int8
+    from workers.model.layers import ParallelContext
+    from workers.model.llama import LlamaForCausalLM
     from workers.model.quantization import install_gguf_weights
 
-    cfg = ModelConfig(
+    cfg = dataclasses.replace(_config(), num_layers=2, tie_word_embeddings=False)
+    whole = LlamaForCausalLM(cfg)
+    whole.init_random(0)
+    blocks = {}
+    for i, layer in enumerate(whole.layers):
+        p = f"model.layers.{i}."
+        w = layer.self_attn.qkv_proj.weight.detach()
+        q, k, v = w.split([cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2)
+        blocks |= {p + "self_attn.q_proj.weight": quantize_int8(q), p + "self_attn.k_proj.weight": quantize_int8(k)}
+        blocks |= {p + "self_attn.v_proj.weight": quantize_int8(v)}
+        blocks[p + "self_attn.o_proj.weight"] = quantize_int8(layer.self_attn.o_proj.weight.detach())
+        blocks[p + "mlp.down_proj.weight"] = quantize_int8(layer.mlp.down_proj.weight.detach())
+    blocks["lm_head.weight"] = quantize_int8(whole.lm_head.weight.detach())
+    stage = LlamaForCausalLM(cfg, ParallelContext(1, 2), range(1, 2))
+    assert install_gguf_weights(stage, blocks) == 4  # layer 1: qkv, o_proj, down_proj (no gate/up given); LM head
+    o_proj = stage.layers[0].self_attn.o_proj.packed
+    assert torch.equal(o_proj.codes, blocks["model.layers.1.self_attn.o_proj.weight"].codes[:, 64:])
+    qkv = stage.layers[0].self_attn.qkv_proj.packed
+    assert torch.equal(qkv.codes[:64], blocks["model.layers.1.self_attn.q_proj.weight"].codes[64:])
+    assert stage.lm_head.packed is not None
+
+
+def _config():
+    from common.model_config import ModelConfig
+
+    return ModelConfig(
         architecture="llama",
         vocab_size=64,
         hidden_size=128,
@@ -123,6 +149,15 @@ def test_a_row_parallel_shard_off_the_blocks_is_refused_naming_the_layer():
         rope_theta=10000.0,
         tie_word_embeddings=True,
     )
+
+
+def test_a_row_parallel_shard_off_the_blocks_is_refused_naming_the_layer():
+    """MLP of 192: tp 2 cuts down_proj's inputs into 96 (three blocks of 32) a rank, tp 4 into 48
+    (a block and a half): refused, for int8 and for a GGUF's blocks, naming the layer."""
+    from kernels.quantized import quantize_int8
+    from workers.model.quantization import install_gguf_weights
+
+    cfg = _config()
     whole = _shard(cfg, 0, 1)
     ok = _shard(cfg, 1, 2)
     assert quantize_int8_model(ok) == 5  # qkv, o, gate_up, down, the LM head
