@@ -1,6 +1,6 @@
 """KV transfer with fp8 pools, in process on a tiny random model: pack -> wire frames -> check ->
-write, as workers/llm/handoff.py does it (its per-rank calls, one rank). fp8 pages travel as bytes with their scales; a pool of
-another dtype (or other scales) converts on receipt."""
+write, as workers/llm/handoff.py does it (its per-rank calls, one rank). fp8 pages travel as
+bytes with their scales; a pool of another dtype (or other scales) converts on receipt."""
 
 from __future__ import annotations
 
