@@ -106,9 +106,12 @@ def _install(m, qw: QuantizedWeight, release: bool) -> None:
 
 
 def _linears(model):
-    for name, m in model.named_modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-            yield name, m
+    """(name, module) of every linear, named by the model's layer index (a pipeline stage's
+    `layers[0]` is layer `layer_range.start`)."""
+    for i, layer in zip(model.layer_range, model.layers, strict=True):
+        for name, m in layer.named_modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                yield f"layers.{i}.{name}", m
     if model.lm_head is not None:  # a pipeline stage before the last has none
         yield "lm_head", model.lm_head
 
