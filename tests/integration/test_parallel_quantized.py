@@ -10,7 +10,8 @@ shard is whole rows of W; a row-parallel one whole blocks of 32 input columns, s
 activation blocks are the same too), and each rank's fp8 scales are the ones a single rank
 records for its heads; only the order of the all-reduce's fp32 sum differs, which moves logits by
 ~1e-6 here, far below the gap between this model's top two logits. The gguf blocks with -tp 3
-run through the mesh (test_mesh_tensor_parallel_disagg.py).
+run through the mesh (test_mesh_tensor_parallel_disagg.py). Self-speculation with a quantized
+draft in a -tp 2 worker (the draft whole on rank 0) gives the tokens of no speculation.
 """
 
 from __future__ import annotations
@@ -70,6 +71,28 @@ def test_a_parallel_engine_generates_what_one_rank_does(tiny_llama, quantization
                 torch.testing.assert_close(torch.cat(ranks), whole, rtol=1e-5, atol=0)
         got = generate(engine)
         assert engine.scheduler.num_preemptions > 0 and engine.blocks.num_used_pages == 0
+    finally:
+        engine.close()
+        torch.distributed.destroy_process_group()
+    assert got == want
+
+
+def test_a_quantized_draft_speculates_in_a_tensor_parallel_worker(tiny_llama):
+    """`draft_quantized` with -tp 2: the int8 draft runs whole on rank 0 over its own pool (every
+    KV head), the ranks verify; greedy tokens equal the single-rank engine's without speculation."""
+    from workers.engine.speculative import SpeculativeConfig
+
+    want = generate(Engine(config(tiny_llama)))
+    draft = SpeculativeConfig.from_json(
+        '{"method": "draft_quantized", "num_speculative_tokens": 3, "quantization": "int8"}'
+    )
+    engine = Engine(config(tiny_llama, tensor_parallel_size=2, speculative_config=draft))
+    try:
+        got = generate(engine)
+        assert engine.drafter is not None and engine.drafter.forwards > 0
+        assert engine.drafter.runner.kv_cache.shape[4] == 4  # the draft's pool: every KV head
+        assert engine.runner.kv_cache.shape[4] == 2  # rank 0's: its half
+        assert engine.blocks.num_used_pages == 0
     finally:
         engine.close()
         torch.distributed.destroy_process_group()

@@ -28,11 +28,13 @@ def test_config_names_the_method_and_the_drafts_quantization():
             SpeculativeConfig.from_json(text)
 
 
-def test_the_engine_config_keeps_the_draft_on_one_rank():
+def test_the_engine_config_refuses_the_draft_beside_pipeline_stages():
     from workers.engine.config import EngineConfig
 
-    with pytest.raises(ValueError, match="draft_quantized needs tensor_parallel_size 1"):
-        EngineConfig(speculative_config=DRAFT, tensor_parallel_size=2)
+    # -tp: the draft runs whole on rank 0 (tests/integration/test_parallel_quantized.py)
+    assert EngineConfig(speculative_config=DRAFT, tensor_parallel_size=2).speculative_config == DRAFT
+    with pytest.raises(ValueError, match="draft_quantized needs pipeline_parallel_size 1"):
+        EngineConfig(speculative_config=DRAFT, pipeline_parallel_size=2)
 
 
 def test_a_draft_model_proposes_placeholders_the_engine_fills_after_planning():
