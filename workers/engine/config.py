@@ -76,8 +76,8 @@ class EngineConfig:
             raise ValueError("max_steps_in_flight: must be >= 1")
         spec = self.speculative_config
         if spec is not None and spec.method == "draft_quantized" and self.pipeline_parallel_size > 1:
-            # the draft runs whole on rank 0 (with -tp too); beside M steps in flight it would
-            # propose from tokens not yet sampled
+            # the draft runs whole on rank 0 (with -tp too); its lazy catch-up beside M steps in
+            # flight (a pipeline) has not been built or tested
             raise ValueError("speculative_config: draft_quantized needs pipeline_parallel_size 1")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: must be one of {list(KV_CACHE_DTYPES)}")
