@@ -108,3 +108,26 @@ def test_a_request_that_opts_out_runs_no_draft():
     # further one runs the one before it)
     stats = engine.stats.speculation
     assert stats.passes > 0 and engine.drafter.forwards == stats.proposed
+
+
+def test_the_kv_budget_holds_the_draft_pool_at_its_own_size():
+    """An fp8 target pool (1 byte a value) beside the draft's (the model dtype, fp32 here: 4):
+    the pages a KV budget buys count both at their own sizes."""
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import Engine
+
+    model = _tiny_engine(None).runner.model
+    budget_gb = 0.001
+    config = EngineConfig(
+        device="cpu", dtype="float32", kv_cache_memory_gb=budget_gb, kv_cache_dtype="fp8_e4m3", speculative_config=DRAFT
+    )
+    engine = Engine(config, model=model)
+    assert engine.drafter is not None
+    target, draft = (
+        r.kv_cache[:, 0].numel() * r.kv_cache.element_size() for r in (engine.runner, engine.drafter.runner)
+    )
+    assert (target, draft) == (
+        2 * 2 * 16 * 1 * 16 * 1,
+        2 * 2 * 16 * 1 * 16 * 4,
+    )  # layers x K|V x slots x head x dim x bytes
+    assert engine.runner.kv_cache.shape[1] == int(budget_gb * 2**30 // (target + draft))
