@@ -29,6 +29,16 @@ pytestmark = pytest.mark.skipif(not quant.available(), reason=f"quantized C kern
 tiny_llama = tp_tests.tiny_llama
 
 
+@pytest.fixture(autouse=True)
+def one_thread_a_rank():
+    """Rank 0 gives each follower as many torch threads as it has: one each, so that two ranks
+    fit two cores (oversubscribed, a loaded machine's OpenMP barriers made a step 5-10x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def generate(engine: Engine) -> list[list[list[int]]]:
     gen = torch.Generator().manual_seed(11)
     shared = torch.randint(0, 256, (24,), generator=gen).tolist()
@@ -45,7 +55,7 @@ def config(folder, **parallel) -> EngineConfig:
 @pytest.mark.parametrize(
     ("quantization", "kv_cache_dtype", "parallel"),
     [("int8", "fp8_e4m3", {"tensor_parallel_size": 2}), ("int8", "fp8_e5m2", {"pipeline_parallel_size": 2})],
-    ids=["int8-fp8kv-tp2", "int8-fp8kv-pp2"],  # (dense fp32 weights run 5-10x slower on a loaded machine)
+    ids=["int8-fp8kv-tp2", "int8-fp8kv-pp2"],
 )
 def test_a_parallel_engine_generates_what_one_rank_does(tiny_llama, quantization, kv_cache_dtype, parallel):
     kinds = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype)
