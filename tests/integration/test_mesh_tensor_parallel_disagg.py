@@ -1,21 +1,26 @@
 """Disaggregation between parallel workers in the real mesh, driven by the official openai client:
-`pagemesh up -tp 3` (one prefill and one decode worker of three ranks each, SmolLM2-135M's 3 KV
-heads one per rank) and `pagemesh up -pp 2` (two pipeline stages each, layers [0, 15) and [15,
-30)). Each rank's KV pages go to the decode worker's same rank (its heads, its stage's layers;
-relayed by the two rank-0 processes, one KVPagesHeader per rank); greedy text equals the
-single-rank engine's, for a completion with n = 2 and a streamed chat.
+`pagemesh up -tp 3 --quantization gguf --kv-cache-dtype fp8_e4m3` (one prefill and one decode
+worker of three ranks each, SmolLM2-135M's 3 KV heads one per rank, every rank's linears on its
+shard of the GGUF's Q4_1 blocks, its KV pool fp8 with its heads' scales) and `pagemesh up -pp 2`
+(dense; two pipeline stages each, layers [0, 15) and [15, 30)). Each rank's KV pages go to the
+decode worker's same rank (its heads, its stage's layers; relayed by the two rank-0 processes,
+one KVPagesHeader per rank, an fp8 part with its rank's scales); greedy text equals the
+single-rank engine's of the same quantization and KV dtype, for a completion with n = 2 and a
+streamed chat.
 """
 
 from __future__ import annotations
 
 import json
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
 
 from bench.local_mesh import HANG_S, SeparateProcesses, wait_until
 from common.model_files import DEFAULT_MODEL_NAME
+from tests.default_model import tokenizer
 from tests.integration.conftest import greedy_texts, openai_client
 from tests.integration.test_mesh_tensor_parallel import children, is_rank, stream_text
 
@@ -25,6 +30,7 @@ MODEL = DEFAULT_MODEL_NAME
 PROMPT = "The three primary colours are red, yellow and blue. Mixing two of them gives the secondary colours:"
 CHAT = "Name a fruit that is yellow."
 MAX_TOKENS = 8
+PAGE_SIZE = 16  # pagemesh up's default
 
 
 def start_mesh(run_dir, *parallel: str):
@@ -35,9 +41,12 @@ def start_mesh(run_dir, *parallel: str):
         yield procs
 
 
+QUANTIZED = ("--quantization", "gguf", "--kv-cache-dtype", "fp8_e4m3")
+
+
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    yield from start_mesh(tmp_path_factory.mktemp("tp-disagg-mesh"), "-tp", "3")
+    yield from start_mesh(tmp_path_factory.mktemp("tp-disagg-mesh"), "-tp", "3", *QUANTIZED)
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +91,33 @@ def check_greedy_text_and_handoff(mesh, client, offline, ranks: int) -> None:
     assert status_workers(mesh)["prefill-0"]["kv"]["bytes_sent"] > 0
 
 
-def test_greedy_text_through_tensor_parallel_prefill_and_decode_equals_the_single_rank_engine(mesh, client, offline):
-    check_greedy_text_and_handoff(mesh, client, offline, ranks=3)
+@pytest.fixture(scope="module")
+def offline_quantized():
+    """The single-rank engine's text with the mesh's gguf weights and fp8 KV pool (fp32)."""
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import Engine
+
+    engine = Engine(EngineConfig(dtype="float32", num_pages=256, quantization="gguf", kv_cache_dtype="fp8_e4m3"))
+    return greedy_texts(engine, [PROMPT, [{"role": "user", "content": CHAT}]], MAX_TOKENS)
+
+
+def test_quantized_fp8_tensor_parallel_prefill_and_decode_give_the_single_rank_engines_text(
+    mesh, client, offline_quantized
+):
+    # (the dense fp32 engine gives these two texts too: what shows the mesh ran quantized and
+    # fp8 is below, the ranks' command lines and the bytes that crossed)
+    check_greedy_text_and_handoff(mesh, client, offline_quantized, ranks=3)
+    for name in ("prefill-0", "decode-0"):
+        for pid in [pid for pid in children(mesh.children[name].pid) if is_rank(pid)]:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            assert b"--quantization=gguf" in argv and b"--kv-cache-dtype=fp8_e4m3" in argv
+    # every rank's part: its KV head's pages of the 30 layers in fp8, one byte a value (fp32: 4)
+    tok = tokenizer()
+    prompts = [tok.encode(PROMPT), tok.encode_chat([{"role": "user", "content": CHAT}])]
+    pages = sum(-(-len(ids) // PAGE_SIZE) for ids in prompts)
+    want = pages * 3 * (30 * 2 * PAGE_SIZE * 1 * 64)  # ranks x (layers x K|V x slots x a head x head_dim)
+    assert wait_until(lambda: status_workers(mesh)["decode-0"]["kv"]["bytes_received"] == want)
+    assert status_workers(mesh)["prefill-0"]["kv"]["bytes_sent"] == want
 
 
 def test_greedy_text_through_pipeline_parallel_prefill_and_decode_equals_the_single_rank_engine(pp_mesh, offline):

@@ -28,11 +28,13 @@ def test_config_names_the_method_and_the_drafts_quantization():
             SpeculativeConfig.from_json(text)
 
 
-def test_the_engine_config_keeps_the_draft_on_one_rank():
+def test_the_engine_config_refuses_the_draft_beside_pipeline_stages():
     from workers.engine.config import EngineConfig
 
-    with pytest.raises(ValueError, match="draft_quantized needs tensor_parallel_size 1"):
-        EngineConfig(speculative_config=DRAFT, tensor_parallel_size=2)
+    # -tp: the draft runs whole on rank 0 (tests/integration/test_parallel_quantized.py)
+    assert EngineConfig(speculative_config=DRAFT, tensor_parallel_size=2).speculative_config == DRAFT
+    with pytest.raises(ValueError, match="draft_quantized needs pipeline_parallel_size 1"):
+        EngineConfig(speculative_config=DRAFT, pipeline_parallel_size=2)
 
 
 def test_a_draft_model_proposes_placeholders_the_engine_fills_after_planning():
@@ -106,3 +108,26 @@ def test_a_request_that_opts_out_runs_no_draft():
     # further one runs the one before it)
     stats = engine.stats.speculation
     assert stats.passes > 0 and engine.drafter.forwards == stats.proposed
+
+
+def test_the_kv_budget_holds_the_draft_pool_at_its_own_size():
+    """An fp8 target pool (1 byte a value) beside the draft's (the model dtype, fp32 here: 4):
+    the pages a KV budget buys count both at their own sizes."""
+    from workers.engine.config import EngineConfig
+    from workers.engine.engine import Engine
+
+    model = _tiny_engine(None).runner.model
+    budget_gb = 0.001
+    config = EngineConfig(
+        device="cpu", dtype="float32", kv_cache_memory_gb=budget_gb, kv_cache_dtype="fp8_e4m3", speculative_config=DRAFT
+    )
+    engine = Engine(config, model=model)
+    assert engine.drafter is not None
+    target, draft = (
+        r.kv_cache[:, 0].numel() * r.kv_cache.element_size() for r in (engine.runner, engine.drafter.runner)
+    )
+    assert (target, draft) == (
+        2 * 2 * 16 * 1 * 16 * 1,
+        2 * 2 * 16 * 1 * 16 * 4,
+    )  # layers x K|V x slots x head x dim x bytes
+    assert engine.runner.kv_cache.shape[1] == int(budget_gb * 2**30 // (target + draft))

@@ -221,11 +221,12 @@ def test_c_write_kv_stores_the_same_bytes_as_the_torch_path(fmt):
         ck.write_kv(k, v, c_pool, md.slot_mapping)
 
 
-def test_config_takes_vllms_names_and_refuses_fp8_with_tensor_parallel():
+def test_config_takes_vllms_names_with_or_without_parallel_ranks():
     from workers.engine.config import EngineConfig
 
     assert EngineConfig(kv_cache_dtype="fp8_e5m2").kv_cache_dtype == "fp8_e5m2"
     with pytest.raises(ValueError, match="kv_cache_dtype: must be one of"):
         EngineConfig(kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
-        EngineConfig(kv_cache_dtype="fp8_e4m3", tensor_parallel_size=2)
+    # each rank calibrates its heads (tests/integration/test_parallel_quantized.py)
+    config = EngineConfig(kv_cache_dtype="fp8_e4m3", tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert config.kv_cache_dtype == "fp8_e4m3"

@@ -1,6 +1,6 @@
 """KV transfer with fp8 pools, in process on a tiny random model: pack -> wire frames -> check ->
-write, as workers/llm/handoff.py does it. fp8 pages travel as bytes with their scales; a pool of
-another dtype (or other scales) converts on receipt."""
+write, as workers/llm/handoff.py does it (its per-rank calls, one rank). fp8 pages travel as
+bytes with their scales; a pool of another dtype (or other scales) converts on receipt."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from common.messages import KVPagesHeader
 from common.messages.base import ProtocolError
 from common.sampling import SamplingParams
 from workers.engine.kv_quant import convert_pages, dequantize, quantize
-from workers.llm.kv_pages import check_header, pack_pages, write_pages
+from workers.llm.kv_pages import check_header, pack_rank_pages, write_rank_pages
 
 PAGE = 4
 PROMPT = [(5 * i) % 250 + 1 for i in range(18)]  # 5 pages, the last one partly filled
@@ -64,7 +64,15 @@ def hand_off(p_engine, d_engine, rid="r1"):
     p_engine.add_request(rid, PROMPT, PARAMS, prefill_only=True)
     while p_engine.take_prefilled(rid) is None:
         p_engine.step()
-    header, layers = pack_pages(p_engine.runner.kv_cache, p_engine.take_prefilled(rid), 0, p_engine.runner.kv_scales)
+    # as HandoffOut packs (one rank: one part, with its scales)
+    [(header, layers)] = pack_rank_pages(
+        p_engine.runner.kv_cache,
+        p_engine.take_prefilled(rid),
+        0,
+        None,
+        p_engine.runner.rank_kv_scales,
+        num_layers=p_engine.model_config.num_layers,
+    )
     frames = [bytes(f) for f in protocol.encode_tensor_frames(header, layers)]
     header = protocol.decode(frames)
     p_engine.release_prefilled(rid)
@@ -74,7 +82,9 @@ def hand_off(p_engine, d_engine, rid="r1"):
 
     def write(table):
         tables.append(list(table))
-        write_pages(d_engine.runner.kv_cache, table, tensors, header.kv_scales, d_engine.runner.kv_scales)
+        # as HandoffIn writes: every rank's part with its header's scales, for that rank's pool
+        kv_cache, own = d_engine.runner.kv_cache, d_engine.runner.rank_kv_scales
+        write_rank_pages(kv_cache, table, [tensors], None, [header.kv_scales], own)
 
     d_engine.import_prefilled(rid, PROMPT, PARAMS, list(header.first_token_ids), write, [])
     tokens = list(header.first_token_ids)

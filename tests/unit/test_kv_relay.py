@@ -22,6 +22,7 @@ from workers.engine.kv_relay import (
     decode_kv_command,
     encode_kv_command,
     follow_kv_command,
+    gather_kv_scales,
     gather_pages,
     is_kv_command,
     rank_layers,
@@ -112,27 +113,37 @@ class PipeToFollowers:
             queue.put(data)
 
 
+def scales_of(rank: int) -> torch.Tensor:
+    """Rank `rank`'s fp8 scales [its layers, 2, 1], each saying (rank, layer)."""
+    layers = rank_layers(LAYERS, TP, PP)[rank]
+    return torch.tensor([[[rank + 1 + layer / 8]] * 2 for layer in layers])
+
+
 def run_rank(rank: int, init_method: str, queues, out_dir: str) -> None:
     torch.set_num_threads(1)
     init_group(rank, TP * PP, init_method, "cpu")
-    pool = pool_of(rank)
-    if rank == 0:
-        followers = PipeToFollowers(queues)
-        gathered = gather_pages(followers, pool, [1, 3], rank_layers(LAYERS, TP, PP))
-        shards = [-pool_of(r).index_select(1, torch.tensor([2, 4])) for r in range(TP * PP)]
-        scatter_pages(followers, pool, [4, 5], shards)
-        torch.save(gathered, f"{out_dir}/gathered.pt")
-        for queue in queues:
-            queue.put(None)
-    else:
-        while (frame := queues[rank - 1].get()) is not None:
-            follow_kv_command(decode_kv_command(frame), pool)
-    torch.save(pool, f"{out_dir}/pool{rank}.pt")
+    for dtype in (torch.float32, torch.float8_e4m3fn):  # an fp8 pool crosses as its bytes
+        pool = pool_of(rank).to(dtype)
+        scales = gather_kv_scales(scales_of(rank), LAYERS, TP, PP)
+        if rank == 0:
+            followers = PipeToFollowers(queues)
+            gathered = gather_pages(followers, pool, [1, 3], rank_layers(LAYERS, TP, PP))
+            shards = [(-pool_of(r).index_select(1, torch.tensor([2, 4]))).to(dtype) for r in range(TP * PP)]
+            scatter_pages(followers, pool, [4, 5], shards)
+            torch.save((gathered, scales), f"{out_dir}/gathered-{dtype}.pt")
+            for queue in queues:
+                queue.put(None)
+        else:
+            assert scales is None  # rank 0's alone
+            while (frame := queues[rank - 1].get()) is not None:
+                follow_kv_command(decode_kv_command(frame), pool)
+        torch.save(pool, f"{out_dir}/pool{rank}-{dtype}.pt")
 
 
 def test_the_relay_gathers_and_scatters_each_stage_its_own_layers_over_gloo(tmp_path):
     """Four real ranks (tp 2 x pp 2, stages of 2 and 1 layers) in a gloo group: rank 0 gathers
-    every rank's pages with that rank's layers only, and scatters each rank its own."""
+    every rank's pages with that rank's layers only, and scatters each rank its own; an fp8
+    pool's too, and every rank's fp8 scales reach rank 0."""
     ctx = multiprocessing.get_context("spawn")
     queues = [ctx.Queue() for _ in range(TP * PP - 1)]
     init = f"file://{tmp_path}/group"
@@ -142,13 +153,18 @@ def test_the_relay_gathers_and_scatters_each_stage_its_own_layers_over_gloo(tmp_
     for proc in procs:
         proc.join(HANG_S)
         assert proc.exitcode == 0
-    gathered = torch.load(tmp_path / "gathered.pt")
-    assert [g.shape[0] for g in gathered] == [2, 2, 1, 1]  # rank r: tp rank r % 2 of stage r // 2
-    for rank, shard in enumerate(gathered):
-        assert torch.equal(shard, pool_of(rank).index_select(1, torch.tensor([1, 3])))
-        pool, before = torch.load(tmp_path / f"pool{rank}.pt"), pool_of(rank)
-        assert torch.equal(pool[:, 4:], -before.index_select(1, torch.tensor([2, 4])))
-        assert torch.equal(pool[:, :4], before[:, :4])  # nothing else written
+    for dtype in (torch.float32, torch.float8_e4m3fn):
+        gathered, scales = torch.load(tmp_path / f"gathered-{dtype}.pt")
+        assert [g.shape[0] for g in gathered] == [2, 2, 1, 1]  # rank r: tp rank r % 2 of stage r // 2
+        assert all(torch.equal(got, scales_of(rank)) for rank, got in enumerate(scales))
+        for rank, shard in enumerate(gathered):
+            before = pool_of(rank).to(dtype).view(torch.uint8)  # compared as bytes: fp8 has no equal
+            assert shard.dtype == dtype
+            assert torch.equal(shard.view(torch.uint8), before.index_select(1, torch.tensor([1, 3])))
+            pool = torch.load(tmp_path / f"pool{rank}-{dtype}.pt").view(torch.uint8)
+            negated = (-pool_of(rank).index_select(1, torch.tensor([2, 4]))).to(dtype).view(torch.uint8)
+            assert torch.equal(pool[:, 4:], negated)
+            assert torch.equal(pool[:, :4], before[:, :4])  # nothing else written
 
 
 def test_a_stage_split_of_uneven_layers_and_the_order_of_ranks():

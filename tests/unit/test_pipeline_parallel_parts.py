@@ -123,6 +123,29 @@ def test_the_flag_reaches_the_engine_config_and_the_child_command_line():
         type(config)(pipeline_parallel_size=0)
 
 
+def test_max_steps_in_flight_is_a_flag_defaulting_to_the_stages():
+    import argparse
+
+    from workers.engine.config import add_engine_arguments, engine_args_to_argv, engine_config_from_args
+    from workers.engine.scheduler import StepSchedulerConfig
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert "--max-steps-in-flight" in parser.format_help()
+    default = engine_config_from_args(parser.parse_args(["-pp", "3"]))
+    assert default.max_steps_in_flight is None
+    assert StepSchedulerConfig.for_engine(default, 1024, 4096).max_steps_in_flight == 3  # one per stage
+    args = parser.parse_args(["-pp", "2", "--max-steps-in-flight", "4"])
+    config = engine_config_from_args(args)
+    assert config.max_steps_in_flight == 4
+    assert StepSchedulerConfig.for_engine(config, 1024, 4096).max_steps_in_flight == 4
+    argv = engine_args_to_argv(args)  # what `pagemesh up` hands each worker
+    assert argv[argv.index("--max-steps-in-flight") + 1] == "4"
+    assert "--max-steps-in-flight" not in engine_args_to_argv(parser.parse_args([]))
+    with pytest.raises(ValueError, match="max_steps_in_flight: must be >= 1"):
+        engine_config_from_args(parser.parse_args(["-pp", "2", "--max-steps-in-flight", "0"]))
+
+
 def test_pagemesh_up_passes_the_stages_to_every_llm_worker(tmp_path):
     from services import launcher
 

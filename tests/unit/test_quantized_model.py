@@ -76,8 +76,8 @@ def test_quantization_is_checked_where_it_is_configured():
     assert EngineConfig().quantization == "none"
     with pytest.raises(ValueError, match="quantization: must be one of none, int8, gguf"):
         EngineConfig(quantization="int4")
-    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
-        EngineConfig(quantization="gguf", tensor_parallel_size=2)
+    # each rank holds its shard quantized (tests/integration/test_parallel_quantized.py)
+    assert EngineConfig(quantization="gguf", tensor_parallel_size=3, pipeline_parallel_size=2).quantization == "gguf"
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     args = parser.parse_args(["--quantization", "gguf"])
@@ -91,3 +91,87 @@ def test_gguf_quantization_needs_a_gguf_file(tmp_path):
         load_model(tmp_path, torch.bfloat16, CPU, quantization="gguf")
     with pytest.raises(ValueError, match="quantization: must be one of"):
         load_model(default_model_path(), torch.bfloat16, CPU, quantization="int4")
+
+
+def _shard(cfg, rank: int, size: int):
+    from workers.model.layers import ParallelContext
+    from workers.model.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM(cfg, ParallelContext(rank, size))
+    model.init_random(0)
+    return model
+
+
+def test_a_pipeline_stage_takes_its_own_layers_gguf_blocks():
+    """Stage 1 of 2 (layer 1 and the LM head) installs layer 1's blocks, not layer 0's: the GGUF's
+    names are the model's, a stage's `layers[0]` is layer 1; tp rank 1 of 2 takes its shards."""
+    from kernels.quantized import quantize_int8
+    from workers.model.layers import ParallelContext
+    from workers.model.llama import LlamaForCausalLM
+    from workers.model.quantization import install_gguf_weights
+
+    cfg = dataclasses.replace(_config(), num_layers=2, tie_word_embeddings=False)
+    whole = LlamaForCausalLM(cfg)
+    whole.init_random(0)
+    blocks = {}
+    for i, layer in enumerate(whole.layers):
+        p = f"model.layers.{i}."
+        w = layer.self_attn.qkv_proj.weight.detach()
+        q, k, v = w.split([cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2)
+        blocks |= {p + "self_attn.q_proj.weight": quantize_int8(q), p + "self_attn.k_proj.weight": quantize_int8(k)}
+        blocks |= {p + "self_attn.v_proj.weight": quantize_int8(v)}
+        blocks[p + "self_attn.o_proj.weight"] = quantize_int8(layer.self_attn.o_proj.weight.detach())
+        blocks[p + "mlp.down_proj.weight"] = quantize_int8(layer.mlp.down_proj.weight.detach())
+    blocks["lm_head.weight"] = quantize_int8(whole.lm_head.weight.detach())
+    stage = LlamaForCausalLM(cfg, ParallelContext(1, 2), range(1, 2))
+    assert install_gguf_weights(stage, blocks) == 4  # layer 1: qkv, o_proj, down_proj (no gate/up given); LM head
+    o_proj = stage.layers[0].self_attn.o_proj.packed
+    assert torch.equal(o_proj.codes, blocks["model.layers.1.self_attn.o_proj.weight"].codes[:, 64:])
+    qkv = stage.layers[0].self_attn.qkv_proj.packed
+    assert torch.equal(qkv.codes[:64], blocks["model.layers.1.self_attn.q_proj.weight"].codes[64:])
+    assert stage.lm_head.packed is not None
+
+
+def _config():
+    from common.model_config import ModelConfig
+
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=192,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=32,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
+
+
+def test_a_row_parallel_shard_off_the_blocks_is_refused_naming_the_layer():
+    """MLP of 192: tp 2 cuts down_proj's inputs into 96 (three blocks of 32) a rank, tp 4 into 48
+    (a block and a half): refused, for int8 and for a GGUF's blocks, naming the layer."""
+    from kernels.quantized import quantize_int8
+    from workers.model.quantization import install_gguf_weights
+
+    cfg = _config()
+    whole = _shard(cfg, 0, 1)
+    ok = _shard(cfg, 1, 2)
+    assert quantize_int8_model(ok) == 5  # qkv, o, gate_up, down, the LM head
+    assert ok.layers[0].mlp.down_proj.packed.shape == (128, 96)
+    with pytest.raises(ValueError, match=r"int8: layers.0.mlp.down_proj has 192 inputs.*size 4.*48 a rank"):
+        quantize_int8_model(_shard(cfg, 1, 4))
+    blocks = {
+        "model.layers.0.mlp.down_proj.weight": quantize_int8(whole.layers[0].mlp.down_proj.weight.detach()),
+    }
+    part = _shard(cfg, 2, 4)
+    with pytest.raises(ValueError, match=r"gguf: model.layers.0.mlp.down_proj has 192 inputs.*columns 96:144"):
+        install_gguf_weights(part, blocks)
+    half = _shard(cfg, 1, 2)
+    assert install_gguf_weights(half, blocks) == 1  # whole blocks: the second rank's are columns 96:192
+    assert torch.equal(
+        half.layers[0].mlp.down_proj.packed.codes, blocks["model.layers.0.mlp.down_proj.weight"].codes[:, 96:]
+    )

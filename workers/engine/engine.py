@@ -220,6 +220,9 @@ class Engine:
             shm_path=self.shm_path,
             shm_numel=self.shm_numel,
             pipeline_size=self.config.pipeline_parallel_size,
+            quantization=self.config.quantization,
+            kv_cache_dtype=self.config.kv_cache_dtype,
+            kv_calibration_ids=tuple(calibration_token_ids(self.tokenizer, self.model_config.vocab_size)),
         )
         return FollowerRanks(spec, model.tp.group)
 
@@ -245,8 +248,13 @@ class Engine:
 
     def _pages_from_budget(self, model: LlamaForCausalLM) -> int:
         spec = self.config.speculative_config
-        # a quantized draft's pool mirrors the target's page for page: the budget holds both
-        page_bytes = self._page_bytes(model) * (2 if spec is not None and spec.method == "draft_quantized" else 1)
+        page_bytes = self._page_bytes(model)
+        if spec is not None and spec.method == "draft_quantized":
+            # a quantized draft's pool mirrors the target's page for page, on rank 0: every KV
+            # head of every layer in the model dtype (workers/engine/draft_model.py), whatever
+            # the target's sharding and KV dtype; the budget holds both
+            dtype_bytes = model.embed_tokens.weight.element_size()
+            page_bytes += self.model_config.kv_bytes_per_token(dtype_bytes) * self.config.page_size
         if self.config.kv_cache_memory_gb is not None:
             budget = self.config.kv_cache_memory_gb * 2**30
         elif self.device.type == "cuda":

@@ -17,6 +17,10 @@ A collective takes tensors of one shape, and stages differ by a layer where M do
 the layers (`stage_layers`): every shard is padded to stage 0's count (the largest) on the way
 and trimmed after; the command says that count.
 
+An fp8 pool's pages cross the group as their bytes (uint8: gloo has no fp8), and each rank's
+scales reach rank 0 once, at start (`gather_kv_scales`), so that each part's header carries its
+rank's scales and the receiving rank 0 converts each part for its own rank's pool.
+
 The command goes down the follower's step pipe (a msgpack map, where a step is a msgpack array),
 and the collective follows on the worker's process group: followers run pipe frames in order and
 rank 0 issues them between steps, so every rank meets the same collective. Pure of zmq.
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 import msgpack
 import torch
 
+from workers.engine.kv_quant import is_fp8
 from workers.engine.pipeline_parallel import stage_layers
 from workers.engine.tensor_parallel import FollowerRanks
 
@@ -72,6 +77,27 @@ def decode_kv_command(frame: bytes) -> KVPageCommand:
     )
 
 
+def gather_kv_scales(kv_scales: torch.Tensor, num_layers: int, tp_size: int, pp_size: int) -> list[torch.Tensor] | None:
+    """Every rank at once, after its fp8 pool is calibrated: rank 0 gets every rank's scales
+    [its layers, 2, kv_heads / N] fp32 (CPU), rank 0's first; the others get None."""
+    import torch.distributed as dist
+
+    layers = rank_layers(num_layers, tp_size, pp_size)
+    mine = _padded(kv_scales.float().cpu(), len(layers[0])).contiguous()
+    if dist.get_rank() != 0:
+        dist.gather(mine, dst=0)
+        return None
+    shards = [torch.empty_like(mine) for _ in layers]
+    dist.gather(mine, gather_list=shards, dst=0)
+    return [s[: len(r)] for s, r in zip(shards, layers, strict=True)]
+
+
+def _wire(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The pool as the collectives move it: an fp8 pool as its bytes (gloo has no fp8 type, and a
+    CPU fp8 tensor has no index_copy_)."""
+    return kv_cache.view(torch.uint8) if is_fp8(kv_cache.dtype) else kv_cache
+
+
 def _index(kv_cache: torch.Tensor, pages: list[int]) -> torch.Tensor:
     return torch.tensor(pages, dtype=torch.int64, device=kv_cache.device)
 
@@ -93,10 +119,11 @@ def gather_pages(
 
     width = len(layers[0])  # stage 0 holds the most layers: every shard crosses at its count
     followers.send_frame(encode_kv_command(KVPageCommand(export=True, pages=pages, layers=width)))
-    mine = _padded(kv_cache.index_select(1, _index(kv_cache, pages)), width)
+    pool = _wire(kv_cache)
+    mine = _padded(pool.index_select(1, _index(kv_cache, pages)), width)
     shards = [torch.empty_like(mine) for _ in range(followers.spec.total_ranks)]
     dist.gather(mine, gather_list=shards, dst=0)
-    return [s[: len(r)].cpu() for s, r in zip(shards, layers, strict=True)]
+    return [s[: len(r)].cpu().view(kv_cache.dtype) for s, r in zip(shards, layers, strict=True)]
 
 
 def scatter_pages(
@@ -108,10 +135,11 @@ def scatter_pages(
 
     width = shards[0].shape[0]
     followers.send_frame(encode_kv_command(KVPageCommand(export=False, pages=pages, layers=width)))
-    on_device = [_padded(s.to(kv_cache.device), width).contiguous() for s in shards]
+    pool = _wire(kv_cache)
+    on_device = [_padded(_wire(s.to(kv_cache.device).contiguous()), width).contiguous() for s in shards]
     mine = torch.empty_like(on_device[0])
     dist.scatter(mine, scatter_list=on_device, src=0)
-    kv_cache.index_copy_(1, _index(kv_cache, pages), mine)
+    pool.index_copy_(1, _index(kv_cache, pages), mine)
 
 
 def follow_kv_command(cmd: KVPageCommand, kv_cache: torch.Tensor) -> None:
@@ -120,10 +148,11 @@ def follow_kv_command(cmd: KVPageCommand, kv_cache: torch.Tensor) -> None:
     import torch.distributed as dist
 
     index = _index(kv_cache, cmd.pages)
-    own, width = kv_cache.shape[0], max(cmd.layers, kv_cache.shape[0])
+    pool = _wire(kv_cache)
+    own, width = pool.shape[0], max(cmd.layers, pool.shape[0])
     if cmd.export:
-        dist.gather(_padded(kv_cache.index_select(1, index), width).contiguous(), dst=0)
+        dist.gather(_padded(pool.index_select(1, index), width).contiguous(), dst=0)
         return
-    shard = torch.empty((width, len(cmd.pages), *kv_cache.shape[2:]), dtype=kv_cache.dtype, device=kv_cache.device)
+    shard = torch.empty((width, len(cmd.pages), *pool.shape[2:]), dtype=pool.dtype, device=pool.device)
     dist.scatter(shard, src=0)
-    kv_cache.index_copy_(1, index, shard[:own])
+    pool.index_copy_(1, index, shard[:own])

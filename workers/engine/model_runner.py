@@ -75,6 +75,8 @@ class ModelRunner:
             len(model.layers), num_pages, 2, page_size, kv_heads, cfg.head_dim, dtype=self.kv_dtype, device=device
         )
         self.kv_scales: torch.Tensor | None = None  # [layers, 2, kv_heads] fp32: an fp8 pool's scales
+        # rank 0 of a parallel worker: every rank's scales, rank by rank (kv_relay.gather_kv_scales)
+        self.rank_kv_scales: list[torch.Tensor] | None = None
         self.host_pages: dict[int, torch.Tensor] = {}  # swapped-out sequences' pages
         self.backend = backend or select_backend(device, self.dtype)
         self.attention, self.ops = self.backend.attention, self.backend.ops
@@ -86,6 +88,7 @@ class ModelRunner:
             ids = kv_calibration_ids or calibration_token_ids(None, cfg.vocab_size)
             self.kv_scales = self.calibrate_kv_scales(ids)
             self.attention = Fp8KVAttention(self.kv_cache, self.kv_scales, fp8_kernels_for(self.backend))
+            self.rank_kv_scales = self._gather_rank_scales()
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda" and model.tp.world_size == 1 and pipe is None:
             self.graphs = DecodeGraphs(
@@ -105,11 +108,15 @@ class ModelRunner:
 
     def calibrate_kv_scales(self, token_ids: list[int]) -> torch.Tensor:
         """One forward pass of `token_ids` over a scratch pool of the model dtype, recording each
-        head's K and V amax: the fp8 pool's scales [layers, 2, kv_heads] (kv_quant.py)."""
-        cfg, size, n = self.model.config, self.page_size, len(token_ids)
+        head's K and V amax: the fp8 pool's scales [layers, 2, kv_heads] (kv_quant.py).
+        In a parallel worker every rank runs it at once, after the worker's group is up: the
+        pass meets the same all-reduces as a step, and a pipeline stage takes the previous
+        stage's activations and sends its own on, so each rank gets its heads' scales of its
+        layers, the values one rank would record for them."""
+        num_layers, size, n = len(self.model.layers), self.page_size, len(token_ids)
         pages = -(-n // size)
         scratch = torch.zeros(
-            cfg.num_layers, pages + 1, 2, size, *self.kv_cache.shape[-2:], dtype=self.dtype, device=self.device
+            num_layers, pages + 1, 2, size, *self.kv_cache.shape[-2:], dtype=self.dtype, device=self.device
         )
         md = AttentionMetadata.build(
             [n],
@@ -120,11 +127,27 @@ class ModelRunner:
             for_cpu=self.attention.builds_cpu_indices,
             decode_gather=self.attention.decode_gather,
         )
-        recorder = AmaxRecorder(self.attention, cfg.num_layers, self.kv_cache.shape[-2])
+        recorder = AmaxRecorder(self.attention, num_layers, self.kv_cache.shape[-2])
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        pipe = self.pipe
         with torch.inference_mode():
-            self.model(ids, ForwardContext(scratch, md, recorder, self.ops), torch.tensor([n - 1], device=self.device))
+            hidden = None if pipe is None or pipe.first else pipe.receive_hidden(n)
+            ctx = ForwardContext(scratch, md, recorder, self.ops)
+            out = self.model(ids, ctx, torch.tensor([n - 1], device=self.device), hidden)
+            if pipe is not None and not pipe.last:
+                pipe.send_hidden(out)
         return scales_from_amax(recorder.amax, self.kv_dtype).to(self.device)
+
+    def _gather_rank_scales(self) -> list[torch.Tensor] | None:
+        """Every rank's fp8 scales on rank 0 (each rank calls this right after calibrating; the
+        KV transfer sends and converts each rank's pages with that rank's scales); a single
+        rank: its own. Followers get None."""
+        tp, pp = self.model.tp.world_size, 1 if self.pipe is None else self.pipe.pp_size
+        if tp * pp == 1:
+            return [self.kv_scales]
+        from workers.engine.kv_relay import gather_kv_scales
+
+        return gather_kv_scales(self.kv_scales, self.model.config.num_layers, tp, pp)
 
     def move_pages(self, step: ModelInput) -> None:
         """Before the forward pass: swap preempted pages out to host memory (their page ids may

@@ -35,6 +35,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--shm-path", default=None, help="the shared-memory all-reduce's file")
     parser.add_argument("--shm-numel", type=int, default=0)
+    parser.add_argument("--quantization", default="none", help="as the worker's --quantization")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="as the worker's --kv-cache-dtype")
+    parser.add_argument("--kv-calibration-ids", default="", help="an fp8 pool's calibration tokens, comma-separated")
     return parser.parse_args(argv)
 
 
@@ -57,6 +60,7 @@ def main(argv: list[str]) -> None:
 
     from common.model_config import read_model_config
     from workers.engine.backend import select_backend
+    from workers.engine.kv_quant import kv_storage_dtype
     from workers.engine.kv_relay import decode_kv_command, follow_kv_command, is_kv_command
     from workers.engine.model_input import decode_model_input
     from workers.engine.model_runner import ModelRunner
@@ -89,7 +93,12 @@ def main(argv: list[str]) -> None:
         group = stage_group(stage, args.world_size) if args.world_size > 1 else None
         layers = stage_layers(cfg.num_layers, args.pipeline_size, stage)
     tp = rank_context(tp_rank, args.world_size, args.shm_path, args.shm_numel, dtype, group)
-    model = load_model(Path(args.model), dtype, device, tp, layers)
+    model = load_model(Path(args.model), dtype, device, tp, layers, args.quantization)
+    world = args.world_size * args.pipeline_size
+    init_group(args.rank, world, args.init_method, args.device)
+    join_stage_groups(args.rank, args.world_size, args.pipeline_size, group)
+    # after the group is up: an fp8 pool's calibration pass is a forward of every rank together
+    # (its all-reduces, its stage-to-stage activations), as rank 0 makes its runner now
     runner = ModelRunner(
         model,
         args.num_pages,
@@ -98,10 +107,9 @@ def main(argv: list[str]) -> None:
         cuda_graphs=False,
         backend=select_backend(device, dtype),
         pipe=pipe,
+        kv_dtype=kv_storage_dtype(args.kv_cache_dtype, dtype),
+        kv_calibration_ids=[int(t) for t in args.kv_calibration_ids.split(",") if t],
     )
-    world = args.world_size * args.pipeline_size
-    init_group(args.rank, world, args.init_method, args.device)
-    join_stage_groups(args.rank, args.world_size, args.pipeline_size, group)
     computes_logits = pipe is not None and pipe.sends_logits
     log.info(
         "rank %d of %d ready: stage %d (layers %s), tp rank %d (pid %d)",

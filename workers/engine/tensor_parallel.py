@@ -182,6 +182,9 @@ class FollowerSpec:
     shm_path: str | None = None  # the shared-memory all-reduce's file (None: gloo only)
     shm_numel: int = 0
     pipeline_size: int = 1  # stages (workers/engine/pipeline_parallel.py); world_size ranks each
+    quantization: str = "none"  # the linears' (workers/model/quantization.py): each rank its shard
+    kv_cache_dtype: str = "auto"  # an fp8 pool: every rank calibrates its heads' scales, together
+    kv_calibration_ids: tuple[int, ...] = ()  # the calibration pass's tokens (rank 0's tokenizer's)
 
     @property
     def total_ranks(self) -> int:
@@ -239,6 +242,9 @@ class FollowerRanks:
         ]
         if s.shm_path is not None:
             argv += [f"--shm-path={s.shm_path}", f"--shm-numel={s.shm_numel}"]
+        argv += [f"--quantization={s.quantization}", f"--kv-cache-dtype={s.kv_cache_dtype}"]
+        if s.kv_calibration_ids:
+            argv.append("--kv-calibration-ids=" + ",".join(map(str, s.kv_calibration_ids)))
         env = dict(os.environ)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu

@@ -78,7 +78,7 @@ class HandoffOut:
             result,
             skip,
             self.engine.followers,
-            runner.kv_scales,
+            runner.rank_kv_scales,
             num_layers=self.engine.model_config.num_layers,
         )
         messages = [p.encode_tensor_frames(header, layers) for header, layers in parts]
@@ -223,7 +223,12 @@ class HandoffIn:
                 task.sampling,
                 list(header.first_token_ids),
                 lambda table: write_rank_pages(
-                    kv_cache, table, rank_pages, followers, header.kv_scales, self.engine.runner.kv_scales
+                    kv_cache,
+                    table,
+                    rank_pages,
+                    followers,
+                    [headers[k].kv_scales for k in keys],
+                    self.engine.runner.rank_kv_scales,
                 ),
                 prefix,
             )

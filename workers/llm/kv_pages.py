@@ -4,9 +4,10 @@ decode side. The wire format is `KVPagesHeader` + one tensor frame per layer (co
     prefill pool kv[L, P, 2, S, H, D] --index_select(pages)--> [L, n, 2, S, H, D] --frames-->
     decode pool  kv[L, P', 2, S, H, D] <--copy into its own freshly allocated pages--
 
-An fp8 pool's pages travel as fp8 with the sender's scales in the header. The receiver converts
-what differs from its own pool (another dtype, other scales: `kv_quant.convert_pages`), so a
-bf16 prefill worker can feed an fp8 decode worker and the other way round.
+An fp8 pool's pages travel as fp8 with the sender's scales in the header (a parallel worker: each
+rank's part with that rank's scales). The receiver converts what differs from its own pool
+(another dtype, other scales: `kv_quant.convert_pages`; a parallel receiver's rank 0 converts each
+part for its rank), so a bf16 prefill worker can feed an fp8 decode worker and the other way round.
 
 Only the pages the decode worker lacks travel: the scheduler says how many leading prompt pages
 it holds (`skip_pages`), and the header's `page_indices` are the logical pages sent, always the
@@ -55,21 +56,26 @@ def pack_rank_pages(
     result: PrefillResult,
     skip_pages: int,
     followers: FollowerRanks | None,
-    kv_scales: torch.Tensor | None = None,
+    rank_kv_scales: list[torch.Tensor] | None = None,
     *,
     num_layers: int,
 ) -> list[tuple[KVPagesHeader, list[torch.Tensor]]]:
     """`pack_pages` for every rank of the worker, rank 0's first: a parallel worker's followers
-    hand their shards to rank 0 (`gather_pages`), one header per rank, with its tp rank and its
-    stage's layers of the model's `num_layers`."""
+    hand their shards to rank 0 (`gather_pages`), one header per rank, with its tp rank, its
+    stage's layers of the model's `num_layers` and, for an fp8 pool, its scales
+    (`rank_kv_scales`: every rank's, `ModelRunner.rank_kv_scales`)."""
+    scales = rank_kv_scales or None
     if followers is None:
-        return [pack_pages(kv_cache, result, skip_pages, kv_scales)]
+        return [pack_pages(kv_cache, result, skip_pages, None if scales is None else scales[0])]
     skip = _skip(result, skip_pages)
     tp_size = followers.spec.world_size
     layers = rank_layers(num_layers, tp_size, followers.spec.pipeline_size)
     shards = gather_pages(followers, kv_cache, result.block_table[skip:], layers)
     return [
-        (_header(result, skip, s, rank % tp_size, tp_size, layers=layers[rank]), list(s.unbind(0)))
+        (
+            _header(result, skip, s, rank % tp_size, tp_size, None if scales is None else scales[rank], layers[rank]),
+            list(s.unbind(0)),
+        )
         for rank, s in enumerate(shards)
     ]
 
@@ -182,14 +188,39 @@ def write_rank_pages(
     block_table: list[int],
     rank_pages: list[list[torch.Tensor]],
     followers: FollowerRanks | None,
-    sent_scales: list[float] | None = None,
-    kv_scales: torch.Tensor | None = None,
+    rank_sent_scales: list[list[float]] | None = None,
+    rank_kv_scales: list[torch.Tensor] | None = None,
 ) -> None:
-    """`write_pages` for every rank: `rank_pages[i]` are rank i's layers (`scatter_pages`
-    hands the followers theirs; an fp8 pool has one rank only, so scales go with rank 0)."""
+    """`write_pages` for every rank: `rank_pages[i]` are rank i's layers, sent with
+    `rank_sent_scales[i]` (its header's; empty: not fp8) and written into a pool whose scales
+    are `rank_kv_scales[i]` (None: not fp8). Rank 0 converts every rank's part for that rank's
+    pool, then `scatter_pages` hands the followers theirs."""
+    sent = rank_sent_scales or [[] for _ in rank_pages]
+    own = rank_kv_scales or [None for _ in rank_pages]
     if followers is None:
-        return write_pages(kv_cache, block_table, rank_pages[0], sent_scales, kv_scales)
-    scatter_pages(followers, kv_cache, block_table, [torch.stack(layers) for layers in rank_pages])
+        return write_pages(kv_cache, block_table, rank_pages[0], sent[0], own[0])
+    heads = kv_cache.shape[-2]
+    shards = [
+        torch.stack(converted_layers(layers, s, kv_cache.dtype, o, heads))
+        for layers, s, o in zip(rank_pages, sent, own, strict=True)
+    ]
+    scatter_pages(followers, kv_cache, block_table, shards)
+
+
+def converted_layers(
+    layers: list[torch.Tensor],
+    sent_scales: list[float] | None,
+    dtype: torch.dtype,
+    kv_scales: torch.Tensor | None,
+    heads: int,
+) -> list[torch.Tensor]:
+    """Received layers of pages as a pool of `dtype` (with `kv_scales` [layers, 2, heads] if
+    fp8) stores them: converted where the sender's dtype or `sent_scales` differ."""
+    sent = torch.tensor(sent_scales).view(len(layers), 2, heads) if sent_scales else None
+    return [
+        convert_pages(pages, None if sent is None else sent[i], dtype, None if kv_scales is None else kv_scales[i])
+        for i, pages in enumerate(layers)
+    ]
 
 
 def write_pages(
@@ -203,12 +234,8 @@ def write_pages(
     where the sender's dtype or `sent_scales` (the header's) differ from this pool's (`kv_scales`
     [layers, 2, KVH] for an fp8 pool)."""
     index = torch.tensor(block_table, dtype=torch.int64, device=kv_cache.device)
-    heads = kv_cache.shape[-2]
-    sent = torch.tensor(sent_scales).view(len(layers), 2, heads) if sent_scales else None
     fp8 = is_fp8(kv_cache.dtype)
-    for layer, pages in enumerate(layers):
-        own = None if kv_scales is None else kv_scales[layer]
-        pages = convert_pages(pages, None if sent is None else sent[layer], kv_cache.dtype, own)
+    for layer, pages in enumerate(converted_layers(layers, sent_scales, kv_cache.dtype, kv_scales, kv_cache.shape[-2])):
         pages = pages.to(kv_cache.device, non_blocking=True)
         if fp8:  # torch has no fp8 index_copy_ on a CPU: the same bytes
             kv_cache[layer].view(torch.uint8).index_copy_(0, index, pages.view(torch.uint8))

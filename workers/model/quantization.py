@@ -10,6 +10,13 @@
 The quantized weight sits in the linear's `packed` slot (`workers.model.layers.linear` runs the
 quantized matmul for it) and the dense one is released; the token embedding keeps its dense
 rows for the lookup (tied LM heads read the quantized copy).
+
+Tensor and pipeline parallel: each rank quantizes (int8) or takes (gguf) its own shard, the
+same blocks one rank would hold. A column-parallel linear (qkv, gate_up) holds rows of W, any
+count; a row-parallel one (o_proj, down_proj) holds input columns, which must fall on blocks of
+32 (else the load is refused naming the layer and the sizes: a block cannot be split); the LM
+head is whole on every rank of the last stage, as the dense path's; a pipeline stage holds its
+own layers' weights only.
 """
 
 from __future__ import annotations
@@ -32,6 +39,12 @@ def quantize_int8_model(model) -> int:
     done = 0
     for name, m in _linears(model):
         weight = m.weight.detach()
+        if (
+            isinstance(m, RowParallelLinear)
+            and m.tp.world_size > 1
+            and (weight.shape[1] * m.tp.world_size) % BLOCK == 0
+        ):
+            _check_row_shard("int8", name, m)
         if weight.shape[1] % BLOCK:
             log.info("quantization: %s stays dense (%d inputs, not a multiple of %d)", name, weight.shape[1], BLOCK)
             continue
@@ -44,13 +57,13 @@ def install_gguf_weights(model, blocks: dict[str, QuantizedWeight]) -> int:
     """Put a GGUF's quantized tensors (by Hugging Face name, rows already in HF order) in place
     of the dense copies, sharded as the layers are. Returns how many linears run quantized."""
     done = 0
-    for i, layer in enumerate(model.layers):
+    for i, layer in zip(model.layer_range, model.layers, strict=True):  # a pipeline stage's layers
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
         done += _install_column(attn.qkv_proj, [blocks.get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
         done += _install_column(mlp.gate_up_proj, [blocks.get(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
-        done += _install_row(attn.o_proj, blocks.get(p + "self_attn.o_proj.weight"))
-        done += _install_row(mlp.down_proj, blocks.get(p + "mlp.down_proj.weight"))
+        done += _install_row(p + "self_attn.o_proj", attn.o_proj, blocks.get(p + "self_attn.o_proj.weight"))
+        done += _install_row(p + "mlp.down_proj", mlp.down_proj, blocks.get(p + "mlp.down_proj.weight"))
     head_name = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     head = blocks.get(head_name)
     if head is not None and model.lm_head is not None:
@@ -68,12 +81,25 @@ def _install_column(m: ColumnParallelLinear, parts: list[QuantizedWeight | None]
     return 1
 
 
-def _install_row(m: RowParallelLinear, weight: QuantizedWeight | None) -> int:
-    local_in = m.weight.shape[1]
-    if weight is None or m.in_start % BLOCK or local_in % BLOCK:
+def _install_row(name: str, m: RowParallelLinear, weight: QuantizedWeight | None) -> int:
+    if weight is None:
         return 0
-    _install(m, weight.columns(m.in_start, local_in).to(m.weight.device), release=True)
+    _check_row_shard("gguf", name, m)
+    _install(m, weight.columns(m.in_start, m.weight.shape[1]).to(m.weight.device), release=True)
     return 1
+
+
+def _check_row_shard(quantization: str, name: str, m: RowParallelLinear) -> None:
+    """A row-parallel shard's input columns must fall on blocks of 32: ValueError naming the
+    layer and the sizes otherwise (one block's codes share a scale and cannot be split)."""
+    start, size = m.in_start, m.weight.shape[1]
+    if start % BLOCK or size % BLOCK:
+        full = size * m.tp.world_size
+        raise ValueError(
+            f"quantization {quantization}: {name} has {full} inputs, which tensor-parallel size "
+            f"{m.tp.world_size} splits into {size} a rank (rank {m.tp.rank}: columns {start}:{start + size}), "
+            f"not whole blocks of {BLOCK}; choose a size that divides {full} into multiples of {BLOCK}"
+        )
 
 
 def _install(m, qw: QuantizedWeight, release: bool) -> None:
@@ -83,9 +109,12 @@ def _install(m, qw: QuantizedWeight, release: bool) -> None:
 
 
 def _linears(model):
-    for name, m in model.named_modules():
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-            yield name, m
+    """(name, module) of every linear, named by the model's layer index (a pipeline stage's
+    `layers[0]` is layer `layer_range.start`)."""
+    for i, layer in zip(model.layer_range, model.layers, strict=True):
+        for name, m in layer.named_modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                yield f"layers.{i}.{name}", m
     if model.lm_head is not None:  # a pipeline stage before the last has none
         yield "lm_head", model.lm_head
 
