@@ -18,7 +18,8 @@ after the prefill; the machine's load average is printed beside the figures.
 `linears`: the linears of one decode step alone (every layer's own random weights in the default
 model's shapes, so they stream from memory as in a real step, and the LM head), per format:
 bf16 packed for oneDNN (the `none` path without AMX), int8 and Q4_1 as served
-(`layers.quantized_linear`: the C kernel, or W widened to bf16 from DEQUANTIZE_MIN_ROWS rows).
+(`layers.quantized_linear`: the tiled C GEMM, or W widened to bf16 from DEQUANTIZE_MIN_ROWS rows;
+`--untiled` adds Q4_1 through the plain C kernel, the path before the tiled one).
 `prefill`: one prompt's prefill (a single forward of --prompt-len tokens) per format, A-B-C
 repeated, median ms: the TTFT of one stream without the gateway.
 """
@@ -26,6 +27,7 @@ repeated, median ms: the TTFT of one stream without the gateway.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import statistics
@@ -182,7 +184,7 @@ def linears(args: argparse.Namespace) -> None:
     from gguf.quants import quantize as gguf_quantize
 
     from common.model_config import read_model_config
-    from kernels.quantized import from_gguf_blocks, quantize_int8
+    from kernels.quantized import from_gguf_blocks, quantize_int8, with_tiles
 
     cfg = read_model_config(default_model_path())
     h, inter, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
@@ -192,9 +194,11 @@ def linears(args: argparse.Namespace) -> None:
     q4_1 = gguf.GGMLQuantizationType.Q4_1
     weights = {
         "bf16": [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 32) for w in dense],
-        "int8": [quantize_int8(w) for w in dense],
-        "q4_1": [from_gguf_blocks("Q4_1", gguf_quantize(w.numpy(), q4_1)) for w in dense],
+        "int8": [with_tiles(quantize_int8(w)) for w in dense],
+        "q4_1": [with_tiles(from_gguf_blocks("Q4_1", gguf_quantize(w.numpy(), q4_1))) for w in dense],
     }
+    if args.untiled:  # the path before the tiled GEMM: the plain integer kernel below the threshold
+        weights["q4_1-untiled"] = [dataclasses.replace(w, tiles=None) for w in weights["q4_1"]]
     del dense
     xs = {k: torch.randn(args.rows, k).bfloat16() for k in {k for _, k in shapes}}
 
@@ -264,6 +268,7 @@ def main() -> None:
     li = sub.add_parser("linears")
     li.add_argument("--rows", type=int, default=1)
     li.add_argument("--repeats", type=int, default=20)
+    li.add_argument("--untiled", action="store_true", help="also Q4_1 without its tiles (the plain kernel)")
     p = sub.add_parser("prefill")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)

@@ -356,6 +356,34 @@ static inline void tile_sums(const uint8_t *tile, const uint16_t *scales, int bi
 }
 #endif
 
+/* quantize_row's values in the natural order (bits 8), 32 at a time: the same fp32 operations, so
+ * the same int8 values and scales */
+static void quantize_row_natural(const void *x, int dt, int64_t k, int8_t *qx, float *dx, float *dxt) {
+#if defined(PM_VNNI)
+    for (int64_t b = 0; b < k / BLOCK; b++) {
+        __m512 v[2];
+        for (int h = 0; h < 2; h++) {
+            const int64_t i = b * BLOCK + 16 * h;
+            v[h] = dt == DT_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                       _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const bf16 *)x + i))), 16))
+                                 : _mm512_loadu_ps((const float *)x + i);
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+        const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m512i sum = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) { /* round to nearest even, as lrintf */
+            const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)));
+            _mm_storeu_si128((__m128i *)(qx + b * BLOCK + 16 * h), _mm512_cvtepi32_epi8(q));
+            sum = _mm512_add_epi32(sum, q);
+        }
+        dx[b] = d;
+        dxt[b] = d * (float)_mm512_reduce_add_epi32(sum);
+    }
+#else
+    quantize_row(x, dt, k, 8, qx, dx, dxt);
+#endif
+}
+
 /* tile_sums with rows (at most TILE_ROWS) and bits as compile-time constants */
 static void tile_gemm_rows(const uint8_t *tile, const uint16_t *scales, int bits, int64_t kb, const int8_t *qx,
                            const float *dx, const float *dxt, int64_t k, int rows, float *out) {
@@ -389,8 +417,8 @@ void pm_quant_gemm_tiles(const void *x, int64_t x_stride, int x_dt, const uint8_
     int8_t *qx = (int8_t *)malloc((size_t)(m * k));
     float *dx = (float *)malloc((size_t)(2 * m * kb) * sizeof(float)), *dxt = dx + m * kb;
 #pragma omp parallel for schedule(static) if (m * k > 65536)
-    for (int64_t r = 0; r < m; r++) /* bits 8: the natural order of each block's values */
-        quantize_row((const char *)x + r * x_stride * xsize, x_dt, k, 8, qx + r * k, dx + r * kb, dxt + r * kb);
+    for (int64_t r = 0; r < m; r++)
+        quantize_row_natural((const char *)x + r * x_stride * xsize, x_dt, k, qx + r * k, dx + r * kb, dxt + r * kb);
 #pragma omp parallel for schedule(static) if (n * m * k > 262144)
     for (int64_t t = 0; t < ntiles; t++) {
         const int64_t n0 = t * TILE_N, width = n - n0 < TILE_N ? n - n0 : TILE_N;
