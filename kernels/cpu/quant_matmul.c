@@ -290,7 +290,7 @@ void pm_quant_dequantize_bf16(const uint8_t *codes, const uint16_t *d, const uin
  * (8 VNNI instructions for 16 x 32 products), and the scale work (the fp16 d and c widened, the
  * sum scaled) is a vector over the 16 outputs. Activations are the same int8 blocks as above,
  * so the results equal pm_quant_matmul's up to the order of the fp32 sums. */
-enum { TILE_N = 16, TILE_ROWS = 8 };
+enum { TILE_N = 16, TILE_ROWS = 8, TILE_PREFETCH = 2 };
 typedef int32_t __attribute__((may_alias, aligned(1))) x4_t;
 
 #if defined(PM_VNNI)
@@ -423,6 +423,14 @@ void pm_quant_gemm_tiles(const void *x, int64_t x_stride, int x_dt, const uint8_
     for (int64_t t = 0; t < ntiles; t++) {
         const int64_t n0 = t * TILE_N, width = n - n0 < TILE_N ? n - n0 : TILE_N;
         float sums[TILE_ROWS * TILE_N];
+        /* the weights stream from memory once per call: ask for tile t + TILE_PREFETCH's now (the
+         * hardware prefetcher alone left the first row chunk waiting on every block) */
+        if (t + TILE_PREFETCH < ntiles) {
+            const uint8_t *next = tiles + (t + TILE_PREFETCH) * tile_bytes;
+            const uint16_t *next_scales = scales + (t + TILE_PREFETCH) * kb * 2 * TILE_N;
+            for (int64_t i = 0; i < tile_bytes; i += 64) __builtin_prefetch(next + i, 0, 0);
+            for (int64_t i = 0; i < kb; i++) __builtin_prefetch(next_scales + i * 2 * TILE_N, 0, 0);
+        }
         for (int64_t r0 = 0; r0 < m; r0 += chunk) {
             const int rows = m - r0 < chunk ? (int)(m - r0) : (int)chunk;
             tile_gemm_rows(tiles + t * tile_bytes, scales + t * kb * 2 * TILE_N, bits, kb, qx + r0 * k, dx + r0 * kb,
