@@ -298,13 +298,18 @@ typedef int32_t __attribute__((may_alias, aligned(1))) x4_t;
  * rows and bits (tile_gemm_rows), so that the accumulators stay in registers */
 static inline __attribute__((always_inline)) void tile_sums(const uint8_t *tile, const uint16_t *scales, int bits,
                                                             int64_t kb, const int8_t *qx, const float *dx,
-                                                            const float *dxt, int64_t k, int rows, float *out) {
+                                                            const float *dxt, int64_t k, int rows, float *out,
+                                                            const uint8_t *ahead, const uint16_t *ahead_scales) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     const int64_t block_bytes = bits == 8 ? TILE_N * BLOCK : TILE_N * BLOCK / 2;
     __m512 acc[TILE_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < kb; b++) {
         const uint8_t *q = tile + b * block_bytes;
+        if (ahead) { /* block b of a tile to come, paced with this one's work */
+            for (int64_t i = 0; i < block_bytes; i += 64) __builtin_prefetch(ahead + b * block_bytes + i, 0, 0);
+            __builtin_prefetch(ahead_scales + b * 2 * TILE_N, 0, 0);
+        }
         __m512i w[8]; /* w[g]: codes 4g..4g+3 of the block, for the 16 rows */
         if (bits == 4) {
             for (int g = 0; g < 4; g++) {
@@ -334,7 +339,9 @@ static inline __attribute__((always_inline)) void tile_sums(const uint8_t *tile,
 }
 #else
 static inline void tile_sums(const uint8_t *tile, const uint16_t *scales, int bits, int64_t kb, const int8_t *qx,
-                             const float *dx, const float *dxt, int64_t k, int rows, float *out) {
+                             const float *dx, const float *dxt, int64_t k, int rows, float *out, const uint8_t *ahead,
+                             const uint16_t *ahead_scales) {
+    (void)ahead, (void)ahead_scales;
     const int64_t block_bytes = bits == 8 ? TILE_N * BLOCK : TILE_N * BLOCK / 2;
     for (int r = 0; r < rows; r++)
         for (int n = 0; n < TILE_N; n++) {
@@ -386,13 +393,14 @@ static void quantize_row_natural(const void *x, int dt, int64_t k, int8_t *qx, f
 
 /* tile_sums with rows (at most TILE_ROWS) and bits as compile-time constants */
 static void tile_gemm_rows(const uint8_t *tile, const uint16_t *scales, int bits, int64_t kb, const int8_t *qx,
-                           const float *dx, const float *dxt, int64_t k, int rows, float *out) {
+                           const float *dx, const float *dxt, int64_t k, int rows, float *out, const uint8_t *ahead,
+                           const uint16_t *ahead_scales) {
 #define PM_TILE(R) \
-    case R: tile_sums(tile, scales, B, kb, qx, dx, dxt, k, R < TILE_ROWS ? R : TILE_ROWS, out); break
+    case R: tile_sums(tile, scales, B, kb, qx, dx, dxt, k, R < TILE_ROWS ? R : TILE_ROWS, out, ahead, ahead_scales); break
 #define PM_TILES \
     switch (rows) { \
         PM_TILE(1); PM_TILE(2); PM_TILE(3); PM_TILE(4); PM_TILE(5); PM_TILE(6); PM_TILE(7); PM_TILE(8); \
-        PM_TILE(9); PM_TILE(10); PM_TILE(11); default: tile_sums(tile, scales, B, kb, qx, dx, dxt, k, TILE_ROWS, out); \
+        PM_TILE(9); PM_TILE(10); PM_TILE(11); default: tile_sums(tile, scales, B, kb, qx, dx, dxt, k, TILE_ROWS, out, ahead, ahead_scales); \
     }
     if (bits == 4) {
         enum { B = 4 };
@@ -423,18 +431,15 @@ void pm_quant_gemm_tiles(const void *x, int64_t x_stride, int x_dt, const uint8_
     for (int64_t t = 0; t < ntiles; t++) {
         const int64_t n0 = t * TILE_N, width = n - n0 < TILE_N ? n - n0 : TILE_N;
         float sums[TILE_ROWS * TILE_N];
-        /* the weights stream from memory once per call: ask for tile t + TILE_PREFETCH's now (the
-         * hardware prefetcher alone left the first row chunk waiting on every block) */
-        if (t + TILE_PREFETCH < ntiles) {
-            const uint8_t *next = tiles + (t + TILE_PREFETCH) * tile_bytes;
-            const uint16_t *next_scales = scales + (t + TILE_PREFETCH) * kb * 2 * TILE_N;
-            for (int64_t i = 0; i < tile_bytes; i += 64) __builtin_prefetch(next + i, 0, 0);
-            for (int64_t i = 0; i < kb; i++) __builtin_prefetch(next_scales + i * 2 * TILE_N, 0, 0);
-        }
+        /* the weights stream from memory once per call: the first row chunk asks for tile t +
+         * TILE_PREFETCH's blocks as it goes (the hardware prefetcher alone left it waiting on
+         * every block) */
+        const int ahead = t + TILE_PREFETCH < ntiles;
         for (int64_t r0 = 0; r0 < m; r0 += chunk) {
             const int rows = m - r0 < chunk ? (int)(m - r0) : (int)chunk;
             tile_gemm_rows(tiles + t * tile_bytes, scales + t * kb * 2 * TILE_N, bits, kb, qx + r0 * k, dx + r0 * kb,
-                           dxt + r0 * kb, k, rows, sums);
+                           dxt + r0 * kb, k, rows, sums, ahead && r0 == 0 ? tiles + (t + TILE_PREFETCH) * tile_bytes : NULL,
+                           scales + (t + TILE_PREFETCH) * kb * 2 * TILE_N);
             for (int r = 0; r < rows; r++)
                 for (int64_t j = 0; j < width; j++) {
                     const float y = sums[r * TILE_N + j] + (bias ? bias[n0 + j] : 0.0f);
