@@ -310,25 +310,24 @@ static inline __attribute__((always_inline)) void tile_sums(const uint8_t *tile,
             for (int64_t i = 0; i < block_bytes; i += 64) __builtin_prefetch(ahead + b * block_bytes + i, 0, 0);
             __builtin_prefetch(ahead_scales + b * 2 * TILE_N, 0, 0);
         }
-        __m512i w[8]; /* w[g]: codes 4g..4g+3 of the block, for the 16 rows */
-        if (bits == 4) {
-            for (int g = 0; g < 4; g++) {
-                const __m512i v = _mm512_loadu_si512(q + 64 * g);
-                w[g] = _mm512_and_si512(v, low);
-                w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            }
-        } else {
-            for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512(q + 64 * g);
-        }
+        __m512i packed[4]; /* 4-bit: the block's 4 vectors of nibble pairs, each decoded twice below */
+        if (bits == 4)
+            for (int g = 0; g < 4; g++) packed[g] = _mm512_loadu_si512(q + 64 * g);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + b * 2 * TILE_N)));
         const __m512 c = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + b * 2 * TILE_N + TILE_N)));
         /* group by group over the rows: the rows' dot products are independent chains, so the
          * VNNI unit is not left waiting on one row's 8 dependent instructions */
         __m512i dot[TILE_ROWS];
         for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
-        for (int g = 0; g < 8; g++)
+        for (int g = 0; g < 8; g++) {
+            /* codes 4g..4g+3 of the block, for the 16 rows, decoded as they are needed (fewer
+             * registers held than 8 decoded vectors: room for the rows' accumulators) */
+            const __m512i w = bits == 8 ? _mm512_loadu_si512(q + 64 * g)
+                              : g < 4   ? _mm512_and_si512(packed[g], low)
+                                        : _mm512_and_si512(_mm512_srli_epi16(packed[g - 4], 4), low);
             for (int r = 0; r < rows; r++) /* 4 activations as one int32, broadcast from memory */
-                dot[r] = _mm512_dpbusd_epi32(dot[r], w[g], _mm512_set1_epi32(((const x4_t *)(qx + r * k + b * BLOCK))[g]));
+                dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(((const x4_t *)(qx + r * k + b * BLOCK))[g]));
+        }
         for (int r = 0; r < rows; r++) {
             const __m512 s = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * kb + b]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), s, acc[r]);
