@@ -276,17 +276,18 @@ void pm_quant_dequantize_bf16(const uint8_t *codes, const uint16_t *d, const uin
 /* ---- The decode-batch GEMM: W repacked in tiles of 16 output rows (pm_quant_gemm_tiles) ----
  *
  * pm_quant_matmul above decodes a weight row once per 4 activation rows and pays its block
- * scales per (weight row, activation row, block). For decode batches of ~8-64 rows this GEMM
- * reads W in a second layout (kernels/quantized.py, `tile_codes`) where one 512-bit register
- * holds 4 consecutive codes of each of 16 output rows:
+ * scales per (weight row, activation row, block). For decode steps (1-64 rows: workers/model/
+ * layers.py) this GEMM reads W in a second layout (kernels/quantized.py, `with_tiles`) where one
+ * 512-bit register holds 4 consecutive codes of each of 16 output rows:
  *
  *     tiles  [N16/16][KB][G][16][4] u8   G = 8 groups of 4 codes (8-bit), or 4 groups of 4 bytes
  *                                        (4-bit, the GGUF bytes as they are: low nibbles codes
  *                                        4g..4g+3, high nibbles codes 16+4g..16+4g+3)
  *     scales [N16/16][KB][2][16] fp16    d then c of the tile's 16 rows, one cache line a block
  *
- * (N16: N rounded up to 16, the padding rows all zero). A block's 8 code registers are decoded
- * once for up to TILE_ROWS activation rows, each row's 4 activations broadcast against them
+ * (N16: N rounded up to 16, the padding rows all zero). A block's 8 code vectors are decoded
+ * once for a chunk of up to TILE_ROWS activation rows (8: two accumulators a row, and the code
+ * vector, fit the 32 registers; 10 or 12 spilled), each row's 4 activations broadcast against them
  * (8 VNNI instructions for 16 x 32 products), and the scale work (the fp16 d and c widened, the
  * sum scaled) is a vector over the 16 outputs. Activations are the same int8 blocks as above,
  * so the results equal pm_quant_matmul's up to the order of the fp32 sums. */
