@@ -413,6 +413,36 @@ static void tile_gemm_rows(const uint8_t *tile, const uint16_t *scales, int bits
 #undef PM_TILE
 }
 
+/* out[r0 + r][n0 + j] = sums[r][j] + bias[j] for r < rows, j < width (bias NULL: none), rounded
+ * to bf16 as f32_to_bf16 does where out_dt asks */
+static void store_tile(const float *sums, int rows, int64_t width, const float *bias, void *out, int out_dt, int64_t n,
+                       int64_t r0, int64_t n0) {
+#if defined(PM_VNNI)
+    const __mmask16 keep = (__mmask16)((1u << width) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        const __m512 y = _mm512_add_ps(_mm512_loadu_ps(sums + r * TILE_N), b);
+        if (out_dt == DT_BF16) { /* round to nearest even, as f32_to_bf16 */
+            const __m512i u = _mm512_castps_si512(y);
+            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+            const __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+            _mm256_mask_storeu_epi16((bf16 *)out + (r0 + r) * n + n0, keep, _mm512_cvtepi32_epi16(h));
+        } else {
+            _mm512_mask_storeu_ps((float *)out + (r0 + r) * n + n0, keep, y);
+        }
+    }
+#else
+    for (int r = 0; r < rows; r++)
+        for (int64_t j = 0; j < width; j++) {
+            const float y = sums[r * TILE_N + j] + (bias ? bias[j] : 0.0f);
+            if (out_dt == DT_BF16)
+                ((bf16 *)out)[(r0 + r) * n + n0 + j] = f32_to_bf16(y);
+            else
+                ((float *)out)[(r0 + r) * n + n0 + j] = y;
+        }
+#endif
+}
+
 /* x [M, K] (row stride x_stride elements, dtype x_dt) times W^T, W in the tiled layout above
  * (tiles, scales; N outputs of which the last tile's rows past N are padding), plus bias (fp32
  * [N] or NULL), into out [M, N] (contiguous, out_dt). K is a multiple of 32. */
@@ -420,7 +450,7 @@ void pm_quant_gemm_tiles(const void *x, int64_t x_stride, int x_dt, const uint8_
                          int bits, const float *bias, void *out, int out_dt, int64_t m, int64_t n, int64_t k) {
     const int64_t kb = k / BLOCK, ntiles = (n + TILE_N - 1) / TILE_N, xsize = x_dt == DT_BF16 ? 2 : 4;
     const int64_t tile_bytes = kb * (bits == 8 ? TILE_N * BLOCK : TILE_N * BLOCK / 2);
-    /* row chunks of near-equal size, at most TILE_ROWS each: 32 rows as 11 + 11 + 10, not 12 + 12 + 8 */
+    /* row chunks of near-equal size, at most TILE_ROWS each: 20 rows as 7 + 7 + 6, not 8 + 8 + 4 */
     const int64_t chunks = (m + TILE_ROWS - 1) / TILE_ROWS, chunk = (m + chunks - 1) / chunks;
     int8_t *qx = (int8_t *)malloc((size_t)(m * k));
     float *dx = (float *)malloc((size_t)(2 * m * kb) * sizeof(float)), *dxt = dx + m * kb;
@@ -435,19 +465,13 @@ void pm_quant_gemm_tiles(const void *x, int64_t x_stride, int x_dt, const uint8_
          * TILE_PREFETCH's blocks as it goes (the hardware prefetcher alone left it waiting on
          * every block) */
         const int ahead = t + TILE_PREFETCH < ntiles;
+        const uint8_t *ahead_codes = ahead ? tiles + (t + TILE_PREFETCH) * tile_bytes : NULL;
+        const uint16_t *ahead_scales = ahead ? scales + (t + TILE_PREFETCH) * kb * 2 * TILE_N : NULL;
         for (int64_t r0 = 0; r0 < m; r0 += chunk) {
             const int rows = m - r0 < chunk ? (int)(m - r0) : (int)chunk;
             tile_gemm_rows(tiles + t * tile_bytes, scales + t * kb * 2 * TILE_N, bits, kb, qx + r0 * k, dx + r0 * kb,
-                           dxt + r0 * kb, k, rows, sums, ahead && r0 == 0 ? tiles + (t + TILE_PREFETCH) * tile_bytes : NULL,
-                           scales + (t + TILE_PREFETCH) * kb * 2 * TILE_N);
-            for (int r = 0; r < rows; r++)
-                for (int64_t j = 0; j < width; j++) {
-                    const float y = sums[r * TILE_N + j] + (bias ? bias[n0 + j] : 0.0f);
-                    if (out_dt == DT_BF16)
-                        ((bf16 *)out)[(r0 + r) * n + n0 + j] = f32_to_bf16(y);
-                    else
-                        ((float *)out)[(r0 + r) * n + n0 + j] = y;
-                }
+                           dxt + r0 * kb, k, rows, sums, r0 == 0 ? ahead_codes : NULL, ahead_scales);
+            store_tile(sums, rows, width, bias ? bias + n0 : NULL, out, out_dt, n, r0, n0);
         }
     }
     free(qx);
