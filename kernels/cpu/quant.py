@@ -107,7 +107,7 @@ def quant_gemm(
 ) -> torch.Tensor:
     """`quant_linear`'s product (the same int8 activation blocks, fp32 sums in another order)
     through the weight's tiled copy (`kernels.quantized.with_tiles`), which decodes each weight
-    block once for up to 12 activation rows: the kernel for decode batches (pm_quant_gemm_tiles)."""
+    block once for up to 8 activation rows: the kernel for decode batches (pm_quant_gemm_tiles)."""
     n, k = qw.shape
     out_dtype = out_dtype or x.dtype
     if qw.tiles is None:
