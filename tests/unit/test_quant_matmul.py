@@ -173,6 +173,17 @@ def test_tiled_gemm_matches_dequantize_then_matmul(fmt, m, n, k):
 
 
 @pytest.mark.skipif(not quant.available(), reason=f"quantized C kernel did not build: {quant.load_error()}")
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_tiled_gemm_takes_every_row_count(fmt):
+    """M = 1..70: every chunk size (1..8 rows, compiled apart) and every split into chunks"""
+    qw = with_tiles(_weight(fmt, 21, 96, 9))
+    x = torch.randn(70, 96, generator=torch.Generator().manual_seed(10))
+    want = quant.quant_linear(x, qw)
+    for m in range(1, 71):
+        torch.testing.assert_close(quant.quant_gemm(x[:m], qw), want[:m], atol=1e-4, rtol=1e-5, msg=f"M={m}")
+
+
+@pytest.mark.skipif(not quant.available(), reason=f"quantized C kernel did not build: {quant.load_error()}")
 def test_tiled_gemm_reads_strided_rows_and_rejects_bad_input():
     qw = with_tiles(_weight("q4_1", 16, 64, 3))
     wide = torch.randn(3, 128)
