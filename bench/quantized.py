@@ -1,7 +1,7 @@
 """Quantized weights (`--quantization`): quality against the dense model, and decode speed.
 
     python bench/quantized.py quality [--positions 512] [--out docs/perf/quantization.md]
-    python bench/quantized.py speed [--prompt-len 128] [--tokens 128] [--repeats 2]
+    python bench/quantized.py speed [--prompt-len 128] [--tokens 128] [--repeats 2] [--streams 1]
     python bench/quantized.py linears [--rows 1] [--repeats 20]
     python bench/quantized.py prefill [--prompt-len 128] [--repeats 5]
     python bench/quantized.py llama-positions --base-logits FILE [--dtypes bfloat16 float32]
@@ -16,12 +16,14 @@ positions, and perplexity of each on numpy's LICENSE.txt. `--out` writes the tab
 quantized linear takes the int8-activation kernel (the path of decode steps, where quantization
 costs quality; prefill rows from `layers.DEQUANTIZE_MIN_ROWS` widen W to bf16 and match `none`
 exactly): `--served` keeps the row threshold instead.
-`speed`: single-stream decode tok/s of an in-process engine per format (A-B-C repeated),
-after the prefill; the machine's load average is printed beside the figures.
+`speed`: decode tok/s of an in-process engine per format (A-B-C repeated), one stream or
+`--streams` concurrent ones, after the prefills; the machine's load average is printed beside
+the figures.
 `linears`: the linears of one decode step alone (every layer's own random weights in the default
 model's shapes, so they stream from memory as in a real step, and the LM head), per format:
 bf16 packed for oneDNN (the `none` path without AMX), int8 and Q4_1 as served
-(`layers.quantized_linear`: the C kernel, or W widened to bf16 from DEQUANTIZE_MIN_ROWS rows).
+(`layers.quantized_linear`: the tiled C GEMM, or W widened to bf16 from DEQUANTIZE_MIN_ROWS rows;
+`--untiled` adds Q4_1 through the plain C kernel, the path before the tiled one).
 `llama-positions`: our formats scored on exactly the positions llama.cpp's llama-perplexity
 scores, against our bf16 and against its F16 log-probabilities, beside its own rows
 (bench/llama_cpp_positions.py). `texts`: the quality texts as one file (what it reads).
@@ -32,6 +34,7 @@ repeated, median ms: the TTFT of one stream without the gateway.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import statistics
@@ -198,24 +201,36 @@ def speed(args: argparse.Namespace) -> None:
     from workers.engine.engine import Engine
 
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
-    prompt = list(range(1000, 1000 + args.prompt_len))
+    pages = args.streams * ((args.prompt_len + args.tokens) // PAGE + 2)
     engines = {
-        fmt: Engine(EngineConfig(dtype="bfloat16", quantization=fmt, num_pages=64, enable_prefix_caching=False))
+        fmt: Engine(
+            EngineConfig(
+                dtype="bfloat16",
+                quantization=fmt,
+                num_pages=max(64, pages),
+                enable_prefix_caching=False,
+                max_num_seqs=max(8, args.streams),
+            )
+        )
         for fmt in args.formats
     }
     figures: dict[str, list[float]] = {fmt: [] for fmt in engines}
     for repeat in range(args.repeats):
         for fmt, engine in engines.items():
-            engine.add_request(f"{fmt}-{repeat}", prompt, params)
-            engine.step()  # the prefill and first token
-            t0, steps = time.perf_counter(), 0
+            for i in range(args.streams):  # distinct prompts: nothing shared between the streams
+                prompt = [1000 + (7 * i + j) % 5000 for j in range(args.prompt_len)]
+                engine.add_request(f"{fmt}-{repeat}-{i}", prompt, params)
+            while any(r.seqs[0].num_output_tokens == 0 for r in engine.requests.values()):
+                engine.step()  # the prefills and first tokens
+            t0, tokens = time.perf_counter(), 0
             while engine.requests:
+                tokens += len(engine.requests)
                 engine.step()
-                steps += 1
-            figures[fmt].append(steps / (time.perf_counter() - t0))
+            figures[fmt].append(tokens / (time.perf_counter() - t0))
     load = os.getloadavg()
     for fmt, tps in figures.items():
-        print(f"{fmt:5s} decode {statistics.median(tps):6.1f} tok/s (runs: {', '.join(f'{t:.1f}' for t in tps)})")
+        runs = ", ".join(f"{t:.1f}" for t in tps)
+        print(f"{fmt:5s} decode {statistics.median(tps):6.1f} tok/s, {args.streams} stream(s) (runs: {runs})")
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
 
 
@@ -224,7 +239,7 @@ def linears(args: argparse.Namespace) -> None:
     from gguf.quants import quantize as gguf_quantize
 
     from common.model_config import read_model_config
-    from kernels.quantized import from_gguf_blocks, quantize_int8
+    from kernels.quantized import from_gguf_blocks, quantize_int8, with_tiles
 
     cfg = read_model_config(default_model_path())
     h, inter, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
@@ -234,9 +249,11 @@ def linears(args: argparse.Namespace) -> None:
     q4_1 = gguf.GGMLQuantizationType.Q4_1
     weights = {
         "bf16": [torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 32) for w in dense],
-        "int8": [quantize_int8(w) for w in dense],
-        "q4_1": [from_gguf_blocks("Q4_1", gguf_quantize(w.numpy(), q4_1)) for w in dense],
+        "int8": [with_tiles(quantize_int8(w)) for w in dense],
+        "q4_1": [with_tiles(from_gguf_blocks("Q4_1", gguf_quantize(w.numpy(), q4_1))) for w in dense],
     }
+    if args.untiled:  # the path before the tiled GEMM: the plain integer kernel below the threshold
+        weights["q4_1-untiled"] = [dataclasses.replace(w, tiles=None) for w in weights["q4_1"]]
     del dense
     xs = {k: torch.randn(args.rows, k).bfloat16() for k in {k for _, k in shapes}}
 
@@ -302,10 +319,12 @@ def main() -> None:
     s.add_argument("--prompt-len", type=int, default=128)
     s.add_argument("--tokens", type=int, default=128)
     s.add_argument("--repeats", type=int, default=2)
+    s.add_argument("--streams", type=int, default=1, help="concurrent requests (decode batch rows)")
     s.add_argument("--formats", nargs="+", default=list(QUANTIZATIONS), choices=list(QUANTIZATIONS))
     li = sub.add_parser("linears")
     li.add_argument("--rows", type=int, default=1)
     li.add_argument("--repeats", type=int, default=20)
+    li.add_argument("--untiled", action="store_true", help="also Q4_1 without its tiles (the plain kernel)")
     p = sub.add_parser("prefill")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)

@@ -46,6 +46,9 @@ class QuantizedWeight:
     codes: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor
+    # the same codes and scales repacked for the CPU decode-batch GEMM (`with_tiles`), or None;
+    # shards, fused rows and device copies leave it out (make it again on the result)
+    tiles: OutputTiles | None = None
 
     @property
     def bits(self) -> int:
@@ -78,6 +81,39 @@ class QuantizedWeight:
 
     def to(self, device: torch.device) -> QuantizedWeight:
         return QuantizedWeight(self.format, self.codes.to(device), self.scale.to(device), self.offset.to(device))
+
+
+@dataclass(frozen=True)
+class OutputTiles:
+    """W's codes and scales in tiles of TILE_N output rows (N padded with zero rows), the layout
+    of `pm_quant_gemm_tiles` (kernels/cpu/quant_matmul.c): one 64-byte vector holds 4 codes' bytes
+    of each of 16 rows, so a block's scale work is one vector over 16 outputs.
+
+        codes  uint8 [N16 / 16, K / 32, G, 16, 4]   G = bytes per row and block / 4 (8-bit: 8,
+               4-bit: 4; byte 4g+i of a row's block, as in `codes`, low nibble code 4g+i, high
+               nibble code 16+4g+i)
+        scales float16 [N16 / 16, K / 32, 2, 16]    d, then c, of the tile's 16 rows
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+
+TILE_N = 16
+
+
+def with_tiles(qw: QuantizedWeight) -> QuantizedWeight:
+    """`qw` with its `tiles` made (a second copy of the codes, N * K * bits / 8 bytes, and of the
+    scales): from a CPU weight only; the tiled GEMM takes decode batches
+    (`workers.model.layers.quantized_linear`)."""
+    n, k = qw.shape
+    tiles_n, kb = (n + TILE_N - 1) // TILE_N, k // BLOCK
+    pad = tiles_n * TILE_N - n
+    codes = torch.nn.functional.pad(qw.codes, (0, 0, 0, pad)).reshape(tiles_n, TILE_N, kb, -1, 4)
+    scales = torch.stack((qw.scale, qw.offset), dim=1)  # [N, 2, KB]
+    scales = torch.nn.functional.pad(scales, (0, 0, 0, 0, 0, pad)).reshape(tiles_n, TILE_N, 2, kb)
+    tiles = OutputTiles(codes.permute(0, 2, 3, 1, 4).contiguous(), scales.permute(0, 3, 2, 1).contiguous())
+    return QuantizedWeight(qw.format, qw.codes, qw.scale, qw.offset, tiles)
 
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:

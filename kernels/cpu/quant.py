@@ -2,6 +2,7 @@
 
     quant_linear(x, qw, bias, out_dtype) -> x W^T (+ bias)   W a `kernels.quantized.QuantizedWeight`
     dequantize_bf16(qw, start, stop) -> W[start:stop] in bf16 (the prefill path's weight tiles)
+    quant_gemm(x, qw, bias, out_dtype) -> quant_linear's product through qw.tiles (decode batches)
 
 x is fp32 or bf16 [M, K] (rows may be strided); x is rounded per row and block of 32 to int8
 inside (see quant_matmul.c), the sums are fp32, the result is rounded to `out_dtype` (default x's).
@@ -24,6 +25,7 @@ _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "pm_quant_matmul": [_P, _I64, _I32, _P, _P, _P, _I32, _P, _P, _I32, _I64, _I64, _I64],
     "pm_quant_dequantize_bf16": [_P, _P, _P, _I32, _P, _I64, _I64, _I64],
+    "pm_quant_gemm_tiles": [_P, _I64, _I32, _P, _P, _I32, _P, _P, _I32, _I64, _I64, _I64],
 }
 _library = build.Library(SOURCE, _SIGNATURES)
 
@@ -96,5 +98,48 @@ def dequantize_bf16(qw: QuantizedWeight, start: int = 0, stop: int | None = None
     out = torch.empty(stop - start, k, dtype=torch.bfloat16)
     lib.pm_quant_dequantize_bf16(
         qw.codes.data_ptr(), qw.scale.data_ptr(), qw.offset.data_ptr(), qw.bits, out.data_ptr(), start, stop, k
+    )
+    return out
+
+
+def quant_gemm(
+    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """`quant_linear`'s product (the same int8 activation blocks, fp32 sums in another order)
+    through the weight's tiled copy (`kernels.quantized.with_tiles`), which decodes each weight
+    block once for up to 8 activation rows: the kernel for decode batches (pm_quant_gemm_tiles)."""
+    n, k = qw.shape
+    out_dtype = out_dtype or x.dtype
+    if qw.tiles is None:
+        raise ValueError("quant_gemm: the weight has no tiles (kernels.quantized.with_tiles)")
+    if x.dtype not in _DTYPES or out_dtype not in _DTYPES or x.device.type != "cpu":
+        raise ValueError("quant_gemm: x and the output are CPU float32 or bfloat16")
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"quant_gemm: x must be [M, {k}]")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        if bias.shape != (n,):
+            raise ValueError(f"quant_gemm: bias must be [{n}]")
+        bias = bias.float().contiguous()
+    lib = _library.load()
+    if lib is None:
+        raise RuntimeError(f"quant_gemm: {load_error()}")
+    out = torch.empty(x.shape[0], n, dtype=out_dtype)
+    if x.shape[0] == 0:
+        return out
+    lib.pm_quant_gemm_tiles(
+        x.data_ptr(),
+        x.stride(0),
+        _DTYPES[x.dtype],
+        qw.tiles.codes.data_ptr(),
+        qw.tiles.scales.data_ptr(),
+        qw.bits,
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+        _DTYPES[out_dtype],
+        x.shape[0],
+        n,
+        k,
     )
     return out

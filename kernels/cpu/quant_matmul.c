@@ -272,3 +272,208 @@ void pm_quant_dequantize_bf16(const uint8_t *codes, const uint16_t *d, const uin
         }
     }
 }
+
+/* ---- The decode-batch GEMM: W repacked in tiles of 16 output rows (pm_quant_gemm_tiles) ----
+ *
+ * pm_quant_matmul above decodes a weight row once per 4 activation rows and pays its block
+ * scales per (weight row, activation row, block). For decode steps (1-64 rows: workers/model/
+ * layers.py) this GEMM reads W in a second layout (kernels/quantized.py, `with_tiles`) where one
+ * 512-bit register holds 4 consecutive codes of each of 16 output rows:
+ *
+ *     tiles  [N16/16][KB][G][16][4] u8   G = 8 groups of 4 codes (8-bit), or 4 groups of 4 bytes
+ *                                        (4-bit, the GGUF bytes as they are: low nibbles codes
+ *                                        4g..4g+3, high nibbles codes 16+4g..16+4g+3)
+ *     scales [N16/16][KB][2][16] fp16    d then c of the tile's 16 rows, one cache line a block
+ *
+ * (N16: N rounded up to 16, the padding rows all zero). A block's 8 code vectors are decoded
+ * once for a chunk of up to TILE_ROWS activation rows (8: two accumulators a row, and the code
+ * vector, fit the 32 registers; 10 or 12 spilled), each row's 4 activations broadcast against them
+ * (8 VNNI instructions for 16 x 32 products), and the scale work (the fp16 d and c widened, the
+ * sum scaled) is a vector over the 16 outputs. Activations are the same int8 blocks as above,
+ * so the results equal pm_quant_matmul's up to the order of the fp32 sums. */
+enum { TILE_N = 16, TILE_ROWS = 8, TILE_PREFETCH = 2 };
+typedef int32_t __attribute__((may_alias, aligned(1))) x4_t;
+
+#if defined(PM_VNNI)
+/* out[r][0:16] (fp32) = the 16 rows' sums for activation rows r < rows; inlined with constant
+ * rows and bits (tile_gemm_rows), so that the accumulators stay in registers */
+static inline __attribute__((always_inline)) void tile_sums(const uint8_t *tile, const uint16_t *scales, int bits,
+                                                            int64_t kb, const int8_t *qx, const float *dx,
+                                                            const float *dxt, int64_t k, int rows, float *out,
+                                                            const uint8_t *ahead, const uint16_t *ahead_scales) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const int64_t block_bytes = bits == 8 ? TILE_N * BLOCK : TILE_N * BLOCK / 2;
+    __m512 acc[TILE_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        const uint8_t *q = tile + b * block_bytes;
+        if (ahead) { /* block b of a tile to come, paced with this one's work */
+            for (int64_t i = 0; i < block_bytes; i += 64) __builtin_prefetch(ahead + b * block_bytes + i, 0, 0);
+            __builtin_prefetch(ahead_scales + b * 2 * TILE_N, 0, 0);
+        }
+        __m512i packed[4]; /* 4-bit: the block's 4 vectors of nibble pairs, each decoded twice below */
+        if (bits == 4)
+            for (int g = 0; g < 4; g++) packed[g] = _mm512_loadu_si512(q + 64 * g);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + b * 2 * TILE_N)));
+        const __m512 c = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + b * 2 * TILE_N + TILE_N)));
+        /* group by group over the rows: the rows' dot products are independent chains, so the
+         * VNNI unit is not left waiting on one row's 8 dependent instructions */
+        __m512i dot[TILE_ROWS];
+        for (int r = 0; r < rows; r++) dot[r] = _mm512_setzero_si512();
+        for (int g = 0; g < 8; g++) {
+            /* codes 4g..4g+3 of the block, for the 16 rows, decoded as they are needed (fewer
+             * registers held than 8 decoded vectors: room for the rows' accumulators) */
+            const __m512i w = bits == 8 ? _mm512_loadu_si512(q + 64 * g)
+                              : g < 4   ? _mm512_and_si512(packed[g], low)
+                                        : _mm512_and_si512(_mm512_srli_epi16(packed[g - 4], 4), low);
+            for (int r = 0; r < rows; r++) /* 4 activations as one int32, broadcast from memory */
+                dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(((const x4_t *)(qx + r * k + b * BLOCK))[g]));
+        }
+        for (int r = 0; r < rows; r++) {
+            const __m512 s = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * kb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), s, acc[r]);
+            acc[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(dxt[r * kb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * TILE_N, acc[r]);
+}
+#else
+static inline void tile_sums(const uint8_t *tile, const uint16_t *scales, int bits, int64_t kb, const int8_t *qx,
+                             const float *dx, const float *dxt, int64_t k, int rows, float *out, const uint8_t *ahead,
+                             const uint16_t *ahead_scales) {
+    (void)ahead, (void)ahead_scales;
+    const int64_t block_bytes = bits == 8 ? TILE_N * BLOCK : TILE_N * BLOCK / 2;
+    for (int r = 0; r < rows; r++)
+        for (int n = 0; n < TILE_N; n++) {
+            float sum = 0.0f;
+            for (int64_t b = 0; b < kb; b++) {
+                const uint8_t *q = tile + b * block_bytes;
+                int dot = 0;
+                for (int j = 0; j < BLOCK; j++) {
+                    const int g = j / 4, i = j % 4;
+                    const int code = bits == 8 ? q[(g * TILE_N + n) * 4 + i]
+                                               : (q[((g % 4) * TILE_N + n) * 4 + i] >> (g < 4 ? 0 : 4)) & 15;
+                    dot += code * qx[r * k + b * BLOCK + j];
+                }
+                const uint16_t *sc = scales + b * 2 * TILE_N;
+                sum += f16_to_f32(sc[n]) * dx[r * kb + b] * (float)dot + f16_to_f32(sc[TILE_N + n]) * dxt[r * kb + b];
+            }
+            out[r * TILE_N + n] = sum;
+        }
+}
+#endif
+
+/* quantize_row's values in the natural order (bits 8), 32 at a time: the same fp32 operations, so
+ * the same int8 values and scales */
+static void quantize_row_natural(const void *x, int dt, int64_t k, int8_t *qx, float *dx, float *dxt) {
+#if defined(PM_VNNI)
+    for (int64_t b = 0; b < k / BLOCK; b++) {
+        __m512 v[2];
+        for (int h = 0; h < 2; h++) {
+            const int64_t i = b * BLOCK + 16 * h;
+            v[h] = dt == DT_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                       _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const bf16 *)x + i))), 16))
+                                 : _mm512_loadu_ps((const float *)x + i);
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+        const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m512i sum = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) { /* round to nearest even, as lrintf */
+            const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)));
+            _mm_storeu_si128((__m128i *)(qx + b * BLOCK + 16 * h), _mm512_cvtepi32_epi8(q));
+            sum = _mm512_add_epi32(sum, q);
+        }
+        dx[b] = d;
+        dxt[b] = d * (float)_mm512_reduce_add_epi32(sum);
+    }
+#else
+    quantize_row(x, dt, k, 8, qx, dx, dxt);
+#endif
+}
+
+/* tile_sums with rows (at most TILE_ROWS) and bits as compile-time constants */
+static void tile_gemm_rows(const uint8_t *tile, const uint16_t *scales, int bits, int64_t kb, const int8_t *qx,
+                           const float *dx, const float *dxt, int64_t k, int rows, float *out, const uint8_t *ahead,
+                           const uint16_t *ahead_scales) {
+#define PM_TILE(R) \
+    case R: tile_sums(tile, scales, B, kb, qx, dx, dxt, k, R < TILE_ROWS ? R : TILE_ROWS, out, ahead, ahead_scales); break
+#define PM_TILES \
+    switch (rows) { \
+        PM_TILE(1); PM_TILE(2); PM_TILE(3); PM_TILE(4); PM_TILE(5); PM_TILE(6); PM_TILE(7); PM_TILE(8); \
+        PM_TILE(9); PM_TILE(10); PM_TILE(11); default: tile_sums(tile, scales, B, kb, qx, dx, dxt, k, TILE_ROWS, out, ahead, ahead_scales); \
+    }
+    if (bits == 4) {
+        enum { B = 4 };
+        PM_TILES
+    } else {
+        enum { B = 8 };
+        PM_TILES
+    }
+#undef PM_TILES
+#undef PM_TILE
+}
+
+/* out[r0 + r][n0 + j] = sums[r][j] + bias[j] for r < rows, j < width (bias NULL: none), rounded
+ * to bf16 as f32_to_bf16 does where out_dt asks */
+static void store_tile(const float *sums, int rows, int64_t width, const float *bias, void *out, int out_dt, int64_t n,
+                       int64_t r0, int64_t n0) {
+#if defined(PM_VNNI)
+    const __mmask16 keep = (__mmask16)((1u << width) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        const __m512 y = _mm512_add_ps(_mm512_loadu_ps(sums + r * TILE_N), b);
+        if (out_dt == DT_BF16) { /* round to nearest even, as f32_to_bf16 */
+            const __m512i u = _mm512_castps_si512(y);
+            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+            const __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+            _mm256_mask_storeu_epi16((bf16 *)out + (r0 + r) * n + n0, keep, _mm512_cvtepi32_epi16(h));
+        } else {
+            _mm512_mask_storeu_ps((float *)out + (r0 + r) * n + n0, keep, y);
+        }
+    }
+#else
+    for (int r = 0; r < rows; r++)
+        for (int64_t j = 0; j < width; j++) {
+            const float y = sums[r * TILE_N + j] + (bias ? bias[j] : 0.0f);
+            if (out_dt == DT_BF16)
+                ((bf16 *)out)[(r0 + r) * n + n0 + j] = f32_to_bf16(y);
+            else
+                ((float *)out)[(r0 + r) * n + n0 + j] = y;
+        }
+#endif
+}
+
+/* x [M, K] (row stride x_stride elements, dtype x_dt) times W^T, W in the tiled layout above
+ * (tiles, scales; N outputs of which the last tile's rows past N are padding), plus bias (fp32
+ * [N] or NULL), into out [M, N] (contiguous, out_dt). K is a multiple of 32. */
+void pm_quant_gemm_tiles(const void *x, int64_t x_stride, int x_dt, const uint8_t *tiles, const uint16_t *scales,
+                         int bits, const float *bias, void *out, int out_dt, int64_t m, int64_t n, int64_t k) {
+    const int64_t kb = k / BLOCK, ntiles = (n + TILE_N - 1) / TILE_N, xsize = x_dt == DT_BF16 ? 2 : 4;
+    const int64_t tile_bytes = kb * (bits == 8 ? TILE_N * BLOCK : TILE_N * BLOCK / 2);
+    /* row chunks of near-equal size, at most TILE_ROWS each: 20 rows as 7 + 7 + 6, not 8 + 8 + 4 */
+    const int64_t chunks = (m + TILE_ROWS - 1) / TILE_ROWS, chunk = (m + chunks - 1) / chunks;
+    int8_t *qx = (int8_t *)malloc((size_t)(m * k));
+    float *dx = (float *)malloc((size_t)(2 * m * kb) * sizeof(float)), *dxt = dx + m * kb;
+#pragma omp parallel for schedule(static) if (m * k > 65536)
+    for (int64_t r = 0; r < m; r++)
+        quantize_row_natural((const char *)x + r * x_stride * xsize, x_dt, k, qx + r * k, dx + r * kb, dxt + r * kb);
+#pragma omp parallel for schedule(static) if (n * m * k > 262144)
+    for (int64_t t = 0; t < ntiles; t++) {
+        const int64_t n0 = t * TILE_N, width = n - n0 < TILE_N ? n - n0 : TILE_N;
+        float sums[TILE_ROWS * TILE_N];
+        /* the weights stream from memory once per call: the first row chunk asks for tile t +
+         * TILE_PREFETCH's blocks as it goes (the hardware prefetcher alone left it waiting on
+         * every block) */
+        const int ahead = t + TILE_PREFETCH < ntiles;
+        const uint8_t *ahead_codes = ahead ? tiles + (t + TILE_PREFETCH) * tile_bytes : NULL;
+        const uint16_t *ahead_scales = ahead ? scales + (t + TILE_PREFETCH) * kb * 2 * TILE_N : NULL;
+        for (int64_t r0 = 0; r0 < m; r0 += chunk) {
+            const int rows = m - r0 < chunk ? (int)(m - r0) : (int)chunk;
+            tile_gemm_rows(tiles + t * tile_bytes, scales + t * kb * 2 * TILE_N, bits, kb, qx + r0 * k, dx + r0 * kb,
+                           dxt + r0 * kb, k, rows, sums, r0 == 0 ? ahead_codes : NULL, ahead_scales);
+            store_tile(sums, rows, width, bias ? bias + n0 : NULL, out, out_dt, n, r0, n0);
+        }
+    }
+    free(qx);
+    free(dx);
+}

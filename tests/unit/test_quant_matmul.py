@@ -15,6 +15,8 @@ from kernels.quantized import (
     from_gguf_blocks,
     quantize_activations,
     quantize_int8,
+    unpack_codes,
+    with_tiles,
 )
 
 
@@ -128,3 +130,85 @@ def test_linear_takes_the_bf16_gemm_from_the_row_threshold(fmt):
     assert torch.equal(quantized_linear(x, qw, bias, None), quant.quant_linear(x, qw, bias))
     x = torch.randn(DEQUANTIZE_MIN_ROWS + 3, 128, generator=gen)
     assert torch.equal(quantized_linear(x, qw, bias, None), quant.quant_linear(x, qw, bias))
+
+
+def test_tiles_hold_every_code_and_scale_of_their_rows():
+    for fmt in ("q4_1", "q8_0"):
+        qw = with_tiles(_weight(fmt, 37, 96, 7))  # 3 tiles, the last with 11 padding rows
+        codes, scales = qw.tiles.codes, qw.tiles.scales
+        assert codes.shape == (3, 3, qw.bits, 16, 4) and scales.shape == (3, 3, 2, 16)
+        # [tile, block, group, row, byte] back to [row, block, group, byte]: the row's own bytes
+        rows = codes.permute(0, 3, 1, 2, 4).reshape(48, -1)
+        assert torch.equal(rows[:37], qw.codes) and not rows[37:].any()
+        d_c = scales.permute(0, 3, 2, 1).reshape(48, 2, 3)
+        assert torch.equal(d_c[:37, 0], qw.scale) and torch.equal(d_c[:37, 1], qw.offset)
+        assert not d_c[37:].any()
+    assert torch.equal(unpack_codes(qw), unpack_codes(with_tiles(qw)))
+    # shards and fused rows are new weights: their tiles are made again where they are installed
+    assert qw.rows(0, 16).tiles is None and concat_rows([qw, qw]).tiles is None
+
+
+@pytest.mark.skipif(not quant.available(), reason=f"quantized C kernel did not build: {quant.load_error()}")
+@pytest.mark.parametrize("fmt", ["int8", "q4_0", "q4_1", "q8_0"])
+# M: one row, a chunk of 8 and its tail, 32 (4 chunks), 70 (9 chunks of 8 and 7 rows: near-equal
+# chunks); N: under one tile, a tail of 5, whole tiles; K: one block to 48
+@pytest.mark.parametrize("m, n, k", [(1, 37, 32), (13, 5, 96), (32, 64, 1536), (70, 21, 64)])
+def test_tiled_gemm_matches_dequantize_then_matmul(fmt, m, n, k):
+    qw = with_tiles(_weight(fmt, n, k, seed=m + n + k))
+    gen = torch.Generator().manual_seed(m * k)
+    x, bias = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
+    got = quant.quant_gemm(x, qw, bias)
+    # the same reference and allowance as the plain kernel's test above (the same int8 activations)
+    want = quantize_activations(x).double() @ dequantize(qw).double().T + bias.double()
+    step = float(x.abs().max() / 127 * dequantize(qw).abs().max())
+    torch.testing.assert_close(got.double(), want, atol=1e-4 + step, rtol=1e-4)
+    # the plain kernel's sums, in another order
+    torch.testing.assert_close(got, quant.quant_linear(x, qw, bias), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(quant.quant_gemm(x, qw) + bias, got)  # no bias: the same sums
+    # bf16 in: the same values read; bf16 out: the fp32 sums rounded once
+    x16, bias16 = x.bfloat16(), bias.bfloat16()
+    wide = quant.quant_gemm(x16.float(), qw, bias16.float())
+    assert torch.equal(quant.quant_gemm(x16, qw, bias16, torch.float32), wide)
+    assert torch.equal(quant.quant_gemm(x16, qw, bias16), wide.bfloat16())
+
+
+@pytest.mark.skipif(not quant.available(), reason=f"quantized C kernel did not build: {quant.load_error()}")
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_tiled_gemm_takes_every_row_count(fmt):
+    """M = 1..70: every chunk size (1..8 rows, compiled apart) and every split into chunks"""
+    qw = with_tiles(_weight(fmt, 21, 96, 9))
+    x = torch.randn(70, 96, generator=torch.Generator().manual_seed(10))
+    want = quant.quant_linear(x, qw)
+    for m in range(1, 71):
+        torch.testing.assert_close(quant.quant_gemm(x[:m], qw), want[:m], atol=1e-4, rtol=1e-5, msg=f"M={m}")
+
+
+@pytest.mark.skipif(not quant.available(), reason=f"quantized C kernel did not build: {quant.load_error()}")
+def test_tiled_gemm_reads_strided_rows_and_rejects_bad_input():
+    qw = with_tiles(_weight("q4_1", 16, 64, 3))
+    wide = torch.randn(3, 128)
+    assert torch.equal(quant.quant_gemm(wide[:, :64], qw), quant.quant_gemm(wide[:, :64].contiguous(), qw))
+    assert quant.quant_gemm(torch.zeros(0, 64), qw).shape == (0, 16)
+    with pytest.raises(ValueError, match=r"\[M, 64\]"):
+        quant.quant_gemm(torch.randn(2, 32), qw)
+    with pytest.raises(ValueError, match="no tiles"):
+        quant.quant_gemm(torch.randn(2, 64), _weight("q4_1", 16, 64, 3))
+
+
+@pytest.mark.skipif(not quant.available(), reason=f"quantized C kernel did not build: {quant.load_error()}")
+def test_linear_takes_the_tiled_gemm_below_the_row_threshold():
+    from workers.model.layers import DEQUANTIZE_MIN_ROWS, quantized_linear
+
+    qw = with_tiles(_weight("q4_1", 40, 128, 5))
+    bias = torch.randn(40)
+    gen = torch.Generator().manual_seed(8)
+    for m in (1, DEQUANTIZE_MIN_ROWS - 1):
+        x = torch.randn(m, 128, generator=gen).bfloat16()
+        assert torch.equal(quantized_linear(x, qw, bias, None), quant.quant_gemm(x, qw, bias))
+    # fp32 activations at any row count
+    x = torch.randn(DEQUANTIZE_MIN_ROWS + 3, 128, generator=gen)
+    assert torch.equal(quantized_linear(x, qw, bias, None), quant.quant_gemm(x, qw, bias))
+    # from the threshold: W widened to bf16, the dense model's linear bit for bit
+    x = torch.randn(DEQUANTIZE_MIN_ROWS, 128, generator=gen).bfloat16()
+    want = torch.nn.functional.linear(x, dequantize(qw).bfloat16(), bias.bfloat16())
+    assert torch.equal(quantized_linear(x, qw, bias, None), want)

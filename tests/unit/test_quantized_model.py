@@ -55,6 +55,8 @@ def test_gguf_blocks_agree_with_the_dense_model(dense_model_and_logits):
     linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     assert all(m.packed is not None and m.packed.format == "q4_1" for m in linears)
     assert model.lm_head.packed.format == "q8_0" and all(m.weight.numel() == 0 for m in linears)
+    # with their tiles: the agreement below is the tiled GEMM's (the decode-batch kernel)
+    assert all(m.packed.tiles is not None for m in [*linears, model.lm_head])
     agreement = (_logits(model).argmax(-1) == reference.argmax(-1)).float().mean()
     print(f"gguf greedy agreement {agreement:.4f}")
     assert agreement >= FLOOR["gguf"], agreement

@@ -175,20 +175,26 @@ def pack_linear_weights(model: nn.Module, batch_hint: int = 32, *, amx: bool = F
     return True
 
 
-# From this many rows of bf16 activations (a prefill chunk, a large decode batch) a CPU quantized
-# linear widens W to bf16 and runs the bf16 GEMM (oneDNN): the integer kernel re-decodes each
-# weight row for every 4 activation rows, ~4x slower than oneDNN's AVX512-BF16 GEMM at 128 rows,
-# while widening has a fixed cost per call (writing the bf16 copy). With the weights streaming
-# from memory (a whole model) the two cross at ~24 rows here (docs/perf/quantization.md).
-DEQUANTIZE_MIN_ROWS = 24
+# From this many rows of bf16 activations (a prefill chunk, a batch of more than 64 sequences) a
+# CPU quantized linear widens W to bf16 and runs the bf16 GEMM (oneDNN), whose results are the
+# dense model's bit for bit; fewer rows (decode batches) take the integer kernels, with int8
+# activations. With the weights streaming from memory the tiled integer GEMM is faster than
+# widening at every row count measured (1.7x at 128-256 rows; the plain kernel only below ~24;
+# docs/perf/quantization.md): the line is drawn at 64 sequences so that prompts keep the dense
+# model's numbers.
+DEQUANTIZE_MIN_ROWS = 65
+# From this many rows a weight with tiles takes the tiled GEMM (pm_quant_gemm_tiles), below it the
+# plain kernel (pm_quant_matmul): the tiled one was 1.2-1.35x faster even at one row here
+TILED_MIN_ROWS = 1
 
 
 def quantized_linear(
     x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, out_dtype: torch.dtype | None
 ) -> torch.Tensor:
-    """x W^T (+ b) with W quantized: the C kernel on a CPU (below DEQUANTIZE_MIN_ROWS rows or for
-    fp32 x: int8-rounded activations; else W widened to bf16, exactly `dequantize`'s values, and
-    the dense bf16 GEMM, so prefill matches the dense model's path), the Triton kernel on CUDA."""
+    """x W^T (+ b) with W quantized: the C kernels on a CPU (below DEQUANTIZE_MIN_ROWS rows or for
+    fp32 x: int8-rounded activations, through the tiled GEMM where the weight has its tiles; else
+    W widened to bf16, exactly `dequantize`'s values, and the dense bf16 GEMM, so prefill matches
+    the dense model's path), the Triton kernel on CUDA."""
     if x.device.type == "cuda":
         import kernels.quant_matmul
 
@@ -198,6 +204,8 @@ def quantized_linear(
     if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] >= DEQUANTIZE_MIN_ROWS:
         y = _dequantized_linear(x, qw, None if bias is None else bias.to(x.dtype))
         return y if out_dtype is None else y.to(out_dtype)
+    if qw.tiles is not None and x.shape[0] >= TILED_MIN_ROWS:
+        return kernels.cpu.quant.quant_gemm(x, qw, bias, out_dtype)
     return kernels.cpu.quant.quant_linear(x, qw, bias, out_dtype)
 
 

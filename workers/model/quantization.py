@@ -26,7 +26,7 @@ import logging
 import torch
 
 from kernels.gguf_conversions import fusable
-from kernels.quantized import BLOCK, QuantizedWeight, concat_rows, quantize_int8
+from kernels.quantized import BLOCK, QuantizedWeight, concat_rows, quantize_int8, with_tiles
 from workers.engine.config import QUANTIZATIONS  # noqa: F401  (the names live with the flag)
 from workers.model.layers import ColumnParallelLinear, RowParallelLinear, VocabEmbedding
 
@@ -103,7 +103,8 @@ def _check_row_shard(quantization: str, name: str, m: RowParallelLinear) -> None
 
 
 def _install(m, qw: QuantizedWeight, release: bool) -> None:
-    m.packed = qw
+    # a CPU weight also gets its copy tiled for the decode-batch GEMM (kernels.quantized.with_tiles)
+    m.packed = with_tiles(qw) if qw.codes.device.type == "cpu" else qw
     if release:
         m.weight.data = m.weight.data.new_empty(0)
 
