@@ -88,6 +88,21 @@ def systems(peers_dir: Path) -> list[System]:
             "/ready",
             describe=pagemesh_how + ["--mixed 1 --quantization gguf"],
         ),
+        # the same with each decode step's layers through the Python modules (workers/model/decode_layers.py)
+        System(
+            "pagemesh mixed gguf python-layers",
+            up + ["--mixed", "1", "--quantization", "gguf"],
+            "/ready",
+            env={"PAGEMESH_DECODE_LAYERS": "0"},
+            describe=pagemesh_how + ["--mixed 1 --quantization gguf, PAGEMESH_DECODE_LAYERS=0"],
+        ),
+        # one worker thread: a loaded machine preempts one of two OpenMP threads at every barrier
+        System(
+            "pagemesh mixed gguf -t 1",
+            up + ["--mixed", "1", "--quantization", "gguf", "--threads-per-worker", "1"],
+            "/ready",
+            describe=pagemesh_how + ["--mixed 1 --quantization gguf --threads-per-worker 1"],
+        ),
         System(
             "pagemesh mixed gguf fp8kv",
             up + ["--mixed", "1", "--quantization", "gguf", "--kv-cache-dtype", "fp8_e4m3"],

@@ -18,6 +18,7 @@ from workers.engine.kv_quant import AmaxRecorder, calibration_token_ids, is_fp8,
 from workers.engine.model_input import ModelInput
 from workers.engine.pipeline_parallel import InFlightStep, StagePipe
 from workers.engine.tensor_parallel import FollowerRanks
+from workers.model.decode_layers import DecodeLayers
 from workers.model.layers import pack_linear_weights
 from workers.model.llama import ForwardContext, LlamaForCausalLM
 
@@ -89,6 +90,12 @@ class ModelRunner:
             self.kv_scales = self.calibrate_kv_scales(ids)
             self.attention = Fp8KVAttention(self.kv_cache, self.kv_scales, fp8_kernels_for(self.backend))
             self.rank_kv_scales = self._gather_rank_scales()
+        # decode-only steps of a quantized model on a CPU: every layer in one C call
+        self.decode_layers = (
+            DecodeLayers.for_model(model, self.kv_cache, self.ops, self.attention)
+            if device.type == "cpu" and followers is None and pipe is None
+            else None
+        )
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda" and model.tp.world_size == 1 and pipe is None:
             self.graphs = DecodeGraphs(
@@ -195,7 +202,7 @@ class ModelRunner:
         )
         ids = torch.tensor(step.token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         rows = torch.tensor(logit_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        ctx = ForwardContext(self.kv_cache, md, self.attention, self.ops)
+        ctx = ForwardContext(self.kv_cache, md, self.attention, self.ops, decode_layers=self.decode_layers)
         pipe = self.pipe
         if pipe is None:
             return InFlightStep(self.model(ids, ctx, rows))

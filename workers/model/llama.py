@@ -53,6 +53,7 @@ class ForwardContext:
     backend: AttentionBackend
     ops: ModelOps
     rope: object = None  # ops.rope_tables(...) of this step, filled by the model
+    decode_layers: object = None  # workers.model.decode_layers.DecodeLayers: all layers in one C call
 
 
 class LlamaAttention(nn.Module):
@@ -148,9 +149,13 @@ class LlamaForCausalLM(nn.Module):
             x, residual = self.embed_tokens(input_ids), None
         else:
             x, residual = hidden[0], hidden[1]
-        ctx.rope = ctx.ops.rope_tables(self.rotary.cos_sin_cache, ctx.metadata.positions, x.dtype)
-        for layer in self.layers:
-            x, residual = layer(x, residual, ctx)
+        fused = ctx.decode_layers
+        if fused is not None and residual is None and fused.can_run(ctx.metadata, x):
+            x, residual = fused.run(x, ctx.metadata)  # the loop below, bit for bit, without the Python
+        else:
+            ctx.rope = ctx.ops.rope_tables(self.rotary.cos_sin_cache, ctx.metadata.positions, x.dtype)
+            for layer in self.layers:
+                x, residual = layer(x, residual, ctx)
         if not self.is_last:
             # both halves, not their sum: the next stage's first norm adds them as this one would
             return torch.stack((x, residual))

@@ -1,0 +1,136 @@
+"""A quantized model's decode-only step through `DecodeLayers` (every layer in one C call) gives
+the Python layers' logits and KV pages, bit for bit: int8 and Q4_1 weights, a QKV bias, bf16 and
+fp32, several sequences of different lengths on shared and partly filled pages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu
+from kernels.cpu import quant
+from workers.engine.attention import AttentionMetadata
+from workers.engine.model_runner import ModelRunner
+from workers.model.decode_layers import DecodeLayers
+from workers.model.llama import ForwardContext
+
+pytestmark = pytest.mark.skipif(
+    not (cpu.available() and quant.available()), reason=f"CPU kernels did not build: {cpu.load_error()}"
+)
+PAGE = 4
+CPU = torch.device("cpu")
+PROMPTS = [[(7 * i + s) % 250 + 1 for i in range(n)] for s, n in enumerate((5, 12, 1))]
+# 11 sequences: the tiled GEMM's rows in two chunks (of at most 8)
+MANY_PROMPTS = [[(5 * i + s) % 250 + 1 for i in range(n)] for s, n in enumerate((5, 12, 1, 3, 9, 2, 7, 4, 6, 1, 10))]
+
+
+def quantized_model(dtype: torch.dtype, fmt: str):
+    import gguf
+    from gguf.quants import quantize as gguf_quantize
+
+    from common.model_config import ModelConfig
+    from kernels.quantized import from_gguf_blocks, quantize_int8
+    from workers.model.loader import build_random_model
+    from workers.model.quantization import _install, _linears
+
+    cfg = ModelConfig(
+        architecture="llama",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        attention_bias=True,
+    )
+    model = build_random_model(cfg, dtype, CPU, seed=5)
+    for _, m in _linears(model):
+        w = m.weight.detach().float()
+        if fmt == "int8":
+            qw = quantize_int8(w)
+        else:
+            qw = from_gguf_blocks("Q4_1", gguf_quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1))
+        _install(m, qw, release=True)
+    return model
+
+
+def prefill(runner: ModelRunner, prompts=PROMPTS) -> list[list[int]]:
+    """Every prompt's KV into the pool (one mixed step through the Python layers); the block tables."""
+    tables, page = [], 1
+    for p in prompts:
+        n = (len(p) + 1 + PAGE - 1) // PAGE  # room for the decoded token
+        tables.append(list(range(page, page + n)))
+        page += n
+    lens = [len(p) for p in prompts]
+    md = AttentionMetadata.build(lens, lens, tables, PAGE, CPU, for_cpu=True, decode_gather=False)
+    ids = torch.tensor([t for p in prompts for t in p])
+    runner.model(ids, ForwardContext(runner.kv_cache, md, runner.attention, runner.ops), torch.tensor([0]))
+    return tables
+
+
+def decode(runner: ModelRunner, tables, fused: DecodeLayers | None, prompts=PROMPTS) -> torch.Tensor:
+    lens = [len(p) + 1 for p in prompts]
+    md = AttentionMetadata.build([1] * len(prompts), lens, tables, PAGE, CPU, for_cpu=True, decode_gather=False)
+    ctx = ForwardContext(runner.kv_cache, md, runner.attention, runner.ops, decode_layers=fused)
+    if fused is not None:
+        assert fused.can_run(md, torch.empty(len(prompts), runner.model.config.hidden_size, dtype=runner.dtype))
+    ids = torch.tensor([p[-1] for p in prompts])
+    return runner.model(ids, ctx, torch.arange(len(prompts)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", ["int8", "q4_1"])
+def test_fused_decode_step_equals_the_python_layers(dtype, fmt):
+    model = quantized_model(dtype, fmt)
+    runner = ModelRunner(model, 16, PAGE, CPU, cuda_graphs=False)
+    assert isinstance(runner.decode_layers, DecodeLayers)
+    tables = prefill(runner)
+    before = runner.kv_cache.clone()
+    python = decode(runner, tables, None)
+    after_python = runner.kv_cache.clone()
+    runner.kv_cache.copy_(before)
+    fused = decode(runner, tables, runner.decode_layers)
+    assert torch.equal(fused, python)
+    assert torch.equal(runner.kv_cache, after_python)
+    assert not torch.equal(after_python, before)  # the step did write its K/V
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+def test_fused_decode_step_equals_the_python_layers_over_many_rows(tiled):
+    """11 rows: the tiled GEMM in two row chunks; without tiles, the plain kernel (as
+    layers.quantized_linear picks for a weight that has none). fp32: bf16 outputs can round two
+    kernels' different sums to the same values."""
+    from kernels.quantized import QuantizedWeight
+    from workers.model.quantization import _linears
+
+    model = quantized_model(torch.float32, "q4_1")
+    for _, m in _linears(model):
+        assert m.packed.tiles is not None
+        if not tiled:
+            m.packed = QuantizedWeight(m.packed.format, m.packed.codes, m.packed.scale, m.packed.offset)
+    runner = ModelRunner(model, 48, PAGE, CPU, cuda_graphs=False)
+    tables = prefill(runner, MANY_PROMPTS)
+    before = runner.kv_cache.clone()
+    python = decode(runner, tables, None, MANY_PROMPTS)
+    after_python = runner.kv_cache.clone()
+    runner.kv_cache.copy_(before)
+    fused = decode(runner, tables, runner.decode_layers, MANY_PROMPTS)
+    assert torch.equal(fused, python)
+    assert torch.equal(runner.kv_cache, after_python)
+
+
+def test_only_decode_steps_of_quantized_models_take_it():
+    model = quantized_model(torch.bfloat16, "int8")
+    runner = ModelRunner(model, 16, PAGE, CPU, cuda_graphs=False)
+    x = torch.empty(2, 64, dtype=torch.bfloat16)
+    mixed = AttentionMetadata.build([1, 3], [4, 3], [[1], [2]], PAGE, CPU, for_cpu=True, decode_gather=False)
+    assert not runner.decode_layers.can_run(mixed, x)
+    from workers.model.loader import build_random_model
+
+    dense = build_random_model(model.config, torch.bfloat16, CPU)
+    assert ModelRunner(dense, 16, PAGE, CPU, cuda_graphs=False).decode_layers is None
