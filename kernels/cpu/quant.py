@@ -40,28 +40,34 @@ def load_error() -> str | None:
     return _library.error
 
 
+def _matmul_args(name: str, x: torch.Tensor, n: int, k: int, bias, out_dtype):
+    """The checks and buffers both matmuls share: (x with unit column stride, fp32 bias or None,
+    the output [M, n], the loaded library); ValueError naming `name` on bad input."""
+    out_dtype = out_dtype or x.dtype
+    if x.dtype not in _DTYPES or out_dtype not in _DTYPES or x.device.type != "cpu":
+        raise ValueError(f"{name}: x and the output are CPU float32 or bfloat16")
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"{name}: x must be [M, {k}]")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        if bias.shape != (n,):
+            raise ValueError(f"{name}: bias must be [{n}]")
+        bias = bias.float().contiguous()
+    lib = _library.load()
+    if lib is None:
+        raise RuntimeError(f"{name}: {load_error()}")
+    return x, bias, torch.empty(x.shape[0], n, dtype=out_dtype), lib
+
+
 def quant_linear(
     x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     n, k = qw.shape
-    out_dtype = out_dtype or x.dtype
-    if x.dtype not in _DTYPES or out_dtype not in _DTYPES or x.device.type != "cpu":
-        raise ValueError("quant_linear: x and the output are CPU float32 or bfloat16")
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"quant_linear: x must be [M, {k}]")
-    if x.stride(1) != 1:
-        x = x.contiguous()
     for t in (qw.codes, qw.scale, qw.offset):
         if not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError("quant_linear: the weight's tensors must be contiguous CPU tensors")
-    if bias is not None:
-        if bias.shape != (n,):
-            raise ValueError(f"quant_linear: bias must be [{n}]")
-        bias = bias.float().contiguous()
-    lib = _library.load()
-    if lib is None:
-        raise RuntimeError(f"quant_linear: {load_error()}")
-    out = torch.empty(x.shape[0], n, dtype=out_dtype)
+    x, bias, out, lib = _matmul_args("quant_linear", x, n, k, bias, out_dtype)
     if x.shape[0] == 0:
         return out
     lib.pm_quant_matmul(
@@ -74,7 +80,7 @@ def quant_linear(
         qw.bits,
         bias.data_ptr() if bias is not None else None,
         out.data_ptr(),
-        _DTYPES[out_dtype],
+        _DTYPES[out.dtype],
         x.shape[0],
         n,
         k,
@@ -109,23 +115,9 @@ def quant_gemm(
     through the weight's tiled copy (`kernels.quantized.with_tiles`), which decodes each weight
     block once for up to 8 activation rows: the kernel for decode batches (pm_quant_gemm_tiles)."""
     n, k = qw.shape
-    out_dtype = out_dtype or x.dtype
     if qw.tiles is None:
         raise ValueError("quant_gemm: the weight has no tiles (kernels.quantized.with_tiles)")
-    if x.dtype not in _DTYPES or out_dtype not in _DTYPES or x.device.type != "cpu":
-        raise ValueError("quant_gemm: x and the output are CPU float32 or bfloat16")
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"quant_gemm: x must be [M, {k}]")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if bias is not None:
-        if bias.shape != (n,):
-            raise ValueError(f"quant_gemm: bias must be [{n}]")
-        bias = bias.float().contiguous()
-    lib = _library.load()
-    if lib is None:
-        raise RuntimeError(f"quant_gemm: {load_error()}")
-    out = torch.empty(x.shape[0], n, dtype=out_dtype)
+    x, bias, out, lib = _matmul_args("quant_gemm", x, n, k, bias, out_dtype)
     if x.shape[0] == 0:
         return out
     lib.pm_quant_gemm_tiles(
@@ -137,7 +129,7 @@ def quant_gemm(
         qw.bits,
         bias.data_ptr() if bias is not None else None,
         out.data_ptr(),
-        _DTYPES[out_dtype],
+        _DTYPES[out.dtype],
         x.shape[0],
         n,
         k,
