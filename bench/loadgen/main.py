@@ -196,6 +196,9 @@ def run(args: argparse.Namespace) -> dict:
                     # send times from the point's first request: with the lengths, a trace that
                     # `pagemesh simulate --trace` replays
                     "starts": [r.start - min(x.start for x in results) for r in results],
+                    # the first send on the system-wide perf_counter clock, which the workers'
+                    # step traces (PAGEMESH_STEP_TRACE) also use: puts the two side by side
+                    "clock_origin": min((r.start for r in results), default=0.0),
                     "input_lens": [r.prompt_len for r in results],
                     "output_lens": [r.output_tokens for r in results],
                     "ttfts": [r.ttft for r in results],

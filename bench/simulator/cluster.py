@@ -48,6 +48,9 @@ class ClusterSpec:
     request_overhead_s: float = 0.0
     tick_s: float = 1.25  # the scheduler's expiry tick (heartbeat timeout / 4)
     step_jitter: bool = True  # a MeshStepCost's jitter and host slowdown (off: every step its modelled time)
+    # the host slowdown's trace-clock time at virtual time 0: replay the machine's slowdown as it
+    # was at each moment of a recorded run (validation), not from a seeded offset (None)
+    host_clock_s: float | None = None
 
 
 @dataclass
@@ -101,7 +104,10 @@ class Cluster:
             others = sum(1 for w in self.workers.values() if w.stepping and w.spec.worker_id != ws.worker_id)
             if not self.spec.step_jitter:
                 return model.step_time(shape, others)
-            host = cost.host.at(self.loop.now + self.host_offset_s)
+            if self.spec.host_clock_s is None:
+                host = cost.host.at(self.loop.now + self.host_offset_s)
+            else:
+                host = cost.host.at_clock(self.spec.host_clock_s + self.loop.now)
             return model.step_time(shape, others, draws.random()) * host
 
         return step_time

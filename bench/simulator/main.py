@@ -69,6 +69,13 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a per-role model's steps without their jitter and the host's slowdown",
     )
+    g.add_argument(
+        "--host-clock",
+        type=float,
+        default=None,
+        help="replay the calibration's host slowdown as it was on its trace's clock, this clock time "
+        "(perf_counter s) being the first request's send (validation against a recorded run)",
+    )
     g.add_argument("--model", default="smollm2-135m", help=f"a model shape ({', '.join(MODEL_SHAPES)}) or a path")
     g.add_argument("--tp", type=int, default=1, help="GPUs per worker (roofline)")
     g.add_argument("--link", default=None, choices=list(LINKS), help="KV transfer (default loopback on cpu, nvlink)")
@@ -154,6 +161,7 @@ def settings_from(args, kv_bytes_per_token: int, cost) -> SimSettings:
         link=args.link or ("loopback" if args.cost == "cpu" else "nvlink"),
         request_overhead_s=args.request_overhead_ms / 1000,
         step_jitter=not args.no_step_jitter,
+        host_clock_s=args.host_clock,
         workload=workload,
     )
 

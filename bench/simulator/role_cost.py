@@ -11,9 +11,10 @@ mid-step. So the in-mesh calibration (`bench.simulator.calibrate.fit_trace`) fit
                   (0 with one worker; what sharing the CPU costs)
     others_busy   how many other workers of the mesh are mid-step (the trace: the summed
                   fraction of the step that each other worker spent stepping)
-    jitter        a draw from the role's ratios of measured to modelled time, kept as quantiles,
-                  so that long steps (a descheduled thread, a collection) come at the rate the
-                  trace saw them; drawn from a seeded generator, so a run stays deterministic
+    jitter        a draw from the role's ratios of measured to modelled time, kept as quantiles
+                  (finer towards the top), so that long steps (a descheduled thread, a
+                  collection) come at the rate the trace saw them and no more often; drawn
+                  from a seeded generator, so a run stays deterministic
     host(t)       the whole machine's slowdown at time t (`HostSlowdown`): on a shared host every
                   worker's steps run slower together for seconds at a time (other processes take
                   the cores), which per-step jitter, drawn independently, averages away within a
@@ -26,6 +27,7 @@ role) for a role it did not, and the host's slowdown over time.
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,7 +36,14 @@ import numpy as np
 
 from bench.simulator.cost import FEATURES, LinearStepCost, StepShape
 
-QUANTILES = np.linspace(0.0, 1.0, 101)  # the jitter's grid: every percentile of the ratios
+# the jitter's grid: every percentile of the ratios, and ever finer towards the top. The rare
+# long steps (a stall of 10-20x once in thousands of steps) must keep their own weight: on a
+# plain percentile grid the top 1% would interpolate up to the longest step and multiply the
+# mean step by up to 1.08, which at a saturated worker's rate grows the queue far past the real one
+QUANTILES = np.concatenate(
+    [np.linspace(0.0, 0.99, 100), [0.995, 0.998, 0.999, 0.9995, 0.9998, 0.9999, 0.99995, 0.99998, 0.99999, 1.0]]
+)
+PERCENTILES = np.linspace(0.0, 1.0, 101)  # the grid of models fitted before the finer one
 ROUNDS = 200  # at most this many alternations of the linear fit and the contention fit ...
 CONVERGED = 1e-7  # ... stopping once the contention moves less than this
 MIN_WINDOW_STEPS = 5  # a host window with fewer steps than this says too little: left out
@@ -67,7 +76,8 @@ class RoleStepCost:
         in [0, 1) picks the jitter (None: the model's own time, no jitter)."""
         seconds = self.linear.step_time(shape) * (1.0 + self.contention * others_busy)
         if draw is not None and self.ratio_quantiles:
-            seconds *= float(np.interp(draw, QUANTILES, self.ratio_quantiles))
+            grid = PERCENTILES if len(self.ratio_quantiles) == len(PERCENTILES) else QUANTILES
+            seconds *= float(np.interp(draw, grid, self.ratio_quantiles))
         return seconds
 
     @classmethod
@@ -118,6 +128,10 @@ class HostSlowdown:
 
     factors: tuple[float, ...] = ()
     window_s: float = 1.0
+    # where each factor's window lay on the trace's clock (perf_counter seconds): window k of the
+    # factors began at origin + windows[k] · window_s (empty: not recorded, only `at` works)
+    origin: float = 0.0
+    windows: tuple[int, ...] = ()
 
     @property
     def span_s(self) -> float:
@@ -128,6 +142,15 @@ class HostSlowdown:
         if not self.factors:
             return 1.0
         return self.factors[int(t // self.window_s) % len(self.factors)]
+
+    def at_clock(self, clock: float) -> float:
+        """The factor of the window that held `clock` on the trace's own clock: the machine's
+        measured slowdown at that very moment (1 where that second held too few steps)."""
+        if not self.windows:
+            raise ValueError("this host slowdown has no clock (fitted before windows were recorded)")
+        key = int((clock - self.origin) // self.window_s)
+        index = bisect.bisect_left(self.windows, key)
+        return self.factors[index] if index < len(self.windows) and self.windows[index] == key else 1.0
 
     @classmethod
     def fit(cls, starts: list[float], ratios: list[float], window_s: float = 1.0) -> tuple[HostSlowdown, list[float]]:
@@ -144,14 +167,17 @@ class HostSlowdown:
         # relative to the typical second: the roles' models keep the scale, the factors the changes
         typical = float(np.median(list(medians.values()))) if medians else 1.0
         factors = {k: m / typical for k, m in medians.items()}
-        return cls(tuple(factors.values()), window_s), [factors.get(key, 1.0) for key in keys]
+        host = cls(tuple(factors.values()), window_s, origin, tuple(factors))
+        return host, [factors.get(key, 1.0) for key in keys]
 
     def to_json(self) -> dict:
-        return {"window_s": self.window_s, "factors": self.factors}
+        return {"window_s": self.window_s, "factors": self.factors, "origin": self.origin, "windows": self.windows}
 
     @classmethod
     def from_json(cls, data: dict | None) -> HostSlowdown:
-        return cls(tuple(data["factors"]), data["window_s"]) if data else cls()
+        if not data:
+            return cls()
+        return cls(tuple(data["factors"]), data["window_s"], data.get("origin", 0.0), tuple(data.get("windows", ())))
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ class SimSettings:
     link: str = "loopback"
     request_overhead_s: float = 0.0  # before a request reaches the scheduler (HTTP, gateway, tokenizer)
     step_jitter: bool = True  # draw each step's jitter from a MeshStepCost's (per-role, in-mesh) ratios
+    host_clock_s: float | None = None  # replay a MeshStepCost's host slowdown aligned to its trace's clock
     workload: WorkloadSpec = WorkloadSpec()
 
     def with_knob(self, name: str, value) -> SimSettings:
@@ -64,6 +65,7 @@ def cluster_spec(settings: SimSettings, page_bytes: int) -> ClusterSpec:
         transfer=LINKS[settings.link],
         request_overhead_s=settings.request_overhead_s,
         step_jitter=settings.step_jitter,
+        host_clock_s=settings.host_clock_s,
     )
 
 

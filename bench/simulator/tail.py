@@ -46,11 +46,15 @@ def requests(path: Path) -> list[dict]:
     return out
 
 
-def clock_offset(firsts: np.ndarray, step_ends: np.ndarray) -> float:
+def clock_offset(firsts: np.ndarray, step_ends: np.ndarray, within: tuple[float, float] | None = None) -> float:
     """Trace clock minus client clock: the candidate (one per step end, taken as the first
-    request's) whose first tokens land nearest after a step end, by the median gap."""
+    request's) whose first tokens land nearest after a step end, by the median gap. `within`:
+    only step ends in that stretch of the trace's clock are candidates for the first request's
+    (where the run is known to have begun: a busier stretch elsewhere would fit the median gap
+    better by chance)."""
     best, offset = np.inf, 0.0
-    for end in step_ends:
+    candidates = step_ends if within is None else step_ends[(step_ends >= within[0]) & (step_ends <= within[1])]
+    for end in candidates:
         candidate = end - firsts[0]
         at = firsts + candidate
         before = np.searchsorted(step_ends, at + 1e-4) - 1

@@ -34,8 +34,9 @@ import numpy as np
 
 from bench.loadgen import main as bench_main
 from bench.local_mesh import running_mesh
-from bench.simulator.calibrate import fit_trace
+from bench.simulator.calibrate import fit_trace, read_traces
 from bench.simulator.main import main as simulate_main
+from bench.simulator.tail import clock_offset
 from workers.engine.step_trace import ENV as STEP_TRACE_ENV
 
 TOPOLOGIES = {"mixed": ["--mixed", "1"], "1P+1D": ["--prefill", "1", "--decode", "1"]}
@@ -77,8 +78,34 @@ def measure(topology: str, rates: list[float], counts: list[int], out: Path) -> 
     return probe, results
 
 
-def simulate_trace(topology: str, trace: Path, out: Path, *extra: str, seed: int = 0) -> dict:
-    folder = out / f"sim-{trace.stem}{f'-mesh-{seed}' if extra else ''}"
+RUN_GAP_S = 15.0  # at most this long from one bench run's last token to the next run's first token
+
+
+def first_sends_on_trace_clock(runs: list[Path], steps: Path) -> list[float]:
+    """Each run's first send on the step traces' clock, the runs given in the order they were
+    measured (the probe, then the rates, back to back on one mesh): recorded by `pagemesh bench`
+    (`clock_origin`, the same perf_counter clock), or, for runs recorded before it was, found by
+    the first tokens (each reaches the client a few ms after the step that ended its prompt),
+    each run searched for just after the one before it."""
+    traced = [s for _, ss in read_traces(steps) for s in ss]
+    ends = np.array(sorted(s["start"] + s["seconds"] for s in traced if s["prefill_tokens"]))
+    previous_end = min(s["start"] for s in traced) - 1.0
+    origins = []
+    for path in runs:
+        requests = json.loads(path.read_text())["points"][0]["requests"]
+        ok = [i for i, error in enumerate(requests["errors"]) if not error]
+        if "clock_origin" in requests:
+            origin = float(requests["clock_origin"])
+        else:
+            firsts = np.array(sorted(requests["starts"][i] + requests["ttfts"][i] for i in ok))
+            origin = float(clock_offset(firsts, ends, within=(previous_end, previous_end + RUN_GAP_S)))
+        origins.append(origin)
+        previous_end = origin + max(requests["starts"][i] + requests["latencies"][i] for i in ok)
+    return origins
+
+
+def simulate_trace(topology: str, trace: Path, out: Path, *extra: str, seed: int = 0, tag: str = "mesh") -> dict:
+    folder = out / f"sim-{trace.stem}{f'-{tag}-{seed}' if extra else ''}"
     simulate_main(
         [*TOPOLOGIES[topology], "--trace", str(trace), "--no-prefix-caching", "--seed", str(seed)]
         + ["--out", str(folder), *extra]
@@ -123,6 +150,11 @@ def main(argv: list[str] | None = None) -> None:
     print("in-process calibration:\n" + table(rows, "sim"))
     print("\nin-mesh calibration per role + fixed per-request cost (median over seeds):\n" + table(rows, "sim_in_mesh"))
     print("\np99, real bootstrap interval against the simulated range over seeds:\n" + p99_table(rows))
+    print(
+        "\nin-mesh, the host's slowdown replayed on the run's own clock (median over seeds):\n"
+        + table(rows, "sim_aligned")
+    )
+    print("\np99, aligned:\n" + p99_table(rows, "sim_aligned_seeds"))
 
 
 def compare(topology: str, probe: Path, measured: dict[float, Path], out: Path, sim_seeds: int, load: str) -> list:
@@ -134,9 +166,14 @@ def compare(topology: str, probe: Path, measured: dict[float, Path], out: Path, 
     probe_sim = simulate_trace(topology, probe, out, *in_mesh)
     overhead_ms = max(0.0, float(summary(probe)["median_ttft_ms"]) - float(probe_sim["median_ttft_ms"]))
     in_mesh += ["--request-overhead-ms", f"{overhead_ms:.2f}"]
+    origins = first_sends_on_trace_clock([probe, *measured.values()], out / f"steps-{topology}")[1:]
     rows = []
-    for rate, path in measured.items():
+    for (rate, path), origin in zip(measured.items(), origins):
         seeds = [simulate_trace(topology, path, out, *in_mesh, seed=seed) for seed in range(sim_seeds)]
+        clock = ["--host-clock", f"{origin:.6f}"]
+        aligned = [
+            simulate_trace(topology, path, out, *in_mesh, *clock, seed=seed, tag="aligned") for seed in range(sim_seeds)
+        ]
         rows.append(
             {
                 "topology": topology,
@@ -149,6 +186,8 @@ def compare(topology: str, probe: Path, measured: dict[float, Path], out: Path, 
                 "sim": simulate_trace(topology, path, out),
                 "sim_in_mesh": {m: statistics.median(float(s[m]) for s in seeds) for m in METRICS},
                 "sim_in_mesh_seeds": seeds,
+                "sim_aligned": {m: statistics.median(float(s[m]) for s in aligned) for m in METRICS},
+                "sim_aligned_seeds": aligned,
             }
         )
     return rows
@@ -170,7 +209,7 @@ def p99_intervals(path: Path, resamples: int = 2000) -> dict[str, list[float]]:
     }
 
 
-def p99_table(rows: list[dict]) -> str:
+def p99_table(rows: list[dict], seeds: str = "sim_in_mesh_seeds") -> str:
     lines = [
         "| topology | rate (req/s) | requests | p99 TTFT real [5-95%] | sim [range] "
         "| p99 TPOT real [5-95%] | sim [range] |",
@@ -180,7 +219,7 @@ def p99_table(rows: list[dict]) -> str:
         cells = []
         for m in ("p99_ttft_ms", "p99_tpot_ms"):
             low, high = row["real_p99_interval_ms"][m]
-            sims = [float(s[m]) for s in row["sim_in_mesh_seeds"]]
+            sims = [float(s[m]) for s in row[seeds]]
             cells.append(f"{float(row['real'][m]):.1f} [{low:.0f}-{high:.0f}]")
             cells.append(f"{statistics.median(sims):.1f} [{min(sims):.0f}-{max(sims):.0f}]")
         lines.append(f"| {row['topology']} | {row['rate']:g} | {row['requests']} | " + " | ".join(cells) + " |")

@@ -10,7 +10,7 @@ from bench.simulator.calibrate import fit_trace, samples_from_trace
 from bench.simulator.clock import EventLoop
 from bench.simulator.cost import GPUS, LinearStepCost, RooflineStepCost, StepShape, model_shape
 from bench.simulator.main import main as simulate_main
-from bench.simulator.role_cost import HostSlowdown, MeshStepCost, RoleStepCost
+from bench.simulator.role_cost import HostSlowdown, MeshStepCost, RoleStepCost, TracedStep
 from bench.simulator.run import SimSettings, find_smallest, meets, simulate
 from bench.simulator.tail import clock_offset
 from bench.simulator.worker import shape_of
@@ -318,3 +318,55 @@ def test_the_tail_analysis_puts_the_clients_clock_on_the_traces():
     sampled = step_ends[[3, 10, 11, 40, 41, 42, 90, 150]]
     firsts = sampled + 0.003 - 4990.0  # the client's clock runs 4990 s behind the trace's
     assert clock_offset(firsts, step_ends) == pytest.approx(4990.0 - 0.003, abs=1e-6)
+
+
+def test_the_jitter_keeps_the_weight_of_a_rare_long_step():
+    """5,000 steps within ±10% of their model and one stall of 18x: drawn jitter averages what
+    the steps did (1.003), not the 1.08 that interpolating the top percentile up to the stall
+    gave; a model saved on the old percentile grid still draws on that grid."""
+    rng = np.random.default_rng(1)
+    shape = StepShape(decode_rows=4, decode_context=600)
+    ratios = np.append(rng.uniform(0.9, 1.1, 5000), 18.0)
+    steps = [TracedStep(shape, COST.step_time(shape) * r) for r in ratios]
+    role = RoleStepCost.fit(steps)
+    draws = rng.random(200_000)
+    drawn = np.array([role.step_time(shape, draw=u) for u in draws]) / role.step_time(shape)
+    assert drawn.mean() == pytest.approx(ratios.mean() * COST.step_time(shape) / role.step_time(shape), rel=0.01)
+    assert drawn.max() > 5.0  # the stall is still drawn, now and then
+    old = RoleStepCost(COST, 0.0, tuple(0.5 + i / 100 for i in range(101)))
+    assert old.step_time(shape, draw=0.5) == pytest.approx(COST.step_time(shape))
+
+
+def test_the_hosts_slowdown_can_be_replayed_on_the_recorded_runs_own_clock(tmp_path):
+    """The fit keeps where on the trace's clock each factor's second lay; `host_clock_s` replays
+    the slowdown of the very seconds a run was measured in (a second without enough steps is 1)."""
+    steps, t = [], 7000.0
+    while t < 7020.0:
+        shape = StepShape(decode_rows=4, decode_context=1200)
+        seconds = DECODE_COST.step_time(shape) * (2.0 if 7006.0 <= t < 7010.0 else 1.0)
+        steps.append((t, seconds, shape))
+        t += seconds
+    write_trace(tmp_path / "steps-1.jsonl", "decode", steps)
+    host = fit_trace(tmp_path).host
+    assert host.at_clock(7007.5) == pytest.approx(2.0, rel=0.02)
+    assert host.at_clock(7002.5) == pytest.approx(1.0, rel=0.02) and host.at_clock(9000.0) == 1.0
+    assert HostSlowdown.from_json(json.loads(json.dumps(host.to_json()))) == host
+    lone = dataclasses.replace(small().workload, num_requests=3, rate=0.5, input_spread=0.0)
+    settings = small(mixed=0, prefill=1, decode=1, workload=lone)
+    roles = {"prefill": constant(0.08), "decode": constant(0.008)}
+    slow_then_fast = MeshStepCost(constant(1.0), roles, host=HostSlowdown((2.0, 1.0), 100.0, 500.0, (0, 1)))
+    slow = simulate(dataclasses.replace(settings, host_clock_s=500.0), slow_then_fast, KV_BYTES)
+    fast = simulate(dataclasses.replace(settings, host_clock_s=600.0), slow_then_fast, KV_BYTES)
+    assert 160 < slow["median_ttft_ms"] < 165 and 80 < fast["median_ttft_ms"] < 85
+    with pytest.raises(ValueError, match="no clock"):
+        HostSlowdown((2.0,)).at_clock(0.0)
+
+
+def test_the_clock_match_searches_only_where_the_run_began():
+    """A busier stretch of the trace elsewhere fits the first tokens' gaps as well by chance;
+    `within` keeps the search to the stretch where the run is known to have begun."""
+    step_ends = np.cumsum(np.random.default_rng(0).uniform(0.08, 0.3, size=200)) + 5000.0
+    sampled = step_ends[[3, 10, 11, 40]]
+    firsts = sampled + 0.003 - 4990.0
+    assert clock_offset(firsts, step_ends, within=(5000.0, 5001.0)) == pytest.approx(4990.0 - 0.003, abs=1e-6)
+    assert clock_offset(firsts, step_ends, within=(5010.0, 5020.0)) != pytest.approx(4990.0 - 0.003, abs=1e-6)
