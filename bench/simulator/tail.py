@@ -46,20 +46,28 @@ def requests(path: Path) -> list[dict]:
     return out
 
 
+FIRST_TOKEN_TRIPS_S = np.arange(0.0, 0.05, 0.002)  # clock_offset: step end to the client, tried
+GAP_CAP_S = 0.5  # clock_offset: a first token further than this after every step end counts as this far
+
+
 def clock_offset(firsts: np.ndarray, step_ends: np.ndarray, within: tuple[float, float] | None = None) -> float:
     """Trace clock minus client clock: the candidate (one per step end, taken as the first
-    request's) whose first tokens land nearest after a step end, by the median gap. `within`:
-    only step ends in that stretch of the trace's clock are candidates for the first request's
-    (where the run is known to have begun: a busier stretch elsewhere would fit the median gap
-    better by chance)."""
+    request's) whose first tokens land nearest after a step end, by the mean gap, each gap
+    counted up to GAP_CAP_S (a few late first tokens do not decide it, while a candidate that
+    puts half the run among some other run's dense steps pays for the half it leaves far from any
+    step). `within`: only step ends in that stretch of the trace's clock are candidates for the
+    first request's (where the run is known to have begun)."""
     best, offset = np.inf, 0.0
     candidates = step_ends if within is None else step_ends[(step_ends >= within[0]) & (step_ends <= within[1])]
-    for end in candidates:
+    # the first request's own first token came some ms after its step ended, and every later one
+    # is placed relative to it: try each such trip, or the requests whose trip was shorter would
+    # land before their step's end
+    for end in (candidates[:, None] + FIRST_TOKEN_TRIPS_S[None, :]).ravel():
         candidate = end - firsts[0]
         at = firsts + candidate
         before = np.searchsorted(step_ends, at + 1e-4) - 1
         gaps = np.where(before >= 0, at - step_ends[np.maximum(before, 0)], 1.0)
-        if (score := float(np.median(gaps))) < best:
+        if (score := float(np.minimum(gaps, GAP_CAP_S).mean())) < best:
             best, offset = score, candidate
     return offset
 

@@ -370,3 +370,40 @@ def test_the_clock_match_searches_only_where_the_run_began():
     firsts = sampled + 0.003 - 4990.0
     assert clock_offset(firsts, step_ends, within=(5000.0, 5001.0)) == pytest.approx(4990.0 - 0.003, abs=1e-6)
     assert clock_offset(firsts, step_ends, within=(5010.0, 5020.0)) != pytest.approx(4990.0 - 0.003, abs=1e-6)
+
+
+def test_recorded_runs_are_placed_on_the_trace_clock_one_after_the_other(tmp_path):
+    """validate: a run that recorded its first send on the shared clock (`clock_origin`) is
+    taken at its word; runs recorded before that are found by their first tokens, each just after
+    the run before it, although the later, busier run would fit the earlier run's gaps too."""
+    from bench.simulator.validate import first_sends_on_trace_clock
+
+    rng = np.random.default_rng(2)
+    # a sparse stretch (the first run's prompts, 2000-2030 s), then a busy one (2035-2065 s)
+    starts = np.concatenate([np.sort(rng.uniform(2000, 2030, 30)), np.sort(rng.uniform(2035, 2065, 3000))])
+    shape = StepShape(prefill_tokens=128, prefill_attention=8192)
+    write_trace(tmp_path / "steps-1.jsonl", "prefill", [(float(t), 0.05, shape) for t in starts])
+
+    def run(name, sends_on_clock, record_origin):
+        origin = float(sends_on_clock[0])
+        requests = {
+            "starts": [float(t) - origin for t in sends_on_clock],
+            # a first token 3-40 ms after its step's end (the trip to the client): first tokens
+            # dropped anywhere in the busy stretch would land nearer after some step's end
+            "ttfts": (0.05 + rng.uniform(0.003, 0.04, len(sends_on_clock))).tolist(),
+            "latencies": [0.5] * len(sends_on_clock),
+            "errors": [""] * len(sends_on_clock),
+        }
+        if record_origin:
+            requests["clock_origin"] = origin
+        (tmp_path / name).write_text(json.dumps({"points": [{"requests": requests}]}))
+        return tmp_path / name
+
+    first = run("a.json", starts[:30:3], record_origin=False)
+    second = run("b.json", starts[30::100], record_origin=False)
+    found = first_sends_on_trace_clock([first, second], tmp_path)
+    # the first run to its first token's trip; the second, among steps 10 ms apart, to within
+    # the second that the host's slowdown is kept per
+    assert starts[0] - 0.04 <= found[0] <= starts[0] and abs(found[1] - starts[30]) < 1.0
+    recorded = run("c.json", starts[30::100] + 0.5, record_origin=True)
+    assert first_sends_on_trace_clock([first, recorded], tmp_path)[1] == starts[30] + 0.5
