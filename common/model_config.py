@@ -140,19 +140,5 @@ def read_model_config(path: Path) -> ModelConfig:
 def _gguf_meta(path: Path) -> tuple[dict, set[str]]:
     from common.gguf_file import read_gguf
 
-    reader = read_gguf(path)
-    meta = {}
-    for key, field in reader.fields.items():
-        if key in (
-            "tokenizer.ggml.tokens",
-            "tokenizer.ggml.merges",
-            "tokenizer.ggml.token_type",
-            "tokenizer.ggml.scores",
-        ):
-            meta[key] = range(len(field.data))  # only the length matters here
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception:  # an exotic field type we do not need
-            continue
-    return meta, {t.name for t in reader.tensors}
+    gguf = read_gguf(path)
+    return gguf.metadata, {t.name for t in gguf.tensors}

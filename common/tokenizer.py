@@ -270,10 +270,7 @@ class IncrementalDetokenizer:
 def _gguf_parts(path: Path) -> dict[str, Any]:
     from common.gguf_file import read_gguf
 
-    fields = read_gguf(path).fields
-
-    def meta(key: str, default: Any = None) -> Any:
-        return fields[key].contents() if key in fields else default
+    meta = read_gguf(path).metadata.get
 
     kind = meta("tokenizer.ggml.model")
     tokens: list[str] = meta("tokenizer.ggml.tokens")

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
+import mmap
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -45,3 +49,15 @@ def keep_freed_memory_for_reuse() -> bool:
         log.warning("mallopt refused a setting; large CPU activations may be re-faulted every step")
     _done = ok
     return ok
+
+
+def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor whose memory comes from its own anonymous mmap: the kernel hands
+    out zero pages on first touch, so the tensor costs nothing until it is written and then only
+    the pages written. For the KV pool (2 GB by default): `torch.zeros` writes every byte at
+    start, 2-20 s per worker on a loaded 2-core machine (each page's first touch is a fault, and
+    a mesh starts two workers at once), and makes the whole pool resident before one request
+    came. The mapping lives as long as the tensor (torch.frombuffer holds it)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, max(nbytes, 1))  # anonymous memory is zero-filled by the kernel
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu.memory import keep_freed_memory_for_reuse
+from kernels.cpu.memory import keep_freed_memory_for_reuse, zeroed_tensor
 from workers.engine.attention import AttentionMetadata
 from workers.engine.backend import Backend, select_backend
 from workers.engine.cuda_graphs import DecodeGraphs
@@ -72,8 +72,12 @@ class ModelRunner:
         self.dtype = model.dtype
         kv_heads = cfg.num_kv_heads // model.tp.world_size
         self.kv_dtype = kv_dtype or self.dtype
-        self.kv_cache = torch.zeros(
-            len(model.layers), num_pages, 2, page_size, kv_heads, cfg.head_dim, dtype=self.kv_dtype, device=device
+        kv_shape = (len(model.layers), num_pages, 2, page_size, kv_heads, cfg.head_dim)
+        # on a CPU the pool's pages are zeroed by the kernel as they are first written, not all at start
+        self.kv_cache = (
+            zeroed_tensor(kv_shape, self.kv_dtype)
+            if device.type == "cpu"
+            else torch.zeros(kv_shape, dtype=self.kv_dtype, device=device)
         )
         self.kv_scales: torch.Tensor | None = None  # [layers, 2, kv_heads] fp32: an fp8 pool's scales
         # rank 0 of a parallel worker: every rank's scales, rank by rank (kv_relay.gather_kv_scales)
