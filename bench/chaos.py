@@ -15,7 +15,7 @@ first taken with no fault; under chaos each request ends in one of
     hung       no end a minute past the gateway's --request-timeout (`wrong` and `hung` are lost)
 
 and at the end every LLM worker must hold no KV page. The process exits 1 if anything was lost
-or a page leaked. Run:  python -m bench.chaos --duration 180
+or a page leaked. Run:  python -m pagemesh.bench.chaos --duration 180
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import openai
 
-from bench.local_mesh import LATE_S, free_port, metrics, per_worker, sample_until
-from common.model_files import DEFAULT_MODEL_NAME
+from pagemesh.bench.local_mesh import LATE_S, free_port, metrics, per_worker, sample_until
+from pagemesh.common.model_files import DEFAULT_MODEL_NAME
 
 PROMPTS = [
     "Count on and on:",
@@ -166,8 +166,8 @@ class SupervisedMesh:
     started again) until `stop()`. Its children's logs go to `log_path`."""
 
     def __init__(self, flags: list[str], log_path: str):
-        from services import launcher
-        from services.log_relay import LogRelay
+        from pagemesh.services import launcher
+        from pagemesh.services.log_relay import LogRelay
 
         self.port = free_port()
         args = launcher.parse([*flags, "--diffusion", "0", "--port", str(self.port), "--ready-timeout", "900"])
@@ -221,7 +221,7 @@ def migrations_in(log_path: str) -> int:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pagemesh.bench.chaos", description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of load under faults")
     parser.add_argument("--mixed", type=int, default=1)
     parser.add_argument("--pd-pairs", type=int, default=1, help="prefill + decode worker pairs")

@@ -1,4 +1,4 @@
-"""The C decode attention (`kernels.cpu.paged_attention`) on K/V that comes from memory.
+"""The C decode attention (`pagemesh.kernels.cpu.paged_attention`) on K/V that comes from memory.
 
     python bench/cpu_attention.py [--batch 32] [--context 137] [--layers 30] [--threads 2]
 
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-import kernels.cpu
+import pagemesh.kernels.cpu
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
 
@@ -30,8 +30,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not kernels.cpu.available():
-        raise SystemExit(f"C kernels unavailable: {kernels.cpu.load_error()}")
+    if not pagemesh.kernels.cpu.available():
+        raise SystemExit(f"C kernels unavailable: {pagemesh.kernels.cpu.load_error()}")
     pages_per_seq = -(-args.context // PAGE)
     num_pages = max(600, args.batch * pages_per_seq + 8)
     gen = torch.Generator().manual_seed(0)
@@ -47,7 +47,7 @@ def main() -> None:
 
     def one_pass():
         for kv in pools:
-            kernels.cpu.paged_attention(q, kv, tables, seq_lens, starts, HEAD_DIM**-0.5)
+            pagemesh.kernels.cpu.paged_attention(q, kv, tables, seq_lens, starts, HEAD_DIM**-0.5)
 
     for _ in range(3):
         one_pass()

@@ -9,8 +9,8 @@ of images/s and latency p50/p99 (means over the repetitions) and the step/reques
 ratios, each taken within one repetition and then averaged; writes DIR/diffusion_batching.md,
 .json (every point) and .png.
 
-    python -m bench.diffusion_batching --out /tmp/batching                      # 3 modes x 2 repeats
-    python -m bench.diffusion_batching --out /tmp/b --clients 1,16 --num-inference-steps 10,50 --repeats 3
+    python -m pagemesh.bench.diffusion_batching --out /tmp/batching                      # 3 modes x 2 repeats
+    python -m pagemesh.bench.diffusion_batching --out /tmp/b --clients 1,16 --num-inference-steps 10,50 --repeats 3
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from bench.loadgen.images import IMAGES_ENDPOINT, ImageTarget, image_prompts, parse_steps, run_image_point  # noqa: E402
-from bench.loadgen.metrics import summarize_images  # noqa: E402
-from bench.loadgen.runner import LoadPoint  # noqa: E402
+from pagemesh.bench.loadgen.images import IMAGES_ENDPOINT, ImageTarget, image_prompts, parse_steps, run_image_point  # noqa: E402
+from pagemesh.bench.loadgen.metrics import summarize_images  # noqa: E402
+from pagemesh.bench.loadgen.runner import LoadPoint  # noqa: E402
 
 MODES = ("serial", "request", "step")
 
@@ -168,7 +167,7 @@ def plot(records: list[dict], path: Path, title: str) -> None:
 
 def measure_mode(args: argparse.Namespace, mode: str, repeat: int, steps: tuple[int, ...]) -> list[dict]:
     """One mesh in `mode`; one record per client count."""
-    from bench.local_mesh import running_mesh
+    from pagemesh.bench.local_mesh import running_mesh
 
     flags = [*mesh_flags(args), "--diffusion-batching", mode]
     records = []

@@ -9,7 +9,7 @@ CPU falls on all of them. Each setting: its block fraction from the response's `
 the PSNR of its images against the same seeds uncached (the PNGs at the native 8x8, one MSE over
 all of a setting's images, as bench/experiments/image_metrics.py). Prints a markdown table.
 
-    python -m bench.diffusion_cache_mesh [--rounds 5] [--threads 1]
+    python -m pagemesh.bench.diffusion_cache_mesh [--rounds 5] [--threads 1]
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ def main(argv: list[str] | None = None) -> None:
     import openai
     import torch
 
-    from bench.experiments.image_metrics import psnr
-    from bench.local_mesh import HANG_S, running_mesh
-    from workers.diffusion.png import from_png_b64
+    from pagemesh.bench.experiments.image_metrics import psnr
+    from pagemesh.bench.local_mesh import HANG_S, running_mesh
+    from pagemesh.workers.diffusion.png import from_png_b64
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3, help="requests per setting = rounds x 10 digits")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,10 +31,9 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from common.messages import ImageParams  # noqa: E402
-from workers.diffusion.engine import DiffusionEngine, EngineConfig, ImageJob  # noqa: E402
+from pagemesh.common.messages import ImageParams  # noqa: E402
+from pagemesh.workers.diffusion.engine import DiffusionEngine, EngineConfig, ImageJob  # noqa: E402
 
 DEFAULT_PIPELINE = ROOT / "workers/diffusion/models/digits-dit"
 MODES = ("serial", "request", "step")
@@ -63,7 +61,7 @@ def load_pipeline(path: Path, device: str, dtype: str):
         print(f"warning: no pipeline at {path}")
     else:
         try:
-            from workers.diffusion.pipelines.dit import DiTPipelineModel
+            from pagemesh.workers.diffusion.pipelines.dit import DiTPipelineModel
         except ImportError as e:
             print(f"warning: {path} is there but the DiT pipeline code is not ({e})")
         else:
@@ -73,7 +71,7 @@ def load_pipeline(path: Path, device: str, dtype: str):
                 path, device=on, dtype=auto if dtype == "auto" else getattr(torch, dtype)
             )
     print("warning: falling back to a random tiny DiT (tests/diffusion_tiny.py): the figures measure the engine")
-    from tests.diffusion_tiny import TinyDiTPipeline
+    from pagemesh.tests.diffusion_tiny import TinyDiTPipeline
 
     return TinyDiTPipeline()
 

@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from common.model_files import default_model_path
-from common.sampling import SamplingParams
-from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
+from pagemesh.common.model_files import default_model_path
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.config import EngineConfig
+from pagemesh.workers.engine.engine import Engine
 
 LOW_ID, HIGH_ID = 100, 49000  # ordinary tokens of SmolLM2's vocabulary
 

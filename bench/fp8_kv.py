@@ -30,11 +30,11 @@ import time
 
 import torch
 
-from common.sampling import SamplingParams
-from workers.engine.attention import AttentionMetadata
-from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
-from workers.model.llama import ForwardContext
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.attention import AttentionMetadata
+from pagemesh.workers.engine.config import EngineConfig
+from pagemesh.workers.engine.engine import Engine
+from pagemesh.workers.model.llama import ForwardContext
 
 PROMPTS = [
     "The history of the Roman Empire begins with",
@@ -148,7 +148,7 @@ def speed(args) -> None:
 def attention(args) -> None:
     import os
 
-    import kernels.cpu as ck
+    import pagemesh.kernels.cpu as ck
 
     if not ck.available():
         raise SystemExit(f"C kernels did not build: {ck.load_error()}")

@@ -21,18 +21,15 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.model_config import ModelConfig  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
-from workers.engine.config import EngineConfig  # noqa: E402
-from workers.engine.cuda_graphs import bucket_for  # noqa: E402
-from workers.engine.engine import Engine  # noqa: E402
-from workers.model.loader import build_random_model  # noqa: E402
+from pagemesh.common.model_config import ModelConfig  # noqa: E402
+from pagemesh.common.sampling import SamplingParams  # noqa: E402
+from pagemesh.workers.engine.config import EngineConfig  # noqa: E402
+from pagemesh.workers.engine.cuda_graphs import bucket_for  # noqa: E402
+from pagemesh.workers.engine.engine import Engine  # noqa: E402
+from pagemesh.workers.model.loader import build_random_model  # noqa: E402
 
 LLAMA3_8B = ModelConfig(
     architecture="llama",
@@ -215,7 +212,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_engine: needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.", file=sys.stderr)
         return 2
-    from bench.kernel_bench import Timer, copy_bandwidth
+    from pagemesh.bench.kernel_bench import Timer, copy_bandwidth
 
     started = time.time()
     copy_gbs = copy_bandwidth(Timer(warmup=3, reps=10))

@@ -28,11 +28,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.sampling import SamplingParams  # noqa: E402
-from workers.engine.config import EngineConfig  # noqa: E402
-from workers.engine.engine import Engine  # noqa: E402
+from pagemesh.common.sampling import SamplingParams  # noqa: E402
+from pagemesh.workers.engine.config import EngineConfig  # noqa: E402
+from pagemesh.workers.engine.engine import Engine  # noqa: E402
 
 PROMPT_LEN, DECODE_TOKENS, BATCHES, AGREEMENT_PROMPTS = 128, 64, (1, 32), 32
 MARGIN = 0.1  # nats between the top two log-probabilities: above it, the choice is not a near tie

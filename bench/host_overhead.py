@@ -15,18 +15,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.model_config import ModelConfig  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
-from workers.engine import attention as attention_module  # noqa: E402
-from workers.engine.config import EngineConfig  # noqa: E402
-from workers.engine.engine import Engine  # noqa: E402
-from workers.model.loader import build_random_model  # noqa: E402
+from pagemesh.common.model_config import ModelConfig  # noqa: E402
+from pagemesh.common.sampling import SamplingParams  # noqa: E402
+from pagemesh.workers.engine import attention as attention_module  # noqa: E402
+from pagemesh.workers.engine.config import EngineConfig  # noqa: E402
+from pagemesh.workers.engine.engine import Engine  # noqa: E402
+from pagemesh.workers.model.loader import build_random_model  # noqa: E402
 
 TINY = ModelConfig(
     architecture="llama",

@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.json_schema import compile_schema  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
-from workers.engine.config import EngineConfig  # noqa: E402
-from workers.engine.engine import Engine  # noqa: E402
-from workers.engine.json_mode import JsonMasks  # noqa: E402
+from pagemesh.common.json_schema import compile_schema  # noqa: E402
+from pagemesh.common.sampling import SamplingParams  # noqa: E402
+from pagemesh.workers.engine.config import EngineConfig  # noqa: E402
+from pagemesh.workers.engine.engine import Engine  # noqa: E402
+from pagemesh.workers.engine.json_mode import JsonMasks  # noqa: E402
 
 STATES = ["", "{", '{"na', '{"name": ', '{"name": "Al', '{"name": "Al", "age": 4', '{"a": [1, {"b": tr']
 SCHEMA = {

@@ -26,13 +26,10 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels.attention import AttentionConfig  # noqa: E402  (no kernel is built at import)
+from pagemesh.kernels.attention import AttentionConfig  # noqa: E402  (no kernel is built at import)
 
 
 @dataclass(frozen=True)
@@ -159,8 +156,8 @@ def fits(geo: Geometry, pool, batch: int, ctx: int) -> bool:
 
 
 def bench_decode(timer: Timer, copy_gbs: float, geo: Geometry, batches, contexts, pool, gen) -> list[str]:
-    from kernels._util import sm_count
-    from kernels.attention import choose_num_splits, paged_attention
+    from pagemesh.kernels._util import sm_count
+    from pagemesh.kernels.attention import choose_num_splits, paged_attention
 
     rows = [
         "| batch | context | splits | ms | GB/s | % copy BW | no-split ms | no-split % |",
@@ -201,7 +198,7 @@ def bench_decode_sweep(
     """For each (batch, context), yields its lines: ms of every tile config x split count, the
     best cell, and the launcher's own choice (`choose_config` + `choose_num_splits`). Past
     `deadline` (time.time()) no cell is timed ("—") and no further case starts."""
-    from kernels.attention import paged_attention
+    from pagemesh.kernels.attention import paged_attention
 
     for batch, ctx in cases:
         if not fits(geo, pool, batch, ctx):
@@ -268,7 +265,7 @@ def sdpa_flash(q, k, v, causal):
 
 def mixed_case(geo: Geometry, pool, num_decodes, decode_ctx, num_prefills, prefill_len, gen):
     """Paged inputs for the batch and, for SDPA, the same K/V laid out contiguously."""
-    from kernels.kv_write import write_kv
+    from pagemesh.kernels.kv_write import write_kv
 
     device = pool.device
     query_lens = [1] * num_decodes + [prefill_len] * num_prefills
@@ -298,7 +295,7 @@ def mixed_case(geo: Geometry, pool, num_decodes, decode_ctx, num_prefills, prefi
 def bench_mixed(timer: Timer, geo: Geometry, cases, configs, pool, gen, deadline: float = float("inf")) -> list[str]:
     """Our one launch against SDPA flash per case; `configs` (may be empty): a tile sweep, whose
     cells past `deadline` (time.time()) are not timed ("—")."""
-    from kernels.attention import paged_attention
+    from pagemesh.kernels.attention import paged_attention
 
     rows = [
         "| batch | ours ms | SDPA flash ms | ours / SDPA | max abs diff | SDPA GQA |",

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-import kernels.cpu
+import pagemesh.kernels.cpu
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD = (49152, 576)
@@ -38,14 +38,16 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--layers", type=int, default=30)
     args = parser.parse_args()
-    if not kernels.cpu.amx_available():
-        raise SystemExit(f"no AMX here: {kernels.cpu.load_error() or 'the CPU or Linux does not grant AMX-BF16'}")
+    if not pagemesh.kernels.cpu.amx_available():
+        raise SystemExit(
+            f"no AMX here: {pagemesh.kernels.cpu.load_error() or 'the CPU or Linux does not grant AMX-BF16'}"
+        )
     torch.manual_seed(0)
     dense = [torch.randn(n, k).to(torch.bfloat16) for _ in range(args.layers) for n, k in SHAPES]
     dense.append(torch.randn(*HEAD).to(torch.bfloat16))
     weight_bytes = sum(w.numel() * 2 for w in dense)
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in dense]
-    amx = [kernels.cpu.amx_pack(w) for w in dense]
+    amx = [pagemesh.kernels.cpu.amx_pack(w) for w in dense]
     inputs = {k: torch.randn(args.rows, k).to(torch.bfloat16) for k in {k for _, k in SHAPES + [HEAD]}}
     shapes = [(w.shape[0], w.shape[1]) for w in dense]
     del dense
@@ -56,7 +58,7 @@ def main() -> None:
 
     def run_amx():
         for (_, k), w in zip(shapes, amx):
-            kernels.cpu.amx_linear(inputs[k], w)
+            pagemesh.kernels.cpu.amx_linear(inputs[k], w)
 
     base = best_of(run_onednn)
     ours = best_of(run_amx)

@@ -16,11 +16,12 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
 from contextlib import contextmanager
+
+from pagemesh.common.python_command import python_module
 
 HANG_S = 900.0  # the ceiling of any wait for an event: it bounds a hang, nothing else
 LATE_S = 60.0  # how late an event that is due may come on a loaded machine (a test's "within")
@@ -39,22 +40,32 @@ def running_mesh(
     timeout: float = HANG_S,
     output: list[str] | None = None,
     launcher: list[subprocess.Popen] | None = None,
+    cwd: str | os.PathLike | None = None,
 ):
     """Yields the base URL once `pagemesh up` says it is up; always stops the whole mesh.
     `env` adds environment variables (PAGEMESH_* flags reach every child process). `timeout`
     bounds a hang, and is also the launcher's own --ready-timeout (flags may override it).
     `output`, when given, receives the launcher's output lines (its children's logs too) as
     they come; `launcher`, the launcher's process (to signal it). No diffusion worker unless the
-    flags ask for one (`--diffusion N`)."""
+    flags ask for one (`--diffusion N`). `cwd`: the folder it starts in (this process's by default)."""
     port = free_port()
     flags = _no_diffusion_unless_asked(flags)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--ready-timeout", str(timeout), *flags],
+        [
+            *python_module("pagemesh.services.cli"),
+            "up",
+            "--port",
+            str(port),
+            "--ready-timeout",
+            str(timeout),
+            *flags,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
         env={**os.environ, **(env or {})},
+        cwd=cwd,
     )
     if launcher is not None:
         launcher.append(proc)
@@ -99,7 +110,7 @@ class SeparateProcesses:
     process is; `stop()` ends them."""
 
     def __init__(self, run_dir: str, *flags: str):
-        from services import launcher
+        from pagemesh.services import launcher
 
         self.args = launcher.parse(
             [
@@ -145,14 +156,16 @@ class SeparateProcesses:
         """SIGKILL the process and start it again with the same arguments; returns (the
         monotonic time) once the new process reports READY on the launcher's ready socket, bound
         here again for it."""
-        from common.messages import Ready
-        from common.transport import Pull, ipc_address
+        from pagemesh.common.messages import Ready
+        from pagemesh.common.transport import Pull, ipc_address
 
         self.kill(name)
 
         async def start_and_wait_ready() -> None:
             with Pull(ipc_address(self.mesh.run_dir, "ready")) as ready:
-                proc = self.children[name] = subprocess.Popen([sys.executable, "-m", "services.cli", *self.argv[name]])
+                proc = self.children[name] = subprocess.Popen(
+                    [*python_module("pagemesh.services.cli"), *self.argv[name]]
+                )
                 started = time.monotonic()
                 while True:
                     try:

@@ -23,9 +23,9 @@ import time
 
 import torch
 
-from common.sampling import SamplingParams
-from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.config import EngineConfig
+from pagemesh.workers.engine.engine import Engine
 
 
 def prompts(streams: int, length: int, seed: int) -> list[list[int]]:

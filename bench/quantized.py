@@ -38,22 +38,19 @@ import dataclasses
 import importlib.util
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.model_files import default_model_path  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
-from workers.engine.attention import AttentionMetadata  # noqa: E402
-from workers.engine.config import QUANTIZATIONS, EngineConfig  # noqa: E402
-from workers.engine.model_runner import ModelRunner  # noqa: E402
-from workers.model import layers  # noqa: E402
-from workers.model.llama import ForwardContext, LlamaForCausalLM  # noqa: E402
-from workers.model.loader import load_model  # noqa: E402
+from pagemesh.common.model_files import default_model_path  # noqa: E402
+from pagemesh.common.sampling import SamplingParams  # noqa: E402
+from pagemesh.workers.engine.attention import AttentionMetadata  # noqa: E402
+from pagemesh.workers.engine.config import QUANTIZATIONS, EngineConfig  # noqa: E402
+from pagemesh.workers.engine.model_runner import ModelRunner  # noqa: E402
+from pagemesh.workers.model import layers  # noqa: E402
+from pagemesh.workers.model.llama import ForwardContext, LlamaForCausalLM  # noqa: E402
+from pagemesh.workers.model.loader import load_model  # noqa: E402
 
 PAGE = 16
 CHAT = (
@@ -127,7 +124,7 @@ def perplexity(logits: torch.Tensor, token_ids: list[int]) -> tuple[float, int]:
 
 
 def quality(args: argparse.Namespace) -> None:
-    from tests.default_model import tokenizer
+    from pagemesh.tests.default_model import tokenizer
 
     if not args.served:
         layers.DEQUANTIZE_MIN_ROWS = 1 << 30
@@ -158,8 +155,8 @@ def quality(args: argparse.Namespace) -> None:
 
 def llama_positions(args: argparse.Namespace) -> None:
     """Our formats on llama-perplexity's positions (bench/llama_cpp_positions.py), beside llama.cpp."""
-    from bench import llama_cpp_positions as lcp
-    from tests.default_model import tokenizer
+    from pagemesh.bench import llama_cpp_positions as lcp
+    from pagemesh.tests.default_model import tokenizer
 
     if not args.served:
         layers.DEQUANTIZE_MIN_ROWS = 1 << 30
@@ -198,7 +195,7 @@ def quality_table(results: dict[str, dict[str, float]], positions: int) -> str:
 
 
 def speed(args: argparse.Namespace) -> None:
-    from workers.engine.engine import Engine
+    from pagemesh.workers.engine.engine import Engine
 
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     pages = args.streams * ((args.prompt_len + args.tokens) // PAGE + 2)
@@ -238,8 +235,8 @@ def linears(args: argparse.Namespace) -> None:
     import gguf
     from gguf.quants import quantize as gguf_quantize
 
-    from common.model_config import read_model_config
-    from kernels.quantized import from_gguf_blocks, quantize_int8, with_tiles
+    from pagemesh.common.model_config import read_model_config
+    from pagemesh.kernels.quantized import from_gguf_blocks, quantize_int8, with_tiles
 
     cfg = read_model_config(default_model_path())
     h, inter, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_kv_heads * cfg.head_dim
@@ -278,7 +275,7 @@ def linears(args: argparse.Namespace) -> None:
 
 
 def prefill(args: argparse.Namespace) -> None:
-    from workers.engine.engine import Engine
+    from pagemesh.workers.engine.engine import Engine
 
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     engines = {

@@ -35,9 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from bench.loadgen import main as bench_main  # noqa: E402
+from pagemesh.bench.loadgen import main as bench_main  # noqa: E402
 
 DEFAULT_PEERS_DIR = Path(os.environ.get("PEERS_DIR", "/work/peers"))
 INPUT_LEN = OUTPUT_LEN = 128
@@ -61,7 +60,7 @@ def systems(peers_dir: Path) -> list[System]:
     f16 = peers_dir / "llama_cpp" / "SmolLM2-135M-Instruct.F16.gguf"
     vllm = peers_dir / "vllm"
     peers_env = {"PEERS_DIR": str(peers_dir)}
-    up = [py, "-m", "services.cli", "up", "--port", "{port}", "--no-prefix-caching", "--diffusion", "0"]
+    up = [py, "-P", "-m", "pagemesh.services.cli", "up", "--port", "{port}", "--no-prefix-caching", "--diffusion", "0"]
     llama_serve = ["bash", "bench/peers/llama_cpp.sh", "serve", "{port}"]
     llama_describe = ["bash", "bench/peers/llama_cpp.sh", "describe"]
 
@@ -297,9 +296,9 @@ def hf_static(concurrencies: list[int], dtype_name: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from bench.loadgen.datasets import DatasetSpec, conversations
-    from common.model_files import default_model_path
-    from common.tokenizer import Tokenizer
+    from pagemesh.bench.loadgen.datasets import DatasetSpec, conversations
+    from pagemesh.common.model_files import default_model_path
+    from pagemesh.common.tokenizer import Tokenizer
 
     torch.set_num_threads(os.cpu_count() or 1)
     path = default_model_path()

@@ -23,10 +23,10 @@ import dataclasses
 import statistics
 import time
 
-from common.sampling import SamplingParams
-from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
-from workers.engine.speculative import SpeculationStats, SpeculativeConfig, use_speculation
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.config import EngineConfig
+from pagemesh.workers.engine.engine import Engine
+from pagemesh.workers.engine.speculative import SpeculationStats, SpeculativeConfig, use_speculation
 
 PARAGRAPH = (
     "The lighthouse keeper climbed the narrow stairs every evening at dusk. He lit the great lamp, "
@@ -86,7 +86,7 @@ def forward_costs(engine, k: int, context: int = 160, repeats: int = 20) -> dict
     tokens/pass / (verify / decode + K x draft / decode)."""
     import torch
 
-    from workers.engine.model_input import ModelInput
+    from pagemesh.workers.engine.model_input import ModelInput
 
     pages = list(range(1, -(-(context + k + 1) // engine.config.page_size) + 1))
 

@@ -15,12 +15,12 @@ import time
 
 import torch
 
-from common.model_config import read_model_config
-from common.model_files import default_model_path
-from workers.engine.model_input import ModelInput
-from workers.engine.model_runner import ModelRunner
-from workers.engine.tensor_parallel import FollowerRanks, FollowerSpec, create_shared_all_reduce, rank_context
-from workers.model.loader import load_model
+from pagemesh.common.model_config import read_model_config
+from pagemesh.common.model_files import default_model_path
+from pagemesh.workers.engine.model_input import ModelInput
+from pagemesh.workers.engine.model_runner import ModelRunner
+from pagemesh.workers.engine.tensor_parallel import FollowerRanks, FollowerSpec, create_shared_all_reduce, rank_context
+from pagemesh.workers.model.loader import load_model
 
 PAGE = 16
 

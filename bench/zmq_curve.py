@@ -13,16 +13,12 @@ import argparse
 import asyncio
 import multiprocessing
 import os
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common import transport as t  # noqa: E402
-from common import transport_curve as curve  # noqa: E402
-from common.protocol import KVPagesAck, Ping, Pong, encode  # noqa: E402
+from pagemesh.common import transport as t  # noqa: E402
+from pagemesh.common import transport_curve as curve  # noqa: E402
+from pagemesh.common.protocol import KVPagesAck, Ping, Pong, encode  # noqa: E402
 
 
 def sender(address: str, frame_bytes: int, frames: int, pings: int, keys: str | None) -> None:

@@ -1,6 +1,6 @@
 """Socket addresses of the mesh: `ipc://PATH` on one machine, `tcp://HOST:PORT` across machines.
 
-Pure (no zmq): `common.transport` re-exports these; configs validate their addresses with them.
+Pure (no zmq): `pagemesh.common.transport` re-exports these; configs validate their addresses with them.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from common import json_grammar as g
+from pagemesh.common import json_grammar as g
 
 ANY = -1  # node id of a free JSON value
 KEYLIT = "keylit"  # a declared key: detail (candidates ((prop index, '"name"'), ...), characters matched)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from common.messages import Ping
+from pagemesh.common.messages import Ping
 
 PING_INTERVAL_S = 1.0
 

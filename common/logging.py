@@ -35,6 +35,7 @@ _LEVELS = {
 }
 FORMATS = ("console", "json")
 FORMAT_ENV = "PAGEMESH_LOG_FORMAT"
+COLOR_ENV = "PAGEMESH_LOG_COLOR"
 
 
 class LineSink:
@@ -79,14 +80,31 @@ class _SinkHandler(logging.Handler):
 
 
 def log_format(requested: str | None = None, stream: IO | None = None) -> str:
-    """`requested` (or $PAGEMESH_LOG_FORMAT), else console on a terminal and json elsewhere."""
+    """`requested` (or $PAGEMESH_LOG_FORMAT), else console on a terminal and json elsewhere: with
+    no `stream`, console only when stdout and stderr are both terminals (`pagemesh up > file`
+    writes JSON)."""
     fmt = (requested or os.environ.get(FORMAT_ENV) or "").strip().lower()
     if not fmt:
-        stream = stream or sys.stderr
-        return "console" if hasattr(stream, "isatty") and stream.isatty() else "json"
+        streams = [stream] if stream is not None else [sys.stdout, sys.stderr]
+        return "console" if all(_is_terminal(s) for s in streams) else "json"
     if fmt not in FORMATS:
         raise ValueError(f"log format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
     return fmt
+
+
+def log_colors(stream: IO | None = None) -> bool:
+    """Colour in console lines: $PAGEMESH_LOG_COLOR (1 or 0: `pagemesh up` sets it for its
+    children, whose stderr is a pipe to it), else a terminal that takes colour (no NO_COLOR,
+    TERM not dumb)."""
+    forced = os.environ.get(COLOR_ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    no_color = "NO_COLOR" in os.environ or os.environ.get("TERM") == "dumb"
+    return _is_terminal(stream or sys.stderr) and not no_color
+
+
+def _is_terminal(stream: IO | None) -> bool:
+    return stream is not None and hasattr(stream, "isatty") and stream.isatty()
 
 
 def configure_logging(service: str, name: str, level: str = "INFO", fmt: str | None = None) -> None:
@@ -111,7 +129,7 @@ def configure_logging(service: str, name: str, level: str = "INFO", fmt: str | N
     if fmt == "json":
         render = [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
     else:
-        render = [structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(), sort_keys=False)]
+        render = [structlog.dev.ConsoleRenderer(colors=log_colors(), sort_keys=False)]
     sink = LineSink(getattr(sys.stderr, "buffer", None) or sys.stderr)
     structlog.configure(
         processors=[*shared, *render],

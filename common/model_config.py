@@ -138,7 +138,7 @@ def read_model_config(path: Path) -> ModelConfig:
 
 
 def _gguf_meta(path: Path) -> tuple[dict, set[str]]:
-    from common.gguf_file import read_gguf
+    from pagemesh.common.gguf_file import read_gguf
 
     gguf = read_gguf(path)
     return gguf.metadata, {t.name for t in gguf.tensors}

@@ -23,8 +23,8 @@ from collections.abc import Awaitable, Callable
 import structlog
 import uvloop
 
-from common import transport
-from common.cli_args import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP  # noqa: F401 - re-exported
+from pagemesh.common import transport
+from pagemesh.common.cli_args import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP  # noqa: F401 - re-exported
 
 DRAIN_POLL_S = 0.05
 

@@ -28,9 +28,9 @@ from collections.abc import Callable, Sequence
 
 import msgpack
 
-from common.messages import *  # noqa: F401,F403 - re-exported: the protocol's vocabulary
-from common.messages import MAX_ID, MESSAGE_CLASSES, MESSAGE_TYPES, TAGS, KVPagesHeader, Message, ProtocolError  # noqa: F401
-from common.sampling import SamplingParams
+from pagemesh.common.messages import *  # noqa: F401,F403 - re-exported: the protocol's vocabulary
+from pagemesh.common.messages import MAX_ID, MESSAGE_CLASSES, MESSAGE_TYPES, TAGS, KVPagesHeader, Message, ProtocolError  # noqa: F401
+from pagemesh.common.sampling import SamplingParams
 
 # 2: RegisterWorker.instance, UnknownWorker; 3: Ping, Pong, AbortRequest.worker_id, prompt logprobs,
 # RegisterWorker.held; 4: messages by channel, enums, worker kinds, KVPoolInfo/KVPoolLoad, RequestStarted;

@@ -20,7 +20,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from common.chat_template import ChatTemplate, validate_messages
+from pagemesh.common.chat_template import ChatTemplate, validate_messages
 
 # llama.cpp token types (gguf.TokenType).
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
@@ -268,7 +268,7 @@ class IncrementalDetokenizer:
 
 
 def _gguf_parts(path: Path) -> dict[str, Any]:
-    from common.gguf_file import read_gguf
+    from pagemesh.common.gguf_file import read_gguf
 
     meta = read_gguf(path).metadata.get
 

@@ -8,7 +8,7 @@
 
 
 Request channels are ROUTER/DEALER, streams PUSH/PULL; never PUB/SUB. Each receive loop
-decodes with `common.protocol.decode`; a malformed message is logged, counted in `dropped` and
+decodes with `pagemesh.common.protocol.decode`; a malformed message is logged, counted in `dropped` and
 skipped, so `recv()` only ever returns valid messages. Messages with tensor frames (KV pages)
 are received with `recv_with_frames()`, which also returns those frames without copying them.
 
@@ -30,9 +30,9 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from common.addresses import MAX_IPC_PATH, bindable, ipc_address, tcp_address, validate_address  # noqa: F401 - re-exported
-from common.protocol import Message, ProtocolError, decode, encode
-from common.transport_curve import mesh_keys, secure, stop_gatekeepers
+from pagemesh.common.addresses import MAX_IPC_PATH, bindable, ipc_address, tcp_address, validate_address  # noqa: F401 - re-exported
+from pagemesh.common.protocol import Message, ProtocolError, decode, encode
+from pagemesh.common.transport_curve import mesh_keys, secure, stop_gatekeepers
 
 log = structlog.get_logger()
 

@@ -1,7 +1,7 @@
 """The aiohttp application: routes, the error middleware and the request handlers.
 
-The handlers stay thin: parsing is `gateway.parsing`, bodies and chunks `gateway.responses`,
-metrics `gateway.metrics`, sockets `gateway.mesh`. Life of a generation request:
+The handlers stay thin: parsing is `pagemesh.gateway.parsing`, bodies and chunks `pagemesh.gateway.responses`,
+metrics `pagemesh.gateway.metrics`, sockets `pagemesh.gateway.mesh`. Life of a generation request:
 
     read body (<= max_body_bytes) -> parse -> check model -> open reply queue -> submit
     -> await the first reply (a RequestFailed here becomes the HTTP error status, also for streams)
@@ -25,22 +25,22 @@ from dataclasses import dataclass
 import structlog
 from aiohttp import web
 
-from common.json_schema import compile_schema, literals
-from common.messages import ImageRequest, ImageResult, RequestFailed, TextDelta
-from common.tokenizer import Tokenizer
-from gateway import openapi
-from gateway.auth import API_KEY, ApiKeys, auth_middleware
-from gateway.config import GatewayConfig
-from gateway.drain import GatewayDrain
-from gateway.errors import ApiError, from_request_failed, http_error, internal, invalid
-from gateway.images import image_response, parse_image_request
-from gateway.limits import KeyLimits, estimate_prompt_tokens
-from gateway.mesh import MeshClient, Reply
-from gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from gateway.metrics import GatewayMetrics, RequestTimer
-from gateway.parsing import ParsedRequest, check_model, parse_chat, parse_completion, parse_json
-from gateway.responses import SSE_DONE, ResponseBuilder, sse_event, to_json
-from gateway.status import RequestTrace, StatusPage
+from pagemesh.common.json_schema import compile_schema, literals
+from pagemesh.common.messages import ImageRequest, ImageResult, RequestFailed, TextDelta
+from pagemesh.common.tokenizer import Tokenizer
+from pagemesh.gateway import openapi
+from pagemesh.gateway.auth import API_KEY, ApiKeys, auth_middleware
+from pagemesh.gateway.config import GatewayConfig
+from pagemesh.gateway.drain import GatewayDrain
+from pagemesh.gateway.errors import ApiError, from_request_failed, http_error, internal, invalid
+from pagemesh.gateway.images import image_response, parse_image_request
+from pagemesh.gateway.limits import KeyLimits, estimate_prompt_tokens
+from pagemesh.gateway.mesh import MeshClient, Reply
+from pagemesh.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from pagemesh.gateway.metrics import GatewayMetrics, RequestTimer
+from pagemesh.gateway.parsing import ParsedRequest, check_model, parse_chat, parse_completion, parse_json
+from pagemesh.gateway.responses import SSE_DONE, ResponseBuilder, sse_event, to_json
+from pagemesh.gateway.status import RequestTrace, StatusPage
 
 log = structlog.get_logger()
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gateway.errors import ApiError
+from pagemesh.gateway.errors import ApiError
 
 ANONYMOUS = ""  # the key of every request when no keys are configured
 API_KEY = web.RequestKey("api_key", str)  # request[API_KEY]: the key the request came with

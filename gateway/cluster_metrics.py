@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from common.messages import ClusterStatus
+from pagemesh.common.messages import ClusterStatus
 
 
 class ClusterCollector(Collector):

@@ -8,11 +8,11 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import cli_args
-from common.cli_args import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP
-from common.model_config import DEFAULT_MAX_MODEL_LEN_CAP, default_max_model_len
-from common.model_files import model_aliases, resolve_model_path, served_model_name
-from gateway.auth import key_problem, read_key_file
+from pagemesh.common import cli_args
+from pagemesh.common.cli_args import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP
+from pagemesh.common.model_config import DEFAULT_MAX_MODEL_LEN_CAP, default_max_model_len
+from pagemesh.common.model_files import model_aliases, resolve_model_path, served_model_name
+from pagemesh.gateway.auth import key_problem, read_key_file
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_MAX_HEADER_BYTES = 8190  # aiohttp's own default for a header line and the request line

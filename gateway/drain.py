@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from common.process import wait_until_idle
-from gateway.errors import ApiError
-from gateway.mesh import MeshClient
+from pagemesh.common.process import wait_until_idle
+from pagemesh.gateway.errors import ApiError
+from pagemesh.gateway.mesh import MeshClient
 
 RETRY_AFTER_S = 5  # what a refused client is told to wait (another replica, or this one restarted)
 FLUSH_S = 5.0  # after the timeout: how long the handlers get to write their error events

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.messages import RequestFailed
+from pagemesh.common.messages import RequestFailed
 
 
 @dataclass

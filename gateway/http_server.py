@@ -13,8 +13,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
-from gateway.errors import ApiError, internal
-from gateway.responses import to_json
+from pagemesh.gateway.errors import ApiError, internal
+from pagemesh.gateway.responses import to_json
 
 MAX_HEADERS = 128  # header lines in one request (aiohttp's default)
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from common.messages import MAX_IMAGES, ImageParams, ImageResult
-from gateway.errors import invalid
+from pagemesh.common.messages import MAX_IMAGES, ImageParams, ImageResult
+from pagemesh.gateway.errors import invalid
 
 SAMPLERS = ("ddpm", "ddim", "dpmsolver++", "unipc", "euler")
 MAX_PROMPT_CHARS = 4000  # as OpenAI's DALL·E 3

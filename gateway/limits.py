@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.errors import ApiError
+from pagemesh.gateway.errors import ApiError
 
 WINDOW_S = 60.0
 CONCURRENCY_RETRY_AFTER_S = 1  # a slot frees when some request ends: no better guess

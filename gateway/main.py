@@ -1,6 +1,6 @@
 """The gateway process: aiohttp on uvloop in front of the mesh.
 
-python -c "from gateway.main import main; main(['--tokenizer-address', ..., ...])"
+python -c "from pagemesh.gateway.main import main; main(['--tokenizer-address', ..., ...])"
 """
 
 from __future__ import annotations
@@ -10,17 +10,17 @@ import asyncio
 import structlog
 from aiohttp import web
 
-from common.logging import configure_logging
-from common.messages import Ready
-from common.process import run_until_signalled
-from common.tokenizer import Tokenizer
-from common.transport import Push
-from gateway.app import Gateway
-from gateway.config import GatewayConfig, parse_args
-from gateway.drain import GatewayDrain
-from gateway.http_server import GatewayRunner
-from gateway.mesh import MeshClient
-from gateway.metrics import GatewayMetrics
+from pagemesh.common.logging import configure_logging
+from pagemesh.common.messages import Ready
+from pagemesh.common.process import run_until_signalled
+from pagemesh.common.tokenizer import Tokenizer
+from pagemesh.common.transport import Push
+from pagemesh.gateway.app import Gateway
+from pagemesh.gateway.config import GatewayConfig, parse_args
+from pagemesh.gateway.drain import GatewayDrain
+from pagemesh.gateway.http_server import GatewayRunner
+from pagemesh.gateway.mesh import MeshClient
+from pagemesh.gateway.metrics import GatewayMetrics
 
 log = structlog.get_logger()
 

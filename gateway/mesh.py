@@ -21,8 +21,8 @@ import time
 
 import structlog
 
-from common.liveness import PeerInstance, ping_forever
-from common.messages import (
+from pagemesh.common.liveness import PeerInstance, ping_forever
+from pagemesh.common.messages import (
     AbortRequest,
     ClusterStatus,
     GenerateRequest,
@@ -34,8 +34,8 @@ from common.messages import (
     TextDelta,
     TextDeltaBatch,
 )
-from common.transport import Dealer, Pull
-from gateway.errors import ApiError
+from pagemesh.common.transport import Dealer, Pull
+from pagemesh.gateway.errors import ApiError
 
 log = structlog.get_logger()
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 
-from common.messages import ClusterStatus, TextDelta
-from gateway.cluster_metrics import ClusterCollector
+from pagemesh.common.messages import ClusterStatus, TextDelta
+from pagemesh.gateway.cluster_metrics import ClusterCollector
 
 # `_created` series would double the text and no dashboard reads them. Process-wide, on purpose:
 # the gateway is the only process that exports metrics.

@@ -1,6 +1,6 @@
 """`/openapi.json`, `/docs` and `/version`: the gateway describing itself.
 
-The document states the request bodies as `gateway.parsing` and `gateway.images` check them, with
+The document states the request bodies as `pagemesh.gateway.parsing` and `pagemesh.gateway.images` check them, with
 the same limits (it is what schemathesis fuzzes the gateway with, so a schema looser than the
 parser only means more 400s; one stricter would hide inputs from the fuzzer). `/docs` renders the
 document in the page itself from the JSON, with no script or stylesheet from anywhere else.
@@ -14,9 +14,16 @@ import json
 
 from aiohttp import web
 
-from common.messages import MAX_ID, MAX_IMAGES
-from common.sampling import MAX_LOGIT_BIAS, MAX_N, MAX_STOP_ITEMS, MAX_STOP_LEN, MAX_TOKENS_LIMIT, MAX_TOP_LOGPROBS
-from gateway.parsing import CHAT_ROLES, MAX_MESSAGES, MAX_PROMPTS
+from pagemesh.common.messages import MAX_ID, MAX_IMAGES
+from pagemesh.common.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_STOP_ITEMS,
+    MAX_STOP_LEN,
+    MAX_TOKENS_LIMIT,
+    MAX_TOP_LOGPROBS,
+)
+from pagemesh.gateway.parsing import CHAT_ROLES, MAX_MESSAGES, MAX_PROMPTS
 
 try:
     VERSION = importlib.metadata.version("pagemesh")

@@ -15,11 +15,17 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from common.json_schema import SchemaError, compile_schema
-from common.messages import MAX_ID, GenerateRequest
-from common.protocol import MAX_TOKEN_IDS
-from common.sampling import MAX_LOGIT_BIAS, MAX_SCHEMA_LEN, MAX_STOP_ITEMS, MAX_TOKENS_FROM_CONTEXT, SamplingParams
-from gateway.errors import ApiError, from_value_error, invalid
+from pagemesh.common.json_schema import SchemaError, compile_schema
+from pagemesh.common.messages import MAX_ID, GenerateRequest
+from pagemesh.common.protocol import MAX_TOKEN_IDS
+from pagemesh.common.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_SCHEMA_LEN,
+    MAX_STOP_ITEMS,
+    MAX_TOKENS_FROM_CONTEXT,
+    SamplingParams,
+)
+from pagemesh.gateway.errors import ApiError, from_value_error, invalid
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 MAX_MESSAGES = 4096

@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common.messages import TextDelta, TokenLogprob
+from pagemesh.common.messages import TextDelta, TokenLogprob
 
 LOGPROB_FLOOR = -9999.0
 SSE_DONE = b"data: [DONE]\n\n"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from common.messages import ClusterStatus, TextDelta, WorkerKind, WorkerStatus
+from pagemesh.common.messages import ClusterStatus, TextDelta, WorkerKind, WorkerStatus
 
 PAGE = Path(__file__).parent / "static" / "status.html"
 RECENT_REQUESTS = 50  # rows the page shows

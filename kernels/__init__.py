@@ -1,4 +1,4 @@
-"""Triton kernels for the model runner, with torch references in `kernels.reference`.
+"""Triton kernels for the model runner, with torch references in `pagemesh.kernels.reference`.
 
 Public functions (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1):
 
@@ -10,19 +10,19 @@ Public functions (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1):
     rotary_embedding(positions, q, k, cos_sin_cache) -> (q_out, k_out)  (new tensors)
     silu_and_mul(x) -> out
 
-Triton is imported only when one of these is first used, so `import kernels` and
-`import kernels.reference` work where triton is missing or broken.
+Triton is imported only when one of these is first used, so `import pagemesh.kernels` and
+`import pagemesh.kernels.reference` work where triton is missing or broken.
 """
 
 from importlib import import_module
 
 _HOME = {
-    "paged_attention": "kernels.attention",
-    "write_kv": "kernels.kv_write",
-    "rms_norm": "kernels.norm",
-    "fused_add_rms_norm": "kernels.norm",
-    "rotary_embedding": "kernels.rotary",
-    "silu_and_mul": "kernels.activation",
+    "paged_attention": "pagemesh.kernels.attention",
+    "write_kv": "pagemesh.kernels.kv_write",
+    "rms_norm": "pagemesh.kernels.norm",
+    "fused_add_rms_norm": "pagemesh.kernels.norm",
+    "rotary_embedding": "pagemesh.kernels.rotary",
+    "silu_and_mul": "pagemesh.kernels.activation",
 }
 
 __all__ = list(_HOME)

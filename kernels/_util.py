@@ -35,7 +35,7 @@ def check_launchable(name: str, *tensors: torch.Tensor) -> None:
         if t.device.type != "cuda" and not interpreting():
             raise ValueError(
                 f"kernels.{name} needs CUDA tensors (got {t.device}); on CPU call "
-                f"kernels.reference.{name}_ref, or set TRITON_INTERPRET=1 for testing"
+                f"pagemesh.kernels.reference.{name}_ref, or set TRITON_INTERPRET=1 for testing"
             )
 
 

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._util import check_launchable
+from pagemesh.kernels._util import check_launchable
 
 BLOCK = 1024
 

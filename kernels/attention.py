@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._util import check_launchable, next_power_of_2, sm_count, upcast_bf16_dot
+from pagemesh.kernels._util import check_launchable, next_power_of_2, sm_count, upcast_bf16_dot
 
 # Split-KV pays off only when (sequences x kv heads) cannot fill the GPU; each split keeps at
 # least this many keys so the extra partial traffic stays small next to the K/V it reads.

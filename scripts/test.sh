@@ -13,4 +13,4 @@ fi
 [ -n "${VIRTUAL_ENV:-}" ] || source .venv/bin/activate
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 ruff check . && ruff format --check .
-python -m pytest -q -m "not gpu" --timeout=900 --durations=40 "$@"
+python -P -m pytest -q -m "not gpu" --timeout=900 --durations=40 "$@"

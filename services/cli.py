@@ -17,26 +17,30 @@ pagemesh keys DIR    the CurveZMQ keypair of the internal sockets (then --zmq-ke
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
 
-from common.logging import FORMAT_ENV, FORMATS
+from pagemesh.common.logging import FORMAT_ENV, FORMATS
 
 KEYS_ENV = "PAGEMESH_ZMQ_KEYS"  # common.transport_curve.KEYS_ENV (not imported here: no zmq for every command)
 
 COMMANDS = {
-    "up": ("services.launcher", "the whole mesh on this machine"),
-    "gateway": ("gateway.main", "the OpenAI-compatible HTTP gateway"),
-    "tokenizer": ("services.tokenizer.main", "the tokenizer service"),
-    "scheduler": ("services.scheduler.main", "the scheduler (registry, placement)"),
-    "worker": ("workers.llm.main", "an LLM worker: --role prefill|decode|mixed"),
-    "diffusion": ("workers.diffusion.main", "a diffusion worker: images, batched per denoising step"),
-    "generate": ("workers.engine.generate_cli", "offline generation through one engine"),
-    "bench": ("bench.loadgen.main", "load any OpenAI-compatible server and report latencies"),
-    "experiment": ("bench.experiments.main", "reproduce a paper's experiment: pagemesh experiment NAME --out DIR"),
-    "simulate": ("bench.simulator.main", "the scheduling code on a cost model: cluster sizing, what-ifs"),
-    "tokenizer-export": ("services.tokenizer_export", "write the tokenizer as a Hugging Face folder: DIR"),
-    "keys": ("services.mesh_keys", "make the CurveZMQ keypair of the internal sockets: DIR"),
+    "up": ("pagemesh.services.launcher", "the whole mesh on this machine"),
+    "gateway": ("pagemesh.gateway.main", "the OpenAI-compatible HTTP gateway"),
+    "tokenizer": ("pagemesh.services.tokenizer.main", "the tokenizer service"),
+    "scheduler": ("pagemesh.services.scheduler.main", "the scheduler (registry, placement)"),
+    "worker": ("pagemesh.workers.llm.main", "an LLM worker: --role prefill|decode|mixed"),
+    "diffusion": ("pagemesh.workers.diffusion.main", "a diffusion worker: images, batched per denoising step"),
+    "generate": ("pagemesh.workers.engine.generate_cli", "offline generation through one engine"),
+    "bench": ("pagemesh.bench.loadgen.main", "load any OpenAI-compatible server and report latencies"),
+    "experiment": (
+        "pagemesh.bench.experiments.main",
+        "reproduce a paper's experiment: pagemesh experiment NAME --out DIR",
+    ),
+    "simulate": ("pagemesh.bench.simulator.main", "the scheduling code on a cost model: cluster sizing, what-ifs"),
+    "tokenizer-export": ("pagemesh.services.tokenizer_export", "write the tokenizer as a Hugging Face folder: DIR"),
+    "keys": ("pagemesh.services.mesh_keys", "make the CurveZMQ keypair of the internal sockets: DIR"),
 }
 
 
@@ -85,7 +89,7 @@ def take_zmq_keys(argv: list[str]) -> list[str]:
             rest.append(arg)
             i += 1
     if os.environ.get(KEYS_ENV) and rest[:1] != ["keys"]:  # `pagemesh keys` makes them
-        from common.transport_curve import load_keys  # zmq: only for a process that uses keys
+        from pagemesh.common.transport_curve import load_keys  # zmq: only for a process that uses keys
 
         os.environ[KEYS_ENV] = os.path.abspath(os.environ[KEYS_ENV])
         try:
@@ -104,6 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"pagemesh: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        raise SystemExit(2)
+    if COMMANDS[name][0].startswith("pagemesh.bench.") and importlib.util.find_spec("pagemesh.bench") is None:
+        print(f"pagemesh {name}: runs from a clone of the repository (its bench/ is not in the wheel)", file=sys.stderr)
         raise SystemExit(2)
     module = importlib.import_module(COMMANDS[name][0])
     module.main(rest)

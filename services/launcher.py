@@ -23,19 +23,19 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from common.cli_args import add
-from common.gpus import visible_gpu_ids, worker_gpu_groups
-from common.logging import FORMAT_ENV, log_format
-from common.messages import Ready
-from common.model_files import model_aliases, resolve_model_path, served_model_name
-from common.transport import Pull, ipc_address
-from gateway.config import add_auth_arguments, api_keys_from_args, auth_args_to_argv
-from services.log_relay import LogRelay
-from services.scheduler.config import add_policy_arguments, policy_args_to_argv
-from services.supervisor import Supervisor, drain_in_order
-from workers.diffusion.config import add_diffusion_arguments, diffusion_args_to_argv
-from workers.diffusion.pipelines.embedded import STUDENT_NAME
-from workers.engine.config import add_engine_arguments, engine_args_to_argv
+from pagemesh.common.cli_args import add
+from pagemesh.common.gpus import visible_gpu_ids, worker_gpu_groups
+from pagemesh.common.logging import COLOR_ENV, FORMAT_ENV, log_colors, log_format
+from pagemesh.common.messages import Ready
+from pagemesh.common.model_files import model_aliases, resolve_model_path, served_model_name
+from pagemesh.common.transport import Pull, ipc_address
+from pagemesh.gateway.config import add_auth_arguments, api_keys_from_args, auth_args_to_argv
+from pagemesh.services.log_relay import LogRelay
+from pagemesh.services.scheduler.config import add_policy_arguments, policy_args_to_argv
+from pagemesh.services.supervisor import Supervisor, drain_in_order
+from pagemesh.workers.diffusion.config import add_diffusion_arguments, diffusion_args_to_argv
+from pagemesh.workers.diffusion.pipelines.embedded import STUDENT_NAME
+from pagemesh.workers.engine.config import add_engine_arguments, engine_args_to_argv
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -243,8 +243,9 @@ class Mesh:
         self.owns_run_dir = args.run_dir is None  # a folder we made goes when the mesh stops
         os.makedirs(self.run_dir, exist_ok=True)
         self.children: dict[str, subprocess.Popen] = {}
-        # the children write into pipes, not our terminal: they take our log format with them
-        self.supervisor = Supervisor(self.children, relay=self.logs, env={FORMAT_ENV: log_format()})
+        # the children write into pipes, not our terminal: they take our log format and colour with them
+        log_env = {FORMAT_ENV: log_format(), COLOR_ENV: str(int(log_colors()))}
+        self.supervisor = Supervisor(self.children, relay=self.logs, env=log_env)
 
     async def start(self) -> None:
         """Start every child; return once each reported READY (a child that dies meanwhile is

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.transport_curve import KEYS_ENV, make_keys
+from pagemesh.common.transport_curve import KEYS_ENV, make_keys
 
 
 def main(argv: list[str]) -> None:

@@ -18,11 +18,11 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.log_relay import LogRelay
+from pagemesh.common.python_command import python_module
+from pagemesh.services.log_relay import LogRelay
 
 RESTART_LIMIT = 3  # deaths before READY ...
 RESTART_WINDOW_S = 300.0  # ... within this long: the child cannot start; the mesh stops
@@ -85,7 +85,7 @@ class Supervisor:
         self.commands[name] = (argv, env or {})
         self.ready.discard(name)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *argv],
+            [*python_module("pagemesh.services.cli"), *argv],
             env={**os.environ, **self.env, **(env or {})},
             stderr=subprocess.PIPE,
         )

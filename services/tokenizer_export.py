@@ -20,9 +20,9 @@ import argparse
 import json
 from pathlib import Path
 
-from common.model_config import default_max_model_len
-from common.model_files import resolve_model_path, served_model_name
-from common.tokenizer import Tokenizer
+from pagemesh.common.model_config import default_max_model_len
+from pagemesh.common.model_files import resolve_model_path, served_model_name
+from pagemesh.common.tokenizer import Tokenizer
 
 FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 

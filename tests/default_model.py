@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import functools
 
-from common.model_files import default_model_path
-from common.tokenizer import Tokenizer
+from pagemesh.common.model_files import default_model_path
+from pagemesh.common.tokenizer import Tokenizer
 
 
 @functools.cache

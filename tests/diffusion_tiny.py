@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from diffusers import DDPMScheduler, DiTTransformer2DModel
 
-from common.messages import ImageModelInfo, ImageParams
-from workers.diffusion.engine.samplers import SAMPLERS
-from workers.diffusion.pipelines.base import InvalidImageRequest, Resolved
-from workers.diffusion.pipelines.dit import DiTBlocks
+from pagemesh.common.messages import ImageModelInfo, ImageParams
+from pagemesh.workers.diffusion.engine.samplers import SAMPLERS
+from pagemesh.workers.diffusion.pipelines.base import InvalidImageRequest, Resolved
+from pagemesh.workers.diffusion.pipelines.dit import DiTBlocks
 
 NUM_CLASSES = 10
 SIZES = {"8x8": (1, 8, 8), "16x16": (1, 16, 16)}

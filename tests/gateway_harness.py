@@ -10,23 +10,23 @@ from pathlib import Path
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from bench.local_mesh import HANG_S
-from common import transport as t
-from common.messages import (
+from pagemesh.bench.local_mesh import HANG_S
+from pagemesh.common import transport as t
+from pagemesh.common.messages import (
     GenerateRequest,
     Ping,
     Pong,
     TextDelta,
     TextDeltaBatch,
 )
-from common.model_files import default_model_path
-from gateway import app as gateway_app
-from gateway.config import GatewayConfig
-from gateway.drain import GatewayDrain
-from gateway.http_server import GatewayRunner
-from gateway.mesh import MeshClient
-from gateway.metrics import GatewayMetrics
-from tests.default_model import tokenizer as default_tokenizer
+from pagemesh.common.model_files import default_model_path
+from pagemesh.gateway import app as gateway_app
+from pagemesh.gateway.config import GatewayConfig
+from pagemesh.gateway.drain import GatewayDrain
+from pagemesh.gateway.http_server import GatewayRunner
+from pagemesh.gateway.mesh import MeshClient
+from pagemesh.gateway.metrics import GatewayMetrics
+from pagemesh.tests.default_model import tokenizer as default_tokenizer
 
 TIMEOUT_S = HANG_S  # bounds a hang only; a loaded machine may take long to load the vocabulary
 TOKENIZER = default_tokenizer()  # one load per session, shared

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from common import protocol as p
-from common.protocol import (
+from pagemesh.common import protocol as p
+from pagemesh.common.protocol import (
     AbortRequest,
     ClusterStatus,
     DecodeTask,
@@ -46,7 +46,7 @@ from common.protocol import (
     WorkerStatus,
     WorkerStopped,
 )
-from common.sampling import SamplingParams
+from pagemesh.common.sampling import SamplingParams
 
 SP = SamplingParams(
     n=2,

@@ -9,7 +9,7 @@ import pickle
 
 import zmq
 
-from common.protocol import Ready, encode
+from pagemesh.common.protocol import Ready, encode
 
 
 def connect(address: str, kind: int, *, keys: tuple[bytes, bytes] | None = None, server_key: bytes | None = None):

@@ -5,7 +5,7 @@ worker's RequestDone), each handled at a `now` the test gives; and what the core
 
 from __future__ import annotations
 
-from common.messages import (
+from pagemesh.common.messages import (
     ClusterStatus,
     DecodeTask,
     DoneReason,
@@ -23,9 +23,9 @@ from common.messages import (
     StatusRequest,
     WorkerKind,
 )
-from common.sampling import SamplingParams
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.services.scheduler.config import SchedulerConfig
+from pagemesh.services.scheduler.core import SchedulerCore
 
 T0 = 100.0  # when the core started
 TIMEOUT = 5.0  # heartbeat timeout, and the start-up grace window

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from workers.diffusion.training.digits_data import NUM_CLASSES, heldout_split, train_split
+from pagemesh.workers.diffusion.training.digits_data import NUM_CLASSES, heldout_split, train_split
 
 FEATURES = 64
 

@@ -1,7 +1,7 @@
 """The embedded digits model's sample quality, per sampler and step count, judged by the project's
 own digit classifier (nothing downloaded).
 
-    python -m bench.diffusion.quality --out DIR [--per-class 30] [--steps 10,25,50,100]
+    python -m pagemesh.bench.diffusion.quality --out DIR [--per-class 30] [--steps 10,25,50,100]
 
 For each sampler and step count it generates `per-class` images of every digit (seeded) and
 reports the share the classifier recognises as the digit asked for, and the Fréchet distance in
@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from bench.diffusion.classifier import digit_classifier, frechet_distance
-from bench.diffusion.sample import SCHEDULERS, sample
-from workers.diffusion.pipelines.dit import DiTPipelineModel
-from workers.diffusion.pipelines.embedded import DIGITS_PATH
-from workers.diffusion.training.digits_data import NUM_CLASSES, heldout_split, train_split
+from pagemesh.bench.diffusion.classifier import digit_classifier, frechet_distance
+from pagemesh.bench.diffusion.sample import SCHEDULERS, sample
+from pagemesh.workers.diffusion.pipelines.dit import DiTPipelineModel
+from pagemesh.workers.diffusion.pipelines.embedded import DIGITS_PATH
+from pagemesh.workers.diffusion.training.digits_data import NUM_CLASSES, heldout_split, train_split
 
 # The shipped scheduler config clips nothing; this is what x0 thresholding would do instead.
 THRESHOLDING = {"thresholding": True, "dynamic_thresholding_ratio": 0.995, "sample_max_value": 1.0, "clip_sample": True}
@@ -62,7 +62,7 @@ def run(out: Path, *, folder: Path, per_class: int, step_counts: list[int], seed
     lines = [
         "# Embedded digits DiT: sample quality",
         "",
-        f"Command: `{' '.join(shlex.quote(a) for a in ['python', '-m', 'bench.diffusion.quality', *sys.argv[1:]])}`",
+        f"Command: `{shlex.join(['python', '-m', 'pagemesh.bench.diffusion.quality', *sys.argv[1:]])}`",
         "",
         f"Model: `{folder.name}`, {sum(p.numel() for p in pipeline.transformer.parameters()):,} parameters. "
         f"Judge: a CNN trained on the training split, {clf.heldout_accuracy:.1%} accurate on the 300 held-out "

@@ -17,7 +17,7 @@ from diffusers import (
     UniPCMultistepScheduler,
 )
 
-from workers.diffusion.pipelines.dit import DiTPipelineModel
+from pagemesh.workers.diffusion.pipelines.dit import DiTPipelineModel
 
 SCHEDULERS: dict[str, tuple[type, dict[str, Any]]] = {
     "ddpm": (DDPMScheduler, {}),

@@ -9,10 +9,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.experiments.report import Report, load_average
-from common.model_files import resolve_model_path, served_model_name
-from common.sampling import SamplingParams
-from workers.engine.config import EngineConfig
+from pagemesh.bench.experiments.report import Report, load_average
+from pagemesh.common.model_files import resolve_model_path, served_model_name
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.config import EngineConfig
 
 DEFAULT_NUM_PAGES = 1025  # 16,384 token slots at 16 per page: ample for every workload here
 
@@ -54,7 +54,7 @@ class Context:
     def model(self):
         """The model, loaded on first use; every engine of the run shares its weights."""
         if self._model is None:
-            from workers.model.loader import load_model
+            from pagemesh.workers.model.loader import load_model
 
             config = EngineConfig(model=self.model_path)
             device = config.resolve_device()
@@ -66,7 +66,7 @@ class Context:
     def engine(self, **config):
         """A fresh Engine over the shared weights (token-id prompts only: no tokenizer), warmed up.
         The previous engine's KV pool is freed first when the caller dropped it."""
-        from workers.engine.engine import Engine
+        from pagemesh.workers.engine.engine import Engine
 
         gc.collect()
         config.setdefault("num_pages", DEFAULT_NUM_PAGES)
@@ -90,7 +90,7 @@ def default_threads() -> int:
 def warm_up(engine) -> None:
     """One short request through prefill and decode, so the first measured step pays no one-time
     costs; leaves the engine empty and its statistics reset."""
-    from workers.engine.stats import EngineStats
+    from pagemesh.workers.engine.stats import EngineStats
 
     engine.add_request("warm-up", list(range(200, 264)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     while engine.has_unfinished():

@@ -12,11 +12,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, fields
 
-from bench.experiments.driver import drive
-from bench.experiments.report import new_figure
-from bench.experiments.workload import Job, random_prompt
-from common.sampling import SamplingParams
-from workers.engine.config import EngineConfig
+from pagemesh.bench.experiments.driver import drive
+from pagemesh.bench.experiments.report import new_figure
+from pagemesh.bench.experiments.workload import Job, random_prompt
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.config import EngineConfig
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from bench.experiments.report import Report, new_figure
+from pagemesh.bench.experiments.report import Report, new_figure
 
 STEPS = [10, 25, 50]  # drawn per request (bench/diffusion_engine.workload, a fixed seed)
 SAMPLERS = ["ddim", "dpmsolver++", "euler"]
@@ -57,8 +57,8 @@ def load_rows(cells: Sequence) -> list[tuple]:
 def measure(pipeline, configs, rates: list[float], count: int, rounds: int) -> list:
     """Every configuration at every rate, `rounds` times; within a round the configurations run
     side by side, their order rotated from round to round (a drifting shared CPU favours none)."""
-    from bench.diffusion_engine import run_cell, workload
-    from workers.diffusion.engine import EngineConfig
+    from pagemesh.bench.diffusion_engine import run_cell, workload
+    from pagemesh.workers.diffusion.engine import EngineConfig
 
     requests = workload(count, STEPS, SAMPLERS, None)
     cells = []
@@ -73,15 +73,15 @@ def measure(pipeline, configs, rates: list[float], count: int, rounds: int) -> l
 
 def capacity(pipeline, count: int) -> float:
     """Images/s of step-level batching, uncached, with `count` of the workload's requests queued."""
-    from bench.diffusion_engine import run_cell, workload
-    from workers.diffusion.engine import EngineConfig
+    from pagemesh.bench.diffusion_engine import run_cell, workload
+    from pagemesh.workers.diffusion.engine import EngineConfig
 
     cell = run_cell(pipeline, EngineConfig(), count, workload(count, STEPS, SAMPLERS, None), "closed")
     return cell.images / cell.seconds
 
 
 def run(ctx) -> Report:
-    from workers.diffusion.pipelines.embedded import load_embedded
+    from pagemesh.workers.diffusion.pipelines.embedded import load_embedded
 
     pipeline = load_embedded()
     configs = QUICK_CONFIGS if ctx.quick else CONFIGS

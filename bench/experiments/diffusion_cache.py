@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.experiments.diffusion_cache_report import write_report
-from bench.experiments.image_metrics import psnr, ssim
-from common.messages import ImageParams
-from workers.diffusion.engine import DiffusionEngine, EngineConfig, ImageJob
+from pagemesh.bench.experiments.diffusion_cache_report import write_report
+from pagemesh.bench.experiments.image_metrics import psnr, ssim
+from pagemesh.common.messages import ImageParams
+from pagemesh.workers.diffusion.engine import DiffusionEngine, EngineConfig, ImageJob
 
 GUIDANCE = 2.0  # fixed here, whatever the default in the model's pagemesh.json (main ships 1.5)
 SWEEPS = {  # sampler -> (full steps, policies, images per digit); fewer-steps twins follow the results
@@ -126,20 +126,20 @@ class Judge:
     """Accuracy and FD by the project's digit classifier; PSNR / SSIM against a reference run."""
 
     def __init__(self):
-        from bench.diffusion.classifier import digit_classifier
-        from workers.diffusion.training.digits_data import heldout_split
+        from pagemesh.bench.diffusion.classifier import digit_classifier
+        from pagemesh.workers.diffusion.training.digits_data import heldout_split
 
         self.clf = digit_classifier()
         self.real = self.clf.features(heldout_split().images)
 
     def floor(self, count: int) -> float:
-        from bench.diffusion.classifier import frechet_distance
-        from workers.diffusion.training.digits_data import train_split
+        from pagemesh.bench.diffusion.classifier import frechet_distance
+        from pagemesh.workers.diffusion.training.digits_data import train_split
 
         return frechet_distance(self.clf.features(train_split().images[:count]), self.real)
 
     def point(self, run: Run, reference: Run, full_blocks: int, label: str, kind: str, ms_alone: float) -> Point:
-        from bench.diffusion.classifier import frechet_distance
+        from pagemesh.bench.diffusion.classifier import frechet_distance
 
         pixels = run.images.float()[:, None] / 127.5 - 1  # the data's [-1, 1]
         per_class = len(run.images) // 10
@@ -200,7 +200,7 @@ def run_load(pipeline, rates: list[float], count: int, rounds: int) -> list:
     """Step-level batching with each worker-default cache policy: bursts of BURST requests queued
     at once (twice as many rounds: they are short), then Poisson arrivals at each rate; the
     policies side by side in each round, their order rotated round to round."""
-    from bench.diffusion_engine import run_cell
+    from pagemesh.bench.diffusion_engine import run_cell
 
     requests = [load_request(i) for i in range(count)]
     plan = [(BURST, "closed", r) for r in range(2 * rounds)] + [
@@ -218,14 +218,14 @@ def run_load(pipeline, rates: list[float], count: int, rounds: int) -> list:
 def load_rows(cells: list) -> list[tuple]:
     """diffusion-batching's load table without its batching column (all step-level here); the
     burst cells labelled by how many were queued."""
-    from bench.experiments.diffusion_batching import load_rows as rows_of
+    from pagemesh.bench.experiments.diffusion_batching import load_rows as rows_of
 
     rows = [(label, *rest) for label, _mode, *rest in rows_of(cells)]
     return [(f"{BURST} at once" if label == f"{BURST} clients" else label, *rest) for label, *rest in rows]
 
 
 def run(ctx):
-    from workers.diffusion.pipelines.embedded import load_embedded
+    from pagemesh.workers.diffusion.pipelines.embedded import load_embedded
 
     return run_on(ctx, load_embedded(), QUICK_SWEEPS if ctx.quick else SWEEPS, with_load=True)
 

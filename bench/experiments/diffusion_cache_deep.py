@@ -5,7 +5,7 @@ batching experiment covers load).
 
 The variant ships as an experiment asset, trained by the embedded model's own script:
 
-    python -m workers.diffusion.training.train_digits --out bench/experiments/assets/digits-dit-deep \\
+    python -m pagemesh.workers.diffusion.training.train_digits --out bench/experiments/assets/digits-dit-deep \\
         --layers 12 --head-dim 12 --steps 2500
 
 (its pagemesh.json's "trained" records the run). It is not served by `pagemesh up` by name; any
@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.experiments.diffusion_cache import QUICK_SWEEPS, SWEEPS, run_on
+from pagemesh.bench.experiments.diffusion_cache import QUICK_SWEEPS, SWEEPS, run_on
 
 DEEP_PATH = Path(__file__).resolve().parent / "assets" / "digits-dit-deep"
 DEEP_NAME = "digits-dit-deep"
 
 
 def run(ctx):
-    from workers.diffusion.pipelines.dit import DiTPipelineModel
+    from pagemesh.workers.diffusion.pipelines.dit import DiTPipelineModel
 
     pipeline = DiTPipelineModel.from_folder(DEEP_PATH, name=DEEP_NAME)
     return run_on(ctx, pipeline, QUICK_SWEEPS if ctx.quick else SWEEPS, with_load=False)

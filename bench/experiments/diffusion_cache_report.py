@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from bench.experiments.report import Report, new_figure
+from pagemesh.bench.experiments.report import Report, new_figure
 
 KINDS = {"interval": "interval (DeepCache/FORA)", "fbcache": "First-Block-Cache", "teacache": "TeaCache"}
 STYLE = {"interval": "o-", "fbcache": "s-", "teacache": "^-", "steps": "k--x"}
@@ -113,7 +113,7 @@ def write_report(ctx, pipeline, judge, points: list, load: list[tuple] | None, l
         started=ctx.started,
         load_at_start=ctx.load_at_start,
     )
-    from bench.experiments import diffusion_cache
+    from pagemesh.bench.experiments import diffusion_cache
 
     report.text(diffusion_cache.__doc__.split("\n\n", 1)[1])
     samplers = list(dict.fromkeys(p.sampler for p in points))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.experiments.report import Report, new_figure
+from pagemesh.bench.experiments.report import Report, new_figure
 
 TEACHER_SAMPLERS = ("ddpm", "ddim", "dpmsolver++", "unipc", "euler")
 LABELS = {"ddpm": "DDPM", "ddim": "DDIM", "dpmsolver++": "DPM-Solver++ (2M)", "unipc": "UniPC", "euler": "Euler"}
@@ -98,8 +98,8 @@ class Cell:
 
 
 def measure(pipeline, classes: list[int], sampler: str, steps: int, guidance: float, seed: int) -> Cell:
-    from bench.diffusion.quality import judge
-    from bench.diffusion.sample import sample
+    from pagemesh.bench.diffusion.quality import judge
+    from pagemesh.bench.diffusion.sample import sample
 
     start = time.perf_counter()
     latents = sample(
@@ -128,10 +128,10 @@ def grid_image(pipeline, latents: torch.Tensor, columns: int, cell: int = 4, gap
 
 
 def run(ctx) -> Report:
-    from bench.diffusion.classifier import digit_classifier, frechet_distance
-    from workers.diffusion.pipelines.embedded import DIGITS_NAME, STUDENT_NAME
-    from workers.diffusion.pipelines.loader import load_pipeline
-    from workers.diffusion.training.digits_data import NUM_CLASSES, heldout_split, train_split
+    from pagemesh.bench.diffusion.classifier import digit_classifier, frechet_distance
+    from pagemesh.workers.diffusion.pipelines.embedded import DIGITS_NAME, STUDENT_NAME
+    from pagemesh.workers.diffusion.pipelines.loader import load_pipeline
+    from pagemesh.workers.diffusion.training.digits_data import NUM_CLASSES, heldout_split, train_split
 
     setup = QUICK if ctx.quick else FULL
     teacher, student = load_pipeline(DIGITS_NAME), load_pipeline(STUDENT_NAME)
@@ -224,7 +224,7 @@ def _name(sampler: str) -> str:
 def _student_record(student) -> str:
     import json
 
-    from workers.diffusion.pipelines.embedded import STUDENT_PATH
+    from pagemesh.workers.diffusion.pipelines.embedded import STUDENT_PATH
 
     record = json.loads((STUDENT_PATH / "pagemesh.json").read_text()).get("distilled")
     if not record:
@@ -234,7 +234,7 @@ def _student_record(student) -> str:
         f"\n\nThe student: {record['method']}, from `{record['teacher']}` under guidance {record['guidance']:g}, "
         f"DDIM {record['teacher_steps']} → {rounds} steps in {len(record['rounds'])} rounds, "
         f"{record['distill_seconds']:.0f} s on {record['threads']} CPU thread(s) "
-        f"(`python -m workers.diffusion.training.distill_digits --out DIR`); it serves "
+        f"(`python -m pagemesh.workers.diffusion.training.distill_digits --out DIR`); it serves "
         f"{', '.join(map(str, record['serve_steps']))} steps (DDIM only, max_steps {student.max_steps})."
     )
 

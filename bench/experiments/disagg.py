@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.experiments.mesh import bench
-from bench.experiments.report import new_figure
-from bench.loadgen.datasets import DatasetSpec, conversations
-from bench.local_mesh import metrics, running_mesh
-from common.model_files import resolve_model_path
-from common.tokenizer import Tokenizer
+from pagemesh.bench.experiments.mesh import bench
+from pagemesh.bench.experiments.report import new_figure
+from pagemesh.bench.loadgen.datasets import DatasetSpec, conversations
+from pagemesh.bench.local_mesh import metrics, running_mesh
+from pagemesh.common.model_files import resolve_model_path
+from pagemesh.common.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from bench.experiments.workload import Job
-from bench.loadgen.metrics import latency_stats
+from pagemesh.bench.experiments.workload import Job
+from pagemesh.bench.loadgen.metrics import latency_stats
 
 
 @dataclass

@@ -14,28 +14,37 @@ import sys
 import time
 from pathlib import Path
 
-from bench.experiments.context import Context, default_threads
+from pagemesh.bench.experiments.context import Context, default_threads
 
 EXPERIMENTS = {
-    "paged-memory": ("bench.experiments.paged_memory", "KV utilization and sequences that fit: paged vs contiguous"),
-    "orca": ("bench.experiments.orca", "iteration-level vs request-level batching across arrival rates"),
-    "sarathi": ("bench.experiments.sarathi", "inter-token latency and throughput across prefill chunk sizes"),
-    "disagg": ("bench.experiments.disagg", "disaggregated prefill/decode vs one mixed worker (HTTP)"),
-    "prefix": ("bench.experiments.prefix", "prefix caching on/off; prefix-aware vs round-robin placement"),
-    "cow": ("bench.experiments.cow", "pages for n=4 sampling and beam search, with and without copy-on-write"),
-    "page-size": ("bench.experiments.page_size", "throughput and KV utilization across page sizes"),
-    "parallel": ("bench.experiments.parallel", "tensor parallel: all-reduce, tp1/tp2/tp3 on this CPU, the GPU model"),
-    "diffusion-cache": ("bench.experiments.diffusion_cache", "feature caches vs fewer steps: speed against fidelity"),
+    "paged-memory": (
+        "pagemesh.bench.experiments.paged_memory",
+        "KV utilization and sequences that fit: paged vs contiguous",
+    ),
+    "orca": ("pagemesh.bench.experiments.orca", "iteration-level vs request-level batching across arrival rates"),
+    "sarathi": ("pagemesh.bench.experiments.sarathi", "inter-token latency and throughput across prefill chunk sizes"),
+    "disagg": ("pagemesh.bench.experiments.disagg", "disaggregated prefill/decode vs one mixed worker (HTTP)"),
+    "prefix": ("pagemesh.bench.experiments.prefix", "prefix caching on/off; prefix-aware vs round-robin placement"),
+    "cow": ("pagemesh.bench.experiments.cow", "pages for n=4 sampling and beam search, with and without copy-on-write"),
+    "page-size": ("pagemesh.bench.experiments.page_size", "throughput and KV utilization across page sizes"),
+    "parallel": (
+        "pagemesh.bench.experiments.parallel",
+        "tensor parallel: all-reduce, tp1/tp2/tp3 on this CPU, the GPU model",
+    ),
+    "diffusion-cache": (
+        "pagemesh.bench.experiments.diffusion_cache",
+        "feature caches vs fewer steps: speed against fidelity",
+    ),
     "diffusion-cache-deep": (
-        "bench.experiments.diffusion_cache_deep",
+        "pagemesh.bench.experiments.diffusion_cache_deep",
         "diffusion-cache's sweeps on a 12-block variant of the digits DiT (where block 0 is a twelfth)",
     ),
     "diffusion-batching": (
-        "bench.experiments.diffusion_batching",
+        "pagemesh.bench.experiments.diffusion_batching",
         "step-level vs request-level vs serial diffusion batching under Poisson load, caching on and off",
     ),
     "diffusion-samplers": (
-        "bench.experiments.diffusion_samplers",
+        "pagemesh.bench.experiments.diffusion_samplers",
         "digits DiT: steps against quality per sampler (DDPM, DDIM, DPM-Solver++, UniPC, Euler) and the student",
     ),
 }

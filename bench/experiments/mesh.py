@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from bench.loadgen.datasets import Conversation
-from bench.loadgen.main import first_model
-from bench.loadgen.metrics import summarize
-from bench.loadgen.runner import LoadPoint, Target, run_point
+from pagemesh.bench.loadgen.datasets import Conversation
+from pagemesh.bench.loadgen.main import first_model
+from pagemesh.bench.loadgen.metrics import summarize
+from pagemesh.bench.loadgen.runner import LoadPoint, Target, run_point
 
 
 def bench(base_url: str, conversations: list[Conversation], tokenizer, rate: float, seed: int) -> tuple[dict, list]:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from bench.experiments.driver import drive, summarize
-from bench.experiments.report import new_figure
-from bench.experiments.workload import mixed_jobs
-from bench.loadgen.arrivals import arrival_times
+from pagemesh.bench.experiments.driver import drive, summarize
+from pagemesh.bench.experiments.report import new_figure
+from pagemesh.bench.experiments.workload import mixed_jobs
+from pagemesh.bench.loadgen.arrivals import arrival_times
 
 
 @dataclass(frozen=True)

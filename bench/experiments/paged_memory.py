@@ -15,9 +15,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.experiments.driver import drive
-from bench.experiments.report import new_figure
-from bench.experiments.workload import mixed_jobs
+from pagemesh.bench.experiments.driver import drive
+from pagemesh.bench.experiments.report import new_figure
+from pagemesh.bench.experiments.workload import mixed_jobs
 
 
 @dataclass(frozen=True)

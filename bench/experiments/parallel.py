@@ -19,10 +19,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.experiments.parallel_model import H200, LLAMA_3_8B, tensor_parallel_point, valid_sizes
-from bench.experiments.report import new_figure
-from common.model_config import read_model_config
-from common.model_files import resolve_model_path
+from pagemesh.bench.experiments.parallel_model import H200, LLAMA_3_8B, tensor_parallel_point, valid_sizes
+from pagemesh.bench.experiments.report import new_figure
+from pagemesh.common.model_config import read_model_config
+from pagemesh.common.model_files import resolve_model_path
+from pagemesh.common.python_command import python_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,8 +79,8 @@ def all_reduce_rows(world_size: int, setup: Setup) -> list[tuple[int, int, float
 
 def refusal(cfg, configuration: Configuration) -> str | None:
     """Why the model cannot be split this way (the worker's own check), or None."""
-    from workers.engine.pipeline_parallel import check_pipeline_parallel
-    from workers.engine.tensor_parallel import check_tensor_parallel
+    from pagemesh.workers.engine.pipeline_parallel import check_pipeline_parallel
+    from pagemesh.workers.engine.tensor_parallel import check_tensor_parallel
 
     try:
         check_tensor_parallel(cfg, configuration.engine.get("tensor_parallel_size", 1))
@@ -91,7 +92,10 @@ def refusal(cfg, configuration: Configuration) -> str | None:
 
 def measure(ctx, configuration: Configuration, setup: Setup) -> list[dict] | str:
     """The configuration's points (one per stream count), or why it did not run."""
-    argv = [sys.executable, "-m", "bench.experiments.parallel_run", f"--engine={json.dumps(configuration.engine)}"]
+    argv = [
+        *python_module("pagemesh.bench.experiments.parallel_run"),
+        f"--engine={json.dumps(configuration.engine)}",
+    ]
     argv += [f"--streams={','.join(map(str, setup.streams))}", f"--prompt={setup.prompt}", f"--output={setup.output}"]
     argv += [f"--threads={ctx.threads}", f"--seed={ctx.seed}"] + (
         [f"--model={ctx.model_path}"] if ctx.model_path else []

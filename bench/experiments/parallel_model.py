@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.model_config import ModelConfig
+from pagemesh.common.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ rank 0 of one tensor-parallel group only): an in-process Engine with the given E
 overrides (its follower ranks are real processes), warmed up, then for each stream count S,
 S requests at once of a fixed prompt and output length. Prints one JSON line per S.
 
-    python -m bench.experiments.parallel_run --engine '{"tensor_parallel_size": 3}' --streams 1,8,32
+    python -m pagemesh.bench.experiments.parallel_run --engine '{"tensor_parallel_size": 3}' --streams 1,8,32
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.experiments.parallel_run", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m pagemesh.bench.experiments.parallel_run", description=__doc__)
     p.add_argument("--engine", required=True, help="EngineConfig overrides, JSON")
     p.add_argument("--streams", required=True, help="comma-separated stream counts")
     p.add_argument("--prompt", type=int, required=True, help="prompt tokens per request")
@@ -30,12 +30,12 @@ def main(argv: list[str]) -> None:
     args = parse(argv)
     import torch
 
-    from bench.experiments.context import warm_up
-    from bench.experiments.driver import drive, summarize
-    from bench.experiments.workload import Job, fixed_output, random_prompt
-    from workers.engine.config import EngineConfig
-    from workers.engine.engine import Engine
-    from workers.engine.tensor_parallel import threads_per_rank
+    from pagemesh.bench.experiments.context import warm_up
+    from pagemesh.bench.experiments.driver import drive, summarize
+    from pagemesh.bench.experiments.workload import Job, fixed_output, random_prompt
+    from pagemesh.workers.engine.config import EngineConfig
+    from pagemesh.workers.engine.engine import Engine
+    from pagemesh.workers.engine.tensor_parallel import threads_per_rank
 
     overrides = json.loads(args.engine)
     ranks = overrides.get("tensor_parallel_size", 1) * overrides.get("pipeline_parallel_size", 1)

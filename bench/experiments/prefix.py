@@ -15,15 +15,15 @@ import random
 import time
 from dataclasses import dataclass
 
-from bench.experiments.driver import drive
-from bench.experiments.mesh import bench
-from bench.experiments.report import new_figure
-from bench.experiments.workload import Job, fixed_output, random_prompt
-from bench.loadgen.datasets import Conversation, Turn, random_segment
-from bench.loadgen.metrics import latency_stats
-from bench.local_mesh import metrics, per_worker, running_mesh
-from common.model_files import resolve_model_path
-from common.tokenizer import Tokenizer
+from pagemesh.bench.experiments.driver import drive
+from pagemesh.bench.experiments.mesh import bench
+from pagemesh.bench.experiments.report import new_figure
+from pagemesh.bench.experiments.workload import Job, fixed_output, random_prompt
+from pagemesh.bench.loadgen.datasets import Conversation, Turn, random_segment
+from pagemesh.bench.loadgen.metrics import latency_stats
+from pagemesh.bench.local_mesh import metrics, per_worker, running_mesh
+from pagemesh.common.model_files import resolve_model_path
+from pagemesh.common.tokenizer import Tokenizer
 
 PLACEMENTS = ("prefix", "round-robin")
 

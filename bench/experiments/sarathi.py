@@ -14,10 +14,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from bench.experiments.driver import drive
-from bench.experiments.report import new_figure
-from bench.experiments.workload import Job, fixed_output, random_prompt
-from bench.loadgen.metrics import latency_stats
+from pagemesh.bench.experiments.driver import drive
+from pagemesh.bench.experiments.report import new_figure
+from pagemesh.bench.experiments.workload import Job, fixed_output, random_prompt
+from pagemesh.bench.loadgen.metrics import latency_stats
 
 NO_CHUNKING = 0
 

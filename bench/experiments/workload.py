@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from common.sampling import SamplingParams
+from pagemesh.common.sampling import SamplingParams
 
 FIRST_ORDINARY_TOKEN = 100  # below this the model's vocabulary holds special tokens
 

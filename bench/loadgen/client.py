@@ -7,7 +7,7 @@ import time
 
 import aiohttp
 
-from bench.loadgen.stream import RequestResult, StreamAccumulator
+from pagemesh.bench.loadgen.stream import RequestResult, StreamAccumulator
 
 
 def new_session(*, fresh_connection: bool, timeout_s: float) -> aiohttp.ClientSession:

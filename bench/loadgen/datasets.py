@@ -16,7 +16,7 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from common.tokenizer import Tokenizer
+from pagemesh.common.tokenizer import Tokenizer
 
 DATASETS = ("random", "shared-prefix", "multi-turn")
 _MAX_TRIES = 50

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.loadgen.client import new_session
-from bench.loadgen.metrics import summarize_images
-from bench.loadgen.progress import progress_bar
-from bench.loadgen.report import format_image_summary, plot_sweep, write_json
-from bench.loadgen.runner import BenchError, LoadPoint, launch_at_arrivals
+from pagemesh.bench.loadgen.client import new_session
+from pagemesh.bench.loadgen.metrics import summarize_images
+from pagemesh.bench.loadgen.progress import progress_bar
+from pagemesh.bench.loadgen.report import format_image_summary, plot_sweep, write_json
+from pagemesh.bench.loadgen.runner import BenchError, LoadPoint, launch_at_arrivals
 
 IMAGES_ENDPOINT = "/v1/images/generations"
 DIGIT_TEMPLATE = "a handwritten {digit}"

@@ -21,13 +21,13 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from bench.loadgen.datasets import DATASETS, DatasetSpec, conversations
-from bench.loadgen.images import IMAGES_ENDPOINT, add_image_arguments, image_target, run_images
-from bench.loadgen.metrics import DEFAULT_PERCENTILES, parse_goodput, summarize
-from bench.loadgen.report import format_summary, plot_sweep, write_json
-from bench.loadgen.runner import BenchError, LoadPoint, Target, run_point
-from common.model_files import resolve_model_path
-from common.tokenizer import Tokenizer
+from pagemesh.bench.loadgen.datasets import DATASETS, DatasetSpec, conversations
+from pagemesh.bench.loadgen.images import IMAGES_ENDPOINT, add_image_arguments, image_target, run_images
+from pagemesh.bench.loadgen.metrics import DEFAULT_PERCENTILES, parse_goodput, summarize
+from pagemesh.bench.loadgen.report import format_summary, plot_sweep, write_json
+from pagemesh.bench.loadgen.runner import BenchError, LoadPoint, Target, run_point
+from pagemesh.common.model_files import resolve_model_path
+from pagemesh.common.tokenizer import Tokenizer
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", IMAGES_ENDPOINT)
 

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bench.loadgen.stream import RequestResult
+from pagemesh.bench.loadgen.stream import RequestResult
 
 if TYPE_CHECKING:
-    from bench.loadgen.images import ImageResult
+    from pagemesh.bench.loadgen.images import ImageResult
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)

@@ -14,12 +14,12 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from bench.loadgen.arrivals import arrival_times
-from bench.loadgen.client import new_session, stream_request
-from bench.loadgen.datasets import Conversation, Prompt, build_prompt
-from bench.loadgen.progress import progress_bar
-from bench.loadgen.stream import RequestResult
-from common.tokenizer import Tokenizer
+from pagemesh.bench.loadgen.arrivals import arrival_times
+from pagemesh.bench.loadgen.client import new_session, stream_request
+from pagemesh.bench.loadgen.datasets import Conversation, Prompt, build_prompt
+from pagemesh.bench.loadgen.progress import progress_bar
+from pagemesh.bench.loadgen.stream import RequestResult
+from pagemesh.common.tokenizer import Tokenizer
 
 T = TypeVar("T")
 

@@ -15,9 +15,9 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.simulator.cost import LinearStepCost, StepShape
-from bench.simulator.role_cost import HostSlowdown, MeshStepCost, RoleStepCost, TracedStep
-from bench.simulator.worker import shape_of
+from pagemesh.bench.simulator.cost import LinearStepCost, StepShape
+from pagemesh.bench.simulator.role_cost import HostSlowdown, MeshStepCost, RoleStepCost, TracedStep
+from pagemesh.bench.simulator.worker import shape_of
 
 # (prompt length, requests, output tokens): prompts alone, then decode batches at growing contexts
 GRID = [(16, 1, 24), (128, 1, 24), (512, 1, 8), (1024, 1, 4), (128, 8, 24), (128, 32, 24), (256, 64, 16), (900, 4, 24)]
@@ -26,9 +26,9 @@ GRID = [(16, 1, 24), (128, 1, 24), (512, 1, 8), (1024, 1, 4), (128, 8, 24), (128
 def measure(threads: int, budget: int = 2048, grid=GRID, repeats_per_step: int = 1) -> list[tuple[StepShape, float]]:
     import torch
 
-    from common.sampling import SamplingParams
-    from workers.engine.config import EngineConfig
-    from workers.engine.engine import Engine
+    from pagemesh.common.sampling import SamplingParams
+    from pagemesh.workers.engine.config import EngineConfig
+    from pagemesh.workers.engine.engine import Engine
 
     torch.set_num_threads(threads)
     engine = Engine(

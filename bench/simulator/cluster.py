@@ -18,17 +18,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bench.loadgen.stream import RequestResult
-from bench.simulator.clock import EventLoop
-from bench.simulator.cost import StepShape, TransferModel
-from bench.simulator.role_cost import MeshStepCost
-from bench.simulator.worker import SimWorker, WorkerSpec
-from bench.simulator.workload import SimRequest
-from common.messages import Message, RequestFailed, ScheduleRequest, WorkerRole
-from common.sampling import SamplingParams
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
-from services.scheduler.placement import PlacementPolicy
+from pagemesh.bench.loadgen.stream import RequestResult
+from pagemesh.bench.simulator.clock import EventLoop
+from pagemesh.bench.simulator.cost import StepShape, TransferModel
+from pagemesh.bench.simulator.role_cost import MeshStepCost
+from pagemesh.bench.simulator.worker import SimWorker, WorkerSpec
+from pagemesh.bench.simulator.workload import SimRequest
+from pagemesh.common.messages import Message, RequestFailed, ScheduleRequest, WorkerRole
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.services.scheduler.config import SchedulerConfig
+from pagemesh.services.scheduler.core import SchedulerCore
+from pagemesh.services.scheduler.placement import PlacementPolicy
 
 TOKENIZER = b"sim-tokenizer"
 HOST_STREAM = 1 << 20  # the host slowdown's generator: apart from the workers' jitter streams (their index)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.model_config import ModelConfig
+from pagemesh.common.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -191,6 +191,6 @@ def model_shape(name: str) -> ModelConfig:
     """A ModelConfig from MODEL_SHAPES, or from a model folder / GGUF file path."""
     if name in MODEL_SHAPES:
         return ModelConfig(architecture="llama", rms_norm_eps=1e-5, rope_theta=500000.0, **MODEL_SHAPES[name])
-    from common.model_config import read_model_config
+    from pagemesh.common.model_config import read_model_config
 
     return read_model_config(Path(name))

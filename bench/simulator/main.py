@@ -27,11 +27,11 @@ from pathlib import Path
 
 import structlog
 
-from bench.loadgen.metrics import parse_goodput
-from bench.simulator.cost import GPUS, LINKS, MODEL_SHAPES, LinearStepCost, RooflineStepCost, model_shape
-from bench.simulator.role_cost import MeshStepCost
-from bench.simulator.run import SimSettings, describe, find_smallest, simulate
-from bench.simulator.workload import WorkloadSpec, from_trace
+from pagemesh.bench.loadgen.metrics import parse_goodput
+from pagemesh.bench.simulator.cost import GPUS, LINKS, MODEL_SHAPES, LinearStepCost, RooflineStepCost, model_shape
+from pagemesh.bench.simulator.role_cost import MeshStepCost
+from pagemesh.bench.simulator.run import SimSettings, describe, find_smallest, simulate
+from pagemesh.bench.simulator.workload import WorkloadSpec, from_trace
 
 CALIBRATION = Path(__file__).resolve().parent / "calibration"
 CPU_KV_BYTES = 2 * 2**30  # a CPU worker's default pool (workers/engine/engine.py DEFAULT_CPU_KV_GB)
@@ -268,7 +268,7 @@ def describe_cost(cost) -> str:
 
 
 def calibrate_main(argv: list[str]) -> None:
-    from bench.simulator.calibrate import calibrate
+    from pagemesh.bench.simulator.calibrate import calibrate
 
     p = argparse.ArgumentParser(prog="pagemesh simulate calibrate")
     p.add_argument("--threads", type=int, default=2, help="torch threads, as the worker will have")

@@ -2,7 +2,7 @@
 
 A prefill worker, a decode worker and a mixed worker run different steps and pay different host
 costs around them, and on a shared CPU a worker's step slows down while another worker is
-mid-step. So the in-mesh calibration (`bench.simulator.calibrate.fit_trace`) fits, per role:
+mid-step. So the in-mesh calibration (`pagemesh.bench.simulator.calibrate.fit_trace`) fits, per role:
 
     seconds = linear(shape) · (1 + contention · others_busy) · host(t) · jitter
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.simulator.cost import FEATURES, LinearStepCost, StepShape
+from pagemesh.bench.simulator.cost import FEATURES, LinearStepCost, StepShape
 
 # the jitter's grid: every percentile of the ratios, and ever finer towards the top. The rare
 # long steps (a stall of 10-20x once in thousands of steps) must keep their own weight: on a

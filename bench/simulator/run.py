@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from bench.loadgen.metrics import summarize
-from bench.simulator.cluster import Cluster, ClusterSpec, roles
-from bench.simulator.cost import LINKS
-from bench.simulator.worker import WorkerSpec
-from bench.simulator.workload import SimRequest, WorkloadSpec, generate
-from workers.engine.scheduler import StepSchedulerConfig
+from pagemesh.bench.loadgen.metrics import summarize
+from pagemesh.bench.simulator.cluster import Cluster, ClusterSpec, roles
+from pagemesh.bench.simulator.cost import LINKS
+from pagemesh.bench.simulator.worker import WorkerSpec
+from pagemesh.bench.simulator.workload import SimRequest, WorkloadSpec, generate
+from pagemesh.workers.engine.scheduler import StepSchedulerConfig
 
 
 @dataclass(frozen=True)

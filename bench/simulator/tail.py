@@ -1,9 +1,9 @@
 """What the slowest requests of a validation run have in common: the recorded run against its
 step traces, request by request (how docs/experiments/simulator.md checked the p99 TPOT gap).
 
-    python -m bench.simulator.tail --run DIR [--topology 1P+1D] [--rates 1,3,6]
+    python -m pagemesh.bench.simulator.tail --run DIR [--topology 1P+1D] [--rates 1,3,6]
 
-DIR is a `bench.simulator.validate --out DIR` folder: real-TOPOLOGY-RATE.json (each request's
+DIR is a `pagemesh.bench.simulator.validate --out DIR` folder: real-TOPOLOGY-RATE.json (each request's
 send time, TTFT, latency) and steps-TOPOLOGY/ (every worker step, on the system-wide
 perf_counter clock). The client's clock is put on the trace's by the first tokens: each one
 reaches the client a few ms after a prefill step ends, so the offset is the one that puts the
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.simulator.calibrate import fit_trace, read_traces, traced_workers
-from bench.simulator.role_cost import TracedStep
+from pagemesh.bench.simulator.calibrate import fit_trace, read_traces, traced_workers
+from pagemesh.bench.simulator.role_cost import TracedStep
 
 FEATURES = ("own steps / model", "other worker's steps / model", "other worker busy", "decode rows")
 ROWS = ((1, 3), (3, 8), (8, 16), (16, 64))
@@ -77,7 +77,7 @@ def analyse(run: Path, topology: str, rates: list[float]) -> str:
     workers = traced_workers(run / f"steps-{topology}")
     if {role for role, _ in workers} != {"prefill", "decode"}:
         # a mixed worker's first tokens come from steps that also decode: the clocks cannot be matched
-        raise SystemExit(f"bench.simulator.tail: {topology} has no prefill and decode worker to compare")
+        raise SystemExit(f"pagemesh.bench.simulator.tail: {topology} has no prefill and decode worker to compare")
     decode_role = "decode"
     own = [s for role, ss in workers if role == decode_role for s in ss]
     others = [(role, s) for role, ss in workers if role != decode_role for s in ss]

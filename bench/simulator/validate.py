@@ -18,7 +18,7 @@ Each rate runs for about `--seconds-per-rate` (at least `--num-prompts` requests
 p99 rests on more than one request; the p99 table gives the real p99's bootstrap interval
 (5-95%) and the simulated p99's range over the seeds beside each other.
 
-    python -m bench.simulator.validate --out /tmp/validate          # ~7 min on 2 quiet cores
+    python -m pagemesh.bench.simulator.validate --out /tmp/validate          # ~7 min on 2 quiet cores
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.loadgen import main as bench_main
-from bench.local_mesh import running_mesh
-from bench.simulator.calibrate import fit_trace, read_traces
-from bench.simulator.main import main as simulate_main
-from bench.simulator.tail import clock_offset
-from workers.engine.step_trace import ENV as STEP_TRACE_ENV
+from pagemesh.bench.loadgen import main as bench_main
+from pagemesh.bench.local_mesh import running_mesh
+from pagemesh.bench.simulator.calibrate import fit_trace, read_traces
+from pagemesh.bench.simulator.main import main as simulate_main
+from pagemesh.bench.simulator.tail import clock_offset
+from pagemesh.workers.engine.step_trace import ENV as STEP_TRACE_ENV
 
 TOPOLOGIES = {"mixed": ["--mixed", "1"], "1P+1D": ["--prefill", "1", "--decode", "1"]}
 METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")

@@ -8,7 +8,7 @@ distserve  Llama-3.1-8B on two H100s: two colocated (mixed) workers against one 
            one decode worker over NVLink, under tight TTFT + TPOT SLOs; goodput = the highest
            rate at which 90% of requests meet both, per GPU, as DistServe measures it.
 
-  python -m bench.simulator.whatif --out docs/experiments/simulator
+  python -m pagemesh.bench.simulator.whatif --out docs/experiments/simulator
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import structlog
 
-from bench.simulator.cost import GPUS, RooflineStepCost, StepShape, model_shape
-from bench.simulator.run import SimSettings, simulate
-from bench.simulator.workload import WorkloadSpec
+from pagemesh.bench.simulator.cost import GPUS, RooflineStepCost, StepShape, model_shape
+from pagemesh.bench.simulator.run import SimSettings, simulate
+from pagemesh.bench.simulator.workload import WorkloadSpec
 
 VOCAB = 128256
 

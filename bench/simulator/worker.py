@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from bench.simulator.clock import EventLoop
-from bench.simulator.cost import StepShape
-from common.messages import (
+from pagemesh.bench.simulator.clock import EventLoop
+from pagemesh.bench.simulator.cost import StepShape
+from pagemesh.common.messages import (
     AbortRequest,
     DecodeTask,
     DoneReason,
@@ -33,11 +33,11 @@ from common.messages import (
     WorkerKind,
     WorkerRole,
 )
-from common.sampling import SamplingParams
-from workers.engine.block_manager import BlockManager
-from workers.engine.scheduler import Scheduler, StepPlan, StepSchedulerConfig
-from workers.engine.sequence import Sequence
-from workers.engine.step_trace import step_shape
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.block_manager import BlockManager
+from pagemesh.workers.engine.scheduler import Scheduler, StepPlan, StepSchedulerConfig
+from pagemesh.workers.engine.sequence import Sequence
+from pagemesh.workers.engine.step_trace import step_shape
 
 PLACEHOLDER_TOKEN = 0  # sampled ids are not modelled; what matters is how many and when
 MAX_CACHE_KEYS = 4096

@@ -1,5 +1,5 @@
 """Every message that crosses a process boundary: small frozen keyword-only dataclasses, one
-module per channel, one registry (tag -> class) that the codec (`common.protocol`) reads.
+module per channel, one registry (tag -> class) that the codec (`pagemesh.common.protocol`) reads.
 
     base.py            the @message / @record decorators, the registry, the wire's enums
     requests.py        gateway ⇄ tokenizer ⇄ scheduler, and worker -> tokenizer tokens
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import typing
 
-from common.messages.base import (
+from pagemesh.common.messages.base import (
     MAX_ID,
     REGISTRY,
     DoneReason,
@@ -25,7 +25,7 @@ from common.messages.base import (
     message,
     record,
 )
-from common.messages.images import (
+from pagemesh.common.messages.images import (
     MAX_IMAGES,
     FeatureCacheLoad,
     ImageModelInfo,
@@ -34,9 +34,9 @@ from common.messages.images import (
     ImageResult,
     ImageTask,
 )
-from common.messages.kv_transfer import KV_DTYPES, KVPagesAck, KVPagesHeader
-from common.messages.liveness import ClusterStatus, Ping, Pong, Ready, StatusRequest, WorkerStatus
-from common.messages.requests import (
+from pagemesh.common.messages.kv_transfer import KV_DTYPES, KVPagesAck, KVPagesHeader
+from pagemesh.common.messages.liveness import ClusterStatus, Ping, Pong, Ready, StatusRequest, WorkerStatus
+from pagemesh.common.messages.requests import (
     AbortRequest,
     GenerateRequest,
     MigrateRequest,
@@ -50,7 +50,7 @@ from common.messages.requests import (
     TokenDeltaBatch,
     TokenLogprob,
 )
-from common.messages.worker_control import (
+from pagemesh.common.messages.worker_control import (
     MAX_PAGE_HASH,
     MAX_PAGE_HASHES,
     DecodeTask,

@@ -5,8 +5,8 @@
     @record    the same kind of dataclass, but only ever inside a message (no tag)
 
 A channel's module (requests, worker_control, kv_transfer, liveness, ...) declares its classes
-with these decorators; `common.messages` imports every channel module, so importing it fills
-the registry. The codec (`common.protocol`) builds its encoders and decoders from the registry.
+with these decorators; `pagemesh.common.messages` imports every channel module, so importing it fills
+the registry. The codec (`pagemesh.common.protocol`) builds its encoders and decoders from the registry.
 """
 
 from __future__ import annotations

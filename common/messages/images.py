@@ -13,7 +13,7 @@ itself. Images travel as base64 PNG text, which is what the OpenAI response carr
 
 from __future__ import annotations
 
-from common.messages.base import ProtocolError, message, record
+from pagemesh.common.messages.base import ProtocolError, message, record
 
 MAX_IMAGES = 10  # n per request (OpenAI's bound)
 MAX_SIDE = 4096  # pixels, a coarse bound; each model says which sizes it makes

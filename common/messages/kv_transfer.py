@@ -9,7 +9,7 @@ import dataclasses
 import math
 import typing
 
-from common.messages.base import MAX_ID, ProtocolError, message
+from pagemesh.common.messages.base import MAX_ID, ProtocolError, message
 
 KV_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
 

@@ -7,9 +7,9 @@ gateway ──StatusRequest──▶ scheduler ──ClusterStatus──▶ gate
 
 from __future__ import annotations
 
-from common.messages.base import WorkerKind, WorkerRole, message, record
-from common.messages.images import FeatureCacheLoad, ImageModelInfo
-from common.messages.worker_control import KVPoolLoad, SpeculationLoad
+from pagemesh.common.messages.base import WorkerKind, WorkerRole, message, record
+from pagemesh.common.messages.images import FeatureCacheLoad, ImageModelInfo
+from pagemesh.common.messages.worker_control import KVPoolLoad, SpeculationLoad
 
 
 @message

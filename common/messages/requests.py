@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import field
 
-from common.messages.base import FinishReason, ProtocolError, message, record
-from common.sampling import SamplingParams
+from pagemesh.common.messages.base import FinishReason, ProtocolError, message, record
+from pagemesh.common.sampling import SamplingParams
 
 
 @record

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import field
 
-from common.messages.base import DoneReason, ProtocolError, WorkerKind, WorkerRole, message, record
-from common.messages.images import FeatureCacheLoad, ImageModelInfo
-from common.sampling import SamplingParams
+from pagemesh.common.messages.base import DoneReason, ProtocolError, WorkerKind, WorkerRole, message, record
+from pagemesh.common.messages.images import FeatureCacheLoad, ImageModelInfo
+from pagemesh.common.sampling import SamplingParams
 
 MAX_PAGE_HASH = (1 << 62) - 1  # prefix-cache page keys (common.page_hash.chain_hash)
 MAX_PAGE_HASHES = 4096  # keys per PrefixCacheUpdate list; a worker sends several when it has more

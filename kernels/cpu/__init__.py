@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from kernels.cpu import build
+from pagemesh.kernels.cpu import build
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _lib: ctypes.PyDLL | None = None  # _library's, once available() has loaded it

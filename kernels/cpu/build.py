@@ -5,7 +5,7 @@ The library is built with the system C compiler (`$CC`, else `cc`) for the host 
 feature flags; a cached build is never used on a different CPU. Builds are atomic (written
 aside, then renamed), so processes starting together may build at once safely.
 `Library` loads a built library once per process for the modules that call it
-(`kernels.cpu`, `kernels.cpu.quant`).
+(`pagemesh.kernels.cpu`, `pagemesh.kernels.cpu.quant`).
 
     PAGEMESH_CACHE_DIR     where builds go (default ~/.cache/pagemesh)
     PAGEMESH_CPU_KERNELS   0: load no library (callers fall back to torch)

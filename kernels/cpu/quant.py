@@ -1,6 +1,6 @@
 """The weight-quantized matmul in C (`quant_matmul.c`), for the CPU path:
 
-    quant_linear(x, qw, bias, out_dtype) -> x W^T (+ bias)   W a `kernels.quantized.QuantizedWeight`
+    quant_linear(x, qw, bias, out_dtype) -> x W^T (+ bias)   W a `pagemesh.kernels.quantized.QuantizedWeight`
     dequantize_bf16(qw, start, stop) -> W[start:stop] in bf16 (the prefill path's weight tiles)
     quant_gemm(x, qw, bias, out_dtype) -> quant_linear's product through qw.tiles (decode batches)
 
@@ -16,8 +16,8 @@ import ctypes
 
 import torch
 
-from kernels.cpu import build
-from kernels.quantized import QuantizedWeight
+from pagemesh.kernels.cpu import build
+from pagemesh.kernels.quantized import QuantizedWeight
 
 SOURCE = build.SOURCE.with_name("quant_matmul.c")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -89,7 +89,7 @@ def quant_linear(
 
 
 def dequantize_bf16(qw: QuantizedWeight, start: int = 0, stop: int | None = None) -> torch.Tensor:
-    """Rows start:stop of W in bf16, [stop - start, K]: `kernels.quantized.dequantize` rounded to
+    """Rows start:stop of W in bf16, [stop - start, K]: `pagemesh.kernels.quantized.dequantize` rounded to
     bf16, bit for bit (see pm_quant_dequantize_bf16)."""
     n, k = qw.shape
     stop = n if stop is None else stop
@@ -112,7 +112,7 @@ def quant_gemm(
     x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """`quant_linear`'s product (the same int8 activation blocks, fp32 sums in another order)
-    through the weight's tiled copy (`kernels.quantized.with_tiles`), which decodes each weight
+    through the weight's tiled copy (`pagemesh.kernels.quantized.with_tiles`), which decodes each weight
     block once for up to 8 activation rows: the kernel for decode batches (pm_quant_gemm_tiles)."""
     n, k = qw.shape
     if qw.tiles is None:

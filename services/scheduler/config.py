@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from common.cli_args import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP, add
-from common.messages import WorkerKind
-from services.scheduler.placement import PLACEMENTS, PlacementPolicy
+from pagemesh.common.cli_args import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP, add
+from pagemesh.common.messages import WorkerKind
+from pagemesh.services.scheduler.placement import PLACEMENTS, PlacementPolicy
 
 
 @dataclass(frozen=True)

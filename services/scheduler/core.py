@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from common.messages import (
+from pagemesh.common.messages import (
     AbortRequest,
     ClusterStatus,
     DecodeTask,
@@ -61,12 +61,12 @@ from common.messages import (
     WorkerStatus,
     WorkerStopped,
 )
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.failures import Outputs, Placed, PlacedRequests
-from services.scheduler.migration import migrations_of, resumed_output
-from services.scheduler.placement import Placer, pairing_problem, shapes_in_both, too_large_for_every_pool
-from services.scheduler.prefix_index import PromptPages
-from services.scheduler.registry import Registry, WorkerInfo
+from pagemesh.services.scheduler.config import SchedulerConfig
+from pagemesh.services.scheduler.failures import Outputs, Placed, PlacedRequests
+from pagemesh.services.scheduler.migration import migrations_of, resumed_output
+from pagemesh.services.scheduler.placement import Placer, pairing_problem, shapes_in_both, too_large_for_every_pool
+from pagemesh.services.scheduler.prefix_index import PromptPages
+from pagemesh.services.scheduler.registry import Registry, WorkerInfo
 
 log = structlog.get_logger()
 

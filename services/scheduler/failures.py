@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.messages import (
+from pagemesh.common.messages import (
     AbortRequest,
     DoneReason,
     Message,
@@ -29,8 +29,8 @@ from common.messages import (
     WorkerKind,
     WorkerRole,
 )
-from services.scheduler.migration import cannot_migrate
-from services.scheduler.registry import Registry, WorkerInfo
+from pagemesh.services.scheduler.migration import cannot_migrate
+from pagemesh.services.scheduler.registry import Registry, WorkerInfo
 
 Destination = bytes | str  # a peer's Router identity, or a worker id
 Outputs = list[tuple[Destination, Message]]

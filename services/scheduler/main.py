@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from common.cli_args import add
-from common.logging import configure_logging
-from common.process import run_until_signalled
-from services.scheduler.config import SchedulerConfig, add_policy_arguments, add_serves_argument, config_from_args
-from services.scheduler.service import SchedulerService
+from pagemesh.common.cli_args import add
+from pagemesh.common.logging import configure_logging
+from pagemesh.common.process import run_until_signalled
+from pagemesh.services.scheduler.config import (
+    SchedulerConfig,
+    add_policy_arguments,
+    add_serves_argument,
+    config_from_args,
+)
+from pagemesh.services.scheduler.service import SchedulerService
 
 
 def parse(argv: list[str]) -> SchedulerConfig:

@@ -14,7 +14,7 @@ start over if no token of theirs went out yet, and fail otherwise. Pure logic.
 
 from __future__ import annotations
 
-from common.messages import ScheduleRequest
+from pagemesh.common.messages import ScheduleRequest
 
 
 def migrations_of(request: ScheduleRequest) -> int:

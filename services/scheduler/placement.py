@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.scheduler.prefix_index import PromptPages
-from services.scheduler.registry import WorkerInfo
+from pagemesh.services.scheduler.prefix_index import PromptPages
+from pagemesh.services.scheduler.registry import WorkerInfo
 
 PLACEMENTS = ("prefix", "load", "round-robin")
 

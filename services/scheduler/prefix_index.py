@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from common.page_hash import prefix_page_hashes
-from services.scheduler.registry import WorkerInfo
+from pagemesh.common.page_hash import prefix_page_hashes
+from pagemesh.services.scheduler.registry import WorkerInfo
 
 
 class PromptPages:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from common.messages import (
+from pagemesh.common.messages import (
     FeatureCacheLoad,
     Heartbeat,
     ImageModelInfo,

@@ -12,12 +12,12 @@ import time
 
 import structlog
 
-from common.liveness import new_instance
-from common.messages import Ready
-from common.process import wait_until_idle
-from common.transport import Push, Router, UnknownPeer
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import Outputs, SchedulerCore
+from pagemesh.common.liveness import new_instance
+from pagemesh.common.messages import Ready
+from pagemesh.common.process import wait_until_idle
+from pagemesh.common.transport import Push, Router, UnknownPeer
+from pagemesh.services.scheduler.config import SchedulerConfig
+from pagemesh.services.scheduler.core import Outputs, SchedulerCore
 
 log = structlog.get_logger()
 

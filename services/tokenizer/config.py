@@ -8,10 +8,10 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import cli_args
-from common.cli_args import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP
-from common.model_config import DEFAULT_MAX_MODEL_LEN_CAP, default_max_model_len
-from common.model_files import resolve_model_path
+from pagemesh.common import cli_args
+from pagemesh.common.cli_args import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP
+from pagemesh.common.model_config import DEFAULT_MAX_MODEL_LEN_CAP, default_max_model_len
+from pagemesh.common.model_files import resolve_model_path
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import jinja2
 
-from common.messages import (
+from pagemesh.common.messages import (
     AbortRequest,
     GenerateRequest,
     MigrateRequest,
@@ -45,8 +45,8 @@ from common.messages import (
     TextDeltaBatch,
     TokenDeltaBatch,
 )
-from common.sampling import MAX_TOKENS_FROM_CONTEXT
-from common.tokenizer import IncrementalDetokenizer, Tokenizer
+from pagemesh.common.sampling import MAX_TOKENS_FROM_CONTEXT
+from pagemesh.common.tokenizer import IncrementalDetokenizer, Tokenizer
 
 ORPHAN_ABORT_INTERVAL_S = 1.0  # between aborts of one unknown request whose tokens keep coming
 MAX_ORPHANS_REMEMBERED = 4096

@@ -20,9 +20,9 @@ import asyncio
 
 import structlog
 
-from common.liveness import PeerInstance, new_instance, ping_forever
-from common.logging import configure_logging
-from common.messages import (
+from pagemesh.common.liveness import PeerInstance, new_instance, ping_forever
+from pagemesh.common.logging import configure_logging
+from pagemesh.common.messages import (
     AbortRequest,
     GenerateRequest,
     MigrateRequest,
@@ -33,11 +33,11 @@ from common.messages import (
     ScheduleRequest,
     TokenDeltaBatch,
 )
-from common.process import Idleness, run_until_signalled, wait_until_idle
-from common.tokenizer import Tokenizer
-from common.transport import Dealer, Pull, Push, Router, UnknownPeer
-from services.tokenizer.config import TokenizerConfig, parse_args
-from services.tokenizer.core import TokenizerCore
+from pagemesh.common.process import Idleness, run_until_signalled, wait_until_idle
+from pagemesh.common.tokenizer import Tokenizer
+from pagemesh.common.transport import Dealer, Pull, Push, Router, UnknownPeer
+from pagemesh.services.tokenizer.config import TokenizerConfig, parse_args
+from pagemesh.services.tokenizer.core import TokenizerCore
 
 log = structlog.get_logger()
 

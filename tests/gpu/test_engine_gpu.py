@@ -9,17 +9,17 @@
 import pytest
 import torch
 
-from common.model_config import ModelConfig
-from common.sampling import SamplingParams
-from workers.engine.attention import AttentionMetadata
-from workers.engine.backend import TritonAttentionBackend
-from workers.engine.config import EngineConfig
-from workers.engine.cuda_graphs import bucket_for
-from workers.engine.engine import Engine
-from workers.engine.model_input import build_model_input
-from workers.model.llama import ForwardContext
-from workers.model.loader import build_random_model
-from workers.model.ops import TorchOps, TritonOps
+from pagemesh.common.model_config import ModelConfig
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.attention import AttentionMetadata
+from pagemesh.workers.engine.backend import TritonAttentionBackend
+from pagemesh.workers.engine.config import EngineConfig
+from pagemesh.workers.engine.cuda_graphs import bucket_for
+from pagemesh.workers.engine.engine import Engine
+from pagemesh.workers.engine.model_input import build_model_input
+from pagemesh.workers.model.llama import ForwardContext
+from pagemesh.workers.model.loader import build_random_model
+from pagemesh.workers.model.ops import TorchOps, TritonOps
 
 pytestmark = [
     pytest.mark.gpu,
@@ -162,7 +162,7 @@ def test_plain_greedy_argmax_equals_the_full_sampler_greedy():
 def test_sampling_on_the_gpu_draws_what_the_host_draws():
     """The sampler on CUDA logits (penalties, banned ids, top-k/p, min-p, logprobs) against the
     same rows on the host: seeded rows use host generators, so the tokens are the same."""
-    from workers.engine.sampler import SampleRow, sample
+    from pagemesh.workers.engine.sampler import SampleRow, sample
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 1000, generator=gen) * 3

@@ -9,8 +9,8 @@ tests/kernels: bf16 atol=rtol=2e-2, fp16 3e-3, fp32 1e-4 (IEEE dot, no TF32).
 import pytest
 import torch
 
-import kernels
-from kernels.reference import (
+import pagemesh.kernels
+from pagemesh.kernels.reference import (
     fused_add_rms_norm_ref,
     paged_attention_ref,
     rms_norm_ref,
@@ -19,7 +19,7 @@ from kernels.reference import (
     silu_and_mul_ref,
     write_kv_ref,
 )
-from kernels.testing import make_paged_batch
+from pagemesh.kernels.testing import make_paged_batch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,7 +44,7 @@ def _mixed_lens(num_decodes, max_ctx, seed):
 
 
 def _check(batch, dtype, **kwargs):
-    out = kernels.paged_attention(*batch.attention_args(), **kwargs)
+    out = pagemesh.kernels.paged_attention(*batch.attention_args(), **kwargs)
     ref = paged_attention_ref(*batch.attention_args())
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
@@ -102,10 +102,10 @@ def test_decode_step_replays_in_a_cuda_graph():
         *lens, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16, device="cuda", seed=4
     )
     args = batch.attention_args()
-    expect = kernels.paged_attention(*args)  # also compiles outside the capture
+    expect = pagemesh.kernels.paged_attention(*args)  # also compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = kernels.paged_attention(*args)
+        captured = pagemesh.kernels.paged_attention(*args)
     batch.q.copy_(torch.randn_like(batch.q))
     graph.replay()
     torch.testing.assert_close(captured, paged_attention_ref(*args), atol=2e-2, rtol=2e-2)
@@ -117,7 +117,7 @@ def test_write_kv_model_shape():
     expect = pool.clone()
     slots = torch.randperm(4096 * 16, device="cuda")[:4096] + 16
     k, v = torch.randn(2, 4096, 8, 128, device="cuda").bfloat16()
-    kernels.write_kv(k, v, pool, slots)
+    pagemesh.kernels.write_kv(k, v, pool, slots)
     write_kv_ref(k, v, expect, slots)
     assert torch.equal(pool, expect)
 
@@ -127,9 +127,9 @@ def test_norms_model_shape(hidden):
     x, residual = torch.randn(2, 4096, hidden, device="cuda").bfloat16()
     weight = torch.randn(hidden, device="cuda").bfloat16()
     torch.testing.assert_close(
-        kernels.rms_norm(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5), atol=1.6e-2, rtol=1.6e-2
+        pagemesh.kernels.rms_norm(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5), atol=1.6e-2, rtol=1.6e-2
     )
-    out, new_residual = kernels.fused_add_rms_norm(x, residual, weight, 1e-5)
+    out, new_residual = pagemesh.kernels.fused_add_rms_norm(x, residual, weight, 1e-5)
     expect_out, expect_residual = fused_add_rms_norm_ref(x, residual, weight, 1e-5)
     assert torch.equal(new_residual, expect_residual)
     torch.testing.assert_close(out, expect_out, atol=1.6e-2, rtol=1.6e-2)
@@ -140,7 +140,7 @@ def test_rotary_model_shape():
     positions = torch.randint(0, 131072, (4096,), device="cuda")
     qkv = torch.randn(4096, 48, 128, device="cuda").bfloat16()
     q, k = qkv[:, :32], qkv[:, 32:40]
-    q_out, k_out = kernels.rotary_embedding(positions, q, k, cache)
+    q_out, k_out = pagemesh.kernels.rotary_embedding(positions, q, k, cache)
     q_ref, k_ref = rotary_embedding_ref(positions, q, k, cache)
     torch.testing.assert_close(q_out, q_ref, atol=1.6e-2, rtol=1.6e-2)
     torch.testing.assert_close(k_out, k_ref, atol=1.6e-2, rtol=1.6e-2)
@@ -148,4 +148,4 @@ def test_rotary_model_shape():
 
 def test_silu_and_mul_model_shape():
     x = torch.randn(4096, 2 * 14336, device="cuda").bfloat16()
-    torch.testing.assert_close(kernels.silu_and_mul(x), silu_and_mul_ref(x), atol=1.6e-2, rtol=1.6e-2)
+    torch.testing.assert_close(pagemesh.kernels.silu_and_mul(x), silu_and_mul_ref(x), atol=1.6e-2, rtol=1.6e-2)

@@ -7,10 +7,10 @@ on the first GPU, within fp32 tolerance. Not run in the session that wrote it (n
 import pytest
 import torch
 
-from tests.integration.test_tensor_parallel import NUM_PAGES, PAGE_SIZE, steps, tiny_llama  # noqa: F401
-from workers.engine.model_runner import ModelRunner
-from workers.engine.tensor_parallel import FollowerRanks, FollowerSpec, rank_context
-from workers.model.loader import load_model
+from pagemesh.tests.integration.test_tensor_parallel import NUM_PAGES, PAGE_SIZE, steps, tiny_llama  # noqa: F401
+from pagemesh.workers.engine.model_runner import ModelRunner
+from pagemesh.workers.engine.tensor_parallel import FollowerRanks, FollowerSpec, rank_context
+from pagemesh.workers.model.loader import load_model
 
 pytestmark = [
     pytest.mark.gpu,

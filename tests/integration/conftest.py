@@ -7,9 +7,9 @@ import openai
 import pytest
 import torch
 
-from bench.local_mesh import HANG_S
-from common.model_files import default_model_path
-from tests import default_model
+from pagemesh.bench.local_mesh import HANG_S
+from pagemesh.common.model_files import default_model_path
+from pagemesh.tests import default_model
 
 
 @pytest.fixture(scope="session")
@@ -33,8 +33,8 @@ def hf_tokenizer():
 @pytest.fixture(scope="session")
 def engine_fp32():
     """fp32 engine with the prefill chunk forced small so chunks and decodes mix."""
-    from workers.engine.config import EngineConfig
-    from workers.engine.engine import Engine
+    from pagemesh.workers.engine.config import EngineConfig
+    from pagemesh.workers.engine.engine import Engine
 
     return Engine(
         EngineConfig(
@@ -47,8 +47,8 @@ def engine_fp32():
 def single_rank_engine():
     """A single-rank fp32 engine on the default model: the reference a parallel mesh's output is
     checked against (one per module)."""
-    from workers.engine.config import EngineConfig
-    from workers.engine.engine import Engine
+    from pagemesh.workers.engine.config import EngineConfig
+    from pagemesh.workers.engine.engine import Engine
 
     return Engine(EngineConfig(dtype="float32", num_pages=256))
 
@@ -56,7 +56,7 @@ def single_rank_engine():
 def greedy_texts(engine, prompts: list[str | list[dict]], max_tokens: int) -> list[str]:
     """What `engine` answers greedily, a text per prompt: a string (a completion) or a list of
     chat messages. The prompts run as one batch."""
-    from common.sampling import SamplingParams
+    from pagemesh.common.sampling import SamplingParams
 
     tok = engine.tokenizer
     ids = [tok.encode(p) if isinstance(p, str) else tok.encode_chat(p) for p in prompts]

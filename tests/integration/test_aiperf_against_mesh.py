@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.local_mesh import HANG_S, running_mesh
-from common.model_files import DEFAULT_MODEL_NAME
-from services.tokenizer_export import export
+from pagemesh.bench.local_mesh import HANG_S, running_mesh
+from pagemesh.common.model_files import DEFAULT_MODEL_NAME
+from pagemesh.services.tokenizer_export import export
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]

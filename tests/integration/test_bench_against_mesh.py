@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from bench.loadgen import main as bench_main
-from bench.local_mesh import running_mesh
+from pagemesh.bench.loadgen import main as bench_main
+from pagemesh.bench.local_mesh import running_mesh
 
 
 @pytest.mark.slow
@@ -16,7 +16,7 @@ def test_bench_against_a_mixed_mesh(tmp_path):
     started = time.monotonic()
     with running_mesh("--mixed", "1") as url:  # waits for "pagemesh is up", however long start-up takes
         print(f"mesh up after {time.monotonic() - started:.1f}s")
-        result = tmp_path / "bench.json"
+        result = tmp_path / "pagemesh.bench.json"
         bench_main.main(
             [
                 "--base-url",

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from bench.loadgen import main as bench_main
-from bench.local_mesh import running_mesh
+from pagemesh.bench.loadgen import main as bench_main
+from pagemesh.bench.local_mesh import running_mesh
 
 
 @pytest.mark.slow

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from common.sampling import SamplingParams
-from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.config import EngineConfig
+from pagemesh.workers.engine.engine import Engine
 
 pytestmark = pytest.mark.slow
 
@@ -157,7 +157,7 @@ def test_each_parallel_sample_continues_its_own_first_token(engine_fp32):
 
 
 def test_json_mode_outputs_are_json_objects_or_valid_prefixes_of_one(engine_fp32):
-    from common import json_grammar
+    from pagemesh.common import json_grammar
 
     tok = engine_fp32.tokenizer
     asks = [
@@ -187,7 +187,7 @@ def test_json_mode_outputs_are_json_objects_or_valid_prefixes_of_one(engine_fp32
 def test_json_mode_goes_on_after_a_handoff_from_the_first_token(engine_fp32):
     """The decode side of 1P+1D: the grammar resumes after the prefill worker's first token. The
     pages are not written here (they hold whatever they held), so only the grammar keeps the output JSON."""
-    from common import json_grammar
+    from pagemesh.common import json_grammar
 
     tok = engine_fp32.tokenizer
     prompt = tok.encode_chat([{"role": "user", "content": "Describe a cat."}])

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.fp8_kv import agreement_and_kl, decode_logits
-from common.sampling import SamplingParams
-from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
+from pagemesh.bench.fp8_kv import agreement_and_kl, decode_logits
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.config import EngineConfig
+from pagemesh.workers.engine.engine import Engine
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The history of the Roman Empire begins with", "def quicksort(items):\n    ", "Here is a list of"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.sampling import SamplingParams
+from pagemesh.common.sampling import SamplingParams
 
 PROMPT = list(range(700, 737))
 

@@ -7,9 +7,9 @@ import itertools
 import pytest
 import torch
 
-from common.sampling import SamplingParams
-from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.config import EngineConfig
+from pagemesh.workers.engine.engine import Engine
 
 pytestmark = pytest.mark.slow
 

@@ -5,8 +5,8 @@ import contextlib
 
 import pytest
 
-from common.sampling import SamplingParams
-from workers.engine.speculative import SpeculativeConfig, use_speculation
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.speculative import SpeculativeConfig, use_speculation
 
 pytestmark = pytest.mark.slow
 

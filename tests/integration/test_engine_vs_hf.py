@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from common.sampling import SamplingParams
-from tests.integration.conftest import hf_argmax_after_each, hf_greedy
-from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.tests.integration.conftest import hf_argmax_after_each, hf_greedy
+from pagemesh.workers.engine.config import EngineConfig
+from pagemesh.workers.engine.engine import Engine
 
 TEXT = (
     "The history of computing is a story of layers: transistors became gates, gates became "
@@ -94,7 +94,7 @@ def test_logprobs_agree_with_hf_logits_within_fp32_tolerance(engine_fp32, hf_mod
 def test_tiny_qwen2_safetensors_matches_hf(tiny_qwen2, cpu_kernels, monkeypatch):
     folder, hf = tiny_qwen2
     if not cpu_kernels:  # the path taken where no C compiler is found
-        monkeypatch.setattr("workers.engine.backend.cpu_kernels_usable", lambda dtype: False)
+        monkeypatch.setattr("pagemesh.workers.engine.backend.cpu_kernels_usable", lambda dtype: False)
     engine = Engine(
         EngineConfig(model=str(folder), dtype="float32", max_num_batched_tokens=32, max_prefill_chunk=32, num_pages=256)
     )
@@ -117,11 +117,11 @@ def test_bf16_greedy_tokens_are_hf_bf16_argmax_wherever_the_choice_is_clear(hf_m
     tie, so every position whose top-2 logit margin in HF exceeds 0.5 must agree."""
     import copy
 
-    import kernels.cpu
+    import pagemesh.kernels.cpu
 
     engine = Engine(EngineConfig(dtype="bfloat16", num_pages=512, enable_prefix_caching=False))
     gate_up = engine.runner.model.layers[0].mlp.gate_up_proj
-    assert gate_up.packed is not None and (gate_up.packed.amx is not None) == kernels.cpu.amx_available()
+    assert gate_up.packed is not None and (gate_up.packed.amx is not None) == pagemesh.kernels.cpu.amx_available()
     prompts = mixed_prompts(hf_tokenizer)[:6]  # decode batches of up to 6 rows: the AMX kernel's side
     results = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     hf_bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)

@@ -18,9 +18,9 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, settings
 
-from bench.local_mesh import HANG_S, running_mesh
-from common.model_files import DEFAULT_MODEL_NAME
-from gateway.openapi import DOCUMENT
+from pagemesh.bench.local_mesh import HANG_S, running_mesh
+from pagemesh.common.model_files import DEFAULT_MODEL_NAME
+from pagemesh.gateway.openapi import DOCUMENT
 
 pytestmark = pytest.mark.slow
 KEY = "sk-fuzz"

@@ -14,12 +14,21 @@ import openai
 import pytest
 import zmq
 
-from bench.local_mesh import HANG_S, LATE_S, metrics, pages_free, per_worker, running_mesh, sample_until, wait_until
-from common.model_files import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME
-from common.sampling import SamplingParams
-from common.transport import CONTROL, ipc_address
-from tests.default_model import tokenizer as default_tokenizer
-from tests.rogue_peers import MALFORMED, connect, logged
+from pagemesh.bench.local_mesh import (
+    HANG_S,
+    LATE_S,
+    metrics,
+    pages_free,
+    per_worker,
+    running_mesh,
+    sample_until,
+    wait_until,
+)
+from pagemesh.common.model_files import DEFAULT_MODEL_ALIAS, DEFAULT_MODEL_NAME
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.common.transport import CONTROL, ipc_address
+from pagemesh.tests.default_model import tokenizer as default_tokenizer
+from pagemesh.tests.rogue_peers import MALFORMED, connect, logged
 
 pytestmark = pytest.mark.slow
 MODEL = DEFAULT_MODEL_NAME
@@ -64,8 +73,8 @@ def client(mesh):
 @pytest.fixture(scope="module")
 def engine():
     """An engine alone, as the mesh's workers run it (fp32)."""
-    from workers.engine.config import EngineConfig
-    from workers.engine.engine import Engine
+    from pagemesh.workers.engine.config import EngineConfig
+    from pagemesh.workers.engine.engine import Engine
 
     return Engine(EngineConfig(dtype="float32", num_pages=512))
 

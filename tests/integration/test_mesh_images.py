@@ -21,9 +21,9 @@ import numpy as np
 import openai
 import pytest
 
-from bench.local_mesh import HANG_S, LATE_S, SeparateProcesses, metrics, per_worker, running_mesh, wait_until
-from common.model_files import DEFAULT_MODEL_NAME
-from workers.diffusion.png import from_png_b64
+from pagemesh.bench.local_mesh import HANG_S, LATE_S, SeparateProcesses, metrics, per_worker, running_mesh, wait_until
+from pagemesh.common.model_files import DEFAULT_MODEL_NAME
+from pagemesh.workers.diffusion.png import from_png_b64
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def classify(images: list[np.ndarray]) -> list[int]:
     """The project's digit classifier on PNGs upscaled nearest-neighbour from 8×8."""
     import torch
 
-    from bench.diffusion.classifier import digit_classifier
+    from pagemesh.bench.diffusion.classifier import digit_classifier
 
     native = [image[:: image.shape[0] // 8, :: image.shape[1] // 8, 0] for image in images]
     pixels = torch.tensor(np.stack(native), dtype=torch.float32)[:, None] / 255 * 2 - 1

@@ -23,10 +23,10 @@ import urllib.request
 import openai
 import pytest
 
-from bench.local_mesh import HANG_S, LATE_S, SeparateProcesses, running_mesh, sample_until, wait_until
-from common.model_files import DEFAULT_MODEL_NAME
-from tests.integration.conftest import stream_counting
-from workers.shell.faults import DELAY_ENV, FAIL_ENV
+from pagemesh.bench.local_mesh import HANG_S, LATE_S, SeparateProcesses, running_mesh, sample_until, wait_until
+from pagemesh.common.model_files import DEFAULT_MODEL_NAME
+from pagemesh.tests.integration.conftest import stream_counting
+from pagemesh.workers.shell.faults import DELAY_ENV, FAIL_ENV
 
 pytestmark = pytest.mark.slow
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import openai
 import pytest
 
-from bench.local_mesh import HANG_S, metrics, running_mesh, wait_until
-from common.model_files import DEFAULT_MODEL_NAME
-from common.sampling import SamplingParams
+from pagemesh.bench.local_mesh import HANG_S, metrics, running_mesh, wait_until
+from pagemesh.common.model_files import DEFAULT_MODEL_NAME
+from pagemesh.common.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 PAGE = 16
@@ -18,8 +18,8 @@ MAX_TOKENS = 8
 
 
 def test_a_shared_prefix_is_not_sent_again_and_outputs_equal_the_engine_without_prefix_caching():
-    from workers.engine.config import EngineConfig
-    from workers.engine.engine import Engine
+    from pagemesh.workers.engine.config import EngineConfig
+    from pagemesh.workers.engine.engine import Engine
 
     reference = Engine(EngineConfig(dtype="float32", num_pages=256, enable_prefix_caching=False))
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -20,9 +20,9 @@ import time
 import openai
 import pytest
 
-from bench.local_mesh import HANG_S, LATE_S, SeparateProcesses, metrics, per_worker, sample_until, wait_until
-from common.model_files import DEFAULT_MODEL_NAME
-from tests.integration.conftest import stream_counting
+from pagemesh.bench.local_mesh import HANG_S, LATE_S, SeparateProcesses, metrics, per_worker, sample_until, wait_until
+from pagemesh.common.model_files import DEFAULT_MODEL_NAME
+from pagemesh.tests.integration.conftest import stream_counting
 
 pytestmark = pytest.mark.slow
 # A heartbeat timeout no restart comes near, where the test is not about losing a worker (a

@@ -24,10 +24,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from bench.local_mesh import HANG_S, LATE_S, SeparateProcesses, sample_until, wait_until
-from common.model_files import DEFAULT_MODEL_NAME
-from common.sampling import SamplingParams
-from tests.integration.conftest import greedy_texts, hf_argmax_after_each, openai_client, stream_counting
+from pagemesh.bench.local_mesh import HANG_S, LATE_S, SeparateProcesses, sample_until, wait_until
+from pagemesh.common.model_files import DEFAULT_MODEL_NAME
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.tests.integration.conftest import greedy_texts, hf_argmax_after_each, openai_client, stream_counting
 
 pytestmark = pytest.mark.slow
 MODEL = DEFAULT_MODEL_NAME
@@ -45,7 +45,7 @@ def children(pid: int) -> list[int]:
 
 def is_rank(pid: int) -> bool:
     try:
-        return b"workers.engine.rank" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"pagemesh.workers.engine.rank" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import openai
 import pytest
 
-from bench.local_mesh import HANG_S, SeparateProcesses, wait_until
-from common.model_files import DEFAULT_MODEL_NAME
-from tests.default_model import tokenizer
-from tests.integration.conftest import greedy_texts, openai_client
-from tests.integration.test_mesh_tensor_parallel import children, is_rank, stream_text
+from pagemesh.bench.local_mesh import HANG_S, SeparateProcesses, wait_until
+from pagemesh.common.model_files import DEFAULT_MODEL_NAME
+from pagemesh.tests.default_model import tokenizer
+from pagemesh.tests.integration.conftest import greedy_texts, openai_client
+from pagemesh.tests.integration.test_mesh_tensor_parallel import children, is_rank, stream_text
 
 pytestmark = pytest.mark.slow
 MODEL = DEFAULT_MODEL_NAME
@@ -94,8 +94,8 @@ def check_greedy_text_and_handoff(mesh, client, offline, ranks: int) -> None:
 @pytest.fixture(scope="module")
 def offline_quantized():
     """The single-rank engine's text with the mesh's gguf weights and fp8 KV pool (fp32)."""
-    from workers.engine.config import EngineConfig
-    from workers.engine.engine import Engine
+    from pagemesh.workers.engine.config import EngineConfig
+    from pagemesh.workers.engine.engine import Engine
 
     engine = Engine(EngineConfig(dtype="float32", num_pages=256, quantization="gguf", kv_cache_dtype="fp8_e4m3"))
     return greedy_texts(engine, [PROMPT, [{"role": "user", "content": CHAT}]], MAX_TOKENS)

@@ -7,8 +7,8 @@ import concurrent.futures
 import openai
 import pytest
 
-from bench.local_mesh import HANG_S, metrics, pages_free, per_worker, running_mesh, sample_until, wait_until
-from common.model_files import DEFAULT_MODEL_NAME
+from pagemesh.bench.local_mesh import HANG_S, metrics, pages_free, per_worker, running_mesh, sample_until, wait_until
+from pagemesh.common.model_files import DEFAULT_MODEL_NAME
 
 pytestmark = pytest.mark.slow
 

@@ -24,9 +24,9 @@ import os
 import openai
 import pytest
 
-from bench.local_mesh import HANG_S, LATE_S, SeparateProcesses, metrics, per_worker, sample_until, wait_until
-from common.model_files import DEFAULT_MODEL_NAME
-from workers.shell.faults import KV_SEND_DELAY_ENV
+from pagemesh.bench.local_mesh import HANG_S, LATE_S, SeparateProcesses, metrics, per_worker, sample_until, wait_until
+from pagemesh.common.model_files import DEFAULT_MODEL_NAME
+from pagemesh.workers.shell.faults import KV_SEND_DELAY_ENV
 
 pytestmark = pytest.mark.slow
 

@@ -10,12 +10,12 @@ import openai
 import pytest
 import zmq
 
-from bench.local_mesh import HANG_S, running_mesh, wait_until
-from common.model_files import DEFAULT_MODEL_NAME
-from common.protocol import ClusterStatus, StatusRequest, TokenDeltaBatch, decode, encode
-from common.transport import ipc_address
-from common.transport_curve import load_keys, make_keys
-from tests.rogue_peers import connect, logged
+from pagemesh.bench.local_mesh import HANG_S, running_mesh, wait_until
+from pagemesh.common.model_files import DEFAULT_MODEL_NAME
+from pagemesh.common.protocol import ClusterStatus, StatusRequest, TokenDeltaBatch, decode, encode
+from pagemesh.common.transport import ipc_address
+from pagemesh.common.transport_curve import load_keys, make_keys
+from pagemesh.tests.rogue_peers import connect, logged
 
 pytestmark = pytest.mark.slow
 

@@ -28,8 +28,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from bench.local_mesh import HANG_S, free_port, running_mesh, sample_until, wait_until
-from common.model_files import DEFAULT_MODEL_NAME
+from pagemesh.bench.local_mesh import HANG_S, free_port, running_mesh, sample_until, wait_until
+from pagemesh.common.model_files import DEFAULT_MODEL_NAME
+from pagemesh.common.python_command import python_module
 
 pytestmark = pytest.mark.slow
 
@@ -154,14 +155,14 @@ def host_argv(argv: list[str], net: Network, port: int) -> list[str]:
 @contextmanager
 def mesh_across(net: Network, run_dir: str):
     """Starts every process in its host's namespace; yields the gateway's URL once /ready."""
-    from services import launcher
+    from pagemesh.services import launcher
 
     port = free_port()
     children: dict[str, subprocess.Popen] = {}
     url = f"http://{net.address('gw')}:{port}"
     try:
         for name, argv in launcher.plan(launcher.parse(list(FLAGS)), run_dir):
-            cmd = ["ip", "netns", "exec", net.ns[WHERE[name]], sys.executable, "-m", "services.cli"]
+            cmd = ["ip", "netns", "exec", net.ns[WHERE[name]], *python_module("pagemesh.services.cli")]
             children[name] = subprocess.Popen([*cmd, *host_argv(argv, net, port)])
 
         def ready() -> bool:

@@ -19,11 +19,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.sampling import SamplingParams
-from kernels.cpu import quant
-from tests.integration import test_tensor_parallel as tp_tests
-from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.kernels.cpu import quant
+from pagemesh.tests.integration import test_tensor_parallel as tp_tests
+from pagemesh.workers.engine.config import EngineConfig
+from pagemesh.workers.engine.engine import Engine
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason=f"quantized C kernel did not build: {quant.load_error()}")
 tiny_llama = tp_tests.tiny_llama
@@ -90,7 +90,7 @@ def test_a_parallel_engine_generates_what_one_rank_does(tiny_llama, quantization
 def test_a_quantized_draft_speculates_in_a_tensor_parallel_worker(tiny_llama):
     """`draft_quantized` with -tp 2: the int8 draft runs whole on rank 0 over its own pool (every
     KV head), the ranks verify; greedy tokens equal the single-rank engine's without speculation."""
-    from workers.engine.speculative import SpeculativeConfig
+    from pagemesh.workers.engine.speculative import SpeculativeConfig
 
     want = generate(Engine(config(tiny_llama)))
     draft = SpeculativeConfig.from_json(

@@ -13,13 +13,13 @@ import dataclasses
 import pytest
 import torch
 
-from common.sampling import SamplingParams
-from tests.integration import test_tensor_parallel as tp_tests
-from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
-from workers.engine.model_input import ModelInput
-from workers.engine.speculative import SpeculativeConfig, use_speculation
-from workers.engine.step_trace import StepTrace
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.tests.integration import test_tensor_parallel as tp_tests
+from pagemesh.workers.engine.config import EngineConfig
+from pagemesh.workers.engine.engine import Engine
+from pagemesh.workers.engine.model_input import ModelInput
+from pagemesh.workers.engine.speculative import SpeculativeConfig, use_speculation
+from pagemesh.workers.engine.step_trace import StepTrace
 
 tiny_llama = tp_tests.tiny_llama
 LIMITS = dict(dtype="float32", num_pages=40, page_size=4, max_num_batched_tokens=32, max_prefill_chunk=16)

@@ -16,13 +16,13 @@ import sys
 import pytest
 import torch
 
-from bench.local_mesh import HANG_S, wait_until
-from tests.integration import test_tensor_parallel as tp_tests
-from tests.integration.test_tensor_parallel import NUM_PAGES, PAGE_SIZE, steps
-from workers.engine.model_runner import ModelRunner
-from workers.engine.pipeline_parallel import StagePipe, stage_group, stage_layers
-from workers.engine.tensor_parallel import COLLECTIVE_TIMEOUT_S, FollowerRanks, FollowerSpec, rank_context
-from workers.model.loader import load_model
+from pagemesh.bench.local_mesh import HANG_S, wait_until
+from pagemesh.tests.integration import test_tensor_parallel as tp_tests
+from pagemesh.tests.integration.test_tensor_parallel import NUM_PAGES, PAGE_SIZE, steps
+from pagemesh.workers.engine.model_runner import ModelRunner
+from pagemesh.workers.engine.pipeline_parallel import StagePipe, stage_group, stage_layers
+from pagemesh.workers.engine.tensor_parallel import COLLECTIVE_TIMEOUT_S, FollowerRanks, FollowerSpec, rank_context
+from pagemesh.workers.model.loader import load_model
 
 tiny_llama = tp_tests.tiny_llama  # the same model and steps, with their single-rank logits
 single_rank_logits = tp_tests.single_rank_logits
@@ -30,7 +30,7 @@ single_rank_logits = tp_tests.single_rank_logits
 
 def stage_zero(folder, tp_size: int, pp_size: int) -> tuple[ModelRunner, FollowerRanks]:
     """Rank 0 of a tp×pp worker, as the engine builds it (its followers started)."""
-    from common.model_config import read_model_config
+    from pagemesh.common.model_config import read_model_config
 
     cpu, cfg = torch.device("cpu"), read_model_config(folder)
     group = stage_group(0, tp_size) if tp_size > 1 else None
@@ -72,9 +72,9 @@ def test_pipeline_stages_give_the_single_rank_models_logits(tiny_llama, single_r
 
 DIES = """
 import sys
-from common.sampling import SamplingParams
-from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.config import EngineConfig
+from pagemesh.workers.engine.engine import Engine
 
 config = EngineConfig(model=sys.argv[1], dtype="float32", num_pages=64, page_size=4, tensor_parallel_size=2,
                       pipeline_parallel_size=2)

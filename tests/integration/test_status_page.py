@@ -19,8 +19,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from bench.local_mesh import HANG_S, running_mesh, sample_until
-from common.model_files import DEFAULT_MODEL_NAME
+from pagemesh.bench.local_mesh import HANG_S, running_mesh, sample_until
+from pagemesh.common.model_files import DEFAULT_MODEL_NAME
 
 pytestmark = pytest.mark.slow
 

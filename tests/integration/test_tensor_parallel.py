@@ -11,17 +11,17 @@ import os
 import pytest
 import torch
 
-from common.model_config import read_model_config
-from workers.engine.model_input import ModelInput
-from workers.engine.model_runner import ModelRunner
-from workers.engine.tensor_parallel import (
+from pagemesh.common.model_config import read_model_config
+from pagemesh.workers.engine.model_input import ModelInput
+from pagemesh.workers.engine.model_runner import ModelRunner
+from pagemesh.workers.engine.tensor_parallel import (
     FollowerRanks,
     FollowerSpec,
     check_tensor_parallel,
     create_shared_all_reduce,
     rank_context,
 )
-from workers.model.loader import load_model
+from pagemesh.workers.model.loader import load_model
 
 PAGE_SIZE = 4
 NUM_PAGES = 48
@@ -135,8 +135,8 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_naming_the_sizes(tiny_
 
 
 def test_the_engine_refuses_a_sharding_of_the_default_model_at_start():
-    from workers.engine.config import EngineConfig
-    from workers.engine.engine import Engine
+    from pagemesh.workers.engine.config import EngineConfig
+    from pagemesh.workers.engine.engine import Engine
 
     # SmolLM2-135M: 9 query heads, 3 KV heads; refused before any weight loads or rank starts
     with pytest.raises(ValueError, match=r"tensor-parallel size 2 does not divide the model's 9 query heads and 3 KV"):
@@ -147,9 +147,9 @@ def test_a_tensor_parallel_engine_generates_what_one_rank_does(tiny_llama):
     """The engine as a worker runs it (`tensor_parallel_size=2`: it starts its follower itself),
     under page pressure (preemption by swap), with shared prompt prefixes (the prefix cache),
     n > 1 and beam search: every greedy token equals the single-rank engine's."""
-    from common.sampling import SamplingParams
-    from workers.engine.config import EngineConfig
-    from workers.engine.engine import Engine
+    from pagemesh.common.sampling import SamplingParams
+    from pagemesh.workers.engine.config import EngineConfig
+    from pagemesh.workers.engine.engine import Engine
 
     gen = torch.Generator().manual_seed(11)
     shared = torch.randint(0, 256, (24,), generator=gen).tolist()

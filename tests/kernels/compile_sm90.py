@@ -56,10 +56,10 @@ class _Recorder:
 
 def record_launches() -> list:
     """Run every launcher over representative shapes; return the launches they made."""
-    from kernels import activation, attention, kv_write, norm, quant_matmul, rotary
-    from kernels.attention import AttentionConfig
-    from kernels.reference import rope_cos_sin_cache
-    from kernels.testing import make_paged_batch
+    from pagemesh.kernels import activation, attention, kv_write, norm, quant_matmul, rotary
+    from pagemesh.kernels.attention import AttentionConfig
+    from pagemesh.kernels.reference import rope_cos_sin_cache
+    from pagemesh.kernels.testing import make_paged_batch
 
     launches: list = []
     for module, names in (
@@ -123,7 +123,7 @@ def record_launches() -> list:
     qkv = torch.randn(3, 48, 128, dtype=torch.bfloat16)
     rotary.rotary_embedding(torch.arange(3), qkv[:, :32], qkv[:, 32:40], cache)
     activation.silu_and_mul(torch.randn(2, 2 * 14336, dtype=torch.bfloat16))
-    from kernels.quantized import quantize_int8
+    from pagemesh.kernels.quantized import quantize_int8
 
     int8 = quantize_int8(torch.randn(256, 4096))
     q4 = type(int8)("q4_0", int8.codes[:, :2048].contiguous(), int8.scale, int8.offset)

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels.attention import AttentionConfig, choose_config, choose_num_splits
-from kernels.reference import paged_attention_ref, write_kv_ref
-from kernels.testing import make_paged_batch
+import pagemesh.kernels
+from pagemesh.kernels.attention import AttentionConfig, choose_config, choose_num_splits
+from pagemesh.kernels.reference import paged_attention_ref, write_kv_ref
+from pagemesh.kernels.testing import make_paged_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -34,7 +34,7 @@ DECODES = ([1, 3, 1, 2, 1, 1], [1, 15, 16, 17, 130, 63])
 
 
 def run_and_compare(batch, dtype, **kwargs):
-    out = kernels.paged_attention(*batch.attention_args(), **kwargs)
+    out = pagemesh.kernels.paged_attention(*batch.attention_args(), **kwargs)
     ref = paged_attention_ref(*batch.attention_args())
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert not out.isnan().any(), "kernel read a slot outside the live context"
@@ -112,7 +112,7 @@ def test_more_splits_than_tiles():
 def test_empty_batch():
     batch = build(([1], [5]), 2, 16)
     q = batch.q[:0]
-    out = kernels.paged_attention(
+    out = pagemesh.kernels.paged_attention(
         q, batch.kv_layer, batch.block_tables[:0], batch.seq_lens[:0], batch.query_start_loc[:1], batch.scale, 0, 0
     )
     assert out.shape == (0, 4, 64)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import paged_attention, write_kv
-from kernels.reference import paged_attention_ref
-from kernels.testing import make_paged_batch, quantize_kv_layer
+from pagemesh.kernels import paged_attention, write_kv
+from pagemesh.kernels.reference import paged_attention_ref
+from pagemesh.kernels.testing import make_paged_batch, quantize_kv_layer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}

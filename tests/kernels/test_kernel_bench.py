@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.attention import AttentionConfig
+from pagemesh.kernels.attention import AttentionConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

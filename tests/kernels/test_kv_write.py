@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-import kernels
-from kernels.reference import write_kv_ref
+import pagemesh.kernels
+from pagemesh.kernels.reference import write_kv_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -27,7 +27,7 @@ def test_write_kv_matches_reference(page_size, kv_heads, dim, dtype):
     # k and v as strided views of a fused qkv projection output, like the model produces.
     qkv = torch.randn((num_tokens, 4 + 2 * kv_heads, dim), generator=gen).to(DEVICE, dtype)
     k, v = qkv[:, 4 : 4 + kv_heads], qkv[:, 4 + kv_heads :]
-    kernels.write_kv(k, v, pool, slots)
+    pagemesh.kernels.write_kv(k, v, pool, slots)
     write_kv_ref(k, v, expect, slots)
     assert torch.equal(pool, expect)
     assert not torch.equal(
@@ -50,7 +50,7 @@ def test_write_kv_past_int32_offsets():
     slots = pages * page_size + torch.tensor([0, 7, 15], device=DEVICE)
     assert int(slots.min()) // page_size * pool.stride(0) > 2**32
     k, v = torch.randn(2, 3, 1, dim, device=DEVICE).half()
-    kernels.write_kv(k, v, pool, slots)
+    pagemesh.kernels.write_kv(k, v, pool, slots)
     torch.testing.assert_close(pool[pages, 0, slots % page_size], k, atol=0, rtol=0)
     torch.testing.assert_close(pool[pages, 1, slots % page_size], v, atol=0, rtol=0)
     assert not low_pages.any(), "an offset wrapped around into the low pages"

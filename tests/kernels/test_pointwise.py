@@ -9,8 +9,8 @@ truncates where the GPU rounds to nearest.
 import pytest
 import torch
 
-import kernels
-from kernels.reference import (
+import pagemesh.kernels
+from pagemesh.kernels.reference import (
     fused_add_rms_norm_ref,
     rms_norm_ref,
     rope_cos_sin_cache,
@@ -40,7 +40,7 @@ def randn(*shape, dtype, seed=0):
 def test_rms_norm(hidden, dtype):
     x = randn(7, hidden, dtype=dtype) * 3
     weight = randn(hidden, dtype=dtype, seed=1)
-    out = kernels.rms_norm(x, weight, 1e-6)
+    out = pagemesh.kernels.rms_norm(x, weight, 1e-6)
     torch.testing.assert_close(out, rms_norm_ref(x, weight, 1e-6), atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -50,7 +50,7 @@ def test_fused_add_rms_norm(dtype):
     residual = randn(5, 576, dtype=dtype, seed=2)
     weight = randn(576, dtype=dtype, seed=3)
     x_before, residual_before = x.clone(), residual.clone()
-    out, new_residual = kernels.fused_add_rms_norm(x, residual, weight, 1e-5)
+    out, new_residual = pagemesh.kernels.fused_add_rms_norm(x, residual, weight, 1e-5)
     expect_out, expect_residual = fused_add_rms_norm_ref(x, residual, weight, 1e-5)
     if dtype == torch.bfloat16 and not torch.cuda.is_available():
         # The interpreter's fp32 -> bf16 cast truncates instead of rounding: 1 ulp apart.
@@ -66,7 +66,9 @@ def test_rms_norm_strided_rows():
     buf = randn(6, 256, dtype=torch.float32)
     x = buf[:, :200]
     weight = randn(200, dtype=torch.float32, seed=4)
-    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        pagemesh.kernels.rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6), atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -79,7 +81,7 @@ def test_rotary_embedding(heads, kv_heads, dim, dtype):
     qkv = randn(num_tokens, heads + 2 * kv_heads, dim, dtype=dtype)
     q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
     before = qkv.clone()
-    q_out, k_out = kernels.rotary_embedding(positions, q, k, cache)
+    q_out, k_out = pagemesh.kernels.rotary_embedding(positions, q, k, cache)
     q_ref, k_ref = rotary_embedding_ref(positions, q, k, cache)
     torch.testing.assert_close(q_out, q_ref, atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(k_out, k_ref, atol=TOL[dtype], rtol=TOL[dtype])
@@ -91,6 +93,6 @@ def test_rotary_embedding(heads, kv_heads, dim, dtype):
 @pytest.mark.parametrize("inter", [64, 1500])
 def test_silu_and_mul(inter, dtype):
     x = randn(7, 2 * inter, dtype=dtype) * 4
-    out = kernels.silu_and_mul(x)
+    out = pagemesh.kernels.silu_and_mul(x)
     assert out.shape == (7, inter)
     torch.testing.assert_close(out, silu_and_mul_ref(x), atol=TOL[dtype], rtol=TOL[dtype])

@@ -11,7 +11,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _weight(fmt: str, n: int, k: int):
-    from kernels.quantized import from_gguf_blocks, quantize_int8
+    from pagemesh.kernels.quantized import from_gguf_blocks, quantize_int8
 
     w = np.random.default_rng(n + k).standard_normal((n, k)).astype(np.float32) * 0.05
     if fmt == "int8":
@@ -23,8 +23,8 @@ def _weight(fmt: str, n: int, k: int):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m, n, k", [(3, 70, 96)])  # tails: M in a tile of 16, N past one tile, half a K step
 def test_triton_quant_matmul_matches_dequantize_then_matmul(fmt, dtype, m, n, k):
-    from kernels.quant_matmul import quant_linear
-    from kernels.quantized import dequantize
+    from pagemesh.kernels.quant_matmul import quant_linear
+    from pagemesh.kernels.quantized import dequantize
 
     qw = _weight(fmt, n, k).to(torch.device(DEVICE))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).to(DEVICE)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.reference import (
+from pagemesh.kernels.reference import (
     fused_add_rms_norm_ref,
     rms_norm_ref,
     rope_cos_sin_cache,

@@ -1,4 +1,4 @@
-"""bench.loadgen.arrivals: gap statistics of the arrival process with a seeded RNG."""
+"""pagemesh.bench.loadgen.arrivals: gap statistics of the arrival process with a seeded RNG."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from bench.loadgen.arrivals import arrival_gaps, arrival_times
+from pagemesh.bench.loadgen.arrivals import arrival_gaps, arrival_times
 
 N = 20000
 

@@ -1,4 +1,4 @@
-"""bench.loadgen.datasets with the default model's tokenizer: exact lengths, stable tokens."""
+"""pagemesh.bench.loadgen.datasets with the default model's tokenizer: exact lengths, stable tokens."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from bench.loadgen.datasets import (
+from pagemesh.bench.loadgen.datasets import (
     Conversation,
     DatasetSpec,
     Segment,
@@ -18,7 +18,7 @@ from bench.loadgen.datasets import (
     length_bounds,
     random_segment,
 )
-from tests.default_model import tokenizer as default_tokenizer
+from pagemesh.tests.default_model import tokenizer as default_tokenizer
 
 
 def _take(spec, n):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.diffusion_batching import aggregate, markdown, mode_order, paired_ratios, plot, requests_for
+from pagemesh.bench.diffusion_batching import aggregate, markdown, mode_order, paired_ratios, plot, requests_for
 
 
 def _record(mode, repeat, clients, images_per_s, p99_ms, batched=None):

@@ -5,7 +5,7 @@ the top 16 nats) and scores rows with llama.cpp's rule and its KL formula."""
 import numpy as np
 import torch
 
-from bench import llama_cpp_positions as lcp
+from pagemesh.bench import llama_cpp_positions as lcp
 
 N_CTX, VOCAB, CHUNKS = 8, 11, 2  # an odd vocabulary: rows are padded to an even count plus 4
 

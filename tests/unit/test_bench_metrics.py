@@ -1,11 +1,11 @@
-"""bench.loadgen.metrics and .stream: summaries of hand-made timings, with exact numbers."""
+"""pagemesh.bench.loadgen.metrics and .stream: summaries of hand-made timings, with exact numbers."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.loadgen.metrics import latency_stats, parse_goodput, summarize
-from bench.loadgen.stream import RequestResult, StreamAccumulator
+from pagemesh.bench.loadgen.metrics import latency_stats, parse_goodput, summarize
+from pagemesh.bench.loadgen.stream import RequestResult, StreamAccumulator
 
 
 def _result(prompt, out, ttft, latency, itl, success=True):

@@ -1,4 +1,4 @@
-"""bench.loadgen runner and main against a fake OpenAI-compatible server on loopback."""
+"""pagemesh.bench.loadgen runner and main against a fake OpenAI-compatible server on loopback."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import threading
 import pytest
 from aiohttp import web
 
-from bench.loadgen import main as bench_main
-from bench.loadgen.datasets import DatasetSpec, Prompt, conversations
-from bench.loadgen.runner import BenchError, LoadPoint, Target, request_body, run_point
-from tests.default_model import tokenizer as default_tokenizer
+from pagemesh.bench.loadgen import main as bench_main
+from pagemesh.bench.loadgen.datasets import DatasetSpec, Prompt, conversations
+from pagemesh.bench.loadgen.runner import BenchError, LoadPoint, Target, request_body, run_point
+from pagemesh.tests.default_model import tokenizer as default_tokenizer
 
 
 class FakeServer:

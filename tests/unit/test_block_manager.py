@@ -2,7 +2,7 @@
 
 import pytest
 
-from workers.engine.block_manager import BlockManager, OutOfPages
+from pagemesh.workers.engine.block_manager import BlockManager, OutOfPages
 
 
 def test_pages_are_allocated_on_demand_and_reused_after_free():

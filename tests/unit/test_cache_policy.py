@@ -7,8 +7,8 @@ import argparse
 
 import pytest
 
-from workers.diffusion.config import add_diffusion_arguments, diffusion_args_to_argv, parse_diffusion
-from workers.diffusion.engine.cache_policy import (
+from pagemesh.workers.diffusion.config import add_diffusion_arguments, diffusion_args_to_argv, parse_diffusion
+from pagemesh.workers.diffusion.engine.cache_policy import (
     COOLDOWN_STEPS,
     WARMUP_STEPS,
     CacheKind,
@@ -18,7 +18,7 @@ from workers.diffusion.engine.cache_policy import (
     decide,
     parse_cache_policy,
 )
-from workers.diffusion.engine.config import EngineConfig
+from pagemesh.workers.diffusion.engine.config import EngineConfig
 
 
 @pytest.mark.parametrize(

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kernels.reference import paged_attention_ref
-from kernels.testing import make_paged_batch
-from workers.engine.attention import AttentionMetadata, paged_attention_torch
+from pagemesh.kernels.reference import paged_attention_ref
+from pagemesh.kernels.testing import make_paged_batch
+from pagemesh.workers.engine.attention import AttentionMetadata, paged_attention_torch
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 2)])

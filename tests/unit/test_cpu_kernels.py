@@ -1,4 +1,4 @@
-"""The C kernels of `kernels.cpu` against the torch code they replace (and the kernels' reference)."""
+"""The C kernels of `pagemesh.kernels.cpu` against the torch code they replace (and the kernels' reference)."""
 
 import os
 import subprocess
@@ -7,12 +7,12 @@ import sys
 import pytest
 import torch
 
-import kernels.cpu as ck
-from kernels.reference import paged_attention_ref
-from kernels.testing import make_paged_batch
-from workers.engine.attention import AttentionMetadata, write_kv_torch
-from workers.model.layers import pack_linear_weights
-from workers.model.ops import TorchOps
+import pagemesh.kernels.cpu as ck
+from pagemesh.kernels.reference import paged_attention_ref
+from pagemesh.kernels.testing import make_paged_batch
+from pagemesh.workers.engine.attention import AttentionMetadata, write_kv_torch
+from pagemesh.workers.model.layers import pack_linear_weights
+from pagemesh.workers.model.ops import TorchOps
 
 pytestmark = pytest.mark.skipif(not ck.available(), reason=f"C kernels did not build: {ck.load_error()}")
 TOL = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
@@ -113,7 +113,7 @@ def test_silu_and_mul_matches_torch_ops(dtype, cols):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_in_place_on_qkv_views_matches_torch_ops(dtype):
-    from workers.model.layers import RotaryEmbedding
+    from pagemesh.workers.model.layers import RotaryEmbedding
 
     rope = RotaryEmbedding(64, 4096, 10000.0, None)
     tokens, heads, kv_heads = 21, 9, 3
@@ -149,8 +149,8 @@ def test_write_kv_fills_the_same_slots_as_the_torch_path(dtype):
 
 
 def test_packed_linear_weights_give_the_same_logits():
-    from common.model_config import ModelConfig
-    from workers.model.llama import LlamaForCausalLM
+    from pagemesh.common.model_config import ModelConfig
+    from pagemesh.workers.model.llama import LlamaForCausalLM
 
     cfg = ModelConfig(
         architecture="llama",
@@ -262,7 +262,7 @@ def test_amx_linear_rejects_bad_arguments():
 
 
 def test_malloc_keeps_freed_activations_for_reuse():
-    from kernels.cpu.memory import keep_freed_memory_for_reuse
+    from pagemesh.kernels.cpu.memory import keep_freed_memory_for_reuse
 
     assert keep_freed_memory_for_reuse()  # glibc accepted every setting
     assert keep_freed_memory_for_reuse()  # and a second call is a no-op
@@ -270,7 +270,7 @@ def test_malloc_keeps_freed_activations_for_reuse():
 
 def test_disabling_the_kernels_falls_back_to_torch():
     code = (
-        "import torch; from workers.engine.backend import select_backend; "
+        "import torch; from pagemesh.workers.engine.backend import select_backend; "
         "b = select_backend(torch.device('cpu'), torch.float32); "
         "print(type(b.ops).__name__, type(b.attention).__name__)"
     )
@@ -284,7 +284,7 @@ def test_disabling_the_kernels_falls_back_to_torch():
 
 
 def test_the_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
-    from kernels.cpu import build
+    from pagemesh.kernels.cpu import build
 
     monkeypatch.setenv("PAGEMESH_CACHE_DIR", str(tmp_path))
     first = build.library_path()
@@ -297,7 +297,7 @@ def test_the_build_is_cached_per_source_and_cpu(tmp_path, monkeypatch):
 
 
 def test_a_library_that_does_not_build_is_tried_once(tmp_path, monkeypatch):
-    from kernels.cpu import build
+    from pagemesh.kernels.cpu import build
 
     monkeypatch.setenv("PAGEMESH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("PAGEMESH_CPU_KERNELS", "1")

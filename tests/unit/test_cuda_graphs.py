@@ -8,16 +8,16 @@ import sys
 import pytest
 import torch
 
-from common.model_config import ModelConfig
-from common.sampling import SamplingParams
-from workers.engine.attention import AttentionMetadata
-from workers.engine.backend import TritonAttentionBackend
-from workers.engine.config import EngineConfig
-from workers.engine.cuda_graphs import DecodeGraphs, bucket_for, capture_sizes, pad_decode_batch
-from workers.engine.engine import Engine
-from workers.engine.model_runner import ModelRunner
-from workers.model.loader import build_random_model
-from workers.model.ops import TorchOps, TritonOps
+from pagemesh.common.model_config import ModelConfig
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.attention import AttentionMetadata
+from pagemesh.workers.engine.backend import TritonAttentionBackend
+from pagemesh.workers.engine.config import EngineConfig
+from pagemesh.workers.engine.cuda_graphs import DecodeGraphs, bucket_for, capture_sizes, pad_decode_batch
+from pagemesh.workers.engine.engine import Engine
+from pagemesh.workers.engine.model_runner import ModelRunner
+from pagemesh.workers.model.loader import build_random_model
+from pagemesh.workers.model.ops import TorchOps, TritonOps
 
 TINY = ModelConfig(
     architecture="llama",
@@ -104,7 +104,7 @@ def interpreted_kernels(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("with a GPU, tests/gpu runs the compiled path")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    for name in [m for m in sys.modules if m.startswith("kernels.")]:
+    for name in [m for m in sys.modules if m.startswith("pagemesh.kernels.")]:
         importlib.reload(sys.modules[name])
 
 

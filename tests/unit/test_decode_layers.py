@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu
-from kernels.cpu import quant
-from workers.engine.attention import AttentionMetadata
-from workers.engine.model_runner import ModelRunner
-from workers.model.decode_layers import DecodeLayers
-from workers.model.llama import ForwardContext
+from pagemesh.kernels import cpu
+from pagemesh.kernels.cpu import quant
+from pagemesh.workers.engine.attention import AttentionMetadata
+from pagemesh.workers.engine.model_runner import ModelRunner
+from pagemesh.workers.model.decode_layers import DecodeLayers
+from pagemesh.workers.model.llama import ForwardContext
 
 pytestmark = pytest.mark.skipif(
     not (cpu.available() and quant.available()), reason=f"CPU kernels did not build: {cpu.load_error()}"
@@ -28,10 +28,10 @@ def quantized_model(dtype: torch.dtype, fmt: str):
     import gguf
     from gguf.quants import quantize as gguf_quantize
 
-    from common.model_config import ModelConfig
-    from kernels.quantized import from_gguf_blocks, quantize_int8
-    from workers.model.loader import build_random_model
-    from workers.model.quantization import _install, _linears
+    from pagemesh.common.model_config import ModelConfig
+    from pagemesh.kernels.quantized import from_gguf_blocks, quantize_int8
+    from pagemesh.workers.model.loader import build_random_model
+    from pagemesh.workers.model.quantization import _install, _linears
 
     cfg = ModelConfig(
         architecture="llama",
@@ -105,8 +105,8 @@ def test_fused_decode_step_equals_the_python_layers_over_many_rows(tiled):
     """11 rows: the tiled GEMM in two row chunks; without tiles, the plain kernel (as
     layers.quantized_linear picks for a weight that has none). fp32: bf16 outputs can round two
     kernels' different sums to the same values."""
-    from kernels.quantized import QuantizedWeight
-    from workers.model.quantization import _linears
+    from pagemesh.kernels.quantized import QuantizedWeight
+    from pagemesh.workers.model.quantization import _linears
 
     model = quantized_model(torch.float32, "q4_1")
     for _, m in _linears(model):
@@ -130,7 +130,7 @@ def test_only_decode_steps_of_quantized_models_take_it():
     x = torch.empty(2, 64, dtype=torch.bfloat16)
     mixed = AttentionMetadata.build([1, 3], [4, 3], [[1], [2]], PAGE, CPU, for_cpu=True, decode_gather=False)
     assert not runner.decode_layers.can_run(mixed, x)
-    from workers.model.loader import build_random_model
+    from pagemesh.workers.model.loader import build_random_model
 
     dense = build_random_model(model.config, torch.bfloat16, CPU)
     assert ModelRunner(dense, 16, PAGE, CPU, cuda_graphs=False).decode_layers is None

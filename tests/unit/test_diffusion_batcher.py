@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from workers.diffusion.engine.batcher import Batcher, Member
-from workers.diffusion.engine.config import EngineConfig
+from pagemesh.workers.diffusion.engine.batcher import Batcher, Member
+from pagemesh.workers.diffusion.engine.config import EngineConfig
 
 SMALL = (1, 8, 8)
 LARGE = (1, 16, 16)

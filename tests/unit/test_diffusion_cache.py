@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.messages import ImageParams
-from tests.diffusion_tiny import NUM_CLASSES, TinyDiTPipeline
-from workers.diffusion.engine import DiffusionEngine, EngineConfig, FinishedJob, ImageJob, InvalidImageRequest
-from workers.diffusion.pipelines.dit import DiTBlocks
+from pagemesh.common.messages import ImageParams
+from pagemesh.tests.diffusion_tiny import NUM_CLASSES, TinyDiTPipeline
+from pagemesh.workers.diffusion.engine import DiffusionEngine, EngineConfig, FinishedJob, ImageJob, InvalidImageRequest
+from pagemesh.workers.diffusion.pipelines.dit import DiTBlocks
 
 LAYERS = 3  # block 0, then two deep blocks a cache may skip
 HIDDEN_ROW_BYTES = 16 * 16 * 4  # 16 tokens (8x8, patch 2) x 16 dims (2 heads x 8) x fp32

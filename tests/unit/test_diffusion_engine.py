@@ -14,9 +14,9 @@ from diffusers import (
     UniPCMultistepScheduler,
 )
 
-from common.messages import ImageParams
-from tests.diffusion_tiny import NUM_CLASSES, TinyDiTPipeline
-from workers.diffusion.engine import (
+from pagemesh.common.messages import ImageParams
+from pagemesh.tests.diffusion_tiny import NUM_CLASSES, TinyDiTPipeline
+from pagemesh.workers.diffusion.engine import (
     SAMPLERS,
     DiffusionEngine,
     EngineConfig,

@@ -8,15 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.diffusion.classifier import digit_classifier
-from common.messages import ImageParams
-from services import launcher
-from workers.diffusion.engine.config import EngineConfig
-from workers.diffusion.engine.engine import DiffusionEngine
-from workers.diffusion.engine.jobs import ImageJob
-from workers.diffusion.pipelines.base import InvalidImageRequest
-from workers.diffusion.pipelines.embedded import DIGITS_NAME, EMBEDDED_MODELS, STUDENT_NAME
-from workers.diffusion.pipelines.loader import load_pipeline
+from pagemesh.bench.diffusion.classifier import digit_classifier
+from pagemesh.common.messages import ImageParams
+from pagemesh.services import launcher
+from pagemesh.workers.diffusion.engine.config import EngineConfig
+from pagemesh.workers.diffusion.engine.engine import DiffusionEngine
+from pagemesh.workers.diffusion.engine.jobs import ImageJob
+from pagemesh.workers.diffusion.pipelines.base import InvalidImageRequest
+from pagemesh.workers.diffusion.pipelines.embedded import DIGITS_NAME, EMBEDDED_MODELS, STUDENT_NAME
+from pagemesh.workers.diffusion.pipelines.loader import load_pipeline
 
 PER_DIGIT = 30  # 300 images: one misjudged image moves the figure by a third of a percent
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 from diffusers import AutoencoderKL, DDIMScheduler, DiTPipeline, DiTTransformer2DModel
 
-from bench.diffusion.classifier import digit_classifier
-from bench.diffusion.sample import sample
-from common.messages import ImageParams
-from workers.diffusion.pipelines.base import InvalidImageRequest
-from workers.diffusion.pipelines.dit import DiTPipelineModel
-from workers.diffusion.pipelines.embedded import DIGITS_PATH, load_embedded
+from pagemesh.bench.diffusion.classifier import digit_classifier
+from pagemesh.bench.diffusion.sample import sample
+from pagemesh.common.messages import ImageParams
+from pagemesh.workers.diffusion.pipelines.base import InvalidImageRequest
+from pagemesh.workers.diffusion.pipelines.dit import DiTPipelineModel
+from pagemesh.workers.diffusion.pipelines.embedded import DIGITS_PATH, load_embedded
 
 
 def params(prompt="a handwritten 7", **fields):

@@ -5,11 +5,11 @@ draft's pool addressed by the target's block tables, nothing left in use."""
 
 import pytest
 
-from common.sampling import SamplingParams
-from tests.unit.test_speculative import PROMPT, _tiny_engine
-from workers.engine.draft_model import DraftProposer, draft_positions
-from workers.engine.sequence import Sequence
-from workers.engine.speculative import PENDING_DRAFT, SpeculativeConfig, Speculator
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.tests.unit.test_speculative import PROMPT, _tiny_engine
+from pagemesh.workers.engine.draft_model import DraftProposer, draft_positions
+from pagemesh.workers.engine.sequence import Sequence
+from pagemesh.workers.engine.speculative import PENDING_DRAFT, SpeculativeConfig, Speculator
 
 DRAFT = SpeculativeConfig(
     method="draft_quantized", num_speculative_tokens=3, quantization="int8", max_decode_rows=10_000
@@ -29,7 +29,7 @@ def test_config_names_the_method_and_the_drafts_quantization():
 
 
 def test_the_engine_config_refuses_the_draft_beside_pipeline_stages():
-    from workers.engine.config import EngineConfig
+    from pagemesh.workers.engine.config import EngineConfig
 
     # -tp: the draft runs whole on rank 0 (tests/integration/test_parallel_quantized.py)
     assert EngineConfig(speculative_config=DRAFT, tensor_parallel_size=2).speculative_config == DRAFT
@@ -113,8 +113,8 @@ def test_a_request_that_opts_out_runs_no_draft():
 def test_the_kv_budget_holds_the_draft_pool_at_its_own_size():
     """An fp8 target pool (1 byte a value) beside the draft's (the model dtype, fp32 here: 4):
     the pages a KV budget buys count both at their own sizes."""
-    from workers.engine.config import EngineConfig
-    from workers.engine.engine import Engine
+    from pagemesh.workers.engine.config import EngineConfig
+    from pagemesh.workers.engine.engine import Engine
 
     model = _tiny_engine(None).runner.model
     budget_gb = 0.001

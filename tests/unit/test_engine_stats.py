@@ -3,7 +3,7 @@
 import random
 from types import SimpleNamespace
 
-from workers.engine.stats import kv_utilization
+from pagemesh.workers.engine.stats import kv_utilization
 
 
 def by_definition(seqs, page_size):

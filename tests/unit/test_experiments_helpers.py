@@ -1,4 +1,4 @@
-"""bench.experiments: contiguous-allocation arithmetic, per-token traces and their summary,
+"""pagemesh.bench.experiments: contiguous-allocation arithmetic, per-token traces and their summary,
 and the wall-clock driver (against a fake engine), with exact numbers."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from bench.experiments.cow import saving
-from bench.experiments.driver import Run, Trace, drive, summarize
-from bench.experiments.paged_memory import contiguous_reservation, sequences_that_fit, utilization
-from bench.experiments.workload import Job, fixed_output, mixed_jobs
-from common.sampling import SamplingParams
+from pagemesh.bench.experiments.cow import saving
+from pagemesh.bench.experiments.driver import Run, Trace, drive, summarize
+from pagemesh.bench.experiments.paged_memory import contiguous_reservation, sequences_that_fit, utilization
+from pagemesh.bench.experiments.workload import Job, fixed_output, mixed_jobs
+from pagemesh.common.sampling import SamplingParams
 
 
 # ---- contiguous allocation -----------------------------------------------------------------
@@ -176,7 +176,7 @@ def test_fixed_output_forces_the_length():
 
 
 def test_stall_share_counts_gaps_over_twice_the_median():
-    from bench.experiments.disagg import stall_share
+    from pagemesh.bench.experiments.disagg import stall_share
 
     assert stall_share([0.1, 0.1, 0.1, 0.25, 0.5]) == pytest.approx(0.4)
     assert stall_share([0.1, 0.2]) == 0.0  # upper median 0.2: nothing above 0.4

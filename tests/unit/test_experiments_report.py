@@ -1,10 +1,10 @@
-"""bench.experiments.report: markdown tables and the files a report writes."""
+"""pagemesh.bench.experiments.report: markdown tables and the files a report writes."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.experiments.report import Report, format_cell, markdown_table, new_figure
+from pagemesh.bench.experiments.report import Report, format_cell, markdown_table, new_figure
 
 
 def test_markdown_table_formats_cells():

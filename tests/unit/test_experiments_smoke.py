@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.experiments.main import main
+from pagemesh.bench.experiments.main import main
 
 
 @pytest.mark.slow

@@ -18,10 +18,10 @@ import math
 import pytest
 import torch
 
-from kernels.reference import paged_attention_ref
-from kernels.testing import make_paged_batch, quantize_kv_layer
-from workers.engine.attention import AttentionMetadata, paged_attention_torch, write_kv_fp8_torch
-from workers.engine.kv_quant import quantize, scales_from_amax
+from pagemesh.kernels.reference import paged_attention_ref
+from pagemesh.kernels.testing import make_paged_batch, quantize_kv_layer
+from pagemesh.workers.engine.attention import AttentionMetadata, paged_attention_torch, write_kv_fp8_torch
+from pagemesh.workers.engine.kv_quant import quantize, scales_from_amax
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 ROUNDING = {torch.float8_e4m3fn: (2.0**-4, 2.0**-10), torch.float8_e5m2: (2.0**-3, 2.0**-17)}
@@ -128,7 +128,7 @@ def test_calibrated_scales_map_each_heads_amax_below_the_fp8_maximum():
 
 
 def c_kernels():
-    import kernels.cpu as ck
+    import pagemesh.kernels.cpu as ck
 
     if not ck.available():
         pytest.skip(f"C kernels did not build: {ck.load_error()}")
@@ -222,7 +222,7 @@ def test_c_write_kv_stores_the_same_bytes_as_the_torch_path(fmt):
 
 
 def test_config_takes_vllms_names_with_or_without_parallel_ranks():
-    from workers.engine.config import EngineConfig
+    from pagemesh.workers.engine.config import EngineConfig
 
     assert EngineConfig(kv_cache_dtype="fp8_e5m2").kv_cache_dtype == "fp8_e5m2"
     with pytest.raises(ValueError, match="kv_cache_dtype: must be one of"):

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common import protocol
-from common.messages import KVPagesHeader
-from common.messages.base import ProtocolError
-from common.sampling import SamplingParams
-from workers.engine.kv_quant import convert_pages, dequantize, quantize
-from workers.llm.kv_pages import check_header, pack_rank_pages, write_rank_pages
+from pagemesh.common import protocol
+from pagemesh.common.messages import KVPagesHeader
+from pagemesh.common.messages.base import ProtocolError
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.kv_quant import convert_pages, dequantize, quantize
+from pagemesh.workers.llm.kv_pages import check_header, pack_rank_pages, write_rank_pages
 
 PAGE = 4
 PROMPT = [(5 * i) % 250 + 1 for i in range(18)]  # 5 pages, the last one partly filled
@@ -21,8 +21,8 @@ PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from common.model_config import ModelConfig
-    from workers.model.loader import build_random_model
+    from pagemesh.common.model_config import ModelConfig
+    from pagemesh.workers.model.loader import build_random_model
 
     cfg = ModelConfig(
         architecture="llama",
@@ -42,8 +42,8 @@ def tiny_model():
 
 
 def engine(model, kv_cache_dtype="auto"):
-    from workers.engine.config import EngineConfig
-    from workers.engine.engine import Engine
+    from pagemesh.workers.engine.config import EngineConfig
+    from pagemesh.workers.engine.engine import Engine
 
     config = EngineConfig(
         dtype="float32",

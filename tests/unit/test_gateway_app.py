@@ -11,15 +11,15 @@ import json
 import openai
 import pytest
 
-from common.messages import (
+from pagemesh.common.messages import (
     AbortRequest,
     RequestFailed,
     TextDelta,
     TextDeltaBatch,
     TokenLogprob,
 )
-from common.sampling import SamplingParams
-from tests.gateway_harness import MODEL, TOKENIZER, FakeMesh, run, sse_payloads
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.tests.gateway_harness import MODEL, TOKENIZER, FakeMesh, run, sse_payloads
 
 
 def test_completion_round_trip(tmp_path):

@@ -10,8 +10,8 @@ import json
 import openai
 import pytest
 
-from gateway.openapi import VERSION
-from tests.gateway_harness import MODEL, FakeMesh, run
+from pagemesh.gateway.openapi import VERSION
+from pagemesh.tests.gateway_harness import MODEL, FakeMesh, run
 
 KEYS = ("key-alpha", "key-beta")
 

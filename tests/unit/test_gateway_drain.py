@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from common.messages import AbortRequest, TextDelta, TextDeltaBatch
-from tests.gateway_harness import FakeMesh, run, sse_payloads
+from pagemesh.common.messages import AbortRequest, TextDelta, TextDeltaBatch
+from pagemesh.tests.gateway_harness import FakeMesh, run, sse_payloads
 
 
 def first_token(request) -> TextDeltaBatch:

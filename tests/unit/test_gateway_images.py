@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.messages import ImageParams, ImageResult
-from gateway.errors import ApiError
-from gateway.images import MAX_PROMPT_CHARS, image_response, parse_image_request
+from pagemesh.common.messages import ImageParams, ImageResult
+from pagemesh.gateway.errors import ApiError
+from pagemesh.gateway.images import MAX_PROMPT_CHARS, image_response, parse_image_request
 
 
 def test_a_minimal_request_leaves_every_choice_to_the_model():

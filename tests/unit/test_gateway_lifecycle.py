@@ -9,8 +9,8 @@ import asyncio
 import aiohttp
 import pytest
 
-from bench.local_mesh import HANG_S
-from common.messages import (
+from pagemesh.bench.local_mesh import HANG_S
+from pagemesh.common.messages import (
     AbortRequest,
     ClusterStatus,
     KVPoolLoad,
@@ -20,8 +20,8 @@ from common.messages import (
     TextDeltaBatch,
     WorkerStatus,
 )
-from gateway import app as gateway_app
-from tests.gateway_harness import FakeMesh, run, sse_payloads
+from pagemesh.gateway import app as gateway_app
+from pagemesh.tests.gateway_harness import FakeMesh, run, sse_payloads
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -176,7 +176,7 @@ def test_a_restarted_tokenizer_ends_the_requests_in_flight_with_503_and_aborts_t
 
 
 def test_no_request_goes_out_before_the_tokenizer_answered_a_ping(tmp_path, monkeypatch):
-    from gateway import mesh as gateway_mesh
+    from pagemesh.gateway import mesh as gateway_mesh
 
     monkeypatch.setattr(gateway_mesh, "TOKENIZER_WAIT_S", 0.3)
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 
-from gateway.auth import ANONYMOUS, ApiKeys, key_problem, read_key_file
-from gateway.config import parse_args
-from gateway.errors import ApiError
-from gateway.http_server import _error_for
-from gateway.limits import KeyLimits, RateLimited, estimate_prompt_tokens
+from pagemesh.gateway.auth import ANONYMOUS, ApiKeys, key_problem, read_key_file
+from pagemesh.gateway.config import parse_args
+from pagemesh.gateway.errors import ApiError
+from pagemesh.gateway.http_server import _error_for
+from pagemesh.gateway.limits import KeyLimits, RateLimited, estimate_prompt_tokens
 
 ADDRESSES = [
     "--tokenizer-address",
@@ -182,7 +182,7 @@ def test_parser_errors_become_openai_errors():
 
 
 def test_pagemesh_up_passes_keys_through_a_private_file_and_the_limits_as_flags(tmp_path, monkeypatch):
-    from services.launcher import parse, plan
+    from pagemesh.services.launcher import parse, plan
 
     monkeypatch.delenv("PAGEMESH_API_KEY", raising=False)
     args_limits = ["--max-concurrent-requests-per-key", "2", "--max-tokens-per-minute-per-key", "900"]
@@ -200,7 +200,7 @@ def test_pagemesh_up_passes_keys_through_a_private_file_and_the_limits_as_flags(
 
 
 def test_compose_hands_the_key_variables_to_the_gateway_and_empty_means_open(monkeypatch):
-    from tests.unit.test_compose import COMPOSE, argv_of
+    from pagemesh.tests.unit.test_compose import COMPOSE, argv_of
 
     gateway = COMPOSE["services"]["gateway"]
     assert {"PAGEMESH_API_KEY", "PAGEMESH_API_KEY_FILE", "PAGEMESH_SCHEDULER_ADDRESS"} <= set(gateway["environment"])

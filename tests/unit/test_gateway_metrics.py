@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.messages import ClusterStatus, KVPoolLoad, TextDelta, WorkerStatus
-from gateway.metrics import GatewayMetrics
+from pagemesh.common.messages import ClusterStatus, KVPoolLoad, TextDelta, WorkerStatus
+from pagemesh.gateway.metrics import GatewayMetrics
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from common.messages import GenerateRequest
-from common.sampling import MAX_TOKENS_FROM_CONTEXT, SamplingParams
-from gateway.errors import ApiError
-from gateway.parsing import check_model, parse_chat, parse_completion, parse_json
+from pagemesh.common.messages import GenerateRequest
+from pagemesh.common.sampling import MAX_TOKENS_FROM_CONTEXT, SamplingParams
+from pagemesh.gateway.errors import ApiError
+from pagemesh.gateway.parsing import check_model, parse_chat, parse_completion, parse_json
 
 CHAT = [{"role": "user", "content": "hi"}]
 

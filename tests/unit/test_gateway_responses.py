@@ -6,9 +6,9 @@ import dataclasses
 import json
 import math
 
-from common.messages import RequestFailed, TextDelta, TokenLogprob
-from gateway.errors import from_request_failed
-from gateway.responses import SSE_DONE, ResponseBuilder, sse_event
+from pagemesh.common.messages import RequestFailed, TextDelta, TokenLogprob
+from pagemesh.gateway.errors import from_request_failed
+from pagemesh.gateway.responses import SSE_DONE, ResponseBuilder, sse_event
 
 TEXTS = {1: "He", 2: "llo", 3: " wor", 4: "ld", 5: "é"}
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from bench.local_mesh import HANG_S
-from common.messages import ClusterStatus, StatusRequest
-from gateway import app as gateway_app
-from tests.gateway_harness import FakeMesh, run
+from pagemesh.bench.local_mesh import HANG_S
+from pagemesh.common.messages import ClusterStatus, StatusRequest
+from pagemesh.gateway import app as gateway_app
+from pagemesh.tests.gateway_harness import FakeMesh, run
 
 NOT_READY = ClusterStatus(ready=False, workers=[], queued=0)
 

@@ -8,7 +8,7 @@ from collections import deque
 
 import pytest
 
-from common.messages import (
+from pagemesh.common.messages import (
     ClusterStatus,
     KVPoolLoad,
     RequestFailed,
@@ -17,9 +17,9 @@ from common.messages import (
     TextDeltaBatch,
     WorkerStatus,
 )
-from gateway import app as gateway_app
-from gateway.status import RateMeter, RequestTrace, status_document
-from tests.gateway_harness import FakeMesh, run
+from pagemesh.gateway import app as gateway_app
+from pagemesh.gateway.status import RateMeter, RequestTrace, status_document
+from pagemesh.tests.gateway_harness import FakeMesh, run
 
 
 def delta(token_ids, index=0, request_id="r", prompt_tokens=4) -> TextDelta:

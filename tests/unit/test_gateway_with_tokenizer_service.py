@@ -10,9 +10,9 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
-from bench.local_mesh import HANG_S
-from common import transport as t
-from common.messages import (
+from pagemesh.bench.local_mesh import HANG_S
+from pagemesh.common import transport as t
+from pagemesh.common.messages import (
     AbortRequest,
     ClusterStatus,
     Ready,
@@ -22,14 +22,14 @@ from common.messages import (
     TokenDelta,
     TokenDeltaBatch,
 )
-from common.model_files import default_model_path
-from gateway.app import Gateway
-from gateway.config import GatewayConfig, parse_args
-from gateway.mesh import MeshClient
-from gateway.metrics import GatewayMetrics
-from services.tokenizer.config import TokenizerConfig
-from services.tokenizer.main import run as run_tokenizer
-from tests.default_model import tokenizer as default_tokenizer
+from pagemesh.common.model_files import default_model_path
+from pagemesh.gateway.app import Gateway
+from pagemesh.gateway.config import GatewayConfig, parse_args
+from pagemesh.gateway.mesh import MeshClient
+from pagemesh.gateway.metrics import GatewayMetrics
+from pagemesh.services.tokenizer.config import TokenizerConfig
+from pagemesh.services.tokenizer.main import run as run_tokenizer
+from pagemesh.tests.default_model import tokenizer as default_tokenizer
 
 TIMEOUT_S = HANG_S  # bounds a hang only; a loaded machine may take long to load the vocabulary
 TOKENIZER = default_tokenizer()  # one load per session, shared

@@ -1,4 +1,4 @@
-"""GGUF Q5_0, Q5_1 and K-quant tensors in our layout (`kernels.gguf_conversions`) against gguf-py's
+"""GGUF Q5_0, Q5_1 and K-quant tensors in our layout (`pagemesh.kernels.gguf_conversions`) against gguf-py's
 numpy dequantizers on synthetic blocks, the C matmul on the converted formats, and (where
 bench/peers/llama_cpp.sh made one) a real Q4_K_M file served with `--quantization gguf`."""
 
@@ -12,9 +12,9 @@ import torch
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from kernels.cpu import quant
-from kernels.gguf_conversions import GGUF_CONVERSIONS, from_gguf_converted, fusable
-from kernels.quantized import concat_rows, dequantize, quantize_activations, unpack_codes
+from pagemesh.kernels.cpu import quant
+from pagemesh.kernels.gguf_conversions import GGUF_CONVERSIONS, from_gguf_converted, fusable
+from pagemesh.kernels.quantized import concat_rows, dequantize, quantize_activations, unpack_codes
 
 ROWS, K = 6, 512  # two K-quant super-blocks per row
 Q = gguf.GGMLQuantizationType
@@ -125,14 +125,14 @@ Q4_K_M = PEERS / "SmolLM2-135M-Instruct.Q4_K_M.gguf"
     not Q4_K_M.exists(), reason=f"no {Q4_K_M} (bench/peers/llama_cpp.sh perplexity 512 q4_k_m makes it)"
 )
 def test_a_q4_k_m_file_serves_quantized_and_agrees_with_its_dense_model(caplog):
-    from bench.quantized import make_runner, prompt_logits, quality_texts
-    from tests.default_model import tokenizer
-    from workers.model import layers
-    from workers.model.layers import ColumnParallelLinear, RowParallelLinear
-    from workers.model.loader import load_model
+    from pagemesh.bench.quantized import make_runner, prompt_logits, quality_texts
+    from pagemesh.tests.default_model import tokenizer
+    from pagemesh.workers.model import layers
+    from pagemesh.workers.model.layers import ColumnParallelLinear, RowParallelLinear
+    from pagemesh.workers.model.loader import load_model
 
     cpu = torch.device("cpu")
-    with caplog.at_level("INFO", logger="workers.model.loader"):
+    with caplog.at_level("INFO", logger="pagemesh.workers.model.loader"):
         model = load_model(Q4_K_M, torch.bfloat16, cpu, quantization="gguf")
     routes = " ".join(r.getMessage() for r in caplog.records)
     assert "Q4_K tensors as q4_k" in routes and "Q6_K tensors as int8" in routes and "Q5_0 tensors as u8" in routes

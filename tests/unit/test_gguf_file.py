@@ -6,8 +6,8 @@ import gguf
 import numpy as np
 import pytest
 
-from common.gguf_file import _read, read_gguf
-from common.model_files import default_model_path
+from pagemesh.common.gguf_file import _read, read_gguf
+from pagemesh.common.model_files import default_model_path
 
 
 def assert_reads_as_gguf_does(path):

@@ -37,9 +37,11 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 
 def test_bench_and_the_engine_import_without_zmq_structlog_gguf():
     proc = run_python("""
-        import kernels, kernels.reference, workers.engine.cuda_graphs, workers.model.ops
-        import workers.engine.engine, workers.engine.tensor_parallel  # tensor parallel: NCCL on CUDA
-        print(sorted(m for m in sys.modules if m.split(".")[0] in ("zmq", "structlog", "gguf", "services", "gateway")))
+        import pagemesh.kernels, pagemesh.kernels.reference, pagemesh.workers.model.ops
+        import pagemesh.workers.engine.cuda_graphs, pagemesh.workers.engine.engine
+        import pagemesh.workers.engine.tensor_parallel  # tensor parallel: NCCL on CUDA
+        mesh = ("pagemesh.services", "pagemesh.gateway")
+        print(sorted(m for m in sys.modules if m.split(".")[0] in ("zmq", "structlog", "gguf") or m.startswith(mesh)))
     """)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[-2] == "['gguf', 'structlog', 'zmq']"  # only the blocking entries
@@ -57,7 +59,7 @@ def test_bench_measurements_run_on_a_tiny_model_on_cpu():
     its bugs: decode rows for each batch plus the eager row, and the TTFT line."""
     proc = run_python("""
         import torch
-        from workers.model.loader import build_random_model
+        from pagemesh.workers.model.loader import build_random_model
         cfg = gpu_engine.ModelConfig(
             architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
             num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=500000.0,

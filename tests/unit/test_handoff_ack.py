@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-from common.messages import KVPagesAck
-from common.transport import ipc_address
-from workers.llm.handoff import HandoffIn
+from pagemesh.common.messages import KVPagesAck
+from pagemesh.common.transport import ipc_address
+from pagemesh.workers.llm.handoff import HandoffIn
 
 
 class Log:

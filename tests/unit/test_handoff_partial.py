@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from common.messages import DecodeTask, DoneReason, KVPagesHeader
-from common.sampling import SamplingParams
-from common.transport import ipc_address
-from workers.engine.block_manager import BlockManager
-from workers.llm.handoff import HandoffIn
+from pagemesh.common.messages import DecodeTask, DoneReason, KVPagesHeader
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.common.transport import ipc_address
+from pagemesh.workers.engine.block_manager import BlockManager
+from pagemesh.workers.llm.handoff import HandoffIn
 
 PAGE, LAYERS = 4, 4  # a prefill worker of two stages: layers [0, 2) and [2, 4)
 PROMPT = list(range(100, 110))  # 3 pages; the first 2 full ones are cached on the decode worker

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from bench.experiments.image_metrics import psnr, ssim
+from pagemesh.bench.experiments.image_metrics import psnr, ssim
 
 
 def test_psnr_of_equal_images_is_infinite_and_of_a_known_error_exact():

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from common import json_grammar as g
-from tests.default_model import tokenizer as default_tokenizer
-from workers.engine.json_mode import MAX_WHITESPACE_TOKENS, JsonCursor, JsonMasks
+from pagemesh.common import json_grammar as g
+from pagemesh.tests.default_model import tokenizer as default_tokenizer
+from pagemesh.workers.engine.json_mode import MAX_WHITESPACE_TOKENS, JsonCursor, JsonMasks
 
 
 def accepts(text: str) -> bool:
@@ -153,8 +153,8 @@ def test_end_tokens_only_once_the_object_is_closed_and_whitespace_runs_are_cappe
 
 
 def test_the_sampler_takes_only_allowed_tokens(masks):
-    from common.sampling import SamplingParams
-    from workers.engine.sampler import SampleRow, argmax_only, sample
+    from pagemesh.common.sampling import SamplingParams
+    from pagemesh.workers.engine.sampler import SampleRow, argmax_only, sample
 
     cursor = cursor_after(masks, '{"a": ')
     allowed = masks.allowed(cursor)

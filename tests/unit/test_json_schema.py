@@ -10,10 +10,10 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel
 
-from common import json_grammar as g
-from common.json_schema import SchemaError, compile_schema
-from tests.default_model import tokenizer as default_tokenizer
-from workers.engine.json_mode import JsonMasks
+from pagemesh.common import json_grammar as g
+from pagemesh.common.json_schema import SchemaError, compile_schema
+from pagemesh.tests.default_model import tokenizer as default_tokenizer
+from pagemesh.workers.engine.json_mode import JsonMasks
 
 
 class Pet(BaseModel):

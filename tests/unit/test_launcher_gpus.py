@@ -5,9 +5,9 @@ run is scripts/gpu_check.sh's)."""
 
 import pytest
 
-from services import launcher
-from workers.engine.engine import gpu_kv_budget
-from workers.llm.main import parse as parse_worker
+from pagemesh.services import launcher
+from pagemesh.workers.engine.engine import gpu_kv_budget
+from pagemesh.workers.llm.main import parse as parse_worker
 
 GB = 2**30
 

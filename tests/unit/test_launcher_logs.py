@@ -9,9 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.local_mesh import HANG_S
-from services import launcher
-from services.log_relay import LogRelay
+from pagemesh.bench.local_mesh import HANG_S
+from pagemesh.services import launcher
+from pagemesh.services.log_relay import LogRelay
 
 WRITER = """
 import json, sys

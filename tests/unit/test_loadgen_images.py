@@ -1,4 +1,4 @@
-"""bench.loadgen.images: prompts, request bodies, answers and summaries with exact numbers; the
+"""pagemesh.bench.loadgen.images: prompts, request bodies, answers and summaries with exact numbers; the
 runner and `pagemesh bench --endpoint /v1/images/generations` against a fake image server."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections import Counter
 import pytest
 from aiohttp import web
 
-from bench.loadgen import main as bench_main
-from bench.loadgen.images import (
+from pagemesh.bench.loadgen import main as bench_main
+from pagemesh.bench.loadgen.images import (
     ImageResult,
     ImageTarget,
     image_prompts,
@@ -21,9 +21,9 @@ from bench.loadgen.images import (
     read_image_answer,
     run_image_point,
 )
-from bench.loadgen.metrics import summarize_images
-from bench.loadgen.report import format_image_summary
-from bench.loadgen.runner import BenchError, LoadPoint
+from pagemesh.bench.loadgen.metrics import summarize_images
+from pagemesh.bench.loadgen.report import format_image_summary
+from pagemesh.bench.loadgen.runner import BenchError, LoadPoint
 
 
 def _take(it, k):

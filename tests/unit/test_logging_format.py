@@ -10,14 +10,15 @@ import textwrap
 
 import pytest
 
-from bench.local_mesh import HANG_S
-from common.logging import log_format
+from pagemesh.bench.local_mesh import HANG_S
+from pagemesh.common.logging import log_colors, log_format
+from pagemesh.common.python_command import python_module
 
 CONCURRENT_LOGGING = textwrap.dedent(
     """
     import logging, sys, threading
     import structlog
-    from common.logging import configure_logging
+    from pagemesh.common.logging import configure_logging
 
     configure_logging("test", "t0", fmt=sys.argv[1])
     payload = "x" * 3000  # long lines: the old two writes per line split them
@@ -86,11 +87,44 @@ def test_the_format_follows_the_terminal_unless_asked(monkeypatch):
         log_format("xml")
 
 
+def test_console_needs_stdout_and_stderr_on_a_terminal(monkeypatch):
+    """`pagemesh up > file` (stdout redirected, stderr still the terminal) logs JSON."""
+    monkeypatch.delenv("PAGEMESH_LOG_FORMAT", raising=False)
+    for stdout_tty, stderr_tty, expected in [(True, True, "console"), (False, True, "json"), (True, False, "json")]:
+        monkeypatch.setattr(sys, "stdout", _Stream(stdout_tty))
+        monkeypatch.setattr(sys, "stderr", _Stream(stderr_tty))
+        assert log_format() == expected
+
+
+def test_colour_on_a_terminal_that_takes_it_or_as_the_launcher_says(monkeypatch):
+    for name in ("PAGEMESH_LOG_COLOR", "NO_COLOR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")
+    assert log_colors(_Stream(tty=True)) is True
+    assert log_colors(_Stream(tty=False)) is False
+    monkeypatch.setenv("TERM", "dumb")
+    assert log_colors(_Stream(tty=True)) is False
+    monkeypatch.setenv("TERM", "xterm")
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert log_colors(_Stream(tty=True)) is False
+    monkeypatch.setenv("PAGEMESH_LOG_COLOR", "1")  # a child of pagemesh up writes into a pipe
+    assert log_colors(_Stream(tty=False)) is True
+    monkeypatch.setenv("PAGEMESH_LOG_COLOR", "0")
+    assert log_colors(_Stream(tty=True)) is False
+
+
 def test_a_service_stops_on_sigint_with_its_last_line_and_exit_code_zero(tmp_path):
     """Processes end through common.process.exit_fast (no interpreter finalization): the
     "stopped" record still comes out whole, and the exit code is 0."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "scheduler", "--address", f"ipc://{tmp_path}/s", "--log-format", "json"],
+        [
+            *python_module("pagemesh.services.cli"),
+            "scheduler",
+            "--address",
+            f"ipc://{tmp_path}/s",
+            "--log-format",
+            "json",
+        ],
         stderr=subprocess.PIPE,
         text=True,
     )

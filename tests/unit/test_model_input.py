@@ -4,11 +4,11 @@ import dataclasses
 
 import msgpack
 
-from common.sampling import SamplingParams
-from workers.engine.block_manager import BlockManager
-from workers.engine.model_input import ModelInput, build_model_input
-from workers.engine.scheduler import ScheduledChunk, Scheduler, StepPlan, StepSchedulerConfig
-from workers.engine.sequence import Sequence
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.block_manager import BlockManager
+from pagemesh.workers.engine.model_input import ModelInput, build_model_input
+from pagemesh.workers.engine.scheduler import ScheduledChunk, Scheduler, StepPlan, StepSchedulerConfig
+from pagemesh.workers.engine.sequence import Sequence
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 

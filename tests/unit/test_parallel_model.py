@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.experiments.parallel_model import (
+from pagemesh.bench.experiments.parallel_model import (
     H200,
     LLAMA_3_8B,
     Gpu,
@@ -13,8 +13,8 @@ from bench.experiments.parallel_model import (
     tensor_parallel_point,
     valid_sizes,
 )
-from common.model_config import read_model_config
-from common.model_files import default_model_path
+from pagemesh.common.model_config import read_model_config
+from pagemesh.common.model_files import default_model_path
 
 # Llama-3-8B has 8,030,261,248 parameters; the model leaves out its 65 RMSNorm vectors of 4096
 LLAMA_3_8B_WITHOUT_NORMS = 8_030_261_248 - 65 * 4096

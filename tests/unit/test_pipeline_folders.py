@@ -40,9 +40,9 @@ from transformers import (  # noqa: E402
     T5Tokenizer,
 )
 
-from common.messages import ImageParams  # noqa: E402
-from workers.diffusion.pipelines.base import InvalidImageRequest  # noqa: E402
-from workers.diffusion.pipelines.loader import LAYOUTS, ModelFolderError, load_pipeline  # noqa: E402
+from pagemesh.common.messages import ImageParams  # noqa: E402
+from pagemesh.workers.diffusion.pipelines.base import InvalidImageRequest  # noqa: E402
+from pagemesh.workers.diffusion.pipelines.loader import LAYOUTS, ModelFolderError, load_pipeline  # noqa: E402
 
 SCHEDULER = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000)
 PROMPTS = ["a cat on a mat", "the dog", "A CAT sits on the red mat, looking left"]
@@ -382,8 +382,8 @@ def test_dispatch_to_the_embedded_and_dit_models(monkeypatch, tmp_path):
     dit.DiTPipelineModel = types.SimpleNamespace(
         from_folder=lambda path, **kw: calls.append(("dit", path, kw)) or "dit-model"
     )
-    monkeypatch.setitem(sys.modules, "workers.diffusion.pipelines.embedded", embedded)
-    monkeypatch.setitem(sys.modules, "workers.diffusion.pipelines.dit", dit)
+    monkeypatch.setitem(sys.modules, "pagemesh.workers.diffusion.pipelines.embedded", embedded)
+    monkeypatch.setitem(sys.modules, "pagemesh.workers.diffusion.pipelines.dit", dit)
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "DiTPipeline"}))
 
     assert load_pipeline(None, dtype=torch.bfloat16) == "digits"

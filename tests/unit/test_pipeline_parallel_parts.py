@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.model_config import ModelConfig
-from workers.engine.pipeline_parallel import check_pipeline_parallel, stage_group, stage_layers
-from workers.model.llama import LlamaForCausalLM
+from pagemesh.common.model_config import ModelConfig
+from pagemesh.workers.engine.pipeline_parallel import check_pipeline_parallel, stage_group, stage_layers
+from pagemesh.workers.model.llama import LlamaForCausalLM
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -110,7 +110,7 @@ def _hf_shapes(model: LlamaForCausalLM):
 def test_the_flag_reaches_the_engine_config_and_the_child_command_line():
     import argparse
 
-    from workers.engine.config import add_engine_arguments, engine_args_to_argv, engine_config_from_args
+    from pagemesh.workers.engine.config import add_engine_arguments, engine_args_to_argv, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
@@ -126,8 +126,8 @@ def test_the_flag_reaches_the_engine_config_and_the_child_command_line():
 def test_max_steps_in_flight_is_a_flag_defaulting_to_the_stages():
     import argparse
 
-    from workers.engine.config import add_engine_arguments, engine_args_to_argv, engine_config_from_args
-    from workers.engine.scheduler import StepSchedulerConfig
+    from pagemesh.workers.engine.config import add_engine_arguments, engine_args_to_argv, engine_config_from_args
+    from pagemesh.workers.engine.scheduler import StepSchedulerConfig
 
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
@@ -147,7 +147,7 @@ def test_max_steps_in_flight_is_a_flag_defaulting_to_the_stages():
 
 
 def test_pagemesh_up_passes_the_stages_to_every_llm_worker(tmp_path):
-    from services import launcher
+    from pagemesh.services import launcher
 
     for flags, names in ((["--mixed", "1"], ["mixed-0"]), ([], ["prefill-0", "decode-0"])):
         args = launcher.parse([*flags, "-pp", "2"])  # no flags: the default mesh, a prefill and a decode worker

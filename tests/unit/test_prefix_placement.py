@@ -10,14 +10,14 @@ import sys
 import pytest
 import torch
 
-from common.messages import Heartbeat, KVPoolLoad, WorkerKind
-from common.page_hash import HASH_BITS, chain_hash, prefix_page_hashes
-from common.sampling import SamplingParams
-from services.scheduler.main import parse as parse_scheduler_flags
-from services.scheduler.placement import Placement, PlacementPolicy, Placer, score
-from services.scheduler.prefix_index import PromptPages
-from services.scheduler.registry import Registry, WorkerInfo
-from workers.engine.block_manager import BlockManager
+from pagemesh.common.messages import Heartbeat, KVPoolLoad, WorkerKind
+from pagemesh.common.page_hash import HASH_BITS, chain_hash, prefix_page_hashes
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.services.scheduler.main import parse as parse_scheduler_flags
+from pagemesh.services.scheduler.placement import Placement, PlacementPolicy, Placer, score
+from pagemesh.services.scheduler.prefix_index import PromptPages
+from pagemesh.services.scheduler.registry import Registry, WorkerInfo
+from pagemesh.workers.engine.block_manager import BlockManager
 
 PAGE = 4
 PROMPT = list(range(100, 117))  # 17 tokens: 4 full pages, all reusable (one token stays to compute)
@@ -60,7 +60,7 @@ def test_keys_are_62_bit_chained_and_the_same_in_another_process():
     assert keys[0] == chain_hash(None, PROMPT[:4]) and keys[1] == chain_hash(keys[0], PROMPT[4:8])
     assert chain_hash(None, [1, 2, 3, 4]) != chain_hash(keys[0], [1, 2, 3, 4])  # the parent counts
     assert prefix_page_hashes(PROMPT[:16], PAGE) == keys[:3]  # 16 tokens: the 4th page is not reusable
-    code = f"from common.page_hash import prefix_page_hashes as f; print(f({PROMPT}, {PAGE}))"
+    code = f"from pagemesh.common.page_hash import prefix_page_hashes as f; print(f({PROMPT}, {PAGE}))"
     out = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -254,8 +254,8 @@ def test_placement_flags():
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from common.model_config import ModelConfig
-    from workers.model.loader import build_random_model
+    from pagemesh.common.model_config import ModelConfig
+    from pagemesh.workers.model.loader import build_random_model
 
     cfg = ModelConfig(
         architecture="llama",
@@ -275,8 +275,8 @@ def tiny_model():
 
 
 def make_engine(model, prefix_caching=True):
-    from workers.engine.config import EngineConfig
-    from workers.engine.engine import Engine
+    from pagemesh.workers.engine.config import EngineConfig
+    from pagemesh.workers.engine.engine import Engine
 
     config = EngineConfig(
         dtype="float32",
@@ -300,8 +300,8 @@ def prefill(engine, rid, prompt, params):
 def hand_off(p_engine, d_engine, rid, prompt, params, skip_pages):
     """What the two worker services do: the decode side pins, the prefill side packs the tail,
     the decode side checks and imports. Returns the header."""
-    from common import protocol
-    from workers.llm.kv_pages import check_header, pack_pages, write_pages
+    from pagemesh.common import protocol
+    from pagemesh.workers.llm.kv_pages import check_header, pack_pages, write_pages
 
     hits = d_engine.blocks.match_prefix(prompt) if skip_pages else []
     pinned = hits[:skip_pages]

@@ -15,7 +15,7 @@ HANG_S = 120.0  # bounds a hang only
 SCRIPT = textwrap.dedent(
     """
     import asyncio, sys
-    from common.process import ProcessFailed, run_until_signalled
+    from pagemesh.common.process import ProcessFailed, run_until_signalled
 
     mode = sys.argv[1]
 

@@ -9,8 +9,8 @@ import sys
 import msgpack
 import pytest
 
-from common import protocol as p
-from common.protocol import (
+from pagemesh.common import protocol as p
+from pagemesh.common.protocol import (
     AbortRequest,
     DecodeTask,
     GenerateTask,
@@ -29,7 +29,7 @@ from common.protocol import (
     decode,
     encode,
 )
-from tests.protocol_samples import HEADER, SAMPLES, SP, TEXT_DELTA, TOKEN_DELTA
+from pagemesh.tests.protocol_samples import HEADER, SAMPLES, SP, TEXT_DELTA, TOKEN_DELTA
 
 
 def frames_of(msg) -> list:
@@ -292,5 +292,5 @@ def test_fuzz_only_protocol_error():
 
 
 def test_protocol_does_not_import_torch_or_zmq():
-    code = "import sys, common.protocol; assert 'torch' not in sys.modules and 'zmq' not in sys.modules"
+    code = "import sys, pagemesh.common.protocol; assert 'torch' not in sys.modules and 'zmq' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.protocol import (
+from pagemesh.common.protocol import (
     KVPagesHeader,
     ProtocolError,
     decode,

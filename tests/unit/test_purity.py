@@ -15,30 +15,35 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKED = ("torch", "zmq")
 PURE_MODULES = [
-    "workers.engine.block_manager",
-    "workers.engine.scheduler",
-    "workers.engine.sequence",
-    "workers.engine.model_input",
-    "workers.engine.speculative",
-    "workers.engine.in_flight",
-    "services.scheduler.core",
-    "services.scheduler.failures",
-    "services.scheduler.placement",
-    "services.scheduler.registry",
-    "services.scheduler.prefix_index",
-    "common.messages",
-    "common.page_hash",
-    "common.model_config",
-    "common.gpus",
-    "workers.diffusion.engine.batcher",
-    "workers.diffusion.engine.cache_policy",
-    "workers.diffusion.engine.config",
-    "workers.diffusion.engine.stats",
+    "pagemesh.workers.engine.block_manager",
+    "pagemesh.workers.engine.scheduler",
+    "pagemesh.workers.engine.sequence",
+    "pagemesh.workers.engine.model_input",
+    "pagemesh.workers.engine.speculative",
+    "pagemesh.workers.engine.in_flight",
+    "pagemesh.services.scheduler.core",
+    "pagemesh.services.scheduler.failures",
+    "pagemesh.services.scheduler.placement",
+    "pagemesh.services.scheduler.registry",
+    "pagemesh.services.scheduler.prefix_index",
+    "pagemesh.common.messages",
+    "pagemesh.common.page_hash",
+    "pagemesh.common.model_config",
+    "pagemesh.common.gpus",
+    "pagemesh.workers.diffusion.engine.batcher",
+    "pagemesh.workers.diffusion.engine.cache_policy",
+    "pagemesh.workers.diffusion.engine.config",
+    "pagemesh.workers.diffusion.engine.stats",
 ]
 # DESIGN.md §2: the sockets (transport.py) and their CurveZMQ keys (transport_curve.py)
 ZMQ_MODULES = {"common/transport.py", "common/transport_curve.py"}
 # processes that talk over sockets but must not load torch: the launcher parses every kind's flags
-NO_TORCH_MODULES = ["services.launcher", "services.tokenizer.core", "services.tokenizer.config", "gateway.app"]
+NO_TORCH_MODULES = [
+    "pagemesh.services.launcher",
+    "pagemesh.services.tokenizer.core",
+    "pagemesh.services.tokenizer.config",
+    "pagemesh.gateway.app",
+]
 
 GUARD = """
 import importlib, sys

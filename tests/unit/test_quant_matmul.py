@@ -1,5 +1,5 @@
-"""Quantized weights: the GGUF blocks and our int8 in one layout (`kernels.quantized`), and the C
-matmul (`kernels.cpu.quant`) against dequantize-then-matmul on random blocks, tails included."""
+"""Quantized weights: the GGUF blocks and our int8 in one layout (`pagemesh.kernels.quantized`), and the C
+matmul (`pagemesh.kernels.cpu.quant`) against dequantize-then-matmul on random blocks, tails included."""
 
 import gguf
 import numpy as np
@@ -8,8 +8,8 @@ import torch
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from kernels.cpu import quant
-from kernels.quantized import (
+from pagemesh.kernels.cpu import quant
+from pagemesh.kernels.quantized import (
     concat_rows,
     dequantize,
     from_gguf_blocks,
@@ -108,8 +108,8 @@ def test_dequantize_bf16_is_the_reference_rounded_once(fmt, n, k):
 @pytest.mark.skipif(not quant.available(), reason=f"quantized C kernel did not build: {quant.load_error()}")
 @pytest.mark.parametrize("fmt", ["int8", "q4_1"])
 def test_linear_takes_the_bf16_gemm_from_the_row_threshold(fmt):
-    from workers.model import layers
-    from workers.model.layers import DEQUANTIZE_MIN_ROWS, quantized_linear
+    from pagemesh.workers.model import layers
+    from pagemesh.workers.model.layers import DEQUANTIZE_MIN_ROWS, quantized_linear
 
     qw = _weight(fmt, 40, 128, 5)
     bias = torch.randn(40)
@@ -197,7 +197,7 @@ def test_tiled_gemm_reads_strided_rows_and_rejects_bad_input():
 
 @pytest.mark.skipif(not quant.available(), reason=f"quantized C kernel did not build: {quant.load_error()}")
 def test_linear_takes_the_tiled_gemm_below_the_row_threshold():
-    from workers.model.layers import DEQUANTIZE_MIN_ROWS, quantized_linear
+    from pagemesh.workers.model.layers import DEQUANTIZE_MIN_ROWS, quantized_linear
 
     qw = with_tiles(_weight("q4_1", 40, 128, 5))
     bias = torch.randn(40)

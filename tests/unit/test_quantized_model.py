@@ -8,17 +8,22 @@ import dataclasses
 import pytest
 import torch
 
-from bench.quantized import PAGE, prompt_logits, quality_texts
-from common.model_files import default_model_path
-from kernels.cpu import quant
-from tests.default_model import tokenizer
-from workers.engine.backend import select_backend
-from workers.engine.config import EngineConfig, add_engine_arguments, engine_args_to_argv, engine_config_from_args
-from workers.engine.model_runner import ModelRunner
-from workers.model import layers
-from workers.model.layers import ColumnParallelLinear, RowParallelLinear
-from workers.model.loader import load_model
-from workers.model.quantization import quantize_int8_model
+from pagemesh.bench.quantized import PAGE, prompt_logits, quality_texts
+from pagemesh.common.model_files import default_model_path
+from pagemesh.kernels.cpu import quant
+from pagemesh.tests.default_model import tokenizer
+from pagemesh.workers.engine.backend import select_backend
+from pagemesh.workers.engine.config import (
+    EngineConfig,
+    add_engine_arguments,
+    engine_args_to_argv,
+    engine_config_from_args,
+)
+from pagemesh.workers.engine.model_runner import ModelRunner
+from pagemesh.workers.model import layers
+from pagemesh.workers.model.layers import ColumnParallelLinear, RowParallelLinear
+from pagemesh.workers.model.loader import load_model
+from pagemesh.workers.model.quantization import quantize_int8_model
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason=f"quantized C kernel did not build: {quant.load_error()}")
 POSITIONS = 96  # per text, four texts
@@ -96,8 +101,8 @@ def test_gguf_quantization_needs_a_gguf_file(tmp_path):
 
 
 def _shard(cfg, rank: int, size: int):
-    from workers.model.layers import ParallelContext
-    from workers.model.llama import LlamaForCausalLM
+    from pagemesh.workers.model.layers import ParallelContext
+    from pagemesh.workers.model.llama import LlamaForCausalLM
 
     model = LlamaForCausalLM(cfg, ParallelContext(rank, size))
     model.init_random(0)
@@ -107,10 +112,10 @@ def _shard(cfg, rank: int, size: int):
 def test_a_pipeline_stage_takes_its_own_layers_gguf_blocks():
     """Stage 1 of 2 (layer 1 and the LM head) installs layer 1's blocks, not layer 0's: the GGUF's
     names are the model's, a stage's `layers[0]` is layer 1; tp rank 1 of 2 takes its shards."""
-    from kernels.quantized import quantize_int8
-    from workers.model.layers import ParallelContext
-    from workers.model.llama import LlamaForCausalLM
-    from workers.model.quantization import install_gguf_weights
+    from pagemesh.kernels.quantized import quantize_int8
+    from pagemesh.workers.model.layers import ParallelContext
+    from pagemesh.workers.model.llama import LlamaForCausalLM
+    from pagemesh.workers.model.quantization import install_gguf_weights
 
     cfg = dataclasses.replace(_config(), num_layers=2, tie_word_embeddings=False)
     whole = LlamaForCausalLM(cfg)
@@ -135,7 +140,7 @@ def test_a_pipeline_stage_takes_its_own_layers_gguf_blocks():
 
 
 def _config():
-    from common.model_config import ModelConfig
+    from pagemesh.common.model_config import ModelConfig
 
     return ModelConfig(
         architecture="llama",
@@ -156,8 +161,8 @@ def _config():
 def test_a_row_parallel_shard_off_the_blocks_is_refused_naming_the_layer():
     """MLP of 192: tp 2 cuts down_proj's inputs into 96 (three blocks of 32) a rank, tp 4 into 48
     (a block and a half): refused, for int8 and for a GGUF's blocks, naming the layer."""
-    from kernels.quantized import quantize_int8
-    from workers.model.quantization import install_gguf_weights
+    from pagemesh.kernels.quantized import quantize_int8
+    from pagemesh.workers.model.quantization import install_gguf_weights
 
     cfg = _config()
     whole = _shard(cfg, 0, 1)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.sampling import SamplingParams
-from workers.engine.validation import RequestValidator
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.validation import RequestValidator
 
 POOL = RequestValidator(vocab_size=100, max_model_len=1000, num_pages=19, page_size=4)  # 76 tokens
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from common.sampling import SamplingParams
-from workers.engine.sampler import SampleRow, argmax_only, sample
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.sampler import SampleRow, argmax_only, sample
 
 
 @pytest.mark.parametrize(
@@ -218,10 +218,10 @@ def test_the_sampler_keeps_every_tensor_on_the_logits_device(monkeypatch):
 def test_the_engine_hands_the_sampler_the_token_lists_its_penalties_read(penalties, prompt_read, output_read):
     """A row carries the prompt and output ids only when a penalty reads them (copying long
     contexts for every row at every step costs the host ~0.3 ms per step at 128 x 4096)."""
-    from common.model_config import ModelConfig
-    from workers.engine.config import EngineConfig
-    from workers.engine.engine import Engine
-    from workers.model.loader import build_random_model
+    from pagemesh.common.model_config import ModelConfig
+    from pagemesh.workers.engine.config import EngineConfig
+    from pagemesh.workers.engine.engine import Engine
+    from pagemesh.workers.model.loader import build_random_model
 
     cfg = ModelConfig(
         architecture="llama",

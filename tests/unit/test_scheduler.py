@@ -1,9 +1,9 @@
 """Local scheduler: token budget, decodes first, chunking, preemption by recompute."""
 
-from common.sampling import SamplingParams
-from workers.engine.block_manager import BlockManager
-from workers.engine.scheduler import Scheduler, StepSchedulerConfig
-from workers.engine.sequence import SeqStatus, Sequence
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.block_manager import BlockManager
+from pagemesh.workers.engine.scheduler import Scheduler, StepSchedulerConfig
+from pagemesh.workers.engine.sequence import SeqStatus, Sequence
 
 
 def make_seq(n: int, rid: str) -> Sequence:

@@ -4,7 +4,7 @@ driven with no sockets and no clock (tests/scheduler_harness.py)."""
 
 from __future__ import annotations
 
-from common.messages import (
+from pagemesh.common.messages import (
     AbortRequest,
     DecodeTask,
     PrefillTask,
@@ -14,11 +14,11 @@ from common.messages import (
     WorkerKind,
     WorkerStopped,
 )
-from common.page_hash import prefix_page_hashes
-from common.sampling import SamplingParams
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.core import SchedulerCore
-from tests.scheduler_harness import (
+from pagemesh.common.page_hash import prefix_page_hashes
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.services.scheduler.config import SchedulerConfig
+from pagemesh.services.scheduler.core import SchedulerCore
+from pagemesh.tests.scheduler_harness import (
     AFTER_GRACE,
     PAGE,
     PROMPT,

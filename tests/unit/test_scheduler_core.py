@@ -5,7 +5,7 @@ Admission and placement: test_scheduler_admission.py; endings: test_scheduler_fa
 
 from __future__ import annotations
 
-from common.messages import (
+from pagemesh.common.messages import (
     AbortRequest,
     ClusterStatus,
     KVPoolLoad,
@@ -17,7 +17,7 @@ from common.messages import (
     WorkerRole,
     WorkerStatus,
 )
-from tests.scheduler_harness import (
+from pagemesh.tests.scheduler_harness import (
     AFTER_GRACE,
     IMAGES,
     PAGE,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-import services.scheduler.failures as failures_module
-from common.messages import (
+import pagemesh.services.scheduler.failures as failures_module
+from pagemesh.common.messages import (
     AbortRequest,
     DoneReason,
     HeldRequest,
@@ -17,7 +17,7 @@ from common.messages import (
     RequestFailed,
     WorkerKind,
 )
-from tests.scheduler_harness import (
+from pagemesh.tests.scheduler_harness import (
     T0,
     TOK,
     TOK_OUT,

@@ -3,7 +3,7 @@ in a queue of their own that never blocks LLM requests; refusals and failures re
 
 from __future__ import annotations
 
-from common.messages import (
+from pagemesh.common.messages import (
     AbortRequest,
     DoneReason,
     FeatureCacheLoad,
@@ -15,7 +15,7 @@ from common.messages import (
     RequestFailed,
     WorkerKind,
 )
-from tests.scheduler_harness import (
+from pagemesh.tests.scheduler_harness import (
     AFTER_GRACE,
     T0,
     TIMEOUT,

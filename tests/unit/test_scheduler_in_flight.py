@@ -4,11 +4,11 @@ sequences into micro-batches; a request's sequences stay together; preemption sp
 sequences; an abort in flight keeps the pages until the step returns and drops its rows; the
 prefix cache only learns a page after its step returns. Pure logic, exact expectations."""
 
-from common.sampling import SamplingParams
-from workers.engine.block_manager import BlockManager
-from workers.engine.in_flight import StepsInFlight, surviving_rows
-from workers.engine.scheduler import ScheduledChunk, Scheduler, StepPlan, StepSchedulerConfig
-from workers.engine.sequence import Sequence
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.block_manager import BlockManager
+from pagemesh.workers.engine.in_flight import StepsInFlight, surviving_rows
+from pagemesh.workers.engine.scheduler import ScheduledChunk, Scheduler, StepPlan, StepSchedulerConfig
+from pagemesh.workers.engine.sequence import Sequence
 
 
 def make_seq(n: int, rid: str, index: int = 0, **params) -> Sequence:

@@ -5,7 +5,7 @@ with the OpenAI error."""
 
 from __future__ import annotations
 
-from common.messages import (
+from pagemesh.common.messages import (
     AbortRequest,
     DecodeTask,
     GenerateTask,
@@ -15,8 +15,8 @@ from common.messages import (
     ScheduleRequest,
     WorkerKind,
 )
-from common.sampling import SamplingParams
-from tests.scheduler_harness import (
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.tests.scheduler_harness import (
     AFTER_GRACE,
     DEFAULT,
     PROMPT,

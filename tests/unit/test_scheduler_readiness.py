@@ -9,10 +9,15 @@ import argparse
 
 import pytest
 
-from common.messages import RequestFailed, ScheduleRequest, WorkerKind
-from services.scheduler.config import SchedulerConfig, add_policy_arguments, add_serves_argument, config_from_args
-from services.scheduler.core import SchedulerCore
-from tests.scheduler_harness import DEFAULT, T0, TIMEOUT, TOK, TOK_OUT, disaggregated, register
+from pagemesh.common.messages import RequestFailed, ScheduleRequest, WorkerKind
+from pagemesh.services.scheduler.config import (
+    SchedulerConfig,
+    add_policy_arguments,
+    add_serves_argument,
+    config_from_args,
+)
+from pagemesh.services.scheduler.core import SchedulerCore
+from pagemesh.tests.scheduler_harness import DEFAULT, T0, TIMEOUT, TOK, TOK_OUT, disaggregated, register
 
 
 def core_serving(*kinds: WorkerKind) -> SchedulerCore:
@@ -70,8 +75,8 @@ def test_the_serves_flag_reads_kinds_and_refuses_an_unknown_one(capsys):
     [([], "llm,diffusion"), (["--diffusion", "0"], "llm"), (["--prefill", "0", "--decode", "0"], "diffusion")],
 )
 def test_pagemesh_up_tells_its_scheduler_what_it_starts(up_args, serves):
-    from services.launcher import parse as parse_up
-    from services.launcher import plan
+    from pagemesh.services.launcher import parse as parse_up
+    from pagemesh.services.launcher import plan
 
     (argv,) = [argv for name, argv in plan(parse_up(up_args), "/tmp/pm") if name == "scheduler"]
     assert argv[argv.index("--serves") + 1] == serves
@@ -107,7 +112,7 @@ def test_a_prompt_larger_than_every_kv_pool_is_refused_at_once_instead_of_queued
 def test_which_pools_a_prompt_must_fit():
     from types import SimpleNamespace
 
-    from services.scheduler.placement import too_large_for_every_pool
+    from pagemesh.services.scheduler.placement import too_large_for_every_pool
 
     def pool(pages: int):
         return [SimpleNamespace(page_size=4, total_pages=pages)]

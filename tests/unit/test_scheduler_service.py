@@ -8,9 +8,9 @@ import contextlib
 
 import pytest
 
-from bench.local_mesh import HANG_S
-from common import transport as t
-from common.messages import (
+from pagemesh.bench.local_mesh import HANG_S
+from pagemesh.common import transport as t
+from pagemesh.common.messages import (
     AbortRequest,
     HeldRequest,
     KVPoolInfo,
@@ -21,8 +21,8 @@ from common.messages import (
     RegisterWorker,
     RequestFailed,
 )
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.service import SchedulerService
+from pagemesh.services.scheduler.config import SchedulerConfig
+from pagemesh.services.scheduler.service import SchedulerService
 
 TIMEOUT_S = HANG_S  # bounds a hang only; a loaded machine may take long to load the vocabulary
 
@@ -118,8 +118,8 @@ def test_requests_a_worker_reports_holding_are_migrated_when_it_goes(tmp_path):
 
 
 def test_a_request_sent_again_after_a_restart_is_placed_once(tmp_path):
-    from common.messages import GenerateTask, ScheduleRequest
-    from common.sampling import SamplingParams
+    from pagemesh.common.messages import GenerateTask, ScheduleRequest
+    from pagemesh.common.sampling import SamplingParams
 
     async def main():
         async with scheduler(tmp_path) as service:
@@ -148,8 +148,8 @@ def test_a_request_sent_again_after_a_restart_is_placed_once(tmp_path):
 def test_a_just_started_scheduler_holds_requests_for_workers_yet_to_register(tmp_path):
     """A restarted scheduler gets requests sent again before its workers have registered again:
     they wait for a heartbeat timeout instead of being refused; then, with no worker, they are."""
-    from common.messages import GenerateTask, ScheduleRequest
-    from common.sampling import SamplingParams
+    from pagemesh.common.messages import GenerateTask, ScheduleRequest
+    from pagemesh.common.sampling import SamplingParams
 
     async def main():
         async with scheduler(tmp_path, heartbeat_timeout=0.5) as service:

@@ -1,6 +1,6 @@
 """bench/serving_compare.py: rounds alternate the systems and combine into the median round."""
 
-from bench.serving_compare import combine_rounds, round_order, table
+from pagemesh.bench.serving_compare import combine_rounds, round_order, table
 
 
 def _run(tok_s: float, ttft: float) -> dict:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from common.messages import AbortRequest
-from common.transport import Dealer, Router, ipc_address
-from workers.shell.shell import let_other_loops_run
+from pagemesh.common.messages import AbortRequest
+from pagemesh.common.transport import Dealer, Router, ipc_address
+from pagemesh.workers.shell.shell import let_other_loops_run
 
 
 def test_a_message_that_came_during_a_step_is_handled_before_the_next(tmp_path):

@@ -6,18 +6,18 @@ import json
 import numpy as np
 import pytest
 
-from bench.simulator.calibrate import fit_trace, samples_from_trace
-from bench.simulator.clock import EventLoop
-from bench.simulator.cost import GPUS, LinearStepCost, RooflineStepCost, StepShape, model_shape
-from bench.simulator.main import main as simulate_main
-from bench.simulator.role_cost import HostSlowdown, MeshStepCost, RoleStepCost, TracedStep
-from bench.simulator.run import SimSettings, find_smallest, meets, simulate
-from bench.simulator.tail import clock_offset
-from bench.simulator.worker import shape_of
-from bench.simulator.workload import WorkloadSpec, generate
-from services.scheduler.placement import Placer
-from workers.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
-from workers.engine.step_trace import StepTrace
+from pagemesh.bench.simulator.calibrate import fit_trace, samples_from_trace
+from pagemesh.bench.simulator.clock import EventLoop
+from pagemesh.bench.simulator.cost import GPUS, LinearStepCost, RooflineStepCost, StepShape, model_shape
+from pagemesh.bench.simulator.main import main as simulate_main
+from pagemesh.bench.simulator.role_cost import HostSlowdown, MeshStepCost, RoleStepCost, TracedStep
+from pagemesh.bench.simulator.run import SimSettings, find_smallest, meets, simulate
+from pagemesh.bench.simulator.tail import clock_offset
+from pagemesh.bench.simulator.worker import shape_of
+from pagemesh.bench.simulator.workload import WorkloadSpec, generate
+from pagemesh.services.scheduler.placement import Placer
+from pagemesh.workers.engine.scheduler import ScheduledChunk, Scheduler, StepPlan
+from pagemesh.workers.engine.step_trace import StepTrace
 
 # a CPU-like step: 12 ms, plus per prompt token and per decode row
 COST = LinearStepCost(0.012, 0.0001, 0.0, 0.0003, 1e-7)
@@ -312,7 +312,7 @@ def test_the_cli_reads_a_per_role_calibration(tmp_path, capsys):
 
 
 def test_the_tail_analysis_puts_the_clients_clock_on_the_traces():
-    """bench.simulator.tail: first tokens reach the client 3 ms after the step that sampled them
+    """pagemesh.bench.simulator.tail: first tokens reach the client 3 ms after the step that sampled them
     ends; the offset between the two clocks is found from that alone."""
     step_ends = np.cumsum(np.random.default_rng(0).uniform(0.08, 0.3, size=200)) + 5000.0
     sampled = step_ends[[3, 10, 11, 40, 41, 42, 90, 150]]
@@ -376,7 +376,7 @@ def test_recorded_runs_are_placed_on_the_trace_clock_one_after_the_other(tmp_pat
     """validate: a run that recorded its first send on the shared clock (`clock_origin`) is
     taken at its word; runs recorded before that are found by their first tokens, each just after
     the run before it, although the later, busier run would fit the earlier run's gaps too."""
-    from bench.simulator.validate import first_sends_on_trace_clock
+    from pagemesh.bench.simulator.validate import first_sends_on_trace_clock
 
     rng = np.random.default_rng(2)
     # a sparse stretch (the first run's prompts, 2000-2030 s), then a busy one (2035-2065 s)

@@ -9,13 +9,13 @@ from collections import Counter
 import pytest
 import torch
 
-from common.model_config import ModelConfig
-from common.sampling import SamplingParams
-from workers.engine.block_manager import BlockManager
-from workers.engine.model_input import build_model_input
-from workers.engine.scheduler import Scheduler, StepSchedulerConfig
-from workers.engine.sequence import Sequence
-from workers.engine.speculative import SpeculativeConfig, Speculator, propose_ngram
+from pagemesh.common.model_config import ModelConfig
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.block_manager import BlockManager
+from pagemesh.workers.engine.model_input import build_model_input
+from pagemesh.workers.engine.scheduler import Scheduler, StepSchedulerConfig
+from pagemesh.workers.engine.sequence import Sequence
+from pagemesh.workers.engine.speculative import SpeculativeConfig, Speculator, propose_ngram
 
 
 # ---- proposer ---------------------------------------------------------------------------------
@@ -155,9 +155,9 @@ VOCAB = 8
 
 
 def _tiny_engine(spec: SpeculativeConfig | None, num_pages: int = 2048):
-    from workers.engine.config import EngineConfig
-    from workers.engine.engine import Engine
-    from workers.model.loader import build_random_model
+    from pagemesh.workers.engine.config import EngineConfig
+    from pagemesh.workers.engine.engine import Engine
+    from pagemesh.workers.model.loader import build_random_model
 
     cfg = ModelConfig(
         architecture="llama",

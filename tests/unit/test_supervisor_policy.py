@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.supervisor import RestartPolicy
+from pagemesh.services.supervisor import RestartPolicy
 
 
 def test_a_child_that_was_ready_is_started_again_at_once_every_time():

@@ -12,10 +12,10 @@ import msgpack
 import pytest
 import torch
 
-from common.model_config import ModelConfig
-from workers.engine.model_input import ModelInput, decode_model_input, encode_model_input
-from workers.engine.tensor_parallel import check_tensor_parallel, read_step, write_step
-from workers.model.shm_allreduce import SharedMemoryAllReduce, create_file
+from pagemesh.common.model_config import ModelConfig
+from pagemesh.workers.engine.model_input import ModelInput, decode_model_input, encode_model_input
+from pagemesh.workers.engine.tensor_parallel import check_tensor_parallel, read_step, write_step
+from pagemesh.workers.model.shm_allreduce import SharedMemoryAllReduce, create_file
 
 STEP = ModelInput(
     [5, 6, 7, 8],
@@ -121,7 +121,7 @@ def test_a_rank_that_never_arrives_is_an_error_not_a_hang(tmp_path):
 
 
 def test_pagemesh_up_passes_the_size_to_mixed_prefill_and_decode_workers(tmp_path):
-    from services import launcher
+    from pagemesh.services import launcher
 
     args = launcher.parse(["--mixed", "1", "-tp", "3"])
     [worker] = [argv for name, argv in launcher.plan(args, str(tmp_path)) if name == "mixed-0"]

@@ -1,4 +1,4 @@
-"""common.tokenizer against transformers as the oracle (transformers is a test-only dependency)."""
+"""pagemesh.common.tokenizer against transformers as the oracle (transformers is a test-only dependency)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import gguf
 import jinja2
 import pytest
 
-from common.chat_template import ChatTemplate
-from common.model_files import default_model_path
-from common.tokenizer import IncrementalDetokenizer, Tokenizer
-from tests.default_model import hf_tokenizer as reference
-from tests.default_model import tokenizer as ours
+from pagemesh.common.chat_template import ChatTemplate
+from pagemesh.common.model_files import default_model_path
+from pagemesh.common.tokenizer import IncrementalDetokenizer, Tokenizer
+from pagemesh.tests.default_model import hf_tokenizer as reference
+from pagemesh.tests.default_model import tokenizer as ours
 
 MODEL = default_model_path()
 

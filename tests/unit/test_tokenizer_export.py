@@ -7,11 +7,11 @@ import json
 import pytest
 from tokenizers import Tokenizer as Backend
 
-from common.model_config import default_max_model_len
-from common.model_files import default_model_path
-from common.tokenizer import Tokenizer
-from services.tokenizer_export import FILES, hf_tokenizer_files
-from tests.default_model import tokenizer
+from pagemesh.common.model_config import default_max_model_len
+from pagemesh.common.model_files import default_model_path
+from pagemesh.common.tokenizer import Tokenizer
+from pagemesh.services.tokenizer_export import FILES, hf_tokenizer_files
+from pagemesh.tests.default_model import tokenizer
 
 TEXTS = [
     "Hello world",

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from common.messages import (
+from pagemesh.common.messages import (
     MigrateRequest,
     RequestStarted,
     ResumeState,
     ScheduleRequest,
     TokenDeltaBatch,
 )
-from tests.unit.test_tokenizer_service import GATEWAY_A, core, ids_of, request, tokens
+from pagemesh.tests.unit.test_tokenizer_service import GATEWAY_A, core, ids_of, request, tokens
 
 
 def from_worker(c, worker: str, *deltas, started: tuple[str, ...] = ()):

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from common.messages import (
+from pagemesh.common.messages import (
     AbortRequest,
     GenerateRequest,
     RequestFailed,
@@ -17,9 +17,9 @@ from common.messages import (
     TokenDeltaBatch,
     TokenLogprob,
 )
-from common.sampling import MAX_TOKENS_FROM_CONTEXT, SamplingParams
-from services.tokenizer.core import TokenizerCore
-from tests.default_model import tokenizer as default_tokenizer
+from pagemesh.common.sampling import MAX_TOKENS_FROM_CONTEXT, SamplingParams
+from pagemesh.services.tokenizer.core import TokenizerCore
+from pagemesh.tests.default_model import tokenizer as default_tokenizer
 
 TOKENIZER = default_tokenizer()  # one load per session, shared
 OUTPUT = "ipc:///tmp/tok-out"

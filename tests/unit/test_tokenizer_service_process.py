@@ -7,9 +7,9 @@ import contextlib
 
 import pytest
 
-from bench.local_mesh import HANG_S
-from common import transport as t
-from common.messages import (
+from pagemesh.bench.local_mesh import HANG_S
+from pagemesh.common import transport as t
+from pagemesh.common.messages import (
     AbortRequest,
     GenerateRequest,
     Ping,
@@ -21,11 +21,11 @@ from common.messages import (
     TokenDelta,
     TokenDeltaBatch,
 )
-from common.model_files import default_model_path
-from common.sampling import SamplingParams
-from services.tokenizer.config import TokenizerConfig, parse_args
-from services.tokenizer.main import run
-from tests.default_model import tokenizer as default_tokenizer
+from pagemesh.common.model_files import default_model_path
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.services.tokenizer.config import TokenizerConfig, parse_args
+from pagemesh.services.tokenizer.main import run
+from pagemesh.tests.default_model import tokenizer as default_tokenizer
 
 TIMEOUT_S = HANG_S  # bounds a hang only; a loaded machine may take long to load the vocabulary
 TOKENIZER = default_tokenizer()  # one load per session, shared
@@ -210,7 +210,7 @@ def test_pings_and_a_restarted_scheduler_over_sockets(tmp_path):
 
 
 def test_a_ping_from_a_gateway_that_left_does_not_stop_the_tokenizer():
-    from services.tokenizer.main import _serve_gateways
+    from pagemesh.services.tokenizer.main import _serve_gateways
 
     class Frontend:  # a Router whose first peer is gone by the time its Pong goes out
         def __init__(self):

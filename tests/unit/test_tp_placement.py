@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from common.messages import KVPoolInfo, Registered, RegisterWorker, WorkerKind
-from common.messages.base import ProtocolError
-from services.scheduler.placement import Placement, PlacementPolicy, Placer, pairing_problem
-from services.scheduler.prefix_index import PromptPages
-from tests.scheduler_harness import AFTER_GRACE, PAGE, TOK, new_core, refused, schedule
-from tests.unit.test_prefix_placement import PROMPT, worker
+from pagemesh.common.messages import KVPoolInfo, Registered, RegisterWorker, WorkerKind
+from pagemesh.common.messages.base import ProtocolError
+from pagemesh.services.scheduler.placement import Placement, PlacementPolicy, Placer, pairing_problem
+from pagemesh.services.scheduler.prefix_index import PromptPages
+from pagemesh.tests.scheduler_harness import AFTER_GRACE, PAGE, TOK, new_core, refused, schedule
+from pagemesh.tests.unit.test_prefix_placement import PROMPT, worker
 
 MISMATCH = (
     "no prefill and decode worker of one parallel shape (prefill: tp 1 x pp 1, tp 2 x pp 1; decode: tp 3 x pp 1): "

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from bench.local_mesh import HANG_S
-from common import transport as t
-from common.protocol import (
+from pagemesh.bench.local_mesh import HANG_S
+from pagemesh.common import transport as t
+from pagemesh.common.protocol import (
     AbortRequest,
     Heartbeat,
     KVPagesAck,

@@ -8,17 +8,17 @@ import asyncio
 import os
 import stat
 import subprocess
-import sys
 
 import pytest
 import zmq
 import zmq.asyncio
 
-from bench.local_mesh import HANG_S
-from common import transport as t
-from common import transport_curve as curve
-from common.protocol import Ready, encode
-from tests.unit.test_transport import free_tcp_port, run
+from pagemesh.bench.local_mesh import HANG_S
+from pagemesh.common import transport as t
+from pagemesh.common import transport_curve as curve
+from pagemesh.common.protocol import Ready, encode
+from pagemesh.common.python_command import python_module
+from pagemesh.tests.unit.test_transport import free_tcp_port, run
 
 READY = Ready(service="worker", name="w")
 
@@ -45,7 +45,7 @@ def address(request, tmp_path):
 
 def test_pagemesh_keys_writes_a_keypair_once_and_the_secret_for_its_owner_only(tmp_path):
     folder = tmp_path / "keys"
-    cli = [sys.executable, "-m", "services.cli", "keys", str(folder)]
+    cli = [*python_module("pagemesh.services.cli"), "keys", str(folder)]
     made = subprocess.run(cli, capture_output=True, text=True, timeout=HANG_S)
     assert made.returncode == 0, made.stderr
     assert f"--zmq-keys {folder}" in made.stdout
@@ -72,7 +72,7 @@ def test_bad_key_folders_are_refused_with_the_reason(tmp_path):
         curve.load_keys(str(tmp_path / "a"))
     # every command checks --zmq-keys before it starts anything
     done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "--zmq-keys", str(tmp_path / "missing"), "scheduler"],
+        [*python_module("pagemesh.services.cli"), "--zmq-keys", str(tmp_path / "missing"), "scheduler"],
         capture_output=True,
         text=True,
         timeout=HANG_S,

@@ -8,8 +8,8 @@ import contextlib
 
 import pytest
 
-from common import transport as t
-from common.messages import (
+from pagemesh.common import transport as t
+from pagemesh.common.messages import (
     AbortRequest,
     DoneReason,
     GenerateTask,
@@ -24,12 +24,12 @@ from common.messages import (
     WorkerRole,
     WorkerStopped,
 )
-from common.process import ProcessFailed
-from common.sampling import SamplingParams
-from workers.shell.backend import Load, Registration
-from workers.shell.config import ShellConfig
-from workers.shell.faults import DELAY_ENV, FAIL_ENV
-from workers.shell.shell import WorkerShell
+from pagemesh.common.process import ProcessFailed
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.shell.backend import Load, Registration
+from pagemesh.workers.shell.config import ShellConfig
+from pagemesh.workers.shell.faults import DELAY_ENV, FAIL_ENV
+from pagemesh.workers.shell.shell import WorkerShell
 
 TIMEOUT_S = 20.0
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from common.cli_args import add
-from workers.diffusion.engine.cache_policy import POLICIES_HELP, CachePolicyError, parse_cache_policy
-from workers.shell.config import ShellConfig, add_shell_arguments, shell_config_from_args
+from pagemesh.common.cli_args import add
+from pagemesh.workers.diffusion.engine.cache_policy import POLICIES_HELP, CachePolicyError, parse_cache_policy
+from pagemesh.workers.shell.config import ShellConfig, add_shell_arguments, shell_config_from_args
 
 BATCHING = ("step", "request", "serial")
 DEVICES = ("auto", "cpu", "cuda")

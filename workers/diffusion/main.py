@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from common.logging import configure_logging
-from common.process import run_until_signalled
-from workers.diffusion.config import DiffusionWorkerConfig, parse_diffusion
+from pagemesh.common.logging import configure_logging
+from pagemesh.common.process import run_until_signalled
+from pagemesh.workers.diffusion.config import DiffusionWorkerConfig, parse_diffusion
 
 
 def resolve_device(config: DiffusionWorkerConfig):
@@ -25,8 +25,8 @@ def resolve_device(config: DiffusionWorkerConfig):
 
 
 def build_engine(config: DiffusionWorkerConfig):
-    from workers.diffusion.engine import DiffusionEngine, EngineConfig
-    from workers.diffusion.pipelines.loader import load_pipeline
+    from pagemesh.workers.diffusion.engine import DiffusionEngine, EngineConfig
+    from pagemesh.workers.diffusion.pipelines.loader import load_pipeline
 
     device, dtype = resolve_device(config)
     pipeline = load_pipeline(config.model, name=config.served_model_name, device=device, dtype=dtype)
@@ -47,8 +47,8 @@ def build_engine(config: DiffusionWorkerConfig):
 def main(argv: list[str]) -> None:
     import torch
 
-    from workers.diffusion.worker import DiffusionWorker
-    from workers.shell.shell import WorkerShell
+    from pagemesh.workers.diffusion.worker import DiffusionWorker
+    from pagemesh.workers.shell.shell import WorkerShell
 
     config = parse_diffusion(argv)
     configure_logging("diffusion", config.shell.worker_id)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from common.messages import (
+from pagemesh.common.messages import (
     DoneReason,
     FeatureCacheLoad,
     HeldRequest,
@@ -21,9 +21,9 @@ from common.messages import (
     WorkerKind,
     WorkerRole,
 )
-from workers.diffusion.engine import DiffusionEngine, EngineFull, FinishedJob, ImageJob, InvalidImageRequest
-from workers.diffusion.png import to_png_b64
-from workers.shell.backend import Load, Registration, WorkerContext
+from pagemesh.workers.diffusion.engine import DiffusionEngine, EngineFull, FinishedJob, ImageJob, InvalidImageRequest
+from pagemesh.workers.diffusion.png import to_png_b64
+from pagemesh.workers.shell.backend import Load, Registration, WorkerContext
 
 
 class DiffusionWorker:

@@ -6,7 +6,7 @@ Per layer the pool is `kv[page, 2, slot, kv_head, head_dim]` (DESIGN.md §3). Vi
 computed once per step (`AttentionMetadata.build`) and reused by every layer.
 
 Batch order: the scheduler puts decodes (one query token each) first; they are attended in one
-batched SDPA call over their gathered, padded contexts (or, with the C kernels of `kernels.cpu`,
+batched SDPA call over their gathered, padded contexts (or, with the C kernels of `pagemesh.kernels.cpu`,
 by a kernel that reads the pages in place). Prefill chunks follow, one SDPA call each, causal
 inside the chunk and attending to the sequence's earlier pages.
 """
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from workers.engine.kv_quant import dequantize, quantize
+from pagemesh.workers.engine.kv_quant import dequantize, quantize
 
 
 @dataclass

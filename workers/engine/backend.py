@@ -1,11 +1,11 @@
 """The one place that chooses what runs the math on this device: `select_backend(device, dtype)`.
 
     CUDA  -> Triton attention and ops (`kernels/`); dense linears; torch sampling on the GPU
-    CPU   -> the C kernels of `kernels.cpu` for attention, ops and greedy argmax where they build
+    CPU   -> the C kernels of `pagemesh.kernels.cpu` for attention, ops and greedy argmax where they build
              and run the dtype (else plain torch, with a warning); bf16 linear weights repacked
              once, into AMX tiles too where the CPU grants AMX
 
-Environment switches (read by `kernels.cpu`): PAGEMESH_CPU_KERNELS=0 takes the torch path,
+Environment switches (read by `pagemesh.kernels.cpu`): PAGEMESH_CPU_KERNELS=0 takes the torch path,
 PAGEMESH_AMX=0 keeps the linears on oneDNN. The runner, the model (through `ForwardContext`) and
 the sampler take the chosen `Backend`; none of them asks the device again.
 """
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.attention import paged_attention_torch, prefill_attention_torch, write_kv_torch
-from workers.model.llama import AttentionBackend
-from workers.model.ops import CpuKernelOps, ModelOps, TorchOps, TritonOps
+from pagemesh.workers.engine.attention import paged_attention_torch, prefill_attention_torch, write_kv_torch
+from pagemesh.workers.model.llama import AttentionBackend
+from pagemesh.workers.model.ops import CpuKernelOps, ModelOps, TorchOps, TritonOps
 
 log = logging.getLogger(__name__)  # stdlib: the engine imports without the mesh's packages
 
@@ -38,7 +38,7 @@ class TorchAttentionBackend:
 
 
 class CpuKernelAttentionBackend:
-    """The CPU path: the C kernels of `kernels.cpu` write K/V into their slots and attend the
+    """The CPU path: the C kernels of `pagemesh.kernels.cpu` write K/V into their slots and attend the
     decodes reading pages in place; prefill chunks (long query runs, where a matmul-based SDPA
     wins) gather their pages and use torch SDPA."""
 
@@ -46,9 +46,9 @@ class CpuKernelAttentionBackend:
     decode_gather = False
 
     def __init__(self) -> None:
-        import kernels.cpu
+        import pagemesh.kernels.cpu
 
-        self.kernels = kernels.cpu
+        self.kernels = pagemesh.kernels.cpu
 
     def write_kv(self, k, v, kv_layer, md):
         self.kernels.write_kv(k, v, kv_layer, md.slot_mapping)
@@ -73,9 +73,9 @@ class TritonAttentionBackend:
     decode_gather = False
 
     def __init__(self) -> None:
-        import kernels
+        import pagemesh.kernels
 
-        self.kernels = kernels
+        self.kernels = pagemesh.kernels
 
     def write_kv(self, k, v, kv_layer, md):
         self.kernels.write_kv(k, v, kv_layer, md.slot_mapping)
@@ -98,35 +98,35 @@ class Backend:
     ops: ModelOps
     pack_linears: bool = False  # CPU: repack bf16 linear weights once (workers.model.layers)
     amx: bool = False  # ... into AMX tiles as well
-    cpu_argmax: bool = False  # greedy rows of fp32 host logits through kernels.cpu.argmax_rows
+    cpu_argmax: bool = False  # greedy rows of fp32 host logits through pagemesh.kernels.cpu.argmax_rows
 
     def first_max(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's first maximum, as argmax. On a CPU the C kernel does it in one pass
         (0.1 ms on [32, 49152] here); torch's max().indices is 0.4 ms, argmax 1.1 ms."""
         if self.cpu_argmax and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1:
-            import kernels.cpu
+            import pagemesh.kernels.cpu
 
-            return kernels.cpu.argmax_rows(logits)
+            return pagemesh.kernels.cpu.argmax_rows(logits)
         return logits.max(dim=-1).indices
 
 
 def cpu_kernels_usable(dtype: torch.dtype) -> bool:
     """Whether the C kernels run this dtype here (building them on first call)."""
-    import kernels.cpu
+    import pagemesh.kernels.cpu
 
-    return kernels.cpu.supports(dtype) and kernels.cpu.available()
+    return pagemesh.kernels.cpu.supports(dtype) and pagemesh.kernels.cpu.available()
 
 
 def select_backend(device: torch.device, dtype: torch.dtype) -> Backend:
     """The backend for a model of `dtype` on `device` (see the module docstring)."""
     if device.type == "cuda":
         return Backend(device, dtype, TritonAttentionBackend(), TritonOps())
-    import kernels.cpu
+    import pagemesh.kernels.cpu
 
     if cpu_kernels_usable(dtype):
         attention, ops = CpuKernelAttentionBackend(), CpuKernelOps()
     else:
-        reason = kernels.cpu.load_error() or f"no C kernels for {dtype}"
+        reason = pagemesh.kernels.cpu.load_error() or f"no C kernels for {dtype}"
         log.warning("cpu_kernels_unavailable (%s): attention falls back to torch SDPA over gathered pages", reason)
         attention, ops = TorchAttentionBackend(), TorchOps()
     return Backend(
@@ -135,6 +135,6 @@ def select_backend(device: torch.device, dtype: torch.dtype) -> Backend:
         attention,
         ops,
         pack_linears=dtype == torch.bfloat16,
-        amx=dtype == torch.bfloat16 and kernels.cpu.amx_available(),
-        cpu_argmax=kernels.cpu.available(),
+        amx=dtype == torch.bfloat16 and pagemesh.kernels.cpu.amx_available(),
+        cpu_argmax=pagemesh.kernels.cpu.available(),
     )

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.engine.sampler import add_logit_bias
-from workers.engine.sequence import EngineRequest, Sequence
+from pagemesh.workers.engine.sampler import add_logit_bias
+from pagemesh.workers.engine.sequence import EngineRequest, Sequence
 
 if TYPE_CHECKING:
-    from workers.engine.forks import Forks
-    from workers.engine.scheduler import Scheduler
-    from workers.engine.stopping import StopRules
+    from pagemesh.workers.engine.forks import Forks
+    from pagemesh.workers.engine.scheduler import Scheduler
+    from pagemesh.workers.engine.stopping import StopRules
 
 
 @dataclass

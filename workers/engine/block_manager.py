@@ -13,7 +13,7 @@ Pure Python (no torch): the model runner owns the tensors, this owns the page id
 Prefix cache: a full page is keyed by a hash chained over the parent page's hash and its own
 token ids, so equal keys mean equal whole prefixes; a hit also compares the token ids. The key
 is stable across processes (blake2b, not Python's `hash`), so the mesh scheduler computes the
-same keys from a prompt (`common.page_hash.prefix_page_hashes`) and knows which worker holds which prefix: the
+same keys from a prompt (`pagemesh.common.page_hash.prefix_page_hashes`) and knows which worker holds which prefix: the
 manager records the keys it publishes and evicts until `take_cache_changes` collects them.
 Copy-on-write: `fork` shares every page of a block table; the first write into a shared page
 makes the writer move to a private copy (`ensure_writable` returns the copy to perform).
@@ -25,7 +25,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from common.page_hash import chain_hash
+from pagemesh.common.page_hash import chain_hash
 
 NULL_PAGE = 0
 

@@ -10,7 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from workers.engine.speculative import SpeculativeConfig
+from pagemesh.workers.engine.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
@@ -111,7 +111,7 @@ def cpu_has_fast_bf16() -> bool:
 
 def add_engine_arguments(parser) -> None:
     """The engine's flags (shared by `pagemesh worker` and `pagemesh up`)."""
-    from common.cli_args import add
+    from pagemesh.common.cli_args import add
 
     add(parser, "--model", None, help="GGUF file or HF folder (default: embedded SmolLM2-135M-Instruct)")
     add(

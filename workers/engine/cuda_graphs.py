@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.attention import AttentionMetadata
-from workers.model.llama import AttentionBackend, ForwardContext, LlamaForCausalLM
-from workers.model.ops import ModelOps
+from pagemesh.workers.engine.attention import AttentionMetadata
+from pagemesh.workers.model.llama import AttentionBackend, ForwardContext, LlamaForCausalLM
+from pagemesh.workers.model.ops import ModelOps
 
 NULL_PAGE = 0
 PAD_TOKEN = 0

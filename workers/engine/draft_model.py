@@ -37,14 +37,14 @@ import logging
 
 import torch
 
-from workers.engine.backend import Backend
-from workers.engine.model_input import ModelInput
-from workers.engine.model_runner import ModelRunner
-from workers.engine.scheduler import ScheduledChunk, StepPlan
-from workers.engine.sequence import Sequence
-from workers.engine.speculative import PENDING_DRAFT, SpeculativeConfig
-from workers.model.llama import LlamaForCausalLM
-from workers.model.quantization import quantize_int8_model
+from pagemesh.workers.engine.backend import Backend
+from pagemesh.workers.engine.model_input import ModelInput
+from pagemesh.workers.engine.model_runner import ModelRunner
+from pagemesh.workers.engine.scheduler import ScheduledChunk, StepPlan
+from pagemesh.workers.engine.sequence import Sequence
+from pagemesh.workers.engine.speculative import PENDING_DRAFT, SpeculativeConfig
+from pagemesh.workers.model.llama import LlamaForCausalLM
+from pagemesh.workers.model.quantization import quantize_int8_model
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def load_draft_model(engine, config: SpeculativeConfig) -> LlamaForCausalLM:
     """The engine's model again, its linears quantized as `config.quantization` says: loaded from
     the engine's model file (a GGUF's own blocks for `gguf`), or, for an engine built around a
     model object (no path: tests), a copy of it rounded to int8."""
-    from workers.model.loader import load_model
+    from pagemesh.workers.model.loader import load_model
 
     if engine.model_path is not None:
         return load_model(engine.model_path, engine.runner.dtype, engine.device, quantization=config.quantization)

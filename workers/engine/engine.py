@@ -30,31 +30,31 @@ from pathlib import Path
 
 import torch
 
-from common.model_config import read_model_config
-from common.model_files import resolve_model_path
-from common.sampling import SamplingParams
-from workers.engine.backend import select_backend
-from workers.engine.beam import BeamSearch, BeamState
-from workers.engine.block_manager import BlockManager
-from workers.engine.config import EngineConfig
-from workers.engine.draft_model import attach_drafter
-from workers.engine.forks import Forks, SeqGenerators
-from workers.engine.in_flight import surviving_rows
-from workers.engine.json_cache import JsonMaskCache
-from workers.engine.kv_quant import calibration_token_ids, kv_storage_dtype
-from workers.engine.model_input import build_model_input
-from workers.engine.model_runner import ModelRunner
-from workers.engine.output_builder import build_outputs
-from workers.engine.outputs import CompletionResult, PrefillResult, RequestOutput
-from workers.engine.pipeline_parallel import StagePipe, check_pipeline_parallel, stage_group, stage_layers
-from workers.engine.prefilled import PrefillHandoff
-from workers.engine.scheduler import Scheduler, StepPlan, StepSchedulerConfig
-from workers.engine.sequence import EngineRequest, Sequence
-from workers.engine.speculative import Speculator
-from workers.engine.stats import EngineStats
-from workers.engine.step_trace import StepTrace
-from workers.engine.stopping import StopRules
-from workers.engine.tensor_parallel import (
+from pagemesh.common.model_config import read_model_config
+from pagemesh.common.model_files import resolve_model_path
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.backend import select_backend
+from pagemesh.workers.engine.beam import BeamSearch, BeamState
+from pagemesh.workers.engine.block_manager import BlockManager
+from pagemesh.workers.engine.config import EngineConfig
+from pagemesh.workers.engine.draft_model import attach_drafter
+from pagemesh.workers.engine.forks import Forks, SeqGenerators
+from pagemesh.workers.engine.in_flight import surviving_rows
+from pagemesh.workers.engine.json_cache import JsonMaskCache
+from pagemesh.workers.engine.kv_quant import calibration_token_ids, kv_storage_dtype
+from pagemesh.workers.engine.model_input import build_model_input
+from pagemesh.workers.engine.model_runner import ModelRunner
+from pagemesh.workers.engine.output_builder import build_outputs
+from pagemesh.workers.engine.outputs import CompletionResult, PrefillResult, RequestOutput
+from pagemesh.workers.engine.pipeline_parallel import StagePipe, check_pipeline_parallel, stage_group, stage_layers
+from pagemesh.workers.engine.prefilled import PrefillHandoff
+from pagemesh.workers.engine.scheduler import Scheduler, StepPlan, StepSchedulerConfig
+from pagemesh.workers.engine.sequence import EngineRequest, Sequence
+from pagemesh.workers.engine.speculative import Speculator
+from pagemesh.workers.engine.stats import EngineStats
+from pagemesh.workers.engine.step_trace import StepTrace
+from pagemesh.workers.engine.stopping import StopRules
+from pagemesh.workers.engine.tensor_parallel import (
     COLLECTIVE_TIMEOUT_S,
     FollowerRanks,
     FollowerSpec,
@@ -63,10 +63,10 @@ from workers.engine.tensor_parallel import (
     create_shared_all_reduce,
     rank_context,
 )
-from workers.engine.update import StepUpdate
-from workers.engine.validation import RequestValidator
-from workers.model.llama import LlamaForCausalLM
-from workers.model.loader import load_model
+from pagemesh.workers.engine.update import StepUpdate
+from pagemesh.workers.engine.validation import RequestValidator
+from pagemesh.workers.model.llama import LlamaForCausalLM
+from pagemesh.workers.model.loader import load_model
 
 DEFAULT_CPU_KV_GB = 2.0
 GPU_FREE_SHARE = 0.9  # of the memory free when the pool is sized: the rest is for activations
@@ -201,7 +201,7 @@ class Engine:
         """The model's tokenizer; a folder without tokenizer files serves token ids only."""
         if self.model_path is None or (self.model_path.is_dir() and not (self.model_path / "tokenizer.json").exists()):
             return None
-        from common.tokenizer import Tokenizer
+        from pagemesh.common.tokenizer import Tokenizer
 
         return Tokenizer.from_path(self.model_path)
 
@@ -422,6 +422,6 @@ class Engine:
         self, prompts: Seq[str | Seq[int]], sampling_params: SamplingParams | Seq[SamplingParams]
     ) -> list[CompletionResult]:
         """Run prompts to completion together; results in prompt order."""
-        from workers.engine.offline import generate
+        from pagemesh.workers.engine.offline import generate
 
         return generate(self, prompts, sampling_params)

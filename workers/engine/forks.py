@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from common.sampling import SamplingParams
-from workers.engine.block_manager import BlockManager
-from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import EngineRequest, Sequence
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.block_manager import BlockManager
+from pagemesh.workers.engine.scheduler import Scheduler
+from pagemesh.workers.engine.sequence import EngineRequest, Sequence
 
 
 class SeqGenerators:

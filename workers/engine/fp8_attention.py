@@ -6,7 +6,7 @@ where the view starts in the pool it was built with (a view of layer i starts i 
 past the pool's first byte), so no per-layer argument has to be threaded through the model.
 
     kernels="torch"  gather pages, dequantize, torch SDPA (any CPU)
-    kernels="cpu"    the C kernels of `kernels.cpu` write and attend the decodes in place;
+    kernels="cpu"    the C kernels of `pagemesh.kernels.cpu` write and attend the decodes in place;
                      prefill chunks gather and dequantize as in the torch path
     kernels="triton" the Triton kernels (GPU) with their fp8 flag
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.engine.attention import (
+from pagemesh.workers.engine.attention import (
     AttentionMetadata,
     paged_attention_torch,
     prefill_attention_torch,
@@ -39,11 +39,11 @@ class Fp8KVAttention:
         self.builds_cpu_indices = kernels != "triton"
         self.decode_gather = kernels == "torch"
         if kernels == "cpu":
-            import kernels.cpu as cpu_kernels
+            import pagemesh.kernels.cpu as cpu_kernels
 
             self.lib = cpu_kernels
         elif kernels == "triton":
-            import kernels as triton_kernels
+            import pagemesh.kernels as triton_kernels
 
             self.lib = triton_kernels
 
@@ -92,14 +92,14 @@ class Fp8KVAttention:
 
 
 def fp8_kernels_for(backend) -> str:
-    """Which kernels read an fp8 pool beside `backend` (a `workers.engine.backend.Backend`): the
+    """Which kernels read an fp8 pool beside `backend` (a `pagemesh.workers.engine.backend.Backend`): the
     Triton ones on CUDA, the C ones where the CPU backend uses them and they have fp8 functions,
     else torch."""
     if backend.device.type == "cuda":
         return "triton"
     if not backend.attention.decode_gather:  # the C kernels run this engine's attention
-        import kernels.cpu
+        import pagemesh.kernels.cpu
 
-        if hasattr(kernels.cpu, "FP8_DTYPES"):
+        if hasattr(pagemesh.kernels.cpu, "FP8_DTYPES"):
             return "cpu"
     return "torch"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from common.sampling import SamplingParams
-from workers.engine.config import EngineConfig
-from workers.engine.engine import Engine
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.config import EngineConfig
+from pagemesh.workers.engine.engine import Engine
 
 DEFAULT_PROMPTS = ["What is paged attention, in one sentence?", "Write a haiku about GPUs."]
 

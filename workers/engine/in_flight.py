@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from workers.engine.scheduler import StepPlan
-    from workers.engine.sequence import Sequence
+    from pagemesh.workers.engine.scheduler import StepPlan
+    from pagemesh.workers.engine.sequence import Sequence
 
 
 @dataclass

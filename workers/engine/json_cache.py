@@ -5,9 +5,9 @@ from __future__ import annotations
 import functools
 import json
 
-from common.json_schema import compile_schema
-from common.sampling import SamplingParams
-from workers.engine.json_mode import JsonMasks
+from pagemesh.common.json_schema import compile_schema
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.json_mode import JsonMasks
 
 SCHEMA_MASKS = 16  # JSON schemas whose token masks are kept (a schema's masks are rebuilt when needed again)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common import json_grammar as g
+from pagemesh.common import json_grammar as g
 
 MAX_WHITESPACE_TOKENS = 2  # whitespace-only tokens in a row between JSON tokens
 MAX_CACHED_MASKS = 512  # for all grammars and devices of one vocabulary; least recently used go first

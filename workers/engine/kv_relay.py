@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import msgpack
 import torch
 
-from workers.engine.kv_quant import is_fp8
-from workers.engine.pipeline_parallel import stage_layers
-from workers.engine.tensor_parallel import FollowerRanks
+from pagemesh.workers.engine.kv_quant import is_fp8
+from pagemesh.workers.engine.pipeline_parallel import stage_layers
+from pagemesh.workers.engine.tensor_parallel import FollowerRanks
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import msgpack
 
 if TYPE_CHECKING:
-    from workers.engine.scheduler import ScheduledChunk, StepPlan
+    from pagemesh.workers.engine.scheduler import ScheduledChunk, StepPlan
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu.memory import keep_freed_memory_for_reuse, zeroed_tensor
-from workers.engine.attention import AttentionMetadata
-from workers.engine.backend import Backend, select_backend
-from workers.engine.cuda_graphs import DecodeGraphs
-from workers.engine.fp8_attention import Fp8KVAttention, fp8_kernels_for
-from workers.engine.kv_quant import AmaxRecorder, calibration_token_ids, is_fp8, scales_from_amax
-from workers.engine.model_input import ModelInput
-from workers.engine.pipeline_parallel import InFlightStep, StagePipe
-from workers.engine.tensor_parallel import FollowerRanks
-from workers.model.decode_layers import DecodeLayers
-from workers.model.layers import pack_linear_weights
-from workers.model.llama import ForwardContext, LlamaForCausalLM
+from pagemesh.kernels.cpu.memory import keep_freed_memory_for_reuse, zeroed_tensor
+from pagemesh.workers.engine.attention import AttentionMetadata
+from pagemesh.workers.engine.backend import Backend, select_backend
+from pagemesh.workers.engine.cuda_graphs import DecodeGraphs
+from pagemesh.workers.engine.fp8_attention import Fp8KVAttention, fp8_kernels_for
+from pagemesh.workers.engine.kv_quant import AmaxRecorder, calibration_token_ids, is_fp8, scales_from_amax
+from pagemesh.workers.engine.model_input import ModelInput
+from pagemesh.workers.engine.pipeline_parallel import InFlightStep, StagePipe
+from pagemesh.workers.engine.tensor_parallel import FollowerRanks
+from pagemesh.workers.model.decode_layers import DecodeLayers
+from pagemesh.workers.model.layers import pack_linear_weights
+from pagemesh.workers.model.llama import ForwardContext, LlamaForCausalLM
 
 DEFAULT_MAX_GRAPH_BATCH = 256
 
@@ -156,7 +156,7 @@ class ModelRunner:
         tp, pp = self.model.tp.world_size, 1 if self.pipe is None else self.pipe.pp_size
         if tp * pp == 1:
             return [self.kv_scales]
-        from workers.engine.kv_relay import gather_kv_scales
+        from pagemesh.workers.engine.kv_relay import gather_kv_scales
 
         return gather_kv_scales(self.kv_scales, self.model.config.num_layers, tp, pp)
 

@@ -6,12 +6,12 @@ import time
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
-from common.messages import TokenLogprob
-from common.sampling import SamplingParams
-from workers.engine.outputs import CompletionResult
+from pagemesh.common.messages import TokenLogprob
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.outputs import CompletionResult
 
 if TYPE_CHECKING:
-    from workers.engine.engine import Engine
+    from pagemesh.workers.engine.engine import Engine
 
 
 def generate(

@@ -4,8 +4,8 @@ Each request remembers what it has reported (`EngineRequest.finished_sent`, ...)
 
 from __future__ import annotations
 
-from workers.engine.outputs import RequestOutput, SeqOutput
-from workers.engine.sequence import EngineRequest
+from pagemesh.workers.engine.outputs import RequestOutput, SeqOutput
+from pagemesh.workers.engine.sequence import EngineRequest
 
 
 def build_outputs(touched: list[EngineRequest]) -> list[RequestOutput]:

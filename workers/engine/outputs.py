@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.messages import TokenLogprob
+from pagemesh.common.messages import TokenLogprob
 
 
 @dataclass

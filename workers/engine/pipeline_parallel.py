@@ -24,8 +24,8 @@ from datetime import timedelta
 
 import torch
 
-from common.model_config import ModelConfig
-from workers.model.layers import StageGroup
+from pagemesh.common.model_config import ModelConfig
+from pagemesh.workers.model.layers import StageGroup
 
 HIDDEN_TAG, LOGITS_TAG = 1, 2
 

@@ -14,15 +14,15 @@ import dataclasses
 from collections.abc import Callable, Container
 from collections.abc import Sequence as Seq
 
-from common.sampling import SamplingParams
-from workers.engine.block_manager import BlockManager
-from workers.engine.forks import SeqGenerators, skip_draws
-from workers.engine.json_cache import JsonMaskCache
-from workers.engine.outputs import PrefillResult
-from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import EngineRequest, Sequence
-from workers.engine.stopping import StopRules
-from workers.engine.validation import RequestValidator
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.block_manager import BlockManager
+from pagemesh.workers.engine.forks import SeqGenerators, skip_draws
+from pagemesh.workers.engine.json_cache import JsonMaskCache
+from pagemesh.workers.engine.outputs import PrefillResult
+from pagemesh.workers.engine.scheduler import Scheduler
+from pagemesh.workers.engine.sequence import EngineRequest, Sequence
+from pagemesh.workers.engine.stopping import StopRules
+from pagemesh.workers.engine.validation import RequestValidator
 
 
 class PrefillHandoff:

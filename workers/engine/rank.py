@@ -1,5 +1,5 @@
 """A follower rank of a tensor- or pipeline-parallel worker (rank 1 .. N×M-1), started by rank 0
-(`workers.engine.tensor_parallel.FollowerRanks`), never by hand.
+(`pagemesh.workers.engine.tensor_parallel.FollowerRanks`), never by hand.
 
     load this rank's shard → join the group → loop: read a step from stdin → run it
                                                (or a KV page command: gather / scatter pages)
@@ -22,7 +22,7 @@ PARENT_POLL_S = 0.5
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m workers.engine.rank", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pagemesh.workers.engine.rank", description=__doc__)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True, help="tensor-parallel ranks of each stage")
     parser.add_argument("--pipeline-size", type=int, default=1, help="pipeline stages")
@@ -58,24 +58,24 @@ def main(argv: list[str]) -> None:
 
     import torch
 
-    from common.model_config import read_model_config
-    from workers.engine.backend import select_backend
-    from workers.engine.kv_quant import kv_storage_dtype
-    from workers.engine.kv_relay import decode_kv_command, follow_kv_command, is_kv_command
-    from workers.engine.model_input import decode_model_input
-    from workers.engine.model_runner import ModelRunner
-    from workers.engine.pipeline_parallel import StagePipe, join_stage_groups, stage_group, stage_layers
-    from workers.engine.tensor_parallel import (
+    from pagemesh.common.model_config import read_model_config
+    from pagemesh.workers.engine.backend import select_backend
+    from pagemesh.workers.engine.kv_quant import kv_storage_dtype
+    from pagemesh.workers.engine.kv_relay import decode_kv_command, follow_kv_command, is_kv_command
+    from pagemesh.workers.engine.model_input import decode_model_input
+    from pagemesh.workers.engine.model_runner import ModelRunner
+    from pagemesh.workers.engine.pipeline_parallel import StagePipe, join_stage_groups, stage_group, stage_layers
+    from pagemesh.workers.engine.tensor_parallel import (
         COLLECTIVE_TIMEOUT_S,
         follower_step,
         init_group,
         rank_context,
         read_frame,
     )
-    from workers.model.loader import load_model
+    from pagemesh.workers.model.loader import load_model
 
     try:  # the worker's JSON lines; a GPU machine without structlog gets plain stdlib logging
-        from common.logging import configure_logging
+        from pagemesh.common.logging import configure_logging
 
         configure_logging("worker-rank", f"rank{args.rank}")
     except ImportError:

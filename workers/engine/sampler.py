@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.messages import TokenLogprob
-from common.sampling import SamplingParams
+from pagemesh.common.messages import TokenLogprob
+from pagemesh.common.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from workers.engine.backend import Backend
+    from pagemesh.workers.engine.backend import Backend
 
 
 @dataclass

@@ -20,15 +20,15 @@ import bisect
 import time
 from dataclasses import dataclass, field, fields
 
-from workers.engine.block_manager import BlockManager
-from workers.engine.in_flight import StepsInFlight
-from workers.engine.sequence import SeqStatus, Sequence
-from workers.engine.speculative import Speculator
+from pagemesh.workers.engine.block_manager import BlockManager
+from pagemesh.workers.engine.in_flight import StepsInFlight
+from pagemesh.workers.engine.sequence import SeqStatus, Sequence
+from pagemesh.workers.engine.speculative import Speculator
 
 
 @dataclass(frozen=True)
 class StepSchedulerConfig:
-    """Limits of one engine's step planning (not the mesh's scheduler: `services.scheduler`)."""
+    """Limits of one engine's step planning (not the mesh's scheduler: `pagemesh.services.scheduler`)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # the per-step token budget

@@ -11,12 +11,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from common.messages import TokenLogprob
-from common.sampling import SamplingParams
+from pagemesh.common.messages import TokenLogprob
+from pagemesh.common.sampling import SamplingParams
 
 if TYPE_CHECKING:  # JSON mode's masks and beam search's scores are torch code; here they are only carried
-    from workers.engine.beam import BeamState
-    from workers.engine.json_mode import JsonCursor, JsonMasks
+    from pagemesh.workers.engine.beam import BeamState
+    from pagemesh.workers.engine.json_mode import JsonCursor, JsonMasks
 
 _seq_ids = itertools.count()
 

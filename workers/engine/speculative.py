@@ -25,7 +25,7 @@ from array import array
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, fields
 
-from common.sampling import SamplingParams
+from pagemesh.common.sampling import SamplingParams
 
 # Decode rows in a step above which nobody speculates: verifying K extra positions per row costs
 # about as much as it saves once the step is big enough to be compute bound
@@ -178,7 +178,7 @@ def use_speculation(engine, config: SpeculativeConfig | None) -> SpeculationStat
     speculator = Speculator(config, engine.max_model_len) if config is not None else None
     engine.scheduler.speculator = speculator
     if speculator is not None and speculator.uses_draft_model:
-        from workers.engine.draft_model import attach_drafter  # torch: the engine has it loaded already
+        from pagemesh.workers.engine.draft_model import attach_drafter  # torch: the engine has it loaded already
 
         attach_drafter(engine, config)  # kept when speculation goes off: the next run reuses it
     if speculator is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from workers.engine.speculative import SpeculationStats
+from pagemesh.workers.engine.speculative import SpeculationStats
 
 
 @dataclass

@@ -3,9 +3,9 @@ length (max_tokens, or the context length). Stop strings are the tokenizer servi
 
 from __future__ import annotations
 
-from common.sampling import SamplingParams
-from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import Sequence
+from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.scheduler import Scheduler
+from pagemesh.workers.engine.sequence import Sequence
 
 
 class StopRules:

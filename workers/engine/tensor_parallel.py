@@ -4,7 +4,7 @@
       │  Engine.step → ModelRunner.execute(step) → FollowerRanks.send_step(step)
       │  msgpack(ModelInput), length-prefixed, down each follower's stdin pipe
       ▼
-    rank 1 .. N-1: `python -m workers.engine.rank` (children of rank 0)
+    rank 1 .. N-1: `python -m pagemesh.workers.engine.rank` (children of rank 0)
          read a step → ModelRunner.execute (the same page moves, the same forward) → no logits
 
     every rank: its shard of the weights (query and KV heads, MLP columns / rows) and a KV pool
@@ -31,7 +31,6 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
 import tempfile
 import threading
 from datetime import timedelta
@@ -40,12 +39,13 @@ from typing import BinaryIO
 
 import torch
 
-from common.gpus import rank_gpus, visible_gpu_ids
-from common.model_config import ModelConfig
-from workers.engine.model_input import ModelInput, decode_model_input, encode_model_input
-from workers.engine.pipeline_parallel import join_stage_groups
-from workers.model.layers import ParallelContext, StageGroup
-from workers.model.shm_allreduce import SharedMemoryAllReduce, create_file, shared_memory_supported
+from pagemesh.common.gpus import rank_gpus, visible_gpu_ids
+from pagemesh.common.model_config import ModelConfig
+from pagemesh.common.python_command import python_module
+from pagemesh.workers.engine.model_input import ModelInput, decode_model_input, encode_model_input
+from pagemesh.workers.engine.pipeline_parallel import join_stage_groups
+from pagemesh.workers.model.layers import ParallelContext, StageGroup
+from pagemesh.workers.model.shm_allreduce import SharedMemoryAllReduce, create_file, shared_memory_supported
 
 # Steps of up to this many tokens all-reduce through shared memory, longer ones over gloo: at 512
 # tokens shared memory was 4-9x faster here, at 2048 level with gloo (bench/tp_allreduce.py).
@@ -226,9 +226,7 @@ class FollowerRanks:
         """Rank `rank`'s process; on CUDA it sees only `gpu` (its cuda:0)."""
         s = self.spec
         argv = [
-            sys.executable,
-            "-m",
-            "workers.engine.rank",
+            *python_module("pagemesh.workers.engine.rank"),
             f"--rank={rank}",
             f"--world-size={s.world_size}",
             f"--init-method={init_method}",

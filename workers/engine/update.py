@@ -13,15 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.engine.backend import Backend
-from workers.engine.beam import BeamSearch
-from workers.engine.block_manager import BlockManager
-from workers.engine.forks import Forks, SeqGenerators, skip_draws
-from workers.engine.sampler import SampleRow, prompt_token_logprobs, sample
-from workers.engine.scheduler import StepPlan
-from workers.engine.sequence import EngineRequest, Sequence
-from workers.engine.speculative import SpeculationStats
-from workers.engine.stopping import StopRules
+from pagemesh.workers.engine.backend import Backend
+from pagemesh.workers.engine.beam import BeamSearch
+from pagemesh.workers.engine.block_manager import BlockManager
+from pagemesh.workers.engine.forks import Forks, SeqGenerators, skip_draws
+from pagemesh.workers.engine.sampler import SampleRow, prompt_token_logprobs, sample
+from pagemesh.workers.engine.scheduler import StepPlan
+from pagemesh.workers.engine.sequence import EngineRequest, Sequence
+from pagemesh.workers.engine.speculative import SpeculationStats
+from pagemesh.workers.engine.stopping import StopRules
 
 MAX_SPEC_COOLDOWN = 16  # decode steps a sequence whose drafts keep missing waits between proposals
 Owner = tuple[Sequence, int, "torch.Generator | None"]  # (sequence, fork k, generator) of a sampled row

@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Container
 from collections.abc import Sequence as Seq
 
-from common.sampling import SamplingParams
+from pagemesh.common.sampling import SamplingParams
 
 
 class RequestValidator:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.messages import WorkerRole
-from workers.engine.config import EngineConfig
-from workers.shell.config import ShellConfig
+from pagemesh.common.messages import WorkerRole
+from pagemesh.workers.engine.config import EngineConfig
+from pagemesh.workers.shell.config import ShellConfig
 
 
 @dataclass(frozen=True, kw_only=True)

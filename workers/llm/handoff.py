@@ -30,14 +30,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from common import protocol as p
-from common.messages import DecodeTask, DoneReason, HeldRequest, KVPagesAck, KVPagesHeader
-from common.transport import KV, Dealer, Router, UnknownPeer
-from workers.engine.engine import Engine
-from workers.engine.kv_relay import rank_layers
-from workers.llm.kv_pages import check_header, pack_rank_pages, parts_cover, rank_parts, write_rank_pages
-from workers.shell.backend import WorkerContext
-from workers.shell.faults import kv_send_delay_s
+from pagemesh.common import protocol as p
+from pagemesh.common.messages import DecodeTask, DoneReason, HeldRequest, KVPagesAck, KVPagesHeader
+from pagemesh.common.transport import KV, Dealer, Router, UnknownPeer
+from pagemesh.workers.engine.engine import Engine
+from pagemesh.workers.engine.kv_relay import rank_layers
+from pagemesh.workers.llm.kv_pages import check_header, pack_rank_pages, parts_cover, rank_parts, write_rank_pages
+from pagemesh.workers.shell.backend import WorkerContext
+from pagemesh.workers.shell.faults import kv_send_delay_s
 
 
 @dataclass

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from common.messages import KVPagesHeader
-from workers.engine.engine import PrefillResult
-from workers.engine.kv_quant import convert_pages, is_fp8
-from workers.engine.kv_relay import gather_pages, rank_layers, scatter_pages
-from workers.engine.tensor_parallel import FollowerRanks
+from pagemesh.common.messages import KVPagesHeader
+from pagemesh.workers.engine.engine import PrefillResult
+from pagemesh.workers.engine.kv_quant import convert_pages, is_fp8
+from pagemesh.workers.engine.kv_relay import gather_pages, rank_layers, scatter_pages
+from pagemesh.workers.engine.tensor_parallel import FollowerRanks
 
 DTYPE_NAMES = {
     torch.float32: "float32",

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from common.cli_args import add
-from common.logging import configure_logging
-from common.messages import WorkerRole
-from common.process import run_until_signalled
-from workers.engine.config import add_engine_arguments, engine_config_from_args
-from workers.llm.config import LLMWorkerConfig
-from workers.shell.config import add_shell_arguments, shell_config_from_args
+from pagemesh.common.cli_args import add
+from pagemesh.common.logging import configure_logging
+from pagemesh.common.messages import WorkerRole
+from pagemesh.common.process import run_until_signalled
+from pagemesh.workers.engine.config import add_engine_arguments, engine_config_from_args
+from pagemesh.workers.llm.config import LLMWorkerConfig
+from pagemesh.workers.shell.config import add_shell_arguments, shell_config_from_args
 
 
 def parse(argv: list[str]) -> LLMWorkerConfig:
@@ -40,10 +40,10 @@ def parse(argv: list[str]) -> LLMWorkerConfig:
 def main(argv: list[str]) -> None:
     import torch
 
-    from workers.engine.engine import Engine
-    from workers.engine.tensor_parallel import threads_per_rank
-    from workers.llm.worker import LLMWorker
-    from workers.shell.shell import WorkerShell
+    from pagemesh.workers.engine.engine import Engine
+    from pagemesh.workers.engine.tensor_parallel import threads_per_rank
+    from pagemesh.workers.llm.worker import LLMWorker
+    from pagemesh.workers.shell.shell import WorkerShell
 
     config = parse(argv)
     configure_logging("worker", config.shell.worker_id)

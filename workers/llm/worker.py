@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from common.messages import (
+from pagemesh.common.messages import (
     MAX_PAGE_HASHES,
     DecodeTask,
     DoneReason,
@@ -34,11 +34,11 @@ from common.messages import (
     WorkerKind,
     WorkerRole,
 )
-from common.model_files import served_model_name
-from workers.engine.engine import Engine, RequestOutput
-from workers.llm.config import LLMWorkerConfig
-from workers.llm.handoff import HandoffIn, HandoffOut
-from workers.shell.backend import Load, Registration, WorkerContext
+from pagemesh.common.model_files import served_model_name
+from pagemesh.workers.engine.engine import Engine, RequestOutput
+from pagemesh.workers.llm.config import LLMWorkerConfig
+from pagemesh.workers.llm.handoff import HandoffIn, HandoffOut
+from pagemesh.workers.shell.backend import Load, Registration, WorkerContext
 
 
 class LLMWorker:

@@ -5,7 +5,7 @@ Python around them (module calls, ten tensor allocations, ten ctypes calls). `De
 runs every layer of a step whose sequences all decode one token through
 `kernels/cpu/decode_layers.c`, which calls the same C kernels with the same arguments in the
 same order as the Python layers do (`LlamaDecoderLayer.forward` with `CpuKernelOps`,
-`CpuKernelAttentionBackend` and `kernels.cpu.quant.quant_gemm` or `quant_linear`), so its outputs are theirs,
+`CpuKernelAttentionBackend` and `pagemesh.kernels.cpu.quant.quant_gemm` or `quant_linear`), so its outputs are theirs,
 bit for bit (tests/unit/test_decode_layers.py).
 
     layers = DecodeLayers.for_model(model, kv_cache, ops, attention)   None where it does not apply
@@ -25,8 +25,8 @@ import os
 
 import torch
 
-from kernels.quantized import QuantizedWeight, is_quantized
-from workers.engine.attention import AttentionMetadata
+from pagemesh.kernels.quantized import QuantizedWeight, is_quantized
+from pagemesh.workers.engine.attention import AttentionMetadata
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
@@ -85,7 +85,7 @@ _library = None
 def _load():
     """The decode_layers.c library (built once, like the other CPU kernels), or None."""
     global _library
-    from kernels.cpu import build
+    from pagemesh.kernels.cpu import build
 
     if _library is None:
         _library = build.Library(build.SOURCE.with_name("decode_layers.c"), _SIGNATURES)
@@ -154,8 +154,8 @@ class DecodeLayers:
     @classmethod
     def for_model(cls, model, kv_cache: torch.Tensor, ops, attention) -> DecodeLayers | None:
         """The fused layers of `model`, or None where they do not apply (module docstring)."""
-        from workers.engine.backend import CpuKernelAttentionBackend
-        from workers.model.ops import CpuKernelOps
+        from pagemesh.workers.engine.backend import CpuKernelAttentionBackend
+        from pagemesh.workers.model.ops import CpuKernelOps
 
         if os.environ.get("PAGEMESH_DECODE_LAYERS", "1") == "0":
             return None
@@ -178,14 +178,14 @@ class DecodeLayers:
         ]
         if not all(is_quantized(p) for p in linears):
             return None
-        import kernels.cpu
-        import kernels.cpu.quant
-        from workers.model.layers import TILED_MIN_ROWS
+        import pagemesh.kernels.cpu
+        import pagemesh.kernels.cpu.quant
+        from pagemesh.workers.model.layers import TILED_MIN_ROWS
 
         lib = _load()
-        if lib is None or not kernels.cpu.available() or not kernels.cpu.quant.available():
+        if lib is None or not pagemesh.kernels.cpu.available() or not pagemesh.kernels.cpu.quant.available():
             return None
-        base, quant = kernels.cpu._library.load(), kernels.cpu.quant._library.load()
+        base, quant = pagemesh.kernels.cpu._library.load(), pagemesh.kernels.cpu.quant._library.load()
         fns = _Kernels(
             norm=_address(base.pm_add_rms_norm),
             rotary=_address(base.pm_rotary),
@@ -199,7 +199,7 @@ class DecodeLayers:
         return cls(model, kv_cache, lib, fns)
 
     def can_run(self, md: AttentionMetadata, x: torch.Tensor) -> bool:
-        from workers.model.layers import DEQUANTIZE_MIN_ROWS
+        from pagemesh.workers.model.layers import DEQUANTIZE_MIN_ROWS
 
         rows = x.shape[0]
         small = rows < DEQUANTIZE_MIN_ROWS or self.dtype != torch.bfloat16

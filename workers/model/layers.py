@@ -16,15 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.quantized import QuantizedWeight, is_quantized
-from workers.model.shm_allreduce import SharedMemoryAllReduce
+from pagemesh.kernels.quantized import QuantizedWeight, is_quantized
+from pagemesh.workers.model.shm_allreduce import SharedMemoryAllReduce
 
 
 @dataclass
 class StageGroup:
     """The torch.distributed group of one pipeline stage's tensor-parallel ranks (global `ranks`).
     The model is built before the worker's process group is up, so `group` is filled in later
-    (`workers.engine.tensor_parallel.init_group`)."""
+    (`pagemesh.workers.engine.tensor_parallel.init_group`)."""
 
     ranks: tuple[int, ...]
     group: object = None
@@ -34,7 +34,7 @@ class StageGroup:
 class ParallelContext:
     """Which shard of the weights and KV heads this process holds, and how its all-reduces
     travel: through `shared` memory where it was set up and the tensor fits (CPU ranks of one
-    host: `workers.model.shm_allreduce`), else torch.distributed: the default group, or the
+    host: `pagemesh.workers.model.shm_allreduce`), else torch.distributed: the default group, or the
     stage's `group` in a pipeline-parallel worker (whose default group spans every stage)."""
 
     rank: int = 0
@@ -102,7 +102,7 @@ class RowParallelLinear(nn.Module):
 @dataclass(frozen=True)
 class PackedWeight:
     """A CPU bf16 weight repacked once (see pack_linear_weights): oneDNN's blocked layout, and
-    the AMX tile layout of `kernels.cpu.amx_linear` where the CPU has AMX."""
+    the AMX tile layout of `pagemesh.kernels.cpu.amx_linear` where the CPU has AMX."""
 
     onednn: torch.Tensor
     amx: torch.Tensor | None = None
@@ -120,13 +120,13 @@ def linear(
 ) -> torch.Tensor:
     """x W^T (+ b) in x's dtype, then cast to out_dtype if given; through a packed copy of W when
     there is one (the AMX kernel writes the widened values itself, no second pass), or the
-    quantized matmul when W is held quantized (`workers.model.quantization`)."""
+    quantized matmul when W is held quantized (`pagemesh.workers.model.quantization`)."""
     if is_quantized(packed):
         return quantized_linear(x, packed, bias, out_dtype)
     if packed is not None and packed.amx is not None and x.shape[0] <= AMX_MAX_ROWS:
-        import kernels.cpu
+        import pagemesh.kernels.cpu
 
-        return kernels.cpu.amx_linear(x, packed.amx, bias, out_dtype or x.dtype)
+        return pagemesh.kernels.cpu.amx_linear(x, packed.amx, bias, out_dtype or x.dtype)
     if packed is None:
         y = F.linear(x, weight, bias)
     else:
@@ -138,7 +138,7 @@ def pack_linear_weights(model: nn.Module, batch_hint: int = 32, *, amx: bool = F
     """On a CPU, repack every bf16 linear weight (and the LM head) once: for oneDNN's blocked
     layout, so that a matmul no longer reorders its weight on every call (~1.6x faster at decode
     batch sizes here), and, with `amx` (the backend's choice: the CPU has AMX), for
-    `kernels.cpu.amx_linear`, which streams each weight once per decode step (~1.3x faster than
+    `pagemesh.kernels.cpu.amx_linear`, which streams each weight once per decode step (~1.3x faster than
     oneDNN at 1-32 rows). oneDNN's results are bit-identical to F.linear; the AMX kernel's differ
     by one bf16 step in a rare value (<1%).
     The dense weights are released: call after loading; a model already packed (a second engine
@@ -160,10 +160,10 @@ def pack_linear_weights(model: nn.Module, batch_hint: int = 32, *, amx: bool = F
         )
     except (RuntimeError, AttributeError):
         return False
-    import kernels.cpu
+    import pagemesh.kernels.cpu
 
     def pack(w: torch.Tensor) -> PackedWeight:
-        tiles = kernels.cpu.amx_pack(w) if amx and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0 else None
+        tiles = pagemesh.kernels.cpu.amx_pack(w) if amx and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0 else None
         return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, batch_hint), tiles)
 
     for m in modules:
@@ -196,17 +196,17 @@ def quantized_linear(
     W widened to bf16, exactly `dequantize`'s values, and the dense bf16 GEMM, so prefill matches
     the dense model's path), the Triton kernel on CUDA."""
     if x.device.type == "cuda":
-        import kernels.quant_matmul
+        import pagemesh.kernels.quant_matmul
 
-        return kernels.quant_matmul.quant_linear(x, qw, bias, out_dtype)
-    import kernels.cpu.quant
+        return pagemesh.kernels.quant_matmul.quant_linear(x, qw, bias, out_dtype)
+    import pagemesh.kernels.cpu.quant
 
     if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] >= DEQUANTIZE_MIN_ROWS:
         y = _dequantized_linear(x, qw, None if bias is None else bias.to(x.dtype))
         return y if out_dtype is None else y.to(out_dtype)
     if qw.tiles is not None and x.shape[0] >= TILED_MIN_ROWS:
-        return kernels.cpu.quant.quant_gemm(x, qw, bias, out_dtype)
-    return kernels.cpu.quant.quant_linear(x, qw, bias, out_dtype)
+        return pagemesh.kernels.cpu.quant.quant_gemm(x, qw, bias, out_dtype)
+    return pagemesh.kernels.cpu.quant.quant_linear(x, qw, bias, out_dtype)
 
 
 DEQUANTIZE_TILE = 1 << 23  # weights widened at most this many values at a time (16 MB of bf16)
@@ -215,17 +215,17 @@ DEQUANTIZE_TILE = 1 << 23  # weights widened at most this many values at a time 
 def _dequantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T (+ b) through W widened to bf16; a large W (an LM head) in row tiles, so that the
     widened copy stays small."""
-    import kernels.cpu.quant
+    import pagemesh.kernels.cpu.quant
 
     n, k = qw.shape
     if n * k <= DEQUANTIZE_TILE:
-        return F.linear(x, kernels.cpu.quant.dequantize_bf16(qw), bias)
+        return F.linear(x, pagemesh.kernels.cpu.quant.dequantize_bf16(qw), bias)
     step = max(1, DEQUANTIZE_TILE // k)
     y = x.new_empty(x.shape[0], n)
     for start in range(0, n, step):
         stop = min(n, start + step)
         part = None if bias is None else bias[start:stop]
-        y[:, start:stop] = F.linear(x, kernels.cpu.quant.dequantize_bf16(qw, start, stop), part)
+        y[:, start:stop] = F.linear(x, pagemesh.kernels.cpu.quant.dequantize_bf16(qw, start, stop), part)
     return y
 
 
@@ -243,7 +243,7 @@ class VocabEmbedding(nn.Module):
 
 class RMSNorm(nn.Module):
     """RMSNorm with the residual add fused in: (x, residual) -> (norm(x + residual), x + residual).
-    The math is the device's (`workers.model.ops`)."""
+    The math is the device's (`pagemesh.workers.model.ops`)."""
 
     def __init__(self, hidden: int, eps: float):
         super().__init__()

@@ -14,9 +14,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from common.model_config import ModelConfig
-from workers.engine.attention import AttentionMetadata
-from workers.model.layers import (
+from pagemesh.common.model_config import ModelConfig
+from pagemesh.workers.engine.attention import AttentionMetadata
+from pagemesh.workers.model.layers import (
     ColumnParallelLinear,
     ParallelContext,
     RMSNorm,
@@ -25,7 +25,7 @@ from workers.model.layers import (
     VocabEmbedding,
     linear,
 )
-from workers.model.ops import ModelOps
+from pagemesh.workers.model.ops import ModelOps
 
 
 class AttentionBackend(Protocol):
@@ -46,7 +46,7 @@ class AttentionBackend(Protocol):
 @dataclass
 class ForwardContext:
     """What one forward pass reads besides the tokens: the KV pool and where things are in it,
-    and the device's attention backend and ops (chosen once: `workers.engine.backend.select_backend`)."""
+    and the device's attention backend and ops (chosen once: `pagemesh.workers.engine.backend.select_backend`)."""
 
     kv_cache: torch.Tensor  # [layers, pages, 2, page_size, kv_heads, head_dim]
     metadata: AttentionMetadata

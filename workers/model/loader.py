@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.model_config import ModelConfig, read_model_config
-from kernels.gguf_conversions import GGUF_CONVERSIONS, from_gguf_converted
-from kernels.quantized import GGUF_BLOCK_FORMATS, QuantizedWeight, from_gguf_blocks
-from workers.model.layers import ParallelContext
-from workers.model.llama import LlamaForCausalLM
-from workers.model.quantization import QUANTIZATIONS, install_gguf_weights, permute_rows, quantize_int8_model
+from pagemesh.common.model_config import ModelConfig, read_model_config
+from pagemesh.kernels.gguf_conversions import GGUF_CONVERSIONS, from_gguf_converted
+from pagemesh.kernels.quantized import GGUF_BLOCK_FORMATS, QuantizedWeight, from_gguf_blocks
+from pagemesh.workers.model.layers import ParallelContext
+from pagemesh.workers.model.llama import LlamaForCausalLM
+from pagemesh.workers.model.quantization import QUANTIZATIONS, install_gguf_weights, permute_rows, quantize_int8_model
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +117,10 @@ def _gguf_weights(
     path: Path, cfg: ModelConfig, blocks: dict[str, QuantizedWeight] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Dequantized tensors under HF names; with `blocks`, the linear weights' quantized blocks
-    too (formats of `kernels.quantized`; others are logged and served dense)."""
+    too (formats of `pagemesh.kernels.quantized`; others are logged and served dense)."""
     from gguf.quants import dequantize
 
-    from common.gguf_file import read_gguf
+    from pagemesh.common.gguf_file import read_gguf
 
     reader = read_gguf(path)
     routes: dict[str, list[str]] = {}

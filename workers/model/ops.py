@@ -1,6 +1,6 @@
-"""The model's non-attention math: Triton kernels on CUDA; on a CPU the C kernels of `kernels.cpu`
+"""The model's non-attention math: Triton kernels on CUDA; on a CPU the C kernels of `pagemesh.kernels.cpu`
 (plain torch where no C compiler is found, or PAGEMESH_CPU_KERNELS=0). Which one runs is chosen
-once, with the attention backend, by `workers.engine.backend.select_backend`.
+once, with the attention backend, by `pagemesh.workers.engine.backend.select_backend`.
 
 Both classes have the same methods; the model reaches them through `ForwardContext.ops`, so no
 layer knows which device it runs on (attention goes through `ForwardContext.backend` the same way).
@@ -11,7 +11,7 @@ layer knows which device it runs on (attention goes through `ForwardContext.back
     silu_and_mul(x) -> out
 
 `cos_sin_cache` is [max_positions, head_dim] fp32 with cos in the first half of the columns and
-sin in the second, the layout of `kernels.rotary_embedding`.
+sin in the second, the layout of `pagemesh.kernels.rotary_embedding`.
 """
 
 from __future__ import annotations
@@ -49,14 +49,14 @@ class TorchOps:
 
 
 class CpuKernelOps:
-    """The C kernels of `kernels.cpu`, with TorchOps' numerics (fp32 statistics, the model
+    """The C kernels of `pagemesh.kernels.cpu`, with TorchOps' numerics (fp32 statistics, the model
     dtype's rounding after each op). `rotary` and `rms_norm` work in place: the rotated q/k are
     the projection's own memory, the residual stream is updated where it lies."""
 
     def __init__(self) -> None:
-        import kernels.cpu
+        import pagemesh.kernels.cpu
 
-        self.kernels = kernels.cpu
+        self.kernels = pagemesh.kernels.cpu
 
     def rms_norm(self, x, residual, weight, eps):
         return self.kernels.add_rms_norm(x, residual, weight, eps)
@@ -77,9 +77,9 @@ class TritonOps:
     synchronisation (so a decode step can be captured in a CUDA graph)."""
 
     def __init__(self) -> None:
-        import kernels
+        import pagemesh.kernels
 
-        self.kernels = kernels
+        self.kernels = pagemesh.kernels
 
     def rms_norm(self, x, residual, weight, eps):
         if residual is None:

@@ -2,12 +2,12 @@
 
     none   the dense weights as loaded (a GGUF is dequantized at load): today's path
     int8   every linear weight and the LM head rounded at load to int8 blocks of 32 with an fp16
-           scale each (`kernels.quantized.quantize_int8`), from any checkpoint
+           scale each (`pagemesh.kernels.quantized.quantize_int8`), from any checkpoint
     gguf   a GGUF's own Q4_0 / Q4_1 / Q8_0 blocks kept bit for bit; Q5_0, Q5_1 and the K-quants
            converted (kernels/gguf_conversions.py, one log line per route); a tensor of another
            type stays dense (bf16/fp32, dequantized as today), with a log line
 
-The quantized weight sits in the linear's `packed` slot (`workers.model.layers.linear` runs the
+The quantized weight sits in the linear's `packed` slot (`pagemesh.workers.model.layers.linear` runs the
 quantized matmul for it) and the dense one is released; the token embedding keeps its dense
 rows for the lookup (tied LM heads read the quantized copy).
 
@@ -25,10 +25,10 @@ import logging
 
 import torch
 
-from kernels.gguf_conversions import fusable
-from kernels.quantized import BLOCK, QuantizedWeight, concat_rows, quantize_int8, with_tiles
-from workers.engine.config import QUANTIZATIONS  # noqa: F401  (the names live with the flag)
-from workers.model.layers import ColumnParallelLinear, RowParallelLinear, VocabEmbedding
+from pagemesh.kernels.gguf_conversions import fusable
+from pagemesh.kernels.quantized import BLOCK, QuantizedWeight, concat_rows, quantize_int8, with_tiles
+from pagemesh.workers.engine.config import QUANTIZATIONS  # noqa: F401  (the names live with the flag)
+from pagemesh.workers.model.layers import ColumnParallelLinear, RowParallelLinear, VocabEmbedding
 
 log = logging.getLogger(__name__)
 

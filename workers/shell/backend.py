@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from common.messages import (
+from pagemesh.common.messages import (
     DoneReason,
     FeatureCacheLoad,
     HeldRequest,

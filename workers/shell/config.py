@@ -7,7 +7,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from common.cli_args import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP, add
+from pagemesh.common.cli_args import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP, add
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,9 +22,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from common.messages import Heartbeat
-from common.transport import ThreadDealer
-from workers.shell.backend import Load
+from pagemesh.common.messages import Heartbeat
+from pagemesh.common.transport import ThreadDealer
+from pagemesh.workers.shell.backend import Load
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ from typing import Any
 
 import structlog
 
-from common.liveness import new_instance
-from common.messages import (
+from pagemesh.common.liveness import new_instance
+from pagemesh.common.messages import (
     AbortRequest,
     DoneReason,
     Message,
@@ -39,12 +39,12 @@ from common.messages import (
     UnknownWorker,
     WorkerStopped,
 )
-from common.process import ProcessFailed, wait_until_idle
-from common.transport import Dealer, Push
-from workers.shell.backend import WorkerBackend
-from workers.shell.config import ShellConfig
-from workers.shell.faults import StepFaults
-from workers.shell.heartbeat import HeartbeatThread, LivenessState, LoadSnapshot
+from pagemesh.common.process import ProcessFailed, wait_until_idle
+from pagemesh.common.transport import Dealer, Push
+from pagemesh.workers.shell.backend import WorkerBackend
+from pagemesh.workers.shell.config import ShellConfig
+from pagemesh.workers.shell.faults import StepFaults
+from pagemesh.workers.shell.heartbeat import HeartbeatThread, LivenessState, LoadSnapshot
 
 STALL_WAIT = 0.05  # seconds a stalled backend waits for news before trying again
 REGISTER_RETRY = 1.0  # seconds between registrations while the scheduler does not answer

@@ -10,21 +10,21 @@ with request-level and serial batching as baselines.
     samplers.py one diffusers scheduler a request jobs.py     ImageJob, FinishedJob, EngineFull
     engine.py   DiffusionEngine                  stats.py    running totals
 
-The names load lazily (as `kernels/__init__.py` does), so `workers.diffusion.engine.batcher` and
+The names load lazily (as `kernels/__init__.py` does), so `pagemesh.workers.diffusion.engine.batcher` and
 `.config` import without torch.
 """
 
 from importlib import import_module
 
 _HOME = {
-    "DiffusionEngine": "workers.diffusion.engine.engine",
-    "EngineConfig": "workers.diffusion.engine.config",
-    "ImageJob": "workers.diffusion.engine.jobs",
-    "FinishedJob": "workers.diffusion.engine.jobs",
-    "EngineFull": "workers.diffusion.engine.jobs",
-    "InvalidImageRequest": "workers.diffusion.pipelines.base",
-    "SAMPLERS": "workers.diffusion.engine.samplers",
-    "DiffusionStats": "workers.diffusion.engine.stats",
+    "DiffusionEngine": "pagemesh.workers.diffusion.engine.engine",
+    "EngineConfig": "pagemesh.workers.diffusion.engine.config",
+    "ImageJob": "pagemesh.workers.diffusion.engine.jobs",
+    "FinishedJob": "pagemesh.workers.diffusion.engine.jobs",
+    "EngineFull": "pagemesh.workers.diffusion.engine.jobs",
+    "InvalidImageRequest": "pagemesh.workers.diffusion.pipelines.base",
+    "SAMPLERS": "pagemesh.workers.diffusion.engine.samplers",
+    "DiffusionStats": "pagemesh.workers.diffusion.engine.stats",
 }
 
 __all__ = list(_HOME)
@@ -33,4 +33,4 @@ __all__ = list(_HOME)
 def __getattr__(name: str):
     if name in _HOME:
         return getattr(import_module(_HOME[name]), name)
-    raise AttributeError(f"module 'workers.diffusion.engine' has no attribute {name!r}")
+    raise AttributeError(f"module 'pagemesh.workers.diffusion.engine' has no attribute {name!r}")

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from workers.diffusion.engine.config import EngineConfig
+from pagemesh.workers.diffusion.engine.config import EngineConfig
 
 
 @dataclass(frozen=True, kw_only=True)

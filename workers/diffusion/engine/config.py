@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.diffusion.engine.cache_policy import CachePolicyError, parse_cache_policy
+from pagemesh.workers.diffusion.engine.cache_policy import CachePolicyError, parse_cache_policy
 
 BATCHING_MODES = ("step", "request", "serial")
 

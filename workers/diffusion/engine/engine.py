@@ -21,14 +21,14 @@ from collections.abc import Callable
 
 import torch
 
-from workers.diffusion.engine.batcher import Batcher, Member
-from workers.diffusion.engine.cache_policy import CachePolicy, CachePolicyError, parse_cache_policy
-from workers.diffusion.engine.config import EngineConfig
-from workers.diffusion.engine.feature_cache import CachePart, RequestCache, cached_forward
-from workers.diffusion.engine.jobs import EngineFull, FinishedJob, ImageJob, RunningJob
-from workers.diffusion.engine.samplers import RequestSampler
-from workers.diffusion.engine.stats import DiffusionStats
-from workers.diffusion.pipelines.base import ImagePipeline, InvalidImageRequest
+from pagemesh.workers.diffusion.engine.batcher import Batcher, Member
+from pagemesh.workers.diffusion.engine.cache_policy import CachePolicy, CachePolicyError, parse_cache_policy
+from pagemesh.workers.diffusion.engine.config import EngineConfig
+from pagemesh.workers.diffusion.engine.feature_cache import CachePart, RequestCache, cached_forward
+from pagemesh.workers.diffusion.engine.jobs import EngineFull, FinishedJob, ImageJob, RunningJob
+from pagemesh.workers.diffusion.engine.samplers import RequestSampler
+from pagemesh.workers.diffusion.engine.stats import DiffusionStats
+from pagemesh.workers.diffusion.pipelines.base import ImagePipeline, InvalidImageRequest
 
 SEED_MASK = 2**64 - 1  # torch generators take 64-bit seeds
 

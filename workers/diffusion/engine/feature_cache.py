@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.diffusion.engine.cache_policy import CacheKind, CachePolicy, RowState, decide
-from workers.diffusion.pipelines.base import BlockForward
+from pagemesh.workers.diffusion.engine.cache_policy import CacheKind, CachePolicy, RowState, decide
+from pagemesh.workers.diffusion.pipelines.base import BlockForward
 
 EPS = 1e-12  # keeps a relative change defined when the reference is all zeros
 

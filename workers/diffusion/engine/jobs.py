@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from common.messages import ImageParams
-from workers.diffusion.engine.cache_policy import NO_CACHE, CachePolicy
-from workers.diffusion.engine.feature_cache import RequestCache
-from workers.diffusion.engine.samplers import RequestSampler
-from workers.diffusion.pipelines.base import Resolved
+from pagemesh.common.messages import ImageParams
+from pagemesh.workers.diffusion.engine.cache_policy import NO_CACHE, CachePolicy
+from pagemesh.workers.diffusion.engine.feature_cache import RequestCache
+from pagemesh.workers.diffusion.engine.samplers import RequestSampler
+from pagemesh.workers.diffusion.pipelines.base import Resolved
 
 
 class EngineFull(RuntimeError):

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-from common.messages import ImageModelInfo, ImageParams
+from pagemesh.common.messages import ImageModelInfo, ImageParams
 
 
 class InvalidImageRequest(ValueError):

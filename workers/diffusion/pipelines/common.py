@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from common.messages import ImageModelInfo, ImageParams
-from common.messages.images import MAX_SIDE
-from workers.diffusion.pipelines.base import InvalidImageRequest, Resolved
+from pagemesh.common.messages import ImageModelInfo, ImageParams
+from pagemesh.common.messages.images import MAX_SIDE
+from pagemesh.workers.diffusion.pipelines.base import InvalidImageRequest, Resolved
 
 SAMPLERS = ("ddpm", "ddim", "dpmsolver++", "unipc", "euler")
 # The sampler a folder's own scheduler is (its default); a scheduler not here defaults to ddim.

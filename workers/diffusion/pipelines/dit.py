@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from common.messages import ImageModelInfo, ImageParams
-from workers.diffusion.pipelines.base import InvalidImageRequest, Resolved
+from pagemesh.common.messages import ImageModelInfo, ImageParams
+from pagemesh.workers.diffusion.pipelines.base import InvalidImageRequest, Resolved
 
 SAMPLERS = ("ddpm", "ddim", "dpmsolver++", "unipc", "euler")
 # A folder without pagemesh.json serves its native size with DiTPipeline's defaults.

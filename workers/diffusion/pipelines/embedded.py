@@ -1,8 +1,8 @@
 """The embedded image models, shipped as diffusers folders in this package and served by name:
 
-    digits-dit           the digits DiT (python -m workers.diffusion.training.train_digits);
+    digits-dit           the digits DiT (python -m pagemesh.workers.diffusion.training.train_digits);
                          served when no folder is given
-    digits-dit-student   its few-step student (python -m workers.diffusion.training.distill_digits):
+    digits-dit-student   its few-step student (python -m pagemesh.workers.diffusion.training.distill_digits):
                          DDIM in 1-4 steps, guidance distilled in
 
 Torch-free at import, so `pagemesh up` can name them without loading torch.
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from workers.diffusion.pipelines.dit import DiTPipelineModel
+    from pagemesh.workers.diffusion.pipelines.dit import DiTPipelineModel
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DIGITS_NAME = "digits-dit"
@@ -30,6 +30,6 @@ def load_embedded(device: str | torch.device = "cpu", dtype: torch.dtype | None 
     """The default image model (digits-dit), served under its name."""
     import torch
 
-    from workers.diffusion.pipelines.dit import DiTPipelineModel
+    from pagemesh.workers.diffusion.pipelines.dit import DiTPipelineModel
 
     return DiTPipelineModel.from_folder(DIGITS_PATH, name=DIGITS_NAME, device=device, dtype=dtype or torch.float32)

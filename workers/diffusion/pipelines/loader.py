@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from workers.diffusion.pipelines.base import ImagePipeline
-from workers.diffusion.pipelines.common import ModelFolderError, read_model_index
-from workers.diffusion.pipelines.embedded import EMBEDDED_MODELS
+from pagemesh.workers.diffusion.pipelines.base import ImagePipeline
+from pagemesh.workers.diffusion.pipelines.common import ModelFolderError, read_model_index
+from pagemesh.workers.diffusion.pipelines.embedded import EMBEDDED_MODELS
 
 LAYOUTS = {
     "DiTPipeline": "class-conditional DiT (DiTTransformer2DModel + AutoencoderKL)",
@@ -42,7 +42,7 @@ def load_pipeline(
     name: its folder), served as `name` (default: the folder's name, so an embedded model's own),
     its modules on `device` in `dtype`. Raises ModelFolderError for a folder it cannot serve."""
     if path is None:
-        from workers.diffusion.pipelines.embedded import load_embedded
+        from pagemesh.workers.diffusion.pipelines.embedded import load_embedded
 
         return load_embedded(torch.device(device), dtype)
     if path in EMBEDDED_MODELS:
@@ -52,11 +52,11 @@ def load_pipeline(
         supported = "; ".join(f"{cls}: {what}" for cls, what in LAYOUTS.items())
         raise ModelFolderError(f"{path}: diffusers layout {layout!r} is not supported; supported: {supported}")
     if layout == "DiTPipeline":
-        from workers.diffusion.pipelines.dit import DiTPipelineModel as model_cls
+        from pagemesh.workers.diffusion.pipelines.dit import DiTPipelineModel as model_cls
     elif layout == "StableDiffusionPipeline":
-        from workers.diffusion.pipelines.unet import UNetPipelineModel as model_cls
+        from pagemesh.workers.diffusion.pipelines.unet import UNetPipelineModel as model_cls
     else:
-        from workers.diffusion.pipelines.pixart import PixArtPipelineModel as model_cls
+        from pagemesh.workers.diffusion.pipelines.pixart import PixArtPipelineModel as model_cls
     try:
         return model_cls.from_folder(path, name=name, device=device, dtype=dtype)
     except ModelFolderError:

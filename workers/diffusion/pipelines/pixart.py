@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from diffusers import PixArtAlphaPipeline, PixArtSigmaPipeline
 
-from workers.diffusion.pipelines.common import (
+from pagemesh.workers.diffusion.pipelines.common import (
     PromptEncoder,
     ServingDefaults,
     TextConditionedPipeline,

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from diffusers import StableDiffusionPipeline
 
-from workers.diffusion.pipelines.common import (
+from pagemesh.workers.diffusion.pipelines.common import (
     ModelFolderError,
     PromptEncoder,
     ServingDefaults,

@@ -1,7 +1,7 @@
 """Distils the embedded digits DiT into a few-step student: progressive distillation (Salimans & Ho,
 ICLR 2022) with classifier-free guidance distilled in (Meng et al., CVPR 2023).
 
-    python -m workers.diffusion.training.distill_digits --out DIR [--teacher DIR]
+    python -m pagemesh.workers.diffusion.training.distill_digits --out DIR [--teacher DIR]
 
 Each round halves the number of DDIM steps. The round's student starts as a copy of its teacher
 and learns to go in one DDIM step where the teacher goes in two:
@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 from diffusers import DDIMScheduler, DiTTransformer2DModel
 
-from workers.diffusion.training.digits_data import train_split
-from workers.diffusion.training.train_digits import ID2LABEL
+from pagemesh.workers.diffusion.training.digits_data import train_split
+from pagemesh.workers.diffusion.training.train_digits import ID2LABEL
 
 TEACHER_PATH = Path(__file__).resolve().parent.parent / "models" / "digits-dit"
 

@@ -1,6 +1,6 @@
 """Trains the embedded default image model: a small class-conditional DiT on scikit-learn's digits.
 
-    python -m workers.diffusion.training.train_digits --out DIR
+    python -m pagemesh.workers.diffusion.training.train_digits --out DIR
 
 writes DIR in diffusers' DiTPipeline layout, pixel space (no VAE):
 
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from diffusers import DDPMScheduler, DiTTransformer2DModel
 
-from workers.diffusion.training.digits_data import NUM_CLASSES, SIDE, train_split
+from pagemesh.workers.diffusion.training.digits_data import NUM_CLASSES, SIDE, train_split
 
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 ID2LABEL = {str(d): f"{d},{word}" for d, word in enumerate(WORDS)}
