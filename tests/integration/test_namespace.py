@@ -6,6 +6,7 @@ process that found the clone's kernels/ under that name failed to load a diffusi
 (`cannot import name 'CUDAProperties' from 'kernels'`)."""
 
 import base64
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -85,9 +86,12 @@ def test_llm_and_diffusion_workers_load_and_serve(where, tmp_path):
 def test_the_wheel_installs_one_top_level_name(tmp_path):
     """The built wheel, installed into an empty folder: `pagemesh` (and its dist-info), nothing
     else; no benchmarks, tests or training scripts in it; its package data is there."""
-    wheels = tmp_path / "wheels"
+    source, wheels = tmp_path / "source", tmp_path / "wheels"
+    # a copy without the clone's build products: setuptools reads an old egg-info's file list back
+    ignore = shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__", ".pytest_cache", "wheels")
+    shutil.copytree(ROOT, source, ignore=ignore)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", wheels, ROOT],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", wheels, source],
         check=True,
         cwd=tmp_path,
     )
