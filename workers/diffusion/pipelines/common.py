@@ -289,6 +289,27 @@ def place_vae(vae: torch.nn.Module, device: torch.device, dtype: torch.dtype) ->
     return vae.to(device)  # loaded in `dtype` already
 
 
+def _float32_conv_forward(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    bias = None if conv.bias is None else conv.bias.float()
+    return conv._conv_forward(x.float(), conv.weight.float(), bias).to(x.dtype)
+
+
+def patch_embedding_in_float32_on_cpu(transformer: torch.nn.Module) -> None:
+    """On the CPU in bfloat16, the patch embedding (diffusers' `PatchEmbed.proj`, a convolution
+    of kernel = stride = the patch size) of `transformer` computes in float32 on its bfloat16
+    weights and hands back bfloat16; everything else stays as loaded.
+
+    torch's oneDNN (v3.12 in torch 2.13) runs bfloat16 convolutions on AMX CPUs with its BRGEMM
+    kernel (`brg_conv_fwd:avx10_1_512_amx`), which returns wrong numbers for some strided
+    shapes: 4 -> 24 channels with kernel = stride = 16 on 128 x 128 latents comes out with a
+    relative error of about 1 (as good as random), then feeds every block. 3x3 stride-1
+    convolutions (the VAE's, the UNet's) and float32 are correct. The patch embedding is one
+    small convolution per forward, so float32 costs nothing a step would notice."""
+    proj = getattr(getattr(transformer, "pos_embed", None), "proj", None)
+    if isinstance(proj, torch.nn.Conv2d) and proj.weight.device.type == "cpu" and proj.weight.dtype == torch.bfloat16:
+        proj.forward = _float32_conv_forward.__get__(proj)  # this one module's forward, weights as loaded
+
+
 @torch.no_grad()
 def decode_latents(vae: torch.nn.Module, latents: torch.Tensor) -> torch.Tensor:
     """Latents [n, C, h, w] -> uint8 images [n, H, W, 3] on the CPU, as diffusers' pipelines

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from pagemesh.common.messages import ImageModelInfo, ImageParams
 from pagemesh.workers.diffusion.pipelines.base import InvalidImageRequest, Resolved
+from pagemesh.workers.diffusion.pipelines.common import patch_embedding_in_float32_on_cpu
 
 SAMPLERS = ("ddpm", "ddim", "dpmsolver++", "unipc", "euler")
 # A folder without pagemesh.json serves its native size with DiTPipeline's defaults.
@@ -167,6 +168,7 @@ class DiTPipelineModel:
         path = Path(path)
         index = json.loads((path / "model_index.json").read_text())
         transformer = DiTTransformer2DModel.from_pretrained(path / "transformer", torch_dtype=dtype).to(device)
+        patch_embedding_in_float32_on_cpu(transformer)
         vae = None
         if (index.get("vae") or [None])[0] is not None and (path / "vae").is_dir():
             vae = AutoencoderKL.from_pretrained(path / "vae", torch_dtype=dtype).to(device)

@@ -23,6 +23,7 @@ from pagemesh.workers.diffusion.pipelines.common import (
     TextRows,
     folder_name,
     model_defaults,
+    patch_embedding_in_float32_on_cpu,
     place_vae,
     read_model_index,
     read_scheduler_config,
@@ -75,6 +76,7 @@ class PixArtPipelineModel(TextConditionedPipeline):
         pipeline_cls, max_tokens = LAYOUTS[read_model_index(path)["_class_name"]]
         pipe = pipeline_cls.from_pretrained(path, torch_dtype=dtype)
         transformer, vae = pipe.transformer.to(device), place_vae(pipe.vae, device, dtype)
+        patch_embedding_in_float32_on_cpu(transformer)
         prompts = PromptEncoder(
             pipe.tokenizer,
             pipe.text_encoder.to(device),
