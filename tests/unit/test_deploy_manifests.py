@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.launcher import parse, plan
+from pagemesh.services.launcher import parse, plan
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -86,30 +86,30 @@ def test_each_deployment_parses_with_its_process_flags_and_binds_on_its_pod(name
     argv = argv_of(name)
     scheduler = "tcp://pagemesh-scheduler:5557"
     if argv[0] == "scheduler":
-        from services.scheduler.main import parse as parse_scheduler
+        from pagemesh.services.scheduler.main import parse as parse_scheduler
 
         bound = [parse_scheduler(argv[1:]).address]
     elif argv[0] == "tokenizer":
-        from services.tokenizer.config import parse_args
+        from pagemesh.services.tokenizer.config import parse_args
 
         cfg = parse_args(argv[1:])
         assert cfg.scheduler_address == scheduler and cfg.name == POD["POD_NAME"]
         bound = [cfg.address, cfg.output_address]
     elif argv[0] == "gateway":
-        from gateway.config import parse_args
+        from pagemesh.gateway.config import parse_args
 
         cfg = parse_args(argv[1:])
         assert (cfg.scheduler_address, cfg.tokenizer_address) == (scheduler, "tcp://pagemesh-tokenizer:5560")
         assert cfg.port == 8000 and cfg.host == "0.0.0.0"
         bound = [cfg.reply_address]
     elif argv[0] == "diffusion":
-        from workers.diffusion.config import parse_diffusion
+        from pagemesh.workers.diffusion.config import parse_diffusion
 
         cfg = parse_diffusion(argv[1:])
         assert cfg.shell.scheduler_address == scheduler and cfg.shell.worker_id == POD["POD_NAME"]
         bound = []
     else:
-        from workers.llm.main import parse as parse_worker
+        from pagemesh.workers.llm.main import parse as parse_worker
 
         cfg = parse_worker(argv[1:])
         assert cfg.shell.scheduler_address == scheduler
@@ -175,14 +175,27 @@ def test_the_compose_check_fails_on_a_broken_file(tmp_path):
     assert result.returncode != 0 and "portz" in result.stdout + result.stderr
 
 
-def test_docker_compose_config_accepts_compose_yaml():
+def compose_commands() -> list[list[str]]:
+    """Compose v2 (`docker compose`) and Debian's docker-compose 1.29, those installed here."""
+    found = []
     docker = shutil.which("docker")
-    if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
-        pytest.skip("no `docker compose` plugin here (the compose-spec schema check above still runs)")
-    result = subprocess.run(
-        [docker, "compose", "-f", str(ROOT / "compose.yaml"), "config", "--quiet"], capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        found.append([docker, "compose"])
+    if shutil.which("docker-compose"):
+        found.append([shutil.which("docker-compose")])
+    return found
+
+
+def test_docker_compose_config_accepts_compose_yaml():
+    """Both file sets, with every compose installed here (compose.yaml must work with v2 and 1.29)."""
+    commands = compose_commands()
+    if not commands:
+        pytest.skip("neither `docker compose` nor docker-compose here (the compose-spec schema check above still runs)")
+    for command in commands:
+        for files in (["compose.yaml"], ["compose.yaml", "compose.zmq-keys.yaml"]):
+            argv = [*command, *(a for f in files for a in ("-f", str(ROOT / f))), "config", "--quiet"]
+            result = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
+            assert result.returncode == 0, (argv, result.stderr)
 
 
 def test_the_zmq_keys_override_gives_every_compose_service_the_keys_folder():
@@ -228,3 +241,29 @@ def test_the_zmq_keys_component_mounts_the_secret_into_every_deployment():
         assert pod["volumes"] == [
             {"name": mount["name"], "secret": {"secretName": "pagemesh-zmq-keys", "defaultMode": 0o400}}
         ]
+
+
+def test_the_scheduler_serves_what_compose_and_pagemesh_up_serve():
+    """The gateway's readinessProbe (/ready) waits for every kind the scheduler serves."""
+    env = {e["name"]: e.get("value") for e in container("pagemesh-scheduler")["env"]}
+    [scheduler] = [argv for _, argv in plan(parse([]), "/tmp/pm") if argv[0] == "scheduler"]
+    assert env["PAGEMESH_SERVES"] == scheduler[scheduler.index("--serves") + 1] == "llm,diffusion"
+
+
+def test_an_image_override_renders_and_validates():
+    """kustomize's `images:` (here to a registry's tagged image) applied to every Deployment: the
+    rendered objects still validate."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    [entry] = KUSTOMIZATION["images"]
+    override = {"name": entry["name"], "newName": "registry.example:5000/pagemesh", "newTag": "0.1.0"}
+    rendered = copy.deepcopy(DEPLOYMENTS)
+    for deployment in rendered.values():
+        for c in deployment["spec"]["template"]["spec"]["containers"]:
+            name, _, _tag = c["image"].partition(":")
+            if name == override["name"]:
+                c["image"] = f"{override['newName']}:{override['newTag']}"
+    assert {d["spec"]["template"]["spec"]["containers"][0]["image"] for d in rendered.values()} == {
+        "registry.example:5000/pagemesh:0.1.0"
+    }
+    for deployment in rendered.values():
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
