@@ -111,3 +111,12 @@ def test_the_wheel_installs_one_top_level_name(tmp_path):
     ]
     top_level = next(target.glob("pagemesh-*.dist-info"))
     assert (top_level / "entry_points.txt").read_text().count("pagemesh = pagemesh.services.cli:main") == 1
+    # the installed package, not the clone's: no pagemesh.bench, and `pagemesh bench` says why
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import pagemesh, importlib.util; print(pagemesh.__file__); "
+        "print(importlib.util.find_spec('pagemesh.bench')); from pagemesh.services.cli import main; main(['bench'])"
+    )
+    done = subprocess.run([sys.executable, "-P", "-c", code, target], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout.split() == [str(target / "pagemesh" / "__init__.py"), "None"]
+    assert "runs from a clone of the repository" in done.stderr
