@@ -19,16 +19,9 @@ from pathlib import Path
 import openai
 import psutil
 
-HANG_S = 900.0  # bounds a hang only (pagemesh.bench.local_mesh.HANG_S)
+from pagemesh.bench.local_mesh import HANG_S, free_port
+
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def smoke(pagemesh: str, elsewhere: Path, tmp: Path, env: dict[str, str]) -> str:
