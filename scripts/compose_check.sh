@@ -58,7 +58,10 @@ if ! command -v dockerd >/dev/null || { ! command -v docker-compose >/dev/null &
     DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -q docker.io docker-compose debootstrap
 fi
 STARTED_DOCKERD=""
+FORWARD_POLICY=""
 if ! docker info >/dev/null 2>&1; then
+    # dockerd sets iptables' FORWARD policy to DROP: put back what it was when we stop it
+    FORWARD_POLICY=$(as_root iptables -S FORWARD 2>/dev/null | awk '$1 == "-P" { print $3; exit }' || true)
     log "starting dockerd (log: /tmp/pagemesh-dockerd.log)"
     as_root sh -c 'nohup dockerd >/tmp/pagemesh-dockerd.log 2>&1 & echo $! >/tmp/pagemesh-dockerd.pid'
     STARTED_DOCKERD=$(cat /tmp/pagemesh-dockerd.pid)
@@ -110,6 +113,10 @@ cleanup() {
     if [ -n "$STARTED_DOCKERD" ] && [ "${PAGEMESH_KEEP_DOCKERD:-0}" != 1 ]; then
         log "stopping the dockerd started here (pid $STARTED_DOCKERD)"
         as_root kill "$STARTED_DOCKERD" 2>/dev/null || true
+        if [ -n "$FORWARD_POLICY" ]; then
+            as_root iptables -P FORWARD "$FORWARD_POLICY" 2>/dev/null || true
+            log "iptables FORWARD policy back to $FORWARD_POLICY"
+        fi
     fi
     exit "$rc"
 }

@@ -64,6 +64,12 @@ class Network:
         self.made.append(("link", self.bridge))
         _ip("addr", "add", f"{self.subnet}.254/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
+        # a host firewall may filter bridged traffic (br_netfilter with an iptables FORWARD policy
+        # of DROP, as a running Docker engine sets it): let through what crosses this bridge only
+        if shutil.which("iptables"):
+            rule = ["FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
+            if subprocess.run(["iptables", "-I", *rule], capture_output=True).returncode == 0:
+                self.made.append(("iptables", " ".join(rule)))
         for host, ns in self.ns.items():
             _ip("netns", "add", ns)
             self.made.append(("netns", ns))
@@ -86,8 +92,8 @@ class Network:
 
     def connected(self) -> bool:
         """The other hosts reach a TCP listener on the gateway host. Traffic between namespaces
-        crosses the bridge, which a host firewall may filter (br_netfilter with an iptables
-        FORWARD policy of DROP, as docker sets it): then the mesh could never start."""
+        crosses the bridge, which a host firewall may still filter (`up` lets this bridge's
+        traffic through iptables where it can): then the mesh could never start."""
         listen = "import socket,sys; s=socket.create_server((sys.argv[1], 0)); print(s.getsockname()[1], flush=True)"
         listen += "; s.settimeout(60); [s.accept() for _ in range(2)]"
         connect = "import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)"
@@ -109,6 +115,9 @@ class Network:
 
     def down(self) -> None:
         for kind, name in reversed(self.made):  # a namespace's end of a veth pair goes with it
+            if kind == "iptables":
+                subprocess.run(["iptables", "-D", *name.split()], capture_output=True)
+                continue
             args = ["link", "del", name] if kind == "link" else ["netns", "del", name]
             subprocess.run(["ip", *args], capture_output=True)
 
