@@ -31,7 +31,7 @@ class EngineConfig:
     num_pages: int | None = None  # fixes the pool size; else from kv_cache_memory_gb
     kv_cache_memory_gb: float | None = None  # default: 2 GiB on CPU; on a GPU see gpu_memory_fraction
     gpu_memory_fraction: float = 0.9  # of the GPU's memory this worker may hold (weights + KV pool)
-    max_model_len: int | None = None  # default: the model's, capped at 8192
+    max_model_len: int | None = None  # default: the model's, capped at 8192 (and at a sliding window)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048  # as vLLM's CPU server; 512 gives smoother ITL under steady arrivals
     max_prefill_chunk: int = 512
@@ -81,6 +81,20 @@ class EngineConfig:
             raise ValueError("speculative_config: draft_quantized needs pipeline_parallel_size 1")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: must be one of {list(KV_CACHE_DTYPES)}")
+        if self.max_model_len is not None:
+            self._check_max_model_len()
+
+    def _check_max_model_len(self) -> None:
+        """An explicit context length the model cannot serve exactly (longer than its sliding
+        window) is an error at load rather than a cap that would surprise (common/model_config.py).
+        Reads only the model's config; a path that does not exist is left to the engine to report."""
+        from pagemesh.common.model_config import check_max_model_len, read_model_config
+
+        if self.model in (None, "", "default"):
+            return  # the embedded model: full attention
+        path = Path(self.model).expanduser()
+        if path.exists():
+            check_max_model_len(read_model_config(path), self.max_model_len)
 
     def resolve_device(self) -> torch.device:
         import torch
@@ -174,7 +188,13 @@ def add_engine_arguments(parser) -> None:
         help="share of the GPU's memory for this worker's weights and KV pool (`pagemesh up` divides "
         "it among workers sharing a GPU)",
     )
-    add(parser, "--max-model-len", None, type=int, help="context length (default: the model's, at most 8192)")
+    add(
+        parser,
+        "--max-model-len",
+        None,
+        type=int,
+        help="context length (default: the model's, at most 8192 and at most its sliding window, if it has one)",
+    )
     add(parser, "--max-num-seqs", 64, type=int, help="sequences running at once")
     add(
         parser,

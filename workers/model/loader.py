@@ -59,6 +59,9 @@ def load_model(
     if quantization == "gguf" and path.is_dir():
         raise ValueError("quantization gguf: the model must be a GGUF file (int8 quantizes any weights)")
     cfg = read_model_config(path)
+    note = cfg.sliding_window_note()
+    if note and tp.rank == 0 and (layers is None or layers.start == 0):  # once per worker
+        log.info("%s", note)
     with torch.device(device), _default_dtype(dtype):
         model = LlamaForCausalLM(cfg, tp, layers)
     blocks: dict[str, QuantizedWeight] | None = {} if quantization == "gguf" else None
