@@ -90,4 +90,5 @@ def test_engine_serves_up_to_the_window_as_hf_and_refuses_beyond(tiny_mistral, c
     engine.blocks.check_invariants([])
 
     with pytest.raises(ValueError, match=r"max_model_len 64: .*sliding_window=16"):  # an explicit longer context
-        EngineConfig(model=str(folder), dtype="float32", max_model_len=64)
+        Engine(EngineConfig(model=str(folder), dtype="float32", num_pages=64, max_model_len=64))
+    assert Engine(EngineConfig(model=str(folder), dtype="float32", num_pages=64, max_model_len=16)).max_model_len == 16

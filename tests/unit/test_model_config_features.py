@@ -6,7 +6,6 @@ import json
 import pytest
 
 from pagemesh.common.model_config import ModelConfig, check_max_model_len, default_max_model_len
-from pagemesh.workers.engine.config import EngineConfig
 
 SHAPE = dict(
     vocab_size=320,
@@ -101,16 +100,12 @@ def test_a_window_that_is_not_a_positive_count_is_refused(window):
         hf(sliding_window=window)
 
 
-def test_the_served_context_is_capped_for_the_tokenizer_gateway_and_an_explicit_engine_length(tmp_path):
+def test_the_served_context_is_capped_for_the_tokenizer_and_gateway(tmp_path):
+    """An explicit engine length over the window: tests/integration/test_mistral_sliding_window.py."""
     (tmp_path / "config.json").write_text(
         json.dumps({"architectures": ["MistralForCausalLM"], **SHAPE, "sliding_window": 16})
     )
     assert default_max_model_len(tmp_path) == 16  # what the tokenizer and the gateway serve by default
-    EngineConfig(model=str(tmp_path))
-    EngineConfig(model=str(tmp_path), max_model_len=16)
-    with pytest.raises(ValueError, match="sliding_window=16"):
-        EngineConfig(model=str(tmp_path), max_model_len=64)
-    EngineConfig(model=str(tmp_path / "elsewhere"), max_model_len=64)  # no such path: the engine says so at load
 
 
 def gguf_meta(**extra) -> dict:

@@ -81,20 +81,6 @@ class EngineConfig:
             raise ValueError("speculative_config: draft_quantized needs pipeline_parallel_size 1")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: must be one of {list(KV_CACHE_DTYPES)}")
-        if self.max_model_len is not None:
-            self._check_max_model_len()
-
-    def _check_max_model_len(self) -> None:
-        """An explicit context length the model cannot serve exactly (longer than its sliding
-        window) is an error at load rather than a cap that would surprise (common/model_config.py).
-        Reads only the model's config; a path that does not exist is left to the engine to report."""
-        from pagemesh.common.model_config import check_max_model_len, read_model_config
-
-        if self.model in (None, "", "default"):
-            return  # the embedded model: full attention
-        path = Path(self.model).expanduser()
-        if path.exists():
-            check_max_model_len(read_model_config(path), self.max_model_len)
 
     def resolve_device(self) -> torch.device:
         import torch

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from pagemesh.common.model_config import read_model_config
+from pagemesh.common.model_config import check_max_model_len, read_model_config
 from pagemesh.common.model_files import resolve_model_path
 from pagemesh.common.sampling import SamplingParams
 from pagemesh.workers.engine.backend import select_backend
@@ -131,6 +131,8 @@ class Engine:
                 f"(and pipeline stages load from a path: pipeline_parallel_size={pp_size})"
             )
         self.model_config = model.config
+        if config.max_model_len is not None:  # longer than a sliding window: refused, never served wrong
+            check_max_model_len(self.model_config, config.max_model_len)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.max_model_len = min(
             config.max_model_len or MAX_DEFAULT_MODEL_LEN, self.model_config.max_position_embeddings
