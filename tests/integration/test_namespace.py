@@ -6,11 +6,13 @@ process that found the clone's kernels/ under that name failed to load a diffusi
 (`cannot import name 'CUDAProperties' from 'kernels'`)."""
 
 import base64
+import os
 import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -29,41 +31,26 @@ def test_hugging_face_kernels_is_installed_beside_us():
     assert version("kernels") and int(version("transformers").split(".")[0]) >= 5
 
 
-@pytest.mark.parametrize("how", ["-c", "-m", "script", "PYTHONPATH"])
+PROBE = "import pagemesh.kernels, kernels\nprint(kernels.__file__, pagemesh.kernels.__name__)"
+
+
+@pytest.mark.parametrize("how", ["-c", "-m", "PYTHONPATH"])
 def test_kernels_is_hugging_faces_in_a_process_started_from_the_clone(how, tmp_path):
-    """Python puts the working directory (here the clone's root) on sys.path for -c, -m and a
-    script in it; importing pagemesh takes the root off again, so `kernels` is HF's."""
-    code = "import pagemesh, kernels, sys; print(kernels.__file__); print(pagemesh.kernels.__name__)"
-    code = "import pagemesh.kernels\n" + code.replace("import pagemesh, ", "import ")
-    env = None
-    if how == "-c":
-        argv = [sys.executable, "-c", code]
-    elif how == "-m":
-        (tmp_path / "probe_module.py").write_text(code)
+    """Python puts the working directory (here the clone's root) on sys.path for -c and -m, and
+    PYTHONPATH=. does too; importing pagemesh takes the root off again, so `kernels` is HF's."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    argv = [sys.executable, "-c", PROBE]
+    if how == "-m":
+        (tmp_path / "probe_module.py").write_text(PROBE)
         argv = [sys.executable, "-m", "probe_module"]
-        env = {"PYTHONPATH": str(tmp_path)}
-    elif how == "script":
-        script = ROOT / "bench" / f"_probe_{tmp_path.name}.py"
-        script.write_text(code)
-        argv = [sys.executable, str(script)]
-    else:
-        argv = [sys.executable, "-c", code]
-        env = {"PYTHONPATH": str(ROOT)}
-    try:
-        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env={**_env(), **(env or {})})
-    finally:
-        if how == "script":
-            script.unlink()
+        env["PYTHONPATH"] = str(tmp_path)
+    elif how == "PYTHONPATH":
+        env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     kernels_file, name = done.stdout.split()
     assert Path(kernels_file).parts[-3:] == ("site-packages", "kernels", "__init__.py")
     assert name == "pagemesh.kernels"
-
-
-def _env() -> dict[str, str]:
-    import os
-
-    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
 @pytest.mark.slow
@@ -73,7 +60,7 @@ def test_llm_and_diffusion_workers_load_and_serve(where, tmp_path):
     transformers' kernels hub), started from the clone's root and from elsewhere."""
     cwd = ROOT if where == "clone root" else tmp_path
     with running_mesh("--diffusion", "1", cwd=cwd) as url:
-        client = openai_client(type("Mesh", (), {"url": url}))
+        client = openai_client(SimpleNamespace(url=url))
         chat = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "What is 2+2?"}], max_tokens=8, temperature=0
         )
