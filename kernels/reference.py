@@ -4,7 +4,7 @@ Each `<name>_ref` has the signature of the Triton `<name>` and favours being obv
 being fast: the kernel tests compare against these, and the CPU model path can call them. Math is
 done in fp32 and rounded once to the input dtype at the end. No triton import here.
 
-KV pool layout (one layer), see DESIGN.md §3:
+KV pool layout (one layer), see docs/design.md §3:
 
     kv_layer[page, kind, slot, kv_head, dim]     kind 0 = K, 1 = V; page 0 is the null page
     a token at `slot_mapping = page * page_size + slot` lives at kv_layer[page, :, slot]

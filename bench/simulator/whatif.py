@@ -4,11 +4,15 @@ sarathi    Llama-3.1-8B on one H100: stall-free chunked prefill (a 512-token ste
            against whole prompts in one step (an 8192-token budget), long prompts. Capacity =
            the highest request rate whose p99 time-between-tokens meets an SLO (strict: 5× a
            lone decode step; relaxed: 25×), as Sarathi-Serve measures it.
-distserve  Llama-3.1-8B on two H100s: two colocated (mixed) workers against one prefill and
-           one decode worker over NVLink, under tight TTFT + TPOT SLOs; goodput = the highest
-           rate at which 90% of requests meet both, per GPU, as DistServe measures it.
+distserve  Llama-3.1-8B on four H100s: four colocated (mixed) workers, with whole prompts or
+           chunked, against 1P+3D, 2P+2D and 3P+1D over NVLink, under TTFT <= 200 ms and TPOT
+           <= 15 ms (and <= 25 ms); goodput = the highest rate at which 90% of requests meet
+           both, per GPU, as DistServe measures it.
 
-  python -m pagemesh.bench.simulator.whatif --out docs/experiments/simulator
+  python -m pagemesh.bench.simulator.whatif --out bench/results/simulator/whatif
+
+writes whatif.json (every curve) and the two plots into --out (bench/results/ is git-ignored);
+docs/experiments/simulator.md keeps the plots and the capacity and goodput tables.
 """
 
 from __future__ import annotations

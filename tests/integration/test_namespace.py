@@ -1,4 +1,4 @@
-"""One import name, `pagemesh`, and nothing of the clone under a generic one (DESIGN.md §0).
+"""One import name, `pagemesh`, and nothing of the clone under a generic one (docs/design.md §0).
 
 The clone's root holds kernels/, common/, ... and PyPI has distributions of those names: Hugging
 Face's `kernels`, which transformers imports (diffusers too, through it), is in the lock. A

@@ -1,4 +1,4 @@
-"""Pure logic imports neither torch nor zmq (STYLE.md: habits 1; DESIGN.md §3): each module listed
+"""Pure logic imports neither torch nor zmq (STYLE.md: habits 1; docs/design.md §3): each module listed
 here is imported in a fresh interpreter where importing torch or zmq (or any of their submodules)
 raises ImportError."""
 
@@ -35,7 +35,7 @@ PURE_MODULES = [
     "pagemesh.workers.diffusion.engine.config",
     "pagemesh.workers.diffusion.engine.stats",
 ]
-# DESIGN.md §2: the sockets (transport.py) and their CurveZMQ keys (transport_curve.py)
+# docs/design.md §2: the sockets (transport.py) and their CurveZMQ keys (transport_curve.py)
 ZMQ_MODULES = {"common/transport.py", "common/transport_curve.py"}
 # processes that talk over sockets but must not load torch: the launcher parses every kind's flags
 NO_TORCH_MODULES = [

@@ -1,6 +1,6 @@
 """An fp8 KV cache (`--kv-cache-dtype fp8_e4m3|fp8_e5m2`): storage dtype, scales, quantize.
 
-The pool keeps its layout (`kv[layer, page, 2, slot, kv_head, head_dim]`, DESIGN.md §3) in one
+The pool keeps its layout (`kv[layer, page, 2, slot, kv_head, head_dim]`, docs/design.md §3) in one
 byte per value. Each (layer, K|V, kv_head) has one fixed fp32 scale:
 
     stored = fp8(clamp(x / scale, ±fp8_max))        read = float(stored) * scale
