@@ -31,7 +31,7 @@ import time
 import torch
 
 from pagemesh.common.sampling import SamplingParams
-from pagemesh.workers.engine.attention import AttentionMetadata
+from pagemesh.workers.attention.metadata import AttentionMetadata
 from pagemesh.workers.engine.config import EngineConfig
 from pagemesh.workers.engine.engine import Engine
 from pagemesh.workers.model.llama import ForwardContext

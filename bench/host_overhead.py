@@ -20,7 +20,7 @@ import torch
 
 from pagemesh.common.model_config import ModelConfig  # noqa: E402
 from pagemesh.common.sampling import SamplingParams  # noqa: E402
-from pagemesh.workers.engine import attention as attention_module  # noqa: E402
+from pagemesh.workers.attention import metadata as attention_module  # noqa: E402
 from pagemesh.workers.engine.config import EngineConfig  # noqa: E402
 from pagemesh.workers.engine.engine import Engine  # noqa: E402
 from pagemesh.workers.model.loader import build_random_model  # noqa: E402

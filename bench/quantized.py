@@ -44,9 +44,10 @@ from pathlib import Path
 import torch
 
 from pagemesh.common.model_files import default_model_path  # noqa: E402
+from pagemesh.common.quantization import QUANTIZATIONS  # noqa: E402
 from pagemesh.common.sampling import SamplingParams  # noqa: E402
-from pagemesh.workers.engine.attention import AttentionMetadata  # noqa: E402
-from pagemesh.workers.engine.config import QUANTIZATIONS, EngineConfig  # noqa: E402
+from pagemesh.workers.attention.metadata import AttentionMetadata  # noqa: E402
+from pagemesh.workers.engine.config import EngineConfig  # noqa: E402
 from pagemesh.workers.engine.model_runner import ModelRunner  # noqa: E402
 from pagemesh.workers.model import layers  # noqa: E402
 from pagemesh.workers.model.llama import ForwardContext, LlamaForCausalLM  # noqa: E402

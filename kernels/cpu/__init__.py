@@ -1,4 +1,5 @@
-"""CPU kernels in C (`pagemesh_cpu.c`), for the model runner's CPU path.
+"""CPU kernels in C (the `pagemesh_cpu` library: norm.c, activation.c, rotary.c, kv_write.c,
+attention.c, attention_fp8.c, amx_linear.c, sampling.c; build.SOURCES), for the model runner's CPU path.
 
 The Triton kernels next door are the GPU path; on a CPU, Triton only interprets. These do the
 same jobs in compiled C with OpenMP (sharing torch's OpenMP threads), on fp32 or bf16 tensors:
@@ -40,7 +41,7 @@ _SIGNATURES = {
     "pm_argmax_rows": [_P, _I64, _I64, _I64, _P],
     "pm_paged_attention_fp8": [_P, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F, _P, _I32, _I32],
 }
-_library = build.Library(build.SOURCE, _SIGNATURES)
+_library = build.Library(build.SOURCES, _SIGNATURES, build.LIBRARY_NAME)
 FP8_DTYPES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}  # an fp8 KV pool's formats (FP8_E4M3, FP8_E5M2)
 _amx: bool | None = None
 

@@ -1,11 +1,11 @@
 /* A decode step's decoder layers in one C call: the CPU path of a Llama whose linears are held
  * quantized (`--quantization`), for steps whose every sequence decodes one token.
  *
- * Nothing here computes: each op is the very kernel the Python layers call (pagemesh_cpu.c's
- * norm, rotary, KV write, paged attention, SiLU-and-mul; quant_matmul.c's pm_quant_gemm_tiles for a
+ * Nothing here computes: each op is the very kernel the Python layers call (the pagemesh_cpu
+ * library's norm, rotary, KV write, paged attention, SiLU-and-mul; quant_matmul.c's pm_quant_gemm_tiles for a
  * weight with tiles from `tiled_min_rows` rows, pm_quant_matmul otherwise, as layers.quantized_linear picks),
  * reached through the function pointers in `pm_decode_kernels` (filled by
- * workers/model/decode_layers.py from the two loaded libraries), with the same arguments in
+ * kernels/cpu/decode_layers.py from the two loaded libraries), with the same arguments in
  * the same order. So the outputs are the Python path's, bit for bit; what goes is the Python
  * between the kernels: ~10 module calls, tensor allocations and ctypes calls per layer, which
  * cost about as much as the layers' arithmetic at one decode row of a small model.

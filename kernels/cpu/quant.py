@@ -6,7 +6,7 @@
 
 x is fp32 or bf16 [M, K] (rows may be strided); x is rounded per row and block of 32 to int8
 inside (see quant_matmul.c), the sums are fp32, the result is rounded to `out_dtype` (default x's).
-A library of its own next to pagemesh_cpu.c (same build, same cache), loaded on first use;
+A library of its own next to the `pagemesh_cpu` one (same build, same cache), loaded on first use;
 `available()` says whether it loaded.
 """
 
@@ -19,7 +19,7 @@ import torch
 from pagemesh.kernels.cpu import build
 from pagemesh.kernels.quantized import QuantizedWeight
 
-SOURCE = build.SOURCE.with_name("quant_matmul.c")
+SOURCE = build.KERNEL_DIR / "quant_matmul.c"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {

@@ -1,6 +1,6 @@
 /* pagemesh's weight-quantized matmul for the CPU: y = x W^T (+ b) with W in blocks of 32 codes.
  *
- * Built at first use by kernels/cpu/build.py like pagemesh_cpu.c, and called through ctypes by
+ * Built at first use by kernels/cpu/build.py like the pagemesh_cpu library, and called through ctypes by
  * kernels/cpu/quant.py, which checks shapes and dtypes; the functions here trust their arguments.
  *
  * One layout serves every format (kernels/quantized.py makes it, from GGUF blocks or any dense

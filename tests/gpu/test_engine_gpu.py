@@ -11,7 +11,7 @@ import torch
 
 from pagemesh.common.model_config import ModelConfig
 from pagemesh.common.sampling import SamplingParams
-from pagemesh.workers.engine.attention import AttentionMetadata
+from pagemesh.workers.attention.metadata import AttentionMetadata
 from pagemesh.workers.engine.backend import TritonAttentionBackend
 from pagemesh.workers.engine.config import EngineConfig
 from pagemesh.workers.engine.cuda_graphs import bucket_for

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from pagemesh.workers.engine.attention import AttentionMetadata
+from pagemesh.workers.attention.metadata import AttentionMetadata
 
 
 def random_batch(rng, page_size):

@@ -5,7 +5,8 @@ import torch
 
 from pagemesh.kernels.reference import paged_attention_ref
 from pagemesh.kernels.testing import make_paged_batch
-from pagemesh.workers.engine.attention import AttentionMetadata, paged_attention_torch
+from pagemesh.workers.attention.metadata import AttentionMetadata
+from pagemesh.workers.engine.attention import paged_attention_torch
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 2)])

@@ -10,7 +10,8 @@ import torch
 import pagemesh.kernels.cpu as ck
 from pagemesh.kernels.reference import paged_attention_ref
 from pagemesh.kernels.testing import make_paged_batch
-from pagemesh.workers.engine.attention import AttentionMetadata, write_kv_torch
+from pagemesh.workers.attention.metadata import AttentionMetadata
+from pagemesh.workers.engine.attention import write_kv_torch
 from pagemesh.workers.model.layers import pack_linear_weights
 from pagemesh.workers.model.ops import TorchOps
 

@@ -10,7 +10,7 @@ import torch
 
 from pagemesh.common.model_config import ModelConfig
 from pagemesh.common.sampling import SamplingParams
-from pagemesh.workers.engine.attention import AttentionMetadata
+from pagemesh.workers.attention.metadata import AttentionMetadata
 from pagemesh.workers.engine.backend import TritonAttentionBackend
 from pagemesh.workers.engine.config import EngineConfig
 from pagemesh.workers.engine.cuda_graphs import DecodeGraphs, bucket_for, capture_sizes, pad_decode_batch

@@ -9,7 +9,7 @@ import torch
 
 from pagemesh.kernels import cpu
 from pagemesh.kernels.cpu import quant
-from pagemesh.workers.engine.attention import AttentionMetadata
+from pagemesh.workers.attention.metadata import AttentionMetadata
 from pagemesh.workers.engine.model_runner import ModelRunner
 from pagemesh.workers.model.decode_layers import DecodeLayers
 from pagemesh.workers.model.llama import ForwardContext

@@ -20,7 +20,8 @@ import torch
 
 from pagemesh.kernels.reference import paged_attention_ref
 from pagemesh.kernels.testing import make_paged_batch, quantize_kv_layer
-from pagemesh.workers.engine.attention import AttentionMetadata, paged_attention_torch, write_kv_fp8_torch
+from pagemesh.workers.attention.metadata import AttentionMetadata
+from pagemesh.workers.engine.attention import paged_attention_torch, write_kv_fp8_torch
 from pagemesh.workers.engine.kv_quant import quantize, scales_from_amax
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}

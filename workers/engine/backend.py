@@ -44,6 +44,9 @@ class CpuKernelAttentionBackend:
 
     builds_cpu_indices = True
     decode_gather = False
+    # write_kv and the decodes' attend are pagemesh.kernels.cpu's, nothing around them: the model's
+    # DecodeLayers (workers/model/decode_layers.py) may call them inside its one C call instead
+    cpu_decode_kernels = True
 
     def __init__(self) -> None:
         import pagemesh.kernels.cpu

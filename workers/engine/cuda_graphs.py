@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagemesh.workers.engine.attention import AttentionMetadata
+from pagemesh.workers.attention.metadata import AttentionMetadata
 from pagemesh.workers.model.llama import AttentionBackend, ForwardContext, LlamaForCausalLM
 from pagemesh.workers.model.ops import ModelOps
 

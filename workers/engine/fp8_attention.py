@@ -15,12 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from pagemesh.workers.engine.attention import (
-    AttentionMetadata,
-    paged_attention_torch,
-    prefill_attention_torch,
-    write_kv_fp8_torch,
-)
+from pagemesh.workers.attention.metadata import AttentionMetadata
+from pagemesh.workers.engine.attention import paged_attention_torch, prefill_attention_torch, write_kv_fp8_torch
 
 FP8_KERNELS = ("torch", "cpu", "triton")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from pagemesh.kernels.cpu.memory import keep_freed_memory_for_reuse, zeroed_tensor
-from pagemesh.workers.engine.attention import AttentionMetadata
+from pagemesh.workers.attention.metadata import AttentionMetadata
 from pagemesh.workers.engine.backend import Backend, select_backend
 from pagemesh.workers.engine.cuda_graphs import DecodeGraphs
 from pagemesh.workers.engine.fp8_attention import Fp8KVAttention, fp8_kernels_for

@@ -3,10 +3,11 @@
 At one decode row a small model's layer is ~80 µs of kernels and, before this, about as much
 Python around them (module calls, ten tensor allocations, ten ctypes calls). `DecodeLayers`
 runs every layer of a step whose sequences all decode one token through
-`kernels/cpu/decode_layers.c`, which calls the same C kernels with the same arguments in the
-same order as the Python layers do (`LlamaDecoderLayer.forward` with `CpuKernelOps`,
-`CpuKernelAttentionBackend` and `pagemesh.kernels.cpu.quant.quant_gemm` or `quant_linear`), so its outputs are theirs,
-bit for bit (tests/unit/test_decode_layers.py).
+`kernels/cpu/decode_layers.c` (bound in `pagemesh.kernels.cpu.decode_layers`), which calls the
+same C kernels with the same arguments in the same order as the Python layers do
+(`LlamaDecoderLayer.forward` with `CpuKernelOps`, `CpuKernelAttentionBackend` and
+`pagemesh.kernels.cpu.quant.quant_gemm` or `quant_linear`), so its outputs are theirs, bit for
+bit (tests/unit/test_decode_layers.py).
 
     layers = DecodeLayers.for_model(model, kv_cache, ops, attention)   None where it does not apply
     if layers is not None and layers.can_run(md, x): out, residual = layers.run(x, md)
@@ -20,80 +21,13 @@ widens W, which the C call does not do).
 
 from __future__ import annotations
 
-import ctypes
 import os
 
 import torch
 
+from pagemesh.kernels.cpu import decode_layers as binding
 from pagemesh.kernels.quantized import QuantizedWeight, is_quantized
-from pagemesh.workers.engine.attention import AttentionMetadata
-
-_P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-
-
-class _Kernels(ctypes.Structure):
-    _fields_ = [
-        *((name, _P) for name in ("norm", "rotary", "write_kv", "attention", "silu_and_mul", "matmul", "gemm_tiles")),
-        ("tiled_min_rows", _I64),
-    ]
-
-
-class _Weight(ctypes.Structure):
-    _fields_ = [
-        *((name, _P) for name in ("codes", "scale", "offset", "bias", "tiles", "tile_scales")),
-        ("n", _I64),
-        ("k", _I64),
-        ("bits", _I32),
-    ]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        ("input_norm", _P),
-        ("post_attn_norm", _P),
-        ("qkv", _Weight),
-        ("o", _Weight),
-        ("gate_up", _Weight),
-        ("down", _Weight),
-        ("kv_layer", _P),
-    ]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [
-        ("hidden", _I64),
-        ("intermediate", _I64),
-        ("num_heads", _I32),
-        ("num_kv_heads", _I32),
-        ("head_dim", _I32),
-        ("page_size", _I32),
-        ("dt", _I32),
-        ("eps", _F),
-        ("scale", _F),
-        ("cos_sin_cache", _P),
-    ]
-
-
-class _Scratch(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("normed", "qkv", "attn", "o", "gate_up", "act")]
-
-
-_SIGNATURES = {"pm_decode_layers": [_P, _P, _P, _I32, _P, _P, _P, _I64, _P, _P, _P, _I64, _P, _P]}
-_library = None
-
-
-def _load():
-    """The decode_layers.c library (built once, like the other CPU kernels), or None."""
-    global _library
-    from pagemesh.kernels.cpu import build
-
-    if _library is None:
-        _library = build.Library(build.SOURCE.with_name("decode_layers.c"), _SIGNATURES)
-    return _library.load()
-
-
-def _address(fn) -> int:
-    return ctypes.cast(fn, ctypes.c_void_p).value
+from pagemesh.workers.attention.metadata import AttentionMetadata
 
 
 class DecodeLayers:
@@ -101,13 +35,13 @@ class DecodeLayers:
     Holds the addresses of the model's weights and KV pool: build it after they are in place
     (`ModelRunner` does, once) and keep the model and the pool alive as long as it lives."""
 
-    def __init__(self, model, kv_cache: torch.Tensor, lib, kernels: _Kernels):
+    def __init__(self, model, kv_cache: torch.Tensor, kernels: binding.Kernels):
         cfg = model.config
-        self.lib, self.kernels = lib, kernels
+        self.kernels = kernels
         self.dtype = model.dtype
         self.hidden, self.intermediate = cfg.hidden_size, cfg.intermediate_size
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.model = _Model(
+        self.model = binding.Model(
             hidden=cfg.hidden_size,
             intermediate=cfg.intermediate_size,
             num_heads=cfg.num_heads,
@@ -120,10 +54,10 @@ class DecodeLayers:
             cos_sin_cache=model.rotary.cos_sin_cache.data_ptr(),
         )
         self._keep: list[torch.Tensor] = [model.rotary.cos_sin_cache]  # tensors the C side points into
-        self.layers = (_Layer * len(model.layers))()
+        self.layers = (binding.Layer * len(model.layers))()
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            self.layers[i] = _Layer(
+            self.layers[i] = binding.Layer(
                 input_norm=layer.input_layernorm.weight.data_ptr(),
                 post_attn_norm=layer.post_attention_layernorm.weight.data_ptr(),
                 qkv=self._weight(attn.qkv_proj.packed, attn.qkv_proj.bias),
@@ -134,32 +68,23 @@ class DecodeLayers:
             )
         self.num_layers = len(model.layers)
 
-    def _weight(self, qw: QuantizedWeight, bias: torch.Tensor | None) -> _Weight:
+    def _weight(self, qw: QuantizedWeight, bias: torch.Tensor | None) -> binding.Weight:
         if bias is not None:
             bias = bias.float().contiguous()  # what quant_linear hands the kernel
             self._keep.append(bias)
-        n, k = qw.shape
-        return _Weight(
-            codes=qw.codes.data_ptr(),
-            scale=qw.scale.data_ptr(),
-            offset=qw.offset.data_ptr(),
-            bias=None if bias is None else bias.data_ptr(),
-            tiles=None if qw.tiles is None else qw.tiles.codes.data_ptr(),
-            tile_scales=None if qw.tiles is None else qw.tiles.scales.data_ptr(),
-            n=n,
-            k=k,
-            bits=qw.bits,
-        )
+        return binding.weight(qw, bias)
 
     @classmethod
     def for_model(cls, model, kv_cache: torch.Tensor, ops, attention) -> DecodeLayers | None:
-        """The fused layers of `model`, or None where they do not apply (module docstring)."""
-        from pagemesh.workers.engine.backend import CpuKernelAttentionBackend
+        """The fused layers of `model`, or None where they do not apply (module docstring).
+        `attention` qualifies where it says its K/V writes and decodes are the C kernels' own
+        (`cpu_decode_kernels`: the engine's `CpuKernelAttentionBackend`), so that this C call may
+        run them in its place."""
         from pagemesh.workers.model.ops import CpuKernelOps
 
         if os.environ.get("PAGEMESH_DECODE_LAYERS", "1") == "0":
             return None
-        if not isinstance(ops, CpuKernelOps) or type(attention) is not CpuKernelAttentionBackend:
+        if not isinstance(ops, CpuKernelOps) or not getattr(attention, "cpu_decode_kernels", False):
             return None
         dtype = model.dtype
         if kv_cache.device.type != "cpu" or kv_cache.dtype != dtype or dtype not in (torch.bfloat16, torch.float32):
@@ -178,25 +103,10 @@ class DecodeLayers:
         ]
         if not all(is_quantized(p) for p in linears):
             return None
-        import pagemesh.kernels.cpu
-        import pagemesh.kernels.cpu.quant
         from pagemesh.workers.model.layers import TILED_MIN_ROWS
 
-        lib = _load()
-        if lib is None or not pagemesh.kernels.cpu.available() or not pagemesh.kernels.cpu.quant.available():
-            return None
-        base, quant = pagemesh.kernels.cpu._library.load(), pagemesh.kernels.cpu.quant._library.load()
-        fns = _Kernels(
-            norm=_address(base.pm_add_rms_norm),
-            rotary=_address(base.pm_rotary),
-            write_kv=_address(base.pm_write_kv),
-            attention=_address(base.pm_paged_attention),
-            silu_and_mul=_address(base.pm_silu_and_mul),
-            matmul=_address(quant.pm_quant_matmul),
-            gemm_tiles=_address(quant.pm_quant_gemm_tiles),
-            tiled_min_rows=TILED_MIN_ROWS,
-        )
-        return cls(model, kv_cache, lib, fns)
+        kernels = binding.kernel_table(TILED_MIN_ROWS)
+        return None if kernels is None else cls(model, kv_cache, kernels)
 
     def can_run(self, md: AttentionMetadata, x: torch.Tensor) -> bool:
         from pagemesh.workers.model.layers import DEQUANTIZE_MIN_ROWS
@@ -222,23 +132,17 @@ class DecodeLayers:
                 self.intermediate,
             )
         ]
-        buffers = _Scratch(*(t.data_ptr() for t in scratch))
-        positions, slots = md.positions.contiguous(), md.slot_mapping.contiguous()
-        tables, lens, starts = md.block_tables, md.seq_lens, md.query_start_loc
-        self.lib.pm_decode_layers(
-            ctypes.addressof(self.kernels),
-            ctypes.addressof(self.model),
-            ctypes.addressof(self.layers),
-            self.num_layers,
-            ctypes.addressof(buffers),
-            residual.data_ptr(),
-            out.data_ptr(),
-            rows,
-            positions.data_ptr(),
-            slots.data_ptr(),
-            tables.data_ptr(),
-            tables.stride(0),
-            lens.data_ptr(),
-            starts.data_ptr(),
+        binding.decode_layers(
+            self.kernels,
+            self.model,
+            self.layers,
+            scratch,
+            residual,
+            out,
+            md.positions.contiguous(),
+            md.slot_mapping.contiguous(),
+            md.block_tables,
+            md.seq_lens,
+            md.query_start_loc,
         )
         return out, residual

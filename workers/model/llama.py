@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pagemesh.common.model_config import ModelConfig
-from pagemesh.workers.engine.attention import AttentionMetadata
+from pagemesh.workers.attention.metadata import AttentionMetadata
 from pagemesh.workers.model.layers import (
     ColumnParallelLinear,
     ParallelContext,

@@ -15,11 +15,12 @@ import numpy as np
 import torch
 
 from pagemesh.common.model_config import ModelConfig, read_model_config
+from pagemesh.common.quantization import QUANTIZATIONS
 from pagemesh.kernels.gguf_conversions import GGUF_CONVERSIONS, from_gguf_converted
 from pagemesh.kernels.quantized import GGUF_BLOCK_FORMATS, QuantizedWeight, from_gguf_blocks
 from pagemesh.workers.model.layers import ParallelContext
 from pagemesh.workers.model.llama import LlamaForCausalLM
-from pagemesh.workers.model.quantization import QUANTIZATIONS, install_gguf_weights, permute_rows, quantize_int8_model
+from pagemesh.workers.model.quantization import install_gguf_weights, permute_rows, quantize_int8_model
 
 log = logging.getLogger(__name__)
 

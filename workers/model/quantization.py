@@ -7,6 +7,9 @@
            converted (kernels/gguf_conversions.py, one log line per route); a tensor of another
            type stays dense (bf16/fp32, dequantized as today), with a log line
 
+The names themselves are `pagemesh.common.quantization.QUANTIZATIONS` (torch-free: the engine's
+flags are parsed where no model is loaded).
+
 The quantized weight sits in the linear's `packed` slot (`pagemesh.workers.model.layers.linear` runs the
 quantized matmul for it) and the dense one is released; the token embedding keeps its dense
 rows for the lookup (tied LM heads read the quantized copy).
@@ -27,7 +30,6 @@ import torch
 
 from pagemesh.kernels.gguf_conversions import fusable
 from pagemesh.kernels.quantized import BLOCK, QuantizedWeight, concat_rows, quantize_int8, with_tiles
-from pagemesh.workers.engine.config import QUANTIZATIONS  # noqa: F401  (the names live with the flag)
 from pagemesh.workers.model.layers import ColumnParallelLinear, RowParallelLinear, VocabEmbedding
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,180 @@
+/* Paged attention over an fp8 KV pool (--kv-cache-dtype fp8_e4m3 | fp8_e5m2): pm_paged_attention_fp8.
+ *
+ * The pool holds one byte per value; byte b of (K or V, kv head h) stands for
+ * fp8(b) * kv_scales[0 or 1][h] (kv_scales: 2 x num_kv_heads floats, workers/engine/kv_quant.py).
+ * fp8 -> fp32 goes through fp16 bits: e5m2 is the top byte of an fp16; e4m3's 4 exponent and
+ * 3 mantissa bits (bias 7) put into fp16's exponent and mantissa (bias 15) read as 2^-8 times
+ * the value, normals and subnormals alike, so that 256 is folded into the scales. The stored
+ * bytes are finite (writes saturate), so fp8's NaN codes are not decoded. */
+#include "attention.h"
+
+enum { FP8_E4M3 = 0, FP8_E5M2 = 1 };
+
+static inline uint16_t fp8_half_bits(uint8_t b, int fmt) {
+    return fmt == FP8_E5M2 ? (uint16_t)(b << 8) : (uint16_t)(((b & 0x80u) << 8) | ((b & 0x7Fu) << 7));
+}
+
+static inline float half_bits_to_f32(uint16_t h) {
+    const int exp = (h >> 10) & 31, mant = h & 1023;
+    float v = exp == 0 ? (float)mant * (1.0f / 16777216.0f) /* subnormal: mant * 2^-24 */
+                       : (float)(1024 + mant) * (exp >= 25 ? (float)(1 << (exp - 25)) : 1.0f / (float)(1 << (25 - exp)));
+    return (h & 0x8000u) ? -v : v;
+}
+
+/* dst[i] = the fp16 reading of src[i] (times 2^-8 for e4m3, see above) */
+static inline void load_fp8_row(float *dst, const uint8_t *src, int64_t n, int fmt) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m256i low7 = _mm256_set1_epi16(0x7F), sign = _mm256_set1_epi16(0x80);
+    for (; i + 16 <= n; i += 16) {
+        __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + i)));
+        h = fmt == FP8_E5M2 ? _mm256_slli_epi16(h, 8)
+                            : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, sign), 8),
+                                              _mm256_slli_epi16(_mm256_and_si256(h, low7), 7));
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(h));
+    }
+#endif
+    for (; i < n; i++) dst[i] = half_bits_to_f32(fp8_half_bits(src[i], fmt));
+}
+
+/* One work item of pm_paged_attention_fp8: query row t (all heads) over the first n tokens of
+ * the sequence's pages, as attend_item's generic path (attention.c), each K/V row decoded once into fp32.
+ * The K scale of each head is folded into its query, the V scale into its output. */
+static inline __attribute__((always_inline)) void attend_item_fp8(
+    const void *q, int64_t q_stride, void *out, const uint8_t *kv_layer, const int32_t *pages, int64_t t, int n,
+    int num_kv_heads, const int HD, int G, int page_size, float scale, const float *kv_scales, int fmt, int dt,
+    float *scores) {
+    const int64_t es = elem_size(dt);
+    const int num_heads = num_kv_heads * G;
+    const int64_t kv_row = (int64_t)num_kv_heads * HD;
+    const float unit = fmt == FP8_E4M3 ? 256.0f : 1.0f;
+    float qf[num_heads * HD], row[kv_row];
+    load_row(qf, (const char *)q + t * q_stride * es, (int64_t)num_heads * HD, dt);
+    for (int h = 0; h < num_heads; h++) {
+        const float s = scale * kv_scales[h / G] * unit;
+        for (int d = 0; d < HD; d++) qf[h * HD + d] *= s;
+    }
+    for (int j0 = 0, pi = 0; j0 < n; j0 += page_size, pi++) {
+        const int len = n - j0 < page_size ? n - j0 : page_size;
+        const uint8_t *k = kv_layer + ((int64_t)pages[pi] * 2) * page_size * kv_row;
+        if (j0 + page_size < n) prefetch_block((const char *)kv_layer + ((int64_t)pages[pi + 1] * 2) * page_size * kv_row, page_size * kv_row);
+        prefetch_block((const char *)k + page_size * kv_row, len * kv_row); /* this page's V, for the second pass */
+        for (int o = 0; o < len; o++) {
+            load_fp8_row(row, k + o * kv_row, kv_row, fmt);
+            for (int h = 0; h < num_heads; h++) {
+                const float *kh = row + (h / G) * HD, *qh = qf + h * HD;
+                float dot = 0.0f;
+                for (int d = 0; d < HD; d++) dot += qh[d] * kh[d];
+                scores[h * n + j0 + o] = dot;
+            }
+        }
+    }
+    softmax_rows(scores, num_heads, n);
+    for (int kvh = 0; kvh < num_kv_heads; kvh++) {
+        float acc[G * HD], vrow[HD];
+        const float *p = scores + (int64_t)kvh * G * n;
+        for (int i = 0; i < G * HD; i++) acc[i] = 0.0f;
+        for (int j0 = 0, pi = 0; j0 < n; j0 += page_size, pi++) {
+            const int len = n - j0 < page_size ? n - j0 : page_size;
+            const uint8_t *v = kv_layer + ((int64_t)pages[pi] * 2 + 1) * page_size * kv_row + kvh * HD;
+            for (int o = 0; o < len; o++) {
+                load_fp8_row(vrow, v + o * kv_row, HD, fmt);
+                for (int g = 0; g < G; g++) {
+                    const float w = p[g * n + j0 + o];
+                    for (int d = 0; d < HD; d++) acc[g * HD + d] += w * vrow[d];
+                }
+            }
+        }
+        const float vs = kv_scales[num_kv_heads + kvh] * unit;
+        for (int i = 0; i < G * HD; i++) acc[i] *= vs;
+        store_row((char *)out + (t * num_heads + (int64_t)kvh * G) * HD * es, acc, (int64_t)G * HD, dt);
+    }
+}
+
+#if defined(PM_BF16_LOOPS)
+/* The bf16-query path (the served one). Why the generic path above is ~2.3x slower than the bf16
+ * kernel (perf, SmolLM2's 9 heads of 64 over 3 KV heads): each (key, head) dot ends in a
+ * horizontal reduction and a scalar store, and the V sums (G x HD floats, a run-time G) live in
+ * memory, loaded and stored at every key. Here the fp8 bytes become bf16 as they are read
+ * (fp8x32_to_bf16), and the rest is the bf16 kernel's own loops (bf16_scores, bf16_weighted_v
+ * with FP8 = 1). lut_bits: the bf16 bits of fp8 codes 0..127 (times 256 for e4m3, see above). */
+static inline __attribute__((always_inline)) void attend_item_fp8_bf16(
+    const bf16 *q, int64_t q_stride, bf16 *out, const uint8_t *kv_layer, const int32_t *pages, int64_t t, int n,
+    int num_kv_heads, const int HD, const int G, int page_size, float scale, const float *kv_scales,
+    const uint16_t *lut_bits, float *scores) {
+    __m512i lut[4];
+    for (int i = 0; i < 4; i++) lut[i] = _mm512_loadu_si512(lut_bits + 32 * i);
+    bf16_scores(q, q_stride, kv_layer, pages, t, n, num_kv_heads, HD, G, page_size, scale, 1, kv_scales, lut, scores);
+    softmax_rows(scores, num_kv_heads * G, n);
+    bf16_weighted_v(out, kv_layer, pages, t, n, num_kv_heads, HD, G, page_size, 1, kv_scales, lut, scores);
+}
+#define PM_FP8_BF16 1
+#endif
+
+/* pm_paged_attention over an fp8 pool (kv_layer: bytes), q and out in `dt`; kv_scales: [2][num_kv_heads]
+ * (K's, then V's); fmt: FP8_E4M3 or FP8_E5M2. */
+void pm_paged_attention_fp8(const void *q, int64_t q_stride, void *out, const void *kv_layer,
+                            const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                            const int32_t *query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
+                            int head_dim, int page_size, float scale, const float *kv_scales, int fmt, int dt) {
+    const int group = num_heads / num_kv_heads;
+    const int64_t tokens = query_start_loc[num_seqs];
+    int max_len = 0;
+    int32_t *seq_of_token = (int32_t *)malloc(sizeof(int32_t) * (size_t)(tokens > 0 ? tokens : 1));
+    for (int s = 0; s < num_seqs; s++) {
+        if (seq_lens[s] > max_len) max_len = seq_lens[s];
+        for (int32_t t = query_start_loc[s]; t < query_start_loc[s + 1]; t++) seq_of_token[t] = s;
+    }
+    uint16_t lut[128]; /* bf16 bits of codes 0..127, the true fp8 values (e4m3: the fp16 reading times 256) */
+    for (int b = 0; b < 128; b++)
+        lut[b] = f32_to_bf16(half_bits_to_f32(fp8_half_bits((uint8_t)b, fmt)) * (fmt == FP8_E4M3 ? 256.0f : 1.0f));
+#pragma omp parallel if (tokens * max_len > 1024)
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)num_heads * (size_t)(max_len > 0 ? max_len : 1));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tokens; t++) {
+            const int s = seq_of_token[t];
+            const int q_len = query_start_loc[s + 1] - query_start_loc[s];
+            const int n = seq_lens[s] - q_len + (int)(t - query_start_loc[s]) + 1;
+            const int32_t *pages = block_tables + (int64_t)s * bt_stride;
+#if defined(PM_FP8_BF16)
+#define FP8_ITEM(HD_, G_)                                                                                              \
+    attend_item_fp8_bf16((const bf16 *)q, q_stride, (bf16 *)out, (const uint8_t *)kv_layer, pages, t, n, num_kv_heads, \
+                         HD_, G_, page_size, scale, kv_scales, lut, scores)
+            /* bf16 queries, head_dim 64 or 128 and the group's V sums in 24 registers: compiled copies */
+            if (dt == DT_BF16 && head_dim == 64 && group <= 6) {
+                switch (group) {
+                    case 1: FP8_ITEM(64, 1); break;
+                    case 2: FP8_ITEM(64, 2); break;
+                    case 3: FP8_ITEM(64, 3); break;
+                    case 4: FP8_ITEM(64, 4); break;
+                    case 5: FP8_ITEM(64, 5); break;
+                    default: FP8_ITEM(64, 6); break;
+                }
+                continue;
+            }
+            if (dt == DT_BF16 && head_dim == 128 && group <= 3) {
+                switch (group) {
+                    case 1: FP8_ITEM(128, 1); break;
+                    case 2: FP8_ITEM(128, 2); break;
+                    default: FP8_ITEM(128, 3); break;
+                }
+                continue;
+            }
+#undef FP8_ITEM
+#endif
+            /* head_dim 64 and 128 get compiled copies with a constant HD (unrolled, vectorized dots) */
+            if (head_dim == 64)
+                attend_item_fp8(q, q_stride, out, (const uint8_t *)kv_layer, pages, t, n, num_kv_heads, 64, group,
+                                page_size, scale, kv_scales, fmt, dt, scores);
+            else if (head_dim == 128)
+                attend_item_fp8(q, q_stride, out, (const uint8_t *)kv_layer, pages, t, n, num_kv_heads, 128, group,
+                                page_size, scale, kv_scales, fmt, dt, scores);
+            else
+                attend_item_fp8(q, q_stride, out, (const uint8_t *)kv_layer, pages, t, n, num_kv_heads, head_dim,
+                                group, page_size, scale, kv_scales, fmt, dt, scores);
+        }
+        free(scores);
+    }
+    free(seq_of_token);
+}
