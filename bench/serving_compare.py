@@ -60,7 +60,8 @@ def systems(peers_dir: Path) -> list[System]:
     f16 = peers_dir / "llama_cpp" / "SmolLM2-135M-Instruct.F16.gguf"
     vllm = peers_dir / "vllm"
     peers_env = {"PEERS_DIR": str(peers_dir)}
-    up = [py, "-P", "-m", "pagemesh.services.cli", "up", "--port", "{port}", "--no-prefix-caching", "--diffusion", "0"]
+    up = [py, "-P", "-m", "pagemesh.services.cli", "up", "--port", "{port}", "--no-enable-prefix-caching"]
+    up += ["--diffusion", "0"]
     llama_serve = ["bash", "bench/peers/llama_cpp.sh", "serve", "{port}"]
     llama_describe = ["bash", "bench/peers/llama_cpp.sh", "describe"]
 

@@ -23,7 +23,8 @@ class GatewayConfig:
     """host/port: the HTTP listener. tokenizer_address and scheduler_address: Routers this
     gateway's Dealers connect to; reply_address: its Pull bind, where text and errors come back.
     model_names: the names a request's `model` may use (served name first, then its aliases and
-    the path). max_model_len: the context length /v1/models reports (the tokenizer enforces it).
+    the path; or the --served-model-name names alone). max_model_len: the context length
+    /v1/models reports (the tokenizer enforces it).
     api_keys: the keys `/v1/*` accepts (none: open); the per-key limits are None when off.
     startup_wait: a generation request that comes before the mesh was ever ready waits up to this
     many seconds for it, then gets 503 with Retry-After; 0 turns the check off (tests' fakes)."""
@@ -62,6 +63,15 @@ def parse_args(argv: list[str]) -> GatewayConfig:
     cli_args.add(parser, "--scheduler-address", help="scheduler Router address (aborts, status)")
     cli_args.add(parser, "--reply-address", help="Pull bind address for replies from tokenizers")
     cli_args.add(parser, "--model", None, help="GGUF file or HF folder (default: the embedded model)")
+    cli_args.add(
+        parser,
+        "--served-model-name",
+        None,
+        nargs="+",
+        metavar="NAME",
+        help="the ids the model is served under, as vLLM: the first is reported, every one is accepted in a "
+        "request's `model` (default: the model's own id, its aliases and its path)",
+    )
     cli_args.add(parser, "--max-model-len", None, type=int, help="context length (default: the model's, capped)")
     cli_args.add(parser, "--max-body-bytes", DEFAULT_MAX_BODY_BYTES, type=int, help="larger bodies get 413")
     cli_args.add(parser, "--request-timeout", 600.0, type=float, help="seconds a request may take in all")
@@ -105,7 +115,7 @@ def parse_args(argv: list[str]) -> GatewayConfig:
     if not args.startup_wait >= 0:
         parser.error("--startup-wait must be >= 0")
     model = resolve_model_path(args.model)
-    names = [served_model_name(model), *model_aliases(model), str(model)] + ([args.model] if args.model else [])
+    names = accepted_model_names(model, args.model, args.served_model_name)
     return GatewayConfig(
         host=args.host,
         port=args.port,
@@ -113,7 +123,7 @@ def parse_args(argv: list[str]) -> GatewayConfig:
         scheduler_address=args.scheduler_address,
         reply_address=args.reply_address,
         model=model,
-        model_names=tuple(dict.fromkeys(names)),
+        model_names=names,
         max_model_len=args.max_model_len or default_max_model_len(model),
         startup_wait=args.startup_wait,
         max_body_bytes=args.max_body_bytes,
@@ -128,6 +138,15 @@ def parse_args(argv: list[str]) -> GatewayConfig:
         max_tokens_per_minute_per_key=args.max_tokens_per_minute_per_key,
         max_header_bytes=args.max_header_bytes,
     )
+
+
+def accepted_model_names(model: Path, model_arg: str | None, served: str | list[str] | None) -> tuple[str, ...]:
+    """The names a request's `model` may use, the reported one first: the --served-model-name
+    names when given (a list, or $PAGEMESH_SERVED_MODEL_NAME's space-separated names), as vLLM
+    serves them, only those; else the model's own id, its aliases, its path and --model as given."""
+    given = served.split() if isinstance(served, str) else served or []
+    names = given or [served_model_name(model), *model_aliases(model), str(model)] + ([model_arg] if model_arg else [])
+    return tuple(dict.fromkeys(names))
 
 
 def add_auth_arguments(parser: argparse.ArgumentParser) -> None:

@@ -52,20 +52,29 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def take_log_format(argv: list[str]) -> list[str]:
-    """`--log-format X` / `--log-format=X`, valid for every command, goes to $PAGEMESH_LOG_FORMAT
-    (which the processes `pagemesh up` starts inherit); the rest of argv is returned."""
-    rest, i = [], 0
+def take_flag(argv: list[str], flag: str) -> tuple[list[str], list[str]]:
+    """Every value of `flag X` / `flag=X` in argv, in order, and the rest of argv (a `flag` that
+    ends argv, with no value after it, stays in the rest)."""
+    values, rest, i = [], [], 0
     while i < len(argv):
         arg = argv[i]
-        if arg == "--log-format" and i + 1 < len(argv):
-            value, i = argv[i + 1], i + 2
-        elif arg.startswith("--log-format="):
-            value, i = arg.partition("=")[2], i + 1
+        if arg == flag and i + 1 < len(argv):
+            values.append(argv[i + 1])
+            i += 2
+        elif arg.startswith(flag + "="):
+            values.append(arg.partition("=")[2])
+            i += 1
         else:
             rest.append(arg)
             i += 1
-            continue
+    return values, rest
+
+
+def take_log_format(argv: list[str]) -> list[str]:
+    """`--log-format X` / `--log-format=X`, valid for every command, goes to $PAGEMESH_LOG_FORMAT
+    (which the processes `pagemesh up` starts inherit); the rest of argv is returned."""
+    values, rest = take_flag(argv, "--log-format")
+    for value in values:
         if value not in FORMATS:
             print(f"pagemesh: --log-format must be one of {', '.join(FORMATS)}, got {value!r}", file=sys.stderr)
             raise SystemExit(2)
@@ -78,16 +87,9 @@ def take_zmq_keys(argv: list[str]) -> list[str]:
     (an absolute path: the processes `pagemesh up` starts inherit it), which every socket reads
     (common/transport_curve.py). The keys are checked here, before anything starts; the rest of argv
     is returned."""
-    rest, i = [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--zmq-keys" and i + 1 < len(argv):
-            os.environ[KEYS_ENV], i = argv[i + 1], i + 2
-        elif arg.startswith("--zmq-keys="):
-            os.environ[KEYS_ENV], i = arg.partition("=")[2], i + 1
-        else:
-            rest.append(arg)
-            i += 1
+    values, rest = take_flag(argv, "--zmq-keys")
+    if values:
+        os.environ[KEYS_ENV] = values[-1]
     if os.environ.get(KEYS_ENV) and rest[:1] != ["keys"]:  # `pagemesh keys` makes them
         from pagemesh.common.transport_curve import load_keys  # zmq: only for a process that uses keys
 

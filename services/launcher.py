@@ -6,7 +6,7 @@ again a process that exits (services/supervisor.py: the mesh stops only when one
 start), and stops them all on Ctrl-C / SIGTERM. On CUDA the workers are spread over
 the visible GPUs (CUDA_VISIBLE_DEVICES): an LLM worker of -tp x -pp ranks gets that many GPUs of
 its own, a diffusion worker one; workers that share GPUs share their memory
-(`--gpu-memory-fraction` divided among them); too few GPUs for one worker is an error at start.
+(`--gpu-memory-utilization` divided among them); too few GPUs for one worker is an error at start.
 """
 
 from __future__ import annotations
@@ -35,7 +35,12 @@ from pagemesh.services.scheduler.config import add_policy_arguments, policy_args
 from pagemesh.services.supervisor import Supervisor, drain_in_order
 from pagemesh.workers.diffusion.config import add_diffusion_arguments, diffusion_args_to_argv
 from pagemesh.workers.diffusion.pipelines.embedded import STUDENT_NAME
-from pagemesh.workers.engine.config import add_engine_arguments, engine_args_to_argv
+from pagemesh.workers.engine.config import (
+    add_engine_arguments,
+    engine_args_to_argv,
+    kv_cache_gb_from_args,
+    served_model_names,
+)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -79,6 +84,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.error("no workers: give --prefill/--decode, --mixed, --diffusion or --diffusion-student")
     if args.diffusion < 0 or args.diffusion_student < 0:
         parser.error("--diffusion, --diffusion-student: must be >= 0")
+    try:
+        kv_cache_gb_from_args(args)  # both KV budgets through the environment: refused here, not by every worker
+    except ValueError as e:
+        parser.error(str(e))
     return args
 
 
@@ -88,6 +97,7 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
     sched = ipc_address(run_dir, "scheduler")
     tok, tok_out = ipc_address(run_dir, "tokenizer"), ipc_address(run_dir, "tokenizer-out")
     model = ["--model", args.model] if args.model else []
+    served = served_model_names(args.served_model_name)  # the workers get them among the engine's flags
     # the scheduler has --drain-timeout among its policy flags: the others get it here
     common = ["--ready-address", ready]
     drain = ["--drain-timeout", str(args.drain_timeout)]
@@ -187,6 +197,7 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
                 "--name",
                 "gateway-0",
                 *model,
+                *(["--served-model-name", *served] if served else []),
                 *auth_args_to_argv(args, args.api_keys, Path(run_dir) / "api-keys"),
                 *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
                 *common,
@@ -228,7 +239,7 @@ def on_gpus(
             env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
             sharing = llm_sharing[gpus]
             if sharing > 1 and name in llm:  # argparse keeps the last value
-                argv = [*argv, "--gpu-memory-fraction", f"{args.gpu_memory_fraction / sharing:.4f}"]
+                argv = [*argv, "--gpu-memory-utilization", f"{args.gpu_memory_utilization / sharing:.4f}"]
         out.append((name, argv, env))
     return out
 
@@ -305,9 +316,11 @@ class Mesh:
 def ready_line(args: argparse.Namespace, workers: str) -> str:
     """The one line `pagemesh up` prints once every process reported READY."""
     model = resolve_model_path(args.model)
-    names = " (alias " + ", ".join(model_aliases(model)) + ")" if model_aliases(model) else ""
+    # the names a request may give: --served-model-name's (the first reported), else the model's id and aliases
+    name, *aliases = served_model_names(args.served_model_name) or (served_model_name(model), *model_aliases(model))
+    names = " (alias " + ", ".join(aliases) + ")" if aliases else ""
     url = f"http://{args.host}:{args.port}/v1"
-    return f"pagemesh is up: {url}  model {served_model_name(model)}{names}  workers: {workers}  (Ctrl-C stops)"
+    return f"pagemesh is up: {url}  model {name}{names}  workers: {workers}  (Ctrl-C stops)"
 
 
 def main(argv: list[str]) -> None:

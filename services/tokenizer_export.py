@@ -81,8 +81,16 @@ def main(argv: list[str]) -> None:
     parser.add_argument("dir", help="folder to write (created if missing)")
     parser.add_argument("--model", default=None, help="GGUF file or HF folder (default: the embedded model)")
     parser.add_argument("--max-model-len", type=int, default=None, help="model_max_length to record")
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the names the mesh serves the model under (`pagemesh up --served-model-name`): the first is "
+        "the one this reports (default: the model's own id)",
+    )
     args = parser.parse_args(argv)
     out_dir = Path(args.dir)
     export(args.model, out_dir, args.max_model_len)
-    name = served_model_name(resolve_model_path(args.model))
+    name = (*(args.served_model_name or ()), served_model_name(resolve_model_path(args.model)))[0]
     print(f"wrote {', '.join(FILES)} of {name} to {out_dir}")

@@ -85,7 +85,13 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-prefill-chunk", type=int, default=512)
     g.add_argument("--batching", default="iteration", choices=["iteration", "request"])
-    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)  # as the engine's
+    g.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="the older spelling of --no-enable-prefix-caching (kept for one release)",
+    )
     g.add_argument(
         "--request-overhead-ms", type=float, default=0.0, help="fixed time per request outside the steps (measured)"
     )
@@ -157,7 +163,7 @@ def settings_from(args, kv_bytes_per_token: int, cost) -> SimSettings:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_prefill_chunk=args.max_prefill_chunk,
         batching=args.batching,
-        prefix_caching=not args.no_prefix_caching,
+        prefix_caching=args.enable_prefix_caching,
         link=args.link or ("loopback" if args.cost == "cpu" else "nvlink"),
         request_overhead_s=args.request_overhead_ms / 1000,
         step_jitter=not args.no_step_jitter,

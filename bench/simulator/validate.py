@@ -18,7 +18,12 @@ Each rate runs for about `--seconds-per-rate` (at least `--num-prompts` requests
 p99 rests on more than one request; the p99 table gives the real p99's bootstrap interval
 (5-95%) and the simulated p99's range over the seeds beside each other.
 
-    python -m pagemesh.bench.simulator.validate --out /tmp/validate          # ~7 min on 2 quiet cores
+    python -m pagemesh.bench.simulator.validate --out bench/results/simulator/validate   # ~7 min on 2 quiet cores
+
+writes into --out (bench/results/ is git-ignored): validation.json (every pair, real and
+simulated), calibration-TOPOLOGY.json (the fitted in-mesh model), probe-TOPOLOGY.json and
+real-TOPOLOGY-RATE.json (the bench runs), steps-TOPOLOGY/ (the step traces) and sim-*/ (each
+simulation); docs/experiments/simulator.md keeps one summary table of the recorded runs.
 """
 
 from __future__ import annotations
@@ -68,7 +73,7 @@ def measure(topology: str, rates: list[float], counts: list[int], out: Path) -> 
     """The probe's and each rate's results, with every worker step traced to out/steps-TOPOLOGY."""
     os.environ[STEP_TRACE_ENV] = str(out / f"steps-{topology}")  # the mesh's processes inherit it
     try:
-        with running_mesh(*TOPOLOGIES[topology], "--no-prefix-caching") as url:
+        with running_mesh(*TOPOLOGIES[topology], "--no-enable-prefix-caching") as url:
             probe = bench(url, out / f"probe-{topology}.json", math.inf, PROBE, output_len=4, concurrency=1)
             results = {
                 rate: bench(url, out / f"real-{topology}-{rate:g}.json", rate, n) for rate, n in zip(rates, counts)
@@ -107,7 +112,7 @@ def first_sends_on_trace_clock(runs: list[Path], steps: Path) -> list[float]:
 def simulate_trace(topology: str, trace: Path, out: Path, *extra: str, seed: int = 0, tag: str = "mesh") -> dict:
     folder = out / f"sim-{trace.stem}{f'-{tag}-{seed}' if extra else ''}"
     simulate_main(
-        [*TOPOLOGIES[topology], "--trace", str(trace), "--no-prefix-caching", "--seed", str(seed)]
+        [*TOPOLOGIES[topology], "--trace", str(trace), "--no-enable-prefix-caching", "--seed", str(seed)]
         + ["--out", str(folder), *extra]
     )
     return next(iter(json.loads((folder / "simulate.json").read_text()).values()))

@@ -35,7 +35,7 @@ PAGE_SIZE = 16  # pagemesh up's default
 
 def start_mesh(run_dir, *parallel: str):
     """One prefill and one decode worker of the `parallel` flags' shape, fp32."""
-    # a small pool: by default each rank takes --kv-cache-gb (2 GB) for its KV heads
+    # a small pool: by default each rank takes --kv-cache-memory-bytes (2G) for its KV heads
     flags = ("--prefill", "1", "--decode", "1", *parallel, "--dtype", "float32", "--num-pages", "256")
     with SeparateProcesses(str(run_dir), *flags) as procs:
         yield procs

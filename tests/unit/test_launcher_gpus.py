@@ -68,7 +68,7 @@ def test_a_diffusion_worker_gets_a_gpu_in_turn_and_leaves_the_llm_workers_memory
     env = {name: e["CUDA_VISIBLE_DEVICES"] for name, _, e in procs if e}
     assert env == {"prefill-0": "0", "decode-0": "1", "diffusion-0": "0"}
     assert parse_worker(argv["prefill-0"][1:]).engine.gpu_memory_fraction == 0.9  # alone among LLM workers
-    assert argv["diffusion-0"][0] == "diffusion" and "--gpu-memory-fraction" not in argv["diffusion-0"]
+    assert argv["diffusion-0"][0] == "diffusion" and "--gpu-memory-utilization" not in argv["diffusion-0"]
 
 
 def test_a_tensor_parallel_worker_sees_a_group_of_gpus_of_its_own(monkeypatch, tmp_path):

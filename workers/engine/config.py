@@ -5,11 +5,16 @@ the engine's flags without loading it."""
 
 from __future__ import annotations
 
+import argparse
+import os
+import re
 from dataclasses import dataclass
+from decimal import Decimal
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pagemesh.common.quantization import QUANTIZATIONS
 from pagemesh.workers.engine.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -17,7 +22,6 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")  # vLLM's names; kv_quant.py maps them
-QUANTIZATIONS = ("none", "int8", "gguf")  # as workers/model/quantization.py
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (the model's) | fp8_e4m3 | fp8_e5m2 (workers/engine/kv_quant.py)
     quantization: str = "none"  # none | int8 | gguf: linear weights kept quantized (workers/model/quantization.py)
     speculative_config: SpeculativeConfig | None = None  # n-gram or quantized-draft speculation (speculative.py)
+    served_model_name: tuple[str, ...] = ()  # the ids it is served under, the first reported; (): the model's own
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -158,19 +163,29 @@ def add_engine_arguments(parser) -> None:
         choices=list(KV_CACHE_DTYPES),
         help="KV pool storage: auto = the model dtype; fp8 halves a page's bytes (per-head scales)",
     )
-    add(parser, "--num-pages", None, type=int, help="KV pool size in pages (overrides --kv-cache-gb)")
+    add(parser, "--num-pages", None, type=int, help="KV pool size in pages (overrides --kv-cache-memory-bytes)")
+    kv_budget = parser.add_mutually_exclusive_group()  # one budget, in either unit
     add(
-        parser,
+        kv_budget,
+        "--kv-cache-memory-bytes",
+        None,
+        type=human_readable_int,
+        help="KV pool memory in bytes, as vLLM: 4294967296, 4G (GiB: K M G T are powers of 2) or 4.3g (k m g t: "
+        "powers of 10) (default 2G on CPU; on a GPU see --gpu-memory-utilization)",
+    )
+    add(
+        kv_budget,
         "--kv-cache-gb",
         None,
         type=float,
-        help="KV pool memory (default 2 on CPU; on a GPU see --gpu-memory-fraction)",
+        help="KV pool memory in GiB (pagemesh's older flag, kept for one release: --kv-cache-memory-bytes replaces it)",
     )
     add(
         parser,
-        "--gpu-memory-fraction",
-        0.9,
+        "--gpu-memory-utilization",
+        old_env_default("--gpu-memory-fraction", 0.9, float),
         type=float,
+        aliases=("--gpu-memory-fraction",),  # pagemesh's older spelling, kept for one release
         help="share of the GPU's memory for this worker's weights and KV pool (`pagemesh up` divides "
         "it among workers sharing a GPU)",
     )
@@ -191,7 +206,7 @@ def add_engine_arguments(parser) -> None:
     )
     add(parser, "--max-prefill-chunk", 512, type=int, help="largest prompt chunk in one step")
     add(parser, "--max-num-partial-prefills", 4, type=int, help="prompts prefilled at once")
-    add(parser, "--no-prefix-caching", False, action="store_true", help="turn the prefix cache off")
+    add_prefix_caching_arguments(parser)
     add(parser, "--seed", 0, type=int, help="seed of unseeded sampling")
     add(parser, "--no-cuda-graphs", False, action="store_true", help="run decode steps eagerly on CUDA")
     add(parser, "--batching", "iteration", choices=["iteration", "request"], help="request = the pre-ORCA baseline")
@@ -209,10 +224,21 @@ def add_engine_arguments(parser) -> None:
     )
     add(
         parser,
-        "--long-prefill-threshold",
-        None,
+        "--long-prefill-token-threshold",
+        old_env_default("--long-prefill-threshold", None, int),
         type=int,
+        aliases=("--long-prefill-threshold",),  # pagemesh's older spelling, kept for one release
         help="tokens that make a prompt long (default 4%% of the context)",
+    )
+    add(
+        parser,
+        "--served-model-name",
+        None,
+        nargs="+",
+        metavar="NAME",
+        help="the ids the LLM is served under, as vLLM: the first is the one /v1/models and responses report, "
+        "every one is accepted in a request's `model` (default: the model's own id; the embedded model's is "
+        "its Hugging Face id)",
     )
 
 
@@ -222,27 +248,29 @@ ENGINE_FLAGS = (
     "device",
     "page_size",
     "num_pages",
+    "kv_cache_memory_bytes",
     "kv_cache_gb",
-    "gpu_memory_fraction",
+    "gpu_memory_utilization",
     "max_model_len",
     "max_num_seqs",
     "max_num_batched_tokens",
     "max_prefill_chunk",
     "max_num_partial_prefills",
-    "no_prefix_caching",
+    "enable_prefix_caching",
     "seed",
     "no_cuda_graphs",
     "batching",
     "preemption_mode",
     "swap_space_gb",
     "max_long_partial_prefills",
-    "long_prefill_threshold",
+    "long_prefill_token_threshold",
     "tensor_parallel_size",
     "pipeline_parallel_size",
     "kv_cache_dtype",
     "quantization",
     "speculative_config",
     "max_steps_in_flight",
+    "served_model_name",
 )
 
 
@@ -253,38 +281,118 @@ def engine_config_from_args(args) -> EngineConfig:
         device=args.device,
         page_size=args.page_size,
         num_pages=args.num_pages,
-        kv_cache_memory_gb=args.kv_cache_gb,
-        gpu_memory_fraction=args.gpu_memory_fraction,
+        kv_cache_memory_gb=kv_cache_gb_from_args(args),
+        gpu_memory_fraction=args.gpu_memory_utilization,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_prefill_chunk=args.max_prefill_chunk,
         max_num_partial_prefills=args.max_num_partial_prefills,
-        enable_prefix_caching=not args.no_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         cuda_graphs=not args.no_cuda_graphs,
         batching=args.batching,
         preemption_mode=args.preemption_mode,
         swap_space_gb=args.swap_space_gb,
         max_long_partial_prefills=args.max_long_partial_prefills,
-        long_prefill_threshold=args.long_prefill_threshold,
+        long_prefill_threshold=args.long_prefill_token_threshold,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         speculative_config=SpeculativeConfig.from_json(args.speculative_config),
         max_steps_in_flight=args.max_steps_in_flight,
+        served_model_name=served_model_names(args.served_model_name),
     )
 
 
 def engine_args_to_argv(args) -> list[str]:
-    """The same engine flags, as a command line for a child process."""
+    """The same engine flags, as a command line for a child process (in their vLLM spellings)."""
     argv: list[str] = []
     for name in ENGINE_FLAGS:
         value = getattr(args, name)
         flag = "--" + name.replace("_", "-")
-        if isinstance(value, bool):
+        if name == "enable_prefix_caching":  # on by default: said either way, whatever the child's environment
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif name == "served_model_name":
+            argv += [flag, *served_model_names(value)] if value else []
+        elif isinstance(value, bool):
             argv += [flag] if value else []
         elif value is not None:
             argv += [flag, str(value)]
     return argv
+
+
+def served_model_names(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """--served-model-name's names: a flag's list, or $PAGEMESH_SERVED_MODEL_NAME's space-separated
+    names (an environment variable is one string); () when none are given."""
+    names = value.split() if isinstance(value, str) else (value or ())
+    return tuple(dict.fromkeys(names))
+
+
+def kv_cache_gb_from_args(args) -> float | None:
+    """The KV budget in GiB, from --kv-cache-memory-bytes or --kv-cache-gb (one of them: the flags
+    exclude each other, and this refuses both through their environment variables); None: neither."""
+    if args.kv_cache_memory_bytes is not None and args.kv_cache_gb is not None:
+        raise ValueError("--kv-cache-memory-bytes and --kv-cache-gb: give one of them (both set the KV budget)")
+    if args.kv_cache_memory_bytes is not None:
+        return args.kv_cache_memory_bytes / 2**30
+    return args.kv_cache_gb
+
+
+def human_readable_int(text: str) -> int:
+    """An integer as vLLM reads its large ones: plain digits, or a number with a suffix, lowercase
+    for powers of 10 (k m g t: '25.6k' = 25600, '4g' = 4 * 10**9) or uppercase for powers of 2
+    (K M G T: '4G' = 4 * 2**30; whole numbers only)."""
+    text = text.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text)
+    if match is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r} (e.g. 4294967296, 4G or 4.3g)") from None
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(Decimal(number) * 10 ** (3 * "kmgt".index(suffix) + 3))
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"{text!r}: K M G T (powers of 2) take whole numbers (or {text.lower()})")
+    return int(number) * 2 ** (10 * "KMGT".index(suffix) + 10)
+
+
+def old_env_default(old_flag: str, default, kind):
+    """The default of a flag renamed to vLLM's spelling from `old_flag`: the old flag's environment
+    variable when set (it keeps working for one release, as the old flag does), else `default`. The
+    new name's variable still comes first (`cli_args.add` reads it)."""
+    from pagemesh.common.cli_args import env_name
+
+    raw = os.environ.get(env_name(old_flag))
+    if raw is None:
+        return default
+    return _env_true(raw) if kind is bool else kind(raw)
+
+
+def _env_true(raw: str) -> bool:
+    return raw.lower() in ("1", "true", "yes", "on")  # as common/cli_args.py reads a store_true flag's variable
+
+
+def add_prefix_caching_arguments(parser) -> None:
+    """--enable-prefix-caching / --no-enable-prefix-caching (vLLM's), and pagemesh's older
+    --no-prefix-caching (kept for one release). The default, on, comes from
+    $PAGEMESH_ENABLE_PREFIX_CACHING, else from the older $PAGEMESH_NO_PREFIX_CACHING."""
+    from pagemesh.common.cli_args import env_name
+
+    raw = os.environ.get(env_name("--enable-prefix-caching"))
+    default = _env_true(raw) if raw is not None else not old_env_default("--no-prefix-caching", False, bool)
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=default,
+        help="the prefix cache, on by default: requests share the KV pages of a common prompt prefix "
+        f"[env {env_name('--enable-prefix-caching')}]",
+    )
+    parser.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="the older spelling of --no-enable-prefix-caching (kept for one release)",
+    )

@@ -328,13 +328,30 @@ def to_uint8(images: torch.Tensor) -> torch.Tensor:
 
 
 class TextConditionedPipeline:
-    """What the text-to-image pipelines (Stable Diffusion, PixArt) share: prompt checks and
-    encoding by their `PromptEncoder`, text rows stacked per batch, the VAE decode. A subclass
-    has `prompts`, `serving`, `vae` and `_latent_shape(width, height)`, and its own `denoise`."""
+    """What the text-to-image pipelines (Stable Diffusion, PixArt) share: their parts, prompt
+    checks and encoding by their `PromptEncoder`, text rows stacked per batch, the VAE decode. A
+    subclass adds its denoiser, `native_size`, `_latent_shape(width, height)` and `denoise`."""
 
-    prompts: PromptEncoder
-    serving: ServingDefaults
-    vae: torch.nn.Module
+    def __init__(
+        self,
+        *,
+        name: str,
+        vae: torch.nn.Module,
+        prompts: PromptEncoder,
+        scheduler_config: dict[str, Any],
+        serving: ServingDefaults,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
+        self.name = name
+        self.vae = vae
+        self.prompts = prompts
+        self.scheduler_config = scheduler_config
+        self.serving = serving
+        self.device = device
+        self.dtype = dtype
+        self.scale = vae_scale_factor(vae)
+        self.info = serving.info(prompts.describe())
 
     def _latent_shape(self, width: int, height: int) -> tuple[int, ...]:
         raise NotImplementedError

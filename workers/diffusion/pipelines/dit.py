@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
-import secrets
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +27,13 @@ import torch.nn.functional as F
 
 from pagemesh.common.messages import ImageModelInfo, ImageParams
 from pagemesh.workers.diffusion.pipelines.base import InvalidImageRequest, Resolved
-from pagemesh.workers.diffusion.pipelines.common import patch_embedding_in_float32_on_cpu
+from pagemesh.workers.diffusion.pipelines.common import (
+    SAMPLERS,
+    ServingDefaults,
+    patch_embedding_in_float32_on_cpu,
+    resolve_request,
+)
 
-SAMPLERS = ("ddpm", "ddim", "dpmsolver++", "unipc", "euler")
 # A folder without pagemesh.json serves its native size with DiTPipeline's defaults.
 FALLBACK_SERVING = {"default_steps": 50, "default_sampler": "ddim", "default_guidance_scale": 4.0}
 
@@ -143,6 +145,15 @@ class DiTPipelineModel:
         self.default_sampler = str(serving.get("default_sampler", FALLBACK_SERVING["default_sampler"]))
         self.default_guidance = float(serving.get("default_guidance_scale", FALLBACK_SERVING["default_guidance_scale"]))
         self.max_steps = int(serving.get("max_steps", scheduler_config.get("num_train_timesteps", 1000)))
+        # what resolve_request (pipelines/common.py) checks a request against, as the text pipelines'
+        self.serving = ServingDefaults(
+            sizes=tuple(_size(size) for size in self.sizes),
+            samplers=tuple(self.samplers),
+            default_sampler=self.default_sampler,
+            default_steps=self.default_steps,
+            max_steps=self.max_steps,
+            guidance_scale=self.default_guidance,
+        )
         # A model with guidance distilled in answers one row per image: a guidance scale above 1
         # would add uncond rows it was never trained to be combined with, so it is refused (a
         # silent no-op would hand back the same image for 1 and for 7, which nobody asking expects).
@@ -206,25 +217,10 @@ class DiTPipelineModel:
         return found.pop() if found else self.null_class
 
     def resolve(self, params: ImageParams) -> Resolved:
-        default_w, default_h = (int(side) for side in self.sizes[0].split("x"))
-        width, height = params.width or default_w, params.height or default_h
-        if f"{width}x{height}" not in self.sizes:
-            raise InvalidImageRequest(
-                f"size {width}x{height} is not offered by {self.name}; sizes: {', '.join(self.sizes)}", param="size"
-            )
-        steps = self.default_steps if params.num_inference_steps is None else params.num_inference_steps
-        if not 1 <= steps <= self.max_steps:
-            raise InvalidImageRequest(
-                f"num_inference_steps must be in [1, {self.max_steps}], got {steps}", param="num_inference_steps"
-            )
-        sampler = self.default_sampler if params.sampler is None else params.sampler
-        if sampler not in self.samplers:
-            raise InvalidImageRequest(
-                f"sampler {sampler!r} is not supported; samplers: {', '.join(self.samplers)}", param="sampler"
-            )
-        guidance = self.default_guidance if params.guidance_scale is None else float(params.guidance_scale)
-        if not (math.isfinite(guidance) and guidance >= 0):
-            raise InvalidImageRequest(f"guidance_scale must be a number >= 0, got {guidance}", param="guidance_scale")
+        """The size, steps, sampler and guidance as every pipeline checks them (one latent shape:
+        the model's), then the guidance cap and the classes the prompts name."""
+        resolved = resolve_request(params, self.serving, lambda width, height: self.latent_shape)
+        guidance = resolved.guidance_scale
         if self.max_guidance is not None and guidance > self.max_guidance:
             raise InvalidImageRequest(
                 f"guidance_scale must be <= {self.max_guidance:g} for {self.name}: its classifier-free guidance "
@@ -233,15 +229,7 @@ class DiTPipelineModel:
             )
         self.class_of(params.prompt)
         self.negative_class(params.negative_prompt)
-        return Resolved(
-            width=width,
-            height=height,
-            latent_shape=self.latent_shape,
-            steps=steps,
-            sampler=sampler,
-            guidance_scale=guidance,
-            seed=secrets.randbelow(2**31) if params.seed is None else params.seed,
-        )
+        return resolved
 
     # -- the model -------------------------------------------------------------------------
 
@@ -268,3 +256,9 @@ class DiTPipelineModel:
             samples = self.vae.decode(samples / self.vae.config.scaling_factor).sample
         pixels = ((samples.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
         return pixels.permute(0, 2, 3, 1).cpu()
+
+
+def _size(text: str) -> tuple[int, int]:
+    """'WxH' (a size pagemesh.json lists) -> (W, H)."""
+    width, height = text.split("x")
+    return int(width), int(height)

@@ -18,7 +18,6 @@ from diffusers import PixArtAlphaPipeline, PixArtSigmaPipeline
 
 from pagemesh.workers.diffusion.pipelines.common import (
     PromptEncoder,
-    ServingDefaults,
     TextConditionedPipeline,
     TextRows,
     folder_name,
@@ -41,30 +40,13 @@ class PixArtPipelineModel(TextConditionedPipeline):
     """The ImagePipeline of a PixArt-layout folder. Conditioning rows are `TextRows` (T5
     embeddings [1, L, D] with their mask [1, L]); latents are [C, H/8, W/8] for its VAE."""
 
-    def __init__(
-        self,
-        *,
-        name: str,
-        transformer: torch.nn.Module,
-        vae: torch.nn.Module,
-        prompts: PromptEncoder,
-        scheduler_config: dict[str, Any],
-        serving: ServingDefaults,
-        device: torch.device,
-        dtype: torch.dtype,
-    ):
-        self.name = name
+    def __init__(self, *, transformer: torch.nn.Module, **parts: Any):
+        """`parts`: TextConditionedPipeline's (name, vae, prompts, scheduler_config, serving,
+        device, dtype)."""
+        super().__init__(**parts)
         self.transformer = transformer
-        self.vae = vae
-        self.prompts = prompts
-        self.scheduler_config = scheduler_config
-        self.serving = serving
-        self.device = device
-        self.dtype = dtype
-        self.scale = vae_scale_factor(vae)
         side = transformer.config.sample_size * self.scale
         self.native_size = (side, side)
-        self.info = serving.info(prompts.describe())
         # learned sigma: the variance channels follow the prediction; the pipelines drop them
         self.learned_sigma = transformer.config.out_channels // 2 == transformer.config.in_channels
 

@@ -16,7 +16,6 @@ from diffusers import StableDiffusionPipeline
 from pagemesh.workers.diffusion.pipelines.common import (
     ModelFolderError,
     PromptEncoder,
-    ServingDefaults,
     TextConditionedPipeline,
     TextRows,
     folder_name,
@@ -35,29 +34,12 @@ class UNetPipelineModel(TextConditionedPipeline):
     """The ImagePipeline of a Stable-Diffusion-layout folder. Conditioning rows are `TextRows`
     (CLIP embeddings [1, 77, D], no mask); latents are [C, H/8, W/8] for SD's VAE."""
 
-    def __init__(
-        self,
-        *,
-        name: str,
-        unet: torch.nn.Module,
-        vae: torch.nn.Module,
-        prompts: PromptEncoder,
-        scheduler_config: dict[str, Any],
-        serving: ServingDefaults,
-        device: torch.device,
-        dtype: torch.dtype,
-    ):
-        self.name = name
+    def __init__(self, *, unet: torch.nn.Module, **parts: Any):
+        """`parts`: TextConditionedPipeline's (name, vae, prompts, scheduler_config, serving,
+        device, dtype)."""
+        super().__init__(**parts)
         self.unet = unet
-        self.vae = vae
-        self.prompts = prompts
-        self.scheduler_config = scheduler_config
-        self.serving = serving
-        self.device = device
-        self.dtype = dtype
-        self.scale = vae_scale_factor(vae)
         self.native_size = _native_size(unet, self.scale)
-        self.info = serving.info(prompts.describe())
 
     @classmethod
     def from_folder(
