@@ -1,7 +1,9 @@
 """Per-request sampling parameters, shared by the engine, the wire protocol and the gateway.
 
-Pure Python: validation happens here, once, at every boundary that builds one (`validate()`
-raises ValueError naming the offending field).
+Pure Python. `validate()` is the one range check of these fields (it raises ValueError naming the
+field). It runs where a SamplingParams comes in from outside: the gateway on a client's body, the
+wire decoder on a peer's message, `Engine.add_request` on a library caller's object. Inside a
+process nothing checks them again.
 """
 
 from __future__ import annotations
@@ -13,11 +15,7 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_ITEMS = 16
 MAX_STOP_LEN = 256
-MAX_TOKENS_LIMIT = 1 << 20
-# A request whose sampling.max_tokens equals this asks for as many tokens as the context leaves
-# after the prompt (OpenAI chat's default); only the tokenizer knows both lengths, so it resolves
-# the value before scheduling. Clients' explicit max_tokens stay below it.
-MAX_TOKENS_FROM_CONTEXT = MAX_TOKENS_LIMIT
+MAX_TOKENS_LIMIT = (1 << 20) - 1
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 MAX_SCHEMA_LEN = 1 << 16  # characters of a response_format JSON Schema
 
@@ -42,7 +40,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    max_tokens: int = 16
+    # None: as many tokens as the context leaves after the prompt (OpenAI chat's default); only
+    # the tokenizer knows both lengths, so it resolves None before scheduling
+    max_tokens: int | None = 16
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
@@ -106,12 +106,12 @@ class SamplingParams:
             "must be in [-2, 2]",
         )
         _check(
-            isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= MAX_TOKENS_LIMIT,
+            self.max_tokens is None or (_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_TOKENS_LIMIT),
             "max_tokens",
-            "must be an integer >= 1",
+            f"must be an integer in [1, {MAX_TOKENS_LIMIT}]",
         )
         _check(
-            isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+            _int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or MAX_TOKENS_LIMIT),
             "min_tokens",
             "must be in [0, max_tokens]",
         )
@@ -222,6 +222,10 @@ class SamplingParams:
                 raise ValueError("logit_bias: must be a list of [token id, bias] pairs")
             values["logit_bias"] = tuple(tuple(x) for x in pairs)
         return cls(**values).validate()
+
+
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _num(x) -> bool:

@@ -54,7 +54,7 @@ _SAMPLING = {
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 10},
-    "max_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_LIMIT - 1},
+    "max_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_LIMIT},
     "stop": _STOP,
     "stop_token_ids": {"type": "array", "maxItems": MAX_STOP_ITEMS, "items": {"type": "integer", "minimum": 0}},
     "logit_bias": {
@@ -136,7 +136,7 @@ _SCHEMAS = {
                 "items": {"$ref": "#/components/schemas/ChatMessage"},
             },
             **_SAMPLING,
-            "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_LIMIT - 1},
+            "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_LIMIT},
             "logprobs": {"type": "boolean"},
             "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
             "response_format": {

@@ -22,7 +22,6 @@ from pagemesh.common.sampling import (
     MAX_LOGIT_BIAS,
     MAX_SCHEMA_LEN,
     MAX_STOP_ITEMS,
-    MAX_TOKENS_FROM_CONTEXT,
     SamplingParams,
 )
 from pagemesh.gateway.errors import ApiError, from_value_error, invalid
@@ -106,8 +105,7 @@ def parse_completion(body: dict) -> ParsedRequest:
         raise invalid("suffix: not supported", "suffix")
     prompts = _prompts(body.get("prompt"))
     logprobs = f.int("logprobs", None)
-    max_tokens = _max_tokens(f, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
-    sampling = _sampling(f, max_tokens, logprobs, {})
+    sampling = _sampling(f, f.int("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS), logprobs, {})
     echo = f.bool("echo", False)
     if echo and logprobs is not None:  # the prompt's tokens come with logprobs too
         sampling = dataclasses.replace(sampling, prompt_logprobs=logprobs)
@@ -127,13 +125,10 @@ def parse_chat(body: dict) -> ParsedRequest:
     elif top_logprobs is not None:
         raise invalid("top_logprobs: requires logprobs to be true", "top_logprobs")
     limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _max_tokens(f, limit_field, MAX_TOKENS_FROM_CONTEXT)
-    sampling = _sampling(f, max_tokens, logprobs, {"max_tokens": limit_field, "logprobs": "top_logprobs"})
-    if json_mode:
-        try:
-            sampling = dataclasses.replace(sampling, **json_mode).validate()
-        except ValueError as e:
-            raise invalid(f"response_format: {str(e).partition(': ')[2]}", "response_format") from None
+    rename = {"max_tokens": limit_field, "logprobs": "top_logprobs"}
+    rename.update({"json_object": "response_format", "json_schema": "response_format"})
+    # max_tokens None: what the context leaves (the tokenizer resolves it)
+    sampling = _sampling(f, f.int(limit_field, None), logprobs, rename, json_mode)
     return _parsed(f, "chat", (), messages, sampling, logprobs)
 
 
@@ -210,16 +205,9 @@ def _parsed(f: _Fields, kind: str, prompts, messages, sampling, logprobs) -> Par
     )
 
 
-def _max_tokens(f: _Fields, name: str, default: int) -> int:
-    value = f.int(name, None)
-    if value is None:
-        return default
-    if not 1 <= value < MAX_TOKENS_FROM_CONTEXT:
-        raise invalid(f"{name}: must be an integer in [1, {MAX_TOKENS_FROM_CONTEXT - 1}]", name)
-    return value
-
-
-def _sampling(f: _Fields, max_tokens: int, logprobs: int | None, rename: dict[str, str]) -> SamplingParams:
+def _sampling(
+    f: _Fields, max_tokens: int | None, logprobs: int | None, rename: dict[str, str], json_mode: dict | None = None
+) -> SamplingParams:
     defaults = SamplingParams()
     try:
         sampling = SamplingParams(
@@ -244,6 +232,7 @@ def _sampling(f: _Fields, max_tokens: int, logprobs: int | None, rename: dict[st
             priority=f.int("priority", defaults.priority),
             logit_bias=_logit_bias(f),
             speculative=f.bool("speculative", True),
+            **(json_mode or {}),
         ).validate()
     except ValueError as e:
         raise from_value_error(e, rename) from None

@@ -45,7 +45,6 @@ from pagemesh.common.messages import (
     TextDeltaBatch,
     TokenDeltaBatch,
 )
-from pagemesh.common.sampling import MAX_TOKENS_FROM_CONTEXT
 from pagemesh.common.tokenizer import IncrementalDetokenizer, Tokenizer
 
 ORPHAN_ABORT_INTERVAL_S = 1.0  # between aborts of one unknown request whose tokens keep coming
@@ -120,7 +119,7 @@ class TokenizerCore:
 
         sampling = request.sampling
         prompt_len, limit = len(prompt_ids), self.max_model_len
-        if sampling.max_tokens == MAX_TOKENS_FROM_CONTEXT:
+        if sampling.max_tokens is None:  # as many as the context leaves
             if prompt_len >= limit:
                 return self._too_long(request.request_id, field_name, prompt_len, None)
             room = limit - prompt_len

@@ -1,6 +1,7 @@
 """KV transfer with fp8 pools, in process on a tiny random model: pack -> wire frames -> check ->
-write, as workers/llm/handoff.py does it (its per-rank calls, one rank). fp8 pages travel as
-bytes with their scales; a pool of another dtype (or other scales) converts on receipt."""
+write, as workers/llm/handoff_out.py and handoff_in.py do it (their per-rank calls, one rank).
+fp8 pages travel as bytes with their scales; a pool of another dtype (or other scales) converts
+on receipt."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from pagemesh.common import protocol
 from pagemesh.common.messages import KVPagesHeader
 from pagemesh.common.messages.base import ProtocolError
 from pagemesh.common.sampling import SamplingParams
+from pagemesh.workers.engine.kv_handoff import write_rank_pages
 from pagemesh.workers.engine.kv_quant import convert_pages, dequantize, quantize
-from pagemesh.workers.llm.kv_pages import check_header, pack_rank_pages, write_rank_pages
+from pagemesh.workers.llm.handoff_in import check_header
+from pagemesh.workers.llm.handoff_out import pack_export
 
 PAGE = 4
 PROMPT = [(5 * i) % 250 + 1 for i in range(18)]  # 5 pages, the last one partly filled
@@ -65,18 +68,11 @@ def hand_off(p_engine, d_engine, rid="r1"):
     while p_engine.take_prefilled(rid) is None:
         p_engine.step()
     # as HandoffOut packs (one rank: one part, with its scales)
-    [(header, layers)] = pack_rank_pages(
-        p_engine.runner.kv_cache,
-        p_engine.take_prefilled(rid),
-        0,
-        None,
-        p_engine.runner.rank_kv_scales,
-        num_layers=p_engine.model_config.num_layers,
-    )
+    [(header, layers)] = pack_export(p_engine.export_prefilled(rid, 0))
     frames = [bytes(f) for f in protocol.encode_tensor_frames(header, layers)]
     header = protocol.decode(frames)
     p_engine.release_prefilled(rid)
-    check_header(header, d_engine.runner.kv_cache, len(PROMPT))
+    check_header(header, d_engine.runner.kv_cache.shape, len(PROMPT))
     tensors = protocol.decode_tensor_frames(header, frames[2:])
     tables = []
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagemesh.common.messages import GenerateRequest
-from pagemesh.common.sampling import MAX_TOKENS_FROM_CONTEXT, SamplingParams
+from pagemesh.common.sampling import MAX_TOKENS_LIMIT, SamplingParams
 from pagemesh.gateway.errors import ApiError
 from pagemesh.gateway.parsing import check_model, parse_chat, parse_completion, parse_json
 
@@ -127,7 +127,7 @@ def test_single_string_stop_and_nulls_mean_defaults():
 
 
 def test_chat_defaults_to_the_context_and_reads_max_completion_tokens_first():
-    assert parse_chat(chat()).sampling.max_tokens == MAX_TOKENS_FROM_CONTEXT
+    assert parse_chat(chat()).sampling.max_tokens is None  # what the context leaves: the tokenizer resolves it
     assert parse_chat(chat(max_tokens=5)).sampling.max_tokens == 5
     assert parse_chat(chat(max_tokens=5, max_completion_tokens=9)).sampling.max_tokens == 9
 
@@ -237,7 +237,7 @@ BAD_COMPLETIONS = [
     (completion(frequency_penalty=-3), "frequency_penalty"),
     (completion(repetition_penalty=0), "repetition_penalty"),
     (completion(max_tokens=0), "max_tokens"),
-    (completion(max_tokens=MAX_TOKENS_FROM_CONTEXT), "max_tokens"),
+    (completion(max_tokens=MAX_TOKENS_LIMIT + 1), "max_tokens"),
     (completion(max_tokens="5"), "max_tokens"),
     (completion(min_tokens=20, max_tokens=10), "min_tokens"),
     (completion(stop=["x"] * 17), "stop"),

@@ -12,6 +12,7 @@ from pagemesh.common.messages import DecodeTask, DoneReason, KVPagesHeader
 from pagemesh.common.sampling import SamplingParams
 from pagemesh.common.transport import ipc_address
 from pagemesh.workers.engine.block_manager import BlockManager
+from pagemesh.workers.engine.kv_handoff import HandoffPages, KVLayout
 from pagemesh.workers.llm.handoff import HandoffIn
 
 PAGE, LAYERS = 4, 4  # a prefill worker of two stages: layers [0, 2) and [2, 4)
@@ -55,8 +56,12 @@ def test_half_a_transfer_is_never_imported_and_the_deadline_frees_the_pinned_pag
     blocks.cache_full_pages(table, PROMPT, 0, len(PROMPT))
     blocks.free_table(table)  # cached, unreferenced: what an earlier request left
     free_before = blocks.num_free_pages
-    # no import_prefilled: an import attempt would fail the request as KV_REJECTED, not time it out
-    engine = SimpleNamespace(blocks=blocks, model_config=SimpleNamespace(num_layers=LAYERS))
+    # the engine's handoff API over these pages, but no import_pages: an import attempt would fail
+    # the request as KV_REJECTED, not time it out
+    pages = HandoffPages(blocks, KVLayout(LAYERS, tp_size=1, pp_size=2, pool_shape=(2, 16, 2, PAGE, 1, 2)))
+    engine = SimpleNamespace(
+        kv_layout=pages.kv_layout, pin_prefix_pages=pages.pin_prefix_pages, free_pages=pages.free_pages
+    )
     ctx = Context()
 
     async def run() -> None:

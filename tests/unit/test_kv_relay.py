@@ -26,7 +26,7 @@ from pagemesh.workers.engine.kv_relay import (
 )
 from pagemesh.workers.engine.model_input import ModelInput, decode_model_input, encode_model_input
 from pagemesh.workers.engine.tensor_parallel import read_frame, write_frame, write_step
-from pagemesh.workers.llm.kv_pages import check_header, parts_cover, rank_parts
+from pagemesh.workers.llm.handoff_in import check_header, parts_cover, rank_parts
 
 STEP = ModelInput([5, 6], [2], [2], [[3]], [1], [])
 
@@ -68,12 +68,12 @@ def header(tp_rank: int, tp_size: int) -> KVPagesHeader:
 
 
 def test_pages_from_a_worker_of_another_tensor_parallel_size_are_refused_naming_both():
-    rank_pool = torch.zeros(2, 8, 2, 16, 1, 8)  # [layers, pages, K/V, slots, KV heads of a rank, head dim]
-    assert check_header(header(2, 3), rank_pool, prompt_len=20, tp_size=3) == 0
+    pool_shape = (2, 8, 2, 16, 1, 8)  # a rank's pool: [layers, pages, K/V, slots, KV heads of a rank, head dim]
+    assert check_header(header(2, 3), pool_shape, prompt_len=20, tp_size=3) == 0
     with pytest.raises(ValueError, match="tensor-parallel size 3, this worker's is 1"):
-        check_header(header(0, 3), rank_pool, prompt_len=20, tp_size=1)
+        check_header(header(0, 3), pool_shape, prompt_len=20, tp_size=1)
     with pytest.raises(ValueError, match="tensor-parallel size 1, this worker's is 3"):
-        check_header(header(0, 1), rank_pool, prompt_len=20, tp_size=3)
+        check_header(header(0, 1), pool_shape, prompt_len=20, tp_size=3)
 
 
 def test_a_header_with_its_rank_outside_its_size_is_malformed():
@@ -144,4 +144,4 @@ def test_pages_from_a_worker_of_another_pipeline_shape_are_refused_naming_both_s
     with pytest.raises(ValueError, match=r"tp 1 x pp 3 .*this worker is tp 1 x pp 2"):
         rank_parts(three, 1, 2, 30)
     with pytest.raises(ValueError, match=r"layers \[0, 2\) but this worker's stage holds \[2, 3\)"):
-        check_header(header(0, 1), torch.zeros(1, 8, 2, 16, 1, 8), prompt_len=20, layers=range(2, 3))
+        check_header(header(0, 1), (1, 8, 2, 16, 1, 8), prompt_len=20, layers=range(2, 3))

@@ -301,18 +301,20 @@ def hand_off(p_engine, d_engine, rid, prompt, params, skip_pages):
     """What the two worker services do: the decode side pins, the prefill side packs the tail,
     the decode side checks and imports. Returns the header."""
     from pagemesh.common import protocol
-    from pagemesh.workers.llm.kv_pages import check_header, pack_pages, write_pages
+    from pagemesh.workers.engine.kv_handoff import write_pages
+    from pagemesh.workers.llm.handoff_in import check_header
+    from pagemesh.workers.llm.handoff_out import pack_export
 
     hits = d_engine.blocks.match_prefix(prompt) if skip_pages else []
     pinned = hits[:skip_pages]
     d_engine.blocks.free_table(hits[skip_pages:])
-    result = prefill(p_engine, rid, prompt, params)
-    header, layers = pack_pages(p_engine.runner.kv_cache, result, skip_pages)
+    prefill(p_engine, rid, prompt, params)
+    [(header, layers)] = pack_export(p_engine.export_prefilled(rid, skip_pages))
     frames = [bytes(f) for f in protocol.encode_tensor_frames(header, layers)]
     header = protocol.decode(frames)
     p_engine.release_prefilled(rid)
     try:
-        skip = check_header(header, d_engine.runner.kv_cache, len(prompt))
+        skip = check_header(header, d_engine.runner.kv_cache.shape, len(prompt))
         if skip > len(pinned):
             raise ValueError(f"kv: {skip} pages not sent, {len(pinned)} held")
     except ValueError:

@@ -40,3 +40,25 @@ def test_n_sequences_must_each_fit_alone_and_beams_side_by_side():
 def test_an_unbounded_pool_changes_nothing():
     params = SamplingParams(max_tokens=900)
     assert RequestValidator(vocab_size=100, max_model_len=1000).fit_pool(99, params) is params
+
+
+CONTEXT = RequestValidator(vocab_size=100, max_model_len=10)
+
+
+def test_a_library_callers_request_gets_every_check_and_none_means_what_the_context_leaves():
+    ids, params = CONTEXT.new_request("r", [1, 2, 3, 4], SamplingParams(max_tokens=None, min_tokens=8))
+    assert (ids, params.max_tokens, params.min_tokens) == ([1, 2, 3, 4], 6, 6)
+    with pytest.raises(ValueError, match=r"max_tokens: prompt \(4 tokens\) \+ max_tokens \(7\) exceeds"):
+        CONTEXT.new_request("r", [1, 2, 3, 4], SamplingParams(max_tokens=7))
+    with pytest.raises(ValueError, match="temperature"):
+        CONTEXT.new_request("r", [1], SamplingParams(temperature=-1.0))
+    with pytest.raises(ValueError, match=r"prompt: token id 100 outside vocabulary"):
+        CONTEXT.new_request("r", [100], SamplingParams())
+
+
+def test_a_resumed_request_has_one_choice():
+    assert RequestValidator.resumable([5, 6], SamplingParams(max_tokens=4)) == [5, 6]
+    with pytest.raises(ValueError, match="only a request of one choice can be resumed"):
+        RequestValidator.resumable([5], SamplingParams(n=2, temperature=1.0))
+    with pytest.raises(ValueError, match="leave none of max_tokens"):
+        CONTEXT.check_output_ids([5, 6], SamplingParams(max_tokens=2))

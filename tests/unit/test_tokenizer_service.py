@@ -17,7 +17,7 @@ from pagemesh.common.messages import (
     TokenDeltaBatch,
     TokenLogprob,
 )
-from pagemesh.common.sampling import MAX_TOKENS_FROM_CONTEXT, SamplingParams
+from pagemesh.common.sampling import SamplingParams
 from pagemesh.services.tokenizer.core import TokenizerCore
 from pagemesh.tests.default_model import tokenizer as default_tokenizer
 
@@ -132,7 +132,7 @@ def test_context_length_exceeded_message_for_prompt_and_messages():
     )
     chat = [{"role": "user", "content": "hi"}]
     n = len(TOKENIZER.encode_chat(chat))
-    failed = c.admit(request(messages=chat, max_tokens=MAX_TOKENS_FROM_CONTEXT))
+    failed = c.admit(request(messages=chat, max_tokens=None))
     assert (failed.status, failed.param, failed.code) == (400, "messages", "context_length_exceeded")
     assert failed.message == (
         f"This model's maximum context length is 10 tokens. However, your messages "
@@ -146,7 +146,7 @@ def test_exactly_full_context_is_accepted():
 
 
 def test_max_tokens_from_context_becomes_the_room_left():
-    out = core(max_model_len=10).admit(request(ids=[1] * 4, max_tokens=MAX_TOKENS_FROM_CONTEXT, min_tokens=8))
+    out = core(max_model_len=10).admit(request(ids=[1] * 4, max_tokens=None, min_tokens=8))
     assert (out.sampling.max_tokens, out.sampling.min_tokens) == (6, 6)
 
 

@@ -16,6 +16,7 @@ The engine composes one object per job, each holding its own state:
     StepUpdate         logits → sampled tokens → sequences advanced or stopped (StopRules),
                        n > 1 / best_of forks (Forks, SeqGenerators), beam steps (BeamSearch)
     PrefillHandoff     pages held for a transfer (prefill side), requests imported (decode side)
+    HandoffPages       the handoff's pages in and out of every rank's pool (kv_handoff.py)
     build_outputs      what each touched request reports this step
 """
 
@@ -41,6 +42,7 @@ from pagemesh.workers.engine.draft_model import attach_drafter
 from pagemesh.workers.engine.forks import Forks, SeqGenerators
 from pagemesh.workers.engine.in_flight import surviving_rows
 from pagemesh.workers.engine.json_cache import JsonMaskCache
+from pagemesh.workers.engine.kv_handoff import HandoffPages, KVLayout, PageExport
 from pagemesh.workers.engine.kv_quant import calibration_token_ids, kv_storage_dtype
 from pagemesh.workers.engine.model_input import build_model_input
 from pagemesh.workers.engine.model_runner import ModelRunner
@@ -87,7 +89,9 @@ class Engine:
     Its contract with the worker process: `add_request` / `import_prefilled` / `abort` change
     what runs, `step` runs one iteration and returns each touched request's `RequestOutput`,
     `stalled` says the last step found work it could not place (pages held elsewhere), and a
-    prefill-only request's pages wait in `take_prefilled` until `release_prefilled`.
+    prefill-only request's pages wait in `take_prefilled` until `release_prefilled`. The KV
+    handoff uses only its handoff API: `export_prefilled`, `release_prefilled` (prefill side);
+    `kv_layout`, `pin_prefix_pages`, `import_pages`, `free_pages` (decode side).
 
     With `tensor_parallel_size` N > 1 this engine is rank 0: it loads its shard, starts the other
     N-1 ranks (`FollowerRanks`) and the runner sends them each step; `close()` stops them.
@@ -194,6 +198,8 @@ class Engine:
         self.handoff = PrefillHandoff(
             self.blocks, self.scheduler, self.validator, self.json_masks, self.generators, self.stops
         )
+        layout = KVLayout(self.model_config.num_layers, tp_size, pp_size, tuple(self.runner.kv_cache.shape))
+        self.handoff_pages = HandoffPages(self.blocks, layout, self.runner, self.followers)
         self.stats = EngineStats(speculation=self.updater.speculation)
         self.step_trace = StepTrace.from_env()  # None unless a bench asks (PAGEMESH_STEP_TRACE)
         self.stalled = False
@@ -277,15 +283,33 @@ class Engine:
         prefill_only: bool = False,
         output_token_ids: Seq[int] = (),
     ) -> None:
-        """Queue a request. Raises ValueError naming the field if anything is invalid.
+        """Queue a library caller's request (offline use, benches), checked first as the gateway
+        and the tokenizer check a mesh's: parameters, token ids, context length (max_tokens None:
+        what the context leaves). Raises ValueError naming the field. The rest is `admit`'s."""
+        token_ids, params = self.validator.new_request(request_id, prompt, params)
+        self.validator.check_output_ids(output_token_ids, params)
+        self.admit(request_id, token_ids, params, prefill_only, output_token_ids)
+
+    def admit(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams,
+        prefill_only: bool = False,
+        output_token_ids: Seq[int] = (),
+    ) -> None:
+        """Queue a request checked before it came (by the gateway, the tokenizer and the wire
+        decoder). Only what this engine alone knows is checked here (ValueError): the id is not
+        running, a resumed request has one choice, it fits the KV pool alone (a longer
+        max_tokens is cut to what fits).
         `prefill_only`: stop after the first token(s) and hold the pages (see `take_prefilled`).
         `output_token_ids`: a request resumed after its worker was lost (one choice only): the
         tokens it generated there, recomputed here (prefix cache first) and never reported
         again; they count as output for max_tokens, min_tokens, penalties and JSON mode, and a
         seeded request's generator is advanced past their draws, so it continues the sequence
         it would have drawn on the first worker."""
-        token_ids = self.validator.new_request(request_id, prompt, params, self.requests)
-        resumed = self.validator.resumed_output(output_token_ids, params, len(token_ids))
+        self.validator.not_running(request_id, self.requests)
+        token_ids, resumed = list(prompt_token_ids), self.validator.resumable(output_token_ids, params)
         params = self.validator.fit_pool(len(token_ids), params, prefill_only)
         if resumed:
             params = dataclasses.replace(params, prompt_logprobs=None)  # reported with its first token
@@ -394,9 +418,54 @@ class Engine:
         """A prefill-only request whose first tokens are out: the pages to send (None: not held)."""
         return self.handoff.take(request_id)
 
+    def export_prefilled(self, request_id: str, skip_pages: int = 0) -> PageExport:
+        """Prefill side: CPU copies of a held request's prompt pages from `skip_pages` on (the
+        last page always), every rank's (rank 0 gathers its followers' shards). The pages stay
+        held until `release_prefilled`. KeyError unless `take_prefilled` holds the request."""
+        result = self.handoff.take(request_id)
+        if result is None:
+            raise KeyError(f"engine: no pages held for {request_id!r}")
+        return self.handoff_pages.export_pages(result, skip_pages)
+
     def release_prefilled(self, request_id: str) -> None:
         """The transfer is over (acknowledged, failed or timed out): free the held pages."""
         self.handoff.release(request_id)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """Decode side: what received pages must match (layers, ranks, rank 0's pool shape)."""
+        return self.handoff_pages.kv_layout
+
+    def pin_prefix_pages(self, token_ids: Seq[int], num_pages: int) -> list[int]:
+        """Decode side: a reference on each cached page of the first `num_pages` full pages of
+        `token_ids` (fewer where fewer are cached), held until `import_pages` takes them or
+        `free_pages` drops them."""
+        return self.handoff_pages.pin_prefix_pages(token_ids, num_pages)
+
+    def free_pages(self, pages: list[int]) -> None:
+        """Decode side: drop the references `pin_prefix_pages` took on `pages` and empty it."""
+        self.handoff_pages.free_pages(pages)
+
+    def import_pages(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        first_token_ids: list[int],
+        rank_pages: list[list[torch.Tensor]],
+        rank_sent_scales: list[list[float]],
+        prefix_pages: Seq[int] = (),
+    ) -> None:
+        """Decode side: `import_prefilled` with the received pages: `rank_pages[r]` holds rank
+        r's layers ([n, 2, S, its KV heads, D] each) of the prompt's pages after `prefix_pages`,
+        sent with `rank_sent_scales[r]` (an fp8 sender's; empty otherwise); each rank's are
+        written into its pool, converted where its dtype or scales differ (rank 0 scatters the
+        followers'). The engine owns `prefix_pages` from here on, also when this raises."""
+
+        def write(table: list[int]) -> None:
+            self.handoff_pages.write_pages(table, rank_pages, rank_sent_scales)
+
+        self.import_prefilled(request_id, prompt_token_ids, params, first_token_ids, write, prefix_pages)
 
     def import_prefilled(
         self,
@@ -408,7 +477,7 @@ class Engine:
         prefix_pages: Seq[int] = (),
     ) -> None:
         """Decode side: continue a request prefilled elsewhere. `prefix_pages` are leading
-        prompt pages this pool already holds (references taken with `match_prefix`; the engine
+        prompt pages this pool already holds (references taken with `pin_prefix_pages`; the engine
         owns them from here on, also when this raises). Allocates the rest of the prompt's pages,
         calls `write_pages(new_pages)` to fill them, publishes the prompt's full pages to the
         prefix cache, and starts every choice whose first token did not already end it.

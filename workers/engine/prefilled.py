@@ -1,7 +1,8 @@
 """Disaggregated prefill: both ends of handing a request's KV pages from a prefill worker to a
-decode worker (DESIGN.md §1). The transfer itself is the worker's (workers/kv_transfer.py).
+decode worker (docs/design.md §1). The transfer itself is the worker's (workers/llm/handoff_out.py and
+handoff_in.py, through the Engine's handoff API: kv_handoff.py).
 
-    prefill side:  add_request(prefill_only) → first token(s) sampled → `hold`: the prompt's pages
+    prefill side:  admit(prefill_only) → first token(s) sampled → `hold`: the prompt's pages
                    are kept (one reference) and the choices leave scheduling → `take` → transfer →
                    `release`
     decode side:   `import_request`: take pages, have the caller write them, start every choice
@@ -88,10 +89,9 @@ class PrefillHandoff:
         first token already ended it (`running`: the ids of the engine's live requests)."""
         table = list(prefix_pages)
         try:
-            params.validate()
-            masks = self.json_masks.for_params(params)
+            masks = self.json_masks.for_params(params)  # the request was checked before it came
             self.validator.not_running(request_id, running)
-            prompt = self.validator.prompt_ids(prompt_token_ids)
+            prompt = list(prompt_token_ids)
             params = self.validator.fit_pool(len(prompt), params)
             self.blocks.grow(table, len(prompt))
             write_pages(table[len(prefix_pages) :])

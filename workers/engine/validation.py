@@ -1,5 +1,8 @@
-"""Checks of what a request asks for against this engine's model: token ids inside the vocabulary,
-prompt and output inside the context length. Raises ValueError naming the field."""
+"""Checks of what a request asks for against this engine's model. A library caller's request
+(`Engine.add_request`) gets them all: parameters, token ids inside the vocabulary, prompt and
+output inside the context length. A mesh's request (`Engine.admit`) was checked at the gateway and
+the tokenizer: only what the engine alone knows is checked for it (the KV pool, what is running).
+Raises ValueError naming the field."""
 
 from __future__ import annotations
 
@@ -24,12 +27,13 @@ class RequestValidator:
         self.page_size = page_size
 
     def new_request(
-        self, request_id: str, prompt: str | Seq[int], params: SamplingParams, running: Container[str]
-    ) -> list[int]:
-        """A request to queue: its prompt's token ids, once everything about it is valid."""
+        self, request_id: str, prompt: str | Seq[int], params: SamplingParams
+    ) -> tuple[list[int], SamplingParams]:
+        """A library caller's request (`Engine.add_request`): its prompt's token ids and its
+        parameters (max_tokens None resolved to what the context leaves), once everything about
+        it is valid. A mesh's requests were checked by the gateway and the tokenizer instead."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
-        self.not_running(request_id, running)
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: must be a SamplingParams")  # noqa: TRY004 (the field's error)
         params.validate()
@@ -43,12 +47,15 @@ class RequestValidator:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens leave no room in the context length {self.max_model_len}"
             )
-        if len(token_ids) + params.max_tokens > self.max_model_len:
+        if params.max_tokens is None:
+            room = self.max_model_len - len(token_ids)
+            params = dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+        elif len(token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"max_tokens: prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"exceeds the context length {self.max_model_len}"
             )
-        return token_ids
+        return token_ids, params
 
     def fit_pool(self, prompt_len: int, params: SamplingParams, prefill_only: bool = False) -> SamplingParams:
         """A request runs alone at worst, so it must fit the KV pool alone, or it would wait (or be
@@ -74,21 +81,24 @@ class RequestValidator:
             return params
         return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
 
-    def resumed_output(self, output_token_ids: Seq[int], params: SamplingParams, prompt_len: int) -> list[int]:
-        """The tokens a resumed request generated before (see `Engine.add_request`), checked:
-        inside the vocabulary, one choice, fewer than max_tokens (a request with all of them
-        had ended)."""
+    @staticmethod
+    def resumable(output_token_ids: Seq[int], params: SamplingParams) -> list[int]:
+        """The tokens a resumed request generated before (see `Engine.admit`): only a request of
+        one choice can be resumed (its sequences' forks are not rebuilt)."""
         ids = list(output_token_ids)
-        if not ids:
-            return ids
-        if params.num_sequences != 1 or params.use_beam_search:
+        if ids and (params.num_sequences != 1 or params.use_beam_search):
             raise ValueError("output_token_ids: only a request of one choice can be resumed")
-        if len(ids) >= params.max_tokens:
+        return ids
+
+    def check_output_ids(self, output_token_ids: Seq[int], params: SamplingParams) -> None:
+        """A library caller's resumed tokens: inside the vocabulary, and fewer than max_tokens (a
+        request with all of them had ended)."""
+        ids = list(output_token_ids)
+        if ids and len(ids) >= params.max_tokens:
             raise ValueError(f"output_token_ids: {len(ids)} tokens leave none of max_tokens ({params.max_tokens})")
         for t in ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
                 raise ValueError(f"output_token_ids: token id {t!r} outside vocabulary [0, {self.vocab_size})")
-        return ids
 
     @staticmethod
     def not_running(request_id: str, running: Container[str]) -> None:

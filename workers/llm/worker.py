@@ -68,7 +68,7 @@ class LLMWorker:
         return Registration(
             kind=WorkerKind.LLM,
             role=self.config.role,
-            model=served_model_name(path) if path else "custom",
+            model=(*self.engine.config.served_model_name, served_model_name(path) if path else "custom")[0],
             max_running=self.engine.config.max_num_seqs,
             kv=KVPoolInfo(
                 page_size=blocks.page_size,
@@ -89,7 +89,7 @@ class LLMWorker:
         prefill_only = isinstance(task, PrefillTask)
         try:
             resumed = task.output_token_ids if isinstance(task, GenerateTask) else ()  # migrated here
-            self.engine.add_request(
+            self.engine.admit(  # checked at the gateway and the tokenizer
                 task.request_id,
                 task.prompt_token_ids,
                 task.sampling,

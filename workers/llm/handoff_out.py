@@ -1,0 +1,134 @@
+"""The prefill side of the KV handoff: the one owner of a sent request's pages (workers/llm/handoff.py
+draws both sides). The engine holds the prompt's pages from its first token on; this module asks
+it for copies of the pages the decode worker lacks, sends them, and has the engine release them
+when the decode worker acknowledges or the deadline passes.
+
+    prefill pool kv[L, P, 2, S, H, D] --Engine.export_prefilled(skip)--> [L, n, 2, S, H, D] per rank
+       --pack_export--> KVPagesHeader + one tensor frame per layer, per rank ==> decode worker
+
+Only the pages the decode worker lacks travel: the scheduler says how many leading prompt pages
+it holds (`skip_pages`), and the header's `page_indices` are the logical pages sent, always the
+tail [skip, total) of the prompt's pages. An fp8 pool's pages travel as fp8 with the sender's
+scales in the header. A tensor- or pipeline-parallel worker sends one header per rank (`tp_rank`,
+`tp_size`, and its stage's `layer_start`/`layer_end`), each with that rank's KV heads of its
+stage's layers (the engine's rank 0 gathers them: workers/engine/kv_relay.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pagemesh.common import protocol as p
+from pagemesh.common.messages import DoneReason, KVPagesAck, KVPagesHeader
+from pagemesh.common.transport import KV, Dealer
+from pagemesh.workers.engine.engine import Engine
+from pagemesh.workers.engine.kv_handoff import DTYPE_NAMES, PageExport, RankPages
+from pagemesh.workers.shell.backend import WorkerContext
+from pagemesh.workers.shell.faults import kv_send_delay_s
+
+
+@dataclass
+class _Outgoing:
+    """Pages sent, waiting for the decode worker's acknowledgement."""
+
+    frames: list  # kept alive until acknowledged: zero-copy frames point into them (every rank's)
+    deadline: float
+
+
+class HandoffOut:
+    """Sends each prefilled request's pages to its decode worker and has the engine release them
+    when the decode worker acknowledges (or the deadline passes)."""
+
+    def __init__(self, ctx: WorkerContext, engine: Engine, timeout: float, on_done: Callable[[str, DoneReason], None]):
+        self.ctx, self.engine, self.timeout = ctx, engine, timeout
+        self.on_done = on_done  # the request left this worker: handed off, refused or timed out
+        self.targets: dict[str, tuple[str, int]] = {}  # request -> (decode KV endpoint, pages not to send)
+        self.outgoing: dict[str, _Outgoing] = {}
+        self.dealers: dict[str, Dealer] = {}
+        self.bytes_sent = 0
+        self.send_delay_s = kv_send_delay_s()  # test-only; 0 unless a test sets it
+
+    def expect(self, request_id: str, endpoint: str, skip_pages: int) -> None:
+        self.targets[request_id] = (endpoint, skip_pages)
+
+    def has_pages(self, request_id: str) -> bool:
+        """The engine holds this finished request's pages for the transfer."""
+        return self.engine.take_prefilled(request_id) is not None
+
+    async def send(self, request_id: str) -> None:
+        endpoint, skip = self.targets.pop(request_id)
+        # one message per rank (a parallel worker's ranks each hold their KV heads of their layers)
+        parts = pack_export(self.engine.export_prefilled(request_id, skip))
+        messages = [p.encode_tensor_frames(header, layers) for header, layers in parts]
+        dealer = self.dealers.get(endpoint)
+        if dealer is None:
+            dealer = self.dealers[endpoint] = Dealer(endpoint, self.ctx.worker_id, options=KV)
+            asyncio.ensure_future(self._ack_loop(dealer))
+        self.outgoing[request_id] = _Outgoing(messages, time.monotonic() + self.timeout)
+        if self.send_delay_s > 0:
+            await asyncio.sleep(self.send_delay_s)  # packed, held, not sent: "mid-transfer" (tests)
+        for frames in messages:
+            await dealer.send_frames(frames)
+        self.bytes_sent += sum(t.numel() * t.element_size() for _, layers in parts for t in layers)
+
+    async def _ack_loop(self, dealer: Dealer) -> None:
+        while True:
+            msg = await dealer.recv()
+            if isinstance(msg, KVPagesAck):
+                self.ctx.post(lambda m=msg: self._acknowledged(m))
+
+    def _acknowledged(self, ack: KVPagesAck) -> None:
+        if self.outgoing.pop(ack.request_id, None) is None:
+            return
+        self.engine.release_prefilled(ack.request_id)
+        self.on_done(ack.request_id, DoneReason.HANDED_OFF if ack.ok else DoneReason.KV_REJECTED)
+        if not ack.ok:
+            self.ctx.log.warning("decode worker refused pages", request_id=ack.request_id, error=ack.error)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended here some other way (aborted, finished at its first token)."""
+        self.targets.pop(request_id, None)
+        self.outgoing.pop(request_id, None)
+
+    def expire(self, now: float) -> None:
+        for rid in [r for r, o in self.outgoing.items() if o.deadline < now]:
+            del self.outgoing[rid]
+            self.engine.release_prefilled(rid)
+            self.ctx.log.warning("kv transfer timed out", request_id=rid)
+            self.on_done(rid, DoneReason.KV_TIMEOUT)
+
+    def close(self) -> None:
+        for dealer in self.dealers.values():
+            dealer.close()
+
+
+def pack_export(export: PageExport) -> list[tuple[KVPagesHeader, list[torch.Tensor]]]:
+    """The wire parts of an export, rank 0's first: each rank's header and one contiguous CPU
+    tensor per layer."""
+    return [(_header(export, rank), list(rank.pages.unbind(0))) for rank in export.ranks]
+
+
+def _header(export: PageExport, rank: RankPages) -> KVPagesHeader:
+    pages, skip, total = rank.pages, export.skip_pages, export.num_pages
+    return KVPagesHeader(
+        request_id=export.request_id,
+        seq_index=0,
+        num_tokens=len(export.prompt_token_ids),
+        layer_start=rank.layers.start,
+        layer_end=rank.layers.stop,
+        num_pages=total - skip,
+        dtype=DTYPE_NAMES[pages.dtype],
+        page_shape=list(pages.shape[2:]),
+        checksum=0,  # filled in by encode_tensor_frames
+        first_token_ids=list(export.first_token_ids),
+        last=True,
+        page_indices=list(range(skip, total)),
+        tp_rank=rank.tp_rank,
+        tp_size=export.tp_size,
+        kv_scales=[] if rank.kv_scales is None else rank.kv_scales.flatten().tolist(),
+    )
