@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 from pagemesh.bench.loadgen.images import IMAGES_ENDPOINT, ImageTarget, image_prompts, parse_steps, run_image_point  # noqa: E402
 from pagemesh.bench.loadgen.metrics import summarize_images  # noqa: E402
 from pagemesh.bench.loadgen.runner import LoadPoint  # noqa: E402
+from pagemesh.bench.plots import save_png  # noqa: E402
 
 MODES = ("serial", "request", "step")
 
@@ -161,7 +162,7 @@ def plot(records: list[dict], path: Path, title: str) -> None:
         axis.legend(fontsize=8)
     figure.suptitle(title)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    save_png(figure, path, dpi=110)
     plt.close(figure)
 
 

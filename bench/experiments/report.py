@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagemesh.bench.plots import save_png
+
 
 def machine_description() -> str:
     """Cores and CPU model, e.g. '2 cores, Intel(R) Xeon(R) ... (x86_64)'."""
@@ -118,7 +120,7 @@ class Report:
                 continue
             suffix, figure, caption = item
             path = out / f"{self.name}_{suffix}.png"
-            figure.savefig(path, dpi=100, bbox_inches="tight")
+            save_png(figure, path, dpi=100, bbox_inches="tight")
             plt.close(figure)
             written.append(path)
             parts.append(f"![{caption or suffix}]({path.name})" + (f"\n\n*{caption}*" if caption else ""))

@@ -6,6 +6,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from pagemesh.bench.plots import save_png
+
 _LATENCIES = (
     ("ttft", "Time to first token"),
     ("tpot", "Time per output token (excl. 1st)"),
@@ -119,5 +121,5 @@ def plot_sweep(
     figure.suptitle(title)
     figure.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
+    save_png(figure, path, dpi=110)
     plt.close(figure)

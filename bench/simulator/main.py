@@ -28,6 +28,7 @@ from pathlib import Path
 import structlog
 
 from pagemesh.bench.loadgen.metrics import parse_goodput
+from pagemesh.bench.plots import save_png
 from pagemesh.bench.simulator.cost import GPUS, LINKS, MODEL_SHAPES, LinearStepCost, RooflineStepCost, model_shape
 from pagemesh.bench.simulator.role_cost import MeshStepCost
 from pagemesh.bench.simulator.run import SimSettings, describe, find_smallest, simulate
@@ -209,7 +210,7 @@ def plot_sweep(rows: list[tuple[str, dict]], knob: str, out: Path) -> Path | Non
         ax.legend(fontsize=7)
     fig.tight_layout()
     path = out / f"sweep-{knob}.png"
-    fig.savefig(path, dpi=110)
+    save_png(fig, path, dpi=110)
     plt.close(fig)
     return path
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import structlog
 
+from pagemesh.bench.plots import save_png
 from pagemesh.bench.simulator.cost import GPUS, RooflineStepCost, StepShape, model_shape
 from pagemesh.bench.simulator.run import SimSettings, simulate
 from pagemesh.bench.simulator.workload import WorkloadSpec
@@ -138,7 +139,7 @@ def plot(results: dict, out: Path) -> list[Path]:
     ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(out / "sarathi-tbt.png")
-    fig.savefig(paths[-1], dpi=110)
+    save_png(fig, paths[-1], dpi=110)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     d = results["distserve"]
@@ -151,7 +152,7 @@ def plot(results: dict, out: Path) -> list[Path]:
     ax.legend(fontsize=7)
     fig.tight_layout()
     paths.append(out / "distserve-attainment.png")
-    fig.savefig(paths[-1], dpi=110)
+    save_png(fig, paths[-1], dpi=110)
     plt.close(fig)
     return paths
 
