@@ -96,6 +96,7 @@ _SCHEMAS = {
     },
     "CompletionRequest": {
         "type": "object",
+        "additionalProperties": False,  # any other field is a 400 (gateway/fields.py)
         "required": ["prompt"],
         "properties": {
             "prompt": {
@@ -127,6 +128,7 @@ _SCHEMAS = {
     },
     "ChatCompletionRequest": {
         "type": "object",
+        "additionalProperties": False,  # any other field is a 400 (gateway/fields.py)
         "required": ["messages"],
         "properties": {
             "messages": {

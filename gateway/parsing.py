@@ -3,9 +3,8 @@
 Every problem raises `ApiError` (400 `invalid_request_error`, `param` = the field). Types are
 checked strictly (a bool is not an integer, a float is not an integer, NaN never parses), every
 list is bounded before it is copied, and range checks are left to `SamplingParams.validate()`,
-the one place that knows them. Fields this gateway does not know are ignored; fields it knows
-but cannot honour (suffix, tools, JSON Schema keywords the engine cannot enforce) are refused
-rather than silently dropped.
+the one place that knows them. No field is silently ignored (gateway/fields.py): one this gateway
+does not honour, or that nobody defines, is refused with a 400 naming it.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from pagemesh.common.sampling import (
     SamplingParams,
 )
 from pagemesh.gateway.errors import ApiError, from_value_error, invalid
+from pagemesh.gateway.fields import check_chat_fields, check_completion_fields
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 MAX_MESSAGES = 4096
@@ -109,6 +109,7 @@ def parse_completion(body: dict) -> ParsedRequest:
     echo = f.bool("echo", False)
     if echo and logprobs is not None:  # the prompt's tokens come with logprobs too
         sampling = dataclasses.replace(sampling, prompt_logprobs=logprobs)
+    check_completion_fields(body)
     return dataclasses.replace(_parsed(f, "completion", prompts, None, sampling, logprobs), echo=echo)
 
 
@@ -129,6 +130,7 @@ def parse_chat(body: dict) -> ParsedRequest:
     rename.update({"json_object": "response_format", "json_schema": "response_format"})
     # max_tokens None: what the context leaves (the tokenizer resolves it)
     sampling = _sampling(f, f.int(limit_field, None), logprobs, rename, json_mode)
+    check_chat_fields(body)
     return _parsed(f, "chat", (), messages, sampling, logprobs)
 
 

@@ -55,8 +55,7 @@ def test_every_sampling_field_is_read():
             stop=["a", "b"],
             ignore_eos=True,
             logprobs=3,
-            user="ignored",
-            unknown_extra={"x": 1},
+            user="an end user's id",
             include_stop_str_in_output=True,
             stream=True,
             stream_options={"include_usage": True},
@@ -453,3 +452,24 @@ def test_random_bodies_are_parsed_or_refused_with_an_api_error_never_a_crash():
                 parse(body)
             except ApiError as e:
                 assert e.status == 400 and e.message
+
+
+@pytest.mark.parametrize(
+    ("parse", "body", "field", "message"),
+    [
+        (parse_completion, completion(max_token=5), "max_token", "Unrecognized request argument supplied: max_token"),
+        (parse_chat, chat(unknown_extra={"x": 1}), "unknown_extra", "Unrecognized request argument supplied"),
+        (parse_chat, chat(guided_choice=["yes", "no"]), "guided_choice", "guided_choice: not supported"),
+        (parse_chat, chat(skip_special_tokens=False), "skip_special_tokens", "not supported by this server"),
+        (parse_completion, completion(bad_words=["x"]), "bad_words", "bad_words: not supported"),
+        (parse_chat, chat(store=True), "store", "store: not supported"),
+    ],
+)
+def test_no_field_is_silently_ignored(parse, body, field, message):
+    with pytest.raises(ApiError, match=message) as info:
+        parse(body)
+    assert (info.value.status, info.value.param) == (400, field)
+
+
+def test_a_null_field_means_the_default_and_is_never_refused():
+    assert parse_chat(chat(guided_choice=None, max_token=None)).sampling.max_tokens is None
