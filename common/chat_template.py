@@ -103,11 +103,27 @@ class ChatTemplate:
         # bos_token, eos_token, unk_token, pad_token: only the ones the model defines.
         self._variables = {name: text for name, text in special_tokens.items() if text is not None}
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
-        return self._template.render(
-            messages=validate_messages(messages),
-            tools=tools,
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-            **self._variables,
-        )
+    def render(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """`template_kwargs`: more variables for the template (`enable_thinking`, ...); as in
+        transformers, they may shadow the special tokens' variables, not the ones set here. The
+        template runs on what a request gave (tools, template variables of any JSON type): any
+        error it meets is a jinja2.TemplateError."""
+        messages = validate_messages(messages)
+        try:
+            return self._template.render(
+                messages=messages,
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **{**self._variables, **(template_kwargs or {})},
+            )
+        except jinja2.TemplateError:
+            raise
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as e:
+            raise jinja2.TemplateError(f"the chat template failed: {type(e).__name__}: {e}") from None

@@ -39,8 +39,11 @@ from pagemesh.common.sampling import SamplingParams
 # ScheduleRequest.resume, GenerateTask.output_token_ids, TokenDelta.num_cached_tokens,
 # TextDelta.cached_tokens, RegisterWorker.ranks, WorkerStatus.produced/.feature_cache/.ranks,
 # ClusterStatus.migrations; 7: KVPagesHeader.tp_rank/.tp_size/.kv_scales, SamplingParams.speculative,
-# SpeculationLoad, Heartbeat.speculation, WorkerStatus.speculation; 8: RegisterWorker.pipeline_stages
-PROTOCOL_VERSION = 8
+# SpeculationLoad, Heartbeat.speculation, WorkerStatus.speculation; 8: RegisterWorker.pipeline_stages;
+# 9: the tokenize channel (TokenizeRequest/Result, DetokenizeRequest/Result), EmbedRequest,
+# EmbeddingBatch, ScheduleRequest.pooling, GenerateTask.pooling, GenerateRequest.tools/
+# .chat_template_kwargs/.skip_special_tokens, SamplingParams.structured
+PROTOCOL_VERSION = 9
 
 MAX_STR_LEN = 4 << 20  # characters; a prompt of ~1M tokens of text fits
 MAX_TOKEN_IDS = 1 << 20  # length of any list[int] (token ids, page indices, shapes)
@@ -174,6 +177,18 @@ def _dec_ids(v):
     return v
 
 
+def _dec_floats(v):
+    """list[float]: vectors (an embedding, KV scales, logprobs), checked in bulk for speed; an
+    int item is taken as a float, as a single float field takes it."""
+    if type(v) is not list:
+        raise _Invalid(f"expected list, got {_type_name(v)}")
+    if len(v) > MAX_LIST_LEN:
+        raise _Invalid(f"more than {MAX_LIST_LEN} items")
+    if all(type(x) is float for x in v):
+        return v
+    return _FLOAT_ITEMS(v)
+
+
 def _dec_sampling(v):
     if type(v) is not dict:
         raise _Invalid(f"expected map, got {_type_name(v)}")
@@ -199,6 +214,9 @@ def _dec_list(item: _Codec, as_tuple: bool) -> _Codec:
         return tuple(out) if as_tuple else out
 
     return dec
+
+
+_FLOAT_ITEMS = _dec_list(_dec_float, as_tuple=False)  # item by item: names the bad one
 
 
 def _dec_dict(item: _Codec) -> _Codec:
@@ -283,6 +301,8 @@ def _decoder_for(tp: object) -> _Codec:
         return _dec_optional(_decoder_for(next(a for a in args if a is not type(None))))
     if origin is list and args == (int,):
         return _dec_ids
+    if origin is list and args == (float,):
+        return _dec_floats
     if origin is list and len(args) == 1:
         return _dec_list(_decoder_for(args[0]), as_tuple=False)
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:

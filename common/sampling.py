@@ -17,7 +17,9 @@ MAX_STOP_ITEMS = 16
 MAX_STOP_LEN = 256
 MAX_TOKENS_LIMIT = (1 << 20) - 1
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
-MAX_SCHEMA_LEN = 1 << 16  # characters of a response_format JSON Schema
+MAX_SCHEMA_LEN = 1 << 16  # characters of a JSON Schema or of any other grammar's spec
+# the grammars of `structured` besides JSON (common/structured_outputs.py turns each into llguidance's)
+STRUCTURED_KINDS = ("regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -55,13 +57,25 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids distinct
     prompt_logprobs: int | None = None  # top-k per prompt token (echo with logprobs); never prefix-cached
     json_object: bool = False  # output constrained to one JSON object (response_format json_object)
-    json_schema: str | None = None  # output constrained to this JSON Schema (JSON text; common/json_schema.py)
+    json_schema: str | None = None  # output constrained to this JSON Schema (JSON text)
+    # output constrained to another grammar: (kind, spec), a kind of STRUCTURED_KINDS; spec: a regex, the
+    # JSON text of a list of choices, an EBNF / Lark grammar, the JSON text of a structural tag
+    structured: tuple[str, str] | None = None
     speculative: bool = True  # False: never verify drafts for this request (a worker with --speculative-config)
 
     @property
     def constrained(self) -> bool:
-        """JSON mode: the output is held to a JSON object, any or of a schema."""
-        return self.json_object or self.json_schema is not None
+        """Structured output: the output is held to a grammar (a JSON object, a schema, `structured`)."""
+        return self.constraint_field is not None
+
+    @property
+    def constraint_field(self) -> str | None:
+        """The field that holds the output to a grammar (None: unconstrained)."""
+        if self.json_object:
+            return "json_object"
+        if self.json_schema is not None:
+            return "json_schema"
+        return "structured" if self.structured is not None else None
 
     @property
     def greedy(self) -> bool:
@@ -175,17 +189,29 @@ class SamplingParams:
             f"must be JSON text of at most {MAX_SCHEMA_LEN} characters",
         )
         _check(
-            not (self.json_object and self.json_schema is not None),
-            "json_schema",
-            "cannot be combined with json_object",
+            self.structured is None
+            or (
+                isinstance(self.structured, tuple)
+                and len(self.structured) == 2
+                and self.structured[0] in STRUCTURED_KINDS
+                and isinstance(self.structured[1], str)
+                and len(self.structured[1]) <= MAX_SCHEMA_LEN
+            ),
+            "structured",
+            f"must be (kind, spec): a kind of {', '.join(STRUCTURED_KINDS)} and a spec of at most "
+            f"{MAX_SCHEMA_LEN} characters",
         )
         _check(
-            not (self.constrained and self.use_beam_search), "json_object", "cannot be combined with use_beam_search"
+            self.json_object + (self.json_schema is not None) + (self.structured is not None) <= 1,
+            "structured" if self.structured is not None else "json_schema",
+            "only one of json_object, json_schema and structured",
         )
+        constraint = self.constraint_field
+        _check(not (constraint and self.use_beam_search), constraint, "cannot be combined with use_beam_search")
         _check(
-            not (self.constrained and self.ignore_eos),
-            "json_object",
-            "cannot be combined with ignore_eos: the end of the object ends the output",
+            not (constraint and self.ignore_eos),
+            constraint,
+            "cannot be combined with ignore_eos: the end of the grammar ends the output",
         )
         _check(
             self.prompt_logprobs is None
@@ -216,6 +242,8 @@ class SamplingParams:
                 if not isinstance(values[name], (list, tuple)):
                     raise ValueError(f"{name}: must be a list")
                 values[name] = tuple(values[name])
+        if isinstance(values.get("structured"), list):
+            values["structured"] = tuple(values["structured"])
         if "logit_bias" in values:
             pairs = values["logit_bias"]
             if not isinstance(pairs, (list, tuple)) or not all(isinstance(x, (list, tuple)) for x in pairs):

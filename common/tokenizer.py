@@ -113,14 +113,17 @@ class Tokenizer:
         self._token_texts: dict[int, str] = {}
 
     @classmethod
-    def from_path(cls, path: str | Path) -> Tokenizer:
-        """Load from a `.gguf` file or a Hugging Face model folder."""
+    def from_path(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """Load from a `.gguf` file or a Hugging Face model folder; `chat_template` (a template's
+        text) replaces the model's own."""
         path = Path(path)
         if path.is_dir():
-            return cls(**_hf_folder_parts(path))
-        if path.suffix == ".gguf" and path.is_file():
-            return cls(**_gguf_parts(path))
-        raise ValueError(f"model path: {path} is neither a .gguf file nor a model folder")
+            parts = _hf_folder_parts(path)
+        elif path.suffix == ".gguf" and path.is_file():
+            parts = _gguf_parts(path)
+        else:
+            raise ValueError(f"model path: {path} is neither a .gguf file nor a model folder")
+        return cls(**{**parts, "chat_template": chat_template or parts["chat_template"]})
 
     def backend_json(self) -> str:
         """The `tokenizers` model as Hugging Face's tokenizer.json text (BOS not included: `encode`
@@ -160,15 +163,35 @@ class Tokenizer:
             self._token_texts[token_id] = text
         return text
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each id's entry in the vocabulary, as stored (byte-level BPE's `Ġ` for a space, as
+        transformers' `convert_ids_to_tokens` gives it); `token_text` is the text it adds."""
+        self.check_ids(ids, "ids")
+        return [self._backend.id_to_token(int(i)) for i in ids]
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """`tools` and `template_kwargs` reach the template as transformers passes them."""
         if self.chat_template is None:
             validate_messages(messages)
             raise ValueError("messages: this model has no chat template; use a plain prompt")
-        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.chat_template.render(messages, add_generation_prompt, tools, template_kwargs)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         """Token ids of the rendered chat; like transformers, the template writes any BOS itself."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
+        return self.encode(text, add_special_tokens=False)
 
 
 class IncrementalDetokenizer:

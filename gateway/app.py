@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 import uuid
 from collections.abc import Callable
@@ -25,22 +24,29 @@ from dataclasses import dataclass
 import structlog
 from aiohttp import web
 
-from pagemesh.common.json_schema import compile_schema, literals
-from pagemesh.common.messages import ImageRequest, ImageResult, RequestFailed, TextDelta
+from pagemesh.common.messages import ImageRequest, ImageResult, RequestFailed, TextDelta, TokenizeRequest
 from pagemesh.common.tokenizer import Tokenizer
-from pagemesh.gateway import openapi
+from pagemesh.gateway import anthropic, openapi
+from pagemesh.gateway.answers import Answer, openai_answer
+from pagemesh.gateway.anthropic_answer import messages_answer
 from pagemesh.gateway.auth import API_KEY, ApiKeys, auth_middleware
+from pagemesh.gateway.chat_output import chat_output_spec
 from pagemesh.gateway.config import GatewayConfig
 from pagemesh.gateway.drain import GatewayDrain
+from pagemesh.gateway.embeddings import EmbeddingsRoute
 from pagemesh.gateway.errors import ApiError, from_request_failed, http_error, internal, invalid
 from pagemesh.gateway.images import image_response, parse_image_request
 from pagemesh.gateway.limits import KeyLimits, estimate_prompt_tokens
 from pagemesh.gateway.mesh import MeshClient, Reply
 from pagemesh.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagemesh.gateway.metrics import GatewayMetrics, RequestTimer
+from pagemesh.gateway.openai_responses import parse_responses
+from pagemesh.gateway.openai_responses_answer import responses_answer
 from pagemesh.gateway.parsing import ParsedRequest, check_model, parse_chat, parse_completion, parse_json
-from pagemesh.gateway.responses import SSE_DONE, ResponseBuilder, sse_event, to_json
+from pagemesh.gateway.responses import ResponseBuilder, to_json
 from pagemesh.gateway.status import RequestTrace, StatusPage
+from pagemesh.gateway.structured_outputs import GrammarCheck
+from pagemesh.gateway.tokens import TokenRoutes
 
 log = structlog.get_logger()
 
@@ -89,8 +95,11 @@ class Gateway:
         self.started = int(time.time())
         self.status_page = StatusPage(lambda: mesh.status(STATUS_TIMEOUT_S), config.served_model)
         self.keys = ApiKeys(config.api_keys)
+        self.grammar_check = GrammarCheck(tokenizer)
         self.limits = KeyLimits(config.max_concurrent_requests_per_key, config.max_tokens_per_minute_per_key)
         self.serving = config.startup_wait <= 0  # the mesh was ready once (or the check is off)
+        self.tokens = TokenRoutes(config, mesh, self.limits)  # /tokenize, /detokenize (gateway/tokens.py)
+        self.embeddings = EmbeddingsRoute(config, mesh, self.limits, self._until_serving)
 
     def app(self) -> web.Application:
         limit = self.config.max_body_bytes
@@ -99,7 +108,13 @@ class Gateway:
         app = web.Application(client_max_size=limit, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_post("/v1/images/generations", self.images_generations)
+        app.router.add_post("/v1/embeddings", self.embeddings.handle)
+        app.router.add_post("/tokenize", self.tokens.tokenize)
+        app.router.add_post("/detokenize", self.tokens.detokenize)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/health", self.health)
@@ -120,18 +135,57 @@ class Gateway:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_chat)
 
-    async def _generate(self, request: web.Request, parse: Callable[[dict], ParsedRequest]) -> web.StreamResponse:
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's Messages API, run as a chat completion (gateway/anthropic.py)."""
+        return await self._generate(request, anthropic.parse_messages, messages_answer)
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """Anthropic's count_tokens: the prompt a Messages request would have, rendered by the
+        chat template and counted in the tokenizer process (one TokenizeRequest, no worker)."""
+        if request.content_length is not None and request.content_length > self.config.max_body_bytes:
+            raise _too_large(self.config.max_body_bytes)
+        parsed = anthropic.parse_count_tokens(parse_json(await request.read()))
+        check_model(parsed, self.config.model_names)
+        count = TokenizeRequest(
+            request_id=f"tok-{uuid.uuid4().hex}",
+            reply_to=self.mesh.reply_to,
+            prompt_text=None,
+            messages=parsed.messages,
+            add_special_tokens=False,  # as a chat request's prompt: the template writes its own
+        )
+        admission = self.limits.admit(request[API_KEY], None)  # concurrency only: nothing is generated
+        try:
+            result = await self.mesh.call(count, self.config.request_timeout)
+        finally:
+            admission.finish(0)
+        return web.json_response({"input_tokens": len(result.token_ids)})
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API, stateless, run as a chat completion (gateway/openai_responses.py)."""
+        return await self._generate(request, parse_responses, responses_answer)
+
+    async def _generate(
+        self,
+        request: web.Request,
+        parse: Callable[[dict], ParsedRequest],
+        answer_of: Callable[[dict, ParsedRequest], Answer] = openai_answer,
+    ) -> web.StreamResponse:
         arrival = time.monotonic()
         if request.content_length is not None and request.content_length > self.config.max_body_bytes:
             raise _too_large(self.config.max_body_bytes)
-        parsed = parse(parse_json(await request.read()))
+        body = parse_json(await request.read())
+        parsed = parse(body)
+        answer = answer_of(body, parsed)
         check_model(parsed, self.config.model_names)
-        if parsed.sampling.json_schema is not None:
-            self._check_spellable(parsed.sampling.json_schema)
+        chat_output = chat_output_spec(parsed, self.config)  # reasoning and tool calls in a chat answer
+        await self.grammar_check.check(parsed)  # structured outputs: the grammar compiles, or a 400
         await self._until_serving()
 
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        requests = parsed.to_generate_requests(request_id, self.config.served_model, self.mesh.reply_to, time.time())
+        keep_special = chat_output is not None and chat_output.keep_special_tokens
+        requests = parsed.to_generate_requests(
+            request_id, self.config.served_model, self.mesh.reply_to, time.time(), skip_special_tokens=not keep_special
+        )
         n = parsed.sampling.n
         builder = ResponseBuilder(
             kind=parsed.kind,
@@ -144,6 +198,7 @@ class Gateway:
             token_text=self.tokenizer.token_text,
             choices_per_prompt=n,
             echo=self._echo(parsed),
+            chat_output=chat_output,
         )
         offsets = {r.request_id: i * n for i, r in enumerate(requests)}
         admission = self.limits.admit(request[API_KEY], estimate_prompt_tokens(parsed.prompts, parsed.messages))
@@ -164,7 +219,7 @@ class Gateway:
                     call.submitted.add(r.request_id)
                 first = await self._next(call)  # errors before any output keep their HTTP status
                 if parsed.stream:
-                    return await self._stream(request, call, first)
+                    return await self._stream(request, call, first, answer)
                 self._apply(call, first)
                 while not call.ended:
                     self._apply(call, await self._next(call))
@@ -174,7 +229,7 @@ class Gateway:
                     completion_tokens=builder.completion_tokens,
                     seconds=round(time.monotonic() - arrival, 4),
                 )
-                return web.Response(body=to_json(builder.response()), content_type="application/json")
+                return web.Response(body=to_json(answer.response(builder)), content_type="application/json")
             except RequestEnded as e:
                 self.status_page.finished(call.trace, time.monotonic(), e.error.code or e.error.type)
                 raise e.error from None
@@ -280,19 +335,6 @@ class Gateway:
                 )
             await asyncio.sleep(STARTUP_POLL_S)
 
-    def _check_spellable(self, schema: str) -> None:
-        """Every key and enum string the schema fixes must be writable token by token in this
-        vocabulary; one made of byte tokens only (their texts are U+FFFD) would trap the output."""
-        for literal in literals(compile_schema(json.loads(schema))):
-            if (
-                "".join(map(self.tokenizer.token_text, self.tokenizer.encode(literal, add_special_tokens=False)))
-                != literal
-            ):
-                raise invalid(
-                    f"response_format: {literal[:40]!r} cannot be written token by token with this model's vocabulary",
-                    "response_format",
-                )
-
     def _echo(self, parsed: ParsedRequest) -> list[str] | None:
         """With echo: each prompt's text (a prompt of token ids decoded)."""
         if not parsed.echo:
@@ -336,35 +378,35 @@ class Gateway:
         return chunks
 
     async def _stream(
-        self, request: web.Request, call: _Call, first: tuple[float, list[TextDelta]]
+        self, request: web.Request, call: _Call, first: tuple[float, list[TextDelta]], answer: Answer
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         builder = call.builder
-        out = bytearray(b"".join(sse_event(chunk) for chunk in builder.first_chunks()))
-        reply = first
+        stream = answer.stream(builder)
+        out = bytearray()
         try:
+            chunks = self._apply(call, first)  # before the opening, which may name the prompt's length
+            out += stream.start()
             while True:
-                for chunk in self._apply(call, reply):
-                    out += sse_event(chunk)
+                for chunk in chunks:
+                    out += stream.chunk(chunk)
                 if call.ended:
                     break
                 if out:
                     await response.write(bytes(out))
                     out.clear()
-                reply = await self._next(call)
-            if builder.include_usage:
-                out += sse_event(builder.usage_chunk())
+                chunks = self._apply(call, await self._next(call))
+            out += stream.end()
         except (RequestEnded, ApiError) as e:  # after the headers: report in the stream
             error = e.error if isinstance(e, RequestEnded) else e
             self.status_page.finished(call.trace, time.monotonic(), error.code or error.type)
-            out += sse_event(error.body())
+            out += stream.error(error)
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:  # the status line is sent: end the stream with an error event
             log.exception("unhandled error in stream")
-            out += sse_event(internal().body())
-        out += SSE_DONE
+            out += stream.error(internal())
         await response.write(bytes(out))
         await response.write_eof()
         log.info("request done", stream=True, completion_tokens=builder.completion_tokens, ended=call.ended)
@@ -446,7 +488,8 @@ def _too_large(limit: int) -> ApiError:
 def _error_middleware(max_body_bytes: int):
     @web.middleware
     async def errors(request: web.Request, handler) -> web.StreamResponse:
-        """Every error leaves as OpenAI's `{"error": {...}}` with its status; never a traceback."""
+        """Every error leaves as OpenAI's `{"error": {...}}` (Anthropic's shape under its
+        /v1/messages) with its status; never a traceback."""
         try:
             return await handler(request)
         except ApiError as e:
@@ -464,8 +507,8 @@ def _error_middleware(max_body_bytes: int):
         except Exception:
             log.exception("unhandled error", path=request.path)
             error = internal()
-        return web.Response(
-            status=error.status, body=to_json(error.body()), content_type="application/json", headers=error.headers
-        )
+        body = anthropic.error_body(error) if anthropic.owns(request.path) else error.body()
+        headers = error.headers
+        return web.Response(status=error.status, body=to_json(body), content_type="application/json", headers=headers)
 
     return errors

@@ -1,6 +1,7 @@
 """API keys: which requests the gateway serves at all.
 
     Authorization: Bearer <key> ──ApiKeys.check──▶ the key (the limiter's bucket), or a 401
+    x-api-key: <key>            ──┘ (Anthropic's header, read when there is no Bearer key)
 
 Keys come from `--api-key` (repeatable), `--api-key-file` (one key per line; blank lines and
 `#` comments skipped) and `PAGEMESH_API_KEY`. No keys configured = every request is served, as one
@@ -51,14 +52,18 @@ class ApiKeys:
     def enabled(self) -> bool:
         return bool(self._keys)
 
-    def check(self, authorization: str | None) -> str:
+    def check(self, authorization: str | None, x_api_key: str | None = None) -> str:
+        """The key of `Authorization: Bearer KEY`, or else of Anthropic's `x-api-key: KEY`."""
         if not self._keys:
             return ANONYMOUS
         scheme, _, given = (authorization or "").strip().partition(" ")
-        given = given.strip()
-        if scheme.lower() != "bearer" or not given:
+        given = given.strip() if scheme.lower() == "bearer" else ""
+        if not given:
+            given = (x_api_key or "").strip()
+        if not given:
             raise _unauthorized(
-                "You didn't provide an API key. Send it in the Authorization header: `Authorization: Bearer YOUR_KEY`."
+                "You didn't provide an API key. Send it in the Authorization header: `Authorization: Bearer YOUR_KEY` "
+                "(or as `x-api-key: YOUR_KEY`)."
             )
         digest = _digest(given)
         found = None
@@ -97,7 +102,8 @@ def auth_middleware(keys: ApiKeys, metrics_require_key: bool):
     @web.middleware
     async def authenticate(request: web.Request, handler) -> web.StreamResponse:
         is_open = request.path in open_paths or not keys.enabled
-        request[API_KEY] = ANONYMOUS if is_open else keys.check(request.headers.get("Authorization"))
+        headers = request.headers
+        request[API_KEY] = ANONYMOUS if is_open else keys.check(headers.get("Authorization"), headers.get("x-api-key"))
         return await handler(request)
 
     return authenticate

@@ -13,6 +13,8 @@ from pagemesh.common.cli_args import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP
 from pagemesh.common.model_config import DEFAULT_MAX_MODEL_LEN_CAP, default_max_model_len
 from pagemesh.common.model_files import model_aliases, resolve_model_path, served_model_name
 from pagemesh.gateway.auth import key_problem, read_key_file
+from pagemesh.gateway.reasoning import REASONING_PARSERS
+from pagemesh.gateway.tool_calls import TOOL_CALL_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_MAX_HEADER_BYTES = 8190  # aiohttp's own default for a header line and the request line
@@ -49,6 +51,9 @@ class GatewayConfig:
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     max_model_len: int = DEFAULT_MAX_MODEL_LEN_CAP
     startup_wait: float = 0.0
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" is served (needs tool_call_parser)
+    tool_call_parser: str | None = None  # gateway/tool_calls: how calls are found in a chat answer
+    reasoning_parser: str | None = None  # gateway/reasoning.py: how thinking is split from content
 
     @property
     def served_model(self) -> str:
@@ -92,6 +97,7 @@ def parse_args(argv: list[str]) -> GatewayConfig:
     cli_args.add(parser, "--log-level", "INFO", help="DEBUG, INFO, WARNING or ERROR")
     cli_args.add(parser, "--drain-timeout", DEFAULT_DRAIN_TIMEOUT_S, type=float, help=DRAIN_TIMEOUT_HELP)
     add_auth_arguments(parser)
+    add_chat_output_arguments(parser)
     cli_args.add(
         parser,
         "--max-header-bytes",
@@ -112,6 +118,7 @@ def parse_args(argv: list[str]) -> GatewayConfig:
     if args.max_header_bytes < 1024:
         parser.error("--max-header-bytes must be at least 1024")
     api_keys = api_keys_from_args(parser, args)
+    check_chat_output_arguments(parser, args)
     if not args.startup_wait >= 0:
         parser.error("--startup-wait must be >= 0")
     model = resolve_model_path(args.model)
@@ -137,6 +144,9 @@ def parse_args(argv: list[str]) -> GatewayConfig:
         max_concurrent_requests_per_key=args.max_concurrent_requests_per_key,
         max_tokens_per_minute_per_key=args.max_tokens_per_minute_per_key,
         max_header_bytes=args.max_header_bytes,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 
@@ -147,6 +157,45 @@ def accepted_model_names(model: Path, model_arg: str | None, served: str | list[
     given = served.split() if isinstance(served, str) else served or []
     names = given or [served_model_name(model), *model_aliases(model), str(model)] + ([model_arg] if model_arg else [])
     return tuple(dict.fromkeys(names))
+
+
+def add_chat_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """How chat answers are read, in vLLM's spellings (`pagemesh gateway` and `pagemesh up`)."""
+    cli_args.add(
+        parser,
+        "--enable-auto-tool-choice",
+        False,
+        action="store_true",
+        help='serve tool_choice "auto": the model may call tools, --tool-call-parser finds the calls',
+    )
+    cli_args.add(
+        parser,
+        "--tool-call-parser",
+        None,
+        choices=sorted(TOOL_CALL_PARSERS),
+        help="how tool calls are written in the model's answers (with --enable-auto-tool-choice)",
+    )
+    cli_args.add(
+        parser,
+        "--reasoning-parser",
+        None,
+        choices=REASONING_PARSERS,
+        help="split the answer's <think>...</think> into reasoning_content",
+    )
+
+
+def check_chat_output_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
+
+
+def chat_output_args_to_argv(args: argparse.Namespace) -> list[str]:
+    """The gateway's flags for what `pagemesh up` was given."""
+    argv = ["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []
+    for flag in ("tool_call_parser", "reasoning_parser"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
+    return argv
 
 
 def add_auth_arguments(parser: argparse.ArgumentParser) -> None:

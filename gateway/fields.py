@@ -50,9 +50,15 @@ _SAMPLING = {
     "model", "stream", "stream_options", "include_stop_str_in_output",
     "user",  # an end user's id, for the client's own bookkeeping: it changes no output
 }  # fmt: skip
-HONOURED_COMPLETION = _SAMPLING | {"prompt", "logprobs", "echo", "suffix"}
-HONOURED_CHAT = _SAMPLING | {
-    "messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format",
+# structured outputs, on both routes as vLLM takes them (gateway/structured_outputs.py)
+_STRUCTURED = {
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "guided_whitespace_pattern", "guided_decoding_backend",
+}  # fmt: skip
+HONOURED_COMPLETION = _SAMPLING | _STRUCTURED | {"prompt", "logprobs", "echo", "suffix"}
+HONOURED_CHAT = _SAMPLING | _STRUCTURED | {
+    "messages", "logprobs", "top_logprobs", "max_completion_tokens",
+    "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",  # gateway/chat_options.py
 }  # fmt: skip
 
 
@@ -72,3 +78,36 @@ def check_completion_fields(body: dict) -> None:
 
 def check_chat_fields(body: dict) -> None:
     check_fields(body, HONOURED_CHAT, OPENAI_CHAT | VLLM_EXTRAS)
+
+
+# /v1/embeddings: OpenAI's fields, and vLLM's extras (EmbeddingCompletionRequest and
+# EmbeddingChatRequest); `pooling` is pagemesh's own (gateway/embeddings.py).
+OPENAI_EMBEDDING = {"input", "model", "encoding_format", "dimensions", "user"}
+VLLM_EMBEDDING_EXTRAS = {
+    "add_special_tokens", "additional_data", "add_generation_prompt", "cache_salt", "chat_template",
+    "chat_template_kwargs", "continue_final_message", "embed_dtype", "endianness", "messages",
+    "mm_processor_kwargs", "normalize", "priority", "request_id", "truncate_prompt_tokens",
+}  # fmt: skip
+HONOURED_EMBEDDING = OPENAI_EMBEDDING | {"add_special_tokens", "priority", "pooling"}
+# /tokenize and /detokenize: vLLM's TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest.
+VLLM_TOKENIZE = {
+    "model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "continue_final_message",
+    "return_token_strs", "chat_template", "chat_template_kwargs", "mm_processor_kwargs", "tools",
+}  # fmt: skip
+HONOURED_TOKENIZE = {
+    "model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs",
+    "continue_final_message",  # false only (gateway/tokens.py)
+}  # fmt: skip
+VLLM_DETOKENIZE = {"model", "tokens"}
+
+
+def check_embedding_fields(body: dict) -> None:
+    check_fields(body, HONOURED_EMBEDDING, OPENAI_EMBEDDING | VLLM_EMBEDDING_EXTRAS)
+
+
+def check_tokenize_fields(body: dict) -> None:
+    check_fields(body, HONOURED_TOKENIZE, VLLM_TOKENIZE)
+
+
+def check_detokenize_fields(body: dict) -> None:
+    check_fields(body, VLLM_DETOKENIZE, VLLM_DETOKENIZE)

@@ -136,5 +136,5 @@ def estimate_prompt_tokens(prompts, messages) -> int:
         else:
             chars += len(text)
     for message in messages or ():
-        chars += len(message["content"])
+        chars += len(message.get("content", "")) + len(message.get("tool_calls", ""))
     return tokens + math.ceil(chars / 4)

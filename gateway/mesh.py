@@ -1,14 +1,17 @@
 """The gateway's side of the mesh: its three sockets and the routing of replies to requests.
 
-    submit()        GenerateRequest ──Dealer──▶ tokenizer
+    submit()        GenerateRequest / EmbedRequest ──Dealer──▶ tokenizer
+    call()          TokenizeRequest / DetokenizeRequest ──Dealer──▶ tokenizer; awaits its one answer
     submit_image()  ImageRequest    ──Dealer──▶ scheduler (refusals come back on the same Dealer)
     abort()         AbortRequest    ──Dealer──▶ scheduler, and ──Dealer──▶ tokenizer (drops its state)
     status()        StatusRequest   ──Dealer──▶ scheduler ──ClusterStatus──▶ back on the same Dealer
-    replies         TextDeltaBatch / ImageResult / RequestFailed ──▶ Pull (reply_to) ──▶ the request's queue
+    replies         TextDeltaBatch / EmbeddingBatch / ImageResult / TokenizeResult / DetokenizeResult /
+                    RequestFailed ──▶ Pull (reply_to) ──▶ the request's queue
     Ping every second ──Dealer──▶ tokenizer ──Pong(instance)──▶ back on the same Dealer
 
 A background task per receiving socket does the routing; a request's queue holds
-`(arrival time, list[TextDelta] | ImageResult | RequestFailed)` items, one per incoming message. When the
+`(arrival time, list[TextDelta] | Embedding | ImageResult | ... | RequestFailed)` items, one per
+incoming message (an EmbeddingBatch is split by request). When the
 tokenizer's instance changes, it was restarted and lost every request in flight: they end with a
 503 at once (and are aborted at the scheduler) instead of at the request timeout. No request goes
 out before the first Pong, so the first instance seen is the one the requests went to.
@@ -25,6 +28,11 @@ from pagemesh.common.liveness import PeerInstance, ping_forever
 from pagemesh.common.messages import (
     AbortRequest,
     ClusterStatus,
+    DetokenizeRequest,
+    DetokenizeResult,
+    Embedding,
+    EmbeddingBatch,
+    EmbedRequest,
     GenerateRequest,
     ImageRequest,
     ImageResult,
@@ -33,13 +41,15 @@ from pagemesh.common.messages import (
     StatusRequest,
     TextDelta,
     TextDeltaBatch,
+    TokenizeRequest,
+    TokenizeResult,
 )
 from pagemesh.common.transport import Dealer, Pull
-from pagemesh.gateway.errors import ApiError
+from pagemesh.gateway.errors import ApiError, from_request_failed
 
 log = structlog.get_logger()
 
-Reply = tuple[float, "list[TextDelta] | ImageResult | RequestFailed"]
+Reply = tuple[float, "list[TextDelta] | Embedding | ImageResult | TokenizeResult | DetokenizeResult | RequestFailed"]
 TOKENIZER_WAIT_S = 10.0  # a request waits this long for a tokenizer that has not answered yet
 
 
@@ -98,7 +108,7 @@ class MeshClient:
         """The tokenizer has answered a ping."""
         return self._tokenizer_known.is_set()
 
-    async def submit(self, request: GenerateRequest) -> None:
+    async def submit(self, request: GenerateRequest | EmbedRequest | TokenizeRequest | DetokenizeRequest) -> None:
         if not self._tokenizer_known.is_set():
             try:
                 await asyncio.wait_for(self._tokenizer_known.wait(), TOKENIZER_WAIT_S)
@@ -112,6 +122,24 @@ class MeshClient:
                     headers={"Retry-After": "5"},
                 ) from None
         await self._tokenizer.send(request)
+
+    async def call(
+        self, request: TokenizeRequest | DetokenizeRequest, timeout: float
+    ) -> TokenizeResult | DetokenizeResult:
+        """Ask the tokenizer and await its answer; its refusal (a RequestFailed) raises as the
+        ApiError it names, no answer within `timeout` seconds a 504."""
+        queue = self.open([request.request_id])
+        try:
+            await self.submit(request)
+            try:
+                _, answer = await asyncio.wait_for(queue.get(), timeout)
+            except TimeoutError:
+                raise ApiError(504, f"request timed out after {timeout:g} s", "server_error", None, "timeout") from None
+        finally:
+            self.discard(request.request_id)
+        if isinstance(answer, RequestFailed):
+            raise from_request_failed(answer)
+        return answer
 
     async def submit_image(self, request: ImageRequest) -> None:
         """Image requests need no tokenizer: straight to the scheduler."""
@@ -141,7 +169,10 @@ class MeshClient:
                     by_request.setdefault(delta.request_id, []).append(delta)
                 for request_id, deltas in by_request.items():
                     self._deliver(request_id, (now, deltas))
-            elif isinstance(msg, RequestFailed | ImageResult):
+            elif isinstance(msg, EmbeddingBatch):
+                for embedding in msg.embeddings:
+                    self._deliver(embedding.request_id, (now, embedding))
+            elif isinstance(msg, RequestFailed | ImageResult | TokenizeResult | DetokenizeResult):
                 self._deliver(msg.request_id, (now, msg))
             else:
                 log.warning("unexpected message on the reply stream", type=type(msg).__name__)

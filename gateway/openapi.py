@@ -23,7 +23,11 @@ from pagemesh.common.sampling import (
     MAX_TOKENS_LIMIT,
     MAX_TOP_LOGPROBS,
 )
+from pagemesh.gateway.chat_options import MAX_TEMPLATE_KWARGS, MAX_TOOL_CALLS, MAX_TOOLS, RESERVED_TEMPLATE_VARIABLES
+from pagemesh.gateway.embeddings import ENCODING_FORMATS, MAX_INPUTS, POOLINGS
+from pagemesh.gateway.openapi_apis import ANTHROPIC, RESPONSES
 from pagemesh.gateway.parsing import CHAT_ROLES, MAX_MESSAGES, MAX_PROMPTS
+from pagemesh.gateway.structured_outputs import BACKENDS, MAX_CHOICES
 
 try:
     VERSION = importlib.metadata.version("pagemesh")
@@ -31,6 +35,7 @@ except importlib.metadata.PackageNotFoundError:  # run from a source tree that w
     VERSION = "0+unknown"
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
+_ANTHROPIC_ERROR = {"$ref": "#/components/schemas/AnthropicError"}
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_ID}, "minItems": 1}
 _STOP = {
     "oneOf": [
@@ -72,6 +77,82 @@ _SAMPLING = {
     "include_stop_str_in_output": {"type": "boolean"},
     "user": {"type": "string"},
 }
+_JSON_OR_TEXT = {"oneOf": [{"type": "object"}, {"type": "string"}]}  # a JSON object, or its JSON text
+_CHOICES = {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES, "items": {"type": "string", "minLength": 1}}
+_STRUCTURED = {  # structured outputs, on both routes (gateway/structured_outputs.py; docs/api.md)
+    "response_format": {
+        "type": "object",
+        "required": ["type"],
+        "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema", "structural_tag"]},
+            "json_schema": {
+                "type": "object",
+                "required": ["schema"],
+                "properties": {"name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}},
+            },
+            "structures": {"type": "array", "description": "structural_tag: [{begin, schema, end}, ...]"},
+            "triggers": {"type": "array", "items": {"type": "string", "minLength": 1}},
+        },
+    },
+    "structured_outputs": {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "json": _JSON_OR_TEXT,
+            "regex": {"type": "string", "minLength": 1},
+            "choice": _CHOICES,
+            "grammar": {"type": "string", "minLength": 1, "description": "EBNF (GBNF) or Lark"},
+            "json_object": {"type": "boolean"},
+            "structural_tag": _JSON_OR_TEXT,
+            "whitespace_pattern": {"type": "string", "minLength": 1},
+            "disable_any_whitespace": {"type": "boolean"},
+            "disable_fallback": {"type": "boolean"},
+            "disable_additional_properties": {"type": "boolean", "description": "true is refused"},
+        },
+        "description": "exactly one of json, regex, choice, grammar, json_object, structural_tag",
+    },
+    "guided_json": _JSON_OR_TEXT,
+    "guided_regex": {"type": "string", "minLength": 1},
+    "guided_choice": _CHOICES,
+    "guided_grammar": {"type": "string", "minLength": 1, "description": "EBNF (GBNF) or Lark"},
+    "guided_whitespace_pattern": {"type": "string", "minLength": 1},
+    "guided_decoding_backend": {"enum": list(BACKENDS), "description": "the grammar engine is llguidance"},
+}
+_TOOL = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                "description": {"type": "string"},
+                "parameters": {"type": "object", "description": "a JSON Schema"},
+                "strict": {"type": "boolean"},
+            },
+        },
+    },
+}
+_TOOL_CALL = {
+    "type": "object",
+    "required": ["function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name", "arguments"],
+            "properties": {
+                "name": {"type": "string"},
+                "arguments": {"type": "string", "description": "a JSON object, as text"},
+            },
+        },
+    },
+}
 _CONTENT_PART = {
     "type": "object",
     "required": ["type", "text"],
@@ -112,6 +193,7 @@ _SCHEMAS = {
                 ]
             },
             **_SAMPLING,
+            **_STRUCTURED,
             "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
             "echo": {"type": "boolean"},
             "best_of": {"type": "integer", "minimum": 1, "maximum": MAX_N},
@@ -119,11 +201,21 @@ _SCHEMAS = {
     },
     "ChatMessage": {
         "type": "object",
-        "required": ["role", "content"],
+        "required": ["role"],
+        "description": "content is required except on an assistant message with tool_calls; a tool message "
+        "needs tool_call_id",
         "properties": {
             "role": {"enum": sorted(CHAT_ROLES)},
-            "content": {"oneOf": [{"type": "string"}, {"type": "array", "maxItems": 256, "items": _CONTENT_PART}]},
+            "content": {
+                "oneOf": [
+                    {"type": "string"},
+                    {"type": "array", "maxItems": 256, "items": _CONTENT_PART},
+                    {"type": "null"},
+                ]
+            },
             "name": {"type": "string"},
+            "tool_calls": {"type": "array", "maxItems": MAX_TOOL_CALLS, "items": _TOOL_CALL},
+            "tool_call_id": {"type": "string", "minLength": 1},
         },
     },
     "ChatCompletionRequest": {
@@ -138,13 +230,36 @@ _SCHEMAS = {
                 "items": {"$ref": "#/components/schemas/ChatMessage"},
             },
             **_SAMPLING,
+            **_STRUCTURED,
             "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_LIMIT},
             "logprobs": {"type": "boolean"},
             "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
-            "response_format": {
+            "tools": {"type": "array", "maxItems": MAX_TOOLS, "items": _TOOL},
+            "tool_choice": {
+                "oneOf": [
+                    {"enum": ["none", "auto", "required"]},
+                    {
+                        "type": "object",
+                        "required": ["type", "function"],
+                        "properties": {
+                            "type": {"const": "function"},
+                            "function": {
+                                "type": "object",
+                                "required": ["name"],
+                                "properties": {"name": {"type": "string"}},
+                            },
+                        },
+                    },
+                ],
+                "description": 'a named function must be among `tools`; "auto" (the default with tools) needs the '
+                "gateway's --enable-auto-tool-choice",
+            },
+            "parallel_tool_calls": {"type": "boolean"},
+            "chat_template_kwargs": {
                 "type": "object",
-                "required": ["type"],
-                "properties": {"type": {"enum": ["text", "json_object", "json_schema"]}},
+                "maxProperties": MAX_TEMPLATE_KWARGS,
+                "propertyNames": {"not": {"enum": sorted(RESERVED_TEMPLATE_VARIABLES)}},
+                "description": 'more variables for the chat template, e.g. {"enable_thinking": false}',
             },
         },
     },
@@ -164,10 +279,72 @@ _SCHEMAS = {
             "sampler": {"enum": ["ddpm", "ddim", "dpmsolver++", "unipc", "euler"]},
         },
     },
+    "EmbeddingRequest": {
+        "type": "object",
+        "additionalProperties": False,  # any other field is a 400 (gateway/fields.py)
+        "required": ["input"],
+        "properties": {
+            "input": {
+                "oneOf": [
+                    {"type": "string", "minLength": 1},
+                    {
+                        "type": "array",
+                        "minItems": 1,
+                        "maxItems": MAX_INPUTS,
+                        "items": {"type": "string", "minLength": 1},
+                    },
+                    _TOKEN_IDS,
+                    {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS, "items": _TOKEN_IDS},
+                ]
+            },
+            "model": {"type": "string"},
+            "encoding_format": {"enum": list(ENCODING_FORMATS)},
+            "dimensions": {
+                "type": "integer",
+                "minimum": 1,
+                "description": "only the model's hidden size: its embeddings cannot be shortened",
+            },
+            "user": {"type": "string"},
+            "add_special_tokens": {"type": "boolean"},
+            "priority": {"type": "integer", "minimum": -(2**31) + 1, "maximum": 2**31 - 1},
+            "pooling": {
+                "enum": list(POOLINGS),
+                "description": "pagemesh's extra: the last token (default) or the mean",
+            },
+        },
+    },
+    "TokenizeRequest": {
+        "type": "object",
+        "additionalProperties": False,  # any other field is a 400 (gateway/fields.py)
+        "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}],
+        "properties": {
+            "model": {"type": "string"},
+            "prompt": {"type": "string"},
+            "messages": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": MAX_MESSAGES,
+                "items": {"$ref": "#/components/schemas/ChatMessage"},
+            },
+            "add_special_tokens": {"type": "boolean"},
+            "add_generation_prompt": {"type": "boolean", "description": "messages only"},
+            "continue_final_message": {"const": False},
+            "return_token_strs": {"type": "boolean"},
+        },
+    },
+    "DetokenizeRequest": {
+        "type": "object",
+        "additionalProperties": False,  # any other field is a 400 (gateway/fields.py)
+        "required": ["tokens"],
+        "properties": {
+            "model": {"type": "string"},
+            "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_ID}},
+        },
+    },
 }
 
 
-def _errors(*statuses: int) -> dict:
+def _errors(*statuses: int, schema: dict = _ERROR) -> dict:
     reasons = {
         400: "invalid request (the message names the field and the limit)",
         401: "missing or wrong API key",
@@ -177,14 +354,14 @@ def _errors(*statuses: int) -> dict:
         503: "no capacity, or the mesh is not ready (Retry-After)",
         504: "request timed out",
     }
-    return {str(s): {"description": reasons[s], "content": {"application/json": {"schema": _ERROR}}} for s in statuses}
+    return {str(s): {"description": reasons[s], "content": {"application/json": {"schema": schema}}} for s in statuses}
 
 
-def _generation(summary: str, schema: str) -> dict:
+def _generation(summary: str, schema: str, error: dict = _ERROR, security: tuple[str, ...] = ("bearer",)) -> dict:
     return {
         "post": {
             "summary": summary,
-            "security": [{"bearer": []}],
+            "security": [{name: []} for name in security],
             "requestBody": {
                 "required": True,
                 "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
@@ -194,6 +371,24 @@ def _generation(summary: str, schema: str) -> dict:
                     "description": "the result (JSON), or a stream of server-sent events when `stream` is true",
                     "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}},
                 },
+                **_errors(400, 401, 404, 413, 429, 503, 504, schema=error),
+            },
+        }
+    }
+
+
+def _post(summary: str, schema: str) -> dict:
+    """A JSON request answered with one JSON body (no stream)."""
+    return {
+        "post": {
+            "summary": summary,
+            "security": [{"bearer": []}],
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
+            },
+            "responses": {
+                "200": {"description": "the result", "content": {"application/json": {"schema": {"type": "object"}}}},
                 **_errors(400, 401, 404, 413, 429, 503, 504),
             },
         }
@@ -224,7 +419,23 @@ def build_document() -> dict:
         "paths": {
             "/v1/completions": _generation("text completion", "CompletionRequest"),
             "/v1/chat/completions": _generation("chat completion", "ChatCompletionRequest"),
+            "/v1/messages": _generation(
+                "Anthropic's Messages API (errors in Anthropic's shape; the key as Bearer or x-api-key)",
+                "MessagesRequest",
+                _ANTHROPIC_ERROR,
+                ("bearer", "x-api-key"),
+            ),
+            "/v1/messages/count_tokens": _generation(
+                'the prompt tokens of a Messages request: {"input_tokens": n}',
+                "CountTokensRequest",
+                _ANTHROPIC_ERROR,
+                ("bearer", "x-api-key"),
+            ),
+            "/v1/responses": _generation("OpenAI's Responses API, stateless", "ResponsesRequest"),
             "/v1/images/generations": _generation("image generation", "ImageRequest"),
+            "/v1/embeddings": _post("embeddings of one input or a batch", "EmbeddingRequest"),
+            "/tokenize": _post("a prompt's or chat's token ids (vLLM's)", "TokenizeRequest"),
+            "/detokenize": _post("the text of token ids (vLLM's)", "DetokenizeRequest"),
             "/v1/models": _get("the served models", keyed=True),
             "/v1/models/{model}": model_path,
             "/health": _get("the gateway is up", "text/plain"),
@@ -237,8 +448,11 @@ def build_document() -> dict:
             "/status": _get("the status page's figures: workers, queue, recent requests"),
         },
         "components": {
-            "schemas": _SCHEMAS,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {**_SCHEMAS, **ANTHROPIC, **RESPONSES},
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+            },
         },
     }
 

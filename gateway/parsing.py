@@ -14,26 +14,26 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pagemesh.common.json_schema import SchemaError, compile_schema
 from pagemesh.common.messages import MAX_ID, GenerateRequest
 from pagemesh.common.protocol import MAX_TOKEN_IDS
 from pagemesh.common.sampling import (
     MAX_LOGIT_BIAS,
-    MAX_SCHEMA_LEN,
     MAX_STOP_ITEMS,
     SamplingParams,
 )
+from pagemesh.gateway.chat_options import ChatOptions, parse_chat_options, tool_calls_field
 from pagemesh.gateway.errors import ApiError, from_value_error, invalid
 from pagemesh.gateway.fields import check_chat_fields, check_completion_fields
+from pagemesh.gateway.structured_outputs import Constraint, json_schema_constraint, parse_constraint
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 256
 MAX_PROMPTS = 256  # prompts in one completion request (each runs as its own request in the mesh)
 # OpenAI's roles this server honours. `developer` is OpenAI's newer name for `system`: it reaches
-# the chat template as `system`, the role the Llama-family templates know. `tool` and `function`
-# messages answer tool calls, which this server refuses (`tools`), so they are refused too.
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# the chat template as `system`, the role the Llama-family templates know. A `tool` message answers
+# a tool call (its `tool_call_id`); the deprecated `function` role is refused, as `functions` is.
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 Prompt = tuple["str | None", "list[int] | None"]  # (text, token ids): exactly one is set
@@ -54,14 +54,17 @@ class ParsedRequest:
     logprobs: int | None
     include_stop_str_in_output: bool
     echo: bool = False  # completions: each choice's text starts with its prompt (and logprobs with the prompt's)
+    chat_options: ChatOptions | None = None  # chat: tools, tool_choice, chat_template_kwargs
+    constraint_field: str | None = None  # the field whose grammar holds the output (its 400s name it)
 
     def to_generate_requests(
-        self, request_id: str, model: str, reply_to: str, arrival_time: float
+        self, request_id: str, model: str, reply_to: str, arrival_time: float, skip_special_tokens: bool = True
     ) -> list[GenerateRequest]:
         """One GenerateRequest per prompt. A batch of k prompts becomes k requests in the mesh,
-        `<request_id>-<i>`; their choices are the response's choices i*n .. i*n+n-1 (vLLM's order)."""
+        `<request_id>-<i>`; their choices are the response's choices i*n .. i*n+n-1 (vLLM's order).
+        `skip_special_tokens=False`: the text keeps special tokens (a tool-call marker may be one)."""
         if self.messages is not None:
-            return [self._request(request_id, None, None, model, reply_to, arrival_time)]
+            return [self._request(request_id, None, None, model, reply_to, arrival_time, skip_special_tokens)]
         if len(self.prompts) == 1:
             return [self._request(request_id, *self.prompts[0], model, reply_to, arrival_time)]
         return [
@@ -69,7 +72,10 @@ class ParsedRequest:
             for i, (text, ids) in enumerate(self.prompts)
         ]
 
-    def _request(self, request_id, text, ids, model, reply_to, arrival_time) -> GenerateRequest:
+    def _request(
+        self, request_id, text, ids, model, reply_to, arrival_time, skip_special_tokens=True
+    ) -> GenerateRequest:
+        options = self.chat_options or ChatOptions()
         return GenerateRequest(
             request_id=request_id,
             model=model,
@@ -81,6 +87,9 @@ class ParsedRequest:
             reply_to=reply_to,
             arrival_time=arrival_time,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            tools=options.tools_json(),
+            chat_template_kwargs=options.template_kwargs_json(),
+            skip_special_tokens=skip_special_tokens,
         )
 
 
@@ -105,19 +114,25 @@ def parse_completion(body: dict) -> ParsedRequest:
         raise invalid("suffix: not supported", "suffix")
     prompts = _prompts(body.get("prompt"))
     logprobs = f.int("logprobs", None)
-    sampling = _sampling(f, f.int("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS), logprobs, {})
+    constraint = parse_constraint(body)
+    max_tokens = f.int("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+    sampling = _sampling(f, max_tokens, logprobs, _renamed(constraint), constraint.sampling)
     echo = f.bool("echo", False)
     if echo and logprobs is not None:  # the prompt's tokens come with logprobs too
         sampling = dataclasses.replace(sampling, prompt_logprobs=logprobs)
     check_completion_fields(body)
-    return dataclasses.replace(_parsed(f, "completion", prompts, None, sampling, logprobs), echo=echo)
+    parsed = _parsed(f, "completion", prompts, None, sampling, logprobs)
+    return dataclasses.replace(parsed, echo=echo, constraint_field=constraint.field)
 
 
 def parse_chat(body: dict) -> ParsedRequest:
     f = _Fields(body)
-    if body.get("tools") or body.get("functions"):
-        raise invalid("tools: tool and function calling are not supported", "tools")
-    json_mode = _json_mode(body.get("response_format"))
+    options = parse_chat_options(body)
+    constraint = parse_constraint(body)  # response_format, structured_outputs, guided_* (gateway/structured_outputs.py)
+    if options.forced:  # the grammar holds the answer to a call (gateway/chat_options.py)
+        if constraint.sampling:
+            raise invalid(f"{constraint.field}: not with tool_choice 'required' or a named function", constraint.field)
+        constraint = json_schema_constraint(options.json_schema(), "tools")
     messages = _messages(body.get("messages"))
     logprobs = None
     top_logprobs = f.int("top_logprobs", None)
@@ -126,12 +141,12 @@ def parse_chat(body: dict) -> ParsedRequest:
     elif top_logprobs is not None:
         raise invalid("top_logprobs: requires logprobs to be true", "top_logprobs")
     limit_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    rename = {"max_tokens": limit_field, "logprobs": "top_logprobs"}
-    rename.update({"json_object": "response_format", "json_schema": "response_format"})
+    rename = {"max_tokens": limit_field, "logprobs": "top_logprobs", **_renamed(constraint)}
     # max_tokens None: what the context leaves (the tokenizer resolves it)
-    sampling = _sampling(f, f.int(limit_field, None), logprobs, rename, json_mode)
+    sampling = _sampling(f, f.int(limit_field, None), logprobs, rename, constraint.sampling)
     check_chat_fields(body)
-    return _parsed(f, "chat", (), messages, sampling, logprobs)
+    parsed = _parsed(f, "chat", (), messages, sampling, logprobs)
+    return dataclasses.replace(parsed, chat_options=options, constraint_field=constraint.field)
 
 
 def check_model(parsed: ParsedRequest, accepted: tuple[str, ...]) -> None:
@@ -145,28 +160,9 @@ def check_model(parsed: ParsedRequest, accepted: tuple[str, ...]) -> None:
 # --------------------------------------------------------------------------- parts
 
 
-def _json_mode(value: Any) -> dict:
-    """response_format -> the SamplingParams fields of JSON mode: {} for text (the default),
-    json_object, or json_schema (checked here: a schema the engine cannot enforce is a 400)."""
-    kind = value.get("type") if isinstance(value, dict) else None
-    if value is None or kind == "text":
-        return {}
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise invalid("response_format.json_schema.schema: required, a JSON Schema object", "response_format")
-        try:
-            text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
-            if len(text) > MAX_SCHEMA_LEN:
-                raise SchemaError(f"longer than {MAX_SCHEMA_LEN} characters")
-            compile_schema(schema)
-        except (SchemaError, RecursionError) as e:
-            raise invalid(f"response_format: this JSON Schema cannot be enforced: {e}", "response_format") from None
-        return {"json_schema": text}
-    raise invalid('response_format: type must be "text", "json_object" or "json_schema"', "response_format")
+def _renamed(constraint: Constraint) -> dict[str, str]:
+    """SamplingParams' constraint fields -> the request field that set them (for their 400s)."""
+    return dict.fromkeys(("json_object", "json_schema", "structured"), constraint.field) if constraint.field else {}
 
 
 def _logit_bias(f: _Fields) -> tuple[tuple[int, float], ...]:
@@ -208,7 +204,7 @@ def _parsed(f: _Fields, kind: str, prompts, messages, sampling, logprobs) -> Par
 
 
 def _sampling(
-    f: _Fields, max_tokens: int | None, logprobs: int | None, rename: dict[str, str], json_mode: dict | None = None
+    f: _Fields, max_tokens: int | None, logprobs: int | None, rename: dict[str, str], constraint: dict | None = None
 ) -> SamplingParams:
     defaults = SamplingParams()
     try:
@@ -234,7 +230,7 @@ def _sampling(
             priority=f.int("priority", defaults.priority),
             logit_bias=_logit_bias(f),
             speculative=f.bool("speculative", True),
-            **(json_mode or {}),
+            **(constraint or {}),
         ).validate()
     except ValueError as e:
         raise from_value_error(e, rename) from None
@@ -290,7 +286,9 @@ def _token_ids(value: list, name: str, limit: int) -> list[int]:
 
 
 def _messages(value: Any) -> list[dict[str, str]]:
-    """Role and content strings (text parts joined by newlines); `name` kept when given."""
+    """Role and content strings (text parts joined by newlines); `name` kept when given; an
+    assistant's `tool_calls` (its content may then be null) as JSON text, a tool message's
+    `tool_call_id`."""
     if not isinstance(value, list) or not value:
         raise invalid("messages: required, a non-empty list of messages", "messages")
     if len(value) > MAX_MESSAGES:
@@ -305,7 +303,17 @@ def _messages(value: Any) -> list[dict[str, str]]:
             raise invalid(f"{where}.role: required, a non-empty string", f"{where}.role")
         if role not in CHAT_ROLES:
             raise invalid(f"{where}.role: unknown role {role[:40]!r}; {_ROLES_ALLOWED}", f"{where}.role")
-        plain = {"role": CHAT_ROLES[role], "content": _content(message.get("content"), f"{where}.content")}
+        plain = {"role": CHAT_ROLES[role]}
+        tool_calls = message.get("tool_calls") if role == "assistant" else None
+        if tool_calls:
+            plain["tool_calls"] = tool_calls_field(tool_calls, f"{where}.tool_calls")
+        if not tool_calls or message.get("content") is not None:
+            plain["content"] = _content(message.get("content"), f"{where}.content")
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise invalid(f"{where}.tool_call_id: required, a non-empty string", f"{where}.tool_call_id")
+            plain["tool_call_id"] = call_id
         name = message.get("name")
         if isinstance(name, str):
             plain["name"] = name
@@ -313,10 +321,7 @@ def _messages(value: Any) -> list[dict[str, str]]:
     return out
 
 
-_ROLES_ALLOWED = (
-    "allowed: 'system', 'developer', 'user', 'assistant' "
-    "('tool' and 'function' messages are refused: tool calling is not supported)"
-)
+_ROLES_ALLOWED = "allowed: 'system', 'developer', 'user', 'assistant', 'tool' (the deprecated 'function' is not)"
 
 
 def _content(value: Any, where: str) -> str:

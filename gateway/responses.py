@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagemesh.common.messages import TextDelta, TokenLogprob
+from pagemesh.gateway.chat_output import ChatOutput, ChatOutputSpec
 
 LOGPROB_FLOOR = -9999.0
 SSE_DONE = b"data: [DONE]\n\n"
@@ -48,6 +49,7 @@ class _Choice:
     logprobs: list = field(default_factory=list)  # chat: content entries; completions: (token, lp, top) triples
     text_offset: int = 0  # completions: characters of token text so far
     echoed: bool = False  # echo: the prompt went out in front of the choice's first text
+    output: ChatOutput | None = None  # chat: reasoning and tool calls read from the text
 
 
 class ResponseBuilder:
@@ -66,6 +68,7 @@ class ResponseBuilder:
         token_text: Callable[[int], str],
         choices_per_prompt: int | None = None,
         echo: list[str] | None = None,
+        chat_output: ChatOutputSpec | None = None,
     ):
         self.kind, self.model, self.created = kind, model, created
         # Request ids are "cmpl-<hex>"; chat responses are named "chatcmpl-<hex>".
@@ -73,7 +76,8 @@ class ResponseBuilder:
         self.logprobs_on = logprobs is not None
         self.include_usage = include_usage
         self.token_text = token_text
-        self.choices = [_Choice() for _ in range(n)]
+        # chat_output: how each choice's text splits into reasoning, content and tool calls
+        self.choices = [_Choice(output=chat_output.new() if chat_output else None) for _ in range(n)]
         # a batch of prompts: choices i*k .. i*k+k-1 answer prompt i (k = n per prompt)
         self.choices_per_prompt = choices_per_prompt or n
         self._prompt_tokens: dict[int, int] = {}  # prompt index -> its length
@@ -129,17 +133,17 @@ class ResponseBuilder:
             entries += self._logprob_entries(choice, delta.logprobs or [])
             choice.logprobs.extend(entries)
             logprobs = self._logprobs_body(entries) if entries else None
-        if not text and logprobs is None and delta.finish_reason is None:
+        message = {"content": text} if text else {}
+        finish_reason = delta.finish_reason
+        if choice.output is not None:
+            message = choice.output.delta(text, finish_reason is not None)
+            finish_reason = choice.output.finish_reason(finish_reason)
+        if not message and logprobs is None and finish_reason is None:
             return None
         if self.kind == "completion":
-            body = {"index": delta.index, "text": text, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+            body = {"index": delta.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            body = {
-                "index": delta.index,
-                "delta": {"content": text} if text else {},
-                "logprobs": logprobs,
-                "finish_reason": delta.finish_reason,
-            }
+            body = {"index": delta.index, "delta": message, "logprobs": logprobs, "finish_reason": finish_reason}
         return self._chunk([body])
 
     def first_chunks(self) -> list[dict]:
@@ -179,13 +183,12 @@ class ResponseBuilder:
             if self.kind == "completion":
                 choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
             else:
+                message = {"role": "assistant", "content": text, "refusal": None}
+                finish_reason = c.finish_reason
+                if c.output is not None:
+                    message, finish_reason = c.output.message(), c.output.finish_reason(finish_reason)
                 choices.append(
-                    {
-                        "index": index,
-                        "message": {"role": "assistant", "content": text, "refusal": None},
-                        "logprobs": logprobs,
-                        "finish_reason": c.finish_reason,
-                    }
+                    {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
                 )
         return {
             "id": self.id,

@@ -29,10 +29,18 @@ from pagemesh.common.logging import COLOR_ENV, FORMAT_ENV, log_colors, log_forma
 from pagemesh.common.messages import Ready
 from pagemesh.common.model_files import model_aliases, resolve_model_path, served_model_name
 from pagemesh.common.transport import Pull, ipc_address
-from pagemesh.gateway.config import add_auth_arguments, api_keys_from_args, auth_args_to_argv
+from pagemesh.gateway.config import (
+    add_auth_arguments,
+    add_chat_output_arguments,
+    api_keys_from_args,
+    auth_args_to_argv,
+    chat_output_args_to_argv,
+    check_chat_output_arguments,
+)
 from pagemesh.services.log_relay import LogRelay
 from pagemesh.services.scheduler.config import add_policy_arguments, policy_args_to_argv
 from pagemesh.services.supervisor import Supervisor, drain_in_order
+from pagemesh.services.tokenizer.config import CHAT_TEMPLATE_HELP
 from pagemesh.workers.diffusion.config import add_diffusion_arguments, diffusion_args_to_argv
 from pagemesh.workers.diffusion.pipelines.embedded import STUDENT_NAME
 from pagemesh.workers.engine.config import (
@@ -73,8 +81,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add_engine_arguments(parser)
     add_diffusion_arguments(parser)
     add_auth_arguments(parser)
+    add_chat_output_arguments(parser)
+    add(parser, "--chat-template", None, help=CHAT_TEMPLATE_HELP)
     args = parser.parse_args(argv)
     args.api_keys = api_keys_from_args(parser, args)
+    check_chat_output_arguments(parser, args)
     mixed_only = args.mixed > 0
     args.prefill = args.prefill if args.prefill is not None else (0 if mixed_only else 1)
     args.decode = args.decode if args.decode is not None else (0 if mixed_only else 1)
@@ -124,6 +135,7 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
                 "tokenizer-0",
                 *model,
                 *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
+                *(["--chat-template", args.chat_template] if args.chat_template else []),
                 *common,
                 *drain,
             ],
@@ -199,6 +211,7 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
                 *model,
                 *(["--served-model-name", *served] if served else []),
                 *auth_args_to_argv(args, args.api_keys, Path(run_dir) / "api-keys"),
+                *chat_output_args_to_argv(args),
                 *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
                 *common,
                 *drain,

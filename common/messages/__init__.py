@@ -7,6 +7,7 @@ module per channel, one registry (tag -> class) that the codec (`pagemesh.common
     kv_transfer.py     prefill worker -> decode worker: KV pages and their acknowledgement
     liveness.py        READY, Ping/Pong, the mesh's status
     images.py          gateway ⇄ scheduler ⇄ diffusion workers: image requests and results
+    tokenize.py        gateway ⇄ tokenizer calls answered at once: tokenize, detokenize
 A new channel is a new module imported here.
 """
 
@@ -19,6 +20,7 @@ from pagemesh.common.messages.base import (
     REGISTRY,
     DoneReason,
     FinishReason,
+    Pooling,
     ProtocolError,
     WorkerKind,
     WorkerRole,
@@ -38,6 +40,9 @@ from pagemesh.common.messages.kv_transfer import KV_DTYPES, KVPagesAck, KVPagesH
 from pagemesh.common.messages.liveness import ClusterStatus, Ping, Pong, Ready, StatusRequest, WorkerStatus
 from pagemesh.common.messages.requests import (
     AbortRequest,
+    Embedding,
+    EmbeddingBatch,
+    EmbedRequest,
     GenerateRequest,
     MigrateRequest,
     RequestFailed,
@@ -50,6 +55,7 @@ from pagemesh.common.messages.requests import (
     TokenDeltaBatch,
     TokenLogprob,
 )
+from pagemesh.common.messages.tokenize import DetokenizeRequest, DetokenizeResult, TokenizeRequest, TokenizeResult
 from pagemesh.common.messages.worker_control import (
     MAX_PAGE_HASH,
     MAX_PAGE_HASHES,
@@ -88,9 +94,13 @@ __all__ = [
     "record",
     "DoneReason",
     "FinishReason",
+    "Pooling",
     "WorkerKind",
     "WorkerRole",
     "AbortRequest",
+    "EmbedRequest",
+    "Embedding",
+    "EmbeddingBatch",
     "GenerateRequest",
     "MigrateRequest",
     "RequestFailed",
@@ -102,6 +112,10 @@ __all__ = [
     "TokenDelta",
     "TokenDeltaBatch",
     "TokenLogprob",
+    "DetokenizeRequest",
+    "DetokenizeResult",
+    "TokenizeRequest",
+    "TokenizeResult",
     "DecodeTask",
     "GenerateTask",
     "HeldRequest",

@@ -64,6 +64,14 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"
 
 
+class Pooling(enum.StrEnum):
+    """How an embedding request's prompt becomes one vector: the final-norm hidden state of its
+    last token (vLLM's default for a causal LM), or the mean over all its tokens; L2-normalised."""
+
+    LAST = "last"
+    MEAN = "mean"
+
+
 class DoneReason(enum.StrEnum):
     """Why a request left a worker (RequestDone)."""
 

@@ -3,13 +3,18 @@
 gateway ──GenerateRequest──▶ tokenizer ──ScheduleRequest──▶ scheduler ──MigrateRequest──▶ tokenizer
 gateway ◀──TextDeltaBatch─── tokenizer ◀──TokenDeltaBatch── worker (one per step)
 anyone  ──AbortRequest──▶ ...          anyone ──RequestFailed──▶ gateway / tokenizer
+
+An embedding request takes the same path with a `pooling`: gateway ──EmbedRequest──▶ tokenizer
+──ScheduleRequest(pooling)──▶ scheduler ──GenerateTask(pooling)──▶ a prefilling worker, whose
+EmbeddingBatch the tokenizer relays to the gateway as it is (no text to make).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import field
 
-from pagemesh.common.messages.base import FinishReason, ProtocolError, message, record
+from pagemesh.common.messages.base import FinishReason, Pooling, ProtocolError, message, record
 from pagemesh.common.sampling import SamplingParams
 
 
@@ -29,7 +34,12 @@ class TokenLogprob:
 
 @message
 class GenerateRequest:
-    """Gateway -> tokenizer. Exactly one of prompt_text / prompt_token_ids / messages is set."""
+    """Gateway -> tokenizer. Exactly one of prompt_text / prompt_token_ids / messages is set.
+
+    A chat's tool-calling parts travel as JSON text, since a JSON Schema has no shape the codec
+    could check: `tools` (the function tools the chat template sees), an assistant message's
+    "tool_calls" entry (its calls, arguments as objects), `chat_template_kwargs` (an object of
+    extra template variables). `skip_special_tokens=False` keeps special tokens in the text."""
 
     request_id: str
     model: str
@@ -41,11 +51,51 @@ class GenerateRequest:
     reply_to: str
     arrival_time: float
     include_stop_str_in_output: bool
+    tools: str | None = None
+    chat_template_kwargs: str | None = None
+    skip_special_tokens: bool = True
 
     def _check(self) -> None:
         given = [x is not None for x in (self.prompt_text, self.prompt_token_ids, self.messages)]
         if sum(given) != 1:
             raise ProtocolError("GenerateRequest: exactly one of prompt_text, prompt_token_ids, messages must be set")
+        if self.messages is None and (self.tools is not None or self.chat_template_kwargs is not None):
+            raise ProtocolError("GenerateRequest: tools and chat_template_kwargs go with messages only")
+        _json_text(self.tools, list, "tools")
+        _json_text(self.chat_template_kwargs, dict, "chat_template_kwargs")
+        for i, m in enumerate(self.messages or ()):
+            _json_text(m.get("tool_calls"), list, f"messages[{i}].tool_calls")
+
+
+def _json_text(text: str | None, kind: type, name: str) -> None:
+    """`text` is None or JSON of a `kind` (list: of objects)."""
+    if text is None:
+        return
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        raise ProtocolError(f"GenerateRequest.{name}: not JSON") from None
+    if not isinstance(value, kind) or (kind is list and not all(isinstance(x, dict) for x in value)):
+        raise ProtocolError(f"GenerateRequest.{name}: expected JSON of {'objects' if kind is list else 'an object'}")
+
+
+@message
+class EmbedRequest:
+    """Gateway -> tokenizer: one input of an embeddings request (exactly one of prompt_text /
+    prompt_token_ids is set). Its answer is an Embedding in an EmbeddingBatch, or a RequestFailed."""
+
+    request_id: str
+    prompt_text: str | None
+    prompt_token_ids: list[int] | None
+    add_special_tokens: bool
+    pooling: Pooling
+    priority: int
+    reply_to: str
+    arrival_time: float
+
+    def _check(self) -> None:
+        if (self.prompt_text is None) == (self.prompt_token_ids is None):
+            raise ProtocolError("EmbedRequest: exactly one of prompt_text, prompt_token_ids must be set")
 
 
 @record
@@ -123,6 +173,7 @@ class ScheduleRequest:
     reply_to: str
     arrival_time: float
     resume: ResumeState | None = None
+    pooling: Pooling | None = None  # an embedding request (then `sampling` counts for its priority only)
 
 
 @message
@@ -168,3 +219,21 @@ class TokenDeltaBatch:
     worker_id: str
     deltas: list[TokenDelta]
     started: list[RequestStarted] = field(default_factory=list)
+
+
+@record
+class Embedding:
+    """The pooled vector of one embedding request: float32 values, L2-normalised."""
+
+    request_id: str
+    values: list[float]
+    prompt_tokens: int
+
+
+@message
+class EmbeddingBatch:
+    """Worker -> tokenizer: the embedding requests one engine step finished (one per step per
+    destination); the tokenizer relays each gateway's to it in one message of the same type."""
+
+    worker_id: str
+    embeddings: list[Embedding]

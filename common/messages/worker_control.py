@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import field
 
-from pagemesh.common.messages.base import DoneReason, ProtocolError, WorkerKind, WorkerRole, message, record
+from pagemesh.common.messages.base import DoneReason, Pooling, ProtocolError, WorkerKind, WorkerRole, message, record
 from pagemesh.common.messages.images import FeatureCacheLoad, ImageModelInfo
 from pagemesh.common.sampling import SamplingParams
 
@@ -32,7 +32,9 @@ def _check_skip(name: str, skip_pages: int) -> None:
 class GenerateTask:
     """Scheduler -> mixed worker: prefill and decode in the same engine. A migrated request
     (also to a decode worker) brings `output_token_ids`, generated elsewhere and streamed
-    already: the engine recomputes them with the prompt and generates on after them."""
+    already: the engine recomputes them with the prompt and generates on after them.
+    With `pooling`, an embedding request, to a mixed or a prefill worker: its prompt is
+    prefilled and pooled into one vector (an EmbeddingBatch to `reply_to`), nothing sampled."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -40,6 +42,11 @@ class GenerateTask:
     reply_to: str
     queued_s: float = 0.0  # time the request waited in the scheduler
     output_token_ids: list[int] = field(default_factory=list)
+    pooling: Pooling | None = None
+
+    def _check(self) -> None:
+        if self.pooling is not None and self.output_token_ids:
+            raise ProtocolError("GenerateTask: an embedding request (pooling) generates no tokens")
 
 
 @message

@@ -3,6 +3,7 @@ handoff's bookkeeping, and failure handling.
 
     ScheduleRequest ──▶ admit (queue bound) ──▶ place ──▶ PrefillTask → P, DecodeTask → D
                                                      └──▶ GenerateTask → mixed worker
+                    (pooling: an embedding) ──▶ place ──▶ GenerateTask(pooling) → one prefill or mixed worker
     ImageRequest    ──▶ admit (its kind's queue) ──▶ place ──▶ ImageTask → diffusion worker
     PrefixCacheUpdate ──▶ which prefix pages each worker holds (placement, pages D need not get)
     RequestDone / worker death / AbortRequest ──▶ forget, tell the other holders, fail if needed
@@ -64,7 +65,8 @@ from pagemesh.common.messages import (
 from pagemesh.services.scheduler.config import SchedulerConfig
 from pagemesh.services.scheduler.failures import Outputs, Placed, PlacedRequests
 from pagemesh.services.scheduler.migration import migrations_of, resumed_output
-from pagemesh.services.scheduler.placement import Placer, pairing_problem, shapes_in_both, too_large_for_every_pool
+from pagemesh.services.scheduler.placement import Placer, embedding_workers, pairing_problem, shapes_in_both
+from pagemesh.services.scheduler.placement import too_large_for_every_pool as too_large
 from pagemesh.services.scheduler.prefix_index import PromptPages
 from pagemesh.services.scheduler.registry import Registry, WorkerInfo
 
@@ -177,6 +179,8 @@ class SchedulerCore:
     def _can_serve_entry(self, entry: Queued, now: float) -> bool:
         if entry.kind == WorkerKind.DIFFUSION:
             return bool(self._image_workers(entry.model, now))
+        if entry.request.pooling is not None:
+            return bool(self._embedding_workers(now))
         if entry.request.resume is not None and self._resume_workers(now):
             return True  # a migrated request: one decode or mixed worker can recompute it all
         return self.can_serve(entry.kind, now)
@@ -185,6 +189,13 @@ class SchedulerCore:
         """Where a migrated request with generated tokens may go: it recomputes them itself."""
         decode = self.registry.alive(WorkerKind.LLM, WorkerRole.DECODE, now)
         return decode + self.registry.alive(WorkerKind.LLM, WorkerRole.MIXED, now)
+
+    def _embedding_workers(self, now: float) -> list[WorkerInfo]:
+        """Where an embedding request may go: a worker that prefills (placement.embedding_workers)."""
+        alive = self.registry.alive
+        return embedding_workers(
+            alive(WorkerKind.LLM, WorkerRole.PREFILL, now), alive(WorkerKind.LLM, WorkerRole.MIXED, now)
+        )
 
     def can_serve(self, kind: WorkerKind, now: float) -> bool:
         """Some live workers can take a request of this kind."""
@@ -286,9 +297,11 @@ class SchedulerCore:
             self.registry.alive(WorkerKind.LLM, r, now)
             for r in (WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.MIXED)
         )
-        too_large = too_large_for_every_pool(*roles, len(prompt.token_ids), decode_alone=msg.resume is not None)
-        if too_large is not None:
-            return self._refuse(identity, msg.request_id, 400, too_large, None, out)
+        if msg.pooling is not None:  # an embedding: its prompt alone, on a worker that prefills
+            roles = ([], [], self._embedding_workers(now))
+        refusal = too_large(*roles, len(prompt.token_ids), decode_alone=msg.resume is not None)
+        if refusal is not None:
+            return self._refuse(identity, msg.request_id, 400, refusal, None, out)
         self._admit(identity, Queued(identity, msg, prompt, WorkerKind.LLM, now), out, now)
 
     def _on_image(self, identity: bytes, msg: ImageRequest, now: float, out: Outputs) -> None:
@@ -348,7 +361,9 @@ class SchedulerCore:
 
         req = entry.request
         resumed = resumed_output(req)
-        if req.resume is None:
+        if req.pooling is not None:  # an embedding: its prompt alone, on one worker that prefills
+            placement = self.placer.place_prefill_only(self._embedding_workers(now), entry.prompt)
+        elif req.resume is None:
             placement = self.placer.place(
                 alive(WorkerRole.PREFILL), alive(WorkerRole.DECODE), alive(WorkerRole.MIXED), entry.prompt
             )
@@ -375,6 +390,7 @@ class SchedulerCore:
                         reply_to=req.reply_to,
                         queued_s=queued,
                         output_token_ids=resumed,
+                        pooling=req.pooling,
                     ),
                 )
             )

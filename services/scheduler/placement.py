@@ -10,6 +10,10 @@ its pages), `--placement` picks:
   round-robin  the next worker by id after the one picked last
 Whatever the policy, pages the chosen decode worker holds are not transferred (`skip_pages`).
 
+An embedding request (`ScheduleRequest.pooling`) runs its prompt only: it goes to one worker that
+prefills (a prefill or a mixed worker, `embedding_workers`), picked by the same policy, and needs
+no decode worker.
+
 A prefill and a decode worker pair only when they have the same parallel shape (tensor-parallel
 size, pipeline stages: `WorkerInfo.parallel_shape`): KV pages go rank i -> rank i, each rank
 holding its share of the KV heads of its stage's layers, and are not resharded (resharding would
@@ -81,6 +85,12 @@ def too_large_for_every_pool(
     )
 
 
+def embedding_workers(prefill: list[WorkerInfo], mixed: list[WorkerInfo]) -> list[WorkerInfo]:
+    """The workers an embedding request can run on: those that prefill, of one pipeline stage
+    (with several, the pooled hidden state is on the last stage, and only logits travel back)."""
+    return [w for w in prefill + mixed if w.pipeline_stages == 1]
+
+
 def can_take(worker: WorkerInfo, pages_needed: int) -> bool:
     """Room for one more request: below its concurrency cap, and the prompt's pages fit."""
     return worker.load < worker.max_running and pages_needed <= worker.free_pages
@@ -144,6 +154,16 @@ class Placer:
             return None
         self.last["mixed"] = m.worker_id
         return Placement(None, m)
+
+    def place_prefill_only(self, workers: list[WorkerInfo], prompt: PromptPages) -> Placement | None:
+        """One worker of `workers` with room for the prompt's pages (an embedding request: no
+        decode follows), by the policy; None = none can take it now."""
+        n = len(prompt.token_ids)
+        picked = self._pick("prefill_only", [w for w in workers if can_take(w, pages_for(n, 0, w.page_size))], prompt)
+        if picked is None:
+            return None
+        self.last["prefill_only"] = picked.worker_id
+        return Placement(None, picked)
 
     def _pick(self, pool: str, candidates: list[WorkerInfo], prompt: PromptPages) -> WorkerInfo | None:
         if not candidates:

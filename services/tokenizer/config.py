@@ -28,6 +28,7 @@ class TokenizerConfig:
     ready_address: str | None
     log_level: str
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
+    chat_template: str | None = None  # the template's text, instead of the model's own
 
 
 def parse_args(argv: list[str]) -> TokenizerConfig:
@@ -52,6 +53,7 @@ def parse_args(argv: list[str]) -> TokenizerConfig:
     cli_args.add(parser, "--ready-address", None, help="push Ready here once serving")
     cli_args.add(parser, "--log-level", "INFO", help="DEBUG, INFO, WARNING or ERROR")
     cli_args.add(parser, "--drain-timeout", DEFAULT_DRAIN_TIMEOUT_S, type=float, help=DRAIN_TIMEOUT_HELP)
+    cli_args.add(parser, "--chat-template", None, help=CHAT_TEMPLATE_HELP)
     args = parser.parse_args(argv)
     for flag in ("address", "output_address", "scheduler_address"):  # no defaults: flag or env
         if getattr(args, flag) is None:
@@ -72,4 +74,26 @@ def parse_args(argv: list[str]) -> TokenizerConfig:
         ready_address=args.ready_address,
         log_level=args.log_level,
         drain_timeout=args.drain_timeout,
+        chat_template=read_chat_template(parser, args.chat_template),
     )
+
+
+CHAT_TEMPLATE_HELP = "a Jinja chat template, a file's path or the template itself, instead of the model's (as vLLM)"
+
+
+def read_chat_template(parser: argparse.ArgumentParser, value: str | None) -> str | None:
+    """--chat-template's text: the file it names, or else the value itself if it is a template
+    (it has a `{`)."""
+    if value is None:
+        return None
+    try:
+        text = Path(value).expanduser().read_text(encoding="utf-8")
+    except OSError:  # no such file (or a name no file can have: a template)
+        text = None
+    except UnicodeDecodeError as e:
+        parser.error(f"--chat-template: cannot read {value}: {e}")
+    if text is not None:
+        return text
+    if "{" not in value:
+        parser.error(f"--chat-template: {value} is no file (nor a template)")
+    return value

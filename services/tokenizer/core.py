@@ -7,6 +7,10 @@
     scheduler restarted ──unstarted()──▶ the ScheduleRequests no worker said it holds, to send again
     MigrateRequest ──on_migrate()──▶ the ScheduleRequest again, with the ids its client has had
                                      (resume) | RequestFailed (to the gateway) if it cannot move
+    EmbedRequest ──admit_embedding()──▶ ScheduleRequest(pooling) | RequestFailed; its request lives
+                                     here until its EmbeddingBatch passes (`on_embeddings`), so
+                                     failures, migration and scheduler restarts treat it as any other
+    TokenizeRequest / DetokenizeRequest ──tokenize() / detokenize()──▶ the answer (no state)
 
 Request migration: when the scheduler loses the worker(s) generating a request, this process sends
 it again with every token id it has streamed; the next worker recomputes them and generates on,
@@ -28,6 +32,7 @@ ORPHAN_ABORT_INTERVAL_S per request (late tokens after an abort cost one more ab
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -36,6 +41,10 @@ import jinja2
 
 from pagemesh.common.messages import (
     AbortRequest,
+    DetokenizeRequest,
+    DetokenizeResult,
+    EmbeddingBatch,
+    EmbedRequest,
     GenerateRequest,
     MigrateRequest,
     RequestFailed,
@@ -44,7 +53,10 @@ from pagemesh.common.messages import (
     TextDelta,
     TextDeltaBatch,
     TokenDeltaBatch,
+    TokenizeRequest,
+    TokenizeResult,
 )
+from pagemesh.common.sampling import SamplingParams
 from pagemesh.common.tokenizer import IncrementalDetokenizer, Tokenizer
 
 ORPHAN_ABORT_INTERVAL_S = 1.0  # between aborts of one unknown request whose tokens keep coming
@@ -71,6 +83,7 @@ class _Request:
     first: ScheduleRequest | None = None  # as admitted: the base of a migration's resend
     migrations: int = 0
     lost_workers: set[str] = field(default_factory=set)  # workers whose tokens for it are stale
+    stop_ids: frozenset[int] | None = None  # special tokens kept in its text: the ends not to write
 
 
 @dataclass(frozen=True)
@@ -133,6 +146,7 @@ class TokenizerCore:
                     self.tokenizer,
                     prompt_ids,
                     stop=sampling.stop,
+                    skip_special_tokens=request.skip_special_tokens,
                     include_stop_str_in_output=request.include_stop_str_in_output,
                 )
             )
@@ -145,6 +159,8 @@ class TokenizerCore:
             reply_to=self.reply_to,
             arrival_time=request.arrival_time,
         )
+        # special tokens kept in the text: the end token is not written
+        stop_ids = None if request.skip_special_tokens else self.tokenizer.eos_token_ids | set(sampling.stop_token_ids)
         self._requests[request.request_id] = _Request(
             request.reply_to,
             prompt_len,
@@ -152,6 +168,7 @@ class TokenizerCore:
             prompt_ids=prompt_ids if sampling.prompt_logprobs is not None else None,
             schedule=schedule,
             first=schedule,
+            stop_ids=stop_ids,
         )
         return schedule
 
@@ -161,7 +178,10 @@ class TokenizerCore:
         if request.prompt_token_ids is not None:
             self.tokenizer.check_ids(request.prompt_token_ids, "prompt")
             return list(request.prompt_token_ids)
-        return self.tokenizer.encode_chat(request.messages)
+        tools = json.loads(request.tools) if request.tools is not None else None
+        kwargs = json.loads(request.chat_template_kwargs) if request.chat_template_kwargs is not None else None
+        messages = [_with_tool_calls(m) for m in request.messages]
+        return self.tokenizer.encode_chat(messages, tools=tools, template_kwargs=kwargs)
 
     def _too_long(self, request_id: str, field_name: str, prompt_len: int, max_tokens: int | None) -> RequestFailed:
         where = "messages" if field_name == "messages" else "prompt"
@@ -183,7 +203,84 @@ class TokenizerCore:
             code="context_length_exceeded",
         )
 
+    def admit_embedding(self, request: EmbedRequest) -> ScheduleRequest | RequestFailed:
+        """Tokenize and check one input of an embeddings request: not empty, inside the context
+        length (the whole prompt runs; nothing is generated after it)."""
+        rid = request.request_id
+        try:
+            if request.prompt_text is not None:
+                prompt_ids = self.tokenizer.encode(request.prompt_text, request.add_special_tokens)
+            else:
+                self.tokenizer.check_ids(request.prompt_token_ids, "input")
+                prompt_ids = list(request.prompt_token_ids)
+        except ValueError as e:
+            return _invalid(rid, str(e), _param_of(str(e), "input"))
+        if not prompt_ids:
+            return _invalid(rid, "input: the input is empty", "input")
+        if rid in self._requests:
+            return _invalid(rid, "request_id: already in progress", None)
+        if len(prompt_ids) > self.max_model_len:
+            return RequestFailed(
+                request_id=rid,
+                status=400,
+                error_type="invalid_request_error",
+                message=f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"input resulted in {len(prompt_ids)} tokens. Please reduce the length of the input.",
+                param="input",
+                code="context_length_exceeded",
+            )
+        schedule = ScheduleRequest(
+            request_id=rid,
+            prompt_token_ids=prompt_ids,
+            sampling=SamplingParams(temperature=0.0, max_tokens=1, priority=request.priority),
+            reply_to=self.reply_to,
+            arrival_time=request.arrival_time,
+            pooling=request.pooling,
+        )
+        self._requests[rid] = _Request(request.reply_to, len(prompt_ids), [], schedule=schedule, first=schedule)
+        return schedule
+
+    def tokenize(self, request: TokenizeRequest) -> TokenizeResult | RequestFailed:
+        """A prompt's or chat messages' token ids (and strings); nothing is kept."""
+        rid = request.request_id
+        try:
+            if request.prompt_text is not None:
+                ids = self.tokenizer.encode(request.prompt_text, request.add_special_tokens)
+            else:
+                messages = [_with_tool_calls(m) for m in request.messages]  # as a chat request's
+                text = self.tokenizer.apply_chat_template(messages, request.add_generation_prompt)
+                ids = self.tokenizer.encode(text, request.add_special_tokens)
+        except ValueError as e:
+            default = "messages" if request.messages is not None else "prompt"
+            return _invalid(rid, str(e), _param_of(str(e), default))
+        except jinja2.TemplateError as e:
+            return _invalid(rid, f"messages: {e}", "messages")
+        strs = self.tokenizer.token_strings(ids) if request.return_token_strs else None
+        return TokenizeResult(request_id=rid, token_ids=ids, max_model_len=self.max_model_len, token_strs=strs)
+
+    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResult | RequestFailed:
+        """The text of token ids, special tokens spelled out (as vLLM's /detokenize)."""
+        try:
+            text = self.tokenizer.decode(request.token_ids, skip_special_tokens=False)
+        except ValueError as e:  # an id outside the vocabulary
+            return _invalid(request.request_id, f"tokens: {str(e).partition(': ')[2]}", "tokens")
+        return DetokenizeResult(request_id=request.request_id, text=text)
+
     # ---- tokens in
+
+    def on_embeddings(self, batch: EmbeddingBatch) -> dict[str, EmbeddingBatch]:
+        """A worker's finished embeddings, regrouped by gateway; each request ends here. Those of
+        requests this process does not know (ended meanwhile), or from a worker it moved away
+        from, go nowhere."""
+        by_gateway: dict[str, EmbeddingBatch] = {}
+        for embedding in batch.embeddings:
+            request = self._requests.get(embedding.request_id)
+            if request is None or batch.worker_id in request.lost_workers:
+                continue
+            del self._requests[embedding.request_id]
+            out = by_gateway.setdefault(request.reply_to, EmbeddingBatch(worker_id=batch.worker_id, embeddings=[]))
+            out.embeddings.append(embedding)
+        return by_gateway
 
     def on_tokens(self, batch: TokenDeltaBatch, now: float | None = None) -> TokenOutputs:
         """Detokenize a worker's batch. Deltas of unknown requests go to no gateway; the worker is
@@ -221,7 +318,10 @@ class TokenizerCore:
                 choice.worker_finished = True
             if choice.finished:
                 continue
-            text, stop = choice.detokenizer.add(delta.token_ids)
+            ids = delta.token_ids
+            if request.stop_ids is not None and delta.finish_reason == "stop" and ids and ids[-1] in request.stop_ids:
+                ids = ids[:-1]  # special tokens are kept in the text, but not the one that ended it
+            text, stop = choice.detokenizer.add(ids)
             choice.completion_tokens += len(delta.token_ids)
             choice.output_ids += delta.token_ids
             finish_reason = None
@@ -307,6 +407,13 @@ class TokenizerCore:
         queued in the process that is gone. Their ScheduleRequests, to send again (the new
         scheduler ignores the ones it already has); the others are on workers."""
         return [r.schedule for r in self._requests.values() if r.schedule is not None]
+
+
+def _with_tool_calls(message: dict[str, str]) -> dict:
+    """A chat message as its template reads it: an assistant's tool calls (JSON on the wire) as a list."""
+    if "tool_calls" not in message:
+        return message
+    return {**message, "tool_calls": json.loads(message["tool_calls"])}
 
 
 def _param_of(message: str, default: str) -> str:

@@ -1,9 +1,12 @@
 """The tokenizer process: one asyncio task per socket around `TokenizerCore`.
 
-    gateways ──GenerateRequest / AbortRequest──▶ Router ─┐
-    workers  ──TokenDeltaBatch────────────────▶ Pull   ─┼─ TokenizerCore ─▶ Dealer ──▶ scheduler
-    scheduler ──RequestFailed / MigrateRequest─▶ Dealer ─┘        │
-                                                                   └──▶ Push per gateway (reply_to)
+    gateways  ──GenerateRequest / EmbedRequest / AbortRequest──▶ Router ─┐
+    workers   ──TokenDeltaBatch / EmbeddingBatch─────────────▶ Pull   ─┼─ TokenizerCore ─▶ Dealer ──▶ scheduler
+    scheduler ──RequestFailed / MigrateRequest───────────────▶ Dealer ─┘        │
+                                                                                 └──▶ Push per gateway (reply_to)
+
+A TokenizeRequest or DetokenizeRequest is answered at once, to its gateway's reply address. An
+EmbeddingBatch is relayed to the gateways as it is (no text to make).
 
 Gateways ping it (Ping ──▶ Pong with this process's instance id), and it pings the scheduler:
 when the scheduler's instance changes, the requests it may have lost are sent to it again. A
@@ -24,6 +27,9 @@ from pagemesh.common.liveness import PeerInstance, new_instance, ping_forever
 from pagemesh.common.logging import configure_logging
 from pagemesh.common.messages import (
     AbortRequest,
+    DetokenizeRequest,
+    EmbeddingBatch,
+    EmbedRequest,
     GenerateRequest,
     MigrateRequest,
     Ping,
@@ -32,6 +38,7 @@ from pagemesh.common.messages import (
     RequestFailed,
     ScheduleRequest,
     TokenDeltaBatch,
+    TokenizeRequest,
 )
 from pagemesh.common.process import Idleness, run_until_signalled, wait_until_idle
 from pagemesh.common.tokenizer import Tokenizer
@@ -52,7 +59,7 @@ def main(argv: list[str]) -> None:
 
 
 async def run(config: TokenizerConfig, idle: Idleness | None = None) -> None:
-    tokenizer = Tokenizer.from_path(config.model)
+    tokenizer = Tokenizer.from_path(config.model, config.chat_template)
     with (
         Router(config.address) as frontend,
         Pull(config.output_address) as tokens,
@@ -94,13 +101,17 @@ async def _serve_gateways(
                 await frontend.send(identity, Pong(service="tokenizer", instance=instance))
             except UnknownPeer:  # that gateway is gone already
                 log.info("ping from a gateway that left", gateway=identity.decode(errors="replace"))
-        elif isinstance(msg, GenerateRequest):
-            result = core.admit(msg)
+        elif isinstance(msg, GenerateRequest | EmbedRequest):
+            result = core.admit(msg) if isinstance(msg, GenerateRequest) else core.admit_embedding(msg)
             if isinstance(result, ScheduleRequest):
                 await scheduler.send(result)
             else:
                 log.info("request refused", request_id=msg.request_id, status=result.status, error=result.message)
                 gateways.send(msg.reply_to, result)
+        elif isinstance(msg, TokenizeRequest):
+            gateways.send(msg.reply_to, core.tokenize(msg))
+        elif isinstance(msg, DetokenizeRequest):
+            gateways.send(msg.reply_to, core.detokenize(msg))
         elif isinstance(msg, AbortRequest):
             # Forwarded after our ScheduleRequest on the same socket, so the scheduler cannot
             # see the abort before the request (the gateway's own abort may overtake it).
@@ -113,6 +124,10 @@ async def _serve_gateways(
 async def _serve_tokens(tokens: Pull, core: TokenizerCore, scheduler: Dealer, gateways: GatewayReplies) -> None:
     while True:
         msg = await tokens.recv()
+        if isinstance(msg, EmbeddingBatch):
+            for address, batch in core.on_embeddings(msg).items():
+                gateways.send(address, batch)
+            continue
         if not isinstance(msg, TokenDeltaBatch):
             log.warning("unexpected message on the token stream", type=type(msg).__name__)
             continue

@@ -156,9 +156,14 @@ def test_each_parallel_sample_continues_its_own_first_token(engine_fp32):
         assert seq.token_ids == prompt + streamed[seq.index]
 
 
-def test_json_mode_outputs_are_json_objects_or_valid_prefixes_of_one(engine_fp32):
-    from pagemesh.common import json_grammar
+def takes_whole(engine, params: SamplingParams, token_ids: list[int]) -> bool:
+    """A fresh matcher of the request's grammar takes every token it generated (an end token aside)."""
+    matcher = engine.grammar_masks.grammars.matcher(params)
+    ids = [t for t in token_ids if t not in engine.eos_token_ids]
+    return matcher.validate_tokens(ids) == len(ids)
 
+
+def test_json_mode_outputs_are_json_objects_or_valid_prefixes_of_one(engine_fp32):
     tok = engine_fp32.tokenizer
     asks = [
         "Give me a JSON object describing a cat with its name and age.",
@@ -166,18 +171,18 @@ def test_json_mode_outputs_are_json_objects_or_valid_prefixes_of_one(engine_fp32
         "What is the capital of France?",
     ]
     prompts = [tok.encode_chat([{"role": "user", "content": a}]) for a in asks]
-    results = engine_fp32.generate(prompts, SamplingParams(temperature=0, max_tokens=80, json_object=True))
-    results += engine_fp32.generate(
-        prompts, SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=80, json_object=True)
-    )
+    greedy = SamplingParams(temperature=0, max_tokens=80, json_object=True)
+    sampled = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=80, json_object=True)
+    results = [(greedy, r) for r in engine_fp32.generate(prompts, greedy)]
+    results += [(sampled, r) for r in engine_fp32.generate(prompts, sampled)]
     finished = 0
-    for r in results:
-        for text, reason in zip(r.texts, r.finish_reasons):
+    for params, r in results:
+        for text, ids, reason in zip(r.texts, r.token_ids, r.finish_reasons):
             if reason == "stop":  # an end token, allowed only once the object closed
                 assert isinstance(json.loads(text), dict), text
                 finished += 1
             else:
-                assert reason == "length" and json_grammar.run(json_grammar.INITIAL, text) is not None, text
+                assert reason == "length" and takes_whole(engine_fp32, params, ids), text
     assert finished >= 3
     plain = engine_fp32.generate(prompts[2:], SamplingParams(temperature=0, max_tokens=20))[0].texts[0]
     assert not plain.lstrip().startswith("{")  # without JSON mode the model answers in prose
@@ -187,8 +192,6 @@ def test_json_mode_outputs_are_json_objects_or_valid_prefixes_of_one(engine_fp32
 def test_json_mode_goes_on_after_a_handoff_from_the_first_token(engine_fp32):
     """The decode side of 1P+1D: the grammar resumes after the prefill worker's first token. The
     pages are not written here (they hold whatever they held), so only the grammar keeps the output JSON."""
-    from pagemesh.common import json_grammar
-
     tok = engine_fp32.tokenizer
     prompt = tok.encode_chat([{"role": "user", "content": "Describe a cat."}])
     [brace] = tok.encode("{", add_special_tokens=False)
@@ -198,35 +201,62 @@ def test_json_mode_goes_on_after_a_handoff_from_the_first_token(engine_fp32):
     while engine_fp32.has_unfinished():
         for out in engine_fp32.step():
             ids += [t for so in out.outputs for t in so.new_token_ids]
-    assert len(ids) > 1 and json_grammar.run(json_grammar.INITIAL, tok.decode(ids)) is not None
+    assert len(ids) > 1 and takes_whole(engine_fp32, params, ids)
 
 
 def test_json_schema_outputs_validate_against_the_schema(engine_fp32):
-    from typing import Literal
+    from typing import Annotated, Literal
 
-    from pydantic import BaseModel
+    import jsonschema
+    from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
     class Cat(BaseModel):
-        name: str
-        age: int
+        model_config = ConfigDict(extra="forbid")  # additionalProperties false: else any other key may follow
+        name: str = Field(pattern="^[A-Z][a-z]+$")
+        age: int = Field(ge=0, le=30)
         color: Literal["black", "white", "ginger"]
-        owner: str | None = None
+        toys: list[Annotated[str, StringConstraints(max_length=12)]] = Field(min_length=1, max_length=3)
+        owner: Annotated[str, StringConstraints(max_length=20)] | None = None
 
     tok = engine_fp32.tokenizer
     prompt = tok.encode_chat([{"role": "user", "content": "Describe a cat."}])
     params = SamplingParams(
-        temperature=0.9, seed=7, n=3, max_tokens=60, json_schema=json.dumps(Cat.model_json_schema())
+        temperature=0.9, seed=7, n=3, max_tokens=80, json_schema=json.dumps(Cat.model_json_schema())
     )
     [result] = engine_fp32.generate([prompt], params)
     finished = [text for text, reason in zip(result.texts, result.finish_reasons) if reason == "stop"]
-    assert finished
+    assert finished, list(zip(result.texts, result.finish_reasons))
     for text in finished:
         Cat.model_validate_json(text, strict=True)
-    with pytest.raises(ValueError, match="pattern"):
+        jsonschema.validate(json.loads(text), Cat.model_json_schema())
+    with pytest.raises(ValueError, match="^json_schema: .*uniqueItems"):
         engine_fp32.add_request(
             "bad-schema",
             prompt,
-            SamplingParams(
-                json_schema=json.dumps({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}})
-            ),
+            SamplingParams(json_schema=json.dumps({"type": "array", "uniqueItems": True})),
         )
+    assert "bad-schema" not in engine_fp32.requests
+
+
+def test_regex_choice_and_grammar_outputs_are_in_their_language(engine_fp32):
+    import re
+
+    tok = engine_fp32.tokenizer
+    ask = [tok.encode_chat([{"role": "user", "content": q}]) for q in ("Is the sky blue?", "What is 12 + 30?")]
+    runs = {
+        "regex": SamplingParams(temperature=0.8, seed=1, n=2, max_tokens=12, structured=("regex", r"[0-9]{2,3}")),
+        # min_tokens cannot hold the output past the grammar's end: the end token comes after the choice
+        "choice": SamplingParams(temperature=0, max_tokens=12, min_tokens=8, structured=("choice", '["yes", "no"]')),
+        "grammar": SamplingParams(
+            temperature=0, max_tokens=24, structured=("grammar", 'root ::= [0-9]+ " + " [0-9]+ " = " [0-9]+')
+        ),
+    }
+    results = {kind: engine_fp32.generate(ask, params) for kind, params in runs.items()}
+    for r in results["regex"]:
+        for text, reason in zip(r.texts, r.finish_reasons):
+            assert reason == "stop" and re.fullmatch(r"[0-9]{2,3}", text), text
+    for r in results["choice"]:
+        assert r.texts[0] in ("yes", "no") and r.finish_reasons == ["stop"], r.texts
+    for r in results["grammar"]:
+        assert re.fullmatch(r"[0-9]+ \+ [0-9]+ = [0-9]+", r.texts[0]) or r.finish_reasons == ["length"], r.texts
+    engine_fp32.blocks.check_invariants([])

@@ -33,6 +33,7 @@ def speculating(engine, config: SpeculativeConfig):
 
 QUOTING, SUMMARIZING, FREE = PROMPTS
 JSON_PROMPT = 'Answer in JSON.\n{"name": "lighthouse", "name": "lighthouse", "name": "'
+NAMES = '{"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]+$"}}, "required": ["name"]}'
 CASES = [  # (prompt, params): one batch, run with and without speculation
     (QUOTING, SamplingParams(temperature=0, max_tokens=32, logprobs=2)),
     (QUOTING, SamplingParams(temperature=0, max_tokens=7)),  # cut mid-draft
@@ -42,6 +43,8 @@ CASES = [  # (prompt, params): one batch, run with and without speculation
     (SUMMARIZING, SamplingParams(temperature=0, max_tokens=16)),
     (FREE, SamplingParams(temperature=0, max_tokens=16)),
     (JSON_PROMPT, SamplingParams(temperature=0, max_tokens=16, json_object=True)),  # a mask per draft position
+    (JSON_PROMPT, SamplingParams(temperature=0, max_tokens=16, json_schema=NAMES)),
+    (QUOTING, SamplingParams(temperature=0, max_tokens=16, structured=("regex", "[a-z ,.]+"))),
 ]
 
 

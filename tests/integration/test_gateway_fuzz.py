@@ -1,6 +1,6 @@
 """Schemathesis against a real mesh through the gateway's own OpenAPI document: valid and invalid
 requests to every route it describes. Nothing may answer 5xx, every 4xx is in OpenAI's error
-shape, and the mesh serves a normal request afterwards.
+shape (Anthropic's under /v1/messages), and the mesh serves a normal request afterwards.
 
 Bounded for CI: one mixed worker with a 64-token context (a generation the fuzzer asks for costs at
 most that), and FUZZ_EXAMPLES examples per route (PAGEMESH_FUZZ_EXAMPLES raises it for a longer
@@ -29,6 +29,13 @@ FUZZ_EXAMPLES = int(os.environ.get("PAGEMESH_FUZZ_EXAMPLES", "25"))
 # rest of the context): this tests the doors, not long outputs, and a loaded CPU makes ~2 tokens/s
 MAX_FUZZ_TOKENS = 8
 SCHEMA = schemathesis.openapi.from_dict(DOCUMENT).exclude(path="/v1/images/generations")
+# each generating route's output-length fields (the first is set when the fuzzer gives none)
+OUTPUT_LIMITS = {
+    "/v1/completions": ("max_tokens",),
+    "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
+    "/v1/messages": ("max_tokens",),
+    "/v1/responses": ("max_output_tokens",),
+}
 
 
 @pytest.fixture(scope="module")
@@ -64,19 +71,24 @@ def test_fuzzed_requests_get_no_5xx_and_openai_shaped_errors(mesh, case):
     if isinstance(body, dict):
         if isinstance(body.get("model"), str):  # a random name is a 404 before the mesh: name ours
             body["model"] = DEFAULT_MODEL_NAME
-        for field in ("max_tokens", "max_completion_tokens"):
+        limits = OUTPUT_LIMITS.get(case.path, ())
+        for field in limits:
             value = body.get(field)
             if type(value) is int and value > MAX_FUZZ_TOKENS:
                 body[field] = MAX_FUZZ_TOKENS
-        if "max_tokens" not in body and "max_completion_tokens" not in body:  # chat's default: the context
-            body["max_tokens"] = MAX_FUZZ_TOKENS
+        if limits and not any(field in body for field in limits):  # chat's default: the context
+            body[limits[0]] = MAX_FUZZ_TOKENS
     print("request:", case.method, case.path, json.dumps(body)[:2000] if isinstance(body, dict) else repr(body)[:500])
     response = case.call(base_url=mesh, headers={"Authorization": f"Bearer {KEY}"}, timeout=HANG_S)
     what = f"{case.method} {case.path} {str(body)[:300]} -> {response.status_code} {response.text[:300]}"
     assert response.status_code < 500, what
     if response.status_code >= 400:
-        error = response.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"}, what
+        payload = response.json()
+        error = payload["error"]
+        if case.path.startswith("/v1/messages"):  # Anthropic's shape
+            assert payload["type"] == "error" and set(error) == {"type", "message"}, what
+        else:
+            assert set(error) == {"message", "type", "param", "code"}, what
         assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str), what
 
 

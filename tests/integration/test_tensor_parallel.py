@@ -174,3 +174,29 @@ def test_a_tensor_parallel_engine_generates_what_one_rank_does(tiny_llama):
         engine.close()
         torch.distributed.destroy_process_group()
     assert got == want
+
+
+def test_a_tensor_parallel_engine_embeds_what_one_rank_does(tiny_llama):
+    """Embedding requests (`pooling`): rank 0 pools alone, since after each layer's all-reduce it
+    holds the whole hidden state, and its final norm's rows are the single-rank model's; the
+    follower neither samples nor pools. Prompts of 1 to 40 tokens, in chunks of 16."""
+    from pagemesh.common.messages import Pooling
+    from pagemesh.workers.engine.config import EngineConfig
+    from pagemesh.workers.engine.engine import Engine
+    from pagemesh.workers.engine.pooling import embed
+
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (1, 9, 40)]
+    base = dict(model=str(tiny_llama), dtype="float32", num_pages=48, page_size=4, max_num_batched_tokens=32)
+    base.update(max_prefill_chunk=16)
+    one_rank = Engine(EngineConfig(**base))
+    want = {pooling: embed(one_rank, prompts, pooling) for pooling in Pooling}
+    engine = Engine(EngineConfig(**base, tensor_parallel_size=2))
+    try:
+        for pooling in Pooling:
+            got = embed(engine, prompts, pooling)
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want[pooling]), rtol=1e-4, atol=1e-5)
+        assert engine.blocks.num_used_pages == 0
+    finally:
+        engine.close()
+        torch.distributed.destroy_process_group()

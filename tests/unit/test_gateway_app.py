@@ -152,34 +152,36 @@ def test_echo_puts_the_prompt_in_front_of_each_choice_with_its_logprobs(tmp_path
     run(tmp_path, test)
 
 
-def test_json_schemas_the_engine_cannot_enforce_are_400s_before_the_mesh(tmp_path):
+def test_grammars_that_do_not_compile_are_400s_before_the_mesh(tmp_path):
     def schema(**props):
         return {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": props}}}
 
     async def test(fake: FakeMesh):
-        for response_format, why in [
-            (schema(pet={"enum": ["cat", "🦜"]}), "cannot be written token by token"),  # only byte tokens
-            ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}, "root"),
-            (schema(a={"type": "string", "minLength": 2}), "minLength"),
+        for route, field, value, why in [
+            ("chat/completions", "response_format", schema(a={"type": "array", "uniqueItems": True}), "uniqueItems"),
+            ("chat/completions", "response_format", schema(a={"type": "string", "pattern": "[a-"}), "character class"),
+            ("completions", "guided_regex", "(?=a)b", "look-around"),
+            ("completions", "structured_outputs", {"grammar": "root ::= x"}, "Rule 'x' not found"),
         ]:
-            r = await fake.client.post(
-                "/v1/chat/completions",
-                json={"messages": [{"role": "user", "content": "Hi"}], "response_format": response_format},
-            )
-            body = await r.json()
-            assert r.status == 400 and body["error"]["param"] == "response_format" and why in body["error"]["message"]
+            body = {"prompt": "Hi"} if route == "completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+            r = await fake.client.post(f"/v1/{route}", json={**body, field: value})
+            error = (await r.json())["error"]
+            assert r.status == 400 and error["param"] == field and why in error["message"], error
         post = asyncio.create_task(
             fake.client.post(
                 "/v1/chat/completions",
                 json={
                     "messages": [{"role": "user", "content": "Hi"}],
-                    "response_format": schema(pet={"enum": ["cat", "é"]}),
+                    # an emoji is byte tokens only: the hand-written automaton (text per token) refused it
+                    "response_format": schema(pet={"enum": ["cat", "🦜"]}, age={"type": "integer", "minimum": 0}),
                 },
             )
         )
-        request = await fake.next_request()  # a schema it can write reaches the mesh
-        assert request.sampling.json_schema == '{"type":"object","properties":{"pet":{"enum":["cat","é"]}}}'
-        await fake.answer(request, '{"pet": "cat"}', finish="stop")
+        request = await fake.next_request()  # a grammar that compiles reaches the mesh
+        assert request.sampling.json_schema == (
+            '{"type":"object","properties":{"pet":{"enum":["cat","🦜"]},"age":{"type":"integer","minimum":0}}}'
+        )
+        await fake.answer(request, '{"pet": "cat", "age": 3}', finish="stop")
         assert (await post).status == 200
 
     run(tmp_path, test)

@@ -212,8 +212,8 @@ def test_header_limits_are_431_in_the_openai_shape(tmp_path):
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "'wizard'"),
         (
             {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "x"}]},
-            "messages[1].role",
-            "tool",
+            "messages[1].tool_call_id",
+            "required",
         ),
         ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role", "'function'"),
     ],

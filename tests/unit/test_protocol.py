@@ -61,6 +61,11 @@ def with_fields(msg, **changes) -> list:
 _DELETE = object()
 
 
+def sample_of(cls: type):
+    """The first sample of a message class."""
+    return next(m for m in SAMPLES if type(m) is cls)
+
+
 # --------------------------------------------------------------------------- round trips
 
 
@@ -198,6 +203,24 @@ MALFORMED = {
         ],
     ),
     "two prompts": with_fields(SAMPLES[0], prompt_token_ids=[1]),
+    "tools not JSON": with_fields(SAMPLES[3], tools="[{"),
+    "tools not a list": with_fields(SAMPLES[3], tools='{"type": "function"}'),
+    "a tool not an object": with_fields(SAMPLES[3], tools='["w"]'),
+    "template kwargs not an object": with_fields(SAMPLES[3], chat_template_kwargs="[1]"),
+    "tool calls not a list": with_fields(SAMPLES[3], messages=[{"role": "assistant", "tool_calls": "{}"}]),
+    "tools without messages": with_fields(SAMPLES[0], tools="[]"),
+    "skip_special_tokens not bool": with_fields(SAMPLES[3], skip_special_tokens=0),
+    "an embedding of two prompts": with_fields(sample_of(p.EmbedRequest), prompt_token_ids=[1]),
+    "an unknown pooling": with_fields(sample_of(p.EmbedRequest), pooling="max"),
+    "a pooled task with output tokens": with_fields(
+        GenerateTask(request_id="e", prompt_token_ids=[1], sampling=SP, reply_to="t", pooling=p.Pooling.LAST),
+        output_token_ids=[2],
+    ),
+    "an embedding value not a number": with_fields(
+        sample_of(p.EmbeddingBatch), embeddings=[{"request_id": "e", "values": [0.5, "1"], "prompt_tokens": 1}]
+    ),
+    "tokenize neither prompt nor messages": with_fields(sample_of(p.TokenizeRequest), prompt_text=None),
+    "token strings not one per id": with_fields(sample_of(p.TokenizeResult), token_strs=["a"]),
     "no prompt": with_fields(SAMPLES[0], prompt_text=None),
     "bad worker role": with_fields(
         RegisterWorker(

@@ -33,9 +33,15 @@ from pagemesh.workers.engine.sampler import SampleRow, argmax_only, sample
         ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"json_object": True, "ignore_eos": True}, "json_object"),
         ({"json_object": True, "use_beam_search": True, "n": 2}, "json_object"),
-        ({"json_schema": '{"type":"object"}', "ignore_eos": True}, "json_object"),
+        ({"json_schema": '{"type":"object"}', "ignore_eos": True}, "json_schema"),
         ({"json_schema": "{}", "json_object": True}, "json_schema"),
         ({"json_schema": "x" * 70000}, "json_schema"),
+        ({"structured": ("regex", "a+"), "use_beam_search": True, "n": 2}, "structured"),
+        ({"structured": ("regex", "a+"), "json_schema": "{}"}, "structured"),
+        ({"structured": ("yaml", "a: 1")}, "structured"),
+        ({"structured": ("regex", "a" * 70000)}, "structured"),
+        ({"structured": ("regex",)}, "structured"),
+        ({"structured": ["regex", "a+"]}, "structured"),
         ({"prompt_logprobs": True}, "prompt_logprobs"),
     ],
 )
@@ -49,6 +55,9 @@ def test_round_trip_through_dict():
         n=2, temperature=0.5, stop=("x",), stop_token_ids=(3,), seed=4, logprobs=2, logit_bias=((9, -100.0), (3, 0.5))
     )
     assert SamplingParams.from_dict(p.to_dict()) == p
+    constrained = SamplingParams(temperature=0, structured=("choice", '["yes", "no"]'))
+    assert constrained.to_dict()["structured"] == ["choice", '["yes", "no"]']  # msgpack has no tuples
+    assert SamplingParams.from_dict(constrained.to_dict()) == constrained
     with pytest.raises(ValueError, match="^logit_bias:"):
         SamplingParams.from_dict({"logit_bias": [5]})
     with pytest.raises(ValueError, match="unknown"):

@@ -14,7 +14,7 @@ import torch
 
 from pagemesh.common.model_config import ModelConfig
 from pagemesh.workers.engine.model_input import ModelInput, decode_model_input, encode_model_input
-from pagemesh.workers.engine.tensor_parallel import check_tensor_parallel, read_step, write_step
+from pagemesh.workers.engine.tensor_parallel import check_tensor_parallel, follower_step, read_step, write_step
 from pagemesh.workers.model.shm_allreduce import SharedMemoryAllReduce, create_file
 
 STEP = ModelInput(
@@ -29,6 +29,7 @@ STEP = ModelInput(
     swap_out=[(5, [1, 2])],
     swap_in=[(6, [7])],
     swap_discard=[8],
+    pool_spans=[(1, 4)],
 )
 
 
@@ -43,6 +44,7 @@ def test_a_step_crosses_the_pipe_as_it_was_and_the_pipe_ends_with_none():
         assert got.logit_rows == [0, 3, 1, 2] and got.num_decodes == 1
         assert [tuple(p) for p in got.page_copies] == [(2, 6)]
         assert [(s, list(p)) for s, p in got.swap_out] == [(5, [1, 2])] and got.swap_discard == [8]
+        assert [tuple(s) for s in got.pool_spans] == [(1, 4)]
     assert read_step(pipe) is None  # end of file: rank 0 is gone
     whole = io.BytesIO()
     write_step(whole, STEP)
@@ -51,10 +53,19 @@ def test_a_step_crosses_the_pipe_as_it_was_and_the_pipe_ends_with_none():
 
 
 def test_decode_refuses_what_is_not_a_model_input():
-    with pytest.raises(ValueError, match="expected 11 fields"):
+    with pytest.raises(ValueError, match="expected 12 fields"):
         decode_model_input(msgpack.packb([1, 2, 3]))
-    with pytest.raises(ValueError, match="expected 11 fields"):
+    with pytest.raises(ValueError, match="expected 12 fields"):
         decode_model_input(msgpack.packb({"token_ids": []}))
+
+
+def test_a_follower_neither_samples_nor_pools():
+    """Rank 0 pools the hidden states (the all-reduces leave the whole of them on every rank);
+    the last pipeline stage's tp rank 0, which computes the logits for rank 0, does not pool."""
+    for computes_logits in (False, True):
+        step = follower_step(STEP, computes_logits)
+        assert step.pool_spans == [] and step.token_ids == STEP.token_ids
+        assert step.logit_rows == (STEP.logit_rows if computes_logits else [])
 
 
 def cfg(heads: int, kv_heads: int, intermediate: int = 1536) -> ModelConfig:

@@ -10,7 +10,8 @@ or incrementally with `add_request` / `step` / `abort`, which is what a worker p
 The engine composes one object per job, each holding its own state:
 
     RequestValidator   prompt ids and parameters against the vocabulary and context length
-    JsonMaskCache      JSON mode's token masks (any object; the last schemas)
+    GrammarMasks       structured outputs: each constrained sequence's grammar matcher, a
+                       step's token bitmask filled while the forward pass runs
     Scheduler          which tokens of which sequences run this step (pure Python)
     ModelRunner        the forward pass of a `ModelInput` (plain data built from the plan)
     StepUpdate         logits → sampled tokens → sequences advanced or stopped (StopRules),
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from pagemesh.common.messages import Pooling
 from pagemesh.common.model_config import check_max_model_len, read_model_config
 from pagemesh.common.model_files import resolve_model_path
 from pagemesh.common.sampling import SamplingParams
@@ -40,8 +42,8 @@ from pagemesh.workers.engine.block_manager import BlockManager
 from pagemesh.workers.engine.config import EngineConfig
 from pagemesh.workers.engine.draft_model import attach_drafter
 from pagemesh.workers.engine.forks import Forks, SeqGenerators
+from pagemesh.workers.engine.grammar_masks import GrammarMasks, PendingMasks
 from pagemesh.workers.engine.in_flight import surviving_rows
-from pagemesh.workers.engine.json_cache import JsonMaskCache
 from pagemesh.workers.engine.kv_handoff import HandoffPages, KVLayout, PageExport
 from pagemesh.workers.engine.kv_quant import calibration_token_ids, kv_storage_dtype
 from pagemesh.workers.engine.model_input import build_model_input
@@ -180,7 +182,7 @@ class Engine:
             self.blocks.num_usable_pages,
             config.page_size,
         )
-        self.json_masks = JsonMaskCache(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.grammar_masks = GrammarMasks(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         # unseeded rows draw from the default generator, on the device the sampler runs on
         self.generators = SeqGenerators(self.device, config.seed)
         self.stops = StopRules(self.scheduler, self.eos_token_ids, self.max_model_len)
@@ -193,10 +195,11 @@ class Engine:
             self.forks,
             BeamSearch(self.scheduler, self.forks, self.stops),
             self.stops,
+            self.grammar_masks,
             speculator.stats if speculator else None,
         )
         self.handoff = PrefillHandoff(
-            self.blocks, self.scheduler, self.validator, self.json_masks, self.generators, self.stops
+            self.blocks, self.scheduler, self.validator, self.grammar_masks, self.generators, self.stops
         )
         layout = KVLayout(self.model_config.num_layers, tp_size, pp_size, tuple(self.runner.kv_cache.shape))
         self.handoff_pages = HandoffPages(self.blocks, layout, self.runner, self.followers)
@@ -305,7 +308,7 @@ class Engine:
         `prefill_only`: stop after the first token(s) and hold the pages (see `take_prefilled`).
         `output_token_ids`: a request resumed after its worker was lost (one choice only): the
         tokens it generated there, recomputed here (prefix cache first) and never reported
-        again; they count as output for max_tokens, min_tokens, penalties and JSON mode, and a
+        again; they count as output for max_tokens, min_tokens, penalties and the grammar, and a
         seeded request's generator is advanced past their draws, so it continues the sequence
         it would have drawn on the first worker."""
         self.validator.not_running(request_id, self.requests)
@@ -313,10 +316,7 @@ class Engine:
         params = self.validator.fit_pool(len(token_ids), params, prefill_only)
         if resumed:
             params = dataclasses.replace(params, prompt_logprobs=None)  # reported with its first token
-        masks = self.json_masks.for_params(params)
-        cursor = masks.start() if masks is not None else None
-        for token in resumed if masks is not None else ():
-            cursor = masks.advance(cursor, token)
+        grammar = self.grammar_masks.start(params, resumed)
         forks = 0 if params.use_beam_search else params.num_sequences - 1
         seq = Sequence(
             request_id,
@@ -325,14 +325,27 @@ class Engine:
             len(token_ids),
             params,
             pending_forks=forks,
-            json=cursor,
-            json_masks=masks,
+            grammar=grammar,
         )
         self.generators.start(seq, draws_done=len(resumed), vocab_size=self.model_config.vocab_size)
         beam = BeamState(params.num_sequences, params.length_penalty) if params.use_beam_search else None
         self.requests[request_id] = EngineRequest(
             request_id, params, [seq], len(token_ids), prefill_only=prefill_only, beam=beam
         )
+        self.scheduler.add(seq)
+
+    def admit_embedding(self, request_id: str, prompt_token_ids: Seq[int], pooling: Pooling, priority: int = 0) -> None:
+        """Queue an embedding request, checked as `admit`'s: its prompt runs as a prefill, and its
+        output is its pooled final-norm hidden state, L2-normalised (`RequestOutput.embedding`),
+        not a token; its pages are freed as it ends. Not on pipeline stages (ValueError): the
+        final norm is on the last one, and only logits travel back (`pooling.embed` offline)."""
+        if self.config.pipeline_parallel_size > 1:
+            raise ValueError("input: embeddings are not served by a pipeline-parallel worker")
+        self.validator.not_running(request_id, self.requests)
+        token_ids, params = list(prompt_token_ids), SamplingParams(temperature=0.0, max_tokens=1, priority=priority)
+        params = self.validator.fit_pool(len(token_ids), params, prefill_only=True)
+        seq = Sequence(request_id, 0, token_ids, len(token_ids), params, pooling=pooling)
+        self.requests[request_id] = EngineRequest(request_id, params, [seq], len(token_ids))
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -361,8 +374,9 @@ class Engine:
         started = time.perf_counter()
         if self.drafter is not None:  # fills the plan's draft_quantized proposals
             self.drafter.propose(plan)
-        logits = self.runner.execute(build_model_input(plan))
-        return self._apply(plan, plan, logits, started)
+        masks = self.grammar_masks.launch(plan)  # structured outputs: filled while the model runs
+        ran = self.runner.launch(build_model_input(plan))
+        return self._apply(plan, plan, ran.result(), started, ran.pooled, masks)
 
     def _pipelined_step(self) -> list[RequestOutput]:
         """With pipeline stages: launch the next micro-batch while there is room in the pipe
@@ -394,12 +408,22 @@ class Engine:
             logits = logits[rows]
         return self._apply(step.plan, plan, logits, step.started)
 
-    def _apply(self, ran: StepPlan, plan: StepPlan, logits: torch.Tensor, started: float) -> list[RequestOutput]:
-        """The update after a step: `plan`'s sequences take their tokens; `ran` (the same plan,
+    def _apply(
+        self,
+        ran: StepPlan,
+        plan: StepPlan,
+        logits: torch.Tensor,
+        started: float,
+        pooled: torch.Tensor | None = None,
+        masks: PendingMasks | None = None,
+    ) -> list[RequestOutput]:
+        """The update after a step: `plan`'s sequences take their tokens (embedding requests their
+        `pooled` rows); `ran` (the same plan,
         or a pipeline's with the chunks of aborted sequences too) counts in the statistics and the
         step trace, as one step of `started` (its launch) to now: with steps in flight these
-        spans overlap, so their sum exceeds the wall time."""
-        touched = self.updater.apply(plan, logits)
+        spans overlap, so their sum exceeds the wall time. `masks`: the grammar masks launched
+        beside the forward pass (None: a pipeline's step, whose masks are filled now)."""
+        touched = self.updater.apply(plan, logits, pooled, masks)
         for req in touched:
             if req.prefill_only:
                 self.handoff.hold(req)

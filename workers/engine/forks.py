@@ -82,8 +82,7 @@ class Forks:
             num_prefix_hit_tokens=parent.num_prefix_hit_tokens,
             cumulative_logprob=parent.cumulative_logprob,
             prompt_logprobs=parent.prompt_logprobs,  # collected: a recompute does not redo them
-            json=parent.json,
-            json_masks=parent.json_masks,
+            grammar=parent.grammar.deep_copy() if parent.grammar is not None else None,  # before the parent moves on
         )
         self.generators.adopt(child, generator)
         req.seqs.append(child)

@@ -11,6 +11,9 @@ Pure Python (no torch, no zmq: tests/unit/test_purity.py).
     B decode   (B, 7, 1)                  query_lens   [1, 1, 4]      seq_lens [41, 8, 4]
     C prompt   (C, 0, 4), samples         block_tables [A's, B's, C's pages]
                                           sample_rows  [0, 1, 5]      (then prompt-logprob rows)
+
+An embedding request's chunk samples nothing: its rows' final-norm hidden states are summed
+instead (`pool_spans`), its last row when it pools the last token, every row when it pools the mean.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 import msgpack
+
+from pagemesh.common.messages import Pooling
 
 if TYPE_CHECKING:
     from pagemesh.workers.engine.scheduler import ScheduledChunk, StepPlan
@@ -45,6 +50,7 @@ class ModelInput:
     swap_out: list[tuple[int, list[int]]] = field(default_factory=list)  # (seq_id, pages) to host memory
     swap_in: list[tuple[int, list[int]]] = field(default_factory=list)  # (seq_id, new pages) from host memory
     swap_discard: list[int] = field(default_factory=list)  # seq_ids whose host copy is no longer needed
+    pool_spans: list[tuple[int, int]] = field(default_factory=list)  # [a, b) rows summed: one pooled row each
 
     @property
     def logit_rows(self) -> list[int]:
@@ -61,6 +67,7 @@ def build_model_input(plan: StepPlan) -> ModelInput:
     block_tables: list[list[int]] = []
     sample_rows: list[int] = []
     prompt_rows: list[int] = []
+    pool_spans: list[tuple[int, int]] = []
     for chunk in plan.chunks:
         seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
         first = len(token_ids)
@@ -71,6 +78,11 @@ def build_model_input(plan: StepPlan) -> ModelInput:
         seq_lens.append(start + n)
         block_tables.append(seq.block_table)
         token_ids += seq.token_ids[start : start + n]
+        if seq.pooling is not None:  # an embedding: pooled, never sampled
+            pooled = pooled_rows(chunk)
+            if pooled is not None:
+                pool_spans.append((first + pooled.start, first + pooled.stop))
+            continue
         if start + n == seq.num_tokens:  # chunk.samples
             sample_rows.append(first + n - 1)
         if seq.sampling.prompt_logprobs is not None:
@@ -88,7 +100,17 @@ def build_model_input(plan: StepPlan) -> ModelInput:
         plan.swap_out,
         plan.swap_in,
         plan.swap_discard,
+        pool_spans,
     )
+
+
+def pooled_rows(chunk: ScheduledChunk) -> range | None:
+    """The rows of an embedding request's chunk (counted from the chunk's first) whose hidden
+    states it pools: a mean's every row, a last token's final row (in its prompt's last chunk);
+    None when this chunk gives it nothing."""
+    if chunk.seq.pooling is Pooling.MEAN:
+        return range(chunk.num_tokens)
+    return range(chunk.num_tokens - 1, chunk.num_tokens) if chunk.samples else None
 
 
 def _verify_rows(

@@ -21,6 +21,7 @@ from pagemesh.workers.engine.tensor_parallel import FollowerRanks
 from pagemesh.workers.model.decode_layers import DecodeLayers
 from pagemesh.workers.model.layers import pack_linear_weights
 from pagemesh.workers.model.llama import ForwardContext, LlamaForCausalLM
+from pagemesh.workers.model.pooling import PoolSpans
 
 DEFAULT_MAX_GRAPH_BATCH = 256
 
@@ -175,7 +176,8 @@ class ModelRunner:
     def execute(self, step: ModelInput) -> torch.Tensor:
         """Run one step (`build_model_input(plan)`); return fp32 logits for `step.logit_rows`:
         each sampled row in plan order, then the prompt-logprob rows, on the model's device (on
-        CUDA a replayed graph's output buffer: read it before the next step)."""
+        CUDA a replayed graph's output buffer: read it before the next step). An embedding
+        request's pooled rows come with `launch(step).pooled`."""
         return self.launch(step).result()
 
     def launch(self, step: ModelInput) -> InFlightStep:
@@ -192,6 +194,7 @@ class ModelRunner:
         if (
             self.graphs is not None
             and not step.prompt_logprob_rows
+            and not step.pool_spans
             and self.graphs.can_run(step.query_lens, step.block_tables, len(logit_rows))
         ):
             return InFlightStep(self.graphs.run(step.token_ids, step.seq_lens, step.block_tables))
@@ -206,10 +209,11 @@ class ModelRunner:
         )
         ids = torch.tensor(step.token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         rows = torch.tensor(logit_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        ctx = ForwardContext(self.kv_cache, md, self.attention, self.ops, decode_layers=self.decode_layers)
+        pool = PoolSpans.build(step.pool_spans, self.device) if step.pool_spans else None
+        ctx = ForwardContext(self.kv_cache, md, self.attention, self.ops, decode_layers=self.decode_layers, pool=pool)
         pipe = self.pipe
         if pipe is None:
-            return InFlightStep(self.model(ids, ctx, rows))
+            return InFlightStep(self.model(ids, ctx, rows), pooled=ctx.pooled)
         hidden = None if pipe.first else pipe.receive_hidden(len(step.token_ids))
         out = self.model(ids, ctx, rows, hidden)
         if pipe.last:

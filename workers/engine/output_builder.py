@@ -13,13 +13,15 @@ def build_outputs(touched: list[EngineRequest]) -> list[RequestOutput]:
     outputs = []
     for req in touched:
         done = req.done
-        if req.params.streams:
+        first = req.seqs[0]
+        if first.pooling is not None:  # an embedding request: its vector, no choices
+            seq_outputs = []
+        elif req.params.streams:
             seq_outputs = stream_outputs(req)
         else:  # best_of > n or beam search: the n choices are known only at the end
             for seq in req.seqs:
                 seq.take_new_tokens()
             seq_outputs = final_choices(req) if done else []
-        first = req.seqs[0]
         queue_time = None
         if not req.reported_queue_time and first.first_scheduled is not None:
             queue_time, req.reported_queue_time = first.first_scheduled - first.arrival_time, True
@@ -40,6 +42,7 @@ def build_outputs(touched: list[EngineRequest]) -> list[RequestOutput]:
                 first.num_prefix_hit_tokens,
                 queue_time,
                 prompt_logprobs,
+                first.embedding,
             )
         )
     return outputs

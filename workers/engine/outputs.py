@@ -26,6 +26,7 @@ class RequestOutput:
     num_cached_tokens: int
     queue_time: float | None = None  # on the request's first output: seconds it waited for a step
     prompt_logprobs: list[TokenLogprob] | None = None  # once, with the first token, when asked for
+    embedding: list[float] | None = None  # an embedding request's vector (then `outputs` is empty)
 
 
 @dataclass

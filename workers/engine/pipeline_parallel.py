@@ -66,10 +66,16 @@ def join_stage_groups(rank: int, tp_size: int, pp_size: int, own: StageGroup | N
 
 
 class InFlightStep:
-    """A launched step's logits: `result()` waits for them (at once where they are here)."""
+    """A launched step's logits: `result()` waits for them (at once where they are here).
+    `pooled`: its embedding requests' pooled rows, where the step ran here whole (no stages)."""
 
-    def __init__(self, logits: torch.Tensor | None = None, wait: Callable[[], torch.Tensor] | None = None):
-        self._logits, self._wait = logits, wait
+    def __init__(
+        self,
+        logits: torch.Tensor | None = None,
+        wait: Callable[[], torch.Tensor] | None = None,
+        pooled: torch.Tensor | None = None,
+    ):
+        self._logits, self._wait, self.pooled = logits, wait, pooled
 
     def result(self) -> torch.Tensor:
         if self._logits is None:

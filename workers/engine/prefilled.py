@@ -18,7 +18,7 @@ from collections.abc import Sequence as Seq
 from pagemesh.common.sampling import SamplingParams
 from pagemesh.workers.engine.block_manager import BlockManager
 from pagemesh.workers.engine.forks import SeqGenerators, skip_draws
-from pagemesh.workers.engine.json_cache import JsonMaskCache
+from pagemesh.workers.engine.grammar_masks import GrammarMasks
 from pagemesh.workers.engine.outputs import PrefillResult
 from pagemesh.workers.engine.scheduler import Scheduler
 from pagemesh.workers.engine.sequence import EngineRequest, Sequence
@@ -35,14 +35,14 @@ class PrefillHandoff:
         blocks: BlockManager,
         scheduler: Scheduler,
         validator: RequestValidator,
-        json_masks: JsonMaskCache,
+        grammar_masks: GrammarMasks,
         generators: SeqGenerators,
         stops: StopRules,
     ) -> None:
         self.blocks = blocks
         self.scheduler = scheduler
         self.validator = validator
-        self.json_masks = json_masks
+        self.grammar_masks = grammar_masks
         self.generators = generators
         self.stops = stops
         self.held: dict[str, PrefillResult] = {}  # prefill-only requests awaiting transfer
@@ -89,7 +89,7 @@ class PrefillHandoff:
         first token already ended it (`running`: the ids of the engine's live requests)."""
         table = list(prefix_pages)
         try:
-            masks = self.json_masks.for_params(params)  # the request was checked before it came
+            self.grammar_masks.start(params)  # the grammar compiles (the gateway checked it; cached here)
             self.validator.not_running(request_id, running)
             prompt = list(prompt_token_ids)
             params = self.validator.fit_pool(len(prompt), params)
@@ -111,8 +111,7 @@ class PrefillHandoff:
                 block_table=self.blocks.fork(table),
                 num_computed=len(prompt),
                 num_cached_pages=cached,
-                json=masks.advance(masks.start(), token) if masks is not None else None,
-                json_masks=masks,
+                grammar=self.grammar_masks.start(params, [token]),  # past the prefill worker's first token
             )
             gen = self.generators.new(params, index)
             if gen is not None:  # the prefill worker drew the first token from this stream

@@ -267,7 +267,7 @@ class Scheduler:
                 seq.swapped_computed is None
                 and not seq.block_table
                 and seq.num_computed == 0
-                and not seq.needs_prompt_logprobs
+                and not seq.skips_prefix_cache
             ):
                 self._match_prefix(seq)
             long = self._is_long(seq)

@@ -11,12 +11,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagemesh.common.messages import TokenLogprob
+from pagemesh.common.messages import Pooling, TokenLogprob
 from pagemesh.common.sampling import SamplingParams
 
-if TYPE_CHECKING:  # JSON mode's masks and beam search's scores are torch code; here they are only carried
+if TYPE_CHECKING:  # beam search's scores are torch code, a grammar's matcher llguidance's; here they are only carried
+    from llguidance import LLMatcher
+
     from pagemesh.workers.engine.beam import BeamState
-    from pagemesh.workers.engine.json_mode import JsonCursor, JsonMasks
 
 _seq_ids = itertools.count()
 
@@ -57,11 +58,13 @@ class Sequence:
     swapped_computed: int | None = None  # swapped to host: num_computed to restore
     cumulative_logprob: float = 0.0  # sum of the sampled tokens' logprobs (best_of, beams)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1, 2, ... so far
-    json: JsonCursor | None = None  # JSON mode: where the output is in the JSON grammar
+    grammar: LLMatcher | None = None  # structured outputs: where the output is in its grammar (grammar_masks.py)
     spec_misses: int = 0  # speculative decoding: verifying passes in a row that kept no draft
     spec_cooldown: int = 0  # decode steps to run without drafts before proposing again
     draft_kv: tuple[int, int] = (0, 0)  # draft model: (positions written to its pool, num_preemptions then)
-    json_masks: JsonMasks | None = None  # JSON mode: the token masks of its grammar
+    pooling: Pooling | None = None  # an embedding request: its prompt runs and is pooled, nothing is sampled
+    pooled: object = None  # mean pooling: the fp32 sum of the hidden states so far (a torch tensor)
+    embedding: list[float] | None = None  # the L2-normalised vector, once the prompt has run
 
     def prompt_logprob_positions(self, start: int, num_tokens: int) -> range:
         """Positions of a chunk [start, start + num_tokens) whose logits give a prompt token's
@@ -75,6 +78,12 @@ class Sequence:
         """Prompt logprobs asked for and not all collected: its prompt must run, not come from
         the prefix cache."""
         return self.sampling.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Every prompt position must run here, none may come from the prefix cache (which
+        keeps K/V only): its prompt logprobs are asked for, or it pools the mean."""
+        return self.needs_prompt_logprobs or self.pooling is Pooling.MEAN
 
     @property
     def num_tokens(self) -> int:

@@ -1,5 +1,6 @@
 """When a sequence stops: a stop token (EOS unless ignored, or one of `stop_token_ids`), or its
-length (max_tokens, or the context length). Stop strings are the tokenizer service's."""
+length (max_tokens, or the context length); an embedding request once its prompt is pooled. Stop
+strings are the tokenizer service's."""
 
 from __future__ import annotations
 
@@ -31,3 +32,7 @@ class StopRules:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
+
+    def pooled(self, seq: Sequence) -> None:
+        """An embedding request's prompt has run and is pooled: it ends there."""
+        self.scheduler.finish(seq, "pooled")

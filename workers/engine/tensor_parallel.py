@@ -293,5 +293,8 @@ class FollowerRanks:
 def follower_step(step: ModelInput, computes_logits: bool = False) -> ModelInput:
     """A follower's copy of the step: the same tokens and page moves, but no logit rows (only
     rank 0 samples, so the others skip the LM head), unless it `computes_logits` for rank 0
-    (the last pipeline stage's tp rank 0: `StagePipe.sends_logits`)."""
-    return step if computes_logits else dataclasses.replace(step, sample_rows=[], prompt_logprob_rows=[])
+    (the last pipeline stage's tp rank 0: `StagePipe.sends_logits`), and no pooling (rank 0 has
+    every hidden state after the final norm: the all-reduces left the whole of it on each rank)."""
+    if computes_logits:
+        return dataclasses.replace(step, pool_spans=[])
+    return dataclasses.replace(step, sample_rows=[], prompt_logprob_rows=[], pool_spans=[])

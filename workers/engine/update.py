@@ -4,6 +4,7 @@ token from the logits (each row under its own sampling parameters), and stop whe
     logits rows: [ sampled rows, one per chunk that reaches its sequence's end ][ prompt-logprob rows ]
                    │ n > 1 after the prompt: the row is sampled once per choice (forks)
                    │ beam search: a request's rows go to `BeamSearch.step` together
+    pooled rows: one per chunk of an embedding request that pools (workers/engine/pooling.py)
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from pagemesh.workers.engine.backend import Backend
 from pagemesh.workers.engine.beam import BeamSearch
 from pagemesh.workers.engine.block_manager import BlockManager
 from pagemesh.workers.engine.forks import Forks, SeqGenerators, skip_draws
+from pagemesh.workers.engine.grammar_masks import GrammarMasks, PendingMasks, StepMasks
+from pagemesh.workers.engine.model_input import pooled_rows
+from pagemesh.workers.engine.pooling import take_pooled
 from pagemesh.workers.engine.sampler import SampleRow, prompt_token_logprobs, sample
 from pagemesh.workers.engine.scheduler import StepPlan
 from pagemesh.workers.engine.sequence import EngineRequest, Sequence
@@ -53,6 +57,7 @@ class StepUpdate:
         forks: Forks,
         beams: BeamSearch,
         stops: StopRules,
+        grammar_masks: GrammarMasks,
         speculation: SpeculationStats | None = None,
     ) -> None:
         self.speculation = speculation if speculation is not None else SpeculationStats()
@@ -63,11 +68,24 @@ class StepUpdate:
         self.forks = forks
         self.beams = beams
         self.stops = stops
+        self.grammar_masks = grammar_masks
 
-    def apply(self, plan: StepPlan, logits: torch.Tensor) -> list[EngineRequest]:
-        """logits: `ModelRunner.execute`'s rows for this plan. Returns the requests that got tokens
-        (or ended), in the order of their first sampled row."""
-        rows, logit_index, owners, beam_rows, num_sampled, verifications = self._advance(plan)
+    def apply(
+        self,
+        plan: StepPlan,
+        logits: torch.Tensor,
+        pooled: torch.Tensor | None = None,
+        masks: PendingMasks | None = None,
+    ) -> list[EngineRequest]:
+        """logits: `ModelRunner.execute`'s rows for this plan; `pooled`: its embedding requests'
+        rows (`launch(...).pooled`); `masks`: the grammar masks of its constrained rows, launched
+        beside the forward pass (`GrammarMasks.launch`; None: filled here). Returns the requests
+        that got tokens (or ended), in the order of their first sampled row, then the embedding
+        requests that ended."""
+        if masks is None:
+            masks = self.grammar_masks.launch(plan, overlap=False)
+        step_masks = masks.result() if masks is not None else None  # before any matcher moves on
+        rows, logit_index, owners, beam_rows, num_sampled, verifications = self._advance(plan, step_masks)
         if num_sampled < logits.shape[0]:  # rows after the sampled ones are prompt positions
             with torch.inference_mode():
                 self._collect_prompt_logprobs(plan, logits[num_sampled:])
@@ -87,8 +105,8 @@ class StepUpdate:
             if lp is not None:
                 target.cumulative_logprob += lp.logprob
             target.append_token(token, lp if seq.sampling.logprobs is not None else None)
-            if target.json is not None:
-                target.json = target.json_masks.advance(target.json, token)
+            if target.grammar is not None:
+                target.grammar.consume_token(token)
             self.stops.check(target)
             touched[seq.request_id] = self.requests[seq.request_id]
         for v in verifications:
@@ -97,9 +115,22 @@ class StepUpdate:
         for request_id, items in beam_rows.items():
             req = touched[request_id] = self.requests[request_id]
             self.beams.step(req, [s for s, _ in items], logits[[r for _, r in items]].cpu())
+        if pooled is not None:
+            self._pool(plan, pooled, touched)
         return list(touched.values())
 
-    def _advance(self, plan: StepPlan):
+    def _pool(self, plan: StepPlan, pooled: torch.Tensor, touched: dict[str, EngineRequest]) -> None:
+        """Each pooling chunk takes its row (in plan order); a request whose prompt has run ends.
+        The rows come to the host at once: one copy a step, not one a request."""
+        rows = iter(pooled.cpu())
+        for chunk in plan.chunks:
+            if chunk.seq.pooling is None or pooled_rows(chunk) is None:
+                continue
+            if take_pooled(chunk, next(rows)):
+                self.stops.pooled(chunk.seq)
+                touched[chunk.seq.request_id] = self.requests[chunk.seq.request_id]
+
+    def _advance(self, plan: StepPlan, masks: StepMasks | None):
         """Mark the plan's tokens computed (publishing full pages to the prefix cache) and list
         the rows to sample: (rows, their logits row, owners, beam rows by request, sampled rows)."""
         rows: list[SampleRow] = []
@@ -114,7 +145,7 @@ class StepUpdate:
             seq.num_cached_pages = self.blocks.cache_full_pages(
                 seq.block_table, seq.token_ids, seq.num_cached_pages, seq.num_computed
             )
-            if not chunk.samples:
+            if not chunk.samples or seq.pooling is not None:  # an embedding samples nothing: `_pool`
                 continue
             if chunk.drafts:
                 verifications.append((seq, chunk.drafts, list(range(row + 1, row + 2 + len(chunk.drafts)))))
@@ -125,8 +156,9 @@ class StepUpdate:
                 beam_rows.setdefault(seq.request_id, []).append((seq, row))
                 continue
             choices = self.forks.choices(seq) if seq.pending_forks else ((0, self.generators.get(seq)),)
+            mask = masks.row(seq) if masks is not None else None  # (n > 1: every choice's, after the prompt)
             for k, gen in choices:
-                rows.append(self.sample_row(seq, gen))
+                rows.append(self.sample_row(seq, gen, mask=mask))
                 logit_index.append(row)
                 owners.append((seq, k, gen))
         # speculating rows go after the plain ones, so results[:len(owners)] stay the owners'
@@ -135,22 +167,12 @@ class StepUpdate:
             gen = self.generators.get(seq)
             state = gen.get_state() if gen is not None and not seq.sampling.greedy else None
             planned.append(Verification(seq, len(rows), drafts, gen, state))
-            rows += self._draft_rows(seq, gen, drafts)
+            rows += [
+                self.sample_row(seq, gen, drafts[:j], masks.row(seq, j) if masks is not None else None)
+                for j in range(len(drafts) + 1)
+            ]  # row j as `seq` samples after drafts[:j]: penalties count them, the grammar's mask follows them
             logit_index += logit_rows
         return rows, logit_index, owners, beam_rows, row + 1, planned
-
-    def _draft_rows(self, seq: Sequence, generator: torch.Generator | None, drafts: list[int]) -> list[SampleRow]:
-        """Row j as `seq` would sample it with drafts[:j] appended: penalties count them, JSON
-        mode's mask follows them (from a draft the grammar refuses on, the rows repeat the last
-        mask: that draft is rejected, so no later row is used)."""
-        out: list[SampleRow] = []
-        cursor = seq.json
-        for j in range(len(drafts) + 1):
-            row = self.sample_row(seq, generator, drafts[:j], cursor)
-            out.append(row)
-            if cursor is not None and j < len(drafts) and bool(row.allowed[drafts[j]]):
-                cursor = seq.json_masks.advance(cursor, drafts[j])
-        return out
 
     def _accept(self, v: Verification, results: list, vocab_size: int) -> None:
         """Keep the drafts that equal what their row sampled, then the first sampled token that
@@ -175,8 +197,8 @@ class StepUpdate:
             if lp is not None:
                 seq.cumulative_logprob += lp.logprob
             seq.append_token(token, lp if seq.sampling.logprobs is not None else None)
-            if seq.json is not None:
-                seq.json = seq.json_masks.advance(seq.json, token)
+            if seq.grammar is not None:
+                seq.grammar.consume_token(token)
             self.stops.check(seq)
             if seq.finished:  # a stop token or max_tokens mid-draft: what follows is dropped (pages freed)
                 return
@@ -204,16 +226,19 @@ class StepUpdate:
                 at += len(positions)
 
     def sample_row(
-        self, seq: Sequence, generator: torch.Generator | None, ahead: Seq[int] = (), cursor: object = None
+        self,
+        seq: Sequence,
+        generator: torch.Generator | None,
+        ahead: Seq[int] = (),
+        mask: tuple[torch.Tensor, bool] | None = None,
     ) -> SampleRow:
         """What the sampler needs to know to pick `seq`'s next token; with `ahead` (draft tokens
-        not appended yet) and their JSON `cursor`, the token after them."""
+        not appended yet), the token after them. `mask`: its grammar's bitmask there and whether
+        the grammar is done (`StepMasks.row`; then only an end token may come, min_tokens or not)."""
         p = seq.sampling
-        if not ahead:
-            cursor = seq.json
+        allowed, done = mask if mask is not None else (None, False)
         banned: tuple[int, ...] = ()
-        allowed = None if cursor is None else seq.json_masks.allowed(cursor, self.backend.device)
-        if seq.num_output_tokens + len(ahead) < p.min_tokens and not (cursor is not None and cursor.complete):
+        if seq.num_output_tokens + len(ahead) < p.min_tokens and not done:
             banned = tuple(sorted(self.stops.stop_ids(p)))
         # the token lists only feed penalties: no copies of long contexts per row and step without them
         repetition = p.repetition_penalty != 1.0

@@ -1,6 +1,8 @@
 """The LLM worker: an `Engine` behind the worker shell, in one of three roles.
 
     mixed    GenerateTask ─▶ engine (prefill + decode) ─▶ TokenDeltaBatch per step
+    mixed or GenerateTask(pooling): an embedding ─▶ engine, prefill only ─▶ its vector in an
+    prefill  EmbeddingBatch (one per step per destination); its pages are freed at once
     prefill  PrefillTask  ─▶ engine, prefill only ─▶ first token(s) at once, then HandoffOut
                              sends the prompt's pages to the decode worker
     decode   DecodeTask   ─▶ HandoffIn pins the cached prefix, awaits the pages, imports them
@@ -20,6 +22,8 @@ from pagemesh.common.messages import (
     MAX_PAGE_HASHES,
     DecodeTask,
     DoneReason,
+    Embedding,
+    EmbeddingBatch,
     FinishReason,
     GenerateTask,
     HeldRequest,
@@ -89,13 +93,18 @@ class LLMWorker:
         prefill_only = isinstance(task, PrefillTask)
         try:
             resumed = task.output_token_ids if isinstance(task, GenerateTask) else ()  # migrated here
-            self.engine.admit(  # checked at the gateway and the tokenizer
-                task.request_id,
-                task.prompt_token_ids,
-                task.sampling,
-                prefill_only=prefill_only,
-                output_token_ids=resumed,
-            )
+            if isinstance(task, GenerateTask) and task.pooling is not None:
+                self.engine.admit_embedding(
+                    task.request_id, task.prompt_token_ids, task.pooling, task.sampling.priority
+                )
+            else:
+                self.engine.admit(  # checked at the gateway and the tokenizer
+                    task.request_id,
+                    task.prompt_token_ids,
+                    task.sampling,
+                    prefill_only=prefill_only,
+                    output_token_ids=resumed,
+                )
         except ValueError as e:
             self.ctx.log.warning("request refused", request_id=task.request_id, error=str(e))
             self.scheduler_queued.pop(task.request_id, None)
@@ -130,9 +139,16 @@ class LLMWorker:
     async def publish(self, outputs: list[RequestOutput]) -> None:
         starting, self.starting = self.starting, {}
         batches: dict[str, list[TokenDelta]] = {reply_to: [] for reply_to in starting}
+        embeddings: dict[str, list[Embedding]] = {}
         for out in outputs:
             reply_to = self.reply_to.get(out.request_id)
             if reply_to is None:
+                continue
+            if out.embedding is not None:  # no tokens, nothing to detokenize: its own message
+                embedding = Embedding(
+                    request_id=out.request_id, values=out.embedding, prompt_tokens=out.num_prompt_tokens
+                )
+                embeddings.setdefault(reply_to, []).append(embedding)
                 continue
             queue_time = None
             if out.queue_time is not None:
@@ -157,6 +173,8 @@ class LLMWorker:
         for reply_to, deltas in batches.items():  # one message per step per destination
             batch = TokenDeltaBatch(worker_id=self.ctx.worker_id, deltas=deltas, started=starting.get(reply_to, []))
             await self.ctx.push(reply_to, batch)
+        for reply_to, done in embeddings.items():  # after `started`: a request may start and end in one step
+            await self.ctx.push(reply_to, EmbeddingBatch(worker_id=self.ctx.worker_id, embeddings=done))
         for out in outputs:
             if out.finished:
                 if self.out.has_pages(out.request_id):

@@ -26,6 +26,7 @@ from pagemesh.workers.model.layers import (
     linear,
 )
 from pagemesh.workers.model.ops import ModelOps
+from pagemesh.workers.model.pooling import PoolSpans
 
 
 class AttentionBackend(Protocol):
@@ -54,6 +55,8 @@ class ForwardContext:
     ops: ModelOps
     rope: object = None  # ops.rope_tables(...) of this step, filled by the model
     decode_layers: object = None  # workers.model.decode_layers.DecodeLayers: all layers in one C call
+    pool: PoolSpans | None = None  # embedding requests' spans of final-norm hidden states to sum
+    pooled: torch.Tensor | None = None  # [pool.count, hidden] fp32, filled by the last stage's model
 
 
 class LlamaAttention(nn.Module):
@@ -108,7 +111,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(token ids [T], ctx, logit rows) -> logits [len(logit rows), vocab] in fp32.
+    """forward(token ids [T], ctx, logit rows) -> logits [len(logit rows), vocab] in fp32; with
+    `ctx.pool`, the sums of its spans of final-norm hidden states go to `ctx.pooled` as well.
 
     A pipeline stage (`layers`: a contiguous range of the model's layers, default all) holds only
     those decoder layers, the embedding if it is the first stage, the final norm and the LM head
@@ -160,6 +164,8 @@ class LlamaForCausalLM(nn.Module):
             # both halves, not their sum: the next stage's first norm adds them as this one would
             return torch.stack((x, residual))
         x, _ = self.norm(x, residual, ctx.ops)
+        if ctx.pool is not None:
+            ctx.pooled = ctx.pool.sum(x)
         return linear(x[logit_rows], self.lm_head.weight, None, self.lm_head.packed, torch.float32)
 
     # ---- weights --------------------------------------------------------------------------
