@@ -4,8 +4,8 @@ shape (Anthropic's under /v1/messages), and the mesh serves a normal request aft
 
 Bounded for CI: one mixed worker with a 64-token context (a generation the fuzzer asks for costs at
 most that), and FUZZ_EXAMPLES examples per route (PAGEMESH_FUZZ_EXAMPLES raises it for a longer
-run by hand). Images are left out: this mesh has no diffusion worker, so an image request's
-answer is the scheduler's 503 "no worker serves it", by design.
+run by hand). A diffusion worker serves the embedded digits model, so /v1/images/generations is
+fuzzed too.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ FUZZ_EXAMPLES = int(os.environ.get("PAGEMESH_FUZZ_EXAMPLES", "25"))
 # a max_tokens the fuzzer picks is capped here, and set where it picks none (chat's default is the
 # rest of the context): this tests the doors, not long outputs, and a loaded CPU makes ~2 tokens/s
 MAX_FUZZ_TOKENS = 8
-SCHEMA = schemathesis.openapi.from_dict(DOCUMENT).exclude(path="/v1/images/generations")
+IMAGE_MODEL = "digits-dit"  # the embedded image model the mesh's diffusion worker serves
+SCHEMA = schemathesis.openapi.from_dict(DOCUMENT)
 # each generating route's output-length fields (the first is set when the fuzzer gives none)
 OUTPUT_LIMITS = {
     "/v1/completions": ("max_tokens",),
@@ -45,7 +46,8 @@ def mesh():
         return
     # a long heartbeat timeout: on a loaded machine one engine step can outlast the default 5 s
     # and the worker would be judged dead (issue 19) -- that is not what this test is about
-    flags = ("--mixed", "1", "--max-model-len", "64", "--heartbeat-timeout", "600", "--api-key", KEY)
+    flags = ("--mixed", "1", "--diffusion", "1", "--max-model-len", "64", "--heartbeat-timeout", "600")
+    flags += ("--api-key", KEY)
     with running_mesh(*flags) as url:
         yield url
 
@@ -70,7 +72,7 @@ def test_fuzzed_requests_get_no_5xx_and_openai_shaped_errors(mesh, case):
     body = case.body
     if isinstance(body, dict):
         if isinstance(body.get("model"), str):  # a random name is a 404 before the mesh: name ours
-            body["model"] = DEFAULT_MODEL_NAME
+            body["model"] = IMAGE_MODEL if case.path == "/v1/images/generations" else DEFAULT_MODEL_NAME
         limits = OUTPUT_LIMITS.get(case.path, ())
         for field in limits:
             value = body.get(field)
