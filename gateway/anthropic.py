@@ -43,7 +43,7 @@ COUNT_TOKENS_DEFINED = {
     "cache_control", "context_management", "mcp_servers", "messages", "model", "output_config", "system",
     "thinking", "tool_choice", "tools",
 }  # fmt: skip
-COUNT_TOKENS_HONOURED = {"cache_control", "messages", "model", "system", "thinking"}
+COUNT_TOKENS_HONOURED = {"cache_control", "messages", "model", "system", "thinking", "tool_choice", "tools"}
 
 # chat field -> the Messages field it came from (errors the chat parser raises name the latter)
 _RENAMES = {"stop": "stop_sequences", "user": "metadata.user_id", "parallel_tool_calls": "tool_choice"}
@@ -91,16 +91,12 @@ def parse_messages(body: dict) -> ParsedRequest:
 
 
 def parse_count_tokens(body: dict) -> ParsedRequest:
-    """A count_tokens request, checked, as the chat request whose prompt it counts. `tools`,
-    `tool_choice` and tool blocks are refused: the tokenizer's count call (TokenizeRequest) renders
-    the chat template without tools and without an assistant's tool calls, so it would count them wrong."""
+    """A count_tokens request, checked, as the chat request whose prompt it counts: its tools and
+    tool blocks are rendered by the chat template as a Messages request's are."""
     check_fields(body, COUNT_TOKENS_HONOURED, COUNT_TOKENS_DEFINED)
     if body.get("model") is None:
         raise invalid("model: required", "model")
     chat, origins = to_chat(body)
-    for message, origin in zip(chat["messages"], origins, strict=True):
-        if "tool_calls" in message or message["role"] == "tool":
-            raise invalid(f"{origin}: tool_use and tool_result blocks are not supported by count_tokens", origin)
     try:
         return parse_chat(chat)
     except ApiError as e:

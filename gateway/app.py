@@ -152,6 +152,8 @@ class Gateway:
             prompt_text=None,
             messages=parsed.messages,
             add_special_tokens=False,  # as a chat request's prompt: the template writes its own
+            tools=parsed.chat_options.tools_json() if parsed.chat_options else None,
+            chat_template_kwargs=parsed.chat_options.template_kwargs_json() if parsed.chat_options else None,
         )
         admission = self.limits.admit(request[API_KEY], None)  # concurrency only: nothing is generated
         try:

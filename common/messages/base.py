@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import typing
 
 MAX_ID = (1 << 31) - 1  # list[int] fields hold ids and sizes: 0 <= x <= MAX_ID
@@ -86,3 +87,16 @@ class DoneReason(enum.StrEnum):
     def failed(self) -> bool:
         """The request ends with an error for its client."""
         return self in (DoneReason.REJECTED, DoneReason.KV_REJECTED, DoneReason.KV_TIMEOUT)
+
+
+def check_json_text(text: str | None, kind: type, where: str) -> None:
+    """A message field that carries JSON text (tools, template kwargs): None, or JSON of a `kind`
+    (list: of objects)."""
+    if text is None:
+        return
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        raise ProtocolError(f"{where}: not JSON") from None
+    if not isinstance(value, kind) or (kind is list and not all(isinstance(x, dict) for x in value)):
+        raise ProtocolError(f"{where}: expected JSON of {'objects' if kind is list else 'an object'}")

@@ -11,10 +11,9 @@ EmbeddingBatch the tokenizer relays to the gateway as it is (no text to make).
 
 from __future__ import annotations
 
-import json
 from dataclasses import field
 
-from pagemesh.common.messages.base import FinishReason, Pooling, ProtocolError, message, record
+from pagemesh.common.messages.base import FinishReason, Pooling, ProtocolError, check_json_text, message, record
 from pagemesh.common.sampling import SamplingParams
 
 
@@ -61,22 +60,10 @@ class GenerateRequest:
             raise ProtocolError("GenerateRequest: exactly one of prompt_text, prompt_token_ids, messages must be set")
         if self.messages is None and (self.tools is not None or self.chat_template_kwargs is not None):
             raise ProtocolError("GenerateRequest: tools and chat_template_kwargs go with messages only")
-        _json_text(self.tools, list, "tools")
-        _json_text(self.chat_template_kwargs, dict, "chat_template_kwargs")
+        check_json_text(self.tools, list, "GenerateRequest.tools")
+        check_json_text(self.chat_template_kwargs, dict, "GenerateRequest.chat_template_kwargs")
         for i, m in enumerate(self.messages or ()):
-            _json_text(m.get("tool_calls"), list, f"messages[{i}].tool_calls")
-
-
-def _json_text(text: str | None, kind: type, name: str) -> None:
-    """`text` is None or JSON of a `kind` (list: of objects)."""
-    if text is None:
-        return
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):
-        raise ProtocolError(f"GenerateRequest.{name}: not JSON") from None
-    if not isinstance(value, kind) or (kind is list and not all(isinstance(x, dict) for x in value)):
-        raise ProtocolError(f"GenerateRequest.{name}: expected JSON of {'objects' if kind is list else 'an object'}")
+            check_json_text(m.get("tool_calls"), list, f"GenerateRequest.messages[{i}].tool_calls")
 
 
 @message

@@ -11,7 +11,7 @@ and any route that needs to count a prompt's tokens may send one.
 
 from __future__ import annotations
 
-from pagemesh.common.messages.base import ProtocolError, message
+from pagemesh.common.messages.base import ProtocolError, check_json_text, message
 
 
 @message
@@ -20,7 +20,8 @@ class TokenizeRequest:
     model's chat template (exactly one of `prompt_text` / `messages` is set).
     `add_special_tokens`: the tokenizer's own BOS in front (on top of what a chat template
     writes itself); `add_generation_prompt`: messages only, the template's assistant header
-    at the end; `return_token_strs`: each token's text as well."""
+    at the end; `return_token_strs`: each token's text as well; `tools` and
+    `chat_template_kwargs`: rendered as a chat request's are."""
 
     request_id: str
     reply_to: str
@@ -29,10 +30,16 @@ class TokenizeRequest:
     add_special_tokens: bool
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: str | None = None  # JSON text: the tools the chat template sees, as a chat request's
+    chat_template_kwargs: str | None = None  # JSON text
 
     def _check(self) -> None:
         if (self.prompt_text is None) == (self.messages is None):
             raise ProtocolError("TokenizeRequest: exactly one of prompt_text, messages must be set")
+        if self.messages is None and (self.tools is not None or self.chat_template_kwargs is not None):
+            raise ProtocolError("TokenizeRequest: tools and chat_template_kwargs go with messages only")
+        check_json_text(self.tools, list, "TokenizeRequest.tools")
+        check_json_text(self.chat_template_kwargs, dict, "TokenizeRequest.chat_template_kwargs")
 
 
 @message

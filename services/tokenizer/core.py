@@ -248,7 +248,9 @@ class TokenizerCore:
                 ids = self.tokenizer.encode(request.prompt_text, request.add_special_tokens)
             else:
                 messages = [_with_tool_calls(m) for m in request.messages]  # as a chat request's
-                text = self.tokenizer.apply_chat_template(messages, request.add_generation_prompt)
+                tools = json.loads(request.tools) if request.tools is not None else None
+                kwargs = json.loads(request.chat_template_kwargs) if request.chat_template_kwargs is not None else None
+                text = self.tokenizer.apply_chat_template(messages, request.add_generation_prompt, tools, kwargs)
                 ids = self.tokenizer.encode(text, request.add_special_tokens)
         except ValueError as e:
             default = "messages" if request.messages is not None else "prompt"

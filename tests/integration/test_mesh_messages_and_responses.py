@@ -203,7 +203,7 @@ def test_messages_tool_use_round_trip(claude):
     assert "input_json" in kinds  # the client's event for input_json_delta
     assert [(b.type, b.name, b.input) for b in streamed.content] == [("tool_use", "get_weather", call.input)]
 
-    answered = claude.messages.create(
+    answered_ask = dict(
         model=MODEL,
         max_tokens=8,
         tools=[tool],
@@ -218,8 +218,12 @@ def test_messages_tool_use_round_trip(claude):
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "18 C, sunny"}]},
         ],
     )
+    answered = claude.messages.create(**answered_ask)
     assert answered.content[0].type == "text" and answered.stop_reason in ("end_turn", "max_tokens")
     assert answered.usage.input_tokens + answered.usage.cache_read_input_tokens > message.usage.input_tokens
+    conversation = {k: v for k, v in answered_ask.items() if k in ("model", "messages", "tools")}
+    counted = claude.messages.count_tokens(**conversation)  # tools and tool blocks counted as rendered
+    assert counted.input_tokens == answered.usage.input_tokens + answered.usage.cache_read_input_tokens
 
 
 def test_responses_function_call_round_trip(client):

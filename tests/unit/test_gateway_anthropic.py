@@ -388,12 +388,19 @@ def test_count_tokens_is_the_tokenizers_count_of_the_rendered_conversation(tmp_p
             await fake.reply(call, TokenizeResult(request_id=call.request_id, token_ids=[5, 6, 7], max_model_len=64))
             assert (await pending).input_tokens == 3
 
+            assert (call.tools, call.chat_template_kwargs) == (None, None)
+
             tool = {"name": "f", "input_schema": {"type": "object"}}
-            with pytest.raises(anthropic.BadRequestError) as info:
-                await client.messages.count_tokens(
-                    model=MODEL, messages=[{"role": "user", "content": "x"}], tools=[tool]
-                )
-            assert info.value.body["error"]["message"] == "tools: not supported by this server"
+            pending = asyncio.create_task(
+                client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "x"}], tools=[tool])
+            )
+            _, call = await fake.from_tokenizer()
+            function = {"name": "f", "parameters": {"type": "object"}}
+            assert [t["function"] | {"description": None} for t in json.loads(call.tools)] == [
+                function | {"description": None}
+            ]  # the template sees the tools as a chat request's
+            await fake.reply(call, TokenizeResult(request_id=call.request_id, token_ids=[5] * 9, max_model_len=64))
+            assert (await pending).input_tokens == 9
             with pytest.raises(anthropic.BadRequestError) as info:
                 await client.messages.count_tokens(
                     model=MODEL, messages=[{"role": "user", "content": "x"}], extra_body={"max_tokens": 3}
