@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pagemesh.gateway.chat_bridge import only_keys
 from pagemesh.gateway.errors import invalid
 
 MAX_TOOLS = 128  # OpenAI's limit
@@ -122,11 +123,11 @@ def _tools(value: Any) -> tuple[dict, ...]:
             raise invalid(
                 f"{where}: only function tools are supported ({{'type': 'function', 'function': ...}})", where
             )
-        _only(tool, {"type", "function"}, where)
+        only_keys(tool, {"type", "function"}, where)
         function = tool.get("function")
         if not isinstance(function, dict):
             raise invalid(f"{where}.function: required, an object", f"{where}.function")
-        _only(function, {"name", "description", "parameters", "strict"}, f"{where}.function")
+        only_keys(function, {"name", "description", "parameters", "strict"}, f"{where}.function")
         name = function.get("name")
         if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
             raise invalid(
@@ -194,11 +195,11 @@ def tool_calls_field(value: Any, where: str) -> str:
         at = f"{where}[{j}]"
         if not isinstance(call, dict) or call.get("type", "function") != "function":
             raise invalid(f"{at}: must be a function call ({{'id', 'type': 'function', 'function'}})", at)
-        _only(call, {"id", "type", "function"}, at)
+        only_keys(call, {"id", "type", "function"}, at)
         function = call.get("function")
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise invalid(f"{at}.function: required, with a name and arguments", f"{at}.function")
-        _only(function, {"name", "arguments"}, f"{at}.function")
+        only_keys(function, {"name", "arguments"}, f"{at}.function")
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             try:
@@ -214,9 +215,3 @@ def tool_calls_field(value: Any, where: str) -> str:
             parsed["id"] = call["id"]
         calls.append(parsed)
     return json.dumps(calls, ensure_ascii=False)
-
-
-def _only(obj: dict, allowed: set[str], where: str) -> None:
-    for key, value in obj.items():
-        if value is not None and key not in allowed:
-            raise invalid(f"{where}.{key}: not supported (allowed: {', '.join(sorted(allowed))})", f"{where}.{key}")
