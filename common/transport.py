@@ -23,6 +23,7 @@ keys nothing changes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,10 +32,15 @@ import zmq
 import zmq.asyncio
 
 from pagemesh.common.addresses import MAX_IPC_PATH, bindable, ipc_address, tcp_address, validate_address  # noqa: F401 - re-exported
+from pagemesh.common.log_limit import LogLimiter
 from pagemesh.common.protocol import Message, ProtocolError, decode, encode
 from pagemesh.common.transport_curve import mesh_keys, secure, stop_gatekeepers
 
 log = structlog.get_logger()
+
+# a socket logs at most this many malformed messages in an interval (a flooding peer fills no disk)
+MALFORMED_LOG_BURST = 20
+MALFORMED_LOG_INTERVAL_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,7 @@ class _Socket:
         validate_address(address, allow_wildcard=allow_wildcard and bind)
         self.options = options
         self.dropped = 0  # malformed messages skipped
+        self._drop_log = LogLimiter(MALFORMED_LOG_BURST, MALFORMED_LOG_INTERVAL_S)
         self._sock = (context or zmq.asyncio.Context.instance()).socket(kind)
         try:
             self._sock.setsockopt(zmq.LINGER, options.linger_ms)
@@ -138,10 +145,21 @@ class _Socket:
             return identity, msg, tensor_frames
 
     def _drop(self, identity: bytes | None, error: str) -> None:
+        """Count a malformed message; log it unless this socket already logged
+        MALFORMED_LOG_BURST of them in the last MALFORMED_LOG_INTERVAL_S (a flood: the next
+        line written says how many were left out)."""
         self.dropped += 1
-        log.warning(
-            "dropped malformed message", socket=type(self).__name__, address=self.address, peer=identity, error=error
-        )
+        left_out = self._drop_log.admit("malformed", time.monotonic())
+        if left_out is not None:
+            log.warning(
+                "dropped malformed message",
+                socket=type(self).__name__,
+                address=self.address,
+                peer=identity,
+                error=error,
+                dropped_so_far=self.dropped,
+                **({"not_logged_since_last": left_out} if left_out else {}),
+            )
 
     def close(self) -> None:
         self._sock.close()

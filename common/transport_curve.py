@@ -30,6 +30,8 @@ import zmq.auth
 import zmq.utils.monitor
 from zmq.utils import z85
 
+from pagemesh.common.log_limit import LogLimiter
+
 log = structlog.get_logger()
 
 KEYS_ENV = "PAGEMESH_ZMQ_KEYS"  # the keys folder; `--zmq-keys DIR` sets it (children inherit it)
@@ -117,7 +119,7 @@ class Gatekeeper:
     def __init__(self, context: zmq.Context):
         self.allowed: set[bytes] = set()  # Z85 public keys; a process has one (a test may use more)
         self.refused = 0
-        self._logged_at: dict[str, float] = {}  # kind of refusal -> when last logged
+        self._log_limit = LogLimiter(burst=1, interval_s=_REFUSAL_LOG_S)  # per kind of refusal
         self._context = context
         self._stop = threading.Event()
         self._monitor_ids = itertools.count()
@@ -180,9 +182,7 @@ class Gatekeeper:
         """Count a refusal; log it unless the same kind was logged less than _REFUSAL_LOG_S ago (a
         peer without keys reconnects, and is refused, ten times a second)."""
         self.refused += 1
-        now = time.monotonic()
-        if now - self._logged_at.get(what, -_REFUSAL_LOG_S) >= _REFUSAL_LOG_S:
-            self._logged_at[what] = now
+        if self._log_limit.admit(what, time.monotonic()) is not None:
             log.warning(what, refused_so_far=self.refused, **fields)
 
     def answer(self, request: list[bytes]) -> list[bytes]:

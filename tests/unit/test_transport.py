@@ -154,6 +154,29 @@ def test_malformed_frames_are_dropped_and_the_next_message_arrives(garbage, tmp_
     run(main())
 
 
+def test_a_flood_of_malformed_messages_is_counted_whole_and_logged_at_a_bounded_rate(tmp_path):
+    """A peer sending 500 malformed messages: every one is dropped and counted, the log gets at
+    most MALFORMED_LOG_BURST lines in the interval, and the mesh's next message arrives."""
+    from structlog.testing import capture_logs
+
+    stream = t.ipc_address(str(tmp_path), "flood")
+    flood = 500
+
+    async def main():
+        with t.Pull(stream) as pull, t.Push(stream) as push:
+            for _ in range(flood):
+                await push.send_frames([b"not a message"])
+            await push.send(Ready(service="worker", name="w"))
+            assert await pull.recv() == Ready(service="worker", name="w")
+            return pull.dropped
+
+    with capture_logs() as logs:
+        assert run(main()) == flood
+    lines = [e for e in logs if e["event"] == "dropped malformed message"]
+    assert len(lines) == t.MALFORMED_LOG_BURST < flood  # (the flood takes far less than the interval)
+    assert [e["dropped_so_far"] for e in lines] == list(range(1, t.MALFORMED_LOG_BURST + 1))
+
+
 def test_router_send_to_unknown_identity_raises():
     async def main(address):
         with t.Router(address) as router:
