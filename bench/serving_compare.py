@@ -78,9 +78,10 @@ def systems(peers_dir: Path) -> list[System]:
         )
 
     pagemesh_how = ["echo", "pagemesh (this checkout), bf16, CPU kernels, prefix caching off"]
+    dense = ["--quantization", "none"]  # a GGUF serves from its own blocks by default: these rows stay bf16
     return [
-        System("pagemesh mixed", up + ["--mixed", "1"], "/ready", describe=pagemesh_how + ["--mixed 1"]),
-        System("pagemesh 1P+1D", up, "/ready", describe=pagemesh_how + ["1 prefill + 1 decode"]),
+        System("pagemesh mixed", up + ["--mixed", "1", *dense], "/ready", describe=pagemesh_how + ["--mixed 1"]),
+        System("pagemesh 1P+1D", up + dense, "/ready", describe=pagemesh_how + ["1 prefill + 1 decode"]),
         # the shipped GGUF's Q4_1/Q8_0 blocks as they are (docs/perf/quantization.md), and with an fp8 KV cache
         System(
             "pagemesh mixed gguf",

@@ -1,9 +1,9 @@
-"""The shape of a Llama-family model, read from an HF config.json or from GGUF metadata.
+"""The shape of a model, read from an HF config.json or from GGUF metadata.
 
 No torch: the tokenizer reads the context length from it, the workers build the model from it.
-A config feature the Llama-family code does not implement is refused here, by name, so that no
-model is served differently from Hugging Face transformers; the one exception is a sliding
-attention window, which caps the context instead (see `ModelConfig.sliding_window`)."""
+Each HF architecture's mapping is `pagemesh.common.model_families`'; a config feature its
+family's code does not implement is refused here, by name, so that no model is served
+differently from Hugging Face transformers."""
 
 from __future__ import annotations
 
@@ -11,18 +11,28 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+from pagemesh.common.model_families import GGUF_FAMILIES, HF_FAMILIES, longrope_context, rope_scaling_items
+
+SUPPORTED_ARCHITECTURES = {name: mapping.architecture for name, mapping in HF_FAMILIES.items()}
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts model's expert layers (`pagemesh.workers.model.moe`): each token's
+    MLP is the weighted sum of `experts_per_token` of `num_experts` experts, its router's choice."""
+
+    num_experts: int
+    experts_per_token: int
+    intermediate_size: int  # each expert's gate/up rows (ModelConfig.intermediate_size: a dense layer's)
+    renormalize: bool  # the chosen experts' weights divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (Qwen3-MoE: mlp_only_layers, decoder_sparse_step)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Everything the forward pass needs to know about a model."""
 
-    architecture: str  # llama | mistral | qwen2
+    architecture: str  # the model code's key (model_families.HF_FAMILIES): llama | mistral | qwen2 | ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -32,18 +42,25 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    max_position_embeddings: int  # positions served: the model's context, at most its sliding window
+    max_position_embeddings: int  # positions served: the model's context
     tie_word_embeddings: bool
     attention_bias: bool = False
-    rope_scaling: tuple[tuple[str, float | str], ...] | None = None
+    rope_scaling: tuple[tuple[str, float | str | tuple[float, ...]], ...] | None = None
     bos_token_id: int | None = None
     eos_token_id: int | None = None
-    # Where some layer attends only to a window shorter than the model's context: the window W
-    # (as HF transformers: a query sees the last W positions, itself included) and the model's own
-    # context. pagemesh attends to every position, which is the same up to W tokens, so
-    # max_position_embeddings is then W: a longer context would be served wrong.
-    sliding_window: int | None = None
-    native_max_position_embeddings: int | None = None
+    # Sliding-window attention: None where no layer slides, else one entry per decoder layer, its
+    # window W (as HF transformers: a query sees the last W positions, itself included) or None
+    # (full attention). A window at least the context is no window. Pages every layer's window has
+    # passed are freed while a sequence runs (workers/engine/block_manager.py).
+    layer_windows: tuple[int | None, ...] | None = None
+    moe: MoEConfig | None = None  # mixture-of-experts families only
+    # What some families add (model_families.py maps them; the defaults are Llama's)
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k, before RoPE (Qwen3, Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scores scaled by its -1/2 power, not head_dim's
+    attn_logit_softcapping: float | None = None  # scores become c * tanh(scores / c) (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits become c * tanh(logits / c) (Gemma 2 and 3)
+    rope_local_theta: float | None = None  # the RoPE base of sliding layers, unscaled (Gemma 3)
+    rope_local_layers: tuple[int, ...] = ()  # the layers that rotate with rope_local_theta
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -52,24 +69,21 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> ModelConfig:
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-        arch = SUPPORTED_ARCHITECTURES.get(archs[0])
-        if arch is None:
+        family = HF_FAMILIES.get(archs[0])
+        if family is None:
             raise ValueError(
                 f"model: unsupported architecture {archs[0]!r} (supported: {sorted(SUPPORTED_ARCHITECTURES)})"
             )
-        _refuse_unimplemented(cfg, arch)
+        arch = family.architecture
+        _refuse_unimplemented(cfg, arch, family.served)
         heads = cfg["num_attention_heads"]
-        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-        if scaling:
-            scaling = {k: v for k, v in scaling.items() if isinstance(v, (int, float, str))}
-            kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind == "default":
-                scaling = None
-            elif kind != "llama3":
-                raise ValueError(f"model: unsupported rope scaling {kind!r} (supported: default, llama3)")
+        nested_rope = "full_attention" in (cfg.get("rope_parameters") or {})  # per layer type: the family reads it
+        scaling = (
+            None if nested_rope else rope_scaling_items(cfg.get("rope_scaling") or cfg.get("rope_parameters"), cfg)
+        )
         eos = cfg.get("eos_token_id")
-        context, window = _window_cap(cfg.get("max_position_embeddings", 4096), _hf_sliding_window(cfg, arch))
-        return cls(
+        context = longrope_context(cfg.get("max_position_embeddings", 4096), scaling)
+        common = dict(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -82,14 +96,14 @@ class ModelConfig:
             rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
             max_position_embeddings=context,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            # HF: Qwen2 has q/k/v biases always, Mistral never; Llama's flag (o_proj too) is refused above
-            attention_bias=arch == "qwen2",
-            rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
+            attention_bias=False,  # HF: Qwen2 has q/k/v biases always (its mapping says so), Mistral never
+            rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
-            sliding_window=window,
-            native_max_position_embeddings=cfg.get("max_position_embeddings", 4096) if window else None,
+            layer_windows=_hf_layer_windows(cfg, arch, context),
+            moe=_hf_moe(cfg, arch),
         )
+        return cls(**{**common, **family.fields(cfg, context)})
 
     @classmethod
     def from_hf_folder(cls, folder: Path) -> ModelConfig:
@@ -98,15 +112,18 @@ class ModelConfig:
     @classmethod
     def from_gguf_fields(cls, meta: dict, tensor_names: set[str]) -> ModelConfig:
         arch = meta["general.architecture"]
-        if arch not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"model: unsupported GGUF architecture {arch!r}")
+        if arch not in GGUF_FAMILIES:
+            raise ValueError(f"model: unsupported GGUF architecture {arch!r} (supported: {sorted(GGUF_FAMILIES)})")
         p = f"{arch}."
         heads = int(meta[p + "attention.head_count"])
         hidden = int(meta[p + "embedding_length"])
         vocab = int(meta.get(p + "vocab_size") or len(meta["tokenizer.ggml.tokens"]))
         scaling = None
-        if meta.get(p + "rope.scaling.type") == "llama3" or (p + "rope.scaling.factor") in meta:
-            raise ValueError("model: GGUF rope scaling is not supported yet; use the HF folder")
+        # attn_factor: Phi-3's LongRoPE (its original_context_length alone is written for every Phi-3)
+        scaled = [k for k in ("factor", "attn_factor") if p + "rope.scaling." + k in meta]
+        if meta.get(p + "rope.scaling.type") == "llama3" or scaled:
+            key = f"{p}rope.scaling.{(scaled or ['type'])[0]}"
+            raise ValueError(f"model: GGUF rope scaling ({key}) is not supported yet; use the HF folder")
         head_dim = int(meta.get(p + "attention.key_length") or hidden // heads)
         for key, value in (
             ("attention.value_length", meta.get(p + "attention.value_length")),
@@ -115,7 +132,8 @@ class ModelConfig:
             if value is not None and int(value) != head_dim:
                 raise ValueError(f"model: GGUF {p}{key}={value} (head_dim {head_dim}) is not supported")
         window = meta.get(p + "attention.sliding_window")  # llama.cpp's key; a Mistral GGUF is `llama` without it
-        context, window = _window_cap(int(meta.get(p + "context_length", 4096)), _window_value(window, "GGUF"))
+        window = None if window == 0 else window  # llama.cpp's Phi-3 converter writes 0 for none
+        context, window = int(meta.get(p + "context_length", 4096)), _window_value(window, "GGUF")
         return cls(
             architecture=arch,
             vocab_size=vocab,
@@ -133,26 +151,58 @@ class ModelConfig:
             rope_scaling=scaling,
             bos_token_id=_opt_int(meta.get("tokenizer.ggml.bos_token_id")),
             eos_token_id=_opt_int(meta.get("tokenizer.ggml.eos_token_id")),
-            sliding_window=window,
-            native_max_position_embeddings=int(meta.get(p + "context_length", 4096)) if window else None,
+            layer_windows=_uniform_windows(window, int(meta[p + "block_count"]), context),
+            moe=_gguf_moe(meta, arch),
+            **GGUF_FAMILIES[arch],
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int, tp: int = 1) -> int:
         return self.num_layers * 2 * (self.num_kv_heads // tp) * self.head_dim * dtype_bytes
 
-    def sliding_window_note(self) -> str | None:
-        """The load-log line of a model whose context its sliding window caps (None: no cap)."""
-        if self.sliding_window is None:
+    @property
+    def kv_window(self) -> int | None:
+        """How many of a sequence's last positions its KV pages must keep: the widest layer's window,
+        None where some layer attends to every position (then no page can be freed)."""
+        if self.layer_windows is None or None in self.layer_windows:
             return None
-        return (
-            f"model: sliding_window={self.sliding_window} is shorter than the model's context "
-            f"({self.native_max_position_embeddings}); pagemesh attends to every position, the same as the "
-            f"window up to {self.sliding_window} tokens: serving at most {self.sliding_window} tokens a sequence"
-        )
+        return max(self.layer_windows)
 
 
 def _opt_int(x) -> int | None:
     return None if x is None else int(x)
+
+
+def _gguf_moe(meta: dict, arch: str) -> MoEConfig | None:
+    """The experts of a llama.cpp `qwen3moe` file: every layer sparse, the top k renormalised
+    (llama.cpp's Qwen3-MoE graph always normalises them, as the released checkpoints'
+    norm_topk_prob)."""
+    if arch != "qwen3moe":
+        return None
+    p = f"{arch}."
+    experts, top_k = int(meta[p + "expert_count"]), int(meta[p + "expert_used_count"])
+    if not 0 < top_k <= experts:
+        raise ValueError(f"model: GGUF {p}expert_used_count={top_k} with {experts} experts is not supported")
+    return MoEConfig(experts, top_k, int(meta[p + "expert_feed_forward_length"]), True, ())
+
+
+def _hf_moe(cfg: dict, arch: str) -> MoEConfig | None:
+    """The experts of a Mixtral or Qwen3-MoE config.json, as transformers reads them: Mixtral's
+    router renormalises its top k always, Qwen3-MoE's when `norm_topk_prob`; a Qwen3-MoE layer
+    is dense where `mlp_only_layers` names it or (index + 1) is not a multiple of
+    `decoder_sparse_step`."""
+    if arch == "mixtral":
+        experts, inter, renormalize, dense = cfg.get("num_local_experts", 8), cfg["intermediate_size"], True, ()
+    elif arch == "qwen3_moe":
+        experts = cfg.get("num_experts", cfg.get("num_local_experts", 128))
+        inter, renormalize = cfg.get("moe_intermediate_size", 768), bool(cfg.get("norm_topk_prob", False))
+        step, only = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+        dense = tuple(i for i in range(cfg["num_hidden_layers"]) if i in only or experts == 0 or (i + 1) % step != 0)
+    else:
+        return None
+    top_k = cfg.get("num_experts_per_tok", 2)
+    if not 0 < top_k <= max(experts, 1):
+        raise ValueError(f"model: num_experts_per_tok={top_k} with {experts} experts is not supported")
+    return MoEConfig(experts, top_k, inter, renormalize, dense)
 
 
 # HF's defaults where config.json leaves a field out (transformers' MistralConfig, Qwen2Config)
@@ -160,32 +210,42 @@ _HF_DEFAULT_SLIDING_WINDOW = {"mistral": 4096}
 _QWEN2_DEFAULT_MAX_WINDOW_LAYERS = 28
 
 
-def _hf_sliding_window(cfg: dict, arch: str) -> int | None:
-    """The window some layer of this config attends through (HF transformers: a query sees the
-    last W positions, itself included), or None where every layer attends to all positions.
+def _hf_layer_windows(cfg: dict, arch: str, context: int) -> tuple[int | None, ...] | None:
+    """`ModelConfig.layer_windows` of an HF config: each layer's window (HF transformers: a query
+    sees the last W positions, itself included) or None, as transformers reads each family.
 
-    As transformers reads each family: Mistral slides on every layer when `sliding_window` is
-    set (4096 where config.json leaves it out; `layer_types` ignored); Qwen2 only with
-    `use_sliding_window`, on the layers `layer_types` names, else on those from
-    `max_window_layers` up. Where transformers would not slide, the window counts all the same
-    when `layer_types` names a `sliding_attention` layer (Qwen2 without `use_sliding_window`:
-    transformers fails there), and in a Llama config without `layer_types` (Llama's modeling
-    code ignores the field, but it is what the model was trained with): a cap is never wrong,
-    at worst shorter than needed."""
+    Mistral slides on every layer when `sliding_window` is set (4096 where config.json leaves it
+    out; `layer_types` ignored, as MistralConfig does). Qwen2 slides only with
+    `use_sliding_window`: on the layers `layer_types` names `sliding_attention`, else on those
+    from `max_window_layers` up. A Llama config slides on the layers its `layer_types` names, and
+    on every layer when it has a window and no `layer_types` (Llama's modeling code ignores the
+    field, but it is what such a checkpoint, a Mistral under Llama's name, was trained with).
+    A Qwen2 config whose `layer_types` names a sliding layer without `use_sliding_window` slides
+    there too (transformers fails on it)."""
     window = _window_value(cfg.get("sliding_window", _HF_DEFAULT_SLIDING_WINDOW.get(arch)), "HF")
-    if window is None:
+    layers = cfg["num_hidden_layers"]
+    if window is None or window >= context:
         return None
     layer_types = cfg.get("layer_types")
-    if layer_types is not None and "sliding_attention" in layer_types:
-        return window
-    if arch == "mistral":
-        return window
-    if arch == "qwen2":
-        if not cfg.get("use_sliding_window", False) or layer_types is not None:
-            return None
+    if arch == "mixtral" or (arch == "qwen3_moe" and cfg.get("use_sliding_window", False)):
+        return _uniform_windows(window, layers, context)  # as transformers' Mixtral and Qwen3-MoE attention
+    if arch == "mistral" or (arch == "llama" and layer_types is None):
+        return _uniform_windows(window, layers, context)
+    if layer_types is not None:
+        if len(layer_types) != layers:
+            raise ValueError(f"model: layer_types names {len(layer_types)} layers, num_hidden_layers is {layers}")
+        windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    elif arch == "qwen2" and cfg.get("use_sliding_window", False):
         first = cfg.get("max_window_layers", _QWEN2_DEFAULT_MAX_WINDOW_LAYERS)
-        return window if first < cfg["num_hidden_layers"] else None
-    return window if layer_types is None else None
+        windows = tuple(window if i >= first else None for i in range(layers))
+    else:
+        return None
+    return windows if any(w is not None for w in windows) else None
+
+
+def _uniform_windows(window: int | None, layers: int, context: int) -> tuple[int, ...] | None:
+    """Every layer sliding through `window` (None: none, or a window at least the context)."""
+    return None if window is None or window >= context else (window,) * layers
 
 
 def _window_value(window, source: str) -> int | None:
@@ -196,51 +256,31 @@ def _window_value(window, source: str) -> int | None:
     return window
 
 
-def _window_cap(context: int, window: int | None) -> tuple[int, int | None]:
-    """(positions served, the window where it caps them): a window at least the context changes
-    no served position, so it is dropped; a shorter one becomes the context."""
-    if window is None or window >= context:
-        return context, None
-    return window, window
-
-
-# config.json fields whose feature the Llama-family code does not have, and the values it does
+# config.json fields whose feature no family's code has, and the values it serves (HF's default first);
+# each family adds its own (model_families.ConfigMapping.served)
 _UNIMPLEMENTED = {
     "mlp_bias": (False, None),  # Llama: biases on gate/up/down
-    "hidden_act": ("silu", "swish"),  # the MLP's activation (swish is SiLU in transformers)
     "partial_rotary_factor": (1, 1.0),  # RoPE on part of each head
 }
 
 
-def _refuse_unimplemented(cfg: dict, arch: str) -> None:
-    """A feature of this config that the Llama-family code does not implement: a load error that
+def _refuse_unimplemented(cfg: dict, arch: str, family_served: dict[str, tuple]) -> None:
+    """A feature of this config that its family's code does not implement: a load error that
     names the field and its value, never a model served differently from HF."""
-    for name, served in _UNIMPLEMENTED.items():
+    for name, served in {**_UNIMPLEMENTED, **family_served}.items():
         value = cfg.get(name, served[0])
         if value not in served:
-            raise ValueError(f"model: {name}={value!r} is not supported (supported: {list(served)})")
+            raise ValueError(f"model: {name}={value!r} is not supported for {arch} (supported: {list(served)})")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"model: partial_rotary_factor={rope['partial_rotary_factor']!r} is not supported")
-    if arch == "llama" and cfg.get("attention_bias", False):
-        raise ValueError("model: attention_bias=True (LlamaForCausalLM: biases on q/k/v and o_proj) is not supported")
+    for params in (rope, *(v for v in rope.values() if isinstance(v, dict))):  # Gemma 3 nests per layer type
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"model: partial_rotary_factor={params['partial_rotary_factor']!r} is not supported")
     quant = cfg.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
         raise ValueError(
             f"model: quantization_config (quant_method={method!r}) is not supported: give dense weights "
             "(--quantization int8 quantizes them at load) or a GGUF file"
-        )
-
-
-def check_max_model_len(cfg: ModelConfig, max_model_len: int) -> None:
-    """An explicit context length longer than a sliding window lets the model serve exactly: an error
-    that names the window (a longer one without a window is capped at the model's, as before)."""
-    if cfg.sliding_window is not None and max_model_len > cfg.sliding_window:
-        raise ValueError(
-            f"max_model_len {max_model_len}: the model attends through sliding_window={cfg.sliding_window}, "
-            f"which pagemesh does not implement; attending to every position is the same only up to "
-            f"{cfg.sliding_window} tokens, so --max-model-len must be at most {cfg.sliding_window}"
         )
 
 

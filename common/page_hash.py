@@ -32,11 +32,19 @@ def chain_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(digest, "little") & _HASH_MASK
 
 
-def prefix_page_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
+def root_hash(label: str) -> int:
+    """The parent key of the first page of a sequence computed under something besides its
+    tokens (a LoRA adapter, by its content digest): its pages never share keys with the base
+    model's or another adapter's, so the prefix cache never serves one the other's KV."""
+    digest = hashlib.blake2b(b"root:" + label.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _HASH_MASK
+
+
+def prefix_page_hashes(token_ids: Sequence[int], page_size: int, root: int | None = None) -> list[int]:
     """Keys of the pages `match_prefix` could hit for this prompt, in order: every full page
-    except one that would leave no token to compute."""
+    except one that would leave no token to compute (`root`: see root_hash)."""
     keys: list[int] = []
-    parent: int | None = None
+    parent: int | None = root
     for i in range((len(token_ids) - 1) // page_size):
         parent = chain_hash(parent, token_ids[i * page_size : (i + 1) * page_size])
         keys.append(parent)

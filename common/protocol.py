@@ -42,8 +42,8 @@ from pagemesh.common.sampling import SamplingParams
 # SpeculationLoad, Heartbeat.speculation, WorkerStatus.speculation; 8: RegisterWorker.pipeline_stages;
 # 9: the tokenize channel (TokenizeRequest/Result, DetokenizeRequest/Result), EmbedRequest,
 # EmbeddingBatch, ScheduleRequest.pooling, GenerateTask.pooling, GenerateRequest.tools/
-# .chat_template_kwargs/.skip_special_tokens, SamplingParams.structured
-PROTOCOL_VERSION = 9
+# .chat_template_kwargs/.skip_special_tokens, SamplingParams.structured; 10: SamplingParams.lora
+PROTOCOL_VERSION = 10
 
 MAX_STR_LEN = 4 << 20  # characters; a prompt of ~1M tokens of text fits
 MAX_TOKEN_IDS = 1 << 20  # length of any list[int] (token ids, page indices, shapes)

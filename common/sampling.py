@@ -18,6 +18,7 @@ MAX_STOP_LEN = 256
 MAX_TOKENS_LIMIT = (1 << 20) - 1
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias
 MAX_SCHEMA_LEN = 1 << 16  # characters of a JSON Schema or of any other grammar's spec
+MAX_LORA_NAME_LEN = 256  # characters of a LoRA adapter's name
 # the grammars of `structured` besides JSON (common/structured_outputs.py turns each into llguidance's)
 STRUCTURED_KINDS = ("regex", "choice", "grammar", "structural_tag")
 
@@ -62,6 +63,9 @@ class SamplingParams:
     # JSON text of a list of choices, an EBNF / Lark grammar, the JSON text of a structural tag
     structured: tuple[str, str] | None = None
     speculative: bool = True  # False: never verify drafts for this request (a worker with --speculative-config)
+    # the LoRA adapter (by its served name) the request runs under; None: the base model. Not a
+    # sampling choice, but it rides here so that every hop carries it (docs/design.md: departures)
+    lora: str | None = None
 
     @property
     def constrained(self) -> bool:
@@ -183,6 +187,11 @@ class SamplingParams:
         )
         _check(isinstance(self.json_object, bool), "json_object", "must be a boolean")
         _check(isinstance(self.speculative, bool), "speculative", "must be a boolean")
+        _check(
+            self.lora is None or (isinstance(self.lora, str) and 0 < len(self.lora) <= MAX_LORA_NAME_LEN),
+            "lora",
+            f"must be an adapter's name of at most {MAX_LORA_NAME_LEN} characters",
+        )
         _check(
             self.json_schema is None or (isinstance(self.json_schema, str) and len(self.json_schema) <= MAX_SCHEMA_LEN),
             "json_schema",

@@ -37,9 +37,11 @@ from pagemesh.gateway.embeddings import EmbeddingsRoute
 from pagemesh.gateway.errors import ApiError, from_request_failed, http_error, internal, invalid
 from pagemesh.gateway.images import image_response, parse_image_request
 from pagemesh.gateway.limits import KeyLimits, estimate_prompt_tokens
+from pagemesh.gateway.lora import LoRARoutes
 from pagemesh.gateway.mesh import MeshClient, Reply
 from pagemesh.gateway.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pagemesh.gateway.metrics import GatewayMetrics, RequestTimer
+from pagemesh.gateway.models import ModelRoutes
 from pagemesh.gateway.openai_responses import parse_responses
 from pagemesh.gateway.openai_responses_answer import responses_answer
 from pagemesh.gateway.parsing import ParsedRequest, check_model, parse_chat, parse_completion, parse_json
@@ -100,6 +102,8 @@ class Gateway:
         self.serving = config.startup_wait <= 0  # the mesh was ready once (or the check is off)
         self.tokens = TokenRoutes(config, mesh, self.limits)  # /tokenize, /detokenize (gateway/tokens.py)
         self.embeddings = EmbeddingsRoute(config, mesh, self.limits, self._until_serving)
+        self.loras = LoRARoutes(config, mesh, self.started)  # adapters: `model`, /v1/models, (un)load routes
+        self.models = ModelRoutes(config, mesh, self.loras, self.started)  # /v1/models
 
     def app(self) -> web.Application:
         limit = self.config.max_body_bytes
@@ -115,8 +119,10 @@ class Gateway:
         app.router.add_post("/v1/embeddings", self.embeddings.handle)
         app.router.add_post("/tokenize", self.tokens.tokenize)
         app.router.add_post("/detokenize", self.tokens.detokenize)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/v1/models/{model:.+}", self.model)
+        app.router.add_post("/v1/load_lora_adapter", self.loras.load)
+        app.router.add_post("/v1/unload_lora_adapter", self.loras.unload)
+        app.router.add_get("/v1/models", self.models.list)
+        app.router.add_get("/v1/models/{model:.+}", self.models.one)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_text)
@@ -178,7 +184,8 @@ class Gateway:
         body = parse_json(await request.read())
         parsed = parse(body)
         answer = answer_of(body, parsed)
-        check_model(parsed, self.config.model_names)
+        parsed = await self.loras.resolve(parsed)  # the base model's names, or a LoRA adapter's (404 else)
+        model = parsed.sampling.lora or self.config.served_model  # what the answer reports, as vLLM
         chat_output = chat_output_spec(parsed, self.config)  # reasoning and tool calls in a chat answer
         await self.grammar_check.check(parsed)  # structured outputs: the grammar compiles, or a 400
         await self._until_serving()
@@ -186,13 +193,13 @@ class Gateway:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         keep_special = chat_output is not None and chat_output.keep_special_tokens
         requests = parsed.to_generate_requests(
-            request_id, self.config.served_model, self.mesh.reply_to, time.time(), skip_special_tokens=not keep_special
+            request_id, model, self.mesh.reply_to, time.time(), skip_special_tokens=not keep_special
         )
         n = parsed.sampling.n
         builder = ResponseBuilder(
             kind=parsed.kind,
             request_id=request_id,
-            model=self.config.served_model,
+            model=model,
             created=int(time.time()),
             n=n * len(requests),
             logprobs=parsed.logprobs,
@@ -415,49 +422,6 @@ class Gateway:
         return response
 
     # ---- other endpoints
-
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model_card(), *await self._image_cards()]})
-
-    async def model(self, request: web.Request) -> web.Response:
-        name = request.match_info["model"]
-        if name in self.config.model_names:
-            return web.json_response(self._model_card())
-        for card in await self._image_cards():
-            if card["id"] == name:
-                return web.json_response(card)
-        raise ApiError(404, f"The model `{name}` does not exist.", "invalid_request_error", "model", "model_not_found")
-
-    def _model_card(self) -> dict:
-        return {
-            "id": self.config.served_model,
-            "object": "model",
-            "created": self.started,
-            "owned_by": "pagemesh",
-            "kind": "llm",
-            "max_model_len": self.config.max_model_len,
-        }
-
-    async def _image_cards(self) -> list[dict]:
-        """The image models live diffusion workers serve (none if the scheduler does not answer)."""
-        status = await self.mesh.status(STATUS_TIMEOUT_S)
-        cards: dict[str, dict] = {}
-        for w in status.workers if status is not None else ():
-            if w.alive and w.images is not None and w.model not in cards:
-                cards[w.model] = {
-                    "id": w.model,
-                    "object": "model",
-                    "created": self.started,
-                    "owned_by": "pagemesh",
-                    "kind": "diffusion",
-                    "sizes": w.images.sizes,
-                    "samplers": w.images.samplers,
-                    "default_sampler": w.images.default_sampler,
-                    "default_steps": w.images.default_steps,
-                    "max_steps": w.images.max_steps,
-                    "conditioning": w.images.conditioning,
-                }
-        return list(cards.values())
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")

@@ -9,6 +9,7 @@ series.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -62,8 +63,27 @@ class ClusterCollector(Collector):
                 ("accepted_tokens", "Draft tokens accepted (acceptance rate = accepted / draft), per worker."),
             )
         ]
+        # vLLM's LoRA gauge (the Gateway API inference extension routes by it): its value is the time
+        lora_info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters", "engine"],
+        )
+        lora_loads = [
+            CounterMetricFamily(f"pagemesh_lora_{name}", doc, labels=["worker"])
+            for name, doc in (
+                ("loads", "LoRA adapters loaded into a slot, per worker."),
+                ("evictions", "LoRA adapters evicted from their slot for another, per worker."),
+            )
+        ]
+        now = time.time()
         for w in {w.worker_id: w for w in workers}.values():
             vl = [w.model or self.model_name, w.worker_id]
+            if w.lora is not None:
+                names = [str(w.lora.max_loras), ",".join(w.lora.waiting), ",".join(w.lora.running), w.worker_id]
+                lora_info.add_metric(names, now)
+                lora_loads[0].add_metric([w.worker_id], w.lora.loads)
+                lora_loads[1].add_metric([w.worker_id], w.lora.evictions)
             running.add_metric(vl, w.running)
             waiting.add_metric(vl, w.waiting)
             p_running.add_metric([w.worker_id], w.running)
@@ -80,6 +100,7 @@ class ClusterCollector(Collector):
                 for family, value in zip(spec, (s.verify_passes, s.draft_tokens, s.accepted_tokens)):
                     family.add_metric([w.worker_id], value)
         yield from (running, waiting, usage, p_running, p_waiting, p_usage, finished, feature_cache, *spec)
+        yield from (lora_info, *lora_loads)
         yield CounterMetricFamily(
             "pagemesh_kv_transfer_bytes",
             "KV-cache bytes sent by all workers.",

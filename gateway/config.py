@@ -54,6 +54,7 @@ class GatewayConfig:
     enable_auto_tool_choice: bool = False  # tool_choice "auto" is served (needs tool_call_parser)
     tool_call_parser: str | None = None  # gateway/tool_calls: how calls are found in a chat answer
     reasoning_parser: str | None = None  # gateway/reasoning.py: how thinking is split from content
+    enable_lora: bool = False  # a request's `model` may name a LoRA adapter; the load/unload routes (gateway/lora.py)
 
     @property
     def served_model(self) -> str:
@@ -78,6 +79,14 @@ def parse_args(argv: list[str]) -> GatewayConfig:
         "request's `model` (default: the model's own id, its aliases and its path)",
     )
     cli_args.add(parser, "--max-model-len", None, type=int, help="context length (default: the model's, capped)")
+    cli_args.add(
+        parser,
+        "--enable-lora",
+        False,
+        action="store_true",
+        help="LoRA adapters are served: a request's `model` may name one, POST /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter load and unload them on every LLM worker",
+    )
     cli_args.add(parser, "--max-body-bytes", DEFAULT_MAX_BODY_BYTES, type=int, help="larger bodies get 413")
     cli_args.add(parser, "--request-timeout", 600.0, type=float, help="seconds a request may take in all")
     cli_args.add(
@@ -147,6 +156,7 @@ def parse_args(argv: list[str]) -> GatewayConfig:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        enable_lora=args.enable_lora,
     )
 
 

@@ -5,6 +5,7 @@
     submit_image()  ImageRequest    ──Dealer──▶ scheduler (refusals come back on the same Dealer)
     abort()         AbortRequest    ──Dealer──▶ scheduler, and ──Dealer──▶ tokenizer (drops its state)
     status()        StatusRequest   ──Dealer──▶ scheduler ──ClusterStatus──▶ back on the same Dealer
+    lora_op()       LoRAAdapterRequest ──Dealer──▶ scheduler ──LoRAAdapterReply──▶ back on the same Dealer
     replies         TextDeltaBatch / EmbeddingBatch / ImageResult / TokenizeResult / DetokenizeResult /
                     RequestFailed ──▶ Pull (reply_to) ──▶ the request's queue
     Ping every second ──Dealer──▶ tokenizer ──Pong(instance)──▶ back on the same Dealer
@@ -36,6 +37,8 @@ from pagemesh.common.messages import (
     GenerateRequest,
     ImageRequest,
     ImageResult,
+    LoRAAdapterReply,
+    LoRAAdapterRequest,
     Pong,
     RequestFailed,
     StatusRequest,
@@ -64,6 +67,7 @@ class MeshClient:
         self.reply_to = self._replies.address
         self._queues: dict[str, asyncio.Queue[Reply]] = {}
         self._status_waiter: asyncio.Future[ClusterStatus] | None = None
+        self._lora_waiters: dict[str, asyncio.Future[LoRAAdapterReply]] = {}  # op id -> its answer
         self._tasks: set[asyncio.Task] = set()
         # set by the tokenizer's first Pong: requests go out only once its instance is known, so
         # a restart is always seen as a change of instance
@@ -232,6 +236,18 @@ class MeshClient:
                 self._status_waiter = None
             return None
 
+    async def lora_op(self, request: LoRAAdapterRequest, timeout: float) -> LoRAAdapterReply | None:
+        """Load or unload a LoRA adapter on every LLM worker, through the scheduler; its answer,
+        or None if none came within `timeout` seconds."""
+        waiter = self._lora_waiters[request.op_id] = asyncio.get_running_loop().create_future()
+        try:
+            await self._scheduler.send(request)
+            return await asyncio.wait_for(waiter, timeout)
+        except TimeoutError:
+            return None
+        finally:
+            self._lora_waiters.pop(request.op_id, None)
+
     async def _route_status(self) -> None:
         while True:
             msg = await self._scheduler.recv()
@@ -239,6 +255,10 @@ class MeshClient:
                 waiter = self._status_waiter
                 if waiter is not None and not waiter.done():
                     waiter.set_result(msg)
+            elif isinstance(msg, LoRAAdapterReply):
+                lora_waiter = self._lora_waiters.get(msg.op_id)
+                if lora_waiter is not None and not lora_waiter.done():
+                    lora_waiter.set_result(msg)
             elif isinstance(msg, RequestFailed):  # an image request the scheduler refused
                 self._deliver(msg.request_id, (time.monotonic(), msg))
             else:

@@ -25,7 +25,7 @@ from pagemesh.common.sampling import (
 )
 from pagemesh.gateway.chat_options import MAX_TEMPLATE_KWARGS, MAX_TOOL_CALLS, MAX_TOOLS, RESERVED_TEMPLATE_VARIABLES
 from pagemesh.gateway.embeddings import ENCODING_FORMATS, MAX_INPUTS, POOLINGS
-from pagemesh.gateway.openapi_apis import ANTHROPIC, RESPONSES
+from pagemesh.gateway.openapi_apis import ANTHROPIC, RESPONSES, VLLM
 from pagemesh.gateway.parsing import CHAT_ROLES, MAX_MESSAGES, MAX_PROMPTS
 from pagemesh.gateway.structured_outputs import BACKENDS, MAX_CHOICES
 
@@ -313,34 +313,6 @@ _SCHEMAS = {
             },
         },
     },
-    "TokenizeRequest": {
-        "type": "object",
-        "additionalProperties": False,  # any other field is a 400 (gateway/fields.py)
-        "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}],
-        "properties": {
-            "model": {"type": "string"},
-            "prompt": {"type": "string"},
-            "messages": {
-                "type": "array",
-                "minItems": 1,
-                "maxItems": MAX_MESSAGES,
-                "items": {"$ref": "#/components/schemas/ChatMessage"},
-            },
-            "add_special_tokens": {"type": "boolean"},
-            "add_generation_prompt": {"type": "boolean", "description": "messages only"},
-            "continue_final_message": {"const": False},
-            "return_token_strs": {"type": "boolean"},
-        },
-    },
-    "DetokenizeRequest": {
-        "type": "object",
-        "additionalProperties": False,  # any other field is a 400 (gateway/fields.py)
-        "required": ["tokens"],
-        "properties": {
-            "model": {"type": "string"},
-            "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_ID}},
-        },
-    },
 }
 
 
@@ -377,8 +349,11 @@ def _generation(summary: str, schema: str, error: dict = _ERROR, security: tuple
     }
 
 
-def _post(summary: str, schema: str) -> dict:
-    """A JSON request answered with one JSON body (no stream)."""
+_TEXT = {"text/plain": {"schema": {"type": "string"}}}  # vLLM's LoRA routes answer in words
+
+
+def _post(summary: str, schema: str, answer: dict | None = None) -> dict:
+    """A JSON request answered with one JSON body (no stream), or with `answer`'s content."""
     return {
         "post": {
             "summary": summary,
@@ -388,7 +363,10 @@ def _post(summary: str, schema: str) -> dict:
                 "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
             },
             "responses": {
-                "200": {"description": "the result", "content": {"application/json": {"schema": {"type": "object"}}}},
+                "200": {
+                    "description": "the result",
+                    "content": answer or {"application/json": {"schema": {"type": "object"}}},
+                },
                 **_errors(400, 401, 404, 413, 429, 503, 504),
             },
         }
@@ -436,6 +414,8 @@ def build_document() -> dict:
             "/v1/embeddings": _post("embeddings of one input or a batch", "EmbeddingRequest"),
             "/tokenize": _post("a prompt's or chat's token ids (vLLM's)", "TokenizeRequest"),
             "/detokenize": _post("the text of token ids (vLLM's)", "DetokenizeRequest"),
+            "/v1/load_lora_adapter": _post("load a LoRA adapter on every LLM worker", "LoadLoRAAdapterRequest", _TEXT),
+            "/v1/unload_lora_adapter": _post("unload a LoRA adapter everywhere", "UnloadLoRAAdapterRequest", _TEXT),
             "/v1/models": _get("the served models", keyed=True),
             "/v1/models/{model}": model_path,
             "/health": _get("the gateway is up", "text/plain"),
@@ -448,7 +428,7 @@ def build_document() -> dict:
             "/status": _get("the status page's figures: workers, queue, recent requests"),
         },
         "components": {
-            "schemas": {**_SCHEMAS, **ANTHROPIC, **RESPONSES},
+            "schemas": {**_SCHEMAS, **ANTHROPIC, **RESPONSES, **VLLM},
             "securitySchemes": {
                 "bearer": {"type": "http", "scheme": "bearer"},
                 "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"},

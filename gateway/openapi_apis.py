@@ -1,9 +1,10 @@
 """The OpenAPI schemas of the APIs served over the chat path: Anthropic's Messages
-(gateway/anthropic.py) and OpenAI's Responses (gateway/openai_responses.py), as strict as their
-parsers, in the document `pagemesh.gateway.openapi` serves."""
+(gateway/anthropic.py) and OpenAI's Responses (gateway/openai_responses.py), and of vLLM's own
+routes, as strict as their parsers, in the document `pagemesh.gateway.openapi` serves."""
 
 from __future__ import annotations
 
+from pagemesh.common.messages import MAX_ID
 from pagemesh.common.sampling import MAX_STOP_ITEMS, MAX_STOP_LEN, MAX_TOKENS_LIMIT
 from pagemesh.gateway.openai_responses import MAX_METADATA
 from pagemesh.gateway.parsing import MAX_CONTENT_PARTS, MAX_MESSAGES
@@ -238,4 +239,53 @@ RESPONSES = {
         user=_STRING,
         **_SAMPLING,
     ),
+}
+
+
+# vLLM's own routes: /tokenize and /detokenize (gateway/tokens.py), the LoRA routes (gateway/lora.py:
+# a 400 unless the mesh runs with --enable-lora)
+VLLM = {
+    "TokenizeRequest": {
+        "type": "object",
+        "additionalProperties": False,  # any other field is a 400 (gateway/fields.py)
+        "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}],
+        "properties": {
+            "model": {"type": "string"},
+            "prompt": {"type": "string"},
+            "messages": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": MAX_MESSAGES,
+                "items": {"$ref": "#/components/schemas/ChatMessage"},
+            },
+            "add_special_tokens": {"type": "boolean"},
+            "add_generation_prompt": {"type": "boolean", "description": "messages only"},
+            "continue_final_message": {"const": False},
+            "return_token_strs": {"type": "boolean"},
+        },
+    },
+    "DetokenizeRequest": {
+        "type": "object",
+        "additionalProperties": False,  # any other field is a 400 (gateway/fields.py)
+        "required": ["tokens"],
+        "properties": {
+            "model": {"type": "string"},
+            "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_ID}},
+        },
+    },
+    "LoadLoRAAdapterRequest": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["lora_name", "lora_path"],
+        "properties": {
+            "lora_name": {"type": "string", "minLength": 1, "maxLength": 256},
+            "lora_path": {"type": "string", "minLength": 1, "description": "a peft folder on the workers' hosts"},
+        },
+    },
+    "UnloadLoRAAdapterRequest": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["lora_name"],
+        "properties": {"lora_name": {"type": "string", "minLength": 1, "maxLength": 256}},
+    },
 }

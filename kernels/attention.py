@@ -8,10 +8,15 @@ tile of rows is [BLOCK_Q * QPK_PAD, HEAD_DIM]:
     row m  ->  token  q_block * BLOCK_Q + m // QPK_PAD,  query head  kv_head * QPK + m % QPK_PAD
 
 The program walks its keys TILE_N at a time, gathering each key's page from the block table:
-first the tiles every row may see in full (no masks at all), then the tiles that cross the causal
-diagonal or the end of the context (masked). With split-KV (flash-decoding) the key tiles are
-cut into `num_splits` contiguous ranges, each program writes a partial output and its log-sum-exp,
-and `_reduce_splits_kernel` merges them.
+the tiles every row may see in full go without masks, the tiles that cross the causal diagonal or
+the end of the context (and, with a sliding window, the window's start) are masked. With
+split-KV (flash-decoding) the key tiles are cut into `num_splits` contiguous ranges, each program
+writes a partial output and its log-sum-exp, and `_reduce_splits_kernel` merges them.
+
+Two `constexpr` features: SLIDING (a query at position p sees keys p - window < j <= p; the tiles
+wholly before the program's first visible key are not visited, and no key before it is loaded, so
+freed pages are never read) and SOFTCAP (Gemma 2: scores become c * tanh(scores / c) before the
+mask; in the kernel's log2 units, c * log2(e)).
 
 All pool offsets are int64: page_id * page_stride passes 2**31 elements on a large pool.
 """
@@ -90,7 +95,10 @@ def _attend_tiles(
     bt_row_ptr,  # [max_pages] this sequence's block-table row
     tile_lo,
     tile_hi,
+    kv_start,  # the program's first visible key (0 without a window): none before it is loaded
     kv_end,
+    window,  # SLIDING: a row at position p sees keys p - window < j <= p
+    softcap,  # SOFTCAP: the cap in log2 units (c * log2(e))
     qk_scale,
     kv_head_off,
     stride_kv_kind,
@@ -103,7 +111,9 @@ def _attend_tiles(
     MASKED: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     IEEE_DOT: tl.constexpr,
-    FP8: tl.constexpr = False,  # fp8 pages: widened to q's dtype here, their scales applied by the caller
+    FP8: tl.constexpr,  # fp8 pages: widened to q's dtype here, their scales applied by the caller
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -111,6 +121,8 @@ def _attend_tiles(
         key_pos = tile * TILE_N + offs_n  # [TILE_N]
         if MASKED:
             key_ok = key_pos < kv_end
+            if SLIDING:
+                key_ok = key_ok & (key_pos >= kv_start)
             page = tl.load(bt_row_ptr + key_pos // PAGE_SIZE, mask=key_ok, other=0)
         else:
             page = tl.load(bt_row_ptr + key_pos // PAGE_SIZE)
@@ -125,8 +137,12 @@ def _attend_tiles(
             k = k.to(q.dtype)
         s = _dot(q, k, tl.zeros([BLOCK_M, TILE_N], tl.float32), UPCAST_DOT, IEEE_DOT)
         s = s * qk_scale  # [M, TILE_N], log2 units
+        if SOFTCAP:  # c * tanh(s / c), tanh(x) = 1 - 2 / (e^2x + 1): +-1 at the extremes, no NaN
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
         if MASKED:
             visible = (key_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
+            if SLIDING:
+                visible = visible & (key_pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_ref = m_new
@@ -175,6 +191,8 @@ def _paged_attention_kernel(
     kv_scales_ptr,  # [2, KVH] fp32 (FP8 only): K's, then V's scale of each kv head
     num_seqs,
     num_splits,
+    window,  # SLIDING only
+    softcap,  # SOFTCAP only: c * log2(e)
     qk_scale,
     stride_q_tok,
     stride_q_head,
@@ -197,6 +215,8 @@ def _paged_attention_kernel(
     UPCAST_DOT: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     FP8: tl.constexpr,  # the pool is fp8: a page value is fp8 * its head's scale (kv_quant.py)
+    SLIDING: tl.constexpr,  # a sliding window
+    SOFTCAP: tl.constexpr,  # logit soft-capping
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * QPK_PAD
     pid = tl.program_id(0)
@@ -225,17 +245,26 @@ def _paged_attention_kernel(
     q_off = (q_start + tok).to(tl.int64) * stride_q_tok + head.to(tl.int64) * stride_q_head
     q = tl.load(q_ptr + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
 
-    # Keys 0 .. first_pos are visible to every row; the last row sees up to kv_end - 1.
+    # Keys 0 .. first_pos are visible to every row; the last row sees up to kv_end - 1. With a
+    # window, the first row sees from kv_start on and every row from kv_end - window on:
+    #   tiles [first_tile, full_lo) masked | [full_lo, num_full) in full | [num_full, num_tiles) masked
     first_pos = context + q_block * BLOCK_Q
     kv_end = context + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len)
     num_tiles = tl.cdiv(kv_end, TILE_N)
     num_full = (first_pos + 1) // TILE_N
+    kv_start = first_pos * 0
+    first_tile = first_pos * 0
+    full_lo = first_pos * 0
+    if SLIDING:
+        kv_start = tl.maximum(first_pos - window + 1, 0)
+        first_tile = kv_start // TILE_N
+        full_lo = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(kv_end - window, 0), TILE_N), first_tile), num_full)
     if SPLIT:
-        per_split = tl.cdiv(num_tiles, num_splits)
-        tile_lo = split * per_split
+        per_split = tl.cdiv(num_tiles - first_tile, num_splits)
+        tile_lo = first_tile + split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
     else:
-        tile_lo = 0
+        tile_lo = first_tile
         tile_hi = num_tiles
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -247,56 +276,25 @@ def _paged_attention_kernel(
     if FP8:  # K's scale goes into the scores' scale, V's onto the output (both linear)
         qk_scale = qk_scale * tl.load(kv_scales_ptr + kv_head)
         v_scale = tl.load(kv_scales_ptr + tl.num_programs(1) + kv_head)
+    # three ranges of tiles (see above); the arguments after lo, hi are the same for all three
+    # fmt: off
+    if SLIDING:  # the tiles that cross the window's start
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, q_pos, kv_ptr, bt_row_ptr, tile_lo, tl.minimum(tile_hi, full_lo),
+            kv_start, kv_end, window, softcap, qk_scale, kv_head_off, stride_kv_kind, stride_kv_page, stride_kv_slot,
+            BLOCK_M, PAGE_SIZE, TILE_N, HEAD_DIM, True, UPCAST_DOT, IEEE_DOT, FP8, SLIDING, SOFTCAP,
+        )
     acc, m_i, l_i = _attend_tiles(
-        acc,
-        m_i,
-        l_i,
-        q,
-        q_pos,
-        kv_ptr,
-        bt_row_ptr,
-        tile_lo,
-        tl.minimum(tile_hi, num_full),
-        kv_end,
-        qk_scale,
-        kv_head_off,
-        stride_kv_kind,
-        stride_kv_page,
-        stride_kv_slot,
-        BLOCK_M,
-        PAGE_SIZE,
-        TILE_N,
-        HEAD_DIM,
-        False,
-        UPCAST_DOT,
-        IEEE_DOT,
-        FP8,
+        acc, m_i, l_i, q, q_pos, kv_ptr, bt_row_ptr, tl.maximum(tile_lo, full_lo), tl.minimum(tile_hi, num_full),
+        kv_start, kv_end, window, softcap, qk_scale, kv_head_off, stride_kv_kind, stride_kv_page, stride_kv_slot,
+        BLOCK_M, PAGE_SIZE, TILE_N, HEAD_DIM, False, UPCAST_DOT, IEEE_DOT, FP8, SLIDING, SOFTCAP,
     )
     acc, m_i, l_i = _attend_tiles(
-        acc,
-        m_i,
-        l_i,
-        q,
-        q_pos,
-        kv_ptr,
-        bt_row_ptr,
-        tl.maximum(tile_lo, num_full),
-        tile_hi,
-        kv_end,
-        qk_scale,
-        kv_head_off,
-        stride_kv_kind,
-        stride_kv_page,
-        stride_kv_slot,
-        BLOCK_M,
-        PAGE_SIZE,
-        TILE_N,
-        HEAD_DIM,
-        True,
-        UPCAST_DOT,
-        IEEE_DOT,
-        FP8,
+        acc, m_i, l_i, q, q_pos, kv_ptr, bt_row_ptr, tl.maximum(tile_lo, tl.maximum(num_full, full_lo)), tile_hi,
+        kv_start, kv_end, window, softcap, qk_scale, kv_head_off, stride_kv_kind, stride_kv_page, stride_kv_slot,
+        BLOCK_M, PAGE_SIZE, TILE_N, HEAD_DIM, True, UPCAST_DOT, IEEE_DOT, FP8, SLIDING, SOFTCAP,
     )
+    # fmt: on
 
     out_off = (q_start + tok).to(tl.int64) * stride_o_tok + head.to(tl.int64) * stride_o_head
     if SPLIT:
@@ -307,6 +305,8 @@ def _paged_attention_kernel(
         tl.store(lse_ptr + part_off // HEAD_DIM, lse, mask=row_ok)
         tl.store(out_ptr + part_off[:, None] + offs_d[None, :], acc * (v_scale / l_safe)[:, None], mask=row_ok[:, None])
     else:
+        if SLIDING:  # a padding row past q_len may see no key of the window: 0 / 0, never stored
+            l_i = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc * (v_scale / l_i)[:, None]
         tl.store(out_ptr + out_off[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
@@ -350,8 +350,14 @@ def paged_attention(
     num_splits: int | None = None,
     config: AttentionConfig | None = None,
     kv_scales: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a mixed prefill/decode batch; returns a new [T, H, D] tensor.
+
+    `window` W: a query at position p sees keys p - W < j <= p, and no page before the first key
+    a program's queries see is read (it may be freed). `softcap` c: scores become
+    c * tanh(scores / c) before the mask (Gemma 2).
 
     An fp8 `kv_layer` (float8_e4m3fn / float8_e5m2) needs `kv_scales` [2, KVH] fp32 on its
     device: page values are fp8 * the head's scale (workers/engine/kv_quant.py).
@@ -374,6 +380,8 @@ def paged_attention(
         raise ValueError(f"head_dim {head_dim} and page_size {page_size} must be powers of two")
     if q.stride(-1) != 1 or kv_layer.stride(-1) != 1:
         raise ValueError("q and kv_layer need a contiguous last dimension")
+    if (window is not None and window < 1) or (softcap is not None and softcap <= 0):
+        raise ValueError(f"window {window} and softcap {softcap} must be positive")
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_tokens == 0:
         return out
@@ -387,7 +395,8 @@ def paged_attention(
     if num_splits is None:
         num_splits = 1
         if one_block_per_seq:
-            num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, sm_count(q.device))
+            keys = max_seq_len if window is None else min(max_seq_len, window + max_query_len)  # read per query
+            num_splits = choose_num_splits(num_seqs, num_kv_heads, keys, sm_count(q.device))
 
     if one_block_per_seq:
         num_q_blocks = num_seqs
@@ -414,6 +423,8 @@ def paged_attention(
         kv_scales.contiguous() if fp8 else seq_lens,  # any pointer when unused
         num_seqs,
         num_splits,
+        window or 0,
+        (softcap or 1.0) * math.log2(math.e),
         scale * math.log2(math.e),
         q.stride(0),
         q.stride(1),
@@ -434,6 +445,8 @@ def paged_attention(
         UPCAST_DOT=upcast_bf16_dot(q.dtype),
         IEEE_DOT=q.dtype == torch.float32,
         FP8=fp8,
+        SLIDING=window is not None,
+        SOFTCAP=softcap is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

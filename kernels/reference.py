@@ -27,12 +27,17 @@ def paged_attention_ref(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged keys; returns [T, H, D].
 
     Query token i of a sequence with q_len new tokens and seq_len keys sits at position
-    seq_len - q_len + i and sees keys 0..that position. `max_query_len` and `max_seq_len` are
-    accepted for signature parity and unused.
+    p = seq_len - q_len + i and sees keys 0..p; with a sliding `window` W only keys p - W < j <= p
+    (the pages before the first key any query sees are not read: they may have been freed).
+    `softcap` c: scores become c * tanh(scores / c) before the mask (Gemma 2). `max_query_len`
+    and `max_seq_len` are accepted for signature parity and unused.
     """
     del max_query_len, max_seq_len
     num_heads = q.shape[1]
@@ -46,15 +51,22 @@ def paged_attention_ref(
         q_len = q_hi - q_lo
         if q_len == 0:
             continue
-        pages = block_tables[s, : math.ceil(seq_len / page_size)].long()
-        k = kv_layer[pages, 0].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        v = kv_layer[pages, 1].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        first_page = 0 if window is None else max(0, seq_len - q_len - window + 1) // page_size
+        pages = block_tables[s, first_page : math.ceil(seq_len / page_size)].long()
+        first = first_page * page_size  # position of the first key read
+        k = kv_layer[pages, 0].reshape(-1, num_kv_heads, head_dim)[: seq_len - first].float()
+        v = kv_layer[pages, 1].reshape(-1, num_kv_heads, head_dim)[: seq_len - first].float()
         k = k.repeat_interleave(group, dim=1)  # q head h reads kv head h // group
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[q_lo:q_hi].float(), k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
-        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        k_pos = torch.arange(first, seq_len, device=q.device)
+        hidden = k_pos[None, :] > q_pos[:, None]
+        if window is not None:
+            hidden |= k_pos[None, :] <= q_pos[:, None] - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_lo:q_hi] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out

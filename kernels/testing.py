@@ -116,6 +116,19 @@ def make_paged_batch(
     )
 
 
+def free_window_pages(batch: PagedBatch, query_lens: list[int], window: int) -> int:
+    """Free what a sliding `window` leaves behind, as the engine does: each page wholly before the
+    first key any of a sequence's new tokens sees is poisoned with NaN and its block-table entry
+    pointed at the null page (NaN too, when `make_paged_batch` poisoned it). Returns how many."""
+    page_size, freed = batch.kv_layer.shape[2], 0
+    for s, (q_len, seq_len) in enumerate(zip(query_lens, batch.seq_lens.tolist())):
+        for i in range(max(0, seq_len - q_len - window + 1) // page_size):
+            batch.kv_layer[int(batch.block_tables[s, i])] = float("nan")
+            batch.block_tables[s, i] = 0
+            freed += 1
+    return freed
+
+
 def quantize_kv_layer(
     kv_layer: torch.Tensor, dtype: torch.dtype, headroom: float = 4.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -24,8 +24,10 @@ from collections import Counter
 from pathlib import Path
 
 from pagemesh.common.cli_args import add
+from pagemesh.common.cpu_threads import usable_cores
 from pagemesh.common.gpus import visible_gpu_ids, worker_gpu_groups
 from pagemesh.common.logging import COLOR_ENV, FORMAT_ENV, log_colors, log_format
+from pagemesh.common.lora import lora_modules
 from pagemesh.common.messages import Ready
 from pagemesh.common.model_files import model_aliases, resolve_model_path, served_model_name
 from pagemesh.common.transport import Pull, ipc_address
@@ -75,7 +77,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     add(parser, "--run-dir", None, help="folder for ipc sockets (default: a new temporary folder)")
     add(parser, "--ready-timeout", 300.0, type=float, help="seconds to wait for every process")
-    add(parser, "--threads-per-worker", None, type=int, help="torch threads per worker (default: cores / workers)")
+    add(
+        parser,
+        "--threads-per-worker",
+        None,
+        type=int,
+        help="torch threads per worker (default: usable cores / workers); they wait passively "
+        "(PAGEMESH_THREAD_POLICY: passive, adaptive, fixed; docs/perf/threads.md)",
+    )
     add(parser, "--transfer-timeout", 30.0, type=float)
     add_policy_arguments(parser)
     add_engine_arguments(parser)
@@ -114,13 +123,19 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
     drain = ["--drain-timeout", str(args.drain_timeout)]
     engine = engine_args_to_argv(args)
     workers = max(1, args.prefill + args.decode + args.mixed)  # LLM workers share the cores
-    threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
+    # each worker's threads (how they wait, and whether the count adapts: common/cpu_threads.py)
+    threads = args.threads_per_worker or max(1, usable_cores() // workers)
     # what the mesh serves: /ready (and the launcher's ready line) waits for each kind's pool, so a
     # diffusion worker that registers first does not make an LLM mesh look ready
     counts = {"llm": args.prefill + args.decode + args.mixed, "diffusion": args.diffusion + args.diffusion_student}
     serves = ",".join(kind for kind, n in counts.items() if n)
+    modules = lora_modules(args.lora_modules)  # the scheduler keeps the mesh's adapters (the workers load them too)
+    loras = ["--lora-modules", *(f"{name}={path}" for name, path in modules)] if modules else []
     procs = [
-        ("scheduler", ["scheduler", "--address", sched, *policy_args_to_argv(args), "--serves", serves, *common]),
+        (
+            "scheduler",
+            ["scheduler", "--address", sched, *policy_args_to_argv(args), "--serves", serves, *loras, *common],
+        ),
         (
             "tokenizer",
             [
@@ -210,6 +225,7 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
                 "gateway-0",
                 *model,
                 *(["--served-model-name", *served] if served else []),
+                *(["--enable-lora"] if args.enable_lora else []),
                 *auth_args_to_argv(args, args.api_keys, Path(run_dir) / "api-keys"),
                 *chat_output_args_to_argv(args),
                 *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),

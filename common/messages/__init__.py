@@ -8,6 +8,7 @@ module per channel, one registry (tag -> class) that the codec (`pagemesh.common
     liveness.py        READY, Ping/Pong, the mesh's status
     images.py          gateway ⇄ scheduler ⇄ diffusion workers: image requests and results
     tokenize.py        gateway ⇄ tokenizer calls answered at once: tokenize, detokenize
+    lora.py            gateway ⇄ scheduler ⇄ LLM workers: LoRA adapters loaded and unloaded at run time
 A new channel is a new module imported here.
 """
 
@@ -38,6 +39,15 @@ from pagemesh.common.messages.images import (
 )
 from pagemesh.common.messages.kv_transfer import KV_DTYPES, KVPagesAck, KVPagesHeader
 from pagemesh.common.messages.liveness import ClusterStatus, Ping, Pong, Ready, StatusRequest, WorkerStatus
+from pagemesh.common.messages.lora import (
+    LoRAAdapter,
+    LoRAAdapterDone,
+    LoRAAdapterReply,
+    LoRAAdapterRequest,
+    LoRAAdapterTask,
+    LoRALoad,
+    LoRAOp,
+)
 from pagemesh.common.messages.requests import (
     AbortRequest,
     Embedding,
@@ -138,6 +148,13 @@ __all__ = [
     "Ready",
     "StatusRequest",
     "WorkerStatus",
+    "LoRAAdapter",
+    "LoRAAdapterDone",
+    "LoRAAdapterReply",
+    "LoRAAdapterRequest",
+    "LoRAAdapterTask",
+    "LoRALoad",
+    "LoRAOp",
     "MAX_IMAGES",
     "FeatureCacheLoad",
     "ImageModelInfo",

@@ -7,8 +7,11 @@ gateway ──StatusRequest──▶ scheduler ──ClusterStatus──▶ gate
 
 from __future__ import annotations
 
+from dataclasses import field
+
 from pagemesh.common.messages.base import WorkerKind, WorkerRole, message, record
 from pagemesh.common.messages.images import FeatureCacheLoad, ImageModelInfo
+from pagemesh.common.messages.lora import LoRAAdapter, LoRALoad
 from pagemesh.common.messages.worker_control import KVPoolLoad, SpeculationLoad
 
 
@@ -63,6 +66,7 @@ class WorkerStatus:
     produced: int = 0  # Heartbeat.produced: tokens or images made, ever (a rate is its slope)
     feature_cache: FeatureCacheLoad | None = None  # diffusion workers: their last heartbeat's
     speculation: SpeculationLoad | None = None  # Heartbeat.speculation: LLM workers that speculate
+    lora: LoRALoad | None = None  # Heartbeat.lora: LLM workers that serve adapters
 
 
 @message
@@ -74,3 +78,4 @@ class ClusterStatus:
     workers: list[WorkerStatus]
     queued: int
     migrations: int = 0  # requests re-placed after their worker was lost, since the scheduler started
+    lora_adapters: list[LoRAAdapter] = field(default_factory=list)  # the adapters the mesh serves

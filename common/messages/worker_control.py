@@ -17,6 +17,7 @@ from dataclasses import field
 
 from pagemesh.common.messages.base import DoneReason, Pooling, ProtocolError, WorkerKind, WorkerRole, message, record
 from pagemesh.common.messages.images import FeatureCacheLoad, ImageModelInfo
+from pagemesh.common.messages.lora import LoRALoad
 from pagemesh.common.sampling import SamplingParams
 
 MAX_PAGE_HASH = (1 << 62) - 1  # prefix-cache page keys (common.page_hash.chain_hash)
@@ -182,6 +183,7 @@ class Heartbeat:
     feature_cache: FeatureCacheLoad | None = None  # diffusion workers
     busy_s: float = 0.0
     speculation: SpeculationLoad | None = None  # LLM workers with --speculative-config
+    lora: LoRALoad | None = None  # LLM workers with --enable-lora
 
     def _check(self) -> None:
         if not self.busy_s >= 0:

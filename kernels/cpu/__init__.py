@@ -8,7 +8,7 @@ same jobs in compiled C with OpenMP (sharing torch's OpenMP threads), on fp32 or
     silu_and_mul(x) -> out
     rotary_(q, k, positions, cos_sin_cache) -> (q, k)            in place
     write_kv(k, v, kv_layer, slot_mapping) -> None               into the pages
-    paged_attention(q, kv_layer, block_tables, seq_lens, query_start_loc, scale) -> out
+    paged_attention(q, kv_layer, block_tables, seq_lens, query_start_loc, scale, *, window, softcap) -> out
     amx_pack(w) -> packed; amx_linear(x, packed, bias) -> x W^T (+ b)   bf16, where the CPU has AMX
     argmax_rows(logits) -> first maximum per row                      greedy sampling
 
@@ -35,11 +35,12 @@ _SIGNATURES = {
     "pm_silu_and_mul": [_P, _P, _I64, _I64, _I32],
     "pm_rotary": [_P, _I64, _P, _I64, _I64, _I32, _I32, _I32, _P, _P, _I32],
     "pm_write_kv": [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _I32, _I32],
-    "pm_paged_attention": [_P, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F, _I32],
+    "pm_paged_attention": [_P, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F, _I32, _F, _I32],
     "pm_amx_pack": [_P, _P, _I64, _I64],
     "pm_amx_linear": [_P, _P, _P, _P, _I32, _I64, _I64, _I64],
     "pm_argmax_rows": [_P, _I64, _I64, _I64, _P],
-    "pm_paged_attention_fp8": [_P, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F, _P, _I32, _I32],
+    "pm_lora_add": [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I32, _I32],
+    "pm_paged_attention_fp8": [_P, _I64, _P, _P, _P, _I64, _P, _P, *[_I32] * 5, _F, _I32, _F, _P, _I32, _I32],
 }
 _library = build.Library(build.SOURCES, _SIGNATURES, build.LIBRARY_NAME)
 FP8_DTYPES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}  # an fp8 KV pool's formats (FP8_E4M3, FP8_E5M2)
@@ -176,11 +177,16 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     kv_scales: torch.Tensor | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T, H, D] (sequence s's rows query_start_loc[s]:[s+1], the last of
     them its newest token) over the pages of block_tables [S, max_pages] (int32); seq_lens
     (int32 [S]) counts each sequence's tokens including this step's. Returns [T, H, D].
-    An fp8 layer (FP8_DTYPES) is read with its `kv_scales` [2, KVH] fp32 (K's, V's)."""
+    An fp8 layer (FP8_DTYPES) is read with its `kv_scales` [2, KVH] fp32 (K's, V's).
+    `window` W: a query at position p sees keys p - W < j <= p, and no page wholly before that is
+    read; `softcap` c: scores become c * tanh(scores / c) before the softmax."""
     dt = _code(q)
     tokens, heads, dim = q.shape
     num_kv_heads = kv_layer.shape[-2]
@@ -199,6 +205,9 @@ def paged_attention(
         raise ValueError("paged_attention: one block table row and seq_len per sequence, S+1 query starts")
     if int(query_start_loc[-1]) != tokens:
         raise ValueError("paged_attention: query_start_loc[-1] must equal the number of query rows")
+    if (window is not None and window < 1) or (softcap is not None and softcap <= 0):
+        raise ValueError(f"paged_attention: window {window} and softcap {softcap} must be positive")
+    variant = (window or 0, softcap or 0.0)
     out = q.new_empty(tokens, heads, dim)
     if fp8:
         kv_scales = kv_scales.contiguous()
@@ -217,6 +226,7 @@ def paged_attention(
             dim,
             kv_layer.shape[2],
             scale,
+            *variant,
             kv_scales.data_ptr(),
             FP8_DTYPES[kv_layer.dtype],
             dt,
@@ -237,6 +247,7 @@ def paged_attention(
         dim,
         kv_layer.shape[2],
         scale,
+        *variant,
         dt,
     )
     return out
@@ -316,3 +327,50 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _lib.pm_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     return out
+
+
+def lora_add_(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, width: int
+) -> torch.Tensor:
+    """y += each row's LoRA delta, in place (lora.c): row r under slot slots[r] (-1: none) adds
+    (x[r] a_s^T) b_s, a_s and b_s being rows s*width .. (s+1)*width-1 of a [slots*width, in] and
+    b [slots*width, out]. x and y contiguous [rows, in] and [rows, out] of one dtype; a and b of one.
+    (`lora_segments(slots)` groups the rows by slot; a caller with many linears per step passes
+    its result to `lora_add_grouped_` instead, once computed.)"""
+    return lora_add_grouped_(y, x, a, b, lora_segments(slots), width)
+
+
+def lora_segments(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's adapter rows grouped by slot: (rows in slot order, segment starts, segment slots);
+    rows with slot -1 are in none."""
+    if slots.dtype != torch.int64 or slots.dim() != 1:
+        raise ValueError("lora_segments: slots must be int64 [R]")
+    order = torch.argsort(slots, stable=True)
+    order = order[slots[order] >= 0].contiguous()
+    seg_slots, counts = torch.unique_consecutive(slots[order], return_counts=True)
+    starts = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=starts[1:])
+    return order, starts, seg_slots.contiguous()
+
+
+def lora_add_grouped_(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: tuple, width: int
+) -> torch.Tensor:
+    """`lora_add_` with the rows already grouped (`lora_segments`)."""
+    order, starts, seg_slots = segments
+    rows, fan_in = x.shape
+    if y.shape[0] != rows or a.shape[1] != fan_in or b.shape[0] != a.shape[0] or b.shape[1] != y.shape[1]:
+        raise ValueError("lora_add_: shapes must be y [R, out], x [R, in], a [S*W, in], b [S*W, out]")
+    if width < 1 or a.shape[0] % width or not all(t.is_contiguous() for t in (x, y, a, b)):
+        raise ValueError("lora_add_: contiguous tensors, a's rows a whole number of slots of `width`")
+    if x.dtype != y.dtype or a.dtype != b.dtype:
+        raise ValueError("lora_add_: x and y of one dtype, a and b of one")
+    if len(seg_slots) and int(seg_slots[-1]) >= a.shape[0] // width:
+        raise ValueError("lora_add_: a slot beyond a's")
+    if not available():
+        raise RuntimeError(f"lora_add_: {load_error()}")
+    _lib.pm_lora_add(
+        x.data_ptr(), y.data_ptr(), a.data_ptr(), b.data_ptr(), order.data_ptr(), starts.data_ptr(),
+        seg_slots.data_ptr(), len(seg_slots), fan_in, y.shape[1], width, _code(x), _code(a),
+    )  # fmt: skip
+    return y

@@ -1,5 +1,7 @@
 /* pm_paged_attention: attention of every query token over its sequence's pages (a KV pool in the
- * model dtype), causal, GQA.
+ * model dtype), causal, GQA; with a sliding window (window > 0: a query at position p sees keys
+ * p - window < j <= p, and pages wholly before that are never read) and Gemma 2's soft-capping
+ * (softcap > 0: scores become softcap * tanh(score / softcap)); 0 turns either off.
  *
  * Sequence s owns query rows query_start_loc[s] .. query_start_loc[s+1]-1 of q (rows `q_stride`
  * values apart, heads contiguous in a row) and has seq_lens[s] tokens in the pool after this
@@ -13,11 +15,15 @@
  * sequence's pages. Scores: each K row (all KV heads, contiguous) is read once and serves every
  * query head. Weighted V sum: one KV head at a time, so that its group's accumulators (G x HD
  * floats) stay in registers over the whole context; the rows come back from L2 for the other
- * KV heads. HD and G are compile-time constants in the specialised copies below.
- * scores: [num_heads][n]. */
+ * KV heads. HD and G are compile-time constants in the specialised copies below. A window
+ * moves the start to its first page (window_keys). scores: [num_heads][n]. */
 static inline __attribute__((always_inline)) void attend_item(
     const void *q, int64_t q_stride, void *out, const void *kv_layer, const int32_t *pages, int64_t t, int n,
-    int num_kv_heads, const int HD, const int G, int page_size, float scale, int dt, float *scores) {
+    int num_kv_heads, const int HD, const int G, int page_size, float scale, int window, float softcap, int dt,
+    float *scores) {
+    int first_page, skip;
+    window_keys(n, window, page_size, &first_page, &skip, &n);
+    pages += first_page;
     const int64_t es = elem_size(dt);
     const int num_heads = num_kv_heads * G;
     const int64_t kv_row = (int64_t)num_kv_heads * HD;
@@ -51,7 +57,7 @@ static inline __attribute__((always_inline)) void attend_item(
             }
         }
     }
-    softmax_rows(scores, num_heads, n);
+    softmax_rows(scores, num_heads, n, skip, softcap);
 #if defined(PM_BF16_LOOPS)
     if (dt == DT_BF16 && HD % 16 == 0 && G * HD <= 384) { /* the group's sums in G x HD/16 registers */
         bf16_weighted_v((bf16 *)out, kv_layer, pages, t, n, num_kv_heads, HD, G, page_size, 0, NULL, NULL, scores);
@@ -78,7 +84,8 @@ static inline __attribute__((always_inline)) void attend_item(
 }
 
 #define ATTEND_ITEM(HD_, G_, DT_) \
-    attend_item(q, q_stride, out, kv_layer, pages, t, n, num_kv_heads, HD_, G_, page_size, scale, DT_, scores)
+    attend_item(q, q_stride, out, kv_layer, pages, t, n, num_kv_heads, HD_, G_, page_size, scale, window, softcap, DT_, \
+                scores)
 
 /* the common shapes (head_dim 64 or 128, 1-8 query heads per KV head, bf16) get their own
  * compiled copies; anything else takes the generic one */
@@ -97,7 +104,7 @@ static inline __attribute__((always_inline)) void attend_item(
 void pm_paged_attention(const void *q, int64_t q_stride, void *out, const void *kv_layer,
                         const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                         const int32_t *query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
-                        int head_dim, int page_size, float scale, int dt) {
+                        int head_dim, int page_size, float scale, int window, float softcap, int dt) {
     const int group = num_heads / num_kv_heads;
     const int64_t tokens = query_start_loc[num_seqs];
     int max_len = 0;

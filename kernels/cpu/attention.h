@@ -4,6 +4,8 @@
 #ifndef PAGEMESH_CPU_ATTENTION_H
 #define PAGEMESH_CPU_ATTENTION_H
 
+#include <math.h>
+
 #include "common.h"
 
 /* Ask for the next page's K or V block (page_size rows) while this one is read: pages of one
@@ -33,18 +35,35 @@ static inline __m512 sum16(const __m512 v[16]) {
 }
 #endif
 
-/* scores[h][j] <- softmax over j < n of scores[h][j], each of `rows` rows */
-static inline void softmax_rows(float *scores, int rows, int n) {
+/* scores[h][j] <- softmax over skip <= j < n of scores[h][j], each of `rows` rows; the first `skip`
+ * (keys before a sliding window, on the window's first page) get weight 0. softcap > 0: each
+ * score s becomes softcap * tanh(s / softcap) first (Gemma 2). */
+static inline void softmax_rows(float *scores, int rows, int n, int skip, float softcap) {
     for (int h = 0; h < rows; h++) {
-        float *sc = scores + (int64_t)h * n, mx = sc[0], sum = 0.0f;
-        for (int j = 1; j < n; j++) mx = sc[j] > mx ? sc[j] : mx;
-        for (int j = 0; j < n; j++) {
+        float *sc = scores + (int64_t)h * n, sum = 0.0f;
+        for (int j = 0; j < skip; j++) sc[j] = 0.0f;
+        if (softcap > 0.0f)
+            for (int j = skip; j < n; j++) sc[j] = softcap * tanhf(sc[j] / softcap);
+        float mx = sc[skip];
+        for (int j = skip + 1; j < n; j++) mx = sc[j] > mx ? sc[j] : mx;
+        for (int j = skip; j < n; j++) {
             sc[j] = exp_approx(sc[j] - mx);
             sum += sc[j];
         }
         const float inv = 1.0f / sum;
-        for (int j = 0; j < n; j++) sc[j] *= inv;
+        for (int j = skip; j < n; j++) sc[j] *= inv;
     }
+}
+
+/* The keys a query row reads under a sliding window: a row that sees positions 0..n-1 sees only
+ * n - window.. of them. Its pages are read from the window's first page on (`*first_page`); the
+ * keys on that page before the window are masked (`*skip` of them); it reads `*count` keys
+ * (n - first_page * page_size). window <= 0: every key. */
+static inline void window_keys(int n, int window, int page_size, int *first_page, int *skip, int *count) {
+    const int lo = window > 0 && n > window ? n - window : 0;
+    *first_page = lo / page_size;
+    *skip = lo - *first_page * page_size;
+    *count = n - *first_page * page_size;
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)

@@ -39,11 +39,15 @@ static inline void load_fp8_row(float *dst, const uint8_t *src, int64_t n, int f
 
 /* One work item of pm_paged_attention_fp8: query row t (all heads) over the first n tokens of
  * the sequence's pages, as attend_item's generic path (attention.c), each K/V row decoded once into fp32.
- * The K scale of each head is folded into its query, the V scale into its output. */
+ * The K scale of each head is folded into its query, the V scale into its output; window and
+ * softcap as pm_paged_attention's (attention.c). */
 static inline __attribute__((always_inline)) void attend_item_fp8(
     const void *q, int64_t q_stride, void *out, const uint8_t *kv_layer, const int32_t *pages, int64_t t, int n,
-    int num_kv_heads, const int HD, int G, int page_size, float scale, const float *kv_scales, int fmt, int dt,
-    float *scores) {
+    int num_kv_heads, const int HD, int G, int page_size, float scale, int window, float softcap,
+    const float *kv_scales, int fmt, int dt, float *scores) {
+    int first_page, skip;
+    window_keys(n, window, page_size, &first_page, &skip, &n);
+    pages += first_page;
     const int64_t es = elem_size(dt);
     const int num_heads = num_kv_heads * G;
     const int64_t kv_row = (int64_t)num_kv_heads * HD;
@@ -69,7 +73,7 @@ static inline __attribute__((always_inline)) void attend_item_fp8(
             }
         }
     }
-    softmax_rows(scores, num_heads, n);
+    softmax_rows(scores, num_heads, n, skip, softcap);
     for (int kvh = 0; kvh < num_kv_heads; kvh++) {
         float acc[G * HD], vrow[HD];
         const float *p = scores + (int64_t)kvh * G * n;
@@ -100,12 +104,15 @@ static inline __attribute__((always_inline)) void attend_item_fp8(
  * with FP8 = 1). lut_bits: the bf16 bits of fp8 codes 0..127 (times 256 for e4m3, see above). */
 static inline __attribute__((always_inline)) void attend_item_fp8_bf16(
     const bf16 *q, int64_t q_stride, bf16 *out, const uint8_t *kv_layer, const int32_t *pages, int64_t t, int n,
-    int num_kv_heads, const int HD, const int G, int page_size, float scale, const float *kv_scales,
-    const uint16_t *lut_bits, float *scores) {
+    int num_kv_heads, const int HD, const int G, int page_size, float scale, int window, float softcap,
+    const float *kv_scales, const uint16_t *lut_bits, float *scores) {
+    int first_page, skip;
+    window_keys(n, window, page_size, &first_page, &skip, &n);
+    pages += first_page;
     __m512i lut[4];
     for (int i = 0; i < 4; i++) lut[i] = _mm512_loadu_si512(lut_bits + 32 * i);
     bf16_scores(q, q_stride, kv_layer, pages, t, n, num_kv_heads, HD, G, page_size, scale, 1, kv_scales, lut, scores);
-    softmax_rows(scores, num_kv_heads * G, n);
+    softmax_rows(scores, num_kv_heads * G, n, skip, softcap);
     bf16_weighted_v(out, kv_layer, pages, t, n, num_kv_heads, HD, G, page_size, 1, kv_scales, lut, scores);
 }
 #define PM_FP8_BF16 1
@@ -116,7 +123,8 @@ static inline __attribute__((always_inline)) void attend_item_fp8_bf16(
 void pm_paged_attention_fp8(const void *q, int64_t q_stride, void *out, const void *kv_layer,
                             const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                             const int32_t *query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
-                            int head_dim, int page_size, float scale, const float *kv_scales, int fmt, int dt) {
+                            int head_dim, int page_size, float scale, int window, float softcap,
+                            const float *kv_scales, int fmt, int dt) {
     const int group = num_heads / num_kv_heads;
     const int64_t tokens = query_start_loc[num_seqs];
     int max_len = 0;
@@ -140,7 +148,7 @@ void pm_paged_attention_fp8(const void *q, int64_t q_stride, void *out, const vo
 #if defined(PM_FP8_BF16)
 #define FP8_ITEM(HD_, G_)                                                                                              \
     attend_item_fp8_bf16((const bf16 *)q, q_stride, (bf16 *)out, (const uint8_t *)kv_layer, pages, t, n, num_kv_heads, \
-                         HD_, G_, page_size, scale, kv_scales, lut, scores)
+                         HD_, G_, page_size, scale, window, softcap, kv_scales, lut, scores)
             /* bf16 queries, head_dim 64 or 128 and the group's V sums in 24 registers: compiled copies */
             if (dt == DT_BF16 && head_dim == 64 && group <= 6) {
                 switch (group) {
@@ -166,13 +174,13 @@ void pm_paged_attention_fp8(const void *q, int64_t q_stride, void *out, const vo
             /* head_dim 64 and 128 get compiled copies with a constant HD (unrolled, vectorized dots) */
             if (head_dim == 64)
                 attend_item_fp8(q, q_stride, out, (const uint8_t *)kv_layer, pages, t, n, num_kv_heads, 64, group,
-                                page_size, scale, kv_scales, fmt, dt, scores);
+                                page_size, scale, window, softcap, kv_scales, fmt, dt, scores);
             else if (head_dim == 128)
                 attend_item_fp8(q, q_stride, out, (const uint8_t *)kv_layer, pages, t, n, num_kv_heads, 128, group,
-                                page_size, scale, kv_scales, fmt, dt, scores);
+                                page_size, scale, window, softcap, kv_scales, fmt, dt, scores);
             else
                 attend_item_fp8(q, q_stride, out, (const uint8_t *)kv_layer, pages, t, n, num_kv_heads, head_dim,
-                                group, page_size, scale, kv_scales, fmt, dt, scores);
+                                group, page_size, scale, window, softcap, kv_scales, fmt, dt, scores);
         }
         free(scores);
     }

@@ -39,6 +39,7 @@ SOURCES = tuple(
         "attention_fp8.c",  # pm_paged_attention_fp8
         "amx_linear.c",  # pm_amx_init, pm_amx_pack, pm_amx_linear
         "sampling.c",  # pm_argmax_rows
+        "lora.c",  # pm_lora_add
     )
 )
 LIBRARY_NAME = "pagemesh_cpu"

@@ -15,7 +15,7 @@
  *     normed = norm(x + residual)            (layer 0: x is NULL, residual is the embedding)
  *     qkv    = normed Wqkv^T (+ b)           [T, q + 2 kv]
  *     rotary(q, k); write_kv(k, v)           in place, into the layer's pages
- *     attn   = paged_attention(q)            [T, heads * head_dim]
+ *     attn   = paged_attention(q)            [T, heads * head_dim], within the layer's window
  *     o      = attn Wo^T
  *     normed = norm(o + residual)
  *     act    = silu(gate) * up,  [gate, up] = normed Wgu^T
@@ -34,7 +34,7 @@ typedef void (*pm_write_kv_fn)(const void *k, int64_t k_stride, const void *v, i
 typedef void (*pm_attention_fn)(const void *q, int64_t q_stride, void *out, const void *kv_layer,
                                 const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                                 const int32_t *query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
-                                int head_dim, int page_size, float scale, int dt);
+                                int head_dim, int page_size, float scale, int window, float softcap, int dt);
 typedef void (*pm_silu_fn)(const void *x, void *out, int64_t rows, int64_t cols, int dt);
 typedef void (*pm_matmul_fn)(const void *x, int64_t x_stride, int x_dt, const uint8_t *codes, const uint16_t *d,
                              const uint16_t *c, int bits, const float *bias, void *out, int out_dt, int64_t m,
@@ -81,6 +81,8 @@ typedef struct {
     const void *post_attn_norm; /* [H] dt */
     pm_quant_weight qkv, o, gate_up, down;
     void *kv_layer; /* [pages, 2, page_size, kv_heads, head_dim] dt */
+    int32_t window; /* sliding window (0: none), as pm_paged_attention takes it */
+    float softcap;  /* attention logit soft-capping (0: none) */
 } pm_decode_layer;
 
 /* The model's shapes and constants */
@@ -118,7 +120,8 @@ void pm_decode_layers(const pm_decode_kernels *kern, const pm_decode_model *m, c
         kern->write_kv(qkv + q_size * es, qkv_row, qkv + (q_size + kv_size) * es, qkv_row, tokens, kv_size,
                        l->kv_layer, slot_mapping, m->page_size, m->dt);
         kern->attention(qkv, qkv_row, s->attn, l->kv_layer, block_tables, bt_stride, seq_lens, query_start_loc,
-                        (int)tokens, m->num_heads, m->num_kv_heads, m->head_dim, m->page_size, m->scale, m->dt);
+                        (int)tokens, m->num_heads, m->num_kv_heads, m->head_dim, m->page_size, m->scale, l->window,
+                        l->softcap, m->dt);
         linear(kern, &l->o, s->attn, q_size, m->dt, s->o, tokens);
         kern->norm(s->o, residual, s->normed, l->post_attn_norm, tokens, m->hidden, m->eps, m->dt);
         linear(kern, &l->gate_up, s->normed, m->hidden, m->dt, s->gate_up, tokens);

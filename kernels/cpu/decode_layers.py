@@ -50,7 +50,8 @@ class Weight(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    """pm_decode_layer: one decoder layer's norms, linears and KV layer."""
+    """pm_decode_layer: one decoder layer's norms, linears and KV layer, its sliding window and
+    soft-cap (0: none)."""
 
     _fields_ = [
         ("input_norm", _P),
@@ -60,6 +61,8 @@ class Layer(ctypes.Structure):
         ("gate_up", Weight),
         ("down", Weight),
         ("kv_layer", _P),
+        ("window", _I32),
+        ("softcap", _F),
     ]
 
 

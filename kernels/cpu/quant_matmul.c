@@ -209,7 +209,9 @@ void pm_quant_matmul(const void *x, int64_t x_stride, int x_dt, const uint8_t *c
     for (int64_t r = 0; r < m; r++)
         quantize_row((const char *)x + r * x_stride * xsize, x_dt, k, bits, qx + r * kpad, dx + r * kbpad,
                      dxt + r * kbpad);
-#pragma omp parallel for schedule(static) if (n * m * k > 262144)
+/* dynamic: a thread that is descheduled (other processes want the core) holds up the region by
+ * one chunk, not by its whole static share */
+#pragma omp parallel for schedule(dynamic, 16) if (n * m * k > 262144)
     for (int64_t j = 0; j < n; j++) {
         /* the weights stream from memory once per call: ask for row j + PREFETCH's now */
         if (j + PREFETCH < n) {
@@ -243,7 +245,7 @@ void pm_quant_matmul(const void *x, int64_t x_stride, int x_dt, const uint8_t *c
 void pm_quant_dequantize_bf16(const uint8_t *codes, const uint16_t *d, const uint16_t *c, int bits, bf16 *out,
                               int64_t n0, int64_t n1, int64_t k) {
     const int64_t kb = k / BLOCK, row_bytes = bits == 8 ? k : k / 2;
-#pragma omp parallel for schedule(static) if ((n1 - n0) * k > 262144)
+#pragma omp parallel for schedule(dynamic, 16) if ((n1 - n0) * k > 262144)
     for (int64_t j = n0; j < n1; j++) {
         const uint8_t *q = codes + j * row_bytes;
         bf16 *o = out + (j - n0) * k;
@@ -457,7 +459,8 @@ void pm_quant_gemm_tiles(const void *x, int64_t x_stride, int x_dt, const uint8_
 #pragma omp parallel for schedule(static) if (m * k > 65536)
     for (int64_t r = 0; r < m; r++)
         quantize_row_natural((const char *)x + r * x_stride * xsize, x_dt, k, qx + r * k, dx + r * kb, dxt + r * kb);
-#pragma omp parallel for schedule(static) if (n * m * k > 262144)
+/* dynamic, as above; 4 tiles a chunk keep the prefetch of tile t + TILE_PREFETCH mostly useful */
+#pragma omp parallel for schedule(dynamic, 4) if (n * m * k > 262144)
     for (int64_t t = 0; t < ntiles; t++) {
         const int64_t n0 = t * TILE_N, width = n - n0 < TILE_N ? n - n0 : TILE_N;
         float sums[TILE_ROWS * TILE_N];

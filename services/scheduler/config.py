@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass
 
 from pagemesh.common.cli_args import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP, add
+from pagemesh.common.lora import lora_modules
 from pagemesh.common.messages import WorkerKind
 from pagemesh.services.scheduler.placement import PLACEMENTS, PlacementPolicy
 
@@ -24,6 +25,7 @@ class SchedulerConfig:
     # the kinds the mesh serves: it is ready when each can take a request. Empty: the kinds of the
     # workers registered so far (an LLM mesh's, or a diffusion-only mesh's)
     serves: tuple[WorkerKind, ...] = ()
+    lora_modules: tuple[tuple[str, str], ...] = ()  # the LoRA adapters the mesh starts with (name, folder)
 
 
 # the policy flags, as `add_policy_arguments` declares them (dest names)
@@ -92,10 +94,23 @@ def parse_serves(text: str) -> tuple[WorkerKind, ...]:
     return tuple(dict.fromkeys(kinds))
 
 
+def add_lora_modules_argument(parser: argparse.ArgumentParser) -> None:
+    add(
+        parser,
+        "--lora-modules",
+        None,
+        nargs="+",
+        metavar="NAME=PATH",
+        help="the LoRA adapters the mesh starts with, as the workers' flag (the scheduler loads them on every "
+        "LLM worker that lacks one)",
+    )
+
+
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> SchedulerConfig:
     try:
         policy = PlacementPolicy(args.placement, args.prefix_weight, args.load_weight)
         serves = parse_serves(getattr(args, "serves", ""))
+        loras = lora_modules(getattr(args, "lora_modules", None))
     except ValueError as e:
         parser.error(str(e))
     if args.max_migrations < 0:
@@ -110,4 +125,5 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         placement=policy,
         max_migrations=args.max_migrations,
         serves=serves,
+        lora_modules=loras,
     )

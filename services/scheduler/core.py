@@ -38,17 +38,15 @@ import structlog
 from pagemesh.common.messages import (
     AbortRequest,
     ClusterStatus,
-    DecodeTask,
-    GenerateTask,
     Heartbeat,
     ImageRequest,
     ImageTask,
-    KVPoolLoad,
+    LoRAAdapterDone,
+    LoRAAdapterRequest,
     Message,
     MigrateRequest,
     Ping,
     Pong,
-    PrefillTask,
     PrefixCacheUpdate,
     Registered,
     RegisterWorker,
@@ -59,16 +57,17 @@ from pagemesh.common.messages import (
     UnknownWorker,
     WorkerKind,
     WorkerRole,
-    WorkerStatus,
     WorkerStopped,
 )
 from pagemesh.services.scheduler.config import SchedulerConfig
 from pagemesh.services.scheduler.failures import Outputs, Placed, PlacedRequests
+from pagemesh.services.scheduler.loras import MeshAdapters
 from pagemesh.services.scheduler.migration import migrations_of, resumed_output
 from pagemesh.services.scheduler.placement import Placer, embedding_workers, pairing_problem, shapes_in_both
 from pagemesh.services.scheduler.placement import too_large_for_every_pool as too_large
 from pagemesh.services.scheduler.prefix_index import PromptPages
 from pagemesh.services.scheduler.registry import Registry, WorkerInfo
+from pagemesh.services.scheduler.tasks import llm_tasks
 
 log = structlog.get_logger()
 
@@ -101,6 +100,7 @@ class SchedulerCore:
         self.queues: dict[WorkerKind, OrderedDict[str, Queued]] = {kind: OrderedDict() for kind in WorkerKind}
         self.requests = PlacedRequests(self.registry, config.max_migrations)  # the requests on workers
         self.migrations = 0  # resumed requests received (metrics)
+        self.adapters = MeshAdapters(config.lora_modules)  # the LoRA adapters the mesh serves
         self.log = log.bind(service="scheduler")
         self._handlers: dict[type, Callable[[bytes, Message, float, Outputs], None]] = {
             RegisterWorker: self._on_register,
@@ -113,6 +113,8 @@ class SchedulerCore:
             AbortRequest: self._on_abort,
             StatusRequest: self._on_status,
             Ping: self._on_ping,
+            LoRAAdapterRequest: self._on_lora_request,
+            LoRAAdapterDone: self._on_lora_done,
         }
         self._placers: dict[WorkerKind, Callable[[Queued, float, Outputs], bool]] = {
             WorkerKind.LLM: self._place_llm,
@@ -162,6 +164,7 @@ class SchedulerCore:
             self.log.warning("worker lost", worker=dead.worker_id, requests=len(dead.requests), hung=hung)
             why = "is stuck in one step" if hung else "stopped responding"
             self.requests.lost(dead, f"worker {dead.worker_id} {why}", now, out)
+            out += self.adapters.worker_gone(dead.worker_id)
         if not self._starting(now):
             for queue in self.queues.values():
                 for entry in [e for e in queue.values() if not self._can_serve_entry(e, now)]:
@@ -214,26 +217,13 @@ class SchedulerCore:
 
     def status(self, now: float) -> ClusterStatus:
         """`ready`: see `is_ready`."""
-        workers = [
-            WorkerStatus(
-                worker_id=w.worker_id,
-                kind=w.kind,
-                role=w.role,
-                alive=self.registry.is_alive(w, now),
-                running=w.running,
-                waiting=w.waiting,
-                requests_finished=w.requests_finished,
-                kv=_kv_load(w) if w.kind == WorkerKind.LLM else None,
-                model=w.model,
-                images=w.images,
-                ranks=w.ranks,
-                produced=w.produced,
-                feature_cache=w.feature_cache,
-                speculation=w.speculation,
-            )
-            for w in self.registry.workers.values()
-        ]
-        return ClusterStatus(ready=self.is_ready(now), workers=workers, queued=self.queued, migrations=self.migrations)
+        return ClusterStatus(
+            ready=self.is_ready(now),
+            workers=[w.status(self.registry.is_alive(w, now)) for w in self.registry.workers.values()],
+            queued=self.queued,
+            migrations=self.migrations,
+            lora_adapters=self.adapters.listed(),
+        )
 
     # ---- workers --------------------------------------------------------------------------
     def _on_register(self, identity: bytes, msg: RegisterWorker, now: float, out: Outputs) -> None:
@@ -264,6 +254,8 @@ class SchedulerCore:
 
     def _on_heartbeat(self, identity: bytes, msg: Heartbeat, now: float, out: Outputs) -> None:
         if self.registry.heartbeat(msg, now):
+            if msg.lora is not None:  # a worker that serves adapters: the mesh's, no more, no fewer
+                out += self.adapters.sync(msg.worker_id, msg.lora.known)
             self._drain(now, out)
         else:  # this scheduler was restarted, or dropped the worker: it must register again
             # to the worker's own socket: heartbeats come from a send-only socket of their own
@@ -278,6 +270,7 @@ class SchedulerCore:
         # the error's text stays in the logs: clients learn that the engine failed, not its internals
         why = f"the engine of worker {msg.worker_id} failed" if msg.error else f"worker {msg.worker_id} stopped"
         self.requests.lost(gone, why, now, out)
+        out += self.adapters.worker_gone(msg.worker_id)
 
     def _on_prefix_update(self, identity: bytes, msg: PrefixCacheUpdate, now: float, out: Outputs) -> None:
         self.registry.prefix_update(msg.worker_id, msg.added, msg.removed)
@@ -289,10 +282,16 @@ class SchedulerCore:
     def _on_schedule(self, identity: bytes, msg: ScheduleRequest, now: float, out: Outputs) -> None:
         if self._known(msg.request_id):
             return  # sent again by a tokenizer that saw this process start: it has it already
+        lora = msg.sampling.lora
+        if lora is not None and not self.adapters.serves(lora):  # unloaded since the gateway looked
+            return self._refuse(
+                identity, msg.request_id, 404, f"The model `{lora}` does not exist.", "model_not_found", out
+            )
         if msg.resume is not None:
             self.migrations += 1
             self.log.info("request migrating", request_id=msg.request_id, migrations=msg.resume.migrations)
-        prompt = PromptPages(msg.prompt_token_ids + resumed_output(msg))  # what the worker will (re)compute
+        # what the worker will (re)compute; an adapter's pages have keys of their own (page_hash.root_hash)
+        prompt = PromptPages(msg.prompt_token_ids + resumed_output(msg), lora=lora)
         roles = (
             self.registry.alive(WorkerKind.LLM, r, now)
             for r in (WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.MIXED)
@@ -375,61 +374,13 @@ class SchedulerCore:
             return False
         del self.queues[WorkerKind.LLM][req.request_id]
         queued = now - entry.enqueued_at
-        worker, prefill = placement.worker, placement.prefill
-        handoff = prefill is not None and req.sampling.streams
-        if not handoff:
-            # mixed worker, or beams / best_of whose state stays in one engine: no handoff
-            holders = {worker.worker_id}
-            out.append(
-                (
-                    worker.worker_id,
-                    GenerateTask(
-                        request_id=req.request_id,
-                        prompt_token_ids=req.prompt_token_ids,
-                        sampling=req.sampling,
-                        reply_to=req.reply_to,
-                        queued_s=queued,
-                        output_token_ids=resumed,
-                        pooling=req.pooling,
-                    ),
-                )
-            )
-        else:
-            holders = {prefill.worker_id, worker.worker_id}
-            skip = placement.skip_pages
-            out.append(
-                (
-                    worker.worker_id,
-                    DecodeTask(
-                        request_id=req.request_id,
-                        prompt_token_ids=req.prompt_token_ids,
-                        sampling=req.sampling,
-                        reply_to=req.reply_to,
-                        prefill_worker_id=prefill.worker_id,
-                        skip_pages=skip,
-                    ),
-                )
-            )
-            out.append(
-                (
-                    prefill.worker_id,
-                    PrefillTask(
-                        request_id=req.request_id,
-                        prompt_token_ids=req.prompt_token_ids,
-                        sampling=req.sampling,
-                        reply_to=req.reply_to,
-                        decode_worker_id=worker.worker_id,
-                        decode_kv_endpoint=worker.kv_endpoint,
-                        queued_s=queued,
-                        skip_pages=skip,
-                    ),
-                )
-            )
+        tasks = llm_tasks(req, placement, queued, resumed)
+        out += tasks
+        holders = {worker_id for worker_id, _ in tasks}
+        handed_off = placement.prefill.worker_id if len(tasks) == 2 else None  # the prefill worker
         for wid in holders:
             self.registry.workers[wid].requests.add(req.request_id)
-        self.placed[req.request_id] = Placed(
-            req.request_id, req.reply_to, holders, prefill.worker_id if handoff else None, migrations_of(req)
-        )
+        self.placed[req.request_id] = Placed(req.request_id, req.reply_to, holders, handed_off, migrations_of(req))
         return True
 
     def _image_workers(self, model: str | None, now: float) -> list[WorkerInfo]:
@@ -504,12 +455,17 @@ class SchedulerCore:
     def _on_status(self, identity: bytes, msg: StatusRequest, now: float, out: Outputs) -> None:
         out.append((identity, self.status(now)))
 
+    # ---- LoRA adapters (services/scheduler/loras.py) -------------------------------------------
+    def _on_lora_request(self, identity: bytes, msg: LoRAAdapterRequest, now: float, out: Outputs) -> None:
+        workers = [w.worker_id for w in self.registry.workers.values() if w.kind == WorkerKind.LLM]
+        workers = [w for w in workers if self.registry.is_alive(self.registry.workers[w], now)]
+        self.log.info("lora adapter request", op=msg.op, name=msg.name, path=msg.path, workers=len(workers))
+        out += self.adapters.request(identity, msg, workers)
 
-def _kv_load(w: WorkerInfo) -> KVPoolLoad:
-    return KVPoolLoad(
-        free_pages=w.free_pages,
-        used_pages=w.used_pages,
-        total_pages=w.total_pages,
-        bytes_sent=w.kv_bytes_sent,
-        bytes_received=w.kv_bytes_received,
-    )
+    def _on_lora_done(self, identity: bytes, msg: LoRAAdapterDone, now: float, out: Outputs) -> None:
+        if msg.status == 200:
+            self.registry.lora_changed(msg.worker_id, msg.op_id, self.adapters.ops.get(msg.op_id))
+        else:
+            self.log.warning("lora adapter task failed", worker=msg.worker_id, op_id=msg.op_id, error=msg.message)
+        out += self.adapters.done(msg)
+        self._drain(now, out)

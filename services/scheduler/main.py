@@ -9,6 +9,7 @@ from pagemesh.common.logging import configure_logging
 from pagemesh.common.process import run_until_signalled
 from pagemesh.services.scheduler.config import (
     SchedulerConfig,
+    add_lora_modules_argument,
     add_policy_arguments,
     add_serves_argument,
     config_from_args,
@@ -22,6 +23,7 @@ def parse(argv: list[str]) -> SchedulerConfig:
     add(parser, "--ready-address", None)
     add_policy_arguments(parser)
     add_serves_argument(parser)
+    add_lora_modules_argument(parser)
     return config_from_args(parser.parse_args(argv), parser)
 
 

@@ -122,7 +122,10 @@ def pairing_problem(prefill: list[WorkerInfo], decode: list[WorkerInfo]) -> str 
 
 
 def score(worker: WorkerInfo, prompt: PromptPages, policy: PlacementPolicy) -> float:
-    return policy.prefix_weight * prompt.cached_fraction(worker) - policy.load_weight * worker.load / worker.max_running
+    """A worker that holds the prompt's LoRA adapter in a slot counts as if it held the whole
+    prompt (LoRA affinity: a request there loads nothing and shares its step with its adapter's)."""
+    cached = 1.0 if worker.holds_lora(prompt.lora) else prompt.cached_fraction(worker)
+    return policy.prefix_weight * cached - policy.load_weight * worker.load / worker.max_running
 
 
 class Placer:
@@ -166,6 +169,7 @@ class Placer:
         return Placement(None, picked)
 
     def _pick(self, pool: str, candidates: list[WorkerInfo], prompt: PromptPages) -> WorkerInfo | None:
+        candidates = [w for w in candidates if w.serves_lora(prompt.lora)]
         if not candidates:
             return None
         if self.policy.mode == "load":

@@ -19,8 +19,9 @@ from pagemesh.services.scheduler.registry import WorkerInfo
 class PromptPages:
     """One prompt's page keys, computed once per page size on first use."""
 
-    def __init__(self, token_ids: Sequence[int]):
+    def __init__(self, token_ids: Sequence[int], lora: str | None = None):
         self.token_ids = token_ids
+        self.lora = lora  # its LoRA adapter: placed on workers that serve it, by preference one holding it
         self._keys: dict[int, list[int]] = {}
 
     def keys(self, page_size: int) -> list[int]:
@@ -32,8 +33,9 @@ class PromptPages:
         return keys
 
     def cached_pages(self, worker: WorkerInfo) -> int:
-        """Leading pages of this prompt that `worker` reported holding."""
-        if not worker.page_hashes:
+        """Leading pages of this prompt that `worker` reported holding (none for an adapter's
+        prompt: its pages' keys start from the adapter's digest, which the scheduler does not know)."""
+        if not worker.page_hashes or self.lora is not None:
             return 0
         count = 0
         for key in self.keys(worker.page_size):
@@ -44,7 +46,7 @@ class PromptPages:
 
     def cached_fraction(self, worker: WorkerInfo) -> float:
         """Share of the reusable pages `worker` holds, in [0, 1]."""
-        if not worker.page_hashes:
+        if not worker.page_hashes or self.lora is not None:
             return 0.0
         keys = self.keys(worker.page_size)
         return self.cached_pages(worker) / len(keys) if keys else 0.0

@@ -13,10 +13,13 @@ from pagemesh.common.messages import (
     FeatureCacheLoad,
     Heartbeat,
     ImageModelInfo,
+    KVPoolLoad,
+    LoRALoad,
     RegisterWorker,
     SpeculationLoad,
     WorkerKind,
     WorkerRole,
+    WorkerStatus,
 )
 
 # what a registration renews on a worker the registry knows (same process); its load figures stay
@@ -67,6 +70,44 @@ class WorkerInfo:
     feature_cache: FeatureCacheLoad | None = None  # a diffusion worker's, from its last heartbeat
     speculation: SpeculationLoad | None = None  # an LLM worker's that speculates, from its last heartbeat
     busy_since: float | None = None  # when its step in progress began (by its last heartbeat)
+    lora: LoRALoad | None = None  # an LLM worker's adapters, from its last heartbeat
+    lora_known: set[str] = field(default_factory=set)  # the adapters it can run: its heartbeat's, and loads since
+
+    def status(self, alive: bool) -> WorkerStatus:
+        """Its last report, as ClusterStatus carries it (`alive`: by the registry's clock)."""
+        kv = None
+        if self.kind == WorkerKind.LLM:
+            kv = KVPoolLoad(
+                free_pages=self.free_pages,
+                used_pages=self.used_pages,
+                total_pages=self.total_pages,
+                bytes_sent=self.kv_bytes_sent,
+                bytes_received=self.kv_bytes_received,
+            )
+        return WorkerStatus(
+            worker_id=self.worker_id,
+            kind=self.kind,
+            role=self.role,
+            alive=alive,
+            running=self.running,
+            waiting=self.waiting,
+            requests_finished=self.requests_finished,
+            kv=kv,
+            model=self.model,
+            images=self.images,
+            ranks=self.ranks,
+            produced=self.produced,
+            feature_cache=self.feature_cache,
+            speculation=self.speculation,
+            lora=self.lora,
+        )
+
+    def serves_lora(self, name: str | None) -> bool:
+        return name is None or name in self.lora_known
+
+    def holds_lora(self, name: str | None) -> bool:
+        """The adapter is in one of its slots: a request under it loads nothing there."""
+        return name is not None and self.lora is not None and name in self.lora.in_slots
 
     @classmethod
     def registered(cls, msg: RegisterWorker, now: float) -> WorkerInfo:
@@ -130,11 +171,23 @@ class Registry:
         info.requests_finished, info.produced = msg.requests_finished, msg.produced
         info.feature_cache = msg.feature_cache
         info.speculation = msg.speculation
+        info.lora = msg.lora
+        info.lora_known = set(msg.lora.known) if msg.lora is not None else set()
         info.busy_since = now - msg.busy_s if msg.busy_s > 0 else None
         if msg.kv is not None:
             info.used_pages, info.free_pages = msg.kv.used_pages, msg.kv.free_pages
             info.kv_bytes_sent, info.kv_bytes_received = msg.kv.bytes_sent, msg.kv.bytes_received
         return True
+
+    def lora_changed(self, worker_id: str, op_id: str, op) -> None:
+        """A worker loaded or unloaded an adapter (LoRAAdapterDone 200 for `op`, the operation)."""
+        info = self.workers.get(worker_id)
+        if info is None or op is None:
+            return
+        if op.op == "load":
+            info.lora_known.add(op.name)
+        else:
+            info.lora_known.discard(op.name)
 
     def excuse_silence(self, seconds: float) -> None:
         """Count `seconds` of every worker's silence as heard (the scheduler itself was paused)."""

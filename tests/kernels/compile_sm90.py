@@ -56,7 +56,7 @@ class _Recorder:
 
 def record_launches() -> list:
     """Run every launcher over representative shapes; return the launches they made."""
-    from pagemesh.kernels import activation, attention, kv_write, norm, quant_matmul, rotary
+    from pagemesh.kernels import activation, attention, fused_moe, kv_write, lora, norm, quant_matmul, rotary
     from pagemesh.kernels.attention import AttentionConfig
     from pagemesh.kernels.reference import rope_cos_sin_cache
     from pagemesh.kernels.testing import make_paged_batch
@@ -69,6 +69,8 @@ def record_launches() -> list:
         (rotary, ["_rotary_kernel"]),
         (activation, ["_silu_and_mul_kernel"]),
         (quant_matmul, ["_quant_matmul_kernel"]),
+        (fused_moe, ["_moe_gemm_kernel"]),
+        (lora, ["_lora_shrink_kernel", "_lora_expand_kernel"]),
     ):
         module.check_launchable = lambda *args: None
         for name in names:
@@ -103,6 +105,9 @@ def record_launches() -> list:
     attention.paged_attention(*smol.attention_args(), num_splits=4)
     fp32 = batch([1, 30], [50, 30], 4, 4, 64, 16, torch.float32)
     attention.paged_attention(*fp32.attention_args())
+    for variant in ({"window": 4096}, {"softcap": 50.0}, {"window": 4096, "softcap": 50.0}):  # SLIDING, SOFTCAP
+        attention.paged_attention(*decode.attention_args(), num_splits=8, **variant)
+        attention.paged_attention(*mixed.attention_args(), **variant)
 
     k = torch.randn(6, 8, 128, dtype=torch.bfloat16)
     kv_write.write_kv(k, k, decode.kv_layer[:, :, :, :8], torch.arange(6))
@@ -130,6 +135,16 @@ def record_launches() -> list:
     for qw in (int8, q4):
         for rows in (1, 64):
             quant_matmul.quant_linear(torch.randn(rows, 4096, dtype=torch.bfloat16), qw, torch.randn(256))
+    for tokens in (4, 512):  # a decode batch (BLOCK_M 16) and a prefill chunk (BLOCK_M 64)
+        ids = torch.randint(0, 8, (tokens, 2))
+        x, weights = torch.randn(tokens, 2048, dtype=torch.bfloat16), torch.rand(tokens, 2)
+        w13, w2 = torch.randn(8, 2 * 768, 2048, dtype=torch.bfloat16), torch.randn(8, 2048, 768, dtype=torch.bfloat16)
+        fused_moe.fused_moe(x, w13, w2, weights, ids)
+    fused_moe.fused_moe(torch.randn(4, 64), torch.randn(4, 64, 64), torch.randn(4, 64, 32), torch.rand(4, 2), ids[:4])
+    for dtype in (torch.bfloat16, torch.float32):  # LoRA: q/k/v of a 4096-wide model, 8 slots of rank 16 x 3
+        x, y = torch.randn(32, 4096, dtype=dtype), torch.randn(32, 6144, dtype=dtype)
+        a, b = torch.randn(8 * 48, 4096, dtype=dtype), torch.randn(8 * 48, 6144, dtype=dtype)
+        lora.lora_add_(y, x, a, b, torch.arange(32) % 9 - 1, 48)
     return launches
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import pagemesh.kernels
 from pagemesh.kernels.attention import AttentionConfig, choose_config, choose_num_splits
 from pagemesh.kernels.reference import paged_attention_ref, write_kv_ref
-from pagemesh.kernels.testing import make_paged_batch
+from pagemesh.kernels.testing import free_window_pages, make_paged_batch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -179,3 +179,43 @@ def test_reference_matches_dense_sdpa():
         mask = torch.ones(q_len, seq_len, dtype=torch.bool).tril(diagonal=seq_len - q_len)
         expect = F.scaled_dot_product_attention(qs, kk, vv, attn_mask=mask).transpose(0, 1)
         torch.testing.assert_close(out[starts[s] : starts[s + 1]], expect, atol=1e-5, rtol=1e-5)
+
+
+# Sliding windows and soft-capping (constexpr SLIDING / SOFTCAP). The pages a window leaves
+# behind are freed as the engine frees them (NaN, their table entries on the NaN null page), so a
+# kernel that visits a tile before the window shows it. (query_lens, seq_lens): decodes before,
+# at and far past the window, a fresh prompt longer than it, chunks continuing earlier context
+# that cross tile and page boundaries.
+WINDOWED = ([1, 1, 1, 1, 40, 9, 17, 1], [5, 24, 25, 150, 40, 50, 83, 63])
+
+
+def run_windowed(lens, group, page_size, dtype=torch.float16, window=None, softcap=None, **kwargs):
+    batch = build(lens, group, page_size, dtype=dtype, seed=group * 10 + page_size)
+    if window is not None:
+        assert free_window_pages(batch, lens[0], window) > 0
+    out = pagemesh.kernels.paged_attention(*batch.attention_args(), window=window, softcap=softcap, **kwargs)
+    ref = paged_attention_ref(*batch.attention_args(), window=window, softcap=softcap)
+    assert not out.isnan().any(), "kernel read a page before the window"
+    torch.testing.assert_close(out, ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window, page_size", [(24, 16), (7, 16), (33, 32)])
+def test_sliding_window_matches_reference(window, page_size, num_splits):
+    run_windowed(WINDOWED, 2, page_size, window=window, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("softcap", [0.3, 5.0])
+def test_softcap_matches_reference(softcap):
+    run_windowed(MIXED, 3, 16, softcap=softcap, num_splits=2)
+
+
+def test_window_and_softcap_together_fp32_and_small_tiles():
+    config = AttentionConfig(block_m=16, tile_n=16, num_warps=4, num_stages=1)
+    run_windowed(WINDOWED, 4, 16, dtype=torch.float32, window=20, softcap=1.5, config=config, num_splits=2)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_sliding_window_decode_batch(num_splits):
+    # one query block per sequence (the decode launch), split-KV over the window's tiles only
+    run_windowed(([1, 3, 1, 2, 1, 1], [1, 40, 16, 17, 130, 63]), 4, 16, window=16, num_splits=num_splits)

@@ -114,7 +114,7 @@ def test_silu_and_mul_matches_torch_ops(dtype, cols):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_in_place_on_qkv_views_matches_torch_ops(dtype):
-    from pagemesh.workers.model.layers import RotaryEmbedding
+    from pagemesh.workers.model.rope import RotaryEmbedding
 
     rope = RotaryEmbedding(64, 4096, 10000.0, None)
     tokens, heads, kv_heads = 21, 9, 3
@@ -311,3 +311,25 @@ def test_a_library_that_does_not_build_is_tried_once(tmp_path, monkeypatch):
     fresh = build.Library(source, {"pm_nothing": []})
     assert fresh.load() is not None and fresh.error is None
     assert fresh.load().pm_nothing.restype is None
+
+
+def test_lora_add_matches_each_rows_own_adapter_in_both_dtypes():
+    """kernels/cpu/lora.c: row r adds (x[r] a_s^T) b_s of its slot s (-1: nothing), in place."""
+    gen = torch.Generator().manual_seed(0)
+    slots_n, width, fan_in, fan_out, rows = 3, 24, 40, 56, 7
+    slots = torch.tensor([2, -1, 0, 2, 1, -1, 0])
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        a = torch.randn(slots_n * width, fan_in, generator=gen).to(dtype)
+        b = torch.randn(slots_n * width, fan_out, generator=gen).to(dtype)
+        x = torch.randn(rows, fan_in, generator=gen).to(dtype)
+        y = torch.randn(rows, fan_out, generator=gen).to(dtype)
+        expected = y.float().clone()
+        for r, s in enumerate(slots.tolist()):
+            if s >= 0:
+                rows_s = slice(s * width, (s + 1) * width)
+                expected[r] += (x[r].float() @ a[rows_s].float().T) @ b[rows_s].float()
+        out = ck.lora_add_(y.clone(), x, a, b, slots, width)
+        torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+        assert torch.equal(out[1], y[1]) and torch.equal(out[5], y[5])  # base rows untouched
+    with pytest.raises(ValueError, match="a slot beyond"):
+        ck.lora_add_(y.clone(), x, a, b, torch.full((rows,), slots_n), width)

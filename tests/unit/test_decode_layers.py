@@ -24,7 +24,7 @@ PROMPTS = [[(7 * i + s) % 250 + 1 for i in range(n)] for s, n in enumerate((5, 1
 MANY_PROMPTS = [[(5 * i + s) % 250 + 1 for i in range(n)] for s, n in enumerate((5, 12, 1, 3, 9, 2, 7, 4, 6, 1, 10))]
 
 
-def quantized_model(dtype: torch.dtype, fmt: str):
+def quantized_model(dtype: torch.dtype, fmt: str, layer_windows=None):
     import gguf
     from gguf.quants import quantize as gguf_quantize
 
@@ -47,6 +47,7 @@ def quantized_model(dtype: torch.dtype, fmt: str):
         max_position_embeddings=512,
         tie_word_embeddings=False,
         attention_bias=True,
+        layer_windows=layer_windows,
     )
     model = build_random_model(cfg, dtype, CPU, seed=5)
     for _, m in _linears(model):
@@ -134,3 +135,19 @@ def test_only_decode_steps_of_quantized_models_take_it():
 
     dense = build_random_model(model.config, torch.bfloat16, CPU)
     assert ModelRunner(dense, 16, PAGE, CPU, cuda_graphs=False).decode_layers is None
+
+
+def test_fused_decode_step_honours_each_layers_sliding_window():
+    """Layer 0 sees the last 3 positions, layer 1 the last 6: the C call passes each layer's window
+    to the attention kernel as the Python layers do (and the windows change the logits)."""
+    logits = {}
+    for windows in ((3, 6), None):
+        runner = ModelRunner(quantized_model(torch.float32, "int8", windows), 16, PAGE, CPU, cuda_graphs=False)
+        assert [layer.window for layer in runner.decode_layers.layers] == list(windows or (0, 0))
+        tables = prefill(runner)
+        before = runner.kv_cache.clone()
+        python = decode(runner, tables, None)
+        runner.kv_cache.copy_(before)
+        assert torch.equal(decode(runner, tables, runner.decode_layers), python)
+        logits[windows] = python
+    assert not torch.allclose(logits[(3, 6)][:2], logits[None][:2])  # 6 and 13 positions: past the windows

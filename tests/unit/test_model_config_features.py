@@ -1,11 +1,12 @@
-"""What common/model_config.py makes of config features the Llama-family code does not implement:
-a sliding attention window caps the context (exact up to the window), the rest is refused by name."""
+"""What common/model_config.py makes of config features: each layer's sliding window as
+transformers reads it (served over the whole context), and the features the Llama-family code does
+not implement refused by name."""
 
 import json
 
 import pytest
 
-from pagemesh.common.model_config import ModelConfig, check_max_model_len, default_max_model_len
+from pagemesh.common.model_config import ModelConfig, default_max_model_len
 
 SHAPE = dict(
     vocab_size=320,
@@ -22,76 +23,81 @@ def hf(arch: str = "MistralForCausalLM", **fields) -> ModelConfig:
     return ModelConfig.from_hf_dict({"architectures": [arch], **SHAPE, **fields})
 
 
-def served(cfg: ModelConfig) -> tuple[int, int | None]:
-    return cfg.max_position_embeddings, cfg.sliding_window
+def served(cfg: ModelConfig) -> tuple[int, tuple[int | None, ...] | None]:
+    return cfg.max_position_embeddings, cfg.layer_windows
 
 
 # ---- sliding windows --------------------------------------------------------------------------
-def test_a_mistral_window_shorter_than_the_context_caps_it_exactly_at_the_window():
+def test_a_mistral_window_slides_on_every_layer_over_the_whole_context():
     cfg = hf(sliding_window=16)
-    assert served(cfg) == (16, 16) and cfg.native_max_position_embeddings == 256
-    note = cfg.sliding_window_note()
-    assert "sliding_window=16" in note and "(256)" in note and "at most 16 tokens" in note
-    check_max_model_len(cfg, 16)  # the window itself is exact (HF: the last 16 positions, the query's own included)
-    with pytest.raises(ValueError, match=r"max_model_len 17: .*sliding_window=16.*at most 16"):
-        check_max_model_len(cfg, 17)
+    assert served(cfg) == (256, (16, 16, 16)) and cfg.kv_window == 16
 
 
 @pytest.mark.parametrize("window", [None, 256, 4096])
 def test_no_window_or_one_at_least_the_context_changes_nothing(window):
     cfg = hf(sliding_window=window)
-    assert served(cfg) == (256, None) and cfg.sliding_window_note() is None
-    check_max_model_len(cfg, 100_000)  # no window: a longer request is capped at the model's, as before
+    assert served(cfg) == (256, None) and cfg.kv_window is None
 
 
 def test_mistral_without_the_field_has_transformers_default_window_of_4096():
     cfg = ModelConfig.from_hf_dict({"architectures": ["MistralForCausalLM"], **SHAPE, "max_position_embeddings": 32768})
-    assert served(cfg) == (4096, 4096)
+    assert served(cfg) == (32768, (4096,) * 3)
 
 
 def test_mistral_slides_on_every_layer_whatever_layer_types_say():
-    assert served(hf(sliding_window=16, layer_types=["full_attention"] * 3)) == (16, 16)
+    assert served(hf(sliding_window=16, layer_types=["full_attention"] * 3)) == (256, (16, 16, 16))
 
 
 @pytest.mark.parametrize(
     ("fields", "expected"),
     [
-        ({"sliding_window": 16}, (256, None)),  # Qwen2.5's configs: a window, use_sliding_window false
-        ({"sliding_window": 16, "use_sliding_window": False, "max_window_layers": 0}, (256, None)),
-        ({"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 2}, (16, 16)),  # layer 2 slides
-        ({"sliding_window": 16, "use_sliding_window": True}, (256, None)),  # max_window_layers 28 > 3 layers
-        ({"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 3}, (256, None)),
-        ({"sliding_window": None, "use_sliding_window": True, "max_window_layers": 0}, (256, None)),
+        ({"sliding_window": 16}, None),  # Qwen2.5's configs: a window, use_sliding_window false
+        ({"sliding_window": 16, "use_sliding_window": False, "max_window_layers": 0}, None),
+        ({"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 2}, (None, None, 16)),
+        ({"sliding_window": 16, "use_sliding_window": True}, None),  # max_window_layers 28 > 3 layers
+        ({"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 3}, None),
+        ({"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 0}, (16, 16, 16)),
+        ({"sliding_window": None, "use_sliding_window": True, "max_window_layers": 0}, None),
         # transformers >= 5 writes layer_types, which then decide
-        ({"sliding_window": 16, "use_sliding_window": True, "layer_types": ["full_attention"] * 3}, (256, None)),
+        ({"sliding_window": 16, "use_sliding_window": True, "layer_types": ["full_attention"] * 3}, None),
         (
             {
                 "sliding_window": 16,
                 "use_sliding_window": True,
-                "layer_types": ["full_attention"] * 2 + ["sliding_attention"],
+                "layer_types": ["full_attention", "sliding_attention", "full_attention"],
             },
-            (16, 16),
+            (None, 16, None),
         ),
-        # a sliding layer named without use_sliding_window (transformers fails there): capped all the same
-        ({"sliding_window": 16, "layer_types": ["sliding_attention"] * 3}, (16, 16)),
+        # a sliding layer named without use_sliding_window (transformers fails there): it slides
+        ({"sliding_window": 16, "layer_types": ["sliding_attention"] * 3}, (16, 16, 16)),
     ],
 )
 def test_qwen2_windows_as_transformers_reads_them(fields, expected):
-    assert served(hf("Qwen2ForCausalLM", **fields)) == expected
+    cfg = hf("Qwen2ForCausalLM", **fields)
+    assert served(cfg) == (256, expected)
+    assert cfg.kv_window == (16 if expected == (16, 16, 16) else None)  # a full layer keeps every page
 
 
 @pytest.mark.parametrize(
     ("fields", "expected"),
     [
-        ({}, (256, None)),
-        ({"sliding_window": None}, (256, None)),
-        ({"sliding_window": 16}, (16, 16)),  # Llama's modeling code ignores it; the model was trained with it
-        ({"sliding_window": 16, "layer_types": ["full_attention"] * 3}, (256, None)),
-        ({"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention", "full_attention"]}, (16, 16)),
+        ({}, None),
+        ({"sliding_window": None}, None),
+        ({"sliding_window": 16}, (16, 16, 16)),  # Llama's modeling code ignores it; the model was trained with it
+        ({"sliding_window": 16, "layer_types": ["full_attention"] * 3}, None),
+        (
+            {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention", "full_attention"]},
+            (16, None, None),
+        ),
     ],
 )
 def test_llama_windows(fields, expected):
-    assert served(hf("LlamaForCausalLM", **fields)) == expected
+    assert served(hf("LlamaForCausalLM", **fields)) == (256, expected)
+
+
+def test_layer_types_of_another_length_are_refused():
+    with pytest.raises(ValueError, match="layer_types names 2 layers, num_hidden_layers is 3"):
+        hf("Qwen2ForCausalLM", sliding_window=16, use_sliding_window=True, layer_types=["sliding_attention"] * 2)
 
 
 @pytest.mark.parametrize("window", [0, -4, True, "16", 16.0])
@@ -100,12 +106,11 @@ def test_a_window_that_is_not_a_positive_count_is_refused(window):
         hf(sliding_window=window)
 
 
-def test_the_served_context_is_capped_for_the_tokenizer_and_gateway(tmp_path):
-    """An explicit engine length over the window: tests/integration/test_mistral_sliding_window.py."""
+def test_a_windowed_model_serves_its_whole_context(tmp_path):
     (tmp_path / "config.json").write_text(
         json.dumps({"architectures": ["MistralForCausalLM"], **SHAPE, "sliding_window": 16})
     )
-    assert default_max_model_len(tmp_path) == 16  # what the tokenizer and the gateway serve by default
+    assert default_max_model_len(tmp_path) == 256  # what the tokenizer and the gateway serve by default
 
 
 def gguf_meta(**extra) -> dict:
@@ -125,10 +130,11 @@ def gguf_meta(**extra) -> dict:
     return meta | {p + k: v for k, v in extra.items()}
 
 
-def test_gguf_sliding_window_key_caps_too_and_partial_rope_is_refused():
+def test_gguf_sliding_window_key_slides_every_layer_and_partial_rope_is_refused():
     names = {"output.weight"}
     assert served(ModelConfig.from_gguf_fields(gguf_meta(), names)) == (256, None)
-    assert served(ModelConfig.from_gguf_fields(gguf_meta(**{"attention.sliding_window": 16}), names)) == (16, 16)
+    windowed = ModelConfig.from_gguf_fields(gguf_meta(**{"attention.sliding_window": 16}), names)
+    assert served(windowed) == (256, (16, 16, 16))
     assert served(ModelConfig.from_gguf_fields(gguf_meta(**{"attention.sliding_window": 512}), names)) == (256, None)
     with pytest.raises(ValueError, match=r"llama\.rope\.dimension_count=8"):
         ModelConfig.from_gguf_fields(gguf_meta(**{"rope.dimension_count": 8}), names)
@@ -150,10 +156,14 @@ def test_gguf_sliding_window_key_caps_too_and_partial_rope_is_refused():
             {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
             "partial_rotary_factor=0.5",
         ),
-        ("LlamaForCausalLM", {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling 'linear'"),
-        ("MistralForCausalLM", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn'"),
+        ("LlamaForCausalLM", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope scaling 'dynamic'"),
+        (
+            "MistralForCausalLM",
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+            "rope scaling 'yarn' without original_max_position_embeddings",
+        ),
         ("LlamaForCausalLM", {"quantization_config": {"quant_method": "awq", "bits": 4}}, "quant_method='awq'"),
-        ("MixtralForCausalLM", {}, "architecture 'MixtralForCausalLM'"),
+        ("DeepseekV3ForCausalLM", {}, "architecture 'DeepseekV3ForCausalLM'"),
     ],
 )
 def test_unimplemented_features_are_refused_by_name(arch, fields, message):

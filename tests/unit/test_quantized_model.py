@@ -10,6 +10,8 @@ import torch
 
 from pagemesh.bench.quantized import PAGE, prompt_logits, quality_texts
 from pagemesh.common.model_files import default_model_path
+from pagemesh.common.quantization import resolve_quantization
+from pagemesh.common.sampling import SamplingParams
 from pagemesh.kernels.cpu import quant
 from pagemesh.tests.default_model import tokenizer
 from pagemesh.workers.engine.backend import select_backend
@@ -19,6 +21,7 @@ from pagemesh.workers.engine.config import (
     engine_args_to_argv,
     engine_config_from_args,
 )
+from pagemesh.workers.engine.engine import Engine
 from pagemesh.workers.engine.model_runner import ModelRunner
 from pagemesh.workers.model import layers
 from pagemesh.workers.model.layers import ColumnParallelLinear, RowParallelLinear
@@ -80,8 +83,8 @@ def test_int8_agrees_with_the_dense_model(dense_model_and_logits):
 
 
 def test_quantization_is_checked_where_it_is_configured():
-    assert EngineConfig().quantization == "none"
-    with pytest.raises(ValueError, match="quantization: must be one of none, int8, gguf"):
+    assert EngineConfig().quantization == "auto"  # resolved by the engine against its model: below
+    with pytest.raises(ValueError, match="quantization: must be one of auto, none, int8, gguf"):
         EngineConfig(quantization="int4")
     # each rank holds its shard quantized (tests/integration/test_parallel_quantized.py)
     assert EngineConfig(quantization="gguf", tensor_parallel_size=3, pipeline_parallel_size=2).quantization == "gguf"
@@ -91,6 +94,27 @@ def test_quantization_is_checked_where_it_is_configured():
     assert engine_config_from_args(args).quantization == "gguf"
     argv = engine_args_to_argv(args)  # what `pagemesh up` hands each worker
     assert argv[argv.index("--quantization") + 1] == "gguf"
+
+
+def test_a_gguf_file_serves_its_own_blocks_unless_a_dtype_is_named(tmp_path):
+    gguf, folder = default_model_path(), tmp_path
+    assert resolve_quantization("auto", "auto", gguf) == "gguf"
+    assert resolve_quantization("auto", "float32", gguf) == "none"  # the parity tests' exact fp32 weights
+    assert resolve_quantization("auto", "bfloat16", gguf) == "none"  # the dense bf16 model: a flag away
+    assert resolve_quantization("auto", "auto", folder) == "none"  # an HF folder: dense
+    assert resolve_quantization("gguf", "float32", gguf) == "gguf"  # named: as given (fp32 activations)
+    assert resolve_quantization("none", "auto", gguf) == "none"
+    (tmp_path / "model.gguf").write_bytes(b"GGML")  # by its magic bytes, not its name
+    assert resolve_quantization("auto", "auto", tmp_path / "model.gguf") == "none"
+
+
+def test_the_default_engine_serves_the_embedded_gguf_quantized():
+    engine = Engine(EngineConfig(num_pages=16))
+    assert engine.config.quantization == "gguf"
+    model = engine.runner.model
+    assert model.lm_head.packed is not None and model.lm_head.packed.format == "q8_0"
+    [out] = engine.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=3))
+    assert len(out.token_ids[0]) == 3
 
 
 def test_gguf_quantization_needs_a_gguf_file(tmp_path):

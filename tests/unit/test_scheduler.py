@@ -187,3 +187,29 @@ def test_a_waiting_sequence_that_does_not_fit_gives_back_its_prefix_hits():
     waiting = [x for x in s.waiting]
     assert all(not x.block_table and x.num_computed == 0 for x in waiting)
     bm.check_invariants([x.block_table for x in s.live_sequences])
+
+
+def test_a_sequence_with_pages_freed_behind_its_window_is_recomputed_not_swapped():
+    """A swapped-in table comes back whole and is published to the prefix cache as such, so a table
+    whose leading pages a sliding window freed (null-page entries) is preempted by recompute."""
+    bm = BlockManager(6, 2, enable_prefix_caching=False, window=4)  # 5 usable pages of 2 tokens
+    s = Scheduler(StepSchedulerConfig(preemption_mode="swap", swap_pages=8), bm)
+    a, b = make_seq(3, "a"), make_seq(8, "b")
+    s.add(a)
+    s.add(b)
+
+    def step():
+        plan = s.schedule()
+        run_plan(plan)
+        for c in plan.chunks:  # what the engine's update does after each step
+            bm.free_passed(c.seq.block_table, c.seq.num_computed, c.seq.num_cached_pages)
+        return plan
+
+    step()  # a's prompt, 6 of b's 8 tokens; b's first page falls behind its window
+    assert a.block_table == [1, 2] and b.block_table == [0, 4, 5]
+    step()  # b's last 2 prompt tokens, on the page it freed
+    assert b.block_table == [0, 0, 5, 3] and list(bm.free) == [4]
+    plan = s.schedule()  # a takes the last free page for position 4; b needs one for position 8
+    assert plan.preempted == [b] and plan.swap_out == [] and b.swapped_computed is None
+    assert b.num_computed == 0 and b.block_table == [] and s.swapped_pages == 0
+    bm.check_invariants([a.block_table])

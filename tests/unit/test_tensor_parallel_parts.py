@@ -30,6 +30,8 @@ STEP = ModelInput(
     swap_in=[(6, [7])],
     swap_discard=[8],
     pool_spans=[(1, 4)],
+    lora_rows=[0, -1, -1, -1],
+    lora_loads=[(0, "/adapters/sql")],
 )
 
 
@@ -45,6 +47,7 @@ def test_a_step_crosses_the_pipe_as_it_was_and_the_pipe_ends_with_none():
         assert [tuple(p) for p in got.page_copies] == [(2, 6)]
         assert [(s, list(p)) for s, p in got.swap_out] == [(5, [1, 2])] and got.swap_discard == [8]
         assert [tuple(s) for s in got.pool_spans] == [(1, 4)]
+        assert got.lora_rows == [0, -1, -1, -1] and [tuple(x) for x in got.lora_loads] == [(0, "/adapters/sql")]
     assert read_step(pipe) is None  # end of file: rank 0 is gone
     whole = io.BytesIO()
     write_step(whole, STEP)
@@ -53,9 +56,9 @@ def test_a_step_crosses_the_pipe_as_it_was_and_the_pipe_ends_with_none():
 
 
 def test_decode_refuses_what_is_not_a_model_input():
-    with pytest.raises(ValueError, match="expected 12 fields"):
+    with pytest.raises(ValueError, match="expected 14 fields"):
         decode_model_input(msgpack.packb([1, 2, 3]))
-    with pytest.raises(ValueError, match="expected 12 fields"):
+    with pytest.raises(ValueError, match="expected 14 fields"):
         decode_model_input(msgpack.packb({"token_ids": []}))
 
 

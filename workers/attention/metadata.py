@@ -15,7 +15,7 @@ Batch order: the scheduler puts decodes (one query token each) first, prefill ch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -47,6 +47,7 @@ class AttentionMetadata:
     decode_pages: torch.Tensor | None = None  # [num_decodes, max_pages] page ids (0-padded)
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_pages * page_size] bool
     prefills: list[PrefillSlice] | None = None
+    _decode_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # decode_mask_for's
 
     @classmethod
     def build(
@@ -116,6 +117,20 @@ class AttentionMetadata:
                 mask = pos[None, :] <= (length - q + torch.arange(q))[:, None]
             start = int(self.query_start_loc[s])
             self.prefills.append(PrefillSlice(start, q, key_index, mask))
+
+    def decode_mask_for(self, window: int | None) -> torch.Tensor | None:
+        """`decode_mask` for a layer of sliding `window` (None: a full-attention layer's, the mask
+        itself): a decode at position p = seq_len - 1 sees keys p - window < j <= p. Built once per
+        window and step."""
+        if window is None or self.decode_mask is None:
+            return self.decode_mask
+        mask = self._decode_masks.get(window)
+        if mask is None:
+            lens = self.seq_lens[: self.num_decodes].to(torch.int64)
+            pos = torch.arange(self.decode_mask.shape[-1], dtype=torch.int64)
+            mask = self.decode_mask & (pos[None, :] >= (lens - window)[:, None])[:, None, None, :]
+            self._decode_masks[window] = mask
+        return mask
 
     def to(self, device: torch.device) -> AttentionMetadata:
         if device.type == "cpu":

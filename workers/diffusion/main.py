@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pagemesh.common.cpu_threads import prepare_worker_threads
 from pagemesh.common.logging import configure_logging
 from pagemesh.common.process import run_until_signalled
 from pagemesh.workers.diffusion.config import DiffusionWorkerConfig, parse_diffusion
@@ -45,17 +46,20 @@ def build_engine(config: DiffusionWorkerConfig):
 
 
 def main(argv: list[str]) -> None:
+    prepare_worker_threads()  # OpenMP's waits: before torch loads it (common/cpu_threads.py)
     import torch
 
     from pagemesh.workers.diffusion.worker import DiffusionWorker
     from pagemesh.workers.shell.shell import WorkerShell
+    from pagemesh.workers.shell.step_threads import step_threads_for
 
     config = parse_diffusion(argv)
     configure_logging("diffusion", config.shell.worker_id)
     if config.threads:
         torch.set_num_threads(config.threads)
     engine = build_engine(config)
-    shell = WorkerShell(config.shell, lambda ctx: DiffusionWorker(engine, ctx))
+    threads = step_threads_for(engine.pipeline.device)
+    shell = WorkerShell(config.shell, lambda ctx: DiffusionWorker(engine, ctx, threads))
     try:
         run_until_signalled(shell.run(), drain=shell.drain)
     finally:

@@ -24,6 +24,7 @@ from pagemesh.common.messages import (
 from pagemesh.workers.diffusion.engine import DiffusionEngine, EngineFull, FinishedJob, ImageJob, InvalidImageRequest
 from pagemesh.workers.diffusion.png import to_png_b64
 from pagemesh.workers.shell.backend import Load, Registration, WorkerContext
+from pagemesh.workers.shell.step_threads import StepThreads
 
 
 class DiffusionWorker:
@@ -31,8 +32,9 @@ class DiffusionWorker:
 
     task_types = (ImageTask,)
 
-    def __init__(self, engine: DiffusionEngine, ctx: WorkerContext):
+    def __init__(self, engine: DiffusionEngine, ctx: WorkerContext, threads: StepThreads | None = None):
         self.engine, self.ctx = engine, ctx
+        self.threads = threads  # a CPU worker's adaptive thread count (workers/shell/thread_policy.py)
         self.step_inline = engine.pipeline.device.type == "cpu"
         self.reply_to: dict[str, str] = {}  # request -> the gateway's reply address
         self.produced = 0  # images made, ever (heartbeats carry it: the status page's images/s)
@@ -79,7 +81,9 @@ class DiffusionWorker:
         return self.engine.has_work()
 
     def step(self) -> list[FinishedJob]:
-        return self.engine.step()
+        if self.threads is None:
+            return self.engine.step()
+        return self.threads.run(self.engine.step, lambda: self.engine.stats().rows)  # a row: one image-step
 
     def stalled(self) -> bool:
         return self.engine.stalled()

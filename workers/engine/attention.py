@@ -10,6 +10,14 @@ Batch order: the scheduler puts decodes (one query token each) first; they are a
 batched SDPA call over their gathered, padded contexts (or, with the C kernels of `pagemesh.kernels.cpu`,
 by a kernel that reads the pages in place). Prefill chunks follow, one SDPA call each, causal
 inside the chunk and attending to the sequence's earlier pages.
+
+Two per-layer variants (every function here takes them as keywords):
+- `window` W (sliding-window attention, HF transformers' semantics): a query at position p sees
+  the keys at positions j with p - W < j <= p, itself and the W - 1 before it. Keys before that
+  may sit on freed pages (the block manager hands them back; their table slots point at the null
+  page): a prefill chunk gathers none of them, the decodes' gather masks them.
+- `softcap` c (Gemma 2's attn_logit_softcapping): scores become c * tanh(scores / c) before the
+  mask and the softmax; SDPA has no such hook, so those calls do the math in fp32 themselves.
 """
 
 from __future__ import annotations
@@ -45,10 +53,14 @@ def paged_attention_torch(
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; kv_layer: [P, 2, S, KVH, D] with this step's K/V already written (k, v
     [T, KVH, D]: the same rows, optional, see prefill_attention_torch). An fp8 pool comes with
-    its layer's `kv_scales` [2, KVH]: gathered rows are dequantized (workers/engine/kv_quant.py)."""
+    its layer's `kv_scales` [2, KVH]: gathered rows are dequantized (workers/engine/kv_quant.py).
+    `window`, `softcap`: see the module docstring."""
     num_kv_heads, head_dim = kv_layer.shape[-2:]
     out = torch.empty_like(q)
     group = q.shape[1] // num_kv_heads
@@ -66,9 +78,9 @@ def paged_attention_torch(
         if kv_scales is not None:
             kd, vd = dequantize(kd, kv_scales[0], q.dtype), dequantize(vd, kv_scales[1], q.dtype)
         kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md.decode_mask, scale=scale)
+        o = attention(qd, kd, vd, scale, mask=md.decode_mask_for(window), softcap=softcap)
         out[:nd] = o.reshape(nd, -1, head_dim)
-    prefill_attention_torch(q, kv_layer, md, scale, out, k, v, kv_scales)
+    prefill_attention_torch(q, kv_layer, md, scale, out, k, v, kv_scales, window=window, softcap=softcap)
     return out
 
 
@@ -81,16 +93,19 @@ def prefill_attention_torch(
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """The prefill chunks of the batch (after its decodes), into `out`.
 
     A chunk with earlier context gathers its keys from the pages: one SDPA call each. A chunk
     that is its sequence's whole context (a fresh prompt) needs no pages when this step's k and v
     are given: consecutive fresh prompts of one length go through one batched causal SDPA call,
-    straight from the projection's rows (one call per layer instead of one per prompt)."""
+    straight from the projection's rows (one call per layer instead of one per prompt). With a
+    `window`, a chunk gathers only the keys some of its queries see."""
     num_kv_heads, head_dim = kv_layer.shape[-2:]
     flat = kv_layer.view(-1, num_kv_heads, head_dim)
-    group = q.shape[1] // num_kv_heads
     prefills, i = md.prefills, 0
     while i < len(prefills):
         p = prefills[i]
@@ -108,19 +123,58 @@ def prefill_attention_torch(
             def heads_first(t: torch.Tensor) -> torch.Tensor:  # [n * L, H, D] -> [n, H, L, D]
                 return t[rows].view(n, p.query_len, t.shape[1], head_dim).transpose(1, 2)
 
-            o = F.scaled_dot_product_attention(
-                heads_first(q), heads_first(k), heads_first(v), is_causal=True, scale=scale, enable_gqa=group > 1
-            )
+            mask = windowed_causal_mask(p.query_len, p.query_len, window)
+            o = attention(heads_first(q), heads_first(k), heads_first(v), scale, mask=mask, softcap=softcap)
             out[rows] = o.transpose(1, 2).reshape(-1, q.shape[1], head_dim)
             i = j
             continue
         qp = q[p.query_start : p.query_start + p.query_len].transpose(0, 1).unsqueeze(0)
-        kp, vp = flat[p.key_index], flat[p.key_index + md.page_size]
+        length = p.key_index.shape[0]
+        first = 0 if window is None else max(0, length - p.query_len - window + 1)  # first key any query sees
+        key_index = p.key_index[first:]
+        kp, vp = flat[key_index], flat[key_index + md.page_size]
         if kv_scales is not None:
             kp, vp = dequantize(kp, kv_scales[0], q.dtype), dequantize(vp, kv_scales[1], q.dtype)
         kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=group > 1
-        )
+        mask = p.mask if window is None else windowed_causal_mask(p.query_len, length, window, first)
+        o = attention(qp, kp, vp, scale, mask=mask, softcap=softcap)
         out[p.query_start : p.query_start + p.query_len] = o[0].transpose(0, 1)
         i += 1
+
+
+def windowed_causal_mask(query_len: int, length: int, window: int | None, first: int = 0) -> torch.Tensor | None:
+    """[query_len, length - first] bool mask (True = attend) of the last `query_len` positions of a
+    `length`-token context over its keys `first`..length-1: causal, and inside the window; None
+    when that is plain causal attention over the whole context (SDPA's is_causal)."""
+    q_pos = torch.arange(length - query_len, length)[:, None]
+    k_pos = torch.arange(first, length)[None, :]
+    if window is None or window >= length:
+        return None if query_len == length and first == 0 else k_pos <= q_pos
+    return (k_pos <= q_pos) & (k_pos > q_pos - window)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    *,
+    mask: torch.Tensor | None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """softmax(q k^T * scale [soft-capped], masked) v over [..., H, L, D] tensors; k and v may have
+    fewer heads than q (GQA: query head h reads kv head h // group). mask: bool [..., L, S], True
+    = attend; None = causal (L == S). Without a softcap this is one SDPA call."""
+    group = q.shape[-3] // k.shape[-3]
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
+        )
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype)

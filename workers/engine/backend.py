@@ -33,8 +33,8 @@ class TorchAttentionBackend:
     def write_kv(self, k, v, kv_layer, md):
         write_kv_torch(k, v, kv_layer, md)
 
-    def attend(self, q, kv_layer, md, scale, k=None, v=None):
-        return paged_attention_torch(q, kv_layer, md, scale, k, v)
+    def attend(self, q, kv_layer, md, scale, k=None, v=None, *, window=None, softcap=None):
+        return paged_attention_torch(q, kv_layer, md, scale, k, v, window=window, softcap=softcap)
 
 
 class CpuKernelAttentionBackend:
@@ -56,16 +56,19 @@ class CpuKernelAttentionBackend:
     def write_kv(self, k, v, kv_layer, md):
         self.kernels.write_kv(k, v, kv_layer, md.slot_mapping)
 
-    def attend(self, q, kv_layer, md, scale, k=None, v=None):
+    def attend(self, q, kv_layer, md, scale, k=None, v=None, *, window=None, softcap=None):
         nd = md.num_decodes
+        variant = {"window": window, "softcap": softcap}
         if nd == q.shape[0]:
-            return self.kernels.paged_attention(q, kv_layer, md.block_tables, md.seq_lens, md.query_start_loc, scale)
+            return self.kernels.paged_attention(
+                q, kv_layer, md.block_tables, md.seq_lens, md.query_start_loc, scale, **variant
+            )
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self.kernels.paged_attention(
-                q[:nd], kv_layer, md.block_tables[:nd], md.seq_lens[:nd], md.query_start_loc[: nd + 1], scale
+                q[:nd], kv_layer, md.block_tables[:nd], md.seq_lens[:nd], md.query_start_loc[: nd + 1], scale, **variant
             )
-        prefill_attention_torch(q, kv_layer, md, scale, out, k, v)
+        prefill_attention_torch(q, kv_layer, md, scale, out, k, v, **variant)
         return out
 
 
@@ -83,9 +86,18 @@ class TritonAttentionBackend:
     def write_kv(self, k, v, kv_layer, md):
         self.kernels.write_kv(k, v, kv_layer, md.slot_mapping)
 
-    def attend(self, q, kv_layer, md, scale, k=None, v=None):  # reads K/V from the pages
+    def attend(self, q, kv_layer, md, scale, k=None, v=None, *, window=None, softcap=None):  # K/V from the pages
         return self.kernels.paged_attention(
-            q, kv_layer, md.block_tables, md.seq_lens, md.query_start_loc, scale, md.max_query_len, md.max_seq_len
+            q,
+            kv_layer,
+            md.block_tables,
+            md.seq_lens,
+            md.query_start_loc,
+            scale,
+            md.max_query_len,
+            md.max_seq_len,
+            window=window,
+            softcap=softcap,
         )
 
 

@@ -17,6 +17,20 @@ same keys from a prompt (`pagemesh.common.page_hash.prefix_page_hashes`) and kno
 manager records the keys it publishes and evicts until `take_cache_changes` collects them.
 Copy-on-write: `fork` shares every page of a block table; the first write into a shared page
 makes the writer move to a private copy (`ensure_writable` returns the copy to perform).
+
+Sliding windows: with `window` W (a model whose every layer slides: the widest window), a
+sequence's next query, at position p, sees keys from p - W + 1 on; `free_passed` hands back the
+pages wholly before that while the sequence runs. The table keeps its length for the kernels:
+a freed entry becomes the null page, which no window lets a kernel read, and freed entries
+only ever lead a table:
+
+    block table   [ 0, 0, 0, 9, 4, 11 ]      freed (the null page) | the pages the window still sees
+
+With prefix caching only published pages are freed, and never the last published one (the next
+page's key chains on its hash), which a window shorter than a page would otherwise pass.
+A freed page that is published keeps its content and its key (evictable, as after a finish), so a
+later prompt's prefix hit on it is exact; once evicted, its key is gone and the chain of keys after
+it is unreachable (a hit is always a run of pages from the first).
 """
 
 from __future__ import annotations
@@ -49,6 +63,7 @@ class BlockManager:
     num_pages: int
     page_size: int
     enable_prefix_caching: bool = True
+    window: int | None = None  # keys a query sees (its position's included); None: all of them
     pages: list[Page] = field(init=False)
     free: deque[int] = field(init=False)
     evictable: OrderedDict[int, None] = field(init=False)
@@ -142,14 +157,36 @@ class BlockManager:
         """Drop one reference to every page of a table (in reverse, so a prefix's tail is
         evicted before its head) and empty the table."""
         for page_id in reversed(block_table):
-            self._release(page_id)
+            if page_id != NULL_PAGE:  # freed by free_passed
+                self._release(page_id)
         block_table.clear()
+
+    def free_passed(self, block_table: list[int], num_computed: int, num_cached_pages: int) -> int:
+        """With a `window`: drop the table's references to the pages wholly before the first key
+        position `num_computed` sees (num_computed - window + 1), setting their entries to the null
+        page; returns how many were freed. With prefix caching, only published pages go, and
+        never the last published one (`cache_full_pages` chains the next key on its hash)."""
+        if self.window is None:
+            return 0
+        end = min(max(0, num_computed - self.window + 1) // self.page_size, len(block_table))
+        if self.enable_prefix_caching:
+            end = min(end, num_cached_pages - 1)
+        freed = 0
+        for i in range(end - 1, -1, -1):  # back to the previous call's last freed entry
+            if block_table[i] == NULL_PAGE:
+                break
+            self._release(block_table[i])
+            block_table[i] = NULL_PAGE
+            freed += 1
+        return freed
 
     # ---- sharing --------------------------------------------------------------------------
     def fork(self, block_table: Sequence[int]) -> list[int]:
-        """A new table sharing every page of `block_table` (copy-on-write)."""
+        """A new table sharing every page of `block_table` (copy-on-write; freed entries stay
+        freed)."""
         for page_id in block_table:
-            self._acquire(page_id)
+            if page_id != NULL_PAGE:
+                self._acquire(page_id)
         return list(block_table)
 
     def ensure_writable(self, block_table: list[int], position: int) -> tuple[int, int] | None:
@@ -165,14 +202,15 @@ class BlockManager:
         return page_id, new_id
 
     # ---- prefix cache ---------------------------------------------------------------------
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+    def match_prefix(self, token_ids: Sequence[int], root: int | None = None) -> list[int]:
         """Cached pages holding the longest prefix of `token_ids` made of full pages, leaving at
-        least one token uncached (its logits are needed). Takes a reference on each hit."""
+        least one token uncached (its logits are needed). Takes a reference on each hit. `root`:
+        the first page's parent key (a LoRA adapter's: `pagemesh.common.page_hash.root_hash`)."""
         if not self.enable_prefix_caching:
             return []
         max_pages = (len(token_ids) - 1) // self.page_size
         hits: list[int] = []
-        parent: int | None = None
+        parent: int | None = root
         self.prefix_queries += max_pages
         for i in range(max_pages):
             chunk = tuple(token_ids[i * self.page_size : (i + 1) * self.page_size])
@@ -188,15 +226,23 @@ class BlockManager:
         return hits
 
     def cache_full_pages(
-        self, block_table: Sequence[int], token_ids: Sequence[int], num_cached_pages: int, num_computed: int
+        self,
+        block_table: Sequence[int],
+        token_ids: Sequence[int],
+        num_cached_pages: int,
+        num_computed: int,
+        root: int | None = None,
     ) -> int:
         """Publish pages that became full (all `num_computed` tokens written) to the prefix cache.
-        `num_cached_pages` pages at the front are already published; returns the new count."""
+        `num_cached_pages` pages at the front are already published; returns the new count.
+        `root`: as match_prefix's."""
         if not self.enable_prefix_caching:
             return num_cached_pages
         full = min(num_computed // self.page_size, len(block_table))
-        parent = self.pages[block_table[num_cached_pages - 1]].hash if num_cached_pages else None
+        parent = self.pages[block_table[num_cached_pages - 1]].hash if num_cached_pages else root
         for i in range(num_cached_pages, full):
+            if block_table[i] == NULL_PAGE:  # freed unpublished: no key can chain past it
+                return i
             chunk = tuple(token_ids[i * self.page_size : (i + 1) * self.page_size])
             key = chain_hash(parent, chunk)
             page = self.pages[block_table[i]]
@@ -256,8 +302,10 @@ class BlockManager:
         if live_tables is not None:
             counts: dict[int, int] = {}
             for table in live_tables:
-                for page_id in table:
-                    assert page_id != NULL_PAGE, "null page in a live table"
+                freed = next((i for i, page_id in enumerate(table) if page_id != NULL_PAGE), len(table))
+                assert freed == 0 or self.window is not None, "null page in a live table"
+                for page_id in table[freed:]:
+                    assert page_id != NULL_PAGE, "null page in a live table after a live page"
                     counts[page_id] = counts.get(page_id, 0) + 1
             for page in self.pages[1:]:
                 assert page.ref_count == counts.get(page.page_id, 0), (

@@ -14,7 +14,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pagemesh.common.quantization import QUANTIZATIONS
+from pagemesh.common.quantization import QUANTIZATION_CHOICES
+from pagemesh.workers.engine.lora_config import add_lora_arguments, check_lora_config, lora_modules
 from pagemesh.workers.engine.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -50,19 +51,25 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay decode-only steps from CUDA graphs (CUDA only)
     tensor_parallel_size: int = 1  # rank processes sharing the model's heads (workers/engine/tensor_parallel.py)
     pipeline_parallel_size: int = 1  # stages of contiguous layers, tp ranks each (workers/engine/pipeline_parallel.py)
+    enable_expert_parallel: bool = False  # MoE experts placed whole on the tp ranks, not sharded (workers/model/moe.py)
     max_steps_in_flight: int | None = None  # pipeline steps launched, not yet applied (None: the stages)
     kv_cache_dtype: str = "auto"  # auto (the model's) | fp8_e4m3 | fp8_e5m2 (workers/engine/kv_quant.py)
-    quantization: str = "none"  # none | int8 | gguf: linear weights kept quantized (workers/model/quantization.py)
+    quantization: str = "auto"  # auto | none | int8 | gguf: linear weights kept quantized (common/quantization.py)
     speculative_config: SpeculativeConfig | None = None  # n-gram or quantized-draft speculation (speculative.py)
     served_model_name: tuple[str, ...] = ()  # the ids it is served under, the first reported; (): the model's own
+    enable_lora: bool = False  # serve LoRA adapters (workers/engine/lora_adapters.py)
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, peft folder) loaded at start
+    max_loras: int = 1  # adapters in one step (slots on the worker), as vLLM's default
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept in host memory once read (default: max_loras)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype: must be auto or one of {sorted(DTYPES)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError("device: must be auto, cpu or cuda")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATION_CHOICES)}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1) or self.page_size > 128:
             raise ValueError("page_size: must be a power of two up to 128")
         if not 0 < self.gpu_memory_fraction <= 1:
@@ -86,6 +93,7 @@ class EngineConfig:
             raise ValueError("speculative_config: draft_quantized needs pipeline_parallel_size 1")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: must be one of {list(KV_CACHE_DTYPES)}")
+        check_lora_config(self)
 
     def resolve_device(self) -> torch.device:
         import torch
@@ -139,6 +147,14 @@ def add_engine_arguments(parser) -> None:
     )
     add(
         parser,
+        "--enable-expert-parallel",
+        False,
+        action="store_true",
+        help="with -tp N on a mixture-of-experts model: each rank holds 1/N of the experts whole, instead of a "
+        "1/N slice of every expert (attention stays split by heads); one all-reduce after the experts either way",
+    )
+    add(
+        parser,
         "--max-steps-in-flight",
         None,
         type=int,
@@ -149,10 +165,11 @@ def add_engine_arguments(parser) -> None:
     add(
         parser,
         "--quantization",
-        "none",
-        choices=list(QUANTIZATIONS),
-        help="linear weights kept quantized: int8 (made at load from any weights) or gguf (a GGUF's "
-        "Q4_0/Q4_1/Q8_0 blocks as they are); none = dense in --dtype",
+        "auto",
+        choices=list(QUANTIZATION_CHOICES),
+        help="linear weights kept quantized: gguf (a GGUF's own blocks, Q4_0/Q4_1/Q8_0 as they are, "
+        "K-quants converted), int8 (made at load from any weights), none (dense in --dtype); auto = gguf for "
+        "a GGUF file unless --dtype names a dtype (then dense in it: --dtype float32 is exact fp32), else none",
     )
     add(parser, "--device", "auto", choices=["auto", "cpu", "cuda"])
     add(parser, "--page-size", 16, type=int, help="tokens per KV page")
@@ -240,6 +257,7 @@ def add_engine_arguments(parser) -> None:
         "every one is accepted in a request's `model` (default: the model's own id; the embedded model's is "
         "its Hugging Face id)",
     )
+    add_lora_arguments(parser)
 
 
 ENGINE_FLAGS = (
@@ -266,11 +284,17 @@ ENGINE_FLAGS = (
     "long_prefill_token_threshold",
     "tensor_parallel_size",
     "pipeline_parallel_size",
+    "enable_expert_parallel",
     "kv_cache_dtype",
     "quantization",
     "speculative_config",
     "max_steps_in_flight",
     "served_model_name",
+    "enable_lora",
+    "lora_modules",
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
 )
 
 
@@ -298,11 +322,17 @@ def engine_config_from_args(args) -> EngineConfig:
         long_prefill_threshold=args.long_prefill_token_threshold,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         speculative_config=SpeculativeConfig.from_json(args.speculative_config),
         max_steps_in_flight=args.max_steps_in_flight,
         served_model_name=served_model_names(args.served_model_name),
+        enable_lora=args.enable_lora,
+        lora_modules=lora_modules(args.lora_modules),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
     )
 
 
@@ -316,6 +346,8 @@ def engine_args_to_argv(args) -> list[str]:
             argv.append(flag if value else "--no-" + flag[2:])
         elif name == "served_model_name":
             argv += [flag, *served_model_names(value)] if value else []
+        elif name == "lora_modules":
+            argv += [flag, *(f"{n}={p}" for n, p in lora_modules(value))] if value else []
         elif isinstance(value, bool):
             argv += [flag] if value else []
         elif value is not None:

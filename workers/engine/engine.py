@@ -33,8 +33,9 @@ from pathlib import Path
 import torch
 
 from pagemesh.common.messages import Pooling
-from pagemesh.common.model_config import check_max_model_len, read_model_config
+from pagemesh.common.model_config import read_model_config
 from pagemesh.common.model_files import resolve_model_path
+from pagemesh.common.quantization import resolve_quantization
 from pagemesh.common.sampling import SamplingParams
 from pagemesh.workers.engine.backend import select_backend
 from pagemesh.workers.engine.beam import BeamSearch, BeamState
@@ -46,6 +47,7 @@ from pagemesh.workers.engine.grammar_masks import GrammarMasks, PendingMasks
 from pagemesh.workers.engine.in_flight import surviving_rows
 from pagemesh.workers.engine.kv_handoff import HandoffPages, KVLayout, PageExport
 from pagemesh.workers.engine.kv_quant import calibration_token_ids, kv_storage_dtype
+from pagemesh.workers.engine.lora_adapters import EngineAdapters, lora_runner_args
 from pagemesh.workers.engine.model_input import build_model_input
 from pagemesh.workers.engine.model_runner import ModelRunner
 from pagemesh.workers.engine.output_builder import build_outputs
@@ -111,8 +113,11 @@ class Engine:
         pipe = None
         if model is None:
             self.model_path = resolve_model_path(config.model)
+            # auto: a GGUF file serves from its own blocks unless --dtype names a dtype (common/quantization.py)
+            quantization = resolve_quantization(config.quantization, config.dtype, self.model_path)
+            config = self.config = dataclasses.replace(config, quantization=quantization)
             model_config = read_model_config(self.model_path)
-            check_tensor_parallel(model_config, tp_size)
+            check_tensor_parallel(model_config, tp_size, config.enable_expert_parallel)
             check_pipeline_parallel(model_config, pp_size)
             check_rank_gpus(self.device, tp_size, pp_size)
             dtype = config.resolve_dtype(self.device)
@@ -126,7 +131,9 @@ class Engine:
                     tp_size, model_config, config.max_num_batched_tokens, dtype, self.device
                 )
             try:
-                tp = rank_context(0, tp_size, self.shm_path, self.shm_numel, dtype, group)
+                tp = rank_context(
+                    0, tp_size, self.shm_path, self.shm_numel, dtype, group, config.enable_expert_parallel
+                )
                 model = load_model(self.model_path, dtype, self.device, tp, layers, config.quantization)
             except BaseException:
                 self._unlink_shared_file()
@@ -137,8 +144,6 @@ class Engine:
                 f"(and pipeline stages load from a path: pipeline_parallel_size={pp_size})"
             )
         self.model_config = model.config
-        if config.max_model_len is not None:  # longer than a sliding window: refused, never served wrong
-            check_max_model_len(self.model_config, config.max_model_len)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         self.max_model_len = min(
             config.max_model_len or MAX_DEFAULT_MODEL_LEN, self.model_config.max_position_embeddings
@@ -147,10 +152,22 @@ class Engine:
             self.tokenizer.eos_token_ids if self.tokenizer is not None else [self.model_config.eos_token_id]
         ) - {None}
         num_pages = config.num_pages or self._pages_from_budget(model)
-        self.blocks = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
         speculator = Speculator(config.speculative_config, self.max_model_len) if config.speculative_config else None
+        # pages every layer's window has passed are freed as sequences run (a draft model keeps
+        # them: it catches up over whole prompts, workers/engine/draft_model.py)
+        window = None if speculator and speculator.uses_draft_model else self.model_config.kv_window
+        self.blocks = BlockManager(num_pages, config.page_size, config.enable_prefix_caching, window)
+        # LoRA: the adapters (checked against the model before anything else is built) and their slots
+        self.adapters = (
+            EngineAdapters(model, config.max_loras, config.max_lora_rank, config.lora_modules)
+            if config.enable_lora
+            else None
+        )
         self.scheduler = Scheduler(
-            StepSchedulerConfig.for_engine(config, self.max_model_len, self._page_bytes(model)), self.blocks, speculator
+            StepSchedulerConfig.for_engine(config, self.max_model_len, self._page_bytes(model)),
+            self.blocks,
+            speculator,
+            self.adapters.slots if self.adapters is not None else None,
         )
         self.backend = select_backend(self.device, model.dtype)
         try:
@@ -170,6 +187,7 @@ class Engine:
             pipe=pipe,
             kv_dtype=self._kv_dtype(model),
             kv_calibration_ids=calibration_token_ids(self.tokenizer, self.model_config.vocab_size),
+            lora=lora_runner_args(config),
         )
         self.drafter = (
             attach_drafter(self, config.speculative_config) if speculator and speculator.uses_draft_model else None
@@ -233,6 +251,8 @@ class Engine:
             pipeline_size=self.config.pipeline_parallel_size,
             quantization=self.config.quantization,
             kv_cache_dtype=self.config.kv_cache_dtype,
+            expert_parallel=self.config.enable_expert_parallel,
+            lora=lora_runner_args(self.config),
             kv_calibration_ids=tuple(calibration_token_ids(self.tokenizer, self.model_config.vocab_size)),
         )
         return FollowerRanks(spec, model.tp.group)
@@ -310,8 +330,10 @@ class Engine:
         tokens it generated there, recomputed here (prefix cache first) and never reported
         again; they count as output for max_tokens, min_tokens, penalties and the grammar, and a
         seeded request's generator is advanced past their draws, so it continues the sequence
-        it would have drawn on the first worker."""
+        it would have drawn on the first worker. `params.lora`: the loaded LoRA adapter it runs
+        under (None: the base model)."""
         self.validator.not_running(request_id, self.requests)
+        root = self._check_lora(params.lora)
         token_ids, resumed = list(prompt_token_ids), self.validator.resumable(output_token_ids, params)
         params = self.validator.fit_pool(len(token_ids), params, prefill_only)
         if resumed:
@@ -326,6 +348,8 @@ class Engine:
             params,
             pending_forks=forks,
             grammar=grammar,
+            lora=params.lora,
+            prefix_root=root,
         )
         self.generators.start(seq, draws_done=len(resumed), vocab_size=self.model_config.vocab_size)
         beam = BeamState(params.num_sequences, params.length_penalty) if params.use_beam_search else None
@@ -333,6 +357,15 @@ class Engine:
             request_id, params, [seq], len(token_ids), prefill_only=prefill_only, beam=beam
         )
         self.scheduler.add(seq)
+
+    def _check_lora(self, lora: str | None) -> int | None:
+        """ValueError unless `lora` is None or an adapter this engine holds; its prefix-cache root."""
+        if lora is None:
+            return None
+        if self.adapters is None:
+            raise ValueError(f"lora: adapter {lora!r} asked of an engine that serves none (enable_lora)")
+        self.adapters.check(lora)
+        return self.adapters.prefix_root(lora)
 
     def admit_embedding(self, request_id: str, prompt_token_ids: Seq[int], pooling: Pooling, priority: int = 0) -> None:
         """Queue an embedding request, checked as `admit`'s: its prompt runs as a prefill, and its
@@ -506,17 +539,29 @@ class Engine:
         calls `write_pages(new_pages)` to fill them, publishes the prompt's full pages to the
         prefix cache, and starts every choice whose first token did not already end it.
         Raises OutOfPages if the pool cannot hold the prompt."""
+        root = self._check_lora(params.lora)  # ValueError before any page is taken
         req = self.handoff.import_request(
-            request_id, prompt_token_ids, params, first_token_ids, write_pages, prefix_pages, running=self.requests
+            request_id,
+            prompt_token_ids,
+            params,
+            first_token_ids,
+            write_pages,
+            prefix_pages,
+            running=self.requests,
+            prefix_root=root,
         )
         if req is not None:
             self.requests[request_id] = req
 
     # ---- offline --------------------------------------------------------------------------
     def generate(
-        self, prompts: Seq[str | Seq[int]], sampling_params: SamplingParams | Seq[SamplingParams]
+        self,
+        prompts: Seq[str | Seq[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams],
+        loras: Seq[str | None] | None = None,
     ) -> list[CompletionResult]:
-        """Run prompts to completion together; results in prompt order."""
+        """Run prompts to completion together (each under its LoRA adapter in `loras`, None: the
+        base model); results in prompt order."""
         from pagemesh.workers.engine.offline import generate
 
-        return generate(self, prompts, sampling_params)
+        return generate(self, prompts, sampling_params, loras)

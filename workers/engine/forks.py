@@ -83,6 +83,9 @@ class Forks:
             cumulative_logprob=parent.cumulative_logprob,
             prompt_logprobs=parent.prompt_logprobs,  # collected: a recompute does not redo them
             grammar=parent.grammar.deep_copy() if parent.grammar is not None else None,  # before the parent moves on
+            lora=parent.lora,
+            lora_slot=parent.lora_slot,  # add_running pins it once more
+            prefix_root=parent.prefix_root,
         )
         self.generators.adopt(child, generator)
         req.seqs.append(child)

@@ -54,10 +54,11 @@ class Fp8KVAttention:
         else:
             self.lib.write_kv(k, v, kv_layer, md.slot_mapping, kv_scales=scales)
 
-    def attend(self, q, kv_layer, md, scale, k=None, v=None):
+    def attend(self, q, kv_layer, md, scale, k=None, v=None, *, window=None, softcap=None):
         scales = self.layer_scales(kv_layer)
+        variant = {"window": window, "softcap": softcap}
         if self.kernels == "torch":
-            return paged_attention_torch(q, kv_layer, md, scale, k, v, kv_scales=scales)
+            return paged_attention_torch(q, kv_layer, md, scale, k, v, kv_scales=scales, **variant)
         if self.kernels == "triton":
             return self.lib.paged_attention(
                 q,
@@ -69,6 +70,7 @@ class Fp8KVAttention:
                 md.max_query_len,
                 md.max_seq_len,
                 kv_scales=scales,
+                **variant,
             )
         nd = md.num_decodes
         out = torch.empty_like(q)
@@ -81,9 +83,10 @@ class Fp8KVAttention:
                 md.query_start_loc[: nd + 1],
                 scale,
                 kv_scales=scales,
+                **variant,
             )
         if nd < q.shape[0]:
-            prefill_attention_torch(q, kv_layer, md, scale, out, k, v, kv_scales=scales)
+            prefill_attention_torch(q, kv_layer, md, scale, out, k, v, kv_scales=scales, **variant)
         return out
 
 

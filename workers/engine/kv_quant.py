@@ -96,8 +96,8 @@ class AmaxRecorder:
         self.layer += 1
         self.inner.write_kv(k, v, kv_layer, md)
 
-    def attend(self, q, kv_layer, md, scale, k=None, v=None):
-        return self.inner.attend(q, kv_layer, md, scale, k, v)
+    def attend(self, q, kv_layer, md, scale, k=None, v=None, *, window=None, softcap=None):
+        return self.inner.attend(q, kv_layer, md, scale, k, v, window=window, softcap=softcap)
 
 
 def convert_pages(

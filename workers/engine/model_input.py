@@ -51,6 +51,8 @@ class ModelInput:
     swap_in: list[tuple[int, list[int]]] = field(default_factory=list)  # (seq_id, new pages) from host memory
     swap_discard: list[int] = field(default_factory=list)  # seq_ids whose host copy is no longer needed
     pool_spans: list[tuple[int, int]] = field(default_factory=list)  # [a, b) rows summed: one pooled row each
+    lora_rows: list[int] = field(default_factory=list)  # [T] each row's LoRA slot (-1: base); []: no adapter rows
+    lora_loads: list[tuple[int, str]] = field(default_factory=list)  # (slot, adapter folder) loaded before running
 
     @property
     def logit_rows(self) -> list[int]:
@@ -88,6 +90,9 @@ def build_model_input(plan: StepPlan) -> ModelInput:
         if seq.sampling.prompt_logprobs is not None:
             prompt_rows.extend(first + p - start for p in seq.prompt_logprob_positions(start, n))
     verify_rows = sum(c.num_tokens for c in plan.chunks if c.drafts)  # right after the plain decodes
+    lora_rows = []  # rows come chunk by chunk in plan order, a verifying chunk's too (num_tokens rows)
+    if any(c.seq.lora_slot >= 0 for c in plan.chunks):
+        lora_rows = [c.seq.lora_slot for c in plan.chunks for _ in range(c.num_tokens)]
     return ModelInput(
         token_ids,
         query_lens,
@@ -101,6 +106,8 @@ def build_model_input(plan: StepPlan) -> ModelInput:
         plan.swap_in,
         plan.swap_discard,
         pool_spans,
+        lora_rows,
+        plan.lora_loads,
     )
 
 

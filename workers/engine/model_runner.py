@@ -21,6 +21,7 @@ from pagemesh.workers.engine.tensor_parallel import FollowerRanks
 from pagemesh.workers.model.decode_layers import DecodeLayers
 from pagemesh.workers.model.layers import pack_linear_weights
 from pagemesh.workers.model.llama import ForwardContext, LlamaForCausalLM
+from pagemesh.workers.model.lora import ServedAdapters
 from pagemesh.workers.model.pooling import PoolSpans
 
 DEFAULT_MAX_GRAPH_BATCH = 256
@@ -63,7 +64,10 @@ class ModelRunner:
         pipe: StagePipe | None = None,
         kv_dtype: torch.dtype | None = None,
         kv_calibration_ids: list[int] | None = None,
+        lora: tuple[int, int, int] | None = None,
     ):
+        """`lora`: (max_loras, max_lora_rank, max_cpu_loras) where LoRA adapters are served
+        (workers/model/lora.py): a step's `lora_loads` fill slots, its `lora_rows` pick them."""
         cfg = model.config
         self.model = model
         self.followers = followers
@@ -101,6 +105,7 @@ class ModelRunner:
             if device.type == "cpu" and followers is None and pipe is None
             else None
         )
+        self.adapters = ServedAdapters(model, *lora) if lora is not None else None
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda" and model.tp.world_size == 1 and pipe is None:
             self.graphs = DecodeGraphs(
@@ -188,11 +193,14 @@ class ModelRunner:
         if self.followers is not None:
             self.followers.send_step(step)
         self.move_pages(step)
+        # adapter rows run the Python layers, eagerly: the fused C decode and CUDA graphs have no LoRA
+        adapted = self.adapters is not None and self.adapters.prepare(step.lora_loads, step.lora_rows, self.device)
         if not step.token_ids:  # page moves only (a pipeline's preemption with nothing to run): on every rank
             return InFlightStep(torch.empty(0, 0))
         logit_rows = step.logit_rows
         if (
-            self.graphs is not None
+            not adapted
+            and self.graphs is not None
             and not step.prompt_logprob_rows
             and not step.pool_spans
             and self.graphs.can_run(step.query_lens, step.block_tables, len(logit_rows))
@@ -210,7 +218,8 @@ class ModelRunner:
         ids = torch.tensor(step.token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         rows = torch.tensor(logit_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         pool = PoolSpans.build(step.pool_spans, self.device) if step.pool_spans else None
-        ctx = ForwardContext(self.kv_cache, md, self.attention, self.ops, decode_layers=self.decode_layers, pool=pool)
+        fused = None if adapted else self.decode_layers
+        ctx = ForwardContext(self.kv_cache, md, self.attention, self.ops, decode_layers=fused, pool=pool)
         pipe = self.pipe
         if pipe is None:
             return InFlightStep(self.model(ids, ctx, rows), pooled=ctx.pooled)

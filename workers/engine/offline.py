@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
@@ -15,14 +16,18 @@ if TYPE_CHECKING:
 
 
 def generate(
-    engine: Engine, prompts: Seq[str | Seq[int]], sampling_params: SamplingParams | Seq[SamplingParams]
+    engine: Engine,
+    prompts: Seq[str | Seq[int]],
+    sampling_params: SamplingParams | Seq[SamplingParams],
+    loras: Seq[str | None] | None = None,
 ) -> list[CompletionResult]:
-    """Add every prompt, step until all are done, collect each choice's tokens in prompt order."""
+    """Add every prompt, step until all are done, collect each choice's tokens in prompt order.
+    `loras`: each prompt's LoRA adapter (None: the base model)."""
     if isinstance(sampling_params, SamplingParams):
         sampling_params = [sampling_params] * len(prompts)
     ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-    for rid, prompt, params in zip(ids, prompts, sampling_params):
-        engine.add_request(rid, prompt, params)
+    for rid, prompt, params, lora in zip(ids, prompts, sampling_params, loras or [None] * len(prompts)):
+        engine.add_request(rid, prompt, params if lora is None else dataclasses.replace(params, lora=lora))
     collected: dict[str, dict[int, tuple[list[int], list[TokenLogprob], str | None]]] = {r: {} for r in ids}
     prompt_ids = {rid: list(engine.requests[rid].seqs[0].token_ids) for rid in ids}
     pending = set(ids)

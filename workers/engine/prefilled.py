@@ -84,11 +84,15 @@ class PrefillHandoff:
         write_pages: Callable[[list[int]], None],
         prefix_pages: Seq[int],
         running: Container[str],
+        prefix_root: int | None = None,
     ) -> EngineRequest | None:
         """See `Engine.import_prefilled`. Returns the new request, or None when every choice's
-        first token already ended it (`running`: the ids of the engine's live requests)."""
+        first token already ended it (`running`: the ids of the engine's live requests;
+        `prefix_root`: its LoRA adapter's prefix-cache root, as `Sequence.prefix_root`)."""
         table = list(prefix_pages)
         try:
+            if params.lora is not None and not self.scheduler.loras.has_room(params.lora):
+                raise ValueError(f"lora: every one of the {self.scheduler.loras.max_loras} adapter slots is in use")
             self.grammar_masks.start(params)  # the grammar compiles (the gateway checked it; cached here)
             self.validator.not_running(request_id, running)
             prompt = list(prompt_token_ids)
@@ -98,7 +102,7 @@ class PrefillHandoff:
         except Exception:
             self.blocks.free_table(table)
             raise
-        cached = self.blocks.cache_full_pages(table, prompt, 0, len(prompt))
+        cached = self.blocks.cache_full_pages(table, prompt, 0, len(prompt), prefix_root)
         params = dataclasses.replace(params, prompt_logprobs=None)  # the prefill worker sent them
         req = EngineRequest(request_id, params, [], len(prompt))
         for index, token in enumerate(first_token_ids):
@@ -112,6 +116,8 @@ class PrefillHandoff:
                 num_computed=len(prompt),
                 num_cached_pages=cached,
                 grammar=self.grammar_masks.start(params, [token]),  # past the prefill worker's first token
+                lora=params.lora,
+                prefix_root=prefix_root,
             )
             gen = self.generators.new(params, index)
             if gen is not None:  # the prefill worker drew the first token from this stream

@@ -37,7 +37,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--shm-numel", type=int, default=0)
     parser.add_argument("--quantization", default="none", help="as the worker's --quantization")
     parser.add_argument("--kv-cache-dtype", default="auto", help="as the worker's --kv-cache-dtype")
+    parser.add_argument("--enable-expert-parallel", action="store_true", help="as the worker's flag")
     parser.add_argument("--kv-calibration-ids", default="", help="an fp8 pool's calibration tokens, comma-separated")
+    parser.add_argument("--lora", default=None, help="LoRA slots: max_loras,max_rank,max_cpu_loras (rank 0's)")
     return parser.parse_args(argv)
 
 
@@ -55,7 +57,9 @@ def main(argv: list[str]) -> None:
     # our signal to leave; a follower that died of the SIGINT first would look like a failure.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    from pagemesh.common.cpu_threads import prepare_worker_threads
 
+    prepare_worker_threads()  # as rank 0's (which passed it on already, unless started otherwise)
     import torch
 
     from pagemesh.common.model_config import read_model_config
@@ -92,7 +96,9 @@ def main(argv: list[str]) -> None:
         pipe = StagePipe(args.rank, args.world_size, args.pipeline_size, cfg, dtype, device, COLLECTIVE_TIMEOUT_S)
         group = stage_group(stage, args.world_size) if args.world_size > 1 else None
         layers = stage_layers(cfg.num_layers, args.pipeline_size, stage)
-    tp = rank_context(tp_rank, args.world_size, args.shm_path, args.shm_numel, dtype, group)
+    tp = rank_context(
+        tp_rank, args.world_size, args.shm_path, args.shm_numel, dtype, group, args.enable_expert_parallel
+    )
     model = load_model(Path(args.model), dtype, device, tp, layers, args.quantization)
     world = args.world_size * args.pipeline_size
     init_group(args.rank, world, args.init_method, args.device)
@@ -109,6 +115,7 @@ def main(argv: list[str]) -> None:
         pipe=pipe,
         kv_dtype=kv_storage_dtype(args.kv_cache_dtype, dtype),
         kv_calibration_ids=[int(t) for t in args.kv_calibration_ids.split(",") if t],
+        lora=tuple(int(x) for x in args.lora.split(",")) if args.lora else None,
     )
     computes_logits = pipe is not None and pipe.sends_logits
     log.info(

@@ -20,8 +20,9 @@ import bisect
 import time
 from dataclasses import dataclass, field, fields
 
-from pagemesh.workers.engine.block_manager import BlockManager
+from pagemesh.workers.engine.block_manager import NULL_PAGE, BlockManager
 from pagemesh.workers.engine.in_flight import StepsInFlight
+from pagemesh.workers.engine.lora_slots import LoRASlots
 from pagemesh.workers.engine.sequence import SeqStatus, Sequence
 from pagemesh.workers.engine.speculative import Speculator
 
@@ -85,6 +86,7 @@ class StepPlan:
     swap_in: list[tuple[int, list[int]]] = field(default_factory=list)  # (seq_id, new pages) from host
     swap_discard: list[int] = field(default_factory=list)  # seq_ids whose host copy is no longer needed
     preempted: list[Sequence] = field(default_factory=list)
+    lora_loads: list[tuple[int, str]] = field(default_factory=list)  # (slot, adapter folder) to load, first
     num_decodes: int = 0  # the first num_decodes chunks are single-token decodes (speculating ones follow them)
     max_seqs: int = 0  # a pipeline's micro-batch: sequences this plan may take (Scheduler._takes)
 
@@ -104,16 +106,24 @@ def _order(seq: Sequence) -> tuple[int, float, int]:
 class Scheduler:
     """Decides, each step, which tokens of which sequences run."""
 
-    def __init__(self, config: StepSchedulerConfig, blocks: BlockManager, speculator: Speculator | None = None) -> None:
+    def __init__(
+        self,
+        config: StepSchedulerConfig,
+        blocks: BlockManager,
+        speculator: Speculator | None = None,
+        loras: LoRASlots | None = None,
+    ) -> None:
         self.config = config
         self.blocks = blocks
         self.speculator = speculator  # None: no speculative decoding
+        self.loras = loras  # None: no LoRA adapters; else a running sequence with one pins its slot
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
         self.swapped_pages = 0  # host pages in use
         self.batch: set[int] | None = None  # request-level batching: the current batch's seq ids
         self.discarded_swaps: list[int] = []  # host copies of sequences that ended while swapped
         self.num_preemptions = 0
+        self.pending_lora_loads: list[tuple[int, str]] = []  # slots filled outside a plan (add_running)
         # a pipeline: the steps in flight (workers/engine/in_flight.py); None: one step at a time
         self.in_flight = StepsInFlight(config.max_steps_in_flight) if config.max_steps_in_flight else None
 
@@ -124,7 +134,18 @@ class Scheduler:
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence whose pages are already filled (a fork, or KV received from a prefill
-        worker) joins the decodes directly."""
+        worker) joins the decodes directly. ValueError when its LoRA adapter can have no slot
+        (every one is pinned by other adapters' running sequences)."""
+        if seq.lora is not None:
+            if seq.lora_slot >= 0:
+                self.loras.pin(seq.lora_slot)
+            else:
+                got = self.loras.acquire(seq.lora)
+                if got is None:
+                    raise ValueError(f"lora: every one of the {self.loras.max_loras} adapter slots is in use")
+                seq.lora_slot, load = got
+                if load is not None:
+                    self.pending_lora_loads.append((seq.lora_slot, load))
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         if self.batch is not None:
@@ -141,6 +162,7 @@ class Scheduler:
             self.blocks.free_table(seq.block_table)
         # else a step in flight still writes its pages: `step_returned` frees them
         self._drop_swap(seq)
+        self._release_lora(seq)
 
     def step_returned(self, plan: StepPlan) -> None:
         """A step in flight came back (before its output is applied): free the pages of its
@@ -158,8 +180,8 @@ class Scheduler:
 
     # ---- planning -------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        plan = StepPlan(swap_discard=self.discarded_swaps)
-        self.discarded_swaps = []
+        plan = StepPlan(swap_discard=self.discarded_swaps, lora_loads=self.pending_lora_loads)
+        self.discarded_swaps, self.pending_lora_loads = [], []
         if self.in_flight is not None:
             plan.max_seqs = self.in_flight.batch_cap(
                 min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
@@ -274,12 +296,17 @@ class Scheduler:
             if long and long_partial >= cfg.max_long_partial_prefills:
                 self._unmatch_prefix(seq)
                 continue  # let shorter prompts behind it through
+            if seq.lora is not None and seq.lora_slot < 0 and not self._acquire_lora(seq, plan):
+                self._unmatch_prefix(seq)
+                continue  # every slot is pinned by other adapters: sequences behind it may go
             if seq.swapped_computed is not None:
                 if not self._swap_in(seq, plan):
+                    self._release_lora(seq)
                     break
             n = self._fit(seq, min(seq.num_uncomputed, budget, cfg.max_prefill_chunk))
             if n == 0:
                 self._unmatch_prefix(seq)  # a waiting sequence holds no pages
+                self._release_lora(seq)  # nor a slot
                 break
             self.waiting.remove(seq)
             if seq.first_scheduled is None:
@@ -293,8 +320,22 @@ class Scheduler:
             partial += still_prefilling
             long_partial += still_prefilling and long
 
+    def _acquire_lora(self, seq: Sequence, plan: StepPlan) -> bool:
+        got = self.loras.acquire(seq.lora)
+        if got is None:
+            return False
+        seq.lora_slot, load = got
+        if load is not None:
+            plan.lora_loads.append((seq.lora_slot, load))
+        return True
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0:
+            self.loras.release(seq.lora_slot)
+            seq.lora_slot = -1
+
     def _match_prefix(self, seq: Sequence) -> None:
-        hits = self.blocks.match_prefix(seq.token_ids)
+        hits = self.blocks.match_prefix(seq.token_ids, seq.prefix_root)
         seq.block_table.extend(hits)
         seq.num_cached_pages = len(hits)
         seq.num_computed = seq.num_prefix_hit_tokens = len(hits) * self.blocks.page_size
@@ -336,10 +377,13 @@ class Scheduler:
     # ---- preemption -----------------------------------------------------------------------
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Free the pages and requeue. Swap mode first copies the computed pages to host memory
-        (when there is room) so resuming skips the recompute."""
+        (when there is room, and no page was freed behind a sliding window: a swapped-in table
+        is whole, its pages published to the prefix cache) so resuming skips the recompute."""
         self.running.remove(seq)
         pages = -(-seq.num_computed // self.blocks.page_size)
-        if self.config.preemption_mode == "swap" and pages and self.swapped_pages + pages <= self.config.swap_pages:
+        whole = not seq.block_table or seq.block_table[0] != NULL_PAGE  # no page freed behind a window
+        swap = self.config.preemption_mode == "swap" and pages and whole
+        if swap and self.swapped_pages + pages <= self.config.swap_pages:
             plan.swap_out.append((seq.seq_id, seq.block_table[:pages]))
             seq.swapped_computed = seq.num_computed
             self.swapped_pages += pages
@@ -347,6 +391,7 @@ class Scheduler:
         seq.num_computed = 0
         seq.num_cached_pages = 0
         seq.status = SeqStatus.WAITING
+        self._release_lora(seq)  # taken again when it is admitted again
         seq.num_preemptions += 1
         self.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=_order)

@@ -65,6 +65,9 @@ class Sequence:
     pooling: Pooling | None = None  # an embedding request: its prompt runs and is pooled, nothing is sampled
     pooled: object = None  # mean pooling: the fp32 sum of the hidden states so far (a torch tensor)
     embedding: list[float] | None = None  # the L2-normalised vector, once the prompt has run
+    lora: str | None = None  # the LoRA adapter it runs under (None: the base model)
+    lora_slot: int = -1  # the adapter's slot while it runs (workers/engine/lora_slots.py), else -1
+    prefix_root: int | None = None  # its pages' root key in the prefix cache (an adapter's: page_hash.root_hash)
 
     def prompt_logprob_positions(self, start: int, num_tokens: int) -> range:
         """Positions of a chunk [start, start + num_tokens) whose logits give a prompt token's

@@ -39,6 +39,7 @@ from typing import BinaryIO
 
 import torch
 
+from pagemesh.common.cpu_threads import usable_cores
 from pagemesh.common.gpus import rank_gpus, visible_gpu_ids
 from pagemesh.common.model_config import ModelConfig
 from pagemesh.common.python_command import python_module
@@ -56,15 +57,21 @@ _LENGTH = struct.Struct("<Q")
 log = logging.getLogger(__name__)  # stdlib: the engine imports no structlog (a GPU machine has none)
 
 
-def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
-    """Raise ValueError, naming the sizes, unless `size` ranks can split this model evenly."""
+def check_tensor_parallel(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> None:
+    """Raise ValueError, naming the sizes, unless `size` ranks can split this model evenly (a
+    mixture of experts: each expert's intermediate size, or with `expert_parallel` the experts)."""
     if size < 1:
         raise ValueError(f"tensor-parallel size must be >= 1, got {size}")
     parts = {
         "query heads": cfg.num_heads,
         "KV heads": cfg.num_kv_heads,
-        "MLP intermediate size": cfg.intermediate_size,
     }
+    if cfg.moe is None or cfg.moe.dense_layers:
+        parts["MLP intermediate size"] = cfg.intermediate_size
+    if cfg.moe is not None and expert_parallel:
+        parts["experts"] = cfg.moe.num_experts
+    elif cfg.moe is not None:
+        parts["expert intermediate size"] = cfg.moe.intermediate_size
     bad = [f"{n} {name}" for name, n in parts.items() if n % size]
     if bad:
         raise ValueError(
@@ -89,7 +96,7 @@ def check_rank_gpus(device: torch.device, tp: int, pp: int) -> None:
 def threads_per_rank(world_size: int, worker_threads: int | None = None) -> int:
     """Torch (and OpenMP) threads for each rank: the worker's threads (default: the host's
     cores) shared out, at least one."""
-    return max(1, (worker_threads or os.cpu_count() or 1) // world_size)
+    return max(1, (worker_threads or usable_cores()) // world_size)
 
 
 def init_group(rank: int, world_size: int, init_method: str, device_type: str) -> None:
@@ -113,14 +120,15 @@ def rank_context(
     shm_numel: int,
     dtype: torch.dtype,
     group: StageGroup | None = None,
+    expert_parallel: bool = False,
 ) -> ParallelContext:
     """A rank's ParallelContext (`rank` of `world_size`: within its pipeline stage): all-reduces
     through the shared-memory file where there is one, else over the stage's `group` (None: the
-    default group)."""
+    default group); `expert_parallel`: MoE experts whole on ranks (`--enable-expert-parallel`)."""
     shared = None
     if shm_path is not None:
         shared = SharedMemoryAllReduce(shm_path, rank, world_size, shm_numel, dtype, COLLECTIVE_TIMEOUT_S)
-    return ParallelContext(rank, world_size, shared, group)
+    return ParallelContext(rank, world_size, shared, group, expert_parallel)
 
 
 def create_shared_all_reduce(
@@ -184,7 +192,9 @@ class FollowerSpec:
     pipeline_size: int = 1  # stages (workers/engine/pipeline_parallel.py); world_size ranks each
     quantization: str = "none"  # the linears' (workers/model/quantization.py): each rank its shard
     kv_cache_dtype: str = "auto"  # an fp8 pool: every rank calibrates its heads' scales, together
+    expert_parallel: bool = False  # --enable-expert-parallel: MoE experts whole on ranks
     kv_calibration_ids: tuple[int, ...] = ()  # the calibration pass's tokens (rank 0's tokenizer's)
+    lora: tuple[int, int, int] | None = None  # LoRA slots: (max_loras, max_rank, max_cpu_loras), each rank its shard
 
     @property
     def total_ranks(self) -> int:
@@ -241,8 +251,12 @@ class FollowerRanks:
         if s.shm_path is not None:
             argv += [f"--shm-path={s.shm_path}", f"--shm-numel={s.shm_numel}"]
         argv += [f"--quantization={s.quantization}", f"--kv-cache-dtype={s.kv_cache_dtype}"]
+        if s.expert_parallel:
+            argv.append("--enable-expert-parallel")
         if s.kv_calibration_ids:
             argv.append("--kv-calibration-ids=" + ",".join(map(str, s.kv_calibration_ids)))
+        if s.lora is not None:
+            argv.append("--lora=" + ",".join(map(str, s.lora)))
         env = dict(os.environ)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu

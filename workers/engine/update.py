@@ -143,8 +143,11 @@ class StepUpdate:
             seq = chunk.seq
             seq.num_computed += chunk.num_tokens - len(chunk.drafts)  # drafts count once accepted
             seq.num_cached_pages = self.blocks.cache_full_pages(
-                seq.block_table, seq.token_ids, seq.num_cached_pages, seq.num_computed
+                seq.block_table, seq.token_ids, seq.num_cached_pages, seq.num_computed, seq.prefix_root
             )
+            req = self.requests.get(seq.request_id)
+            if req is not None and not req.prefill_only:  # a prefill hands every prompt page on
+                self.blocks.free_passed(seq.block_table, seq.num_computed, seq.num_cached_pages)  # sliding windows
             if not chunk.samples or seq.pooling is not None:  # an embedding samples nothing: `_pool`
                 continue
             if chunk.drafts:
@@ -205,7 +208,7 @@ class StepUpdate:
         seq.num_computed += accepted  # the accepted drafts' K/V is written; the rejected positions' is not ours
         self.blocks.truncate(seq.block_table, seq.num_computed)
         seq.num_cached_pages = self.blocks.cache_full_pages(
-            seq.block_table, seq.token_ids, seq.num_cached_pages, seq.num_computed
+            seq.block_table, seq.token_ids, seq.num_cached_pages, seq.num_computed, seq.prefix_root
         )
         if v.generator_state is not None and accepted < len(drafts):
             v.generator.set_state(v.generator_state)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pagemesh.common.cli_args import add
+from pagemesh.common.cpu_threads import prepare_worker_threads
 from pagemesh.common.logging import configure_logging
 from pagemesh.common.messages import WorkerRole
 from pagemesh.common.process import run_until_signalled
@@ -38,12 +39,14 @@ def parse(argv: list[str]) -> LLMWorkerConfig:
 
 
 def main(argv: list[str]) -> None:
+    prepare_worker_threads()  # OpenMP's waits: before torch loads it (common/cpu_threads.py)
     import torch
 
     from pagemesh.workers.engine.engine import Engine
     from pagemesh.workers.engine.tensor_parallel import threads_per_rank
     from pagemesh.workers.llm.worker import LLMWorker
     from pagemesh.workers.shell.shell import WorkerShell
+    from pagemesh.workers.shell.step_threads import step_threads_for
 
     config = parse(argv)
     configure_logging("worker", config.shell.worker_id)
@@ -54,7 +57,9 @@ def main(argv: list[str]) -> None:
     if engine.step_trace is not None:
         engine.step_trace.record_role(config.role.value)
     try:
-        shell = WorkerShell(config.shell, lambda ctx: LLMWorker(config, engine, ctx))
+        # PAGEMESH_THREAD_POLICY=adaptive: a single-rank worker only (the ranks of -tp/-pp wait for each other)
+        threads = step_threads_for(engine.device) if ranks == 1 else None
+        shell = WorkerShell(config.shell, lambda ctx: LLMWorker(config, engine, ctx, threads))
         try:
             run_until_signalled(shell.run(), drain=shell.drain)
         finally:

@@ -29,6 +29,7 @@ from pagemesh.common.messages import (
     HeldRequest,
     KVPoolInfo,
     KVPoolLoad,
+    LoRAAdapterTask,
     PrefillTask,
     PrefixCacheUpdate,
     RequestStarted,
@@ -42,16 +43,19 @@ from pagemesh.common.model_files import served_model_name
 from pagemesh.workers.engine.engine import Engine, RequestOutput
 from pagemesh.workers.llm.config import LLMWorkerConfig
 from pagemesh.workers.llm.handoff import HandoffIn, HandoffOut
+from pagemesh.workers.llm.lora import lora_load, run_adapter_task
 from pagemesh.workers.shell.backend import Load, Registration, WorkerContext
+from pagemesh.workers.shell.step_threads import StepThreads
 
 
 class LLMWorker:
     """A `WorkerBackend` around one engine."""
 
-    task_types = (GenerateTask, PrefillTask, DecodeTask)
+    task_types = (GenerateTask, PrefillTask, DecodeTask, LoRAAdapterTask)
 
-    def __init__(self, config: LLMWorkerConfig, engine: Engine, ctx: WorkerContext):
+    def __init__(self, config: LLMWorkerConfig, engine: Engine, ctx: WorkerContext, threads: StepThreads | None = None):
         self.config, self.engine, self.ctx = config, engine, ctx
+        self.threads = threads  # a CPU worker's adaptive thread count (workers/shell/thread_policy.py)
         # On a CPU the step runs on the event loop's own thread: a step of a few tens of ms is
         # hundreds of torch/C calls, and handing the GIL and the step's result between two
         # threads cost ~5% of decode throughput at 32 streams here. On CUDA the step stays in
@@ -83,7 +87,9 @@ class LLMWorker:
             pipeline_stages=self.engine.config.pipeline_parallel_size,
         )
 
-    def add(self, task: GenerateTask | PrefillTask | DecodeTask) -> None:
+    def add(self, task: GenerateTask | PrefillTask | DecodeTask | LoRAAdapterTask) -> None:
+        if isinstance(task, LoRAAdapterTask):  # between steps: no step sees half an adapter
+            return self.ctx.to_scheduler(run_adapter_task(self.engine, self.ctx.worker_id, task))
         if isinstance(task, DecodeTask):
             if self.incoming is None:
                 self.ctx.log.warning("decode task for a worker without a KV address", request_id=task.request_id)
@@ -131,7 +137,9 @@ class LLMWorker:
         return self.engine.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        return self.engine.step()
+        if self.threads is None:
+            return self.engine.step()
+        return self.threads.run(self.engine.step, lambda: self.engine.stats.tokens)
 
     def stalled(self) -> bool:
         return self.engine.stalled
@@ -208,6 +216,7 @@ class LLMWorker:
                 bytes_received=received,
             ),
             speculation=self._speculation(),
+            lora=lora_load(self.engine),
         )
 
     def _speculation(self) -> SpeculationLoad | None:

@@ -65,6 +65,8 @@ class DecodeLayers:
                 gate_up=self._weight(mlp.gate_up_proj.packed, None),
                 down=self._weight(mlp.down_proj.packed, None),
                 kv_layer=kv_cache[i].data_ptr(),
+                window=getattr(attn, "window", None) or 0,  # the layer's sliding window, if any
+                softcap=getattr(attn, "softcap", None) or 0.0,
             )
         self.num_layers = len(model.layers)
 
@@ -90,6 +92,8 @@ class DecodeLayers:
         if kv_cache.device.type != "cpu" or kv_cache.dtype != dtype or dtype not in (torch.bfloat16, torch.float32):
             return None
         if model.tp.world_size != 1 or not (model.is_first and model.is_last):
+            return None
+        if not model.fits_fused_decode:  # a family whose layers the C code does not compute (CausalLM)
             return None
         linears = [
             p

@@ -41,6 +41,9 @@ class ParallelContext:
     world_size: int = 1
     shared: SharedMemoryAllReduce | None = field(default=None, compare=False)
     group: StageGroup | None = field(default=None, compare=False)
+    # mixture-of-experts layers place whole experts on ranks instead of sharding each one
+    # (`--enable-expert-parallel`; `pagemesh.workers.model.moe`); nothing else reads it
+    expert_parallel: bool = False
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
@@ -69,6 +72,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)), requires_grad=False) if bias else None
         self.packed: PackedWeight | QuantizedWeight | None = None  # see pack_linear_weights, quantization.py
+        self.lora = None  # LoRAWeights (pagemesh.workers.model.lora) where adapters are served
 
     def load_part(self, part: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Copy this rank's shard of full sub-matrix `part` into place."""
@@ -79,7 +83,8 @@ class ColumnParallelLinear(nn.Module):
             self.bias.data[offset : offset + size].copy_(bias[start : start + size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        y = linear(x, self.weight, self.bias, self.packed)
+        return y if self.lora is None else self.lora.add_to(y, x)
 
 
 class RowParallelLinear(nn.Module):
@@ -91,12 +96,14 @@ class RowParallelLinear(nn.Module):
         self.in_start, local_in = tp.shard(in_features, "input")
         self.weight = nn.Parameter(torch.empty(out_features, local_in), requires_grad=False)
         self.packed: PackedWeight | QuantizedWeight | None = None  # see pack_linear_weights, quantization.py
+        self.lora = None  # LoRAWeights (pagemesh.workers.model.lora): a partial sum, like the base output
 
     def load(self, weight: torch.Tensor) -> None:
         self.weight.data.copy_(weight[:, self.in_start : self.in_start + self.weight.shape[1]])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(linear(x, self.weight, None, self.packed))
+        y = linear(x, self.weight, None, self.packed)
+        return self.tp.all_reduce(y if self.lora is None else self.lora.add_to(y, x))
 
 
 @dataclass(frozen=True)
@@ -245,6 +252,8 @@ class RMSNorm(nn.Module):
     """RMSNorm with the residual add fused in: (x, residual) -> (norm(x + residual), x + residual).
     The math is the device's (`pagemesh.workers.model.ops`)."""
 
+    identity_weight = 1.0  # the weight that leaves the normalised input as it is
+
     def __init__(self, hidden: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -254,29 +263,27 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, residual, self.weight, self.eps)
 
 
-class RotaryEmbedding(nn.Module):
-    """RoPE tables in the rotate-half layout, with optional Llama-3 frequency scaling:
-    `cos_sin_cache[pos] = [cos(pos * f), sin(pos * f)]`, [max_pos, head_dim] fp32."""
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: weights stored as w and applied as (1 + w), all of it in fp32 and rounded
+    to the input's dtype once at the end, as Hugging Face's Gemma2RMSNorm/Gemma3RMSNorm; the same
+    (x, residual) contract as RMSNorm. Plain torch on every device (its own numerics, not Llama's)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+    identity_weight = 0.0
+
+    def __init__(self, hidden: int, eps: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        if scaling:
-            inv_freq = _llama3_scale(inv_freq, scaling)
-        t = torch.arange(max_positions, dtype=torch.int64).float()
-        freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ops=None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype), x
 
 
-def _llama3_scale(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
-    import math
-
-    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
-    old_len = s["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU over a fused [gate | up] row: gelu_tanh(gate) * up (HF's `gelu_pytorch_tanh`)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

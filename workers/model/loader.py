@@ -18,9 +18,10 @@ from pagemesh.common.model_config import ModelConfig, read_model_config
 from pagemesh.common.quantization import QUANTIZATIONS
 from pagemesh.kernels.gguf_conversions import GGUF_CONVERSIONS, from_gguf_converted
 from pagemesh.kernels.quantized import GGUF_BLOCK_FORMATS, QuantizedWeight, from_gguf_blocks
+from pagemesh.workers.model.causal_lm import CausalLM
 from pagemesh.workers.model.layers import ParallelContext
-from pagemesh.workers.model.llama import LlamaForCausalLM
 from pagemesh.workers.model.quantization import install_gguf_weights, permute_rows, quantize_int8_model
+from pagemesh.workers.model.registry import model_class
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,14 @@ _GGUF_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q, k and v in one tensor
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",  # a MoE layer's router (Qwen3-MoE)
 }
+# a MoE layer's experts, stacked [experts, rows, cols] in one tensor: one HF tensor per expert
+_GGUF_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_GGUF_ARCH_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}  # Phi-3: gate and up in one tensor
 _GGUF_TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -50,21 +58,18 @@ def load_model(
     tp: ParallelContext = ParallelContext(),
     layers: range | None = None,
     quantization: str = "none",
-) -> LlamaForCausalLM:
-    """The model (or, with `layers`, one pipeline stage of it: see LlamaForCausalLM), this
-    rank's tensor-parallel shard, its weights loaded; `quantization` (workers/model/quantization.py)
-    says which linear weights stay quantized: `gguf` keeps a GGUF file's blocks, `int8` rounds
-    any weights."""
+) -> CausalLM:
+    """The model (or, with `layers`, one pipeline stage of it: see CausalLM), of its family's
+    class (`pagemesh.workers.model.registry`), this rank's tensor-parallel shard, its weights
+    loaded; `quantization` (workers/model/quantization.py) says which linear weights stay
+    quantized: `gguf` keeps a GGUF file's blocks, `int8` rounds any weights."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}")
     if quantization == "gguf" and path.is_dir():
         raise ValueError("quantization gguf: the model must be a GGUF file (int8 quantizes any weights)")
     cfg = read_model_config(path)
-    note = cfg.sliding_window_note()
-    if note and tp.rank == 0 and (layers is None or layers.start == 0):  # once per worker
-        log.info("%s", note)
     with torch.device(device), _default_dtype(dtype):
-        model = LlamaForCausalLM(cfg, tp, layers)
+        model = model_class(cfg)(cfg, tp, layers)
     blocks: dict[str, QuantizedWeight] | None = {} if quantization == "gguf" else None
     weights = _hf_folder_weights(path) if path.is_dir() else _gguf_weights(path, cfg, blocks)
     model.load_weights(weights)
@@ -77,9 +82,9 @@ def load_model(
     return model.eval()
 
 
-def build_random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LlamaForCausalLM:
+def build_random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
     with torch.device(device), _default_dtype(dtype):
-        model = LlamaForCausalLM(cfg)
+        model = model_class(cfg)(cfg)
     model.init_random(seed)
     return model.eval()
 
@@ -114,7 +119,7 @@ def _hf_folder_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # ---- GGUF ----------------------------------------------------------------------------------
-_QUANTIZABLE = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+_QUANTIZABLE = {"attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
 
 
 def _gguf_weights(
@@ -136,12 +141,27 @@ def _gguf_weights(
         tensor = torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))
         name = _GGUF_TOP.get(t.name)
         rope_heads = None
+        stack = _GGUF_BLOCK.fullmatch(t.name)
+        if stack is not None and stack.group(2) in _GGUF_EXPERT_STACKS:  # workers/model/moe.py
+            layer, kind, suffix = stack.groups()
+            gtype = t.tensor_type.name
+            convert = from_gguf_blocks if gtype in GGUF_BLOCK_FORMATS else None
+            convert = from_gguf_converted if gtype in GGUF_CONVERSIONS else convert
+            if blocks is not None and convert is None:
+                log.info("quantization gguf: %s (experts) is %s, served dense", t.name, gtype)
+            for expert, part in enumerate(tensor):
+                name = f"model.layers.{layer}.mlp.experts.{expert}.{_GGUF_EXPERT_STACKS[kind]}.{suffix}"
+                if blocks is not None and convert is not None:
+                    blocks[name] = convert(gtype, t.data[expert])  # one expert's rows of blocks
+                yield name, part
+            continue
         if name is None:
             m = _GGUF_BLOCK.fullmatch(t.name)
             if m is None or m.group(2) not in _GGUF_NAMES:
                 raise ValueError(f"model: unexpected GGUF tensor {t.name}")
             layer, kind, suffix = m.groups()
-            name = f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}"
+            module = _GGUF_ARCH_NAMES.get(cfg.architecture, {}).get(kind, _GGUF_NAMES[kind])
+            name = f"model.layers.{layer}.{module}.{suffix}"
             if cfg.architecture in ("llama", "mistral"):
                 rope_heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(kind)
                 if rope_heads is not None:
@@ -159,12 +179,30 @@ def _gguf_weights(
             if qw is not None and rope_heads is not None:
                 qw = permute_rows(qw, _unpermute_rope_rows(torch.arange(qw.shape[0]), rope_heads))
             if qw is not None:
-                blocks[name] = qw
+                blocks.update(_fused_parts(name, qw, cfg))
         yield name, tensor
     for kind, names in routes.items():  # which tensors took which route (kernels/gguf_conversions.py)
         log.info(
             "quantization gguf: %d %s tensors as %s: %s", len(names), kind, GGUF_CONVERSIONS[kind][2], " ".join(names)
         )
+
+
+def _fused_parts(name: str, qw: QuantizedWeight, cfg: ModelConfig) -> dict[str, QuantizedWeight]:
+    """A quantized weight under the names `install_gguf_weights` looks for: a fused Phi-3
+    tensor's rows cut into its q, k, v (or gate, up) parts, each under its Llama name."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    parts = {
+        "self_attn.qkv_proj.weight": (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)),
+        "mlp.gate_up_proj.weight": (("mlp.gate_proj", cfg.intermediate_size), ("mlp.up_proj", cfg.intermediate_size)),
+    }
+    prefix, _, rest = name.rpartition(".layers.")[2].partition(".")
+    if rest not in parts:
+        return {name: qw}
+    out, start = {}, 0
+    for part, size in parts[rest]:
+        out[f"model.layers.{prefix}.{part}.weight"] = qw.rows(start, size)
+        start += size
+    return out
 
 
 def _is_linear_weight(gguf_name: str) -> bool:

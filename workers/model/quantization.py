@@ -52,6 +52,9 @@ def quantize_int8_model(model) -> int:
             continue
         _install(m, quantize_int8(weight.cpu()).to(weight.device), release=not isinstance(m, VocabEmbedding))
         done += 1
+    for m in model.modules():  # a mixture of experts' experts (workers/model/moe.py)
+        if hasattr(m, "quantize_int8"):
+            done += m.quantize_int8()
     return done
 
 
@@ -63,8 +66,11 @@ def install_gguf_weights(model, blocks: dict[str, QuantizedWeight]) -> int:
         p = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
         done += _install_column(attn.qkv_proj, [blocks.get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
-        done += _install_column(mlp.gate_up_proj, [blocks.get(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
         done += _install_row(p + "self_attn.o_proj", attn.o_proj, blocks.get(p + "self_attn.o_proj.weight"))
+        if hasattr(mlp, "install_gguf"):  # a mixture of experts (workers/model/moe.py)
+            done += mlp.install_gguf(blocks, p + "mlp.")
+            continue
+        done += _install_column(mlp.gate_up_proj, [blocks.get(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
         done += _install_row(p + "mlp.down_proj", mlp.down_proj, blocks.get(p + "mlp.down_proj.weight"))
     head_name = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     head = blocks.get(head_name)

@@ -22,6 +22,7 @@ from pagemesh.common.messages import (
     ImageModelInfo,
     KVPoolInfo,
     KVPoolLoad,
+    LoRALoad,
     Message,
     SpeculationLoad,
     WorkerKind,
@@ -54,6 +55,7 @@ class Load:
     produced: int = 0  # output made, ever: tokens or images
     feature_cache: FeatureCacheLoad | None = None  # a diffusion worker's
     speculation: SpeculationLoad | None = None  # an LLM worker's that speculates
+    lora: LoRALoad | None = None  # an LLM worker's that serves adapters
 
 
 class WorkerContext(Protocol):

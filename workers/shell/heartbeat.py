@@ -89,6 +89,7 @@ class HeartbeatThread:
                     produced=snap.load.produced,
                     feature_cache=snap.load.feature_cache,
                     speculation=snap.load.speculation,
+                    lora=snap.load.lora,
                     busy_s=float(self.state.busy_s(now, self.interval)),
                 )
             )
