@@ -39,7 +39,7 @@ _SIGNATURES = {
     "pm_amx_pack": [_P, _P, _I64, _I64],
     "pm_amx_linear": [_P, _P, _P, _P, _I32, _I64, _I64, _I64],
     "pm_argmax_rows": [_P, _I64, _I64, _I64, _P],
-    "pm_lora_add": [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I32, _I32],
+    "pm_lora_add": [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _I32, _I32],
     "pm_paged_attention_fp8": [_P, _I64, _P, _P, _P, _I64, _P, _P, *[_I32] * 5, _F, _I32, _F, _P, _I32, _I32],
 }
 _library = build.Library(build.SOURCES, _SIGNATURES, build.LIBRARY_NAME)
@@ -354,10 +354,23 @@ def lora_segments(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 def lora_add_grouped_(
-    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, segments: tuple, width: int
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    segments: tuple,
+    width: int,
+    part_cols: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`lora_add_` with the rows already grouped (`lora_segments`)."""
+    """`lora_add_` with the rows already grouped (`lora_segments`). `part_cols` (int64 [parts + 1]):
+    a fused linear's parts, each slot's rows in parts of width / parts rows whose B is non-zero only
+    in that part's columns part_cols[p] .. part_cols[p + 1] (None: one part, every column)."""
     order, starts, seg_slots = segments
+    if part_cols is None:
+        part_cols = torch.tensor([0, y.shape[1]], dtype=torch.int64)
+    parts = len(part_cols) - 1
+    if parts < 1 or width % parts or int(part_cols[-1]) != y.shape[1] or part_cols.dtype != torch.int64:
+        raise ValueError("lora_add_: part_cols must be int64 [parts + 1] ending at y's width, parts dividing width")
     rows, fan_in = x.shape
     if y.shape[0] != rows or a.shape[1] != fan_in or b.shape[0] != a.shape[0] or b.shape[1] != y.shape[1]:
         raise ValueError("lora_add_: shapes must be y [R, out], x [R, in], a [S*W, in], b [S*W, out]")
@@ -371,6 +384,7 @@ def lora_add_grouped_(
         raise RuntimeError(f"lora_add_: {load_error()}")
     _lib.pm_lora_add(
         x.data_ptr(), y.data_ptr(), a.data_ptr(), b.data_ptr(), order.data_ptr(), starts.data_ptr(),
-        seg_slots.data_ptr(), len(seg_slots), fan_in, y.shape[1], width, _code(x), _code(a),
+        seg_slots.data_ptr(), len(seg_slots), fan_in, y.shape[1], width, width // parts, part_cols.data_ptr(),
+        _code(x), _code(a),
     )  # fmt: skip
     return y

@@ -19,7 +19,8 @@ static inline float weight_at(const void *w, int64_t i, const int dt_w) {
 
 static inline __attribute__((always_inline)) void lora_rows(const void *x, void *y, const void *a, const void *b,
                                                            const int64_t *rows, int64_t n, int64_t in, int64_t out,
-                                                           int64_t width, int dt_x, const int dt_w) {
+                                                           int64_t width, int64_t part_rank, const int64_t *part_cols,
+                                                           int dt_x, const int dt_w) {
     const int64_t xs = elem_size(dt_x);
     float xr[MAX_SEG_ROWS][in], h[MAX_SEG_ROWS][width], wrow[in];
     for (int64_t r = 0; r < n; r++) load_row(xr[r], (const char *)x + rows[r] * in * xs, in, dt_x);
@@ -39,17 +40,21 @@ static inline __attribute__((always_inline)) void lora_rows(const void *x, void 
         for (int64_t k = 0; k < width; k++) {
             const float hk = h[r][k];
             if (hk == 0.0f) continue; /* a rank row the adapter does not use (padding to max rank) */
-            for (int64_t j = 0; j < out; j++) acc[j] += hk * weight_at(b, k * out + j, dt_w);
+            /* a fused linear's part p (q/k/v, gate/up) has its B rows' non-zeros in its own columns */
+            const int64_t p = k / part_rank, j1 = part_cols[p + 1];
+            for (int64_t j = part_cols[p]; j < j1; j++) acc[j] += hk * weight_at(b, k * out + j, dt_w);
         }
         store_row(yr, acc, out, dt_x);
     }
 }
 
 /* x [rows, in] and y [rows, out] in dt_x (y updated in place); a, b in dt_w; order, starts
- * [segments + 1] and seg_slots [segments] as above */
+ * [segments + 1] and seg_slots [segments] as above; a slot's rows come in parts of part_rank rows
+ * (a fused linear's q/k/v or gate/up), part p's B non-zero only in columns part_cols[p] ..
+ * part_cols[p + 1] (one part: 0 .. out) */
 void pm_lora_add(const void *x, void *y, const void *a, const void *b, const int64_t *order, const int64_t *starts,
-                 const int64_t *seg_slots, int64_t segments, int64_t in, int64_t out, int64_t width, int dt_x,
-                 int dt_w) {
+                 const int64_t *seg_slots, int64_t segments, int64_t in, int64_t out, int64_t width, int64_t part_rank,
+                 const int64_t *part_cols, int dt_x, int dt_w) {
     const int64_t ws = elem_size(dt_w);
 #pragma omp parallel for schedule(dynamic, 1) if (segments > 1)
     for (int64_t g = 0; g < segments; g++) {
@@ -57,7 +62,7 @@ void pm_lora_add(const void *x, void *y, const void *a, const void *b, const int
         const char *as = (const char *)a + s * width * in * ws, *bs = (const char *)b + s * width * out * ws;
         for (int64_t first = starts[g]; first < starts[g + 1]; first += MAX_SEG_ROWS) {
             const int64_t n = starts[g + 1] - first < MAX_SEG_ROWS ? starts[g + 1] - first : MAX_SEG_ROWS;
-#define LORA_ROWS(DT) lora_rows(x, y, as, bs, order + first, n, in, out, width, dt_x, DT)
+#define LORA_ROWS(DT) lora_rows(x, y, as, bs, order + first, n, in, out, width, part_rank, part_cols, dt_x, DT)
             FOR_DTYPE(dt_w, LORA_ROWS);
 #undef LORA_ROWS
         }

@@ -333,3 +333,23 @@ def test_lora_add_matches_each_rows_own_adapter_in_both_dtypes():
         assert torch.equal(out[1], y[1]) and torch.equal(out[5], y[5])  # base rows untouched
     with pytest.raises(ValueError, match="a slot beyond"):
         ck.lora_add_(y.clone(), x, a, b, torch.full((rows,), slots_n), width)
+
+
+def test_lora_add_reads_a_fused_linears_parts_in_their_own_columns():
+    """A fused q/k/v adapter: slot rows in parts of rank r, part p's B non-zero only in its own
+    columns; with `part_cols` the kernel reads only those and gives the whole product."""
+    gen = torch.Generator().manual_seed(1)
+    rank, parts, fan_in, slots_n = 4, [12, 6, 6], 20, 2
+    width, fan_out = rank * len(parts), sum(parts)
+    cols = torch.tensor([0, 12, 18, 24])
+    a = torch.randn(slots_n * width, fan_in, generator=gen)
+    b = torch.zeros(slots_n * width, fan_out)
+    for s in range(slots_n):
+        for p in range(len(parts)):
+            rows = slice(s * width + p * rank, s * width + (p + 1) * rank)
+            b[rows, cols[p] : cols[p + 1]] = torch.randn(rank, parts[p], generator=gen)
+    x, y = torch.randn(5, fan_in, generator=gen), torch.randn(5, fan_out, generator=gen)
+    slots = torch.tensor([1, 0, -1, 1, 0])
+    whole = ck.lora_add_(y.clone(), x, a, b, slots, width)
+    by_part = ck.lora_add_grouped_(y.clone(), x, a, b, ck.lora_segments(slots), width, cols)
+    torch.testing.assert_close(by_part, whole, rtol=1e-5, atol=1e-5)

@@ -26,6 +26,7 @@ every adapted linear of the model reads it.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -71,7 +72,9 @@ class LoRABatch:
             row_slots = None
         self.row_slots, self._masks, self._segments = row_slots, {}, None
 
-    def add(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tensor:
+    def add(
+        self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, width: int, part_cols: torch.Tensor
+    ) -> torch.Tensor:
         """y += every row's delta, in place, by this step's kernel ("c" or "triton")."""
         if self.kernel == "triton":
             import pagemesh.kernels.lora
@@ -81,7 +84,7 @@ class LoRABatch:
 
         if self._segments is None:  # once a step: the rows grouped by slot, for every linear
             self._segments = pagemesh.kernels.cpu.lora_segments(self.row_slots)
-        return pagemesh.kernels.cpu.lora_add_grouped_(y, x, a, b, self._segments, width)
+        return pagemesh.kernels.cpu.lora_add_grouped_(y, x, a, b, self._segments, width, part_cols)
 
     def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
         """[T, slots * width]: row t's `width` columns of its slot are 1, all others 0."""
@@ -103,12 +106,14 @@ class LoRAWeights(nn.Module):
         rows = batch.slots * self.width
         self.a = nn.Parameter(torch.zeros(rows, in_features, dtype=dtype), requires_grad=False)
         self.b = nn.Parameter(torch.zeros(rows, sum(part_sizes), dtype=dtype), requires_grad=False)
+        # where each fused part's columns start and end (the kernel reads a part's B rows there only)
+        self.part_cols = torch.tensor([0, *itertools.accumulate(part_sizes)], dtype=torch.int64)
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.batch.row_slots is None:
             return y
         if self.batch.kernel is not None and y.is_contiguous():
-            return self.batch.add(y, x.contiguous(), self.a, self.b, self.width)
+            return self.batch.add(y, x.contiguous(), self.a, self.b, self.width, self.part_cols)
         h = (x.to(self.a.dtype) @ self.a.T) * self.batch.mask(self.width, self.a.dtype)
         return y + (h @ self.b).to(y.dtype)
 

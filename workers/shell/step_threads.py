@@ -32,6 +32,8 @@ class StepThreads:
         self.run_delay = run_delay or process_run_delay
         self.policy = ThreadPolicy(ThreadPolicyConfig(max_threads or torch.get_num_threads()), clock())
         self.current = self.policy.threads
+        if torch.get_num_threads() != self.current:  # the policy's count from the first step on
+            torch.set_num_threads(self.current)
         self.delay = self.run_delay()
 
     def run(self, step: Callable[[], T], tokens: Callable[[], int]) -> T:
