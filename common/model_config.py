@@ -7,11 +7,14 @@ differently from Hugging Face transformers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from pagemesh.common.model_families import GGUF_FAMILIES, HF_FAMILIES, longrope_context, rope_scaling_items
+from pagemesh.common.model_files import text_weights_path
+from pagemesh.common.multimodal import TEXT_WEIGHTS_KEY, multimodal_kind, text_config
 
 SUPPORTED_ARCHITECTURES = {name: mapping.architecture for name, mapping in HF_FAMILIES.items()}
 
@@ -61,6 +64,10 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits become c * tanh(logits / c) (Gemma 2 and 3)
     rope_local_theta: float | None = None  # the RoPE base of sliding layers, unscaled (Gemma 3)
     rope_local_layers: tuple[int, ...] = ()  # the layers that rotate with rope_local_theta
+    # Multimodal models (common/multimodal.py): how images enter (None: a text-only model), and
+    # Qwen2-VL's M-RoPE: the head dim's rotary pairs split into (temporal, height, width) sections
+    multimodal: str | None = None
+    mrope_section: tuple[int, ...] | None = None
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -68,6 +75,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> ModelConfig:
+        kind = multimodal_kind(cfg)
+        if kind is not None:  # the language model's config, and how images enter it
+            return dataclasses.replace(cls.from_hf_dict(text_config(cfg)), multimodal=kind)
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         family = HF_FAMILIES.get(archs[0])
         if family is None:
@@ -294,9 +304,14 @@ def default_max_model_len(path: Path) -> int:
 
 
 def read_model_config(path: Path) -> ModelConfig:
-    """The config of an HF folder (config.json) or a GGUF file (its metadata)."""
+    """The config of an HF folder (config.json) or a GGUF file (its metadata); a multimodal folder
+    whose language model is the embedded GGUF (digits-vlm): the GGUF's, with the folder's images."""
     if path.is_dir():
-        return ModelConfig.from_hf_folder(path)
+        cfg = json.loads((path / "config.json").read_text())
+        if cfg.get(TEXT_WEIGHTS_KEY) != "default":
+            return ModelConfig.from_hf_dict(cfg)
+        text = read_model_config(text_weights_path(path))
+        return dataclasses.replace(text, multimodal=multimodal_kind(cfg))
     meta, names = _gguf_meta(path)
     return ModelConfig.from_gguf_fields(meta, names)
 

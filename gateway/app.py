@@ -192,8 +192,9 @@ class Gateway:
 
         request_id = f"cmpl-{uuid.uuid4().hex}"
         keep_special = chat_output is not None and chat_output.keep_special_tokens
+        images = self.config.media.load(parsed.image_urls) if parsed.image_urls else None  # gateway/media.py
         requests = parsed.to_generate_requests(
-            request_id, model, self.mesh.reply_to, time.time(), skip_special_tokens=not keep_special
+            request_id, model, self.mesh.reply_to, time.time(), skip_special_tokens=not keep_special, images=images
         )
         n = parsed.sampling.n
         builder = ResponseBuilder(

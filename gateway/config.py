@@ -13,6 +13,7 @@ from pagemesh.common.cli_args import DEFAULT_DRAIN_TIMEOUT_S, DRAIN_TIMEOUT_HELP
 from pagemesh.common.model_config import DEFAULT_MAX_MODEL_LEN_CAP, default_max_model_len
 from pagemesh.common.model_files import model_aliases, resolve_model_path, served_model_name
 from pagemesh.gateway.auth import key_problem, read_key_file
+from pagemesh.gateway.media import MediaPolicy, add_media_arguments, media_policy
 from pagemesh.gateway.reasoning import REASONING_PARSERS
 from pagemesh.gateway.tool_calls import TOOL_CALL_PARSERS
 
@@ -55,6 +56,7 @@ class GatewayConfig:
     tool_call_parser: str | None = None  # gateway/tool_calls: how calls are found in a chat answer
     reasoning_parser: str | None = None  # gateway/reasoning.py: how thinking is split from content
     enable_lora: bool = False  # a request's `model` may name a LoRA adapter; the load/unload routes (gateway/lora.py)
+    media: MediaPolicy = MediaPolicy()  # images in chat messages: limits, local files (gateway/media.py)
 
     @property
     def served_model(self) -> str:
@@ -107,6 +109,7 @@ def parse_args(argv: list[str]) -> GatewayConfig:
     cli_args.add(parser, "--drain-timeout", DEFAULT_DRAIN_TIMEOUT_S, type=float, help=DRAIN_TIMEOUT_HELP)
     add_auth_arguments(parser)
     add_chat_output_arguments(parser)
+    add_media_arguments(parser)
     cli_args.add(
         parser,
         "--max-header-bytes",
@@ -157,6 +160,7 @@ def parse_args(argv: list[str]) -> GatewayConfig:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         enable_lora=args.enable_lora,
+        media=media_policy(parser, args),
     )
 
 

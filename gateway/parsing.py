@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagemesh.common.messages import MAX_ID, GenerateRequest
+from pagemesh.common.multimodal import IMAGE_MARK
 from pagemesh.common.protocol import MAX_TOKEN_IDS
 from pagemesh.common.sampling import (
     MAX_LOGIT_BIAS,
@@ -56,15 +57,24 @@ class ParsedRequest:
     echo: bool = False  # completions: each choice's text starts with its prompt (and logprobs with the prompt's)
     chat_options: ChatOptions | None = None  # chat: tools, tool_choice, chat_template_kwargs
     constraint_field: str | None = None  # the field whose grammar holds the output (its 400s name it)
+    image_urls: tuple[str, ...] = ()  # chat: each image part's URL, in order (IMAGE_MARK in the text; gateway/media.py)
 
     def to_generate_requests(
-        self, request_id: str, model: str, reply_to: str, arrival_time: float, skip_special_tokens: bool = True
+        self,
+        request_id: str,
+        model: str,
+        reply_to: str,
+        arrival_time: float,
+        skip_special_tokens: bool = True,
+        images: list[bytes] | None = None,
     ) -> list[GenerateRequest]:
         """One GenerateRequest per prompt. A batch of k prompts becomes k requests in the mesh,
         `<request_id>-<i>`; their choices are the response's choices i*n .. i*n+n-1 (vLLM's order).
-        `skip_special_tokens=False`: the text keeps special tokens (a tool-call marker may be one)."""
+        `skip_special_tokens=False`: the text keeps special tokens (a tool-call marker may be one).
+        `images`: the files behind `image_urls` (MediaPolicy.load)."""
         if self.messages is not None:
-            return [self._request(request_id, None, None, model, reply_to, arrival_time, skip_special_tokens)]
+            request = self._request(request_id, None, None, model, reply_to, arrival_time, skip_special_tokens)
+            return [dataclasses.replace(request, images=images or [])]
         if len(self.prompts) == 1:
             return [self._request(request_id, *self.prompts[0], model, reply_to, arrival_time)]
         return [
@@ -133,7 +143,8 @@ def parse_chat(body: dict) -> ParsedRequest:
         if constraint.sampling:
             raise invalid(f"{constraint.field}: not with tool_choice 'required' or a named function", constraint.field)
         constraint = json_schema_constraint(options.json_schema(), "tools")
-    messages = _messages(body.get("messages"))
+    urls: list[str] = []
+    messages = _messages(body.get("messages"), urls)
     logprobs = None
     top_logprobs = f.int("top_logprobs", None)
     if f.bool("logprobs", False):
@@ -146,7 +157,7 @@ def parse_chat(body: dict) -> ParsedRequest:
     sampling = _sampling(f, f.int(limit_field, None), logprobs, rename, constraint.sampling)
     check_chat_fields(body)
     parsed = _parsed(f, "chat", (), messages, sampling, logprobs)
-    return dataclasses.replace(parsed, chat_options=options, constraint_field=constraint.field)
+    return dataclasses.replace(parsed, chat_options=options, constraint_field=constraint.field, image_urls=tuple(urls))
 
 
 def check_model(parsed: ParsedRequest, accepted: tuple[str, ...]) -> None:
@@ -285,10 +296,10 @@ def _token_ids(value: list, name: str, limit: int) -> list[int]:
     return list(value)
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
-    """Role and content strings (text parts joined by newlines); `name` kept when given; an
-    assistant's `tool_calls` (its content may then be null) as JSON text, a tool message's
-    `tool_call_id`."""
+def _messages(value: Any, image_urls: list[str]) -> list[dict[str, str]]:
+    """Role and content strings (parts joined by newlines, IMAGE_MARK for a user's image part,
+    whose URL goes to `image_urls`); `name` kept when given; an assistant's `tool_calls` (its
+    content may then be null) as JSON text, a tool message's `tool_call_id`."""
     if not isinstance(value, list) or not value:
         raise invalid("messages: required, a non-empty list of messages", "messages")
     if len(value) > MAX_MESSAGES:
@@ -308,7 +319,8 @@ def _messages(value: Any) -> list[dict[str, str]]:
         if tool_calls:
             plain["tool_calls"] = tool_calls_field(tool_calls, f"{where}.tool_calls")
         if not tool_calls or message.get("content") is not None:
-            plain["content"] = _content(message.get("content"), f"{where}.content")
+            urls = image_urls if role == "user" else None
+            plain["content"] = _content(message.get("content"), f"{where}.content", urls)
         if role == "tool":
             call_id = message.get("tool_call_id")
             if not isinstance(call_id, str) or not call_id:
@@ -324,19 +336,49 @@ def _messages(value: Any) -> list[dict[str, str]]:
 _ROLES_ALLOWED = "allowed: 'system', 'developer', 'user', 'assistant', 'tool' (the deprecated 'function' is not)"
 
 
-def _content(value: Any, where: str) -> str:
+def _content(value: Any, where: str, image_urls: list[str] | None = None) -> str:
+    """A message's text; with `image_urls` (a user message), image_url parts are taken too."""
     if isinstance(value, str):
-        return value
+        return _text(value, where)
     if isinstance(value, list) and len(value) <= MAX_CONTENT_PARTS:
         texts = []
-        for part in value:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise invalid(f"{where}: only text content parts are supported", where)
-            texts.append(part["text"])
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url" and image_urls is not None:
+                image_urls.append(_image_url(part, f"{where}[{i}]"))
+                texts.append(IMAGE_MARK)
+                continue
+            if not (kind == "text" and isinstance(part.get("text"), str)):
+                what = "text and image_url" if image_urls is not None else "text"
+                raise invalid(f"{where}: only {what} content parts are supported here", where)
+            texts.append(_text(part["text"], where))
         return "\n".join(texts)
     if value is None:
         raise invalid(f"{where}: required", where)
     raise invalid(f"{where}: must be a string or a list of at most {MAX_CONTENT_PARTS} text parts", where)
+
+
+def _text(text: str, where: str) -> str:
+    if IMAGE_MARK in text:
+        raise invalid(f"{where}: the character U+E000 is reserved (it marks where an image stands)", where)
+    return text
+
+
+def _image_url(part: dict, where: str) -> str:
+    """An image_url part's URL (OpenAI's `{"url": ..., "detail": ...}` or vLLM's bare string)."""
+    image = part.get("image_url")
+    if isinstance(image, dict):
+        extra = set(image) - {"url", "detail"}
+        if extra:
+            raise invalid(f"{where}.image_url: unknown fields {sorted(extra)}", f"{where}.image_url")
+        if image.get("detail", "auto") not in ("auto", "low", "high"):
+            raise invalid(f"{where}.image_url.detail: one of 'auto', 'low', 'high'", f"{where}.image_url.detail")
+        image = image.get("url")
+    if not isinstance(image, str) or not image:
+        raise invalid(f"{where}.image_url.url: required, a data: URL", f"{where}.image_url")
+    if set(part) - {"type", "image_url"}:
+        raise invalid(f"{where}: unknown fields {sorted(set(part) - {'type', 'image_url'})}", where)
+    return image
 
 
 class _Fields:

@@ -77,11 +77,19 @@ def parse_tokenize(body: dict) -> TokenizeCall:
     return TokenizeCall(
         model=_model(body),
         prompt=prompt,
-        messages=chat_messages(messages) if messages is not None else None,
+        messages=_text_messages(messages) if messages is not None else None,
         add_special_tokens=_bool(body, "add_special_tokens", prompt is not None),
         add_generation_prompt=_bool(body, "add_generation_prompt", True),
         return_token_strs=_bool(body, "return_token_strs", False),
     )
+
+
+def _text_messages(messages) -> list[dict[str, str]]:
+    urls: list[str] = []
+    out = chat_messages(messages, urls)
+    if urls:
+        raise invalid("messages: /tokenize takes text only; image_url parts are counted by a chat request", "messages")
+    return out
 
 
 def parse_detokenize(body: dict) -> DetokenizeCall:

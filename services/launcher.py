@@ -39,6 +39,7 @@ from pagemesh.gateway.config import (
     chat_output_args_to_argv,
     check_chat_output_arguments,
 )
+from pagemesh.gateway.media import add_media_arguments, media_args_to_argv, media_policy
 from pagemesh.services.log_relay import LogRelay
 from pagemesh.services.scheduler.config import add_policy_arguments, policy_args_to_argv
 from pagemesh.services.supervisor import Supervisor, drain_in_order
@@ -91,8 +92,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add_diffusion_arguments(parser)
     add_auth_arguments(parser)
     add_chat_output_arguments(parser)
+    add_media_arguments(parser)
     add(parser, "--chat-template", None, help=CHAT_TEMPLATE_HELP)
     args = parser.parse_args(argv)
+    media_policy(parser, args)  # the gateway's checks, made before anything starts
     args.api_keys = api_keys_from_args(parser, args)
     check_chat_output_arguments(parser, args)
     mixed_only = args.mixed > 0
@@ -228,6 +231,7 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
                 *(["--enable-lora"] if args.enable_lora else []),
                 *auth_args_to_argv(args, args.api_keys, Path(run_dir) / "api-keys"),
                 *chat_output_args_to_argv(args),
+                *media_args_to_argv(args),
                 *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
                 *common,
                 *drain,

@@ -31,6 +31,38 @@ class TokenLogprob:
             raise ProtocolError("TokenLogprob: top_ids and top_logprobs differ in length")
 
 
+@record
+class ImageInput:
+    """An image in a prompt, as the tokenizer placed it: its file as the client sent it (PNG,
+    JPEG, ...; the worker decodes and preprocesses it in its encoder step), the content hash
+    that keys the encoder cache and the prefix cache (`digest`, sha256 hex), and the run of
+    `length` placeholder tokens from `offset` its embeddings replace. `grid`: the encoder's
+    (t, h, w) patch grid where the token count depends on the size (Qwen2-VL), else []."""
+
+    digest: str
+    offset: int
+    length: int
+    data: bytes
+    grid: list[int]
+
+    def _check(self) -> None:
+        if len(self.digest) != 64:
+            raise ProtocolError("ImageInput.digest: a sha256 hex digest (64 characters)")
+        if self.length < 1:
+            raise ProtocolError("ImageInput.length: must be >= 1")
+        if len(self.grid) not in (0, 3):
+            raise ProtocolError("ImageInput.grid: [] or (t, h, w)")
+
+
+def check_images(images: list[ImageInput], num_prompt_tokens: int, where: str) -> None:
+    """Images in prompt order, each inside the prompt, none overlapping."""
+    end = 0
+    for image in images:
+        if image.offset < end or image.offset + image.length > num_prompt_tokens:
+            raise ProtocolError(f"{where}.images: placeholders out of order or outside the prompt")
+        end = image.offset + image.length
+
+
 @message
 class GenerateRequest:
     """Gateway -> tokenizer. Exactly one of prompt_text / prompt_token_ids / messages is set.
@@ -53,8 +85,12 @@ class GenerateRequest:
     tools: str | None = None
     chat_template_kwargs: str | None = None
     skip_special_tokens: bool = True
+    images: list[bytes] = field(default_factory=list)  # image parts' files, in order: each message's
+    # content has IMAGE_MARK where its image was (gateway/media.py)
 
     def _check(self) -> None:
+        if self.images and self.messages is None:
+            raise ProtocolError("GenerateRequest: images go with messages only")
         given = [x is not None for x in (self.prompt_text, self.prompt_token_ids, self.messages)]
         if sum(given) != 1:
             raise ProtocolError("GenerateRequest: exactly one of prompt_text, prompt_token_ids, messages must be set")
@@ -161,6 +197,10 @@ class ScheduleRequest:
     arrival_time: float
     resume: ResumeState | None = None
     pooling: Pooling | None = None  # an embedding request (then `sampling` counts for its priority only)
+    images: list[ImageInput] = field(default_factory=list)  # a multimodal prompt's images, in order
+
+    def _check(self) -> None:
+        check_images(self.images, len(self.prompt_token_ids), "ScheduleRequest")
 
 
 @message

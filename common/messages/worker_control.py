@@ -18,6 +18,7 @@ from dataclasses import field
 from pagemesh.common.messages.base import DoneReason, Pooling, ProtocolError, WorkerKind, WorkerRole, message, record
 from pagemesh.common.messages.images import FeatureCacheLoad, ImageModelInfo
 from pagemesh.common.messages.lora import LoRALoad
+from pagemesh.common.messages.requests import ImageInput, check_images
 from pagemesh.common.sampling import SamplingParams
 
 MAX_PAGE_HASH = (1 << 62) - 1  # prefix-cache page keys (common.page_hash.chain_hash)
@@ -44,8 +45,10 @@ class GenerateTask:
     queued_s: float = 0.0  # time the request waited in the scheduler
     output_token_ids: list[int] = field(default_factory=list)
     pooling: Pooling | None = None
+    images: list[ImageInput] = field(default_factory=list)  # a multimodal prompt's images
 
     def _check(self) -> None:
+        check_images(self.images, len(self.prompt_token_ids), "GenerateTask")
         if self.pooling is not None and self.output_token_ids:
             raise ProtocolError("GenerateTask: an embedding request (pooling) generates no tokens")
 
@@ -63,9 +66,11 @@ class PrefillTask:
     decode_kv_endpoint: str
     queued_s: float = 0.0  # time the request waited in the scheduler
     skip_pages: int = 0  # leading prompt pages the decode worker already holds: not sent
+    images: list[ImageInput] = field(default_factory=list)  # a multimodal prompt's images
 
     def _check(self) -> None:
         _check_skip("PrefillTask", self.skip_pages)
+        check_images(self.images, len(self.prompt_token_ids), "PrefillTask")
 
 
 @message
@@ -80,9 +85,11 @@ class DecodeTask:
     reply_to: str
     prefill_worker_id: str
     skip_pages: int = 0
+    images: list[ImageInput] = field(default_factory=list)  # its prompt's images: keys its pages, runs a recompute
 
     def _check(self) -> None:
         _check_skip("DecodeTask", self.skip_pages)
+        check_images(self.images, len(self.prompt_token_ids), "DecodeTask")
 
 
 @record

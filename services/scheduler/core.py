@@ -59,6 +59,7 @@ from pagemesh.common.messages import (
     WorkerRole,
     WorkerStopped,
 )
+from pagemesh.common.multimodal import hash_token_ids
 from pagemesh.services.scheduler.config import SchedulerConfig
 from pagemesh.services.scheduler.failures import Outputs, Placed, PlacedRequests
 from pagemesh.services.scheduler.loras import MeshAdapters
@@ -291,7 +292,8 @@ class SchedulerCore:
             self.migrations += 1
             self.log.info("request migrating", request_id=msg.request_id, migrations=msg.resume.migrations)
         # what the worker will (re)compute; an adapter's pages have keys of their own (page_hash.root_hash)
-        prompt = PromptPages(msg.prompt_token_ids + resumed_output(msg), lora=lora)
+        # an image's placeholders are keyed by its content (common/multimodal.py's hash_token_ids)
+        prompt = PromptPages(hash_token_ids(msg.prompt_token_ids, msg.images) + resumed_output(msg), lora=lora)
         roles = (
             self.registry.alive(WorkerKind.LLM, r, now)
             for r in (WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.MIXED)

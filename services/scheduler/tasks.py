@@ -28,6 +28,7 @@ def llm_tasks(
             queued_s=queued,
             output_token_ids=resumed,
             pooling=req.pooling,
+            images=req.images,
         )
         return [(worker.worker_id, task)]
     decode = DecodeTask(
@@ -37,6 +38,7 @@ def llm_tasks(
         reply_to=req.reply_to,
         prefill_worker_id=prefill.worker_id,
         skip_pages=placement.skip_pages,
+        images=req.images,
     )
     prefill_task = PrefillTask(
         request_id=req.request_id,
@@ -47,5 +49,6 @@ def llm_tasks(
         decode_kv_endpoint=worker.kv_endpoint,
         queued_s=queued,
         skip_pages=placement.skip_pages,
+        images=req.images,
     )
     return [(worker.worker_id, decode), (prefill.worker_id, prefill_task)]

@@ -46,6 +46,7 @@ from pagemesh.common.messages import (
     EmbeddingBatch,
     EmbedRequest,
     GenerateRequest,
+    ImageInput,
     MigrateRequest,
     RequestFailed,
     ResumeState,
@@ -58,6 +59,7 @@ from pagemesh.common.messages import (
 )
 from pagemesh.common.sampling import SamplingParams
 from pagemesh.common.tokenizer import IncrementalDetokenizer, Tokenizer
+from pagemesh.services.tokenizer.images import ImagePrompts
 
 ORPHAN_ABORT_INTERVAL_S = 1.0  # between aborts of one unknown request whose tokens keep coming
 MAX_ORPHANS_REMEMBERED = 4096
@@ -99,8 +101,10 @@ class TokenizerCore:
     """Request state of one tokenizer replica. `reply_to` is this replica's output address, where
     workers push token batches."""
 
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, reply_to: str):
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, reply_to: str, images: ImagePrompts | None = None):
+        """`images`: where the model takes images (None: a request with images is refused)."""
         self.tokenizer = tokenizer
+        self.images = images
         self.max_model_len = max_model_len
         self.reply_to = reply_to
         self._requests: dict[str, _Request] = {}
@@ -120,7 +124,7 @@ class TokenizerCore:
         try:
             self.tokenizer.check_ids(request.sampling.stop_token_ids, "stop_token_ids")
             self.tokenizer.check_ids([i for i, _ in request.sampling.logit_bias], "logit_bias")
-            prompt_ids = self._prompt_ids(request)
+            prompt_ids, images = self._prompt_ids(request)
         except ValueError as e:
             return _invalid(request.request_id, str(e), _param_of(str(e), field_name))
         except jinja2.TemplateError as e:  # the chat template refused the conversation
@@ -158,6 +162,7 @@ class TokenizerCore:
             sampling=sampling,
             reply_to=self.reply_to,
             arrival_time=request.arrival_time,
+            images=images,
         )
         # special tokens kept in the text: the end token is not written
         stop_ids = None if request.skip_special_tokens else self.tokenizer.eos_token_ids | set(sampling.stop_token_ids)
@@ -172,16 +177,23 @@ class TokenizerCore:
         )
         return schedule
 
-    def _prompt_ids(self, request: GenerateRequest) -> list[int]:
+    def _prompt_ids(self, request: GenerateRequest) -> tuple[list[int], list[ImageInput]]:
+        """The prompt's ids and its images (placed: services/tokenizer/images.py)."""
         if request.prompt_text is not None:
-            return self.tokenizer.encode(request.prompt_text)
+            return self.tokenizer.encode(request.prompt_text), []
         if request.prompt_token_ids is not None:
             self.tokenizer.check_ids(request.prompt_token_ids, "prompt")
-            return list(request.prompt_token_ids)
+            return list(request.prompt_token_ids), []
         tools = json.loads(request.tools) if request.tools is not None else None
         kwargs = json.loads(request.chat_template_kwargs) if request.chat_template_kwargs is not None else None
         messages = [_with_tool_calls(m) for m in request.messages]
-        return self.tokenizer.encode_chat(messages, tools=tools, template_kwargs=kwargs)
+        if not request.images:
+            return self.tokenizer.encode_chat(messages, tools=tools, template_kwargs=kwargs), []
+        if self.images is None:
+            raise ValueError("messages: this model does not take images (image_url parts)")
+        messages = self.images.render(messages, len(request.images))
+        ids = self.tokenizer.encode_chat(messages, tools=tools, template_kwargs=kwargs)
+        return self.images.place(ids, request.images)
 
     def _too_long(self, request_id: str, field_name: str, prompt_len: int, max_tokens: int | None) -> RequestFailed:
         where = "messages" if field_name == "messages" else "prompt"

@@ -40,11 +40,13 @@ from pagemesh.common.messages import (
     TokenDeltaBatch,
     TokenizeRequest,
 )
+from pagemesh.common.multimodal import ImageSpec
 from pagemesh.common.process import Idleness, run_until_signalled, wait_until_idle
 from pagemesh.common.tokenizer import Tokenizer
 from pagemesh.common.transport import Dealer, Pull, Push, Router, UnknownPeer
 from pagemesh.services.tokenizer.config import TokenizerConfig, parse_args
 from pagemesh.services.tokenizer.core import TokenizerCore
+from pagemesh.services.tokenizer.images import ImagePrompts
 
 log = structlog.get_logger()
 
@@ -65,7 +67,9 @@ async def run(config: TokenizerConfig, idle: Idleness | None = None) -> None:
         Pull(config.output_address) as tokens,
         Dealer(config.scheduler_address, config.name) as scheduler,
     ):
-        core = TokenizerCore(tokenizer, config.max_model_len, reply_to=tokens.address)
+        spec = ImageSpec.from_folder(config.model)
+        images = ImagePrompts(spec, tokenizer) if spec is not None else None
+        core = TokenizerCore(tokenizer, config.max_model_len, reply_to=tokens.address, images=images)
         if idle is not None:
             idle.check = lambda: len(core) == 0
         gateways = GatewayReplies()

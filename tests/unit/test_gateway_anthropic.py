@@ -11,6 +11,7 @@ import anthropic
 import pytest
 
 from pagemesh.common.messages import TextDelta, TokenizeRequest, TokenizeResult
+from pagemesh.common.multimodal import IMAGE_MARK
 from pagemesh.gateway.anthropic import parse_messages, to_chat
 from pagemesh.gateway.anthropic_answer import MessagesAnswer
 from pagemesh.gateway.errors import ApiError
@@ -113,7 +114,9 @@ def asking(*content, **fields) -> dict:
         (asking(thinking={"type": "enabled"}), "thinking", "thinking"),
         ({**asking(), "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
          "messages", "last"),
-        (asking({"type": "image", "source": {}}), "messages[0].content[0]", "'image'"),
+        (asking({"type": "image", "source": {"type": "url", "url": "https://x/y.png"}}),
+         "messages[0].content[0].source", "only base64"),
+        (asking({"type": "document", "source": {}}), "messages[0].content[0]", "'document'"),
         (asking({"type": "text", "text": "x", "extra": 1}), "messages[0].content[0].extra", "not supported"),
         (asking(stop_sequences=["s"] * 17), "stop_sequences", "at most 16"),
         (asking(temperature="hot"), "temperature", "a number"),
@@ -127,6 +130,13 @@ def test_what_is_not_honoured_is_a_400_naming_it(body, param, words):
         parse_messages(body)
     assert (info.value.status, info.value.param) == (400, param)
     assert param in info.value.message and words in info.value.message
+
+
+def test_an_image_block_becomes_an_image_url_part_of_the_chat():
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    parsed = parse_messages(asking(block, {"type": "text", "text": "What is this?"}))
+    assert parsed.image_urls == ("data:image/png;base64,iVBORw0KGgo=",)
+    assert parsed.messages[-1]["content"] == IMAGE_MARK + "\nWhat is this?"
 
 
 def builder() -> ResponseBuilder:

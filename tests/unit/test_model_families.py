@@ -33,7 +33,7 @@ def hf(arch: str, **fields) -> ModelConfig:
 def test_every_mapped_architecture_has_model_code_and_rope_kinds_agree():
     assert {m.architecture for m in HF_FAMILIES.values()} | set(GGUF_FAMILIES) <= set(MODEL_CLASSES)
     for arch in HF_FAMILIES:
-        cls = model_class(hf(arch))
+        cls = model_class(hf(arch, mrope_section=[4, 6, 6]))  # M-RoPE's sections: Qwen2-VL's LM needs them
         assert issubclass(cls, CausalLM), arch
     assert set(ROPE_SCALING_TYPES) == set(ROPE_SCALINGS)
     with pytest.raises(ValueError, match="no model code for architecture 'bert'"):

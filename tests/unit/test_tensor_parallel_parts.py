@@ -56,9 +56,9 @@ def test_a_step_crosses_the_pipe_as_it_was_and_the_pipe_ends_with_none():
 
 
 def test_decode_refuses_what_is_not_a_model_input():
-    with pytest.raises(ValueError, match="expected 14 fields"):
+    with pytest.raises(ValueError, match="expected 18 fields"):
         decode_model_input(msgpack.packb([1, 2, 3]))
-    with pytest.raises(ValueError, match="expected 14 fields"):
+    with pytest.raises(ValueError, match="expected 18 fields"):
         decode_model_input(msgpack.packb({"token_ids": []}))
 
 

@@ -32,9 +32,10 @@ from pathlib import Path
 
 import torch
 
-from pagemesh.common.messages import Pooling
+from pagemesh.common.messages import ImageInput, Pooling
 from pagemesh.common.model_config import read_model_config
 from pagemesh.common.model_files import resolve_model_path
+from pagemesh.common.multimodal import MRopePositions
 from pagemesh.common.quantization import resolve_quantization
 from pagemesh.common.sampling import SamplingParams
 from pagemesh.workers.engine.backend import select_backend
@@ -42,13 +43,14 @@ from pagemesh.workers.engine.beam import BeamSearch, BeamState
 from pagemesh.workers.engine.block_manager import BlockManager
 from pagemesh.workers.engine.config import EngineConfig
 from pagemesh.workers.engine.draft_model import attach_drafter
+from pagemesh.workers.engine.encoder_cache import EncoderCache
 from pagemesh.workers.engine.forks import Forks, SeqGenerators
 from pagemesh.workers.engine.grammar_masks import GrammarMasks, PendingMasks
 from pagemesh.workers.engine.in_flight import surviving_rows
 from pagemesh.workers.engine.kv_handoff import HandoffPages, KVLayout, PageExport
 from pagemesh.workers.engine.kv_quant import calibration_token_ids, kv_storage_dtype
 from pagemesh.workers.engine.lora_adapters import EngineAdapters, lora_runner_args
-from pagemesh.workers.engine.model_input import build_model_input
+from pagemesh.workers.engine.model_input import ModelInput, build_model_input
 from pagemesh.workers.engine.model_runner import ModelRunner
 from pagemesh.workers.engine.output_builder import build_outputs
 from pagemesh.workers.engine.outputs import CompletionResult, PrefillResult, RequestOutput
@@ -193,6 +195,7 @@ class Engine:
             attach_drafter(self, config.speculative_config) if speculator and speculator.uses_draft_model else None
         )
         self.requests: dict[str, EngineRequest] = {}
+        self.encoder_cache = EncoderCache()  # which images' rows the runner holds
         self.validator = RequestValidator(
             self.model_config.vocab_size,
             self.max_model_len,
@@ -320,6 +323,7 @@ class Engine:
         params: SamplingParams,
         prefill_only: bool = False,
         output_token_ids: Seq[int] = (),
+        images: Seq[ImageInput] = (),
     ) -> None:
         """Queue a request checked before it came (by the gateway, the tokenizer and the wire
         decoder). Only what this engine alone knows is checked here (ValueError): the id is not
@@ -331,9 +335,11 @@ class Engine:
         again; they count as output for max_tokens, min_tokens, penalties and the grammar, and a
         seeded request's generator is advanced past their draws, so it continues the sequence
         it would have drawn on the first worker. `params.lora`: the loaded LoRA adapter it runs
-        under (None: the base model)."""
+        under (None: the base model). `images`: a multimodal prompt's images (ImageInput), their
+        placeholders in the prompt; the encoder step turns them into rows (encoder_cache.py)."""
         self.validator.not_running(request_id, self.requests)
         root = self._check_lora(params.lora)
+        mrope = self._check_images(prompt_token_ids, images)
         token_ids, resumed = list(prompt_token_ids), self.validator.resumable(output_token_ids, params)
         params = self.validator.fit_pool(len(token_ids), params, prefill_only)
         if resumed:
@@ -350,6 +356,8 @@ class Engine:
             grammar=grammar,
             lora=params.lora,
             prefix_root=root,
+            images=list(images),
+            mrope=mrope,
         )
         self.generators.start(seq, draws_done=len(resumed), vocab_size=self.model_config.vocab_size)
         beam = BeamState(params.num_sequences, params.length_penalty) if params.use_beam_search else None
@@ -357,6 +365,16 @@ class Engine:
             request_id, params, [seq], len(token_ids), prefill_only=prefill_only, beam=beam
         )
         self.scheduler.add(seq)
+
+    def _check_images(self, prompt_token_ids: Seq[int], images: Seq[ImageInput]) -> MRopePositions | None:
+        """ValueError unless this model takes the images; an M-RoPE model's prompt positions."""
+        if images and self.runner.image_encoder is None:
+            raise ValueError("messages: this model does not take images")
+        cfg = self.model_config
+        if cfg.mrope_section is None or not images:
+            return None
+        spec = self.runner.image_encoder.spec
+        return MRopePositions.of(prompt_token_ids, spec.image_token_id, images, spec.merge_size)
 
     def _check_lora(self, lora: str | None) -> int | None:
         """ValueError unless `lora` is None or an adapter this engine holds; its prefix-cache root."""
@@ -408,8 +426,17 @@ class Engine:
         if self.drafter is not None:  # fills the plan's draft_quantized proposals
             self.drafter.propose(plan)
         masks = self.grammar_masks.launch(plan)  # structured outputs: filled while the model runs
-        ran = self.runner.launch(build_model_input(plan))
+        ran = self.runner.launch(self._model_input(plan))
         return self._apply(plan, plan, ran.result(), started, ran.pooled, masks)
+
+    def _model_input(self, plan) -> ModelInput:
+        """The plan as the runner's input, with the encoder step's part: of the images its rows
+        need, those the encoder cache does not hold are encoded first (encoder_cache.py)."""
+        step = build_model_input(plan)
+        if not step.image_encode:
+            return step
+        encode, drop = self.encoder_cache.plan(step.image_encode)
+        return dataclasses.replace(step, image_encode=[(i.digest, i.data, i.grid) for i in encode], image_drop=drop)
 
     def _pipelined_step(self) -> list[RequestOutput]:
         """With pipeline stages: launch the next micro-batch while there is room in the pipe
@@ -421,11 +448,11 @@ class Engine:
             plan = self.scheduler.schedule()
             if not plan.empty:
                 started = time.perf_counter()
-                steps.launch(plan, self.runner.launch(build_model_input(plan)), started)
+                steps.launch(plan, self.runner.launch(self._model_input(plan)), started)
                 if not steps.full:
                     return []
             elif plan.swap_out or plan.swap_discard:  # preempted with nothing to run: the moves still happen
-                self.runner.launch(build_model_input(plan))
+                self.runner.launch(self._model_input(plan))
             self.stalled = plan.empty and not steps  # nothing runs and nothing fits
         if not steps:
             return []
@@ -512,6 +539,7 @@ class Engine:
         rank_pages: list[list[torch.Tensor]],
         rank_sent_scales: list[list[float]],
         prefix_pages: Seq[int] = (),
+        images: Seq[ImageInput] = (),
     ) -> None:
         """Decode side: `import_prefilled` with the received pages: `rank_pages[r]` holds rank
         r's layers ([n, 2, S, its KV heads, D] each) of the prompt's pages after `prefix_pages`,
@@ -522,7 +550,7 @@ class Engine:
         def write(table: list[int]) -> None:
             self.handoff_pages.write_pages(table, rank_pages, rank_sent_scales)
 
-        self.import_prefilled(request_id, prompt_token_ids, params, first_token_ids, write, prefix_pages)
+        self.import_prefilled(request_id, prompt_token_ids, params, first_token_ids, write, prefix_pages, images)
 
     def import_prefilled(
         self,
@@ -532,14 +560,17 @@ class Engine:
         first_token_ids: list[int],
         write_pages: Callable[[list[int]], None],
         prefix_pages: Seq[int] = (),
+        images: Seq[ImageInput] = (),
     ) -> None:
-        """Decode side: continue a request prefilled elsewhere. `prefix_pages` are leading
+        """Decode side: continue a request prefilled elsewhere (`images`: its prompt's, which key
+        its pages and run again in a recompute). `prefix_pages` are leading
         prompt pages this pool already holds (references taken with `pin_prefix_pages`; the engine
         owns them from here on, also when this raises). Allocates the rest of the prompt's pages,
         calls `write_pages(new_pages)` to fill them, publishes the prompt's full pages to the
         prefix cache, and starts every choice whose first token did not already end it.
         Raises OutOfPages if the pool cannot hold the prompt."""
         root = self._check_lora(params.lora)  # ValueError before any page is taken
+        mrope = self._check_images(prompt_token_ids, images)
         req = self.handoff.import_request(
             request_id,
             prompt_token_ids,
@@ -549,6 +580,8 @@ class Engine:
             prefix_pages,
             running=self.requests,
             prefix_root=root,
+            images=images,
+            mrope=mrope,
         )
         if req is not None:
             self.requests[request_id] = req

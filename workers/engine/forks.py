@@ -86,6 +86,8 @@ class Forks:
             lora=parent.lora,
             lora_slot=parent.lora_slot,  # add_running pins it once more
             prefix_root=parent.prefix_root,
+            images=parent.images,
+            mrope=parent.mrope,
         )
         self.generators.adopt(child, generator)
         req.seqs.append(child)

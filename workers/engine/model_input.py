@@ -53,6 +53,12 @@ class ModelInput:
     pool_spans: list[tuple[int, int]] = field(default_factory=list)  # [a, b) rows summed: one pooled row each
     lora_rows: list[int] = field(default_factory=list)  # [T] each row's LoRA slot (-1: base); []: no adapter rows
     lora_loads: list[tuple[int, str]] = field(default_factory=list)  # (slot, adapter folder) loaded before running
+    # Images (workers/engine/encoder_cache.py): forgotten, then encoded, before the forward pass;
+    # then rows [row, row + count) of token_ids take the image's embedding rows [first, first + count)
+    image_drop: list[str] = field(default_factory=list)  # digests
+    image_encode: list[tuple[str, bytes, list[int]]] = field(default_factory=list)  # (digest, file, grid)
+    image_rows: list[tuple[int, str, int, int]] = field(default_factory=list)  # (row, digest, first, count)
+    mrope_positions: list[list[int]] = field(default_factory=list)  # [3][T] (M-RoPE models' image steps); []: none
 
     @property
     def logit_rows(self) -> list[int]:
@@ -89,6 +95,7 @@ def build_model_input(plan: StepPlan) -> ModelInput:
             sample_rows.append(first + n - 1)
         if seq.sampling.prompt_logprobs is not None:
             prompt_rows.extend(first + p - start for p in seq.prompt_logprob_positions(start, n))
+    image_rows, needed = _image_rows(plan)
     verify_rows = sum(c.num_tokens for c in plan.chunks if c.drafts)  # right after the plain decodes
     lora_rows = []  # rows come chunk by chunk in plan order, a verifying chunk's too (num_tokens rows)
     if any(c.seq.lora_slot >= 0 for c in plan.chunks):
@@ -108,7 +115,41 @@ def build_model_input(plan: StepPlan) -> ModelInput:
         pool_spans,
         lora_rows,
         plan.lora_loads,
+        image_rows=image_rows,
+        image_encode=needed,  # what the rows need; the engine keeps what its encoder cache holds
+        mrope_positions=_mrope_rows(plan) if any(c.seq.mrope is not None for c in plan.chunks) else [],
     )
+
+
+def _image_rows(plan: StepPlan) -> tuple[list[tuple[int, str, int, int]], list]:
+    """Where this step's rows are an image's placeholders: (row, digest, the image's first
+    embedding row there, count), and the images they need (ImageInput, once each, in order)."""
+    rows: list[tuple[int, str, int, int]] = []
+    needed: dict[str, object] = {}
+    first = 0
+    for chunk in plan.chunks:
+        start, end = chunk.start, chunk.start + chunk.num_tokens
+        for image in chunk.seq.images if not chunk.drafts else ():
+            lo, hi = max(start, image.offset), min(end, image.offset + image.length)
+            if lo < hi:
+                rows.append((first + lo - start, image.digest, lo - image.offset, hi - lo))
+                needed.setdefault(image.digest, image)
+        first += chunk.num_tokens
+    return rows, list(needed.values())
+
+
+def _mrope_rows(plan: StepPlan) -> list[list[int]]:
+    """Every row's (temporal, height, width) positions, chunk by chunk: an image prompt's own
+    (common/multimodal.py MRopePositions), a text position p everywhere else (p on all three)."""
+    out: list[list[int]] = [[], [], []]
+    for chunk in plan.chunks:
+        start, n = chunk.start, chunk.num_tokens
+        if chunk.drafts:  # a verifying chunk's K+1 rows sit at start .. start + K
+            n = len(chunk.drafts) + 1
+        streams = chunk.seq.mrope.rows(start, n) if chunk.seq.mrope is not None else [list(range(start, start + n))] * 3
+        for k in range(3):
+            out[k] += streams[k]
+    return out
 
 
 def pooled_rows(chunk: ScheduledChunk) -> range | None:

@@ -106,6 +106,8 @@ class ModelRunner:
             else None
         )
         self.adapters = ServedAdapters(model, *lora) if lora is not None else None
+        self.image_encoder = model.image_encoder  # a multimodal model's first stage: its vision side
+        self.image_embeds: dict[str, torch.Tensor] = {}  # digest -> [placeholders, hidden]: the encoder cache
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda" and model.tp.world_size == 1 and pipe is None:
             self.graphs = DecodeGraphs(
@@ -198,8 +200,10 @@ class ModelRunner:
         if not step.token_ids:  # page moves only (a pipeline's preemption with nothing to run): on every rank
             return InFlightStep(torch.empty(0, 0))
         logit_rows = step.logit_rows
+        images = bool(step.image_rows or step.mrope_positions)
         if (
             not adapted
+            and not images
             and self.graphs is not None
             and not step.prompt_logprob_rows
             and not step.pool_spans
@@ -218,8 +222,10 @@ class ModelRunner:
         ids = torch.tensor(step.token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         rows = torch.tensor(logit_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         pool = PoolSpans.build(step.pool_spans, self.device) if step.pool_spans else None
-        fused = None if adapted else self.decode_layers
+        fused = None if adapted or images else self.decode_layers
         ctx = ForwardContext(self.kv_cache, md, self.attention, self.ops, decode_layers=fused, pool=pool)
+        if images:
+            self._place_images(step, ctx)
         pipe = self.pipe
         if pipe is None:
             return InFlightStep(self.model(ids, ctx, rows), pooled=ctx.pooled)
@@ -231,3 +237,22 @@ class ModelRunner:
             return InFlightStep(out)
         pipe.send_hidden(out)
         return pipe.expect_logits(len(logit_rows)) if pipe.rank == 0 else InFlightStep(out[:0, 0])
+
+    def _place_images(self, step: ModelInput, ctx: ForwardContext) -> None:
+        """The encoder step: forget the images the engine's cache dropped, encode the new ones in
+        one batched call, and give the forward pass each placeholder row's embedding (and an
+        M-RoPE model's positions). Every rank does the same (the plan is in the step)."""
+        for digest in step.image_drop:
+            self.image_embeds.pop(digest, None)
+        if step.image_encode and self.image_encoder is not None:
+            rows = self.image_encoder.encode([(data, grid) for _, data, grid in step.image_encode])
+            for (digest, _, _), embeds in zip(step.image_encode, rows, strict=True):
+                self.image_embeds[digest] = embeds
+        if step.image_rows and self.image_encoder is not None:
+            index, values = [], []
+            for row, digest, first, count in step.image_rows:
+                index.extend(range(row, row + count))
+                values.append(self.image_embeds[digest][first : first + count])
+            ctx.image_rows = (torch.tensor(index, device=self.device), torch.cat(values))
+        if step.mrope_positions:
+            ctx.mrope_positions = torch.tensor(step.mrope_positions, dtype=torch.int64, device=self.device)

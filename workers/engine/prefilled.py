@@ -15,6 +15,8 @@ import dataclasses
 from collections.abc import Callable, Container
 from collections.abc import Sequence as Seq
 
+from pagemesh.common.messages import ImageInput
+from pagemesh.common.multimodal import MRopePositions, hash_token_ids
 from pagemesh.common.sampling import SamplingParams
 from pagemesh.workers.engine.block_manager import BlockManager
 from pagemesh.workers.engine.forks import SeqGenerators, skip_draws
@@ -85,6 +87,8 @@ class PrefillHandoff:
         prefix_pages: Seq[int],
         running: Container[str],
         prefix_root: int | None = None,
+        images: Seq[ImageInput] = (),
+        mrope: MRopePositions | None = None,
     ) -> EngineRequest | None:
         """See `Engine.import_prefilled`. Returns the new request, or None when every choice's
         first token already ended it (`running`: the ids of the engine's live requests;
@@ -102,7 +106,7 @@ class PrefillHandoff:
         except Exception:
             self.blocks.free_table(table)
             raise
-        cached = self.blocks.cache_full_pages(table, prompt, 0, len(prompt), prefix_root)
+        cached = self.blocks.cache_full_pages(table, hash_token_ids(prompt, images), 0, len(prompt), prefix_root)
         params = dataclasses.replace(params, prompt_logprobs=None)  # the prefill worker sent them
         req = EngineRequest(request_id, params, [], len(prompt))
         for index, token in enumerate(first_token_ids):
@@ -118,6 +122,8 @@ class PrefillHandoff:
                 grammar=self.grammar_masks.start(params, [token]),  # past the prefill worker's first token
                 lora=params.lora,
                 prefix_root=prefix_root,
+                images=list(images),
+                mrope=mrope,
             )
             gen = self.generators.new(params, index)
             if gen is not None:  # the prefill worker drew the first token from this stream

@@ -335,7 +335,7 @@ class Scheduler:
             seq.lora_slot = -1
 
     def _match_prefix(self, seq: Sequence) -> None:
-        hits = self.blocks.match_prefix(seq.token_ids, seq.prefix_root)
+        hits = self.blocks.match_prefix(seq.hash_token_ids, seq.prefix_root)
         seq.block_table.extend(hits)
         seq.num_cached_pages = len(hits)
         seq.num_computed = seq.num_prefix_hit_tokens = len(hits) * self.blocks.page_size

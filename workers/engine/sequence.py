@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagemesh.common.messages import Pooling, TokenLogprob
+from pagemesh.common.messages import ImageInput, Pooling, TokenLogprob
+from pagemesh.common.multimodal import MRopePositions, hash_token_ids
 from pagemesh.common.sampling import SamplingParams
 
 if TYPE_CHECKING:  # beam search's scores are torch code, a grammar's matcher llguidance's; here they are only carried
@@ -68,6 +69,19 @@ class Sequence:
     lora: str | None = None  # the LoRA adapter it runs under (None: the base model)
     lora_slot: int = -1  # the adapter's slot while it runs (workers/engine/lora_slots.py), else -1
     prefix_root: int | None = None  # its pages' root key in the prefix cache (an adapter's: page_hash.root_hash)
+    images: list[ImageInput] = field(default_factory=list)  # a multimodal prompt's images, in order
+    mrope: MRopePositions | None = None  # an M-RoPE model's image prompt (Qwen2-VL): its positions
+    _prompt_hash_ids: list[int] | None = None
+
+    @property
+    def hash_token_ids(self) -> list[int]:
+        """The ids its prefix-cache keys are computed over: its token ids, with each image's
+        placeholders standing for the image's content (common/multimodal.py)."""
+        if not self.images:
+            return self.token_ids
+        if self._prompt_hash_ids is None:
+            self._prompt_hash_ids = hash_token_ids(self.token_ids[: self.num_prompt_tokens], self.images)
+        return self._prompt_hash_ids + self.token_ids[self.num_prompt_tokens :]
 
     def prompt_logprob_positions(self, start: int, num_tokens: int) -> range:
         """Positions of a chunk [start, start + num_tokens) whose logits give a prompt token's

@@ -143,7 +143,7 @@ class StepUpdate:
             seq = chunk.seq
             seq.num_computed += chunk.num_tokens - len(chunk.drafts)  # drafts count once accepted
             seq.num_cached_pages = self.blocks.cache_full_pages(
-                seq.block_table, seq.token_ids, seq.num_cached_pages, seq.num_computed, seq.prefix_root
+                seq.block_table, seq.hash_token_ids, seq.num_cached_pages, seq.num_computed, seq.prefix_root
             )
             req = self.requests.get(seq.request_id)
             if req is not None and not req.prefill_only:  # a prefill hands every prompt page on
@@ -208,7 +208,7 @@ class StepUpdate:
         seq.num_computed += accepted  # the accepted drafts' K/V is written; the rejected positions' is not ours
         self.blocks.truncate(seq.block_table, seq.num_computed)
         seq.num_cached_pages = self.blocks.cache_full_pages(
-            seq.block_table, seq.token_ids, seq.num_cached_pages, seq.num_computed, seq.prefix_root
+            seq.block_table, seq.hash_token_ids, seq.num_cached_pages, seq.num_computed, seq.prefix_root
         )
         if v.generator_state is not None and accepted < len(drafts):
             v.generator.set_state(v.generator_state)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from pagemesh.common import protocol as p
 from pagemesh.common.messages import DecodeTask, DoneReason, HeldRequest, KVPagesAck, KVPagesHeader
+from pagemesh.common.multimodal import hash_token_ids
 from pagemesh.common.transport import KV, Router, UnknownPeer
 from pagemesh.workers.engine.engine import Engine
 from pagemesh.workers.engine.kv_handoff import DTYPES_BY_NAME, rank_layers
@@ -73,7 +74,8 @@ class HandoffIn:
         entry.deadline = max(entry.deadline, time.monotonic() + self.timeout)
         skip = task.skip_pages
         if skip and not entry.pinned:
-            entry.pinned = self.engine.pin_prefix_pages(task.prompt_token_ids, skip)
+            # an image's placeholders are keyed by its content, as the prefill worker's pages are
+            entry.pinned = self.engine.pin_prefix_pages(hash_token_ids(task.prompt_token_ids, task.images), skip)
             if len(entry.pinned) < skip:
                 self.ctx.log.warning(
                     "prefix pages evicted before the handoff",
@@ -125,6 +127,7 @@ class HandoffIn:
                 rank_pages,
                 [headers[k].kv_scales for k in keys],
                 prefix,
+                task.images,
             )
         except Exception as e:  # a bad transfer must not take the worker down
             error = f"{type(e).__name__}: {e}"

@@ -110,6 +110,7 @@ class LLMWorker:
                     task.sampling,
                     prefill_only=prefill_only,
                     output_token_ids=resumed,
+                    images=task.images,
                 )
         except ValueError as e:
             self.ctx.log.warning("request refused", request_id=task.request_id, error=str(e))

@@ -39,6 +39,7 @@ class CausalLM(nn.Module):
     differs, `make_norm`, `embed`, `prepare_rope` and `logits_of`."""
 
     fits_fused_decode = False  # whether DecodeLayers' C code computes this family's layers exactly
+    image_encoder = None  # a multimodal model's first stage: its vision side (workers/model/vision/encoder.py)
 
     def __init__(self, cfg: ModelConfig, tp: ParallelContext = ParallelContext(), layers: range | None = None):
         super().__init__()
@@ -101,6 +102,9 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         if self.is_first:
             x, residual = self.embed(input_ids), None
+            if ctx.image_rows is not None:  # an image's placeholders: its encoder rows instead
+                rows, values = ctx.image_rows
+                x[rows] = values.to(x.dtype)
         else:
             x, residual = hidden[0], hidden[1]
         fused = ctx.decode_layers

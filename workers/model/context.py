@@ -48,3 +48,5 @@ class ForwardContext:
     pool: PoolSpans | None = None  # embedding requests' spans of final-norm hidden states to sum
     pooled: torch.Tensor | None = None  # [pool.count, hidden] fp32, filled by the last stage's model
     rope_local: object = None  # a second RoPE's tables (Gemma 3's sliding layers), filled by the model
+    image_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, their embeddings): images' placeholders
+    mrope_positions: torch.Tensor | None = None  # [3, T] (temporal, height, width): an M-RoPE model's image step

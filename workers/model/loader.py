@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pagemesh.common.model_config import ModelConfig, read_model_config
+from pagemesh.common.model_files import text_weights_path
 from pagemesh.common.quantization import QUANTIZATIONS
 from pagemesh.kernels.gguf_conversions import GGUF_CONVERSIONS, from_gguf_converted
 from pagemesh.kernels.quantized import GGUF_BLOCK_FORMATS, QuantizedWeight, from_gguf_blocks
@@ -22,6 +23,7 @@ from pagemesh.workers.model.causal_lm import CausalLM
 from pagemesh.workers.model.layers import ParallelContext
 from pagemesh.workers.model.quantization import install_gguf_weights, permute_rows, quantize_int8_model
 from pagemesh.workers.model.registry import model_class
+from pagemesh.workers.model.vision.encoder import ImageEncoder, text_weights
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +67,20 @@ def load_model(
     quantized: `gguf` keeps a GGUF file's blocks, `int8` rounds any weights."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}")
-    if quantization == "gguf" and path.is_dir():
+    text_path = text_weights_path(path)  # a multimodal folder may take its LM from the embedded GGUF
+    if quantization == "gguf" and text_path.is_dir():
         raise ValueError("quantization gguf: the model must be a GGUF file (int8 quantizes any weights)")
     cfg = read_model_config(path)
     with torch.device(device), _default_dtype(dtype):
         model = model_class(cfg)(cfg, tp, layers)
     blocks: dict[str, QuantizedWeight] | None = {} if quantization == "gguf" else None
-    weights = _hf_folder_weights(path) if path.is_dir() else _gguf_weights(path, cfg, blocks)
+    weights = _hf_folder_weights(text_path) if text_path.is_dir() else _gguf_weights(text_path, cfg, blocks)
+    if cfg.multimodal is not None:  # workers/model/vision/encoder.py: the tower beside the LM
+        if text_path == path:
+            weights = text_weights(weights)
+        if model.is_first:
+            model.image_encoder = ImageEncoder(path, dtype, device)
+            model.image_encoder.load(_hf_folder_weights(path))
     model.load_weights(weights)
     if blocks is not None:
         done = install_gguf_weights(model, blocks)

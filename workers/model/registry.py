@@ -33,6 +33,7 @@ MODEL_CLASSES = {
     "llama": "llama:LlamaForCausalLM",
     "mistral": "llama:LlamaForCausalLM",
     "qwen2": "llama:LlamaForCausalLM",
+    "qwen2_vl": "qwen2_vl:Qwen2VLForCausalLM",  # Qwen2-VL's language model (M-RoPE)
     "qwen3": "qwen3:Qwen3ForCausalLM",
     "phi3": "phi3:Phi3ForCausalLM",
     "gemma2": "gemma:GemmaForCausalLM",
