@@ -29,7 +29,16 @@ from collections.abc import Callable, Sequence
 import msgpack
 
 from pagemesh.common.messages import *  # noqa: F401,F403 - re-exported: the protocol's vocabulary
-from pagemesh.common.messages import MAX_ID, MESSAGE_CLASSES, MESSAGE_TYPES, TAGS, KVPagesHeader, Message, ProtocolError  # noqa: F401
+from pagemesh.common.messages import (  # noqa: F401
+    MAX_ID,
+    MESSAGE_CLASSES,
+    MESSAGE_TYPES,
+    TAGS,
+    ImageEmbedsHeader,
+    KVPagesHeader,
+    Message,
+    ProtocolError,
+)
 from pagemesh.common.sampling import SamplingParams
 
 # 2: RegisterWorker.instance, UnknownWorker; 3: Ping, Pong, AbortRequest.worker_id, prompt logprobs,
@@ -429,3 +438,34 @@ def _tensor_from_view(torch, view: memoryview, dtype, shape: tuple[int, ...]):
     if raw.data_ptr() % dtype.itemsize:  # misaligned buffer: one copy beats unaligned kernels
         raw = raw.clone()
     return raw.view(dtype).view(shape)
+
+
+def encode_image_embeds(request_id: str, digest: str, rows) -> list[bytes | memoryview]:
+    """[tag, body, frame]: one image's rows (a torch tensor [placeholders, hidden]) after an
+    ImageEmbedsHeader naming their dtype, shape and checksum (the frame is a view of a
+    contiguous CPU copy: sent without another copy)."""
+    import torch
+
+    t = rows.detach().to("cpu").contiguous()
+    view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    header = ImageEmbedsHeader(
+        request_id=request_id,
+        digest=digest,
+        dtype=str(t.dtype).removeprefix("torch."),
+        shape=list(t.shape),
+        checksum=zlib.crc32(view),
+    )
+    return [*encode(header), view]
+
+
+def decode_image_embeds(header: ImageEmbedsHeader, frames: Sequence[object]):
+    """The rows of an ImageEmbedsHeader's frame (checked: size and checksum), on its memory."""
+    import torch
+
+    dtype = getattr(torch, header.dtype)
+    view = memoryview(frames[0]).cast("B") if len(frames) == 1 else None
+    if view is None or view.nbytes != math.prod(header.shape) * dtype.itemsize:
+        raise ProtocolError(f"image rows {header.request_id}: the frame does not hold {header.shape} {header.dtype}")
+    if zlib.crc32(view) != header.checksum:
+        raise ProtocolError(f"image rows {header.request_id}: checksum mismatch")
+    return _tensor_from_view(torch, view, dtype, tuple(header.shape))

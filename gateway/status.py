@@ -139,7 +139,7 @@ def worker_json(w: WorkerStatus, rate: float) -> dict:
         "waiting": w.waiting,
         "requests_finished": w.requests_finished,
         "produced": w.produced,
-        "unit": "images" if w.kind == WorkerKind.DIFFUSION else "tokens",
+        "unit": {WorkerKind.DIFFUSION: "images", WorkerKind.ENCODER: "images encoded"}.get(w.kind, "tokens"),
         "rate_per_s": round(rate, 2),
         "kv": None,
     }

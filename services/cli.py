@@ -6,6 +6,7 @@ pagemesh tokenizer
 pagemesh scheduler
 pagemesh worker --role prefill|decode|mixed
 pagemesh diffusion   a diffusion worker (images)
+pagemesh encoder     an encoder worker (a multimodal model's images, --encoder N)
 pagemesh generate    offline: run prompts through one in-process engine and print them
 pagemesh bench       load generator for any OpenAI-compatible server
 pagemesh experiment  the experiments of the papers (paged-memory, orca, sarathi, ...)
@@ -32,6 +33,7 @@ COMMANDS = {
     "scheduler": ("pagemesh.services.scheduler.main", "the scheduler (registry, placement)"),
     "worker": ("pagemesh.workers.llm.main", "an LLM worker: --role prefill|decode|mixed"),
     "diffusion": ("pagemesh.workers.diffusion.main", "a diffusion worker: images, batched per denoising step"),
+    "encoder": ("pagemesh.workers.encoder.main", "an encoder worker: a multimodal model's vision tower"),
     "generate": ("pagemesh.workers.engine.generate_cli", "offline generation through one engine"),
     "bench": ("pagemesh.bench.loadgen.main", "load any OpenAI-compatible server and report latencies"),
     "experiment": (

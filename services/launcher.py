@@ -64,6 +64,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add(parser, "--diffusion", 1, type=int, help="diffusion workers (images; 0 for none)")
     add(
         parser,
+        "--encoder",
+        0,
+        type=int,
+        help="encoder workers: a multimodal model's vision tower as a pool of its own, pushing image rows to "
+        "the prefilling workers (encode/prefill/decode disaggregation; 0: each worker encodes its own images)",
+    )
+    add(
+        parser,
         "--diffusion-student",
         0,
         type=int,
@@ -105,8 +113,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.error("--prefill and --decode go together (or use --mixed)")
     if args.prefill + args.decode + args.mixed + args.diffusion + args.diffusion_student == 0:
         parser.error("no workers: give --prefill/--decode, --mixed, --diffusion or --diffusion-student")
-    if args.diffusion < 0 or args.diffusion_student < 0:
-        parser.error("--diffusion, --diffusion-student: must be >= 0")
+    if args.diffusion < 0 or args.diffusion_student < 0 or args.encoder < 0:
+        parser.error("--diffusion, --diffusion-student, --encoder: must be >= 0")
     try:
         kv_cache_gb_from_args(args)  # both KV budgets through the environment: refused here, not by every worker
     except ValueError as e:
@@ -163,6 +171,8 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
         for i in range(count):
             name = f"{role}-{i}"
             kv = ["--kv-address", ipc_address(run_dir, f"kv-{name}")] if role == "decode" else []
+            if args.encoder and role != "decode":  # the prompt's workers take the encoder pool's image rows
+                kv += ["--embeds-address", ipc_address(run_dir, f"embeds-{name}")]
             procs.append(
                 (
                     name,
@@ -209,6 +219,11 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
                     ],
                 )
             )
+    for i in range(args.encoder):
+        name = f"encoder-{i}"
+        dtype = ["--dtype", args.dtype] if args.dtype else []
+        encoder = ["encoder", "--worker-id", name, "--scheduler-address", sched, "--threads", str(threads)]
+        procs.append((name, [*encoder, *model, *dtype, *common, *drain]))
     procs.append(
         (
             "gateway",
@@ -257,7 +272,7 @@ def on_gpus(
     of -tp x -pp GPUs (common/gpus.py; its ranks take one each), a diffusion worker one GPU, and
     a worker's argv ends with its share of its GPUs' memory when other LLM workers share them.
     ValueError when fewer GPUs are visible than one worker's ranks."""
-    workers = [name for name, argv in procs if argv[0] in ("worker", "diffusion")]
+    workers = [name for name, argv in procs if argv[0] in ("worker", "diffusion", "encoder")]
     llm = {name for name, argv in procs if argv[0] == "worker"}
     tp, pp = (args.tensor_parallel_size, args.pipeline_parallel_size) if llm else (1, 1)
     placement = worker_gpu_groups(workers, visible_gpus(args.device), tp, pp, one_gpu=set(workers) - llm)
@@ -324,7 +339,7 @@ class Mesh:
         tokenizer and the scheduler then have nothing left for anyone: `stop()` ends them."""
         kinds = {name: argv[0] for name, argv in plan(self.args, self.run_dir)}
         gateways = [n for n, k in kinds.items() if k == "gateway"]
-        workers = [n for n, k in kinds.items() if k in ("worker", "diffusion")]
+        workers = [n for n, k in kinds.items() if k in ("worker", "diffusion", "encoder")]
         await drain_in_order(self.children, [gateways, workers], self.args.drain_timeout, hurry)
 
     def stop(self) -> None:

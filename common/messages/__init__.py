@@ -9,6 +9,7 @@ module per channel, one registry (tag -> class) that the codec (`pagemesh.common
     images.py          gateway ⇄ scheduler ⇄ diffusion workers: image requests and results
     tokenize.py        gateway ⇄ tokenizer calls answered at once: tokenize, detokenize
     lora.py            gateway ⇄ scheduler ⇄ LLM workers: LoRA adapters loaded and unloaded at run time
+    encoder.py         scheduler ──▶ encoder workers ──image rows──▶ LLM workers (--encoder N)
 A new channel is a new module imported here.
 """
 
@@ -28,6 +29,7 @@ from pagemesh.common.messages.base import (
     message,
     record,
 )
+from pagemesh.common.messages.encoder import EncodeTask, ImageEmbedsHeader
 from pagemesh.common.messages.images import (
     MAX_IMAGES,
     FeatureCacheLoad,
@@ -114,6 +116,8 @@ __all__ = [
     "EmbeddingBatch",
     "GenerateRequest",
     "ImageInput",
+    "EncodeTask",
+    "ImageEmbedsHeader",
     "MigrateRequest",
     "RequestFailed",
     "RequestStarted",

@@ -46,6 +46,7 @@ class WorkerKind(enum.StrEnum):
 
     LLM = "llm"
     DIFFUSION = "diffusion"
+    ENCODER = "encoder"  # a multimodal model's vision tower, as a pool of its own (messages/encoder.py)
 
 
 class WorkerRole(enum.StrEnum):

@@ -46,6 +46,7 @@ class GenerateTask:
     output_token_ids: list[int] = field(default_factory=list)
     pooling: Pooling | None = None
     images: list[ImageInput] = field(default_factory=list)  # a multimodal prompt's images
+    encoder_id: str = ""  # the encoder worker pushing the images' rows here ("": encode them here)
 
     def _check(self) -> None:
         check_images(self.images, len(self.prompt_token_ids), "GenerateTask")
@@ -67,6 +68,7 @@ class PrefillTask:
     queued_s: float = 0.0  # time the request waited in the scheduler
     skip_pages: int = 0  # leading prompt pages the decode worker already holds: not sent
     images: list[ImageInput] = field(default_factory=list)  # a multimodal prompt's images
+    encoder_id: str = ""  # the encoder worker pushing the images' rows here ("": encode them here)
 
     def _check(self) -> None:
         _check_skip("PrefillTask", self.skip_pages)
@@ -145,6 +147,7 @@ class RegisterWorker:
     held: list[HeldRequest] | None = None  # registering again: the requests it is working on
     images: ImageModelInfo | None = None  # diffusion workers: sizes, samplers, step limits
     ranks: int = 1  # its rank processes: tensor-parallel size × pipeline-parallel size
+    embeds_endpoint: str = ""  # an LLM worker of a multimodal model: where encoder workers push image rows
     pipeline_stages: int = 1  # its pipeline-parallel size (ranks / stages = tensor-parallel size)
 
     def _check(self) -> None:

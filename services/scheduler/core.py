@@ -68,7 +68,7 @@ from pagemesh.services.scheduler.placement import Placer, embedding_workers, pai
 from pagemesh.services.scheduler.placement import too_large_for_every_pool as too_large
 from pagemesh.services.scheduler.prefix_index import PromptPages
 from pagemesh.services.scheduler.registry import Registry, WorkerInfo
-from pagemesh.services.scheduler.tasks import llm_tasks
+from pagemesh.services.scheduler.tasks import llm_tasks, with_encoder
 
 log = structlog.get_logger()
 
@@ -377,9 +377,12 @@ class SchedulerCore:
         del self.queues[WorkerKind.LLM][req.request_id]
         queued = now - entry.enqueued_at
         tasks = llm_tasks(req, placement, queued, resumed)
-        out += tasks
-        holders = {worker_id for worker_id, _ in tasks}
+        holders = {worker_id for worker_id, _ in tasks}  # not an encoder worker: its loss strands nothing
         handed_off = placement.prefill.worker_id if len(tasks) == 2 else None  # the prefill worker
+        if req.images:
+            encoders = self.registry.alive(WorkerKind.ENCODER, WorkerRole.MIXED, now)
+            tasks = with_encoder(req, tasks, encoders, self.registry.workers)
+        out += tasks
         for wid in holders:
             self.registry.workers[wid].requests.add(req.request_id)
         self.placed[req.request_id] = Placed(req.request_id, req.reply_to, holders, handed_off, migrations_of(req))

@@ -67,6 +67,7 @@ class WorkerInfo:
     images: ImageModelInfo | None = None  # a diffusion worker's sizes, samplers, step limits
     ranks: int = 1  # RegisterWorker.ranks
     pipeline_stages: int = 1  # RegisterWorker.pipeline_stages
+    embeds_endpoint: str = ""  # RegisterWorker.embeds_endpoint: where encoder workers push image rows
     feature_cache: FeatureCacheLoad | None = None  # a diffusion worker's, from its last heartbeat
     speculation: SpeculationLoad | None = None  # an LLM worker's that speculates, from its last heartbeat
     busy_since: float | None = None  # when its step in progress began (by its last heartbeat)
@@ -123,6 +124,7 @@ class WorkerInfo:
             images=msg.images,
             ranks=msg.ranks,
             pipeline_stages=msg.pipeline_stages,
+            embeds_endpoint=msg.embeds_endpoint,
         )
         if msg.kv is not None:
             info.page_size, info.total_pages, info.kv_endpoint = msg.kv.page_size, msg.kv.num_pages, msg.kv.kv_endpoint

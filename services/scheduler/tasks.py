@@ -5,12 +5,18 @@ mixed worker, or a request whose choices are picked at its end (beams, best_of >
 a prefill and a decode worker
     ──▶ DecodeTask to the decode worker first (it expects the pages), then PrefillTask
         to the prefill worker, both naming the leading pages the decode worker holds
+an image prompt, with encoder workers (--encoder N) and a prompt worker that takes their rows
+    ──▶ EncodeTask to the least loaded encoder worker first, naming the prompt worker's
+        embeds endpoint; the prompt's task says which encoder worker sends its images' rows
 """
 
 from __future__ import annotations
 
-from pagemesh.common.messages import DecodeTask, GenerateTask, PrefillTask, ScheduleRequest
+import dataclasses
+
+from pagemesh.common.messages import DecodeTask, EncodeTask, GenerateTask, PrefillTask, ScheduleRequest
 from pagemesh.services.scheduler.placement import Placement
+from pagemesh.services.scheduler.registry import WorkerInfo
 
 
 def llm_tasks(
@@ -52,3 +58,29 @@ def llm_tasks(
         images=req.images,
     )
     return [(worker.worker_id, decode), (prefill.worker_id, prefill_task)]
+
+
+def with_encoder(
+    req: ScheduleRequest, tasks: list[tuple[str, object]], encoders: list[WorkerInfo], workers: dict[str, WorkerInfo]
+) -> list[tuple[str, object]]:
+    """`tasks` with an EncodeTask in front when an encoder worker can take the request's images:
+    the prompt's worker (the last task's: the only one, or the prefill worker) must take image
+    rows (`embeds_endpoint`); the least loaded encoder worker gets them (its count goes up until
+    its next heartbeat). Unchanged without encoders or such a worker."""
+    prompt_worker, task = tasks[-1]
+    target = workers.get(prompt_worker)
+    if not encoders or target is None or not target.embeds_endpoint:
+        return tasks
+    encoder = min(encoders, key=lambda w: (w.running + w.waiting, w.worker_id))
+    encoder.waiting += 1
+    encode = EncodeTask(
+        request_id=req.request_id,
+        images=req.images,
+        target_worker_id=prompt_worker,
+        target_endpoint=target.embeds_endpoint,
+    )
+    return [
+        (encoder.worker_id, encode),
+        *tasks[:-1],
+        (prompt_worker, dataclasses.replace(task, encoder_id=encoder.worker_id)),
+    ]

@@ -105,3 +105,35 @@ def test_a_preempted_image_request_recomputes_to_hf_tokens(checkpoint):
     for rid, (prompt, png) in requests.items():
         assert served[rid] == hf_greedy_after_each(hf, kind, processor, prompt, [png], served[rid]), rid
     engine.blocks.check_invariants([])
+
+
+def test_a_prompt_waits_for_an_encoder_workers_rows_or_encodes_after_the_deadline(checkpoint, monkeypatch):
+    """`images_remote`: the prompt does not run before the rows come (receive_image_rows); rows
+    that never come are encoded here once REMOTE_IMAGES_WAIT_S has passed."""
+    import pagemesh.workers.engine.engine as engine_module
+    from pagemesh.workers.model.loader import hf_folder_weights
+    from pagemesh.workers.model.vision.encoder import ImageEncoder
+
+    kind, folder, hf, processor = checkpoint
+    engine = engine_for(folder)
+    remote = ImageEncoder(folder, engine.runner.dtype, engine.runner.device)  # an encoder worker's tower
+    remote.load(hf_folder_weights(folder))
+    png = image_png(7, *SIZES[kind][1])
+    prompt, image = image_request(kind, folder, png, SIZES[kind][1], [11, 12])
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    engine.admit("r", prompt, params, images=[image], images_remote=True)
+    for _ in range(3):
+        assert engine.step() == [] and engine.stalled  # waiting for the rows
+    (rows,) = remote.encode([(png, image.grid)])
+    engine.receive_image_rows("r", image.digest, rows)
+    served = run(engine)["r"]
+    assert served == hf_greedy_after_each(hf, kind, processor, prompt, [png], served)
+    assert engine.encoder_cache.encoded == 0  # every row came from the other tower
+
+    monkeypatch.setattr(engine_module, "REMOTE_IMAGES_WAIT_S", 0.0)
+    late = image_png(8, *SIZES[kind][0])
+    prompt, image = image_request(kind, folder, late, SIZES[kind][0], [13])
+    engine.admit("late", prompt, params, images=[image], images_remote=True)
+    served = run(engine)["late"]
+    assert engine.encoder_cache.encoded == 1  # encoded here after the deadline
+    assert served == hf_greedy_after_each(hf, kind, processor, prompt, [late], served)

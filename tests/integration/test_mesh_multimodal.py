@@ -147,3 +147,40 @@ def test_too_many_images_is_a_400(served):
             model=client.models.list().data[0].id, messages=[{"role": "user", "content": content}], max_tokens=2
         )
     assert "at most 8 per prompt" in e.value.body["message"]
+
+
+def test_an_encoder_pool_sends_the_rows_and_the_answers_stay_hf(tmp_path):
+    """Encode, prefill, decode disaggregation: `--prefill 1 --decode 1 --encoder 1`. The encoder
+    worker encodes every image (its count of images encoded, on /status) and pushes the rows to
+    the prefill worker, whose answers stay HF's."""
+    import json
+    import time
+    import urllib.request
+
+    kind = "llava"
+    hf, processor = save(kind, tmp_path)
+    flags = ("--model", str(tmp_path), "--dtype", "float32", "--threads-per-worker", "1", "--encoder", "1")
+    with running_mesh(*flags) as url:
+        client = openai_client(type("Mesh", (), {"url": url}))
+        model = client.models.list().data[0].id
+        for i, size in enumerate(SIZES[kind]):
+            png = image_png(40 + i, *size)
+            chat = client.chat.completions.create(
+                model=model,
+                messages=image_message(png, TEXTS[1]),
+                max_tokens=NEW_TOKENS,
+                temperature=0,
+                logprobs=True,
+                extra_body={"ignore_eos": True},
+            )
+            answer = answer_ids(chat, kind)
+            prompt = chat_prompt_ids(kind, TEXTS[1], [16])
+            assert answer == hf_greedy_after_each(hf, kind, processor, prompt, [png], answer)
+        deadline = time.monotonic() + 30
+        while True:  # the encoder worker's next heartbeat carries its count
+            workers = json.load(urllib.request.urlopen(url + "/status"))["workers"]
+            encoders = [w for w in workers if w["kind"] == "encoder"]
+            if encoders and encoders[0]["produced"] >= 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert encoders and encoders[0]["produced"] == 3

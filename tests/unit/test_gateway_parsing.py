@@ -288,8 +288,10 @@ BAD_CHATS = [
     (chat(messages=[{"role": 1, "content": "x"}]), "messages[0].role"),
     (chat(messages=[CHAT[0], {"role": "user"}]), "messages[1].content"),
     (chat(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
-    (chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
-     "messages[0].content[0].image_url"),
+    (
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+        "messages[0].content[0].image_url",
+    ),
     (chat(messages=[{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]), "messages[0].content"),
     (chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}] * 257}]), "messages[0].content"),
     (chat(logprobs=1), "logprobs"),

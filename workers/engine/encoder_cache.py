@@ -66,6 +66,21 @@ class EncoderCache:
                 drop.append(digest)
         return encode, drop
 
+    def hold(self, digest: str, rows: int) -> list[str]:
+        """Rows that came encoded (from an encoder worker) are held like encoded ones; returns
+        the digests dropped to make room (never this one)."""
+        self._held[digest] = rows
+        self._held.move_to_end(digest)
+        drop: list[str] = []
+        total = self.rows
+        for held in list(self._held):
+            if total <= self.capacity:
+                break
+            if held != digest:
+                total -= self._held.pop(held)
+                drop.append(held)
+        return drop
+
     def clear(self) -> list[str]:
         """Forget everything (the runner drops what it holds)."""
         dropped = list(self._held)

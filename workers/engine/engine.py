@@ -24,6 +24,7 @@ The engine composes one object per job, each holding its own state:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -76,9 +77,11 @@ from pagemesh.workers.engine.validation import RequestValidator
 from pagemesh.workers.model.llama import LlamaForCausalLM
 from pagemesh.workers.model.loader import load_model
 
+log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_GB = 2.0
 GPU_FREE_SHARE = 0.9  # of the memory free when the pool is sized: the rest is for activations
 MAX_DEFAULT_MODEL_LEN = 8192
+REMOTE_IMAGES_WAIT_S = 10.0  # a prompt waits this long for an encoder worker's rows, then encodes here
 DEFAULT_CONFIG = EngineConfig()
 
 
@@ -324,6 +327,7 @@ class Engine:
         prefill_only: bool = False,
         output_token_ids: Seq[int] = (),
         images: Seq[ImageInput] = (),
+        images_remote: bool = False,
     ) -> None:
         """Queue a request checked before it came (by the gateway, the tokenizer and the wire
         decoder). Only what this engine alone knows is checked here (ValueError): the id is not
@@ -336,7 +340,9 @@ class Engine:
         seeded request's generator is advanced past their draws, so it continues the sequence
         it would have drawn on the first worker. `params.lora`: the loaded LoRA adapter it runs
         under (None: the base model). `images`: a multimodal prompt's images (ImageInput), their
-        placeholders in the prompt; the encoder step turns them into rows (encoder_cache.py)."""
+        placeholders in the prompt; the encoder step turns them into rows (encoder_cache.py).
+        `images_remote`: an encoder worker sends their rows (`receive_image_rows`); the prompt
+        waits for them, up to REMOTE_IMAGES_WAIT_S, then encodes here what has not come."""
         self.validator.not_running(request_id, self.requests)
         root = self._check_lora(params.lora)
         mrope = self._check_images(prompt_token_ids, images)
@@ -359,6 +365,9 @@ class Engine:
             images=list(images),
             mrope=mrope,
         )
+        if images_remote:
+            seq.images_pending = {i.digest for i in images if i.digest not in self.encoder_cache}
+            seq.images_wait_until = time.monotonic() + REMOTE_IMAGES_WAIT_S
         self.generators.start(seq, draws_done=len(resumed), vocab_size=self.model_config.vocab_size)
         beam = BeamState(params.num_sequences, params.length_penalty) if params.use_beam_search else None
         self.requests[request_id] = EngineRequest(
@@ -375,6 +384,26 @@ class Engine:
             return None
         spec = self.runner.image_encoder.spec
         return MRopePositions.of(prompt_token_ids, spec.image_token_id, images, spec.merge_size)
+
+    def receive_image_rows(self, request_id: str, digest: str, rows: torch.Tensor) -> None:
+        """An encoder worker's rows of one image: held for the encoder step, and the request's
+        prompt stops waiting for them (rows nobody waits for any more are dropped)."""
+        req = self.requests.get(request_id)
+        waiting = [s for s in req.seqs if digest in s.images_pending] if req is not None else []
+        if not waiting:
+            return
+        self.runner.image_embeds[digest] = rows.to(self.runner.device, self.runner.dtype)
+        self.runner.image_drop(self.encoder_cache.hold(digest, rows.shape[0]))
+        for seq in waiting:
+            seq.images_pending.discard(digest)
+
+    def _stop_waiting_for_images(self) -> None:
+        """Prompts whose encoder worker is late past the deadline: their images are encoded here."""
+        now = time.monotonic()
+        for seq in self.scheduler.waiting:
+            if seq.images_pending and now > seq.images_wait_until:
+                log.warning("request %s: image rows late, encoding them here", seq.request_id)
+                seq.images_pending.clear()
 
     def _check_lora(self, lora: str | None) -> int | None:
         """ValueError unless `lora` is None or an adapter this engine holds; its prefix-cache root."""
@@ -418,6 +447,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         if self.scheduler.in_flight is not None:
             return self._pipelined_step()
+        self._stop_waiting_for_images()
         plan = self.scheduler.schedule()
         self.stalled = plan.empty  # work is queued but nothing fits (pages held elsewhere)
         if plan.empty:

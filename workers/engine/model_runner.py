@@ -238,6 +238,10 @@ class ModelRunner:
         pipe.send_hidden(out)
         return pipe.expect_logits(len(logit_rows)) if pipe.rank == 0 else InFlightStep(out[:0, 0])
 
+    def image_drop(self, digests: list[str]) -> None:
+        for digest in digests:
+            self.image_embeds.pop(digest, None)
+
     def _place_images(self, step: ModelInput, ctx: ForwardContext) -> None:
         """The encoder step: forget the images the engine's cache dropped, encode the new ones in
         one batched call, and give the forward pass each placeholder row's embedding (and an

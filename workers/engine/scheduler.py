@@ -285,6 +285,8 @@ class Scheduler:
                 break
             if self.in_flight is not None and not self._takes(seq, plan):
                 continue
+            if seq.images_pending:
+                continue  # its images' rows are on their way from an encoder worker (messages/encoder.py)
             if (
                 seq.swapped_computed is None
                 and not seq.block_table

@@ -71,6 +71,8 @@ class Sequence:
     prefix_root: int | None = None  # its pages' root key in the prefix cache (an adapter's: page_hash.root_hash)
     images: list[ImageInput] = field(default_factory=list)  # a multimodal prompt's images, in order
     mrope: MRopePositions | None = None  # an M-RoPE model's image prompt (Qwen2-VL): its positions
+    images_pending: set[str] = field(default_factory=set)  # digests whose rows an encoder worker sends: it waits
+    images_wait_until: float = 0.0  # monotonic time after which it stops waiting and encodes them here
     _prompt_hash_ids: list[int] | None = None
 
     @property

@@ -16,6 +16,7 @@ class LLMWorkerConfig:
     engine: EngineConfig
     kv_address: str | None = None  # decode role: where it binds for incoming KV pages
     kv_advertise: str | None = None  # what prefill workers connect to (default: kv_address)
+    embeds_address: str | None = None  # where encoder workers push image rows (a multimodal model's prefills)
     transfer_timeout: float = 30.0  # seconds before an unacknowledged KV handoff is dropped
     threads: int | None = None  # torch CPU threads
 

@@ -20,6 +20,7 @@ def parse(argv: list[str]) -> LLMWorkerConfig:
     add_shell_arguments(parser)
     add(parser, "--kv-address", None, help="decode role: bind address for incoming KV pages")
     add(parser, "--kv-advertise", None, help="address prefill workers use to reach --kv-address")
+    add(parser, "--embeds-address", None, help="bind address for image rows from encoder workers (--encoder N)")
     add(parser, "--transfer-timeout", 30.0, type=float, help="seconds before an unacknowledged KV handoff is dropped")
     add(parser, "--threads", None, type=int, help="torch CPU threads (default: all cores)")
     add_engine_arguments(parser)
@@ -31,6 +32,7 @@ def parse(argv: list[str]) -> LLMWorkerConfig:
             engine=engine_config_from_args(args),
             kv_address=args.kv_address,
             kv_advertise=args.kv_advertise or args.kv_address,
+            embeds_address=args.embeds_address,
             transfer_timeout=args.transfer_timeout,
             threads=args.threads,
         )

@@ -43,6 +43,7 @@ from pagemesh.common.model_files import served_model_name
 from pagemesh.workers.engine.engine import Engine, RequestOutput
 from pagemesh.workers.llm.config import LLMWorkerConfig
 from pagemesh.workers.llm.handoff import HandoffIn, HandoffOut
+from pagemesh.workers.llm.image_rows import ImageRowsIn
 from pagemesh.workers.llm.lora import lora_load, run_adapter_task
 from pagemesh.workers.shell.backend import Load, Registration, WorkerContext
 from pagemesh.workers.shell.step_threads import StepThreads
@@ -65,6 +66,9 @@ class LLMWorker:
         self.incoming = None
         if config.role is WorkerRole.DECODE:
             self.incoming = HandoffIn(ctx, engine, config.kv_address, config.transfer_timeout, self._imported)
+        self.image_rows = None  # image rows from encoder workers (--encoder N): a single-rank multimodal worker
+        if config.embeds_address and engine.runner.image_encoder is not None and engine.runner.followers is None:
+            self.image_rows = ImageRowsIn(ctx, engine, config.embeds_address)
         self.reply_to: dict[str, str] = {}  # request -> its tokenizer's token address
         self.produced = 0  # tokens sampled here, ever (heartbeats carry it: the status page's tokens/s)
         self.starting: dict[str, list[RequestStarted]] = {}  # reply_to -> started since the last batch
@@ -85,6 +89,7 @@ class LLMWorker:
             ),
             ranks=self.engine.config.tensor_parallel_size * self.engine.config.pipeline_parallel_size,
             pipeline_stages=self.engine.config.pipeline_parallel_size,
+            embeds_endpoint=self.config.embeds_address if self.image_rows is not None else "",
         )
 
     def add(self, task: GenerateTask | PrefillTask | DecodeTask | LoRAAdapterTask) -> None:
@@ -111,6 +116,7 @@ class LLMWorker:
                     prefill_only=prefill_only,
                     output_token_ids=resumed,
                     images=task.images,
+                    images_remote=bool(task.encoder_id) and self.image_rows is not None,
                 )
         except ValueError as e:
             self.ctx.log.warning("request refused", request_id=task.request_id, error=str(e))
@@ -239,12 +245,16 @@ class LLMWorker:
         loops = [self._deadline_loop()]
         if self.incoming is not None:
             loops.append(self.incoming.receive_loop())
+        if self.image_rows is not None:
+            loops.append(self.image_rows.receive_loop())
         return loops
 
     def close(self) -> None:
         self.out.close()
         if self.incoming is not None:
             self.incoming.close()
+        if self.image_rows is not None:
+            self.image_rows.close()
 
     # ---- inside -----------------------------------------------------------------------------
     def _started(self, request_id: str, reply_to: str, num_prompt_tokens: int) -> None:

@@ -74,13 +74,13 @@ def load_model(
     with torch.device(device), _default_dtype(dtype):
         model = model_class(cfg)(cfg, tp, layers)
     blocks: dict[str, QuantizedWeight] | None = {} if quantization == "gguf" else None
-    weights = _hf_folder_weights(text_path) if text_path.is_dir() else _gguf_weights(text_path, cfg, blocks)
+    weights = hf_folder_weights(text_path) if text_path.is_dir() else _gguf_weights(text_path, cfg, blocks)
     if cfg.multimodal is not None:  # workers/model/vision/encoder.py: the tower beside the LM
         if text_path == path:
             weights = text_weights(weights)
         if model.is_first:
             model.image_encoder = ImageEncoder(path, dtype, device)
-            model.image_encoder.load(_hf_folder_weights(path))
+            model.image_encoder.load(hf_folder_weights(path))
     model.load_weights(weights)
     if blocks is not None:
         done = install_gguf_weights(model, blocks)
@@ -111,7 +111,7 @@ class _default_dtype:
 
 
 # ---- Hugging Face folder -------------------------------------------------------------------
-def _hf_folder_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_folder_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     index = folder / "model.safetensors.index.json"

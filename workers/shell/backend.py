@@ -43,6 +43,7 @@ class Registration:
     images: ImageModelInfo | None = None  # a diffusion worker's sizes, samplers, step limits
     ranks: int = 1  # processes it runs on (tensor parallel × pipeline parallel)
     pipeline_stages: int = 1  # of those ranks, how many pipeline stages (the rest is tensor parallel)
+    embeds_endpoint: str = ""  # an LLM worker taking image rows from encoder workers
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -96,6 +96,7 @@ class WorkerShell:
             images=reg.images,
             ranks=reg.ranks,
             pipeline_stages=reg.pipeline_stages,
+            embeds_endpoint=reg.embeds_endpoint,
         )
         self.handlers: dict[type, Callable[[Any], None]] = {
             **{t: self._on_task for t in self.backend.task_types},
