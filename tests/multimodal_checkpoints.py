@@ -106,11 +106,17 @@ def build(kind: str):
 
 def save(kind: str, folder: Path):
     """Make the checkpoint in `folder`; returns (HF model, image processor)."""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-
     model, processor = build(kind)
     model.save_pretrained(folder, safe_serialization=True)
     processor.save_pretrained(folder)
+    write_tokenizer(kind, folder)
+    return model, processor
+
+
+def write_tokenizer(kind: str, folder: Path) -> None:
+    """The word-level tokenizer (`w{i}`) with the kind's image tokens and the chat template."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
     specials = IMAGE_TOKENS[kind]
     vocab = {f"w{i}": i for i in range(VOCAB) if i not in specials.values()} | specials
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
@@ -119,7 +125,6 @@ def save(kind: str, folder: Path):
     tok.save(str(folder / "tokenizer.json"))
     config = {"bos_token": "w1", "eos_token": "w2", "add_bos_token": False, "chat_template": CHAT_TEMPLATE}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return model, processor
 
 
 def image_png(seed: int, width: int = 32, height: int = 32) -> bytes:

@@ -24,8 +24,9 @@ DEFAULT_ENCODER_CACHE_ROWS = 16384  # embedding rows held (LLaVA-1.5: 28 images;
 
 class EncoderCache:
     """Which images' embeddings the runner holds, in least-recently-used order, within `capacity`
-    rows (an image larger than that is still encoded for the step that needs it). Counts what
-    it did: `encoded` images, `hits` (an image needed and already held)."""
+    rows (an image larger than that is still encoded for the step that needs it; capacity 0: no
+    cache, each step encodes the images it needs). Counts what it did: `encoded` images, `hits`
+    (an image needed and already held)."""
 
     def __init__(self, capacity: int = DEFAULT_ENCODER_CACHE_ROWS):
         self.capacity = capacity
@@ -43,6 +44,13 @@ class EncoderCache:
     def plan(self, needed: Iterable[ImageInput]) -> tuple[list[ImageInput], list[str]]:
         """(images to encode before this step, digests to forget first). Each needed image is
         held after the step; others go, oldest first, while the rows exceed the capacity."""
+        if self.capacity == 0:  # no cache: rows live for their step only, a later step encodes again
+            drop = list(self._held)
+            self._held.clear()
+            encode = list({i.digest: i for i in needed}.values())
+            self._held.update((i.digest, i.length) for i in encode)
+            self.encoded += len(encode)
+            return encode, drop
         encode: list[ImageInput] = []
         keep: set[str] = set()
         for image in needed:
