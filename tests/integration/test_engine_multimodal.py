@@ -137,3 +137,19 @@ def test_a_prompt_waits_for_an_encoder_workers_rows_or_encodes_after_the_deadlin
     served = run(engine)["late"]
     assert engine.encoder_cache.encoded == 1  # encoded here after the deadline
     assert served == hf_greedy_after_each(hf, kind, processor, prompt, [late], served)
+
+
+def test_a_migrated_image_request_continues_where_it_was(checkpoint):
+    """A request resumed on another engine (its worker lost: `output_token_ids`, what its client
+    has) recomputes the prompt with its image and the tokens so far, and goes on with HF's."""
+    kind, folder, hf, processor = checkpoint
+    png = image_png(9, *SIZES[kind][2])
+    prompt, image = image_request(kind, folder, png, SIZES[kind][2], [14, 15, 16])
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    first = engine_for(folder)
+    first.admit("r", prompt, params, images=[image])
+    whole = run(first)["r"]
+    second = engine_for(folder)
+    second.admit("r", prompt, params, output_token_ids=whole[:4], images=[image])
+    rest = run(second)["r"]
+    assert whole[:4] + rest == whole == hf_greedy_after_each(hf, kind, processor, prompt, [png], whole)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pagemesh.common.model_files import resolve_model_path
 from pagemesh.services.launcher import parse, plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,8 +33,12 @@ def kind_of(argv: list[str]) -> str:
 def test_services_are_the_process_kinds_of_pagemesh_up():
     args = parse([])  # `pagemesh up` with its defaults
     launched = {kind_of(argv) for _, argv in plan(args, "/tmp/pm")}
-    composed = {kind_of(argv_of(s)) for s in SERVICES.values()}
+    composed = {kind_of(argv_of(s)) for s in SERVICES.values() if not s.get("profiles")}
     assert composed == launched == {"scheduler", "tokenizer", "worker:prefill", "worker:decode", "diffusion", "gateway"}
+    # a multimodal model's encoder pool: a service of its own behind a profile, as `pagemesh up --encoder N`
+    with_encoders = {kind_of(argv) for _, argv in plan(parse(["--model", "digits-vlm", "--encoder", "1"]), "/tmp/pm")}
+    assert with_encoders - launched == {"encoder"} == {kind_of(argv_of(SERVICES["encoder"]))}
+    assert SERVICES["encoder"]["profiles"] == ["multimodal"]
 
 
 @pytest.mark.parametrize("name", sorted(SERVICES))
@@ -58,6 +63,12 @@ def test_each_command_parses_with_its_process_flags(name, monkeypatch):
         cfg = parse_args(argv[1:])
         assert cfg.scheduler_address == "tcp://scheduler:5557" and cfg.tokenizer_address == "tcp://tokenizer:5560"
         assert cfg.port == 8000
+    elif argv[0] == "encoder":
+        from pagemesh.workers.encoder.main import parse as parse_encoder
+
+        monkeypatch.setenv("PAGEMESH_MODEL", str(resolve_model_path("digits-vlm")))
+        args = parse_encoder(argv[1:])
+        assert args.scheduler_address == "tcp://scheduler:5557" and args.worker_id.endswith("container1")
     elif argv[0] == "diffusion":
         from pagemesh.workers.diffusion.config import parse_diffusion
 
@@ -72,6 +83,8 @@ def test_each_command_parses_with_its_process_flags(name, monkeypatch):
         assert cfg.shell.worker_id.endswith("container1")  # unique per replica: pools scale
         if cfg.role == "decode":
             assert cfg.kv_advertise == "tcp://container1:5600"
+        if cfg.role == "prefill":
+            assert cfg.embeds_address == "tcp://container1:5610"
 
 
 def test_only_the_gateway_is_published_and_zmq_stays_internal():
