@@ -21,6 +21,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 from pagemesh.common.chat_template import ChatTemplate, validate_messages
+from pagemesh.common.model_files import text_weights_path
 
 # llama.cpp token types (gguf.TokenType).
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
@@ -116,7 +117,7 @@ class Tokenizer:
     def from_path(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
         """Load from a `.gguf` file or a Hugging Face model folder; `chat_template` (a template's
         text) replaces the model's own."""
-        path = Path(path)
+        path = text_weights_path(Path(path))  # a multimodal folder over the embedded GGUF: the GGUF's
         if path.is_dir():
             parts = _hf_folder_parts(path)
         elif path.suffix == ".gguf" and path.is_file():

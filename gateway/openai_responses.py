@@ -163,11 +163,13 @@ def _message(item: dict, where: str) -> dict:
     if isinstance(content, str):
         return {"role": role, "content": content}
     kinds = ("output_text", "input_text") if role == "assistant" else ("input_text",)
+    kinds += ("input_image",) if role == "user" else ()
     return {"role": role, "content": _text_parts(content, f"{where}.content", kinds)}
 
 
 def _text_parts(value: Any, where: str, kinds: tuple[str, ...]) -> list[dict]:
-    """Text content parts (input_text, or output_text in an assistant's turn) as chat text parts."""
+    """Text content parts (input_text, or output_text in an assistant's turn) as chat text parts;
+    a user's input_image as an image_url part."""
     if not isinstance(value, list) or len(value) > MAX_CONTENT_PARTS:
         raise invalid(f"{where}: must be a string or a list of at most {MAX_CONTENT_PARTS} content parts", where)
     parts = []
@@ -177,6 +179,12 @@ def _text_parts(value: Any, where: str, kinds: tuple[str, ...]) -> list[dict]:
         if kind not in kinds:
             named = f"{kind[:40]!r} parts are" if isinstance(kind, str) else "it is"
             raise invalid(f"{at}: only {' and '.join(kinds)} parts are supported here; {named} not", at)
+        if kind == "input_image":  # a user's image, as the chat route's image_url part (gateway/media.py)
+            only_keys(part, {"type", "image_url", "detail"}, at)
+            if not isinstance(part.get("image_url"), str):
+                raise invalid(f"{at}.image_url: required, a data: URL (file_id is not supported)", f"{at}.image_url")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+            continue
         only_keys(part, {"type", "text", "annotations", "logprobs"}, at)
         if part.get("annotations") or part.get("logprobs"):
             raise invalid(f"{at}: annotations and logprobs of earlier output are not supported", at)

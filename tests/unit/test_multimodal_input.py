@@ -203,3 +203,16 @@ def test_image_inputs_cross_the_wire_and_bad_ones_are_refused():
     ):
         with pytest.raises(protocol.ProtocolError):
             protocol.decode(protocol.encode(dataclasses.replace(msg, images=bad)))
+
+
+def test_a_responses_input_image_becomes_an_image_url_part():
+    from pagemesh.gateway.openai_responses import parse_responses
+
+    parts = [{"type": "input_image", "image_url": "data:image/png;base64,AAA"}, {"type": "input_text", "text": "hi"}]
+    parsed = parse_responses({"model": "m", "input": [{"role": "user", "content": parts}]})
+    assert parsed.image_urls == ("data:image/png;base64,AAA",)
+    assert parsed.messages[-1]["content"] == f"{IMAGE_MARK}\nhi"
+    with pytest.raises(ApiError, match="file_id: not supported"):
+        parse_responses(
+            {"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}
+        )
