@@ -35,7 +35,7 @@ from pagemesh.bench.simulator.run import SimSettings, describe, find_smallest, s
 from pagemesh.bench.simulator.workload import WorkloadSpec, from_trace
 
 CALIBRATION = Path(__file__).resolve().parent / "calibration"
-CPU_KV_BYTES = 2 * 2**30  # a CPU worker's default pool (workers/engine/engine.py DEFAULT_CPU_KV_GB)
+CPU_KV_BYTES = 2 * 2**30  # a CPU worker's default pool (workers/engine/kv_pool_size.py DEFAULT_CPU_KV_GB)
 SHOWN = [
     ("completed", "{:.0f}"),
     ("failed", "{:.0f}"),

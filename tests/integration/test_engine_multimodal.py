@@ -110,7 +110,7 @@ def test_a_preempted_image_request_recomputes_to_hf_tokens(checkpoint):
 def test_a_prompt_waits_for_an_encoder_workers_rows_or_encodes_after_the_deadline(checkpoint, monkeypatch):
     """`images_remote`: the prompt does not run before the rows come (receive_image_rows); rows
     that never come are encoded here once REMOTE_IMAGES_WAIT_S has passed."""
-    import pagemesh.workers.engine.engine as engine_module
+    import pagemesh.workers.engine.engine_images as engine_images
     from pagemesh.workers.model.loader import hf_folder_weights
     from pagemesh.workers.model.vision.encoder import ImageEncoder
 
@@ -130,7 +130,17 @@ def test_a_prompt_waits_for_an_encoder_workers_rows_or_encodes_after_the_deadlin
     assert served == hf_greedy_after_each(hf, kind, processor, prompt, [png], served)
     assert engine.encoder_cache.encoded == 0  # every row came from the other tower
 
-    monkeypatch.setattr(engine_module, "REMOTE_IMAGES_WAIT_S", 0.0)
+    # rows that come before the request (the encoder worker beat the scheduler's other message)
+    early = image_png(6, *SIZES[kind][2])
+    prompt, image = image_request(kind, folder, early, SIZES[kind][2], [12])
+    (rows,) = remote.encode([(early, image.grid)])
+    engine.receive_image_rows("early", image.digest, rows)
+    engine.admit("early", prompt, params, images=[image], images_remote=True)
+    served = run(engine)["early"]
+    assert served == hf_greedy_after_each(hf, kind, processor, prompt, [early], served)
+    assert engine.encoder_cache.encoded == 0
+
+    monkeypatch.setattr(engine_images, "REMOTE_IMAGES_WAIT_S", 0.0)
     late = image_png(8, *SIZES[kind][0])
     prompt, image = image_request(kind, folder, late, SIZES[kind][0], [13])
     engine.admit("late", prompt, params, images=[image], images_remote=True)

@@ -6,7 +6,7 @@ run is scripts/gpu_check.sh's)."""
 import pytest
 
 from pagemesh.services import launcher
-from pagemesh.workers.engine.engine import gpu_kv_budget
+from pagemesh.workers.engine.kv_pool_size import gpu_kv_budget
 from pagemesh.workers.llm.main import parse as parse_worker
 
 GB = 2**30

@@ -36,7 +36,6 @@ import torch
 from pagemesh.common.messages import ImageInput, Pooling
 from pagemesh.common.model_config import read_model_config
 from pagemesh.common.model_files import resolve_model_path
-from pagemesh.common.multimodal import MRopePositions
 from pagemesh.common.quantization import resolve_quantization
 from pagemesh.common.sampling import SamplingParams
 from pagemesh.workers.engine.backend import select_backend
@@ -44,14 +43,14 @@ from pagemesh.workers.engine.beam import BeamSearch, BeamState
 from pagemesh.workers.engine.block_manager import BlockManager
 from pagemesh.workers.engine.config import EngineConfig
 from pagemesh.workers.engine.draft_model import attach_drafter
-from pagemesh.workers.engine.encoder_cache import EncoderCache
+from pagemesh.workers.engine.engine_images import EngineImages
 from pagemesh.workers.engine.forks import Forks, SeqGenerators
 from pagemesh.workers.engine.grammar_masks import GrammarMasks, PendingMasks
 from pagemesh.workers.engine.in_flight import surviving_rows
 from pagemesh.workers.engine.kv_handoff import HandoffPages, KVLayout, PageExport
-from pagemesh.workers.engine.kv_quant import calibration_token_ids, kv_storage_dtype
+from pagemesh.workers.engine.kv_pool_size import kv_dtype, page_bytes, pages_from_budget
+from pagemesh.workers.engine.kv_quant import calibration_token_ids
 from pagemesh.workers.engine.lora_adapters import EngineAdapters, lora_runner_args
-from pagemesh.workers.engine.model_input import ModelInput, build_model_input
 from pagemesh.workers.engine.model_runner import ModelRunner
 from pagemesh.workers.engine.output_builder import build_outputs
 from pagemesh.workers.engine.outputs import CompletionResult, PrefillResult, RequestOutput
@@ -78,18 +77,8 @@ from pagemesh.workers.model.llama import LlamaForCausalLM
 from pagemesh.workers.model.loader import load_model
 
 log = logging.getLogger(__name__)
-DEFAULT_CPU_KV_GB = 2.0
-GPU_FREE_SHARE = 0.9  # of the memory free when the pool is sized: the rest is for activations
 MAX_DEFAULT_MODEL_LEN = 8192
-REMOTE_IMAGES_WAIT_S = 10.0  # a prompt waits this long for an encoder worker's rows, then encodes here
 DEFAULT_CONFIG = EngineConfig()
-
-
-def gpu_kv_budget(free: int, total: int, reserved: int, fraction: float) -> float:
-    """Bytes for the KV pool of a worker on a GPU, sized after its weights are loaded: its share
-    of the GPU (`fraction` of `total`) less what it holds already (`reserved`: the weights), and
-    never more than GPU_FREE_SHARE of what is free now (other processes, activations)."""
-    return max(0.0, min(fraction * total - reserved, GPU_FREE_SHARE * free))
 
 
 class Engine:
@@ -156,7 +145,7 @@ class Engine:
         self.eos_token_ids = frozenset(
             self.tokenizer.eos_token_ids if self.tokenizer is not None else [self.model_config.eos_token_id]
         ) - {None}
-        num_pages = config.num_pages or self._pages_from_budget(model)
+        num_pages = config.num_pages or pages_from_budget(config, self.model_config, model, self.device)
         speculator = Speculator(config.speculative_config, self.max_model_len) if config.speculative_config else None
         # pages every layer's window has passed are freed as sequences run (a draft model keeps
         # them: it catches up over whole prompts, workers/engine/draft_model.py)
@@ -169,7 +158,7 @@ class Engine:
             else None
         )
         self.scheduler = Scheduler(
-            StepSchedulerConfig.for_engine(config, self.max_model_len, self._page_bytes(model)),
+            StepSchedulerConfig.for_engine(config, self.max_model_len, page_bytes(config, self.model_config, model)),
             self.blocks,
             speculator,
             self.adapters.slots if self.adapters is not None else None,
@@ -190,7 +179,7 @@ class Engine:
             max_model_len=self.max_model_len,
             followers=self.followers,
             pipe=pipe,
-            kv_dtype=self._kv_dtype(model),
+            kv_dtype=kv_dtype(config, model),
             kv_calibration_ids=calibration_token_ids(self.tokenizer, self.model_config.vocab_size),
             lora=lora_runner_args(config),
         )
@@ -198,7 +187,8 @@ class Engine:
             attach_drafter(self, config.speculative_config) if speculator and speculator.uses_draft_model else None
         )
         self.requests: dict[str, EngineRequest] = {}
-        self.encoder_cache = EncoderCache()  # which images' rows the runner holds
+        self.images = EngineImages(self.runner, self.model_config)  # encoder step, rows from encoder workers
+        self.encoder_cache = self.images.cache  # which images' rows the runner holds
         self.validator = RequestValidator(
             self.model_config.vocab_size,
             self.max_model_len,
@@ -272,37 +262,6 @@ class Engine:
         if self.followers is not None:
             self.followers.close()
 
-    def _kv_dtype(self, model: LlamaForCausalLM) -> torch.dtype:
-        return kv_storage_dtype(self.config.kv_cache_dtype, model.embed_tokens.weight.dtype)
-
-    def _page_bytes(self, model: LlamaForCausalLM) -> int:
-        """Bytes of a page in one rank's pool: its KV heads of its stage's layers (stage 0, this
-        one, has the most layers where the stages are uneven), in the pool's dtype (an fp8 pool:
-        half of bf16's, twice the pages)."""
-        dtype_bytes = self._kv_dtype(model).itemsize
-        per_token = self.model_config.kv_bytes_per_token(dtype_bytes, model.tp.world_size)
-        return per_token * len(model.layers) // self.model_config.num_layers * self.config.page_size
-
-    def _pages_from_budget(self, model: LlamaForCausalLM) -> int:
-        spec = self.config.speculative_config
-        page_bytes = self._page_bytes(model)
-        if spec is not None and spec.method == "draft_quantized":
-            # a quantized draft's pool mirrors the target's page for page, on rank 0: every KV
-            # head of every layer in the model dtype (workers/engine/draft_model.py), whatever
-            # the target's sharding and KV dtype; the budget holds both
-            dtype_bytes = model.embed_tokens.weight.element_size()
-            page_bytes += self.model_config.kv_bytes_per_token(dtype_bytes) * self.config.page_size
-        if self.config.kv_cache_memory_gb is not None:
-            budget = self.config.kv_cache_memory_gb * 2**30
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = gpu_kv_budget(
-                free, total, torch.cuda.memory_reserved(self.device), self.config.gpu_memory_fraction
-            )
-        else:
-            budget = DEFAULT_CPU_KV_GB * 2**30
-        return max(2, int(budget // page_bytes))
-
     # ---- requests -------------------------------------------------------------------------
     def add_request(
         self,
@@ -342,10 +301,10 @@ class Engine:
         under (None: the base model). `images`: a multimodal prompt's images (ImageInput), their
         placeholders in the prompt; the encoder step turns them into rows (encoder_cache.py).
         `images_remote`: an encoder worker sends their rows (`receive_image_rows`); the prompt
-        waits for them, up to REMOTE_IMAGES_WAIT_S, then encodes here what has not come."""
+        waits for them (engine_images.py), then encodes here what has not come."""
         self.validator.not_running(request_id, self.requests)
         root = self._check_lora(params.lora)
-        mrope = self._check_images(prompt_token_ids, images)
+        mrope = self.images.check(prompt_token_ids, images)
         token_ids, resumed = list(prompt_token_ids), self.validator.resumable(output_token_ids, params)
         params = self.validator.fit_pool(len(token_ids), params, prefill_only)
         if resumed:
@@ -366,8 +325,7 @@ class Engine:
             mrope=mrope,
         )
         if images_remote:
-            seq.images_pending = {i.digest for i in images if i.digest not in self.encoder_cache}
-            seq.images_wait_until = time.monotonic() + REMOTE_IMAGES_WAIT_S
+            self.images.wait_for(seq)
         self.generators.start(seq, draws_done=len(resumed), vocab_size=self.model_config.vocab_size)
         beam = BeamState(params.num_sequences, params.length_penalty) if params.use_beam_search else None
         self.requests[request_id] = EngineRequest(
@@ -375,35 +333,10 @@ class Engine:
         )
         self.scheduler.add(seq)
 
-    def _check_images(self, prompt_token_ids: Seq[int], images: Seq[ImageInput]) -> MRopePositions | None:
-        """ValueError unless this model takes the images; an M-RoPE model's prompt positions."""
-        if images and self.runner.image_encoder is None:
-            raise ValueError("messages: this model does not take images")
-        cfg = self.model_config
-        if cfg.mrope_section is None or not images:
-            return None
-        spec = self.runner.image_encoder.spec
-        return MRopePositions.of(prompt_token_ids, spec.image_token_id, images, spec.merge_size)
-
     def receive_image_rows(self, request_id: str, digest: str, rows: torch.Tensor) -> None:
-        """An encoder worker's rows of one image: held for the encoder step, and the request's
-        prompt stops waiting for them (rows nobody waits for any more are dropped)."""
+        """An encoder worker's rows of one image (engine_images.py)."""
         req = self.requests.get(request_id)
-        waiting = [s for s in req.seqs if digest in s.images_pending] if req is not None else []
-        if not waiting:
-            return
-        self.runner.image_embeds[digest] = rows.to(self.runner.device, self.runner.dtype)
-        self.runner.image_drop(self.encoder_cache.hold(digest, rows.shape[0]))
-        for seq in waiting:
-            seq.images_pending.discard(digest)
-
-    def _stop_waiting_for_images(self) -> None:
-        """Prompts whose encoder worker is late past the deadline: their images are encoded here."""
-        now = time.monotonic()
-        for seq in self.scheduler.waiting:
-            if seq.images_pending and now > seq.images_wait_until:
-                log.warning("request %s: image rows late, encoding them here", seq.request_id)
-                seq.images_pending.clear()
+        self.images.receive(req.seqs if req is not None else (), digest, rows)
 
     def _check_lora(self, lora: str | None) -> int | None:
         """ValueError unless `lora` is None or an adapter this engine holds; its prefix-cache root."""
@@ -447,7 +380,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         if self.scheduler.in_flight is not None:
             return self._pipelined_step()
-        self._stop_waiting_for_images()
+        self.images.stop_waiting(self.scheduler.waiting)
         plan = self.scheduler.schedule()
         self.stalled = plan.empty  # work is queued but nothing fits (pages held elsewhere)
         if plan.empty:
@@ -456,17 +389,8 @@ class Engine:
         if self.drafter is not None:  # fills the plan's draft_quantized proposals
             self.drafter.propose(plan)
         masks = self.grammar_masks.launch(plan)  # structured outputs: filled while the model runs
-        ran = self.runner.launch(self._model_input(plan))
+        ran = self.runner.launch(self.images.model_input(plan))
         return self._apply(plan, plan, ran.result(), started, ran.pooled, masks)
-
-    def _model_input(self, plan) -> ModelInput:
-        """The plan as the runner's input, with the encoder step's part: of the images its rows
-        need, those the encoder cache does not hold are encoded first (encoder_cache.py)."""
-        step = build_model_input(plan)
-        if not step.image_encode:
-            return step
-        encode, drop = self.encoder_cache.plan(step.image_encode)
-        return dataclasses.replace(step, image_encode=[(i.digest, i.data, i.grid) for i in encode], image_drop=drop)
 
     def _pipelined_step(self) -> list[RequestOutput]:
         """With pipeline stages: launch the next micro-batch while there is room in the pipe
@@ -478,11 +402,11 @@ class Engine:
             plan = self.scheduler.schedule()
             if not plan.empty:
                 started = time.perf_counter()
-                steps.launch(plan, self.runner.launch(self._model_input(plan)), started)
+                steps.launch(plan, self.runner.launch(self.images.model_input(plan)), started)
                 if not steps.full:
                     return []
             elif plan.swap_out or plan.swap_discard:  # preempted with nothing to run: the moves still happen
-                self.runner.launch(self._model_input(plan))
+                self.runner.launch(self.images.model_input(plan))
             self.stalled = plan.empty and not steps  # nothing runs and nothing fits
         if not steps:
             return []
@@ -600,7 +524,7 @@ class Engine:
         prefix cache, and starts every choice whose first token did not already end it.
         Raises OutOfPages if the pool cannot hold the prompt."""
         root = self._check_lora(params.lora)  # ValueError before any page is taken
-        mrope = self._check_images(prompt_token_ids, images)
+        mrope = self.images.check(prompt_token_ids, images)
         req = self.handoff.import_request(
             request_id,
             prompt_token_ids,
