@@ -52,7 +52,8 @@ from pagemesh.common.sampling import SamplingParams
 # 9: the tokenize channel (TokenizeRequest/Result, DetokenizeRequest/Result), EmbedRequest,
 # EmbeddingBatch, ScheduleRequest.pooling, GenerateTask.pooling, GenerateRequest.tools/
 # .chat_template_kwargs/.skip_special_tokens, SamplingParams.structured; 10: SamplingParams.lora;
-# 11: bytes fields, ImageInput, GenerateRequest.images, ScheduleRequest/GenerateTask/PrefillTask/DecodeTask.images
+# 11: bytes fields, ImageInput, GenerateRequest.images, ScheduleRequest/GenerateTask/PrefillTask/DecodeTask.images,
+# TranscriptionRequest/Task/Result
 PROTOCOL_VERSION = 11
 
 MAX_STR_LEN = 4 << 20  # characters; a prompt of ~1M tokens of text fits

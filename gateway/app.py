@@ -29,6 +29,7 @@ from pagemesh.common.tokenizer import Tokenizer
 from pagemesh.gateway import anthropic, openapi
 from pagemesh.gateway.answers import Answer, openai_answer
 from pagemesh.gateway.anthropic_answer import messages_answer
+from pagemesh.gateway.audio import AudioRoute
 from pagemesh.gateway.auth import API_KEY, ApiKeys, auth_middleware
 from pagemesh.gateway.chat_output import chat_output_spec
 from pagemesh.gateway.config import GatewayConfig
@@ -102,6 +103,7 @@ class Gateway:
         self.serving = config.startup_wait <= 0  # the mesh was ready once (or the check is off)
         self.tokens = TokenRoutes(config, mesh, self.limits)  # /tokenize, /detokenize (gateway/tokens.py)
         self.embeddings = EmbeddingsRoute(config, mesh, self.limits, self._until_serving)
+        self.audio = AudioRoute(config, mesh, self.limits, metrics)  # /v1/audio/transcriptions (gateway/audio.py)
         self.loras = LoRARoutes(config, mesh, self.started)  # adapters: `model`, /v1/models, (un)load routes
         self.models = ModelRoutes(config, mesh, self.loras, self.started)  # /v1/models
 
@@ -116,6 +118,7 @@ class Gateway:
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_post("/v1/images/generations", self.images_generations)
+        app.router.add_post("/v1/audio/transcriptions", self.audio.handle)
         app.router.add_post("/v1/embeddings", self.embeddings.handle)
         app.router.add_post("/tokenize", self.tokens.tokenize)
         app.router.add_post("/detokenize", self.tokens.detokenize)
@@ -286,7 +289,7 @@ class Gateway:
         ended = False
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             try:
-                await self.mesh.submit_image(
+                await self.mesh.submit_direct(
                     ImageRequest(
                         request_id=request_id,
                         model=model,
@@ -318,7 +321,7 @@ class Gateway:
                 return web.Response(body=to_json(body), content_type="application/json")
             finally:
                 if not ended:  # the client left, or the request timed out: free its slot
-                    self.mesh.abort_image(request_id, "client disconnected or timed out")
+                    self.mesh.abort_direct(request_id, "client disconnected or timed out")
                 self.mesh.discard(request_id)
                 admission.finish(0)
 

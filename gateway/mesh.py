@@ -2,12 +2,12 @@
 
     submit()        GenerateRequest / EmbedRequest ──Dealer──▶ tokenizer
     call()          TokenizeRequest / DetokenizeRequest ──Dealer──▶ tokenizer; awaits its one answer
-    submit_image()  ImageRequest    ──Dealer──▶ scheduler (refusals come back on the same Dealer)
+    submit_direct() ImageRequest / TranscriptionRequest ──Dealer──▶ scheduler (refusals come back on the same Dealer)
     abort()         AbortRequest    ──Dealer──▶ scheduler, and ──Dealer──▶ tokenizer (drops its state)
     status()        StatusRequest   ──Dealer──▶ scheduler ──ClusterStatus──▶ back on the same Dealer
     lora_op()       LoRAAdapterRequest ──Dealer──▶ scheduler ──LoRAAdapterReply──▶ back on the same Dealer
-    replies         TextDeltaBatch / EmbeddingBatch / ImageResult / TokenizeResult / DetokenizeResult /
-                    RequestFailed ──▶ Pull (reply_to) ──▶ the request's queue
+    replies         TextDeltaBatch / EmbeddingBatch / ImageResult / TranscriptionResult / TokenizeResult /
+                    DetokenizeResult / RequestFailed ──▶ Pull (reply_to) ──▶ the request's queue
     Ping every second ──Dealer──▶ tokenizer ──Pong(instance)──▶ back on the same Dealer
 
 A background task per receiving socket does the routing; a request's queue holds
@@ -46,13 +46,18 @@ from pagemesh.common.messages import (
     TextDeltaBatch,
     TokenizeRequest,
     TokenizeResult,
+    TranscriptionRequest,
+    TranscriptionResult,
 )
 from pagemesh.common.transport import Dealer, Pull
 from pagemesh.gateway.errors import ApiError, from_request_failed
 
 log = structlog.get_logger()
 
-Reply = tuple[float, "list[TextDelta] | Embedding | ImageResult | TokenizeResult | DetokenizeResult | RequestFailed"]
+Reply = tuple[
+    float,
+    list[TextDelta] | Embedding | ImageResult | TranscriptionResult | TokenizeResult | DetokenizeResult | RequestFailed,
+]
 TOKENIZER_WAIT_S = 10.0  # a request waits this long for a tokenizer that has not answered yet
 
 
@@ -145,11 +150,12 @@ class MeshClient:
             raise from_request_failed(answer)
         return answer
 
-    async def submit_image(self, request: ImageRequest) -> None:
-        """Image requests need no tokenizer: straight to the scheduler."""
+    async def submit_direct(self, request: ImageRequest | TranscriptionRequest) -> None:
+        """Image and transcription requests need no tokenizer: straight to the scheduler."""
         await self._scheduler.send(request)
 
-    def abort_image(self, request_id: str, reason: str) -> None:
+    def abort_direct(self, request_id: str, reason: str) -> None:
+        """Abort a request sent with `submit_direct` (the tokenizer never had it)."""
         self.discard(request_id)
         self._spawn(self._scheduler.send(AbortRequest(request_id=request_id, reason=reason)))
 
@@ -176,7 +182,7 @@ class MeshClient:
             elif isinstance(msg, EmbeddingBatch):
                 for embedding in msg.embeddings:
                     self._deliver(embedding.request_id, (now, embedding))
-            elif isinstance(msg, RequestFailed | ImageResult | TokenizeResult | DetokenizeResult):
+            elif isinstance(msg, RequestFailed | ImageResult | TranscriptionResult | TokenizeResult | DetokenizeResult):
                 self._deliver(msg.request_id, (now, msg))
             else:
                 log.warning("unexpected message on the reply stream", type=type(msg).__name__)
@@ -259,7 +265,7 @@ class MeshClient:
                 lora_waiter = self._lora_waiters.get(msg.op_id)
                 if lora_waiter is not None and not lora_waiter.done():
                     lora_waiter.set_result(msg)
-            elif isinstance(msg, RequestFailed):  # an image request the scheduler refused
+            elif isinstance(msg, RequestFailed):  # an image or transcription request the scheduler refused
                 self._deliver(msg.request_id, (time.monotonic(), msg))
             else:
                 log.warning("unexpected message from the scheduler", type=type(msg).__name__)

@@ -126,6 +126,19 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
+        self._transcriptions = Counter(
+            "pagemesh_transcription_requests",
+            "Transcription requests answered, by HTTP status.",
+            ["status"],
+            registry=r,
+        )
+        self.transcription_latency = Histogram(
+            "pagemesh_transcription_latency_seconds",
+            "Time from arrival to the text of a successful transcription.",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.audio_seconds = Counter("pagemesh_transcribed_audio_seconds", "Seconds of audio transcribed.", registry=r)
         self.cluster = ClusterCollector(model_name)
         r.register(self.cluster)
 
@@ -167,6 +180,13 @@ class GatewayMetrics:
             if any(blocks):
                 self._diffusion_blocks.labels("computed").inc(blocks[0])
                 self._diffusion_blocks.labels("skipped").inc(blocks[1])
+
+    def transcription_request(self, status: int, latency: float | None = None, audio_seconds: float = 0.0) -> None:
+        """One transcription answered with `status` (its latency and audio's length when it succeeded)."""
+        self._transcriptions.labels(str(status)).inc()
+        if latency is not None:
+            self.transcription_latency.observe(latency)
+            self.audio_seconds.inc(audio_seconds)
 
     def update_cluster(self, status: ClusterStatus | None) -> None:
         """The scheduler's view for the next render; None (no answer) drops those series rather

@@ -1,6 +1,6 @@
 """`/openapi.json`, `/docs` and `/version`: the gateway describing itself.
 
-The document states the request bodies as `pagemesh.gateway.parsing` and `pagemesh.gateway.images` check them, with
+The document states the request bodies as `pagemesh.gateway.parsing`, `.images` and `.audio` check them, with
 the same limits (it is what schemathesis fuzzes the gateway with, so a schema looser than the
 parser only means more 400s; one stricter would hide inputs from the fuzzer). `/docs` renders the
 document in the page itself from the JSON, with no script or stylesheet from anywhere else.
@@ -25,7 +25,7 @@ from pagemesh.common.sampling import (
 )
 from pagemesh.gateway.chat_options import MAX_TEMPLATE_KWARGS, MAX_TOOL_CALLS, MAX_TOOLS, RESERVED_TEMPLATE_VARIABLES
 from pagemesh.gateway.embeddings import ENCODING_FORMATS, MAX_INPUTS, POOLINGS
-from pagemesh.gateway.openapi_apis import ANTHROPIC, RESPONSES, VLLM
+from pagemesh.gateway.openapi_apis import ANTHROPIC, AUDIO, RESPONSES, TRANSCRIPTION_ANSWER, VLLM
 from pagemesh.gateway.parsing import CHAT_ROLES, MAX_MESSAGES, MAX_PROMPTS
 from pagemesh.gateway.structured_outputs import BACKENDS, MAX_CHOICES
 
@@ -352,15 +352,15 @@ def _generation(summary: str, schema: str, error: dict = _ERROR, security: tuple
 _TEXT = {"text/plain": {"schema": {"type": "string"}}}  # vLLM's LoRA routes answer in words
 
 
-def _post(summary: str, schema: str, answer: dict | None = None) -> dict:
-    """A JSON request answered with one JSON body (no stream), or with `answer`'s content."""
+def _post(summary: str, schema: str, answer: dict | None = None, body: str = "application/json") -> dict:
+    """A request (a `body` document) answered with one JSON body (no stream), or with `answer`'s content."""
     return {
         "post": {
             "summary": summary,
             "security": [{"bearer": []}],
             "requestBody": {
                 "required": True,
-                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
+                "content": {body: {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
             },
             "responses": {
                 "200": {
@@ -411,6 +411,12 @@ def build_document() -> dict:
             ),
             "/v1/responses": _generation("OpenAI's Responses API, stateless", "ResponsesRequest"),
             "/v1/images/generations": _generation("image generation", "ImageRequest"),
+            "/v1/audio/transcriptions": _post(
+                "speech to text: a WAV's transcript",
+                "TranscriptionRequest",
+                TRANSCRIPTION_ANSWER,
+                "multipart/form-data",
+            ),
             "/v1/embeddings": _post("embeddings of one input or a batch", "EmbeddingRequest"),
             "/tokenize": _post("a prompt's or chat's token ids (vLLM's)", "TokenizeRequest"),
             "/detokenize": _post("the text of token ids (vLLM's)", "DetokenizeRequest"),
@@ -428,7 +434,7 @@ def build_document() -> dict:
             "/status": _get("the status page's figures: workers, queue, recent requests"),
         },
         "components": {
-            "schemas": {**_SCHEMAS, **ANTHROPIC, **RESPONSES, **VLLM},
+            "schemas": {**_SCHEMAS, **ANTHROPIC, **RESPONSES, **VLLM, **AUDIO},
             "securitySchemes": {
                 "bearer": {"type": "http", "scheme": "bearer"},
                 "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"},

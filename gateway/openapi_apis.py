@@ -289,3 +289,24 @@ VLLM = {
         "properties": {"lora_name": {"type": "string", "minLength": 1, "maxLength": 256}},
     },
 }
+
+# ---- OpenAI's audio transcriptions (gateway/audio.py): a multipart form
+
+AUDIO = {
+    "TranscriptionRequest": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["file"],
+        "properties": {
+            "file": {"type": "string", "format": "binary", "description": "a WAV file of at most 30 s"},
+            "model": {"type": "string", "minLength": 1},
+            "response_format": {"enum": ["json", "text"]},
+            "temperature": {"type": "number", "minimum": 0, "maximum": 0, "description": "greedy decoding only"},
+            "stream": {"type": "boolean", "const": False},
+        },
+    },
+}
+TRANSCRIPTION_ANSWER = {  # response_format json (the default), or text
+    "application/json": {"schema": {"type": "object"}},
+    "text/plain": {"schema": {"type": "string"}},
+}

@@ -126,20 +126,23 @@ def worker_state(w: WorkerStatus) -> str:
     return "busy" if w.running or w.waiting else "idle"
 
 
+_UNITS = {WorkerKind.DIFFUSION: "images", WorkerKind.ENCODER: "images encoded", WorkerKind.AUDIO: "tokens transcribed"}
+
+
 def worker_json(w: WorkerStatus, rate: float) -> dict:
     kv = w.kv
     row = {
         "id": w.worker_id,
         "kind": str(w.kind),
         "role": str(w.role),
-        "pool": "diffusion" if w.kind == WorkerKind.DIFFUSION else str(w.role),
+        "pool": {WorkerKind.DIFFUSION: "diffusion", WorkerKind.AUDIO: "audio"}.get(w.kind, str(w.role)),
         "model": w.model,
         "state": worker_state(w),
         "running": w.running,
         "waiting": w.waiting,
         "requests_finished": w.requests_finished,
         "produced": w.produced,
-        "unit": {WorkerKind.DIFFUSION: "images", WorkerKind.ENCODER: "images encoded"}.get(w.kind, "tokens"),
+        "unit": _UNITS.get(w.kind, "tokens"),
         "rate_per_s": round(rate, 2),
         "kv": None,
     }

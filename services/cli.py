@@ -7,6 +7,7 @@ pagemesh scheduler
 pagemesh worker --role prefill|decode|mixed
 pagemesh diffusion   a diffusion worker (images)
 pagemesh encoder     an encoder worker (a multimodal model's images, --encoder N)
+pagemesh audio       an audio worker (speech to text with a Whisper model, --audio N)
 pagemesh generate    offline: run prompts through one in-process engine and print them
 pagemesh bench       load generator for any OpenAI-compatible server
 pagemesh experiment  the experiments of the papers (paged-memory, orca, sarathi, ...)
@@ -34,6 +35,7 @@ COMMANDS = {
     "worker": ("pagemesh.workers.llm.main", "an LLM worker: --role prefill|decode|mixed"),
     "diffusion": ("pagemesh.workers.diffusion.main", "a diffusion worker: images, batched per denoising step"),
     "encoder": ("pagemesh.workers.encoder.main", "an encoder worker: a multimodal model's vision tower"),
+    "audio": ("pagemesh.workers.audio.main", "an audio worker: speech to text with a Whisper model"),
     "generate": ("pagemesh.workers.engine.generate_cli", "offline generation through one engine"),
     "bench": ("pagemesh.bench.loadgen.main", "load any OpenAI-compatible server and report latencies"),
     "experiment": (

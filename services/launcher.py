@@ -1,12 +1,13 @@
 """`pagemesh up`: the whole mesh on one machine.
 
-Starts the scheduler, a tokenizer, the LLM workers, the diffusion workers and the gateway as separate processes talking
-over ipc:// sockets in a run folder, waits until each reports READY, prints the URL, starts
-again a process that exits (services/supervisor.py: the mesh stops only when one keeps dying at
-start), and stops them all on Ctrl-C / SIGTERM. On CUDA the workers are spread over
-the visible GPUs (CUDA_VISIBLE_DEVICES): an LLM worker of -tp x -pp ranks gets that many GPUs of
-its own, a diffusion worker one; workers that share GPUs share their memory
-(`--gpu-memory-utilization` divided among them); too few GPUs for one worker is an error at start.
+Starts the scheduler, a tokenizer, the LLM workers, the diffusion and audio workers and the
+gateway as separate processes talking over ipc:// sockets in a run folder, waits until each
+reports READY, prints the URL, starts again a process that exits (services/supervisor.py: the
+mesh stops only when one keeps dying at start), and stops them all on Ctrl-C / SIGTERM. On CUDA
+the workers are spread over the visible GPUs (CUDA_VISIBLE_DEVICES): an LLM worker of -tp x -pp
+ranks gets that many GPUs of its own, a diffusion or audio worker one; workers that share GPUs
+share their memory (`--gpu-memory-utilization` divided among them); too few GPUs for one worker
+is an error at start.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from pagemesh.services.log_relay import LogRelay
 from pagemesh.services.scheduler.config import add_policy_arguments, policy_args_to_argv
 from pagemesh.services.supervisor import Supervisor, drain_in_order
 from pagemesh.services.tokenizer.config import CHAT_TEMPLATE_HELP
+from pagemesh.workers.audio.main import missing_whisper_files
 from pagemesh.workers.diffusion.config import add_diffusion_arguments, diffusion_args_to_argv
 from pagemesh.workers.diffusion.pipelines.embedded import STUDENT_NAME
 from pagemesh.workers.engine.config import (
@@ -52,6 +54,8 @@ from pagemesh.workers.engine.config import (
     kv_cache_gb_from_args,
     served_model_names,
 )
+
+WORKER_COMMANDS = ("worker", "diffusion", "encoder", "audio")  # the processes that are workers (GPUs, draining)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -69,6 +73,21 @@ def parse(argv: list[str]) -> argparse.Namespace:
         type=int,
         help="encoder workers: a multimodal model's vision tower as a pool of its own, pushing image rows to "
         "the prefilling workers (encode/prefill/decode disaggregation; 0: each worker encodes its own images)",
+    )
+    add(
+        parser,
+        "--audio",
+        0,
+        type=int,
+        help="audio workers (speech to text, /v1/audio/transcriptions; needs --audio-model)",
+    )
+    add(parser, "--audio-model", None, help="the audio workers' Whisper model: a Hugging Face folder")
+    add(
+        parser,
+        "--audio-threads",
+        None,
+        type=int,
+        help="torch threads per audio worker (default: as an LLM worker's, --threads-per-worker)",
     )
     add(
         parser,
@@ -111,15 +130,30 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args.decode = args.decode if args.decode is not None else (0 if mixed_only else 1)
     if (args.prefill > 0) != (args.decode > 0):
         parser.error("--prefill and --decode go together (or use --mixed)")
-    if args.prefill + args.decode + args.mixed + args.diffusion + args.diffusion_student == 0:
-        parser.error("no workers: give --prefill/--decode, --mixed, --diffusion or --diffusion-student")
-    if args.diffusion < 0 or args.diffusion_student < 0 or args.encoder < 0:
-        parser.error("--diffusion, --diffusion-student, --encoder: must be >= 0")
+    if args.prefill + args.decode + args.mixed + args.diffusion + args.diffusion_student + args.audio == 0:
+        parser.error("no workers: give --prefill/--decode, --mixed, --diffusion, --diffusion-student or --audio")
+    if args.diffusion < 0 or args.diffusion_student < 0 or args.encoder < 0 or args.audio < 0:
+        parser.error("--diffusion, --diffusion-student, --encoder, --audio: must be >= 0")
+    check_audio_arguments(parser, args)
     try:
         kv_cache_gb_from_args(args)  # both KV budgets through the environment: refused here, not by every worker
     except ValueError as e:
         parser.error(str(e))
     return args
+
+
+def check_audio_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--audio N needs --audio-model, a folder (made absolute: the workers may start elsewhere)."""
+    if args.audio and args.audio_model is None:
+        parser.error("--audio: give the Whisper model's folder with --audio-model")
+    if args.audio_model is not None:
+        if not args.audio:
+            parser.error("--audio-model: give the number of audio workers with --audio N")
+        if missing := missing_whisper_files(Path(args.audio_model).expanduser()):
+            parser.error(f"--audio-model: {args.audio_model} is not a Whisper model folder (no {', '.join(missing)})")
+        args.audio_model = str(Path(args.audio_model).expanduser().resolve())
+    if args.audio_threads is not None and args.audio_threads < 1:
+        parser.error("--audio-threads: must be >= 1")
 
 
 def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
@@ -138,7 +172,11 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
     threads = args.threads_per_worker or max(1, usable_cores() // workers)
     # what the mesh serves: /ready (and the launcher's ready line) waits for each kind's pool, so a
     # diffusion worker that registers first does not make an LLM mesh look ready
-    counts = {"llm": args.prefill + args.decode + args.mixed, "diffusion": args.diffusion + args.diffusion_student}
+    counts = {
+        "llm": args.prefill + args.decode + args.mixed,
+        "diffusion": args.diffusion + args.diffusion_student,
+        "audio": args.audio,
+    }
     serves = ",".join(kind for kind, n in counts.items() if n)
     modules = lora_modules(args.lora_modules)  # the scheduler keeps the mesh's adapters (the workers load them too)
     loras = ["--lora-modules", *(f"{name}={path}" for name, path in modules)] if modules else []
@@ -224,6 +262,11 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
         dtype = ["--dtype", args.dtype] if args.dtype else []
         encoder = ["encoder", "--worker-id", name, "--scheduler-address", sched, "--threads", str(threads)]
         procs.append((name, [*encoder, *model, *dtype, *common, *drain]))
+    for i in range(args.audio):
+        name = f"audio-{i}"
+        audio_threads = str(args.audio_threads or threads)
+        audio = ["audio", "--worker-id", name, "--scheduler-address", sched, "--threads", audio_threads]
+        procs.append((name, [*audio, "--model", args.audio_model, *common, *drain]))
     procs.append(
         (
             "gateway",
@@ -272,7 +315,7 @@ def on_gpus(
     of -tp x -pp GPUs (common/gpus.py; its ranks take one each), a diffusion worker one GPU, and
     a worker's argv ends with its share of its GPUs' memory when other LLM workers share them.
     ValueError when fewer GPUs are visible than one worker's ranks."""
-    workers = [name for name, argv in procs if argv[0] in ("worker", "diffusion", "encoder")]
+    workers = [name for name, argv in procs if argv[0] in WORKER_COMMANDS]
     llm = {name for name, argv in procs if argv[0] == "worker"}
     tp, pp = (args.tensor_parallel_size, args.pipeline_parallel_size) if llm else (1, 1)
     placement = worker_gpu_groups(workers, visible_gpus(args.device), tp, pp, one_gpu=set(workers) - llm)
@@ -339,7 +382,7 @@ class Mesh:
         tokenizer and the scheduler then have nothing left for anyone: `stop()` ends them."""
         kinds = {name: argv[0] for name, argv in plan(self.args, self.run_dir)}
         gateways = [n for n, k in kinds.items() if k == "gateway"]
-        workers = [n for n, k in kinds.items() if k in ("worker", "diffusion", "encoder")]
+        workers = [n for n, k in kinds.items() if k in WORKER_COMMANDS]
         await drain_in_order(self.children, [gateways, workers], self.args.drain_timeout, hurry)
 
     def stop(self) -> None:
@@ -404,6 +447,7 @@ def main(argv: list[str]) -> None:
         parts = [llm] if args.prefill or args.mixed else []
         parts += [f"{args.diffusion} diffusion"] if args.diffusion else []
         parts += [f"{args.diffusion_student} {STUDENT_NAME}"] if args.diffusion_student else []
+        parts += [f"{args.audio} audio"] if args.audio else []
         workers = " + ".join(parts)
         print(ready_line(args, workers), flush=True)
         watching = asyncio.ensure_future(mesh.watch())

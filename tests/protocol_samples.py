@@ -20,10 +20,6 @@ from pagemesh.common.protocol import (
     Heartbeat,
     HeldRequest,
     ImageModelInfo,
-    ImageParams,
-    ImageRequest,
-    ImageResult,
-    ImageTask,
     KVPagesAck,
     KVPagesHeader,
     KVPoolInfo,
@@ -61,6 +57,7 @@ from pagemesh.common.protocol import (
     WorkerStopped,
 )
 from pagemesh.common.sampling import SamplingParams
+from pagemesh.tests.protocol_samples_media import AUDIO_SAMPLES, IMAGE_SAMPLES, MULTIMODAL_SAMPLES
 
 SP = SamplingParams(
     n=2,
@@ -111,58 +108,6 @@ IMAGES = ImageModelInfo(
     max_steps=1000,
     conditioning="a digit 0-9",
 )
-IMAGE_PARAMS = ImageParams(
-    prompt="a handwritten 3",
-    negative_prompt=None,
-    n=2,
-    width=256,
-    height=256,
-    num_inference_steps=20,
-    guidance_scale=2.0,
-    sampler="ddim",
-    seed=7,
-)
-
-IMAGE_SAMPLES = [
-    ImageRequest(request_id="i1", model=None, params=IMAGE_PARAMS, reply_to="ipc:///gw", arrival_time=3.5),
-    ImageRequest(
-        request_id="i2",
-        model="digits-dit",
-        params=ImageParams(
-            prompt="7",
-            negative_prompt="1",
-            n=1,
-            width=None,
-            height=None,
-            num_inference_steps=None,
-            guidance_scale=None,
-            sampler=None,
-            seed=None,
-        ),
-        reply_to="ipc:///gw",
-        arrival_time=3.5,
-    ),
-    ImageTask(request_id="i1", params=IMAGE_PARAMS, reply_to="ipc:///gw", queued_s=0.25),
-    ImageResult(
-        request_id="i1",
-        images=["iVBORw0KGgo=", "iVBORw0KGgo="],
-        width=256,
-        height=256,
-        native_width=8,
-        native_height=8,
-        steps=20,
-        sampler="ddim",
-        seed=7,
-        queued_s=0.1,
-        compute_s=0.5,
-        batched_with=3,
-        cache="fbcache:0.08",
-        cache_over_budget=False,
-        blocks_computed=600,
-        blocks_skipped=200,
-    ),
-]
-
 SAMPLES = [
     GenerateRequest(
         request_id="r1",
@@ -513,4 +458,6 @@ SAMPLES = [
         migrations=4,
     ),
     *IMAGE_SAMPLES,
+    *AUDIO_SAMPLES,
+    *MULTIMODAL_SAMPLES,
 ]

@@ -10,6 +10,7 @@ module per channel, one registry (tag -> class) that the codec (`pagemesh.common
     tokenize.py        gateway ⇄ tokenizer calls answered at once: tokenize, detokenize
     lora.py            gateway ⇄ scheduler ⇄ LLM workers: LoRA adapters loaded and unloaded at run time
     encoder.py         scheduler ──▶ encoder workers ──image rows──▶ LLM workers (--encoder N)
+    audio.py           gateway ⇄ scheduler ⇄ audio workers: transcriptions (--audio N)
 A new channel is a new module imported here.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import typing
 
+from pagemesh.common.messages.audio import TranscriptionRequest, TranscriptionResult, TranscriptionTask
 from pagemesh.common.messages.base import (
     MAX_ID,
     REGISTRY,
@@ -168,4 +170,7 @@ __all__ = [
     "ImageRequest",
     "ImageResult",
     "ImageTask",
+    "TranscriptionRequest",
+    "TranscriptionResult",
+    "TranscriptionTask",
 ]

@@ -47,11 +47,12 @@ class WorkerKind(enum.StrEnum):
     LLM = "llm"
     DIFFUSION = "diffusion"
     ENCODER = "encoder"  # a multimodal model's vision tower, as a pool of its own (messages/encoder.py)
+    AUDIO = "audio"  # speech to text (messages/audio.py)
 
 
 class WorkerRole(enum.StrEnum):
-    """An LLM worker's part in a request: the prompt, the decode after it, or both. A diffusion
-    worker does the whole request: `mixed`."""
+    """An LLM worker's part in a request: the prompt, the decode after it, or both. A worker of
+    another kind (diffusion, encoder, audio) does the whole request: `mixed`."""
 
     PREFILL = "prefill"
     DECODE = "decode"

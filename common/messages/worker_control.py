@@ -5,8 +5,8 @@
     worker    ──WorkerStopped──▶ scheduler   (its engine failed, or it drained: drop it now)
     scheduler ──GenerateTask / PrefillTask / DecodeTask / AbortRequest──▶ worker
 
-A worker is of a kind (llm, diffusion) and, for an LLM worker, a role (a diffusion worker's
-role is `mixed`: it does the whole request). What only a worker with a
+A worker is of a kind (llm, diffusion, encoder, audio) and, for an LLM worker, a role (another
+kind's role is `mixed`: it does the whole request). What only a worker with a
 paged KV pool has (pages, its KV endpoint, transfer counters) sits in `KVPoolInfo` /
 `KVPoolLoad`, which other kinds leave out.
 """

@@ -78,7 +78,7 @@ def add_serves_argument(parser: argparse.ArgumentParser) -> None:
         parser,
         "--serves",
         "",
-        help="comma-separated kinds the mesh serves (llm, diffusion): /ready waits until each has a usable "
+        help="comma-separated kinds the mesh serves (llm, diffusion, audio): /ready waits until each has a usable "
         "pool. Default: the kinds of the workers registered so far",
     )
 

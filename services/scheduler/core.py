@@ -5,6 +5,7 @@ handoff's bookkeeping, and failure handling.
                                                      └──▶ GenerateTask → mixed worker
                     (pooling: an embedding) ──▶ place ──▶ GenerateTask(pooling) → one prefill or mixed worker
     ImageRequest    ──▶ admit (its kind's queue) ──▶ place ──▶ ImageTask → diffusion worker
+    TranscriptionRequest ──▶ admit (its kind's queue) ──▶ place ──▶ TranscriptionTask → audio worker
     PrefixCacheUpdate ──▶ which prefix pages each worker holds (placement, pages D need not get)
     RequestDone / worker death / AbortRequest ──▶ forget, tell the other holders, fail if needed
     worker death ──▶ MigrateRequest to the request's tokenizer, which sends it again with the
@@ -22,7 +23,8 @@ reads a clock, sleeps or touches a socket.
 
 Workers are pooled by (kind, role). A request is placed by its kind: an LLM request
 (ScheduleRequest) on (llm, prefill) + (llm, decode) workers, or on one (llm, mixed) worker; an
-image request (ImageRequest) on the least loaded (diffusion, mixed) worker serving its model.
+image request (ImageRequest) on the least loaded (diffusion, mixed) worker serving its model, a
+transcription likewise on an (audio, mixed) one (services/scheduler/audio.py).
 Each kind has its own admission queue, so images waiting for a diffusion worker never hold up
 text, and the reverse. A kind has its entries in `_placers` and `_readiness`.
 """
@@ -54,17 +56,25 @@ from pagemesh.common.messages import (
     RequestFailed,
     ScheduleRequest,
     StatusRequest,
+    TranscriptionRequest,
     UnknownWorker,
     WorkerKind,
     WorkerRole,
     WorkerStopped,
 )
 from pagemesh.common.multimodal import hash_token_ids
+from pagemesh.services.scheduler.audio import place_transcription, unknown_audio_model
 from pagemesh.services.scheduler.config import SchedulerConfig
 from pagemesh.services.scheduler.failures import Outputs, Placed, PlacedRequests
 from pagemesh.services.scheduler.loras import MeshAdapters
 from pagemesh.services.scheduler.migration import migrations_of, resumed_output
-from pagemesh.services.scheduler.placement import Placer, embedding_workers, pairing_problem, shapes_in_both
+from pagemesh.services.scheduler.placement import (
+    Placer,
+    embedding_workers,
+    least_loaded_with_room,
+    pairing_problem,
+    shapes_in_both,
+)
 from pagemesh.services.scheduler.placement import too_large_for_every_pool as too_large
 from pagemesh.services.scheduler.prefix_index import PromptPages
 from pagemesh.services.scheduler.registry import Registry, WorkerInfo
@@ -77,12 +87,12 @@ log = structlog.get_logger()
 class Queued:
     """A request admitted and waiting for a worker of its kind."""
 
-    origin: bytes  # the identity of the peer that sent it (a tokenizer; the gateway for images)
-    request: ScheduleRequest | ImageRequest
+    origin: bytes  # the identity of the peer that sent it (a tokenizer; the gateway for images and audio)
+    request: ScheduleRequest | ImageRequest | TranscriptionRequest
     prompt: PromptPages | None  # LLM requests: the prompt's pages, for prefix-aware placement
     kind: WorkerKind
     enqueued_at: float
-    model: str | None = None  # image requests: the model asked for (None: any image model)
+    model: str | None = None  # image and audio requests: the model asked for (None: the kind's default)
 
 
 class SchedulerCore:
@@ -110,6 +120,7 @@ class SchedulerCore:
             PrefixCacheUpdate: self._on_prefix_update,
             ScheduleRequest: self._on_schedule,
             ImageRequest: self._on_image,
+            TranscriptionRequest: self._on_transcription,
             RequestDone: self._on_done,
             AbortRequest: self._on_abort,
             StatusRequest: self._on_status,
@@ -120,10 +131,12 @@ class SchedulerCore:
         self._placers: dict[WorkerKind, Callable[[Queued, float, Outputs], bool]] = {
             WorkerKind.LLM: self._place_llm,
             WorkerKind.DIFFUSION: self._place_image,
+            WorkerKind.AUDIO: self._place_transcription,
         }
         self._readiness: dict[WorkerKind, Callable[[float], bool]] = {
             WorkerKind.LLM: self._llm_can_serve,
             WorkerKind.DIFFUSION: lambda now: bool(self.registry.alive(WorkerKind.DIFFUSION, WorkerRole.MIXED, now)),
+            WorkerKind.AUDIO: lambda now: bool(self.registry.alive(WorkerKind.AUDIO, WorkerRole.MIXED, now)),
         }
 
     @property
@@ -181,8 +194,8 @@ class SchedulerCore:
         self.registry.excuse_silence(seconds)
 
     def _can_serve_entry(self, entry: Queued, now: float) -> bool:
-        if entry.kind == WorkerKind.DIFFUSION:
-            return bool(self._image_workers(entry.model, now))
+        if entry.kind in (WorkerKind.DIFFUSION, WorkerKind.AUDIO):  # a model's workers run it whole
+            return bool(self.registry.serving(entry.kind, entry.model, now))
         if entry.request.pooling is not None:
             return bool(self._embedding_workers(now))
         if entry.request.resume is not None and self._resume_workers(now):
@@ -209,12 +222,14 @@ class SchedulerCore:
     def is_ready(self, now: float) -> bool:
         """Every kind the mesh serves can take a request (an LLM pool: a mixed worker, or a prefill
         and a decode one of one size). The kinds are the configured ones (`--serves`, which `pagemesh
-        up` sets). With none configured: the LLM pools, or in a mesh of diffusion workers only, theirs
-        (a lone diffusion worker registered before the LLM ones would then read as ready)."""
+        up` sets). With none configured: the LLM pools, or in a mesh with no LLM worker, the pool of a
+        kind registered (diffusion, audio: a lone one registered before the LLM ones would then read
+        as ready)."""
         if self.config.serves:
             return all(self.can_serve(kind, now) for kind in self.config.serves)
-        has_llm = any(w.kind == WorkerKind.LLM for w in self.registry.workers.values())
-        return self.can_serve(WorkerKind.LLM if has_llm or not self.registry.workers else WorkerKind.DIFFUSION, now)
+        kinds = {w.kind for w in self.registry.workers.values()} - {WorkerKind.ENCODER}
+        llm = WorkerKind.LLM in kinds or not kinds
+        return self.can_serve(WorkerKind.LLM, now) if llm else any(self.can_serve(k, now) for k in kinds)
 
     def status(self, now: float) -> ClusterStatus:
         """`ready`: see `is_ready`."""
@@ -321,6 +336,13 @@ class SchedulerCore:
                 )
         self._admit(identity, Queued(identity, msg, None, WorkerKind.DIFFUSION, now, model=msg.model), out, now)
 
+    def _on_transcription(self, identity: bytes, msg: TranscriptionRequest, now: float, out: Outputs) -> None:
+        if self._known(msg.request_id):
+            return
+        if not self._starting(now) and (unknown := unknown_audio_model(self.registry, msg.model, now)):
+            return self._refuse(identity, msg.request_id, 404, unknown, "model_not_found", out)
+        self._admit(identity, Queued(identity, msg, None, WorkerKind.AUDIO, now, model=msg.model), out, now)
+
     def _admit(self, identity: bytes, entry: Queued, out: Outputs, now: float) -> None:
         """Queue a request on its kind's queue, or refuse it (no worker of its kind, queue full)."""
         request_id = entry.request.request_id
@@ -388,37 +410,33 @@ class SchedulerCore:
         self.placed[req.request_id] = Placed(req.request_id, req.reply_to, holders, handed_off, migrations_of(req))
         return True
 
-    def _image_workers(self, model: str | None, now: float) -> list[WorkerInfo]:
-        """Live diffusion workers serving `model`. None: the mesh's image model, the one the
-        first registered of the live diffusion workers serves (with `--diffusion-student`, the
-        student's workers serve only requests that name it)."""
-        workers = self.registry.alive(WorkerKind.DIFFUSION, WorkerRole.MIXED, now)
-        if model is None and workers:
-            model = workers[0].model  # the registry keeps registration order
-        return [w for w in workers if w.model == model]
-
     def _place_image(self, entry: Queued, now: float, out: Outputs) -> bool:
         """Place an image request on the least loaded diffusion worker of its model with room."""
-        candidates = [w for w in self._image_workers(entry.model, now) if w.load < w.max_running]
-        if not candidates:
+        worker = least_loaded_with_room(self.registry.serving(WorkerKind.DIFFUSION, entry.model, now))
+        if worker is None:
             return False
-        worker = min(candidates, key=lambda w: (w.load / w.max_running, w.worker_id))
         req = entry.request
-        del self.queues[WorkerKind.DIFFUSION][req.request_id]
-        out.append(
-            (
-                worker.worker_id,
-                ImageTask(
-                    request_id=req.request_id,
-                    params=req.params,
-                    reply_to=req.reply_to,
-                    queued_s=now - entry.enqueued_at,
-                ),
-            )
+        task = ImageTask(
+            request_id=req.request_id, params=req.params, reply_to=req.reply_to, queued_s=now - entry.enqueued_at
         )
+        self._hand_over(entry, worker, task, out)
+        return True
+
+    def _place_transcription(self, entry: Queued, now: float, out: Outputs) -> bool:
+        """Place a transcription on an audio worker (services/scheduler/audio.py)."""
+        placed = place_transcription(self.registry, entry.request, now - entry.enqueued_at, now)
+        if placed is not None:
+            self._hand_over(entry, *placed, out)
+        return placed is not None
+
+    def _hand_over(self, entry: Queued, worker: WorkerInfo, task: Message, out: Outputs) -> None:
+        """A request its one worker runs whole (an image, a transcription): sent, and booked there
+        (it cannot migrate: a lost worker fails it)."""
+        req = entry.request
+        del self.queues[entry.kind][req.request_id]
+        out.append((worker.worker_id, task))
         worker.requests.add(req.request_id)
         self.placed[req.request_id] = Placed(req.request_id, req.reply_to, {worker.worker_id}, None, None)
-        return True
 
     def _llm_can_serve(self, now: float) -> bool:
         def alive(role: WorkerRole) -> bool:

@@ -96,6 +96,13 @@ def can_take(worker: WorkerInfo, pages_needed: int) -> bool:
     return worker.load < worker.max_running and pages_needed <= worker.free_pages
 
 
+def least_loaded_with_room(workers: list[WorkerInfo]) -> WorkerInfo | None:
+    """For a kind whose worker runs the whole request (an image, a transcription): the worker
+    with the lowest load / max_running below its cap, ties to the lower id; None if all are full."""
+    candidates = [w for w in workers if w.load < w.max_running]
+    return min(candidates, key=lambda w: (w.load / w.max_running, w.worker_id), default=None)
+
+
 def load_key(worker: WorkerInfo) -> tuple:
     """Fewest requests, then most free pages, then id (deterministic)."""
     return (worker.load, -worker.free_pages, worker.worker_id)

@@ -1,7 +1,8 @@
 """Which workers exist, how loaded they are, and which requests each holds. Pure Python.
 
 Workers fall into pools keyed by (kind, role): (llm, prefill), (llm, decode), (llm, mixed), and
-(diffusion, mixed) for diffusion workers. Placement asks for the live workers of one pool.
+(diffusion, mixed), (encoder, mixed), (audio, mixed) for the other kinds. Placement asks for the
+live workers of one pool.
 """
 
 from __future__ import annotations
@@ -208,6 +209,16 @@ class Registry:
     def alive(self, kind: WorkerKind, role: WorkerRole, now: float) -> list[WorkerInfo]:
         """The live workers of the pool (kind, role)."""
         return [w for w in self.workers.values() if w.kind == kind and w.role == role and self.is_alive(w, now)]
+
+    def serving(self, kind: WorkerKind, model: str | None, now: float) -> list[WorkerInfo]:
+        """The live (kind, mixed) workers serving `model`, for a kind whose worker runs the whole
+        request (diffusion, audio). None: the kind's default model, the one the first registered
+        of its live workers serves (with `--diffusion-student`, the student's workers serve only
+        requests that name it)."""
+        workers = self.alive(kind, WorkerRole.MIXED, now)
+        if model is None and workers:
+            model = workers[0].model  # registration order
+        return [w for w in workers if w.model == model]
 
     def expire(self, now: float) -> list[WorkerInfo]:
         """Remove and return the workers whose heartbeats stopped."""

@@ -16,7 +16,6 @@ from pagemesh.common.protocol import (
     GenerateTask,
     Heartbeat,
     KVPagesAck,
-    KVPagesHeader,
     KVPoolInfo,
     KVPoolLoad,
     PrefixCacheUpdate,
@@ -35,7 +34,7 @@ from pagemesh.tests.protocol_samples import HEADER, SAMPLES, SP, TEXT_DELTA, TOK
 def frames_of(msg) -> list:
     """encode(), plus empty tensor frames where the message declares some."""
     frames = encode(msg)
-    return frames + [b""] * msg.num_frames if isinstance(msg, KVPagesHeader) else frames
+    return frames + [b""] * msg.num_frames if getattr(type(msg), "TENSOR_FRAMES", False) else frames
 
 
 def body_of(msg) -> list:

@@ -34,6 +34,8 @@ PURE_MODULES = [
     "pagemesh.services.scheduler.placement",
     "pagemesh.services.scheduler.registry",
     "pagemesh.services.scheduler.prefix_index",
+    "pagemesh.services.scheduler.audio",
+    "pagemesh.workers.audio.transcript",
     "pagemesh.common.messages",
     "pagemesh.common.page_hash",
     "pagemesh.common.model_config",

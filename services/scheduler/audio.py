@@ -1,0 +1,48 @@
+"""Where a transcription runs: one audio worker, which does the whole request. Pure Python.
+
+    TranscriptionRequest ──(a model no live audio worker serves: 404)──▶ the audio queue
+        ──▶ the least loaded live audio worker of its model with room ──TranscriptionTask──▶ it
+
+As an image request on a diffusion worker: `model` None is the mesh's audio model (the first
+registered live worker's), load is the worker's requests over its `max_running` (its engine's
+batch), ties go to the lower id. A request no worker has room for waits in the audio queue, which
+holds up no other kind. A lost audio worker fails its requests (a transcription does not migrate).
+"""
+
+from __future__ import annotations
+
+from pagemesh.common.messages import TranscriptionRequest, TranscriptionTask, WorkerKind, WorkerRole
+from pagemesh.services.scheduler.placement import least_loaded_with_room
+from pagemesh.services.scheduler.registry import Registry, WorkerInfo
+
+
+def audio_workers(registry: Registry, model: str | None, now: float) -> list[WorkerInfo]:
+    """The live audio workers a transcription for `model` may go to."""
+    return registry.serving(WorkerKind.AUDIO, model, now)
+
+
+def unknown_audio_model(registry: Registry, model: str | None, now: float) -> str | None:
+    """The 404's text for a model no live audio worker serves while others are served; None if
+    it is served, no model was named, or no audio worker is live (then it waits, or gets a 503)."""
+    served = {w.model for w in registry.alive(WorkerKind.AUDIO, WorkerRole.MIXED, now)}
+    if model is None or not served or model in served:
+        return None
+    return f"The model `{model}` does not exist; audio models served: {', '.join(sorted(served))}."
+
+
+def place_transcription(
+    registry: Registry, request: TranscriptionRequest, queued_s: float, now: float
+) -> tuple[WorkerInfo, TranscriptionTask] | None:
+    """The worker and its task (`queued_s`: the request's wait here), or None while every audio
+    worker of its model is full."""
+    worker = least_loaded_with_room(audio_workers(registry, request.model, now))
+    if worker is None:
+        return None
+    task = TranscriptionTask(
+        request_id=request.request_id,
+        audio=request.audio,
+        max_tokens=request.max_tokens,
+        reply_to=request.reply_to,
+        queued_s=queued_s,
+    )
+    return worker, task
