@@ -10,6 +10,13 @@ if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id 
     (apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; }) \
         || echo "chromium did not install: the status page's browser test will skip"
 fi
+# Debian's espeak-ng speaks the audio tests' real input (tests/integration/test_audio_engine.py,
+# test_mesh_audio.py, which skip without it); the same way
+if ! command -v espeak-ng >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get install -y -q --no-install-recommends espeak-ng >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends espeak-ng >/dev/null; }) \
+        || echo "espeak-ng did not install: the audio tests' speech input will skip"
+fi
 [ -n "${VIRTUAL_ENV:-}" ] || source .venv/bin/activate
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 ruff check . && ruff format --check .
