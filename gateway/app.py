@@ -285,31 +285,16 @@ class Gateway:
         model, params = parse_image_request(parse_json(await request.read()))
         admission = self.limits.admit(request[API_KEY], None)  # images: concurrency only, no tokens
         request_id = f"img-{uuid.uuid4().hex}"
-        queue = self.mesh.open([request_id])
-        ended = False
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             try:
-                await self.mesh.submit_direct(
-                    ImageRequest(
-                        request_id=request_id,
-                        model=model,
-                        params=params,
-                        reply_to=self.mesh.reply_to,
-                        arrival_time=time.time(),
-                    )
+                request_msg = ImageRequest(
+                    request_id=request_id,
+                    model=model,
+                    params=params,
+                    reply_to=self.mesh.reply_to,
+                    arrival_time=time.time(),
                 )
-                remaining = arrival + self.config.request_timeout - time.monotonic()
-                try:
-                    _, reply = await asyncio.wait_for(queue.get(), max(remaining, 0.0))
-                except TimeoutError:
-                    raise ApiError(
-                        504,
-                        f"request timed out after {self.config.request_timeout:g} s",
-                        "server_error",
-                        None,
-                        "timeout",
-                    ) from None
-                ended = True
+                reply = await self.mesh.call_direct(request_msg, arrival, self.config.request_timeout)
                 if isinstance(reply, RequestFailed):
                     log.info("image request failed", status=reply.status, error=reply.message)
                     raise from_request_failed(reply)
@@ -320,9 +305,6 @@ class Gateway:
                 body = image_response(reply, int(time.time()))
                 return web.Response(body=to_json(body), content_type="application/json")
             finally:
-                if not ended:  # the client left, or the request timed out: free its slot
-                    self.mesh.abort_direct(request_id, "client disconnected or timed out")
-                self.mesh.discard(request_id)
                 admission.finish(0)
 
     async def _until_serving(self) -> None:

@@ -15,7 +15,6 @@ none is ignored. The file is read whole (the body is bounded by --max-body-bytes
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 import uuid
@@ -168,29 +167,17 @@ class AudioRoute:
         call = parse_transcription_form(await read_form(request, self.config.max_body_bytes))
         admission = self.limits.admit(request[API_KEY], None)  # concurrency only: no prompt tokens
         request_id = f"trsc-{uuid.uuid4().hex}"
-        queue = self.mesh.open([request_id])
-        ended = False
         with structlog.contextvars.bound_contextvars(request_id=request_id):
             try:
-                await self.mesh.submit_direct(
-                    TranscriptionRequest(
-                        request_id=request_id,
-                        model=call.model,
-                        audio=call.audio,
-                        max_tokens=None,
-                        reply_to=self.mesh.reply_to,
-                        arrival_time=time.time(),
-                    )
+                request_msg = TranscriptionRequest(
+                    request_id=request_id,
+                    model=call.model,
+                    audio=call.audio,
+                    max_tokens=None,
+                    reply_to=self.mesh.reply_to,
+                    arrival_time=time.time(),
                 )
-                remaining = arrival + self.config.request_timeout - time.monotonic()
-                try:
-                    _, reply = await asyncio.wait_for(queue.get(), max(remaining, 0.0))
-                except TimeoutError:
-                    timeout = self.config.request_timeout
-                    raise ApiError(
-                        504, f"request timed out after {timeout:g} s", "server_error", None, "timeout"
-                    ) from None
-                ended = True
+                reply = await self.mesh.call_direct(request_msg, arrival, self.config.request_timeout)
                 if isinstance(reply, RequestFailed):
                     log.info("transcription failed", status=reply.status, error=reply.message)
                     raise from_request_failed(reply)
@@ -199,7 +186,4 @@ class AudioRoute:
                 self.metrics.transcription_request(200, time.monotonic() - arrival, reply.audio_seconds)
                 return transcription_response(call, reply)
             finally:
-                if not ended:  # the client left, or the request timed out: free its place
-                    self.mesh.abort_direct(request_id, "client disconnected or timed out")
-                self.mesh.discard(request_id)
                 admission.finish(0)

@@ -52,6 +52,8 @@ from pagemesh.common.messages import (
 from pagemesh.common.transport import Dealer, Pull
 from pagemesh.gateway.errors import ApiError, from_request_failed
 
+DirectRequest = ImageRequest | TranscriptionRequest  # no tokenizer on their path: straight to the scheduler
+
 log = structlog.get_logger()
 
 Reply = tuple[
@@ -150,9 +152,32 @@ class MeshClient:
             raise from_request_failed(answer)
         return answer
 
-    async def submit_direct(self, request: ImageRequest | TranscriptionRequest) -> None:
+    async def submit_direct(self, request: DirectRequest) -> None:
         """Image and transcription requests need no tokenizer: straight to the scheduler."""
         await self._scheduler.send(request)
+
+    async def call_direct(
+        self, request: ImageRequest | TranscriptionRequest, arrival: float, timeout_s: float
+    ) -> Reply:
+        """Send a request straight to the scheduler and wait for its one reply until `timeout_s`
+        after `arrival` (monotonic): a 504 ApiError then; a client that leaves (cancellation) or a
+        timeout aborts the request, freeing its place in the worker's batch."""
+        queue = self.open([request.request_id])
+        ended = False
+        try:
+            await self.submit_direct(request)
+            try:
+                _, reply = await asyncio.wait_for(queue.get(), max(arrival + timeout_s - time.monotonic(), 0.0))
+            except TimeoutError:
+                raise ApiError(
+                    504, f"request timed out after {timeout_s:g} s", "server_error", None, "timeout"
+                ) from None
+            ended = True
+            return reply
+        finally:
+            if not ended:
+                self.abort_direct(request.request_id, "client disconnected or timed out")
+            self.discard(request.request_id)
 
     def abort_direct(self, request_id: str, reason: str) -> None:
         """Abort a request sent with `submit_direct` (the tokenizer never had it)."""
