@@ -25,18 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from pathlib import Path
 
 import torch
 
 from pagemesh.common.messages import ImageInput, Pooling
-from pagemesh.common.model_config import read_model_config
-from pagemesh.common.model_files import resolve_model_path
-from pagemesh.common.quantization import resolve_quantization
 from pagemesh.common.sampling import SamplingParams
 from pagemesh.workers.engine.backend import select_backend
 from pagemesh.workers.engine.beam import BeamSearch, BeamState
@@ -44,6 +39,7 @@ from pagemesh.workers.engine.block_manager import BlockManager
 from pagemesh.workers.engine.config import EngineConfig
 from pagemesh.workers.engine.draft_model import attach_drafter
 from pagemesh.workers.engine.engine_images import EngineImages
+from pagemesh.workers.engine.engine_setup import FirstRank, load_first_rank, model_tokenizer
 from pagemesh.workers.engine.forks import Forks, SeqGenerators
 from pagemesh.workers.engine.grammar_masks import GrammarMasks, PendingMasks
 from pagemesh.workers.engine.in_flight import surviving_rows
@@ -54,7 +50,6 @@ from pagemesh.workers.engine.lora_adapters import EngineAdapters, lora_runner_ar
 from pagemesh.workers.engine.model_runner import ModelRunner
 from pagemesh.workers.engine.output_builder import build_outputs
 from pagemesh.workers.engine.outputs import CompletionResult, PrefillResult, RequestOutput
-from pagemesh.workers.engine.pipeline_parallel import StagePipe, check_pipeline_parallel, stage_group, stage_layers
 from pagemesh.workers.engine.prefilled import PrefillHandoff
 from pagemesh.workers.engine.scheduler import Scheduler, StepPlan, StepSchedulerConfig
 from pagemesh.workers.engine.sequence import EngineRequest, Sequence
@@ -62,19 +57,9 @@ from pagemesh.workers.engine.speculative import Speculator
 from pagemesh.workers.engine.stats import EngineStats
 from pagemesh.workers.engine.step_trace import StepTrace
 from pagemesh.workers.engine.stopping import StopRules
-from pagemesh.workers.engine.tensor_parallel import (
-    COLLECTIVE_TIMEOUT_S,
-    FollowerRanks,
-    FollowerSpec,
-    check_rank_gpus,
-    check_tensor_parallel,
-    create_shared_all_reduce,
-    rank_context,
-)
 from pagemesh.workers.engine.update import StepUpdate
 from pagemesh.workers.engine.validation import RequestValidator
 from pagemesh.workers.model.llama import LlamaForCausalLM
-from pagemesh.workers.model.loader import load_model
 
 log = logging.getLogger(__name__)
 MAX_DEFAULT_MODEL_LEN = 8192
@@ -101,44 +86,20 @@ class Engine:
     def __init__(self, config: EngineConfig = DEFAULT_CONFIG, model: LlamaForCausalLM | None = None, tokenizer=None):
         self.config = config
         self.device = config.resolve_device()
-        self.model_path: Path | None = None
         tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
-        self.shm_path, self.shm_numel = None, 0
-        pipe = None
-        if model is None:
-            self.model_path = resolve_model_path(config.model)
-            # auto: a GGUF file serves from its own blocks unless --dtype names a dtype (common/quantization.py)
-            quantization = resolve_quantization(config.quantization, config.dtype, self.model_path)
-            config = self.config = dataclasses.replace(config, quantization=quantization)
-            model_config = read_model_config(self.model_path)
-            check_tensor_parallel(model_config, tp_size, config.enable_expert_parallel)
-            check_pipeline_parallel(model_config, pp_size)
-            check_rank_gpus(self.device, tp_size, pp_size)
-            dtype = config.resolve_dtype(self.device)
-            group, layers = None, None
-            if pp_size > 1:  # the stages' all-reduces go over gloo: one shared-memory file serves one group
-                group = stage_group(0, tp_size) if tp_size > 1 else None
-                layers = stage_layers(model_config.num_layers, pp_size, 0)
-                pipe = StagePipe(0, tp_size, pp_size, model_config, dtype, self.device, COLLECTIVE_TIMEOUT_S)
-            else:
-                self.shm_path, self.shm_numel = create_shared_all_reduce(
-                    tp_size, model_config, config.max_num_batched_tokens, dtype, self.device
-                )
-            try:
-                tp = rank_context(
-                    0, tp_size, self.shm_path, self.shm_numel, dtype, group, config.enable_expert_parallel
-                )
-                model = load_model(self.model_path, dtype, self.device, tp, layers, config.quantization)
-            except BaseException:
-                self._unlink_shared_file()
-                raise
+        if model is None:  # from a path: rank 0's shard and stage (engine_setup.py)
+            first = load_first_rank(config, self.device)
+            config = self.config = first.config
         elif model.tp.world_size != tp_size or pp_size > 1:
             raise ValueError(
                 f"engine: the model is sharded {model.tp.world_size} ways, tensor_parallel_size={tp_size} "
                 f"(and pipeline stages load from a path: pipeline_parallel_size={pp_size})"
             )
+        else:
+            first = FirstRank(config, None, model)
+        model, pipe, self.model_path = first.model, first.pipe, first.model_path
         self.model_config = model.config
-        self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
+        self.tokenizer = tokenizer if tokenizer is not None else model_tokenizer(self.model_path)
         self.max_model_len = min(
             config.max_model_len or MAX_DEFAULT_MODEL_LEN, self.model_config.max_position_embeddings
         )
@@ -165,9 +126,11 @@ class Engine:
         )
         self.backend = select_backend(self.device, model.dtype)
         try:
-            self.followers = self._start_followers(model, num_pages) if tp_size * pp_size > 1 else None
+            self.followers = (
+                first.start_followers(num_pages, self.tokenizer, self.device) if tp_size * pp_size > 1 else None
+            )
         finally:
-            self._unlink_shared_file()  # every rank has mapped it (or none will)
+            first.unlink_shared_file()  # every rank has mapped it (or none will)
         self.runner = ModelRunner(
             model,
             num_pages,
@@ -220,42 +183,6 @@ class Engine:
         self.stats = EngineStats(speculation=self.updater.speculation)
         self.step_trace = StepTrace.from_env()  # None unless a bench asks (PAGEMESH_STEP_TRACE)
         self.stalled = False
-
-    # ---- set-up ---------------------------------------------------------------------------
-    def _load_tokenizer(self):
-        """The model's tokenizer; a folder without tokenizer files serves token ids only."""
-        if self.model_path is None or (self.model_path.is_dir() and not (self.model_path / "tokenizer.json").exists()):
-            return None
-        from pagemesh.common.tokenizer import Tokenizer
-
-        return Tokenizer.from_path(self.model_path)
-
-    def _start_followers(self, model: LlamaForCausalLM, num_pages: int) -> FollowerRanks:
-        if self.model_path is None:
-            raise ValueError("engine: tensor parallel needs a model path (the other ranks load their shards from it)")
-        dtype = str(model.dtype).removeprefix("torch.")
-        spec = FollowerSpec(
-            self.model_path,
-            dtype,
-            self.device.type,
-            num_pages,
-            self.config.page_size,
-            model.tp.world_size,
-            threads=torch.get_num_threads(),  # as many as this rank was given
-            shm_path=self.shm_path,
-            shm_numel=self.shm_numel,
-            pipeline_size=self.config.pipeline_parallel_size,
-            quantization=self.config.quantization,
-            kv_cache_dtype=self.config.kv_cache_dtype,
-            expert_parallel=self.config.enable_expert_parallel,
-            lora=lora_runner_args(self.config),
-            kv_calibration_ids=tuple(calibration_token_ids(self.tokenizer, self.model_config.vocab_size)),
-        )
-        return FollowerRanks(spec, model.tp.group)
-
-    def _unlink_shared_file(self) -> None:
-        if self.shm_path is not None and os.path.exists(self.shm_path):
-            os.unlink(self.shm_path)
 
     def close(self) -> None:
         """Stop the other ranks (nothing to do for a single-rank engine)."""
