@@ -92,6 +92,9 @@ def test_a_cuda_engine_with_too_few_gpus_is_refused_before_it_loads_anything(mon
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr("pagemesh.workers.engine.engine_setup.load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    def never_load(*args, **kwargs):
+        pytest.fail("loaded a model")
+
+    monkeypatch.setattr("pagemesh.workers.engine.engine_setup.load_model", never_load)
     with pytest.raises(ValueError, match=r"-tp 3 x -pp 1 runs 3 ranks, one GPU each, but 2 GPUs are visible"):
         Engine(EngineConfig(device="cuda", tensor_parallel_size=3))
