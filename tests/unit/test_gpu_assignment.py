@@ -92,6 +92,7 @@ def test_a_cuda_engine_with_too_few_gpus_is_refused_before_it_loads_anything(mon
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
     def never_load(*args, **kwargs):
         pytest.fail("loaded a model")
 
