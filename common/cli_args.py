@@ -24,7 +24,7 @@ def add(
     raw = os.environ.get(env_name(flag))
     kind = kwargs.get("type")
     if raw is not None:
-        if kwargs.get("action") == "store_true":
+        if kwargs.get("action") in ("store_true", argparse.BooleanOptionalAction):
             default = raw.lower() in ("1", "true", "yes", "on")
         else:
             default = kind(raw) if kind else raw

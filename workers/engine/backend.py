@@ -48,10 +48,13 @@ class CpuKernelAttentionBackend:
     # DecodeLayers (workers/model/decode_layers.py) may call them inside its one C call instead
     cpu_decode_kernels = True
 
-    def __init__(self) -> None:
+    def __init__(self, batch_invariant: bool = False) -> None:
         import pagemesh.kernels.cpu
 
         self.kernels = pagemesh.kernels.cpu
+        # every query row through the decode kernel, prefill chunks too: a row's reduction over
+        # its keys is then the same whatever else the step holds (docs/perf/batch_invariance.md)
+        self.batch_invariant = batch_invariant
 
     def write_kv(self, k, v, kv_layer, md):
         self.kernels.write_kv(k, v, kv_layer, md.slot_mapping)
@@ -59,7 +62,7 @@ class CpuKernelAttentionBackend:
     def attend(self, q, kv_layer, md, scale, k=None, v=None, *, window=None, softcap=None):
         nd = md.num_decodes
         variant = {"window": window, "softcap": softcap}
-        if nd == q.shape[0]:
+        if nd == q.shape[0] or self.batch_invariant:
             return self.kernels.paged_attention(
                 q, kv_layer, md.block_tables, md.seq_lens, md.query_start_loc, scale, **variant
             )
@@ -114,6 +117,7 @@ class Backend:
     pack_linears: bool = False  # CPU: repack bf16 linear weights once (workers.model.layers)
     amx: bool = False  # ... into AMX tiles as well
     cpu_argmax: bool = False  # greedy rows of fp32 host logits through pagemesh.kernels.cpu.argmax_rows
+    batch_invariant: bool = False  # every row's numbers independent of the batch (docs/perf/batch_invariance.md)
 
     def first_max(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's first maximum, as argmax. On a CPU the C kernel does it in one pass
@@ -132,14 +136,21 @@ def cpu_kernels_usable(dtype: torch.dtype) -> bool:
     return pagemesh.kernels.cpu.supports(dtype) and pagemesh.kernels.cpu.available()
 
 
-def select_backend(device: torch.device, dtype: torch.dtype) -> Backend:
-    """The backend for a model of `dtype` on `device` (see the module docstring)."""
+def select_backend(device: torch.device, dtype: torch.dtype, batch_invariant: bool = False) -> Backend:
+    """The backend for a model of `dtype` on `device` (see the module docstring). `batch_invariant`:
+    attention whose rows do not depend on the batch (the C kernels on a CPU; ValueError where
+    this device has no such path)."""
     if device.type == "cuda":
+        if batch_invariant:
+            raise ValueError("batch_invariant: only on a CPU for now (the Triton kernels split reductions by batch)")
         return Backend(device, dtype, TritonAttentionBackend(), TritonOps())
     import pagemesh.kernels.cpu
 
     if cpu_kernels_usable(dtype):
-        attention, ops = CpuKernelAttentionBackend(), CpuKernelOps()
+        attention, ops = CpuKernelAttentionBackend(batch_invariant), CpuKernelOps()
+    elif batch_invariant:
+        reason = pagemesh.kernels.cpu.load_error() or f"no C kernels for {dtype}"
+        raise ValueError(f"batch_invariant: needs the C attention kernels ({reason})")
     else:
         reason = pagemesh.kernels.cpu.load_error() or f"no C kernels for {dtype}"
         log.warning("cpu_kernels_unavailable (%s): attention falls back to torch SDPA over gathered pages", reason)
@@ -152,4 +163,5 @@ def select_backend(device: torch.device, dtype: torch.dtype) -> Backend:
         pack_linears=dtype == torch.bfloat16,
         amx=dtype == torch.bfloat16 and pagemesh.kernels.cpu.amx_available(),
         cpu_argmax=pagemesh.kernels.cpu.available(),
+        batch_invariant=batch_invariant,
     )

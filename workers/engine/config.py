@@ -62,6 +62,9 @@ class EngineConfig:
     max_loras: int = 1  # adapters in one step (slots on the worker), as vLLM's default
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept in host memory once read (default: max_loras)
+    # each sequence's numbers independent of what shares its steps: greedy output the same alone,
+    # in any batch, with speculation, after a recompute (docs/perf/batch_invariance.md; CPU only)
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -258,6 +261,15 @@ def add_engine_arguments(parser) -> None:
         "its Hugging Face id)",
     )
     add_lora_arguments(parser)
+    add(
+        parser,
+        "--batch-invariant",
+        False,
+        action=argparse.BooleanOptionalAction,
+        help="each sequence's numbers independent of the batch (as vLLM's VLLM_BATCH_INVARIANT): greedy output "
+        "the same alone, in any batch, with speculation and after a migration's recompute; prefill attention "
+        "through the decode kernel (CPU only; docs/perf/batch_invariance.md)",
+    )
 
 
 ENGINE_FLAGS = (
@@ -295,6 +307,7 @@ ENGINE_FLAGS = (
     "max_loras",
     "max_lora_rank",
     "max_cpu_loras",
+    "batch_invariant",
 )
 
 
@@ -333,6 +346,7 @@ def engine_config_from_args(args) -> EngineConfig:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
+        batch_invariant=args.batch_invariant,
     )
 
 
@@ -342,7 +356,7 @@ def engine_args_to_argv(args) -> list[str]:
     for name in ENGINE_FLAGS:
         value = getattr(args, name)
         flag = "--" + name.replace("_", "-")
-        if name == "enable_prefix_caching":  # on by default: said either way, whatever the child's environment
+        if name in ("enable_prefix_caching", "batch_invariant"):  # said either way, whatever the child's environment
             argv.append(flag if value else "--no-" + flag[2:])
         elif name == "served_model_name":
             argv += [flag, *served_model_names(value)] if value else []

@@ -124,7 +124,7 @@ class Engine:
             speculator,
             self.adapters.slots if self.adapters is not None else None,
         )
-        self.backend = select_backend(self.device, model.dtype)
+        self.backend = select_backend(self.device, model.dtype, config.batch_invariant)
         try:
             self.followers = (
                 first.start_followers(num_pages, self.tokenizer, self.device) if tp_size * pp_size > 1 else None

@@ -62,6 +62,7 @@ class FirstRank:
             pipeline_size=config.pipeline_parallel_size,
             quantization=config.quantization,
             kv_cache_dtype=config.kv_cache_dtype,
+            batch_invariant=config.batch_invariant,
             expert_parallel=config.enable_expert_parallel,
             lora=lora_runner_args(config),
             kv_calibration_ids=tuple(calibration_token_ids(tokenizer, model.config.vocab_size)),

@@ -25,11 +25,16 @@ class Fp8KVAttention:
     """Attention over the fp8 pool `kv_cache` [layers, pages, 2, S, KVH, D] with `kv_scales`
     [layers, 2, KVH] fp32 (on the pool's device)."""
 
-    def __init__(self, kv_cache: torch.Tensor, kv_scales: torch.Tensor, kernels: str = "torch"):
+    def __init__(
+        self, kv_cache: torch.Tensor, kv_scales: torch.Tensor, kernels: str = "torch", batch_invariant: bool = False
+    ):
         if kernels not in FP8_KERNELS:
             raise ValueError(f"fp8 attention kernels: one of {FP8_KERNELS}")
         self.kv_scales = kv_scales
         self.kernels = kernels
+        if batch_invariant and kernels != "cpu":
+            raise ValueError("batch_invariant: an fp8 pool needs the C kernels")
+        self.batch_invariant = batch_invariant  # prefill rows through the decode kernel too (backend.py)
         self.base = kv_cache.data_ptr()
         self.layer_bytes = kv_cache.stride(0) * kv_cache.element_size()
         self.builds_cpu_indices = kernels != "triton"
@@ -71,6 +76,10 @@ class Fp8KVAttention:
                 md.max_seq_len,
                 kv_scales=scales,
                 **variant,
+            )
+        if self.batch_invariant:  # every row through the C kernel (the prefill chunks too)
+            return self.lib.paged_attention(
+                q, kv_layer, md.block_tables, md.seq_lens, md.query_start_loc, scale, kv_scales=scales, **variant
             )
         nd = md.num_decodes
         out = torch.empty_like(q)

@@ -19,7 +19,7 @@ from pagemesh.workers.engine.model_input import ModelInput
 from pagemesh.workers.engine.pipeline_parallel import InFlightStep, StagePipe
 from pagemesh.workers.engine.tensor_parallel import FollowerRanks
 from pagemesh.workers.model.decode_layers import DecodeLayers
-from pagemesh.workers.model.layers import pack_linear_weights
+from pagemesh.workers.model.layers import make_batch_invariant, pack_linear_weights
 from pagemesh.workers.model.llama import ForwardContext, LlamaForCausalLM
 from pagemesh.workers.model.lora import ServedAdapters
 from pagemesh.workers.model.pooling import PoolSpans
@@ -92,16 +92,20 @@ class ModelRunner:
         self.attention, self.ops = self.backend.attention, self.backend.ops
         if self.backend.pack_linears:
             pack_linear_weights(model, amx=self.backend.amx)
+        if self.backend.batch_invariant:
+            make_batch_invariant(model)
         if device.type == "cpu":
             keep_freed_memory_for_reuse()
         if is_fp8(self.kv_dtype):
             ids = kv_calibration_ids or calibration_token_ids(None, cfg.vocab_size)
             self.kv_scales = self.calibrate_kv_scales(ids)
-            self.attention = Fp8KVAttention(self.kv_cache, self.kv_scales, fp8_kernels_for(self.backend))
+            self.attention = Fp8KVAttention(
+                self.kv_cache, self.kv_scales, fp8_kernels_for(self.backend), self.backend.batch_invariant
+            )
             self.rank_kv_scales = self._gather_rank_scales()
         # decode-only steps of a quantized model on a CPU: every layer in one C call
         self.decode_layers = (
-            DecodeLayers.for_model(model, self.kv_cache, self.ops, self.attention)
+            DecodeLayers.for_model(model, self.kv_cache, self.ops, self.attention, self.backend.batch_invariant)
             if device.type == "cpu" and followers is None and pipe is None
             else None
         )

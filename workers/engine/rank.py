@@ -37,6 +37,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--shm-numel", type=int, default=0)
     parser.add_argument("--quantization", default="none", help="as the worker's --quantization")
     parser.add_argument("--kv-cache-dtype", default="auto", help="as the worker's --kv-cache-dtype")
+    parser.add_argument("--batch-invariant", action="store_true", help="as the worker's --batch-invariant")
     parser.add_argument("--enable-expert-parallel", action="store_true", help="as the worker's flag")
     parser.add_argument("--kv-calibration-ids", default="", help="an fp8 pool's calibration tokens, comma-separated")
     parser.add_argument("--lora", default=None, help="LoRA slots: max_loras,max_rank,max_cpu_loras (rank 0's)")
@@ -111,7 +112,7 @@ def main(argv: list[str]) -> None:
         args.page_size,
         device,
         cuda_graphs=False,
-        backend=select_backend(device, dtype),
+        backend=select_backend(device, dtype, args.batch_invariant),
         pipe=pipe,
         kv_dtype=kv_storage_dtype(args.kv_cache_dtype, dtype),
         kv_calibration_ids=[int(t) for t in args.kv_calibration_ids.split(",") if t],

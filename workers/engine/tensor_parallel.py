@@ -192,6 +192,7 @@ class FollowerSpec:
     pipeline_size: int = 1  # stages (workers/engine/pipeline_parallel.py); world_size ranks each
     quantization: str = "none"  # the linears' (workers/model/quantization.py): each rank its shard
     kv_cache_dtype: str = "auto"  # an fp8 pool: every rank calibrates its heads' scales, together
+    batch_invariant: bool = False  # --batch-invariant: every rank's linears and attention row-invariant
     expert_parallel: bool = False  # --enable-expert-parallel: MoE experts whole on ranks
     kv_calibration_ids: tuple[int, ...] = ()  # the calibration pass's tokens (rank 0's tokenizer's)
     lora: tuple[int, int, int] | None = None  # LoRA slots: (max_loras, max_rank, max_cpu_loras), each rank its shard
@@ -253,6 +254,8 @@ class FollowerRanks:
         argv += [f"--quantization={s.quantization}", f"--kv-cache-dtype={s.kv_cache_dtype}"]
         if s.expert_parallel:
             argv.append("--enable-expert-parallel")
+        if s.batch_invariant:
+            argv.append("--batch-invariant")
         if s.kv_calibration_ids:
             argv.append("--kv-calibration-ids=" + ",".join(map(str, s.kv_calibration_ids)))
         if s.lora is not None:

@@ -75,7 +75,8 @@ class CausalLM(nn.Module):
 
     def logits_of(self, x: torch.Tensor) -> torch.Tensor:
         """The LM head over final-norm rows, in fp32."""
-        return linear(x, self.lm_head.weight, None, self.lm_head.packed, torch.float32)
+        head = self.lm_head
+        return linear(x, head.weight, None, head.packed, torch.float32, invariant=head.batch_invariant)
 
     def layer_tensor_names(self, index: int) -> set[str]:
         """The checkpoint's tensors of decoder layer `index`, without `model.layers.{index}.`."""

@@ -69,6 +69,7 @@ class DecodeLayers:
                 softcap=getattr(attn, "softcap", None) or 0.0,
             )
         self.num_layers = len(model.layers)
+        self.any_rows = False  # True in the batch-invariant mode (for_model)
 
     def _weight(self, qw: QuantizedWeight, bias: torch.Tensor | None) -> binding.Weight:
         if bias is not None:
@@ -77,7 +78,9 @@ class DecodeLayers:
         return binding.weight(qw, bias)
 
     @classmethod
-    def for_model(cls, model, kv_cache: torch.Tensor, ops, attention) -> DecodeLayers | None:
+    def for_model(
+        cls, model, kv_cache: torch.Tensor, ops, attention, batch_invariant: bool = False
+    ) -> DecodeLayers | None:
         """The fused layers of `model`, or None where they do not apply (module docstring).
         `attention` qualifies where it says its K/V writes and decodes are the C kernels' own
         (`cpu_decode_kernels`: the engine's `CpuKernelAttentionBackend`), so that this C call may
@@ -110,13 +113,17 @@ class DecodeLayers:
         from pagemesh.workers.model.layers import TILED_MIN_ROWS
 
         kernels = binding.kernel_table(TILED_MIN_ROWS)
-        return None if kernels is None else cls(model, kv_cache, kernels)
+        if kernels is None:
+            return None
+        layers = cls(model, kv_cache, kernels)
+        layers.any_rows = batch_invariant  # the Python layers never widen W then: no row limit
+        return layers
 
     def can_run(self, md: AttentionMetadata, x: torch.Tensor) -> bool:
         from pagemesh.workers.model.layers import DEQUANTIZE_MIN_ROWS
 
         rows = x.shape[0]
-        small = rows < DEQUANTIZE_MIN_ROWS or self.dtype != torch.bfloat16
+        small = rows < DEQUANTIZE_MIN_ROWS or self.dtype != torch.bfloat16 or self.any_rows
         return small and md.num_decodes == rows and md.max_query_len == 1 and x.dtype == self.dtype
 
     def run(self, x: torch.Tensor, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -73,6 +73,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)), requires_grad=False) if bias else None
         self.packed: PackedWeight | QuantizedWeight | None = None  # see pack_linear_weights, quantization.py
         self.lora = None  # LoRAWeights (pagemesh.workers.model.lora) where adapters are served
+        self.batch_invariant = False  # each row's product independent of the others (make_batch_invariant)
 
     def load_part(self, part: int, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Copy this rank's shard of full sub-matrix `part` into place."""
@@ -83,7 +84,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias.data[offset : offset + size].copy_(bias[start : start + size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias, self.packed)
+        y = linear(x, self.weight, self.bias, self.packed, invariant=self.batch_invariant)
         return y if self.lora is None else self.lora.add_to(y, x)
 
 
@@ -97,12 +98,13 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, local_in), requires_grad=False)
         self.packed: PackedWeight | QuantizedWeight | None = None  # see pack_linear_weights, quantization.py
         self.lora = None  # LoRAWeights (pagemesh.workers.model.lora): a partial sum, like the base output
+        self.batch_invariant = False  # as ColumnParallelLinear's
 
     def load(self, weight: torch.Tensor) -> None:
         self.weight.data.copy_(weight[:, self.in_start : self.in_start + self.weight.shape[1]])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, None, self.packed)
+        y = linear(x, self.weight, None, self.packed, invariant=self.batch_invariant)
         return self.tp.all_reduce(y if self.lora is None else self.lora.add_to(y, x))
 
 
@@ -124,10 +126,15 @@ def linear(
     bias: torch.Tensor | None,
     packed: PackedWeight | QuantizedWeight | None,
     out_dtype: torch.dtype | None = None,
+    *,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """x W^T (+ b) in x's dtype, then cast to out_dtype if given; through a packed copy of W when
     there is one (the AMX kernel writes the widened values itself, no second pass), or the
-    quantized matmul when W is held quantized (`pagemesh.workers.model.quantization`)."""
+    quantized matmul when W is held quantized (`pagemesh.workers.model.quantization`).
+    `invariant`: each row's result is the same bits whatever rows come with it (`row_invariant_linear`)."""
+    if invariant and x.device.type == "cpu":
+        return row_invariant_linear(x, weight, bias, packed, out_dtype)
     if is_quantized(packed):
         return quantized_linear(x, packed, bias, out_dtype)
     if packed is not None and packed.amx is not None and x.shape[0] <= AMX_MAX_ROWS:
@@ -139,6 +146,44 @@ def linear(
     else:
         y = torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
     return y if out_dtype is None else y.to(out_dtype)
+
+
+def row_invariant_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: PackedWeight | QuantizedWeight | None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """`linear` through one kernel at every row count, one whose sums for a row do not depend on
+    the other rows (checked bit for bit, tests/unit/test_batch_invariance.py): the quantized
+    GEMM (never the widened bf16 weight that `quantized_linear` takes from DEQUANTIZE_MIN_ROWS),
+    the AMX kernel for a packed bf16 weight (never oneDNN, whose large-N products change with
+    the row count). Anything else (fp32's MKL GEMM, bf16 without AMX tiles) runs row by row: the
+    same one-row call for every row, slow but exact. The batch-invariant mode's linears
+    (docs/perf/batch_invariance.md)."""
+    import pagemesh.kernels.cpu
+
+    if is_quantized(packed):
+        import pagemesh.kernels.cpu.quant
+
+        if packed.tiles is not None:
+            return pagemesh.kernels.cpu.quant.quant_gemm(x, packed, bias, out_dtype)
+        return pagemesh.kernels.cpu.quant.quant_linear(x, packed, bias, out_dtype)
+    if packed is not None and packed.amx is not None:
+        return pagemesh.kernels.cpu.amx_linear(x, packed.amx, bias, out_dtype or x.dtype)
+    rows = [linear(x[i : i + 1], weight, bias, packed, out_dtype) for i in range(x.shape[0])]
+    return torch.cat(rows) if rows else linear(x, weight, bias, packed, out_dtype)
+
+
+def make_batch_invariant(model: nn.Module) -> int:
+    """Turn every linear of `model` (and its LM head) to `row_invariant_linear`; returns how many."""
+    count = 0
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabEmbedding)):
+            m.batch_invariant = True
+            count += 1
+    return count
 
 
 def pack_linear_weights(model: nn.Module, batch_hint: int = 32, *, amx: bool = False) -> bool:
@@ -243,6 +288,7 @@ class VocabEmbedding(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden), requires_grad=False)
         self.packed: PackedWeight | QuantizedWeight | None = None  # as the LM head: see pack_linear_weights
+        self.batch_invariant = False  # as a linear's, for the LM head (make_batch_invariant)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
