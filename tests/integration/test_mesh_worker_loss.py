@@ -10,10 +10,11 @@ One mesh for the module's tests, of a prefill and two decode workers (the migrat
 recomputed on the other decode worker, no handoff; a mixed worker takes a migrated request the
 same way, see tests/unit/test_scheduler_migration.py), its processes started one by one as
 compose starts them (`pagemesh up` would stop the whole mesh when a child
-exits), so that a killed worker can be started again. The workers run in float32: a migrated
-request recomputes its tokens' KV in one prefill where the first run decoded them one by one, and
-in bfloat16 that different order of sums can flip a near-tie of the greedy choice; in float32 the
-texts are equal.
+exits), so that a killed worker can be started again. The workers serve the default model as
+by default (its GGUF's 4-bit blocks, bf16) with `--batch-invariant`: a migrated request recomputes
+its tokens' KV in one prefill where the first run decoded them one by one, and only the
+batch-invariant mode makes those the same bits (docs/perf/batch_invariance.md); without it a
+near-tie of the greedy choice can flip after the seam.
 """
 
 from __future__ import annotations
@@ -46,8 +47,7 @@ def mesh(tmp_path_factory):
         "1",
         "--decode",
         "2",
-        "--dtype",
-        "float32",
+        "--batch-invariant",
         "--heartbeat-timeout",
         str(HEARTBEAT_TIMEOUT_S),
         "--max-migrations",
