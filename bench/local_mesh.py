@@ -152,10 +152,10 @@ class SeparateProcesses:
         self.children[name].send_signal(signal.SIGKILL)
         self.children[name].wait()
 
-    def restart(self, name: str) -> float:
-        """SIGKILL the process and start it again with the same arguments; returns (the
-        monotonic time) once the new process reports READY on the launcher's ready socket, bound
-        here again for it."""
+    def restart(self, name: str, env: dict[str, str] | None = None) -> float:
+        """SIGKILL the process and start it again with the same arguments (and `env` added to this
+        process's environment); returns (the monotonic time) once the new process reports READY
+        on the launcher's ready socket, bound here again for it."""
         from pagemesh.common.messages import Ready
         from pagemesh.common.transport import Pull, ipc_address
 
@@ -164,7 +164,7 @@ class SeparateProcesses:
         async def start_and_wait_ready() -> None:
             with Pull(ipc_address(self.mesh.run_dir, "ready")) as ready:
                 proc = self.children[name] = subprocess.Popen(
-                    [*python_module("pagemesh.services.cli"), *self.argv[name]]
+                    [*python_module("pagemesh.services.cli"), *self.argv[name]], env={**os.environ, **(env or {})}
                 )
                 started = time.monotonic()
                 while True:

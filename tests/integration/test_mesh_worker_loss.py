@@ -1,6 +1,7 @@
 """A worker that dies mid-request (SIGKILL, as a container of a scaled pool can): its streams go on
 on the pool's other worker, with the text of a run without the fault, no token lost or repeated
-and no error event (greedy, and seeded sampling, which continues its seed's sequence). A request
+and no error event (greedy, and seeded sampling, which continues its seed's sequence); so does
+the stream of a worker whose engine raised in a step (it tells the scheduler and exits). A request
 that keeps losing its workers ends at `--max-migrations` with the OpenAI error event, and so does
 one whose pool has no worker left. A prefill worker killed while its KV pages are on their way to
 the decode worker (held there by a test-only delay): the request moves and ends with the fault-free
@@ -20,14 +21,13 @@ near-tie of the greedy choice can flip after the seam.
 from __future__ import annotations
 
 import concurrent.futures
-import os
 
 import openai
 import pytest
 
 from pagemesh.bench.local_mesh import HANG_S, LATE_S, SeparateProcesses, metrics, per_worker, sample_until, wait_until
 from pagemesh.common.model_files import DEFAULT_MODEL_NAME
-from pagemesh.workers.shell.faults import KV_SEND_DELAY_ENV
+from pagemesh.workers.shell.faults import FAIL_ENV, KV_SEND_DELAY_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -167,11 +167,7 @@ def test_a_prefill_worker_killed_mid_transfer_loses_nothing(mesh):
     assert both_workers_live(mesh)
     expected = fault_free(client, **GREEDY)
     before = sample_until(lambda: migrations(mesh), lambda n: n is not None)
-    os.environ[KV_SEND_DELAY_ENV] = str(HANG_S)  # the restarted prefill worker never sends: killed first
-    try:
-        mesh.restart("prefill-0")
-    finally:
-        del os.environ[KV_SEND_DELAY_ENV]
+    mesh.restart("prefill-0", env={KV_SEND_DELAY_ENV: str(HANG_S)})  # it never sends: killed first
     try:
         assert both_workers_live(mesh)
         pieces: list[str] = []
@@ -186,6 +182,30 @@ def test_a_prefill_worker_killed_mid_transfer_loses_nothing(mesh):
         assert wait_until(lambda: pool_pages_free(mesh))  # the decode half gave back what it pinned
     finally:
         mesh.restart("prefill-0")  # without the delay, for the next tests
+
+
+def test_an_engine_that_fails_in_a_step_moves_its_stream_to_the_other_worker(mesh):
+    """An exception in a step (the engine is dead, the process lives to say so): the worker tells
+    the scheduler at once, and its stream goes on on the pool's other worker with the fault-free
+    text. decode-0 takes the stream: the pool is idle, the prompt is new to both workers (no
+    prefix to prefer), and placement breaks the tie by worker id."""
+    client = client_of(mesh)
+    faulty = pool_of(mesh)[0]
+    assert faulty == "decode-0"
+    before = sample_until(lambda: migrations(mesh), lambda n: n is not None)
+    mesh.restart(faulty, env={FAIL_ENV: "6"})  # its sixth step of work raises
+    request = dict(GREEDY, prompt="Name the days of the week, then the months:")
+    try:
+        assert both_workers_live(mesh)
+        assert pool_idle(mesh)
+        pieces: list[str] = []
+        assert stream(client, pieces, **request) is None  # one unbroken stream
+        assert mesh.children[faulty].wait(timeout=LATE_S) == 1  # it ran the stream and its engine failed
+        assert sample_until(lambda: migrations(mesh), lambda n: n is not None and n >= before + 1, timeout=LATE_S)
+    finally:
+        mesh.restart(faulty)  # without the fault, for the next tests
+    assert both_workers_live(mesh)
+    assert "".join(pieces) == fault_free(client, **request)
 
 
 def test_a_request_that_keeps_losing_its_workers_ends_at_max_migrations(mesh):
