@@ -171,18 +171,44 @@ class AbortRequest:
 
 
 @record
+class ResumedChoice:
+    """One unfinished choice of a migrated request of several choices (n > 1): its index and the
+    tokens its client has received of it."""
+
+    index: int
+    output_token_ids: list[int]
+
+    def _check(self) -> None:
+        if self.index < 0:
+            raise ProtocolError("ResumedChoice.index: must be >= 0")
+
+
+def check_resumed_choices(choices: list[ResumedChoice], name: str) -> None:
+    """Distinct choice indices, in order (each choice resumes once)."""
+    indices = [c.index for c in choices]
+    if indices != sorted(set(indices)):
+        raise ProtocolError(f"{name}: choice indices must be distinct and in order")
+
+
+@record
 class ResumeState:
     """A request sent again after the worker generating it was lost (request migration): the
     tokens its client has already received, which the next worker recomputes and never streams
     again (they count as output: max_tokens, min_tokens, penalties, the seed's draws), and how
-    many times it has been moved (`migrations` >= 1)."""
+    many times it has been moved (`migrations` >= 1). A request of one choice carries its tokens
+    in `output_token_ids`; one of several (n > 1) carries each unfinished choice's in `choices`
+    (the finished ones are done: they are not generated again)."""
 
     output_token_ids: list[int]
     migrations: int
+    choices: list[ResumedChoice] = field(default_factory=list)
 
     def _check(self) -> None:
         if self.migrations < 1:
             raise ProtocolError("ResumeState.migrations: must be >= 1")
+        if self.choices and self.output_token_ids:
+            raise ProtocolError("ResumeState: output_token_ids (one choice) or choices (several), not both")
+        check_resumed_choices(self.choices, "ResumeState.choices")
 
 
 @message

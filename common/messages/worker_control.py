@@ -18,7 +18,7 @@ from dataclasses import field
 from pagemesh.common.messages.base import DoneReason, Pooling, ProtocolError, WorkerKind, WorkerRole, message, record
 from pagemesh.common.messages.images import FeatureCacheLoad, ImageModelInfo
 from pagemesh.common.messages.lora import LoRALoad
-from pagemesh.common.messages.requests import ImageInput, check_images
+from pagemesh.common.messages.requests import ImageInput, ResumedChoice, check_images, check_resumed_choices
 from pagemesh.common.sampling import SamplingParams
 
 MAX_PAGE_HASH = (1 << 62) - 1  # prefix-cache page keys (common.page_hash.chain_hash)
@@ -34,7 +34,8 @@ def _check_skip(name: str, skip_pages: int) -> None:
 class GenerateTask:
     """Scheduler -> mixed worker: prefill and decode in the same engine. A migrated request
     (also to a decode worker) brings `output_token_ids`, generated elsewhere and streamed
-    already: the engine recomputes them with the prompt and generates on after them.
+    already: the engine recomputes them with the prompt and generates on after them; one of
+    several choices brings each unfinished choice's (`resumed_choices`).
     With `pooling`, an embedding request, to a mixed or a prefill worker: its prompt is
     prefilled and pooled into one vector (an EmbeddingBatch to `reply_to`), nothing sampled."""
 
@@ -47,11 +48,15 @@ class GenerateTask:
     pooling: Pooling | None = None
     images: list[ImageInput] = field(default_factory=list)  # a multimodal prompt's images
     encoder_id: str = ""  # the encoder worker pushing the images' rows here ("": encode them here)
+    resumed_choices: list[ResumedChoice] = field(default_factory=list)  # a migrated request of n > 1
 
     def _check(self) -> None:
         check_images(self.images, len(self.prompt_token_ids), "GenerateTask")
-        if self.pooling is not None and self.output_token_ids:
+        if self.pooling is not None and (self.output_token_ids or self.resumed_choices):
             raise ProtocolError("GenerateTask: an embedding request (pooling) generates no tokens")
+        if self.output_token_ids and self.resumed_choices:
+            raise ProtocolError("GenerateTask: output_token_ids (one choice) or resumed_choices (several), not both")
+        check_resumed_choices(self.resumed_choices, "GenerateTask.resumed_choices")
 
 
 @message

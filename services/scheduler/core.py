@@ -67,7 +67,7 @@ from pagemesh.services.scheduler.audio import place_transcription, unknown_audio
 from pagemesh.services.scheduler.config import SchedulerConfig
 from pagemesh.services.scheduler.failures import Outputs, Placed, PlacedRequests
 from pagemesh.services.scheduler.loras import MeshAdapters
-from pagemesh.services.scheduler.migration import migrations_of, resumed_output
+from pagemesh.services.scheduler.migration import longest_resumed, migrations_of, resumed_choices, resumed_output
 from pagemesh.services.scheduler.placement import (
     Placer,
     embedding_workers,
@@ -315,7 +315,8 @@ class SchedulerCore:
         )
         if msg.pooling is not None:  # an embedding: its prompt alone, on a worker that prefills
             roles = ([], [], self._embedding_workers(now))
-        refusal = too_large(*roles, len(prompt.token_ids), decode_alone=msg.resume is not None)
+        length = len(msg.prompt_token_ids) + longest_resumed(msg)  # the longest choice it recomputes
+        refusal = too_large(*roles, max(length, len(prompt.token_ids)), decode_alone=msg.resume is not None)
         if refusal is not None:
             return self._refuse(identity, msg.request_id, 400, refusal, None, out)
         self._admit(identity, Queued(identity, msg, prompt, WorkerKind.LLM, now), out, now)
@@ -392,7 +393,8 @@ class SchedulerCore:
             )
         else:  # migrated: with tokens, recomputed where it goes (no handoff); without, prefilled again
             # if a prefill and a decode worker can take it; a lone decode worker will do as a mixed one
-            pairs = ([], []) if resumed else (alive(WorkerRole.PREFILL), alive(WorkerRole.DECODE))
+            recomputes = resumed or resumed_choices(req)
+            pairs = ([], []) if recomputes else (alive(WorkerRole.PREFILL), alive(WorkerRole.DECODE))
             placement = self.placer.place(*pairs, self._resume_workers(now), entry.prompt)
         if placement is None:
             return False

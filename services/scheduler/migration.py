@@ -8,13 +8,13 @@
 A request moves when it is an LLM request (an image is not resumable) and has moved fewer than
 `--max-migrations` times (a request that keeps killing its workers ends). Whether its state can
 move is the tokenizer's call, which knows what was streamed: one choice moves with the ids its
-client received; several choices (n > 1), or best_of and beams (nothing streamed until the end),
-start over if no token of theirs went out yet, and fail otherwise. Pure logic.
+client received; several choices (n > 1) each move with theirs (the finished ones stay done);
+best_of and beams (nothing streamed until the end) start over. Pure logic.
 """
 
 from __future__ import annotations
 
-from pagemesh.common.messages import ScheduleRequest
+from pagemesh.common.messages import ResumedChoice, ScheduleRequest
 
 
 def migrations_of(request: ScheduleRequest) -> int:
@@ -33,5 +33,16 @@ def cannot_migrate(migrations: int | None, max_migrations: int) -> str | None:
 
 
 def resumed_output(request: ScheduleRequest) -> list[int]:
-    """The tokens a migrated request generated before (empty: it starts from its prompt)."""
+    """The tokens a migrated request of one choice generated before (empty: it starts from its
+    prompt, or it has several choices: `resumed_choices`)."""
     return request.resume.output_token_ids if request.resume is not None else []
+
+
+def resumed_choices(request: ScheduleRequest) -> list[ResumedChoice]:
+    """Each unfinished choice of a migrated request of several choices, with its tokens."""
+    return request.resume.choices if request.resume is not None else []
+
+
+def longest_resumed(request: ScheduleRequest) -> int:
+    """Tokens the longest choice of a migrated request recomputes after its prompt."""
+    return max([len(resumed_output(request)), *(len(c.output_token_ids) for c in resumed_choices(request))])

@@ -33,6 +33,7 @@ def llm_tasks(
             reply_to=req.reply_to,
             queued_s=queued,
             output_token_ids=resumed,
+            resumed_choices=req.resume.choices if req.resume is not None else [],
             pooling=req.pooling,
             images=req.images,
         )

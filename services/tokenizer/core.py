@@ -49,6 +49,7 @@ from pagemesh.common.messages import (
     ImageInput,
     MigrateRequest,
     RequestFailed,
+    ResumedChoice,
     ResumeState,
     ScheduleRequest,
     TextDelta,
@@ -389,26 +390,27 @@ class TokenizerCore:
     def on_migrate(self, msg: MigrateRequest) -> ScheduleRequest | tuple[str, RequestFailed] | None:
         """The request's worker is gone: what to send the scheduler to move it (the prompt and
         every id streamed so far), or the failure for its gateway (address, error) when it
-        cannot move: several choices (n > 1) once some of their tokens went out (each would
-        resume from its own ids; the engine resumes one choice). Several choices, best_of or
-        beams with nothing streamed yet start over. None: the request ended meanwhile."""
+        cannot move. One choice moves with its ids; several (n > 1) move each unfinished choice
+        with its own ids (the finished ones stay done); several with nothing streamed yet,
+        best_of and beams (nothing streams until they end) start over. None: the request ended
+        meanwhile."""
         request = self._requests.get(msg.request_id)
         if request is None:
             return None
-        if len(request.choices) != 1 and any(c.output_ids for c in request.choices) or request.first is None:
+        if request.first is None:
             del self._requests[msg.request_id]
-            return request.reply_to, _worker_failure(
-                msg.request_id, f"{msg.reason} (a request of several choices cannot move once they have streamed)"
-            )
+            return request.reply_to, _worker_failure(msg.request_id, msg.reason)
         request.migrations += 1
         request.lost_workers.update(msg.lost_worker_ids)
-        resend = dataclasses.replace(
-            request.first,
-            resume=ResumeState(
-                output_token_ids=list(request.choices[0].output_ids) if len(request.choices) == 1 else [],
-                migrations=request.migrations,
-            ),
-        )
+        choices = request.choices
+        if len(choices) == 1:
+            resume = ResumeState(output_token_ids=list(choices[0].output_ids), migrations=request.migrations)
+        elif any(c.output_ids for c in choices):
+            unfinished = [ResumedChoice(index=i, output_token_ids=list(c.output_ids)) for i, c in enumerate(choices) if not c.finished]
+            resume = ResumeState(output_token_ids=[], migrations=request.migrations, choices=unfinished)
+        else:
+            resume = ResumeState(output_token_ids=[], migrations=request.migrations)
+        resend = dataclasses.replace(request.first, resume=resume)
         request.started, request.schedule = False, resend  # a scheduler restart sends it again, as a new one
         return resend
 

@@ -74,3 +74,35 @@ def test_a_resume_that_cannot_be_is_a_value_error(engine_fp32, params, output, f
     with pytest.raises(ValueError, match=f"^{field}:"):
         engine_fp32.add_request("bad", PROMPT, params, output_token_ids=output)
     assert "bad" not in engine_fp32.requests
+
+
+def run_choices(engine, request_id: str, params: SamplingParams, resumed_choices=()) -> dict[int, list[int]]:
+    """A request of several choices to its end: the tokens each choice reported, by index."""
+    engine.add_request(request_id, PROMPT, params, resumed_choices=resumed_choices)
+    tokens: dict[int, list[int]] = {}
+    while request_id in engine.requests:
+        for out in engine.step():
+            if out.request_id == request_id:
+                for so in out.outputs:
+                    tokens.setdefault(so.index, []).extend(so.new_token_ids)
+    return tokens
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(n=3, temperature=0.9, top_p=0.95, seed=77, max_tokens=16, ignore_eos=True),
+        SamplingParams(n=3, temperature=0.8, max_tokens=16, ignore_eos=True, seed=5, presence_penalty=1.0),
+    ],
+    ids=["seeded", "seeded with a penalty"],
+)
+def test_each_unfinished_choice_of_several_continues_as_the_fault_free_run(engine_fp32, params):
+    """Choices 0 and 2 resumed after 5 and 11 tokens (choice 1 had ended: it is not asked for):
+    each goes on with its own seed's draws (seed + index) as in the run without the fault."""
+    whole = run_choices(engine_fp32, "several", params)
+    assert sorted(whole) == [0, 1, 2] and all(len(t) == 16 for t in whole.values())
+    assert len({tuple(t) for t in whole.values()}) == 3  # three different choices
+    rest = run_choices(engine_fp32, "several-resumed", params, [(0, whole[0][:5]), (2, whole[2][:11])])
+    assert rest == {0: whole[0][5:], 2: whole[2][11:]}
+    assert engine_fp32.blocks.num_used_pages == 0
+    engine_fp32.blocks.check_invariants([])

@@ -1,6 +1,7 @@
 """A worker that dies mid-request (SIGKILL, as a container of a scaled pool can): its streams go on
 on the pool's other worker, with the text of a run without the fault, no token lost or repeated
-and no error event (greedy, and seeded sampling, which continues its seed's sequence); so does
+and no error event (greedy, and seeded sampling, which continues its seed's sequence; a request of
+two choices moves each with its own tokens); so does
 the stream of a worker whose engine raised in a step (it tells the scheduler and exits). A request
 that keeps losing its workers ends at `--max-migrations` with the OpenAI error event, and so does
 one whose pool has no worker left. A prefill worker killed while its KV pages are on their way to
@@ -105,10 +106,11 @@ def pool_idle(mesh) -> bool:
     return wait_until(lambda: sum(running(mesh).values()) == 0)
 
 
-def holder_once_streaming(mesh, pieces: list[str], at_least: int) -> str:
+def holder_once_streaming(mesh, pieces: list, at_least: int, sequences: int = 1) -> str:
     """The worker running the one request, once `at_least` pieces of it have arrived (the pool
-    was idle before it started: see pool_idle)."""
-    counts = sample_until(lambda: running(mesh), lambda c: sum(c.values()) == 1 and len(pieces) >= at_least)
+    was idle before it started: see pool_idle). `sequences`: how many the worker counts running
+    for it (one per choice)."""
+    counts = sample_until(lambda: running(mesh), lambda c: sum(c.values()) == sequences and len(pieces) >= at_least)
     assert counts, "the stream never ran"
     return max(counts, key=counts.get)
 
@@ -148,6 +150,50 @@ def test_a_killed_workers_stream_goes_on_on_the_other_with_the_fault_free_text(m
             assert moved is not None
         finally:
             mesh.restart(victim)  # the pool is whole again for the next test, whatever this one found
+
+
+def stream_choices(client, pieces: list[tuple[int, str]], **request) -> Exception | None:
+    """`stream` for a request of several choices: (choice index, text piece) as they come."""
+    try:
+        for chunk in client.completions.create(
+            model=DEFAULT_MODEL_NAME, stream=True, extra_body={"ignore_eos": True}, **request
+        ):
+            pieces += [(c.index, c.text) for c in chunk.choices if c.text]
+    except openai.APIError as e:
+        return e
+    return None
+
+
+def texts_by_choice(pieces: list[tuple[int, str]]) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for index, text in pieces:
+        texts[index] = texts.get(index, "") + text
+    return texts
+
+
+def test_a_killed_workers_stream_of_two_choices_goes_on_with_both_fault_free_texts(mesh):
+    """n = 2, seeded: each choice moves with the tokens its client received and draws on from
+    its own seed (seed + index), so both texts are those of the run without the fault."""
+    request = dict(SEEDED, n=2, max_tokens=160)  # long enough for the holder to be seen mid-stream
+    client = client_of(mesh)
+    assert both_workers_live(mesh)
+    expected: list[tuple[int, str]] = []
+    assert stream_choices(client, expected, **request) is None
+    assert len(set(texts_by_choice(expected).values())) == 2  # two different choices
+    before = sample_until(lambda: migrations(mesh), lambda n: n is not None)
+    pieces: list[tuple[int, str]] = []
+    assert pool_idle(mesh)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        ended = pool.submit(stream_choices, client, pieces, **request)
+        victim = holder_once_streaming(mesh, pieces, at_least=6, sequences=2)  # both choices under way
+        mesh.kill(victim)
+        try:
+            assert ended.result(timeout=HANG_S) is None  # one unbroken stream
+            assert texts_by_choice(pieces) == texts_by_choice(expected)
+            moved = sample_until(lambda: migrations(mesh), lambda n: n is not None and n >= before + 1, timeout=LATE_S)
+            assert moved is not None
+        finally:
+            mesh.restart(victim)
 
 
 def prefill_holds_pages_for_a_transfer(mesh) -> bool:

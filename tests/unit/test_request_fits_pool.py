@@ -56,9 +56,17 @@ def test_a_library_callers_request_gets_every_check_and_none_means_what_the_cont
         CONTEXT.new_request("r", [100], SamplingParams())
 
 
-def test_a_resumed_request_has_one_choice():
-    assert RequestValidator.resumable([5, 6], SamplingParams(max_tokens=4)) == [5, 6]
-    with pytest.raises(ValueError, match="only a request of one choice can be resumed"):
-        RequestValidator.resumable([5], SamplingParams(n=2, temperature=1.0))
+def test_a_resumed_request_resumes_its_one_choice_or_each_of_several():
+    assert RequestValidator.resumable([5, 6], (), SamplingParams(max_tokens=4)) == [(0, [5, 6])]
+    several = SamplingParams(n=3, temperature=1.0, max_tokens=4)
+    assert RequestValidator.resumable([], [(0, [5]), (2, [6, 7])], several) == [(0, [5]), (2, [6, 7])]
+    with pytest.raises(ValueError, match="resumes by resumed_choices"):
+        RequestValidator.resumable([5], (), SamplingParams(n=2, temperature=1.0))
+    with pytest.raises(ValueError, match="below n"):
+        RequestValidator.resumable([], [(3, [5])], several)
+    with pytest.raises(ValueError, match="only a streamed request of several choices"):
+        RequestValidator.resumable([], [(0, [5])], SamplingParams(n=2, best_of=3, temperature=1.0))
+    with pytest.raises(ValueError, match="leave none of max_tokens"):
+        RequestValidator.resumable([], [(0, [5, 6, 7, 8])], several)
     with pytest.raises(ValueError, match="leave none of max_tokens"):
         CONTEXT.check_output_ids([5, 6], SamplingParams(max_tokens=2))

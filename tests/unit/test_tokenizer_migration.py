@@ -1,7 +1,6 @@
 """Request migration in the tokenizer's core: a MigrateRequest sends the request again with every
 token id streamed so far, the text goes on where it stopped (stop strings included), late tokens
-of the lost worker are dropped, and what cannot move (several choices, once streamed) fails to its
-gateway."""
+of the lost worker are dropped; several choices move each unfinished choice with its own ids."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ import dataclasses
 from pagemesh.common.messages import (
     MigrateRequest,
     RequestStarted,
+    ResumedChoice,
     ResumeState,
     ScheduleRequest,
     TokenDeltaBatch,
@@ -68,12 +68,17 @@ def test_a_process_restarted_under_a_lost_id_counts_once_it_starts_the_request_a
     assert texts(from_worker(c, "w0", tokens("r1", 0, ids[1:2]), started=("r1",))) == " two"  # the new one
 
 
-def test_several_choices_start_over_until_one_has_streamed_then_they_cannot_move():
+def test_several_choices_start_over_until_one_has_streamed_then_each_unfinished_one_moves_with_its_ids():
     c = core()
-    first = c.admit(request(text="Hi", max_tokens=20, n=2))
+    first = c.admit(request(text="Hi", max_tokens=20, n=3))
     assert c.on_migrate(migrate()) == dataclasses.replace(first, resume=ResumeState(output_token_ids=[], migrations=1))
-    from_worker(c, "w1", tokens("r1", 1, ids_of(" one")), started=("r1",))
-    address, failed = c.on_migrate(migrate("r1", "w1"))
-    assert address == GATEWAY_A and failed.status == 503 and failed.code == "worker_failure"
-    assert "several choices" in failed.message and len(c) == 0
-    assert c.on_migrate(migrate()) is None  # it is gone already (finished, aborted, failed)
+    one, two = ids_of(" one"), ids_of(" two three")
+    from_worker(c, "w1", tokens("r1", 1, one), tokens("r1", 2, two[:1]), started=("r1",))
+    from_worker(c, "w1", tokens("r1", 0, two[1:], finish="stop"))  # choice 0 ended: it stays done
+    resend = c.on_migrate(migrate("r1", "w1"))
+    choices = [ResumedChoice(index=1, output_token_ids=one), ResumedChoice(index=2, output_token_ids=two[:1])]
+    assert resend.resume == ResumeState(output_token_ids=[], migrations=2, choices=choices)
+    # the next worker's tokens carry on each choice's text
+    out = from_worker(c, "w2", tokens("r1", 2, two[1:], finish="length"), started=("r1",))
+    assert [(d.index, d.text) for d in out.batches[GATEWAY_A].deltas] == [(2, " three")]
+    assert c.on_migrate(migrate("r1", "w2")).resume.choices == [ResumedChoice(index=1, output_token_ids=one)]

@@ -197,13 +197,15 @@ class Engine:
         params: SamplingParams,
         prefill_only: bool = False,
         output_token_ids: Seq[int] = (),
+        resumed_choices: Seq[tuple[int, Seq[int]]] = (),
     ) -> None:
         """Queue a library caller's request (offline use, benches), checked first as the gateway
         and the tokenizer check a mesh's: parameters, token ids, context length (max_tokens None:
         what the context leaves). Raises ValueError naming the field. The rest is `admit`'s."""
         token_ids, params = self.validator.new_request(request_id, prompt, params)
-        self.validator.check_output_ids(output_token_ids, params)
-        self.admit(request_id, token_ids, params, prefill_only, output_token_ids)
+        for ids in (output_token_ids, *(tokens for _, tokens in resumed_choices)):
+            self.validator.check_output_ids(ids, params)
+        self.admit(request_id, token_ids, params, prefill_only, output_token_ids, resumed_choices=resumed_choices)
 
     def admit(
         self,
@@ -214,10 +216,11 @@ class Engine:
         output_token_ids: Seq[int] = (),
         images: Seq[ImageInput] = (),
         images_remote: bool = False,
+        resumed_choices: Seq[tuple[int, Seq[int]]] = (),
     ) -> None:
         """Queue a request checked before it came (by the gateway, the tokenizer and the wire
         decoder). Only what this engine alone knows is checked here (ValueError): the id is not
-        running, a resumed request has one choice, it fits the KV pool alone (a longer
+        running, a resumed request's choices are its own, it fits the KV pool alone (a longer
         max_tokens is cut to what fits).
         `prefill_only`: stop after the first token(s) and hold the pages (see `take_prefilled`).
         `output_token_ids`: a request resumed after its worker was lost (one choice only): the
@@ -228,37 +231,43 @@ class Engine:
         under (None: the base model). `images`: a multimodal prompt's images (ImageInput), their
         placeholders in the prompt; the encoder step turns them into rows (encoder_cache.py).
         `images_remote`: an encoder worker sends their rows (`receive_image_rows`); the prompt
-        waits for them (engine_images.py), then encodes here what has not come."""
+        waits for them (engine_images.py), then encodes here what has not come.
+        `resumed_choices`: a resumed request of several choices (n > 1): (index, tokens) of each
+        choice still to finish, each recomputed and continued as `output_token_ids` is."""
         self.validator.not_running(request_id, self.requests)
         root = self._check_lora(params.lora)
         mrope = self.images.check(prompt_token_ids, images)
-        token_ids, resumed = list(prompt_token_ids), self.validator.resumable(output_token_ids, params)
+        token_ids = list(prompt_token_ids)
+        choices = self.validator.resumable(output_token_ids, resumed_choices, params)
         params = self.validator.fit_pool(len(token_ids), params, prefill_only)
-        if resumed:
+        if any(resumed for _, resumed in choices):
             params = dataclasses.replace(params, prompt_logprobs=None)  # reported with its first token
-        grammar = self.grammar_masks.start(params, resumed)
-        forks = 0 if params.use_beam_search else params.num_sequences - 1
-        seq = Sequence(
-            request_id,
-            0,
-            token_ids + resumed,
-            len(token_ids),
-            params,
-            pending_forks=forks,
-            grammar=grammar,
-            lora=params.lora,
-            prefix_root=root,
-            images=list(images),
-            mrope=mrope,
-        )
-        if images_remote:
-            self.images.wait_for(seq)
-        self.generators.start(seq, draws_done=len(resumed), vocab_size=self.model_config.vocab_size)
+        forks = 0 if params.use_beam_search or len(choices) > 1 else params.num_sequences - 1
+        seqs = []
+        for index, resumed in choices:
+            seq = Sequence(
+                request_id,
+                index,
+                token_ids + resumed,
+                len(token_ids),
+                params,
+                pending_forks=forks,
+                grammar=self.grammar_masks.start(params, resumed),
+                lora=params.lora,
+                prefix_root=root,
+                images=list(images),
+                mrope=mrope,
+            )
+            if images_remote:
+                self.images.wait_for(seq)
+            self.generators.start(seq, draws_done=len(resumed), vocab_size=self.model_config.vocab_size)
+            seqs.append(seq)
         beam = BeamState(params.num_sequences, params.length_penalty) if params.use_beam_search else None
         self.requests[request_id] = EngineRequest(
-            request_id, params, [seq], len(token_ids), prefill_only=prefill_only, beam=beam
+            request_id, params, seqs, len(token_ids), prefill_only=prefill_only, beam=beam
         )
-        self.scheduler.add(seq)
+        for seq in seqs:
+            self.scheduler.add(seq)
 
     def receive_image_rows(self, request_id: str, digest: str, rows: torch.Tensor) -> None:
         """An encoder worker's rows of one image (engine_images.py)."""

@@ -82,13 +82,27 @@ class RequestValidator:
         return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
 
     @staticmethod
-    def resumable(output_token_ids: Seq[int], params: SamplingParams) -> list[int]:
-        """The tokens a resumed request generated before (see `Engine.admit`): only a request of
-        one choice can be resumed (its sequences' forks are not rebuilt)."""
+    def resumable(
+        output_token_ids: Seq[int], resumed_choices: Seq[tuple[int, Seq[int]]], params: SamplingParams
+    ) -> list[tuple[int, list[int]]]:
+        """The sequences a request starts with, as (choice index, tokens generated before, on a
+        lost worker; see `Engine.admit`): [(0, output_token_ids)] for a new request or one
+        resumed of one choice; a resumed request of several choices (n > 1, streamed: not
+        best_of or beams, which start over) gives each unfinished choice's, indices below n."""
         ids = list(output_token_ids)
         if ids and (params.num_sequences != 1 or params.use_beam_search):
-            raise ValueError("output_token_ids: only a request of one choice can be resumed")
-        return ids
+            raise ValueError("output_token_ids: a request of several choices resumes by resumed_choices")
+        if not resumed_choices:
+            return [(0, ids)]
+        if ids or not params.streams or params.num_sequences == 1:
+            raise ValueError("resumed_choices: only a streamed request of several choices (n > 1) resumes by choice")
+        indices = [i for i, _ in resumed_choices]
+        if indices != sorted(set(indices)) or not all(0 <= i < params.n for i in indices):
+            raise ValueError(f"resumed_choices: distinct choice indices in order, below n ({params.n})")
+        for _, tokens in resumed_choices:
+            if len(tokens) >= params.max_tokens:
+                raise ValueError(f"resumed_choices: {len(tokens)} tokens leave none of max_tokens {params.max_tokens}")
+        return [(i, list(tokens)) for i, tokens in resumed_choices]
 
     def check_output_ids(self, output_token_ids: Seq[int], params: SamplingParams) -> None:
         """A library caller's resumed tokens: inside the vocabulary, and fewer than max_tokens (a

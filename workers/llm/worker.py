@@ -119,6 +119,9 @@ class LLMWorker:
                     images_remote=bool(task.encoder_id) and self.image_rows is not None,
                 )
         except ValueError as e:
+                    resumed_choices=[(c.index, c.output_token_ids) for c in task.resumed_choices]
+                    if isinstance(task, GenerateTask)
+                    else (),
             self.ctx.log.warning("request refused", request_id=task.request_id, error=str(e))
             self.scheduler_queued.pop(task.request_id, None)
             self.ctx.done(task.request_id, DoneReason.REJECTED, str(e))
