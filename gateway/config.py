@@ -223,7 +223,14 @@ def add_auth_arguments(parser: argparse.ArgumentParser) -> None:
         "a flag shows in the process list) [env PAGEMESH_API_KEY]",
     )
     cli_args.add(parser, "--api-key-file", None, help="file of API keys, one per line")
-    cli_args.add(parser, "--metrics-require-key", False, action="store_true", help="/metrics needs an API key too")
+    cli_args.add(
+        parser,
+        "--metrics-require-key",
+        False,
+        action="store_true",
+        help="/metrics, /status and the status page need an API key too (default: open, for scrapers and "
+        "browsers that send none)",
+    )
     cli_args.add(
         parser, "--max-concurrent-requests-per-key", None, type=int, help="requests in flight per key (429 over it)"
     )

@@ -13,7 +13,8 @@ pagemesh bench       load generator for any OpenAI-compatible server
 pagemesh experiment  the experiments of the papers (paged-memory, orca, sarathi, ...)
 pagemesh simulate    the mesh's scheduling code in virtual time on a cost model (cluster sizing)
 pagemesh tokenizer-export DIR   the model's tokenizer as a Hugging Face folder (for load tools)
-pagemesh keys DIR    the CurveZMQ keypair of the internal sockets (then --zmq-keys DIR everywhere)
+pagemesh keys DIR    the CurveZMQ keypair of the internal sockets (then --zmq-keys DIR everywhere);
+                     --process NAME...: a pair per process and the allow-list (then --zmq-key-name NAME)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import sys
 from pagemesh.common.logging import FORMAT_ENV, FORMATS
 
 KEYS_ENV = "PAGEMESH_ZMQ_KEYS"  # common.transport_curve.KEYS_ENV (not imported here: no zmq for every command)
+KEY_NAME_ENV = "PAGEMESH_ZMQ_KEY_NAME"  # common.transport_curve.KEY_NAME_ENV
 
 COMMANDS = {
     "up": ("pagemesh.services.launcher", "the whole mesh on this machine"),
@@ -44,7 +46,7 @@ COMMANDS = {
     ),
     "simulate": ("pagemesh.bench.simulator.main", "the scheduling code on a cost model: cluster sizing, what-ifs"),
     "tokenizer-export": ("pagemesh.services.tokenizer_export", "write the tokenizer as a Hugging Face folder: DIR"),
-    "keys": ("pagemesh.services.mesh_keys", "make the CurveZMQ keypair of the internal sockets: DIR"),
+    "keys": ("pagemesh.services.mesh_keys", "make the CurveZMQ keys of the internal sockets: DIR [--process NAME...]"),
 }
 
 
@@ -53,6 +55,7 @@ def usage() -> str:
     lines += [f"  {name:<10} {what}" for name, (_, what) in COMMANDS.items()]
     lines += ["", "every command: --log-format console|json (default: console on a terminal, else json)"]
     lines += ["               --zmq-keys DIR  CurveZMQ on every internal socket (`pagemesh keys DIR` makes them)"]
+    lines += ["               --zmq-key-name NAME  this process's own pair in DIR (`pagemesh keys DIR --process NAME`)"]
     return "\n".join(lines)
 
 
@@ -89,17 +92,26 @@ def take_log_format(argv: list[str]) -> list[str]:
 def take_zmq_keys(argv: list[str]) -> list[str]:
     """`--zmq-keys DIR` / `--zmq-keys=DIR`, valid for every command, goes to $PAGEMESH_ZMQ_KEYS
     (an absolute path: the processes `pagemesh up` starts inherit it), which every socket reads
-    (common/transport_curve.py). The keys are checked here, before anything starts; the rest of argv
-    is returned."""
+    (common/transport_curve.py); `--zmq-key-name NAME`, this process's own pair in DIR, to
+    $PAGEMESH_ZMQ_KEY_NAME. The keys are checked here, before anything starts (a process whose key
+    the folder's allow-list leaves out stops too); the rest of argv is returned."""
     values, rest = take_flag(argv, "--zmq-keys")
+    names, rest = take_flag(rest, "--zmq-key-name")
     if values:
         os.environ[KEYS_ENV] = values[-1]
-    if os.environ.get(KEYS_ENV) and rest[:1] != ["keys"]:  # `pagemesh keys` makes them
-        from pagemesh.common.transport_curve import load_keys  # zmq: only for a process that uses keys
+    if names:
+        os.environ[KEY_NAME_ENV] = names[-1]
+    if rest[:1] == ["keys"]:  # `pagemesh keys` makes them
+        return rest
+    if os.environ.get(KEY_NAME_ENV) and not os.environ.get(KEYS_ENV):
+        print("pagemesh: --zmq-key-name needs --zmq-keys DIR (the folder of its keys)", file=sys.stderr)
+        raise SystemExit(2)
+    if os.environ.get(KEYS_ENV):
+        from pagemesh.common.transport_curve import check_admitted, load_keys  # zmq: only for a process with keys
 
         os.environ[KEYS_ENV] = os.path.abspath(os.environ[KEYS_ENV])
         try:
-            load_keys(os.environ[KEYS_ENV])
+            check_admitted(load_keys(os.environ[KEYS_ENV], os.environ.get(KEY_NAME_ENV) or None))
         except ValueError as e:
             print(f"pagemesh: --zmq-keys: {e}", file=sys.stderr)
             raise SystemExit(2) from None
