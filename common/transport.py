@@ -5,9 +5,10 @@
     Push    connect (or bind)                                       send(msg)
     Pull    bind (or connect)           recv() -> msg
     ThreadDealer  connect, fixed identity, blocking context    send(msg) (never waits)
+    FramePublisher, FrameReplier   raw frames for subscribers outside the mesh (vLLM's KV events)
 
 
-Request channels are ROUTER/DEALER, streams PUSH/PULL; never PUB/SUB. Each receive loop
+Request channels are ROUTER/DEALER, streams PUSH/PULL; never PUB/SUB within the mesh. Each receive loop
 decodes with `pagemesh.common.protocol.decode`; a malformed message is logged, counted in `dropped` and
 skipped, so `recv()` only ever returns valid messages. Messages with tensor frames (KV pages)
 are received with `recv_with_frames()`, which also returns those frames without copying them.
@@ -314,3 +315,62 @@ class ThreadDealer:
 
     def close(self) -> None:
         self._sock.close()
+
+
+# --------------------------------------------------------------------------- outside subscribers
+
+
+class FramePublisher:
+    """A PUB socket of raw frames for subscribers outside the mesh, in their own format (vLLM's KV
+    cache events: workers/llm/kv_events_publisher.py), on the process's blocking context, used by
+    one thread. `send` never waits: a subscriber that falls `hwm` messages behind misses messages,
+    as PUB does. As vLLM's publisher: binds a wildcard (`tcp://*:5557`), ipc:// or inproc://
+    endpoint, connects to any other. Plain (no CurveZMQ): its subscribers have no mesh keys."""
+
+    def __init__(self, endpoint: str, hwm: int):
+        self.endpoint = endpoint
+        self._sock = zmq.Context.instance().socket(zmq.PUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, hwm)
+        self.binds = "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+        _bind_or_connect(self._sock, endpoint, self.binds)
+
+    def send(self, frames: Sequence[bytes]) -> None:
+        self._sock.send_multipart(frames)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class FrameReplier:
+    """A bound ROUTER socket answering REQ clients with raw frames, used by one thread (the one
+    that calls `next_request` and `reply`) on the process's blocking context. Plain, as
+    FramePublisher."""
+
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        _bind_or_connect(self._sock, endpoint, bind=True)
+
+    def next_request(self, timeout_ms: int) -> tuple[bytes, list[bytes]] | None:
+        """(the client's identity, its request's frames after the empty delimiter), or None when
+        none came within `timeout_ms`."""
+        if not self._sock.poll(timeout_ms):
+            return None
+        identity, *rest = self._sock.recv_multipart()
+        return identity, rest[1:] if rest and rest[0] == b"" else rest
+
+    def reply(self, identity: bytes, frames: Sequence[bytes]) -> None:
+        self._sock.send_multipart([identity, b"", *frames])
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+def _bind_or_connect(sock: zmq.Socket, endpoint: str, bind: bool) -> None:
+    try:
+        sock.bind(endpoint) if bind else sock.connect(endpoint)
+    except zmq.ZMQError as e:
+        sock.close(linger=0)
+        raise OSError(f"cannot {'bind' if bind else 'connect'} {endpoint}: {e}") from e

@@ -54,6 +54,7 @@ from pagemesh.workers.engine.config import (
     kv_cache_gb_from_args,
     served_model_names,
 )
+from pagemesh.workers.engine.kv_events import kv_events_argv_for_worker
 
 WORKER_COMMANDS = ("worker", "diffusion", "encoder", "audio")  # the processes that are workers (GPUs, draining)
 
@@ -205,9 +206,11 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
             ],
         ),
     ]
+    llm_workers = 0  # each LLM worker's ordinal: its KV events socket (if any) is its own
     for role, count in (("prefill", args.prefill), ("decode", args.decode), ("mixed", args.mixed)):
         for i in range(count):
             name = f"{role}-{i}"
+            worker_engine, llm_workers = kv_events_argv_for_worker(engine, llm_workers), llm_workers + 1
             kv = ["--kv-address", ipc_address(run_dir, f"kv-{name}")] if role == "decode" else []
             if args.encoder and role != "decode":  # the prompt's workers take the encoder pool's image rows
                 kv += ["--embeds-address", ipc_address(run_dir, f"embeds-{name}")]
@@ -227,7 +230,7 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
                         "--transfer-timeout",
                         str(args.transfer_timeout),
                         *kv,
-                        *engine,
+                        *worker_engine,
                         *common,
                         *drain,
                     ],

@@ -38,8 +38,12 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagemesh.common.page_hash import chain_hash
+
+if TYPE_CHECKING:
+    from pagemesh.workers.engine.kv_events import KVEventCollector
 
 NULL_PAGE = 0
 
@@ -64,6 +68,7 @@ class BlockManager:
     page_size: int
     enable_prefix_caching: bool = True
     window: int | None = None  # keys a query sees (its position's included); None: all of them
+    events: KVEventCollector | None = None  # KV cache events (--kv-events-config): keys stored, evicted, cleared
     pages: list[Page] = field(init=False)
     free: deque[int] = field(init=False)
     evictable: OrderedDict[int, None] = field(init=False)
@@ -110,6 +115,8 @@ class BlockManager:
             if self.hash_to_page.get(page.hash) == page_id:
                 del self.hash_to_page[page.hash]
                 self._record_evicted(page.hash)
+                if self.events is not None:
+                    self.events.removed(page.hash)
             page.hash = None
             page.token_ids = None
         else:
@@ -249,10 +256,28 @@ class BlockManager:
             if key not in self.hash_to_page:
                 self.hash_to_page[key] = page.page_id
                 self._record_published(key)
+                if self.events is not None:  # a first page's parent is the root: none for the events
+                    self.events.stored(key, parent if i else None, chunk, root)
             if page.hash is None:
                 page.hash, page.token_ids = key, chunk
             parent = key
         return max(full, num_cached_pages)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached page's key (as vLLM's reset_prefix_cache): only while no page is
+        in use (a running sequence chains its next keys on its pages'); False then, else True."""
+        if self.num_used_pages:
+            return False
+        for key in self.hash_to_page:
+            self._record_evicted(key)
+        for page_id in self.evictable:
+            self.pages[page_id].hash = self.pages[page_id].token_ids = None
+            self.free.append(page_id)
+        self.evictable.clear()
+        self.hash_to_page.clear()
+        if self.events is not None:
+            self.events.cleared()
+        return True
 
     # ---- reporting what the cache holds ---------------------------------------------------
     def _record_published(self, key: int) -> None:

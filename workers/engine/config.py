@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pagemesh.common.quantization import QUANTIZATION_CHOICES
+from pagemesh.workers.engine.kv_events import KVEventsConfig
 from pagemesh.workers.engine.lora_config import add_lora_arguments, check_lora_config, lora_modules
 from pagemesh.workers.engine.speculative import SpeculativeConfig
 
@@ -65,6 +66,7 @@ class EngineConfig:
     # each sequence's numbers independent of what shares its steps: greedy output the same alone,
     # in any batch, with speculation, after a recompute (docs/perf/batch_invariance.md; CPU only)
     batch_invariant: bool = False
+    kv_events_config: KVEventsConfig | None = None  # KV cache events, as vLLM's (workers/engine/kv_events.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -270,6 +272,14 @@ def add_engine_arguments(parser) -> None:
         "the same alone, in any batch, with speculation and after a migration's recompute; prefill attention "
         "through the decode kernel (CPU only; docs/perf/batch_invariance.md)",
     )
+    add(
+        parser,
+        "--kv-events-config",
+        None,
+        help='KV cache events on a ZMQ PUB socket, as vLLM: \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://*:5557", "topic": "kv-events"}\' (also replay_endpoint, buffer_steps, hwm); one '
+        "socket per worker process: `pagemesh up` gives every LLM worker the same one (docs/deployment.md)",
+    )
 
 
 ENGINE_FLAGS = (
@@ -308,6 +318,7 @@ ENGINE_FLAGS = (
     "max_lora_rank",
     "max_cpu_loras",
     "batch_invariant",
+    "kv_events_config",
 )
 
 
@@ -347,6 +358,7 @@ def engine_config_from_args(args) -> EngineConfig:
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
         batch_invariant=args.batch_invariant,
+        kv_events_config=KVEventsConfig.from_json(args.kv_events_config),
     )
 
 

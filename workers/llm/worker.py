@@ -44,6 +44,7 @@ from pagemesh.workers.engine.engine import Engine, RequestOutput
 from pagemesh.workers.llm.config import LLMWorkerConfig
 from pagemesh.workers.llm.handoff import HandoffIn, HandoffOut
 from pagemesh.workers.llm.image_rows import ImageRowsIn
+from pagemesh.workers.llm.kv_events_publisher import KVEventsPublisher
 from pagemesh.workers.llm.lora import lora_load, run_adapter_task
 from pagemesh.workers.shell.backend import Load, Registration, WorkerContext
 from pagemesh.workers.shell.step_threads import StepThreads
@@ -73,6 +74,7 @@ class LLMWorker:
         self.produced = 0  # tokens sampled here, ever (heartbeats carry it: the status page's tokens/s)
         self.starting: dict[str, list[RequestStarted]] = {}  # reply_to -> started since the last batch
         self.scheduler_queued: dict[str, float] = {}  # request -> seconds it waited in the scheduler
+        self.kv_events = KVEventsPublisher.for_engine(engine)  # --kv-events-config (None: off)
 
     # ---- WorkerBackend ----------------------------------------------------------------------
     def registration(self) -> Registration:
@@ -202,7 +204,10 @@ class LLMWorker:
 
     async def between_steps(self) -> None:
         """Tell the scheduler which prefix-cache keys came and went since the last report (in
-        bounded messages, sent in order on the one scheduler socket)."""
+        bounded messages, sent in order on the one scheduler socket), and publish the KV cache
+        events of the last step (and of what ran in the inbox) as one batch."""
+        if self.kv_events is not None:
+            self.kv_events.flush()
         while True:
             added, removed = self.engine.blocks.take_cache_changes(MAX_PAGE_HASHES)
             if not added and not removed:
@@ -259,6 +264,8 @@ class LLMWorker:
         if self.image_rows is not None:
             self.image_rows.close()
 
+        if self.kv_events is not None:
+            self.kv_events.close()
     # ---- inside -----------------------------------------------------------------------------
     def _started(self, request_id: str, reply_to: str, num_prompt_tokens: int) -> None:
         """Tell the tokenizer a worker holds it (before any of its tokens, in the next step's
