@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 
 import structlog
 
@@ -61,6 +62,8 @@ Reply = tuple[
     list[TextDelta] | Embedding | ImageResult | TranscriptionResult | TokenizeResult | DetokenizeResult | RequestFailed,
 ]
 TOKENIZER_WAIT_S = 10.0  # a request waits this long for a tokenizer that has not answered yet
+UNKNOWN_ABORT_INTERVAL_S = 1.0  # between aborts of one unknown request whose tokens keep coming
+MAX_UNKNOWN_REMEMBERED = 4096
 
 
 class MeshClient:
@@ -79,13 +82,14 @@ class MeshClient:
         # set by the tokenizer's first Pong: requests go out only once its instance is known, so
         # a restart is always seen as a change of instance
         self._tokenizer_known = asyncio.Event()
+        self._unknown_aborted: OrderedDict[str, float] = OrderedDict()  # request id -> when
 
     def start(self) -> None:
         for loop in (
             self._route_replies(),
             self._route_status(),
             self._watch_tokenizer(),
-            ping_forever(self._tokenizer, self.identity),
+            ping_forever(self._tokenizer, self.identity, self.reply_to),  # the tokenizer watches it
         ):
             self._spawn(loop)
 
@@ -203,7 +207,8 @@ class MeshClient:
                 for delta in msg.deltas:
                     by_request.setdefault(delta.request_id, []).append(delta)
                 for request_id, deltas in by_request.items():
-                    self._deliver(request_id, (now, deltas))
+                    if not self._deliver(request_id, (now, deltas)) and not any(d.finish_reason for d in deltas):
+                        self._abort_unknown(request_id, now)
             elif isinstance(msg, EmbeddingBatch):
                 for embedding in msg.embeddings:
                     self._deliver(embedding.request_id, (now, embedding))
@@ -212,10 +217,25 @@ class MeshClient:
             else:
                 log.warning("unexpected message on the reply stream", type=type(msg).__name__)
 
-    def _deliver(self, request_id: str, reply: Reply) -> None:
+    def _deliver(self, request_id: str, reply: Reply) -> bool:
+        """Queue a reply for its request; False when this process does not know it (its client
+        left, it timed out, or an earlier process of this gateway sent it): dropped."""
         queue = self._queues.get(request_id)
-        if queue is not None:  # else the request is gone (client left, timed out): drop it
+        if queue is not None:
             queue.put_nowait(reply)
+        return queue is not None
+
+    def _abort_unknown(self, request_id: str, now: float) -> None:
+        """Tokens keep coming for a request nobody here reads (an earlier process of this gateway
+        sent it, and it was killed): stop it everywhere, at most once a second per request."""
+        last = self._unknown_aborted.get(request_id)
+        if last is not None and now - last < UNKNOWN_ABORT_INTERVAL_S:
+            return
+        self._unknown_aborted[request_id] = now
+        self._unknown_aborted.move_to_end(request_id)
+        if len(self._unknown_aborted) > MAX_UNKNOWN_REMEMBERED:
+            self._unknown_aborted.popitem(last=False)
+        self._spawn(self._send_abort(AbortRequest(request_id=request_id, reason="no client at this gateway")))
 
     async def _watch_tokenizer(self) -> None:
         peer = PeerInstance()

@@ -406,13 +406,25 @@ class TokenizerCore:
         if len(choices) == 1:
             resume = ResumeState(output_token_ids=list(choices[0].output_ids), migrations=request.migrations)
         elif any(c.output_ids for c in choices):
-            unfinished = [ResumedChoice(index=i, output_token_ids=list(c.output_ids)) for i, c in enumerate(choices) if not c.finished]
+            unfinished = [
+                ResumedChoice(index=i, output_token_ids=list(c.output_ids))
+                for i, c in enumerate(choices)
+                if not c.finished
+            ]
             resume = ResumeState(output_token_ids=[], migrations=request.migrations, choices=unfinished)
         else:
             resume = ResumeState(output_token_ids=[], migrations=request.migrations)
         resend = dataclasses.replace(request.first, resume=resume)
         request.started, request.schedule = False, resend  # a scheduler restart sends it again, as a new one
         return resend
+
+    def drop_gateway(self, reply_to: str) -> list[str]:
+        """The gateway at `reply_to` is gone (services/tokenizer/gateway_liveness.py): forget its
+        requests; their ids, to abort at the scheduler."""
+        ids = [rid for rid, r in self._requests.items() if r.reply_to == reply_to]
+        for rid in ids:
+            del self._requests[rid]
+        return ids
 
     def on_abort(self, request_id: str) -> bool:
         """The gateway gave up on the request (client gone): drop it; True if it was known."""

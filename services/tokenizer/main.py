@@ -8,7 +8,8 @@
 A TokenizeRequest or DetokenizeRequest is answered at once, to its gateway's reply address. An
 EmbeddingBatch is relayed to the gateways as it is (no text to make).
 
-Gateways ping it (Ping ──▶ Pong with this process's instance id), and it pings the scheduler:
+Gateways ping it (Ping ──▶ Pong with this process's instance id; a gateway whose pings stopped
+has its requests aborted: gateway_liveness.py), and it pings the scheduler:
 when the scheduler's instance changes, the requests it may have lost are sent to it again. A
 MigrateRequest (the request's worker is gone) is answered by sending the request again with the
 tokens it has streamed (`TokenizerCore.on_migrate`), or by failing it to its gateway.
@@ -20,6 +21,7 @@ is gone stalls (and eventually loses) only its own replies, never the other gate
 from __future__ import annotations
 
 import asyncio
+import time
 
 import structlog
 
@@ -46,6 +48,7 @@ from pagemesh.common.tokenizer import Tokenizer
 from pagemesh.common.transport import Dealer, Pull, Push, Router, UnknownPeer
 from pagemesh.services.tokenizer.config import TokenizerConfig, parse_args
 from pagemesh.services.tokenizer.core import TokenizerCore
+from pagemesh.services.tokenizer.gateway_liveness import GatewayLiveness
 from pagemesh.services.tokenizer.images import ImagePrompts
 
 log = structlog.get_logger()
@@ -73,6 +76,7 @@ async def run(config: TokenizerConfig, idle: Idleness | None = None) -> None:
         if idle is not None:
             idle.check = lambda: len(core) == 0
         gateways = GatewayReplies()
+        liveness = GatewayLiveness()
         try:
             log.info(
                 "serving",
@@ -86,7 +90,8 @@ async def run(config: TokenizerConfig, idle: Idleness | None = None) -> None:
                 with Push(config.ready_address) as ready:
                     await ready.send(Ready(service="tokenizer", name=config.name))
             await asyncio.gather(
-                _serve_gateways(frontend, core, scheduler, gateways, new_instance()),
+                _serve_gateways(frontend, core, scheduler, gateways, new_instance(), liveness),
+                _watch_gateways(core, scheduler, liveness),
                 _serve_tokens(tokens, core, scheduler, gateways),
                 _serve_scheduler(scheduler, core, gateways),
                 ping_forever(scheduler, config.name, tokens.address),
@@ -96,11 +101,18 @@ async def run(config: TokenizerConfig, idle: Idleness | None = None) -> None:
 
 
 async def _serve_gateways(
-    frontend: Router, core: TokenizerCore, scheduler: Dealer, gateways: GatewayReplies, instance: str
+    frontend: Router,
+    core: TokenizerCore,
+    scheduler: Dealer,
+    gateways: GatewayReplies,
+    instance: str,
+    liveness: GatewayLiveness,
 ) -> None:
     while True:
         identity, msg = await frontend.recv()
         if isinstance(msg, Ping):
+            if msg.address is not None:
+                liveness.seen(msg.address, time.monotonic())
             try:
                 await frontend.send(identity, Pong(service="tokenizer", instance=instance))
             except UnknownPeer:  # that gateway is gone already
@@ -123,6 +135,17 @@ async def _serve_gateways(
                 await scheduler.send(msg)
         else:
             log.warning("unexpected message from a gateway", type=type(msg).__name__)
+
+
+async def _watch_gateways(core: TokenizerCore, scheduler: Dealer, liveness: GatewayLiveness) -> None:
+    """Abort the requests of gateways whose pings stopped (gateway_liveness.py)."""
+    while True:
+        await asyncio.sleep(1.0)
+        for address in liveness.gone(time.monotonic()):
+            ids = core.drop_gateway(address)
+            log.warning("gateway gone: its requests aborted", reply_to=address, aborted=len(ids))
+            for request_id in ids:
+                await scheduler.send(AbortRequest(request_id=request_id, reason="gateway gone"))
 
 
 async def _serve_tokens(tokens: Pull, core: TokenizerCore, scheduler: Dealer, gateways: GatewayReplies) -> None:

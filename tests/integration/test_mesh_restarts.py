@@ -7,7 +7,9 @@
   serves on; what it had queued is sent to it again by the tokenizer, and the requests already on
   workers go on to their end;
 - a restarted tokenizer: the streams that went through it end with a 503 at once, and their
-  workers stop generating them.
+  workers stop generating them;
+- a killed gateway: its requests are aborted once its pings have been missing for a while (or at
+  once by the gateway's new process, if it is restarted), and their pages are free.
 
 The processes are started one by one, as compose starts them, so that one can be restarted.
 """
@@ -19,9 +21,12 @@ import time
 
 import openai
 import pytest
+import zmq
 
 from pagemesh.bench.local_mesh import HANG_S, LATE_S, SeparateProcesses, metrics, per_worker, sample_until, wait_until
 from pagemesh.common.model_files import DEFAULT_MODEL_NAME
+from pagemesh.common.protocol import ClusterStatus, StatusRequest, decode, encode
+from pagemesh.services.tokenizer.gateway_liveness import GATEWAY_TIMEOUT_S
 from pagemesh.tests.integration.conftest import stream_counting
 
 pytestmark = pytest.mark.slow
@@ -191,3 +196,88 @@ def test_after_a_scheduler_restart_a_worker_loss_still_ends_its_streams(processe
         pieces, error, ended = streaming.result(timeout=HANG_S)
     assert pieces >= streamed and isinstance(error, openai.APIError) and "stopped responding" in str(error), repr(error)
     assert ended - killed_at < HEARTBEAT_TIMEOUT_S + LATE_S  # the heartbeat timeout, not the 600 s request timeout
+
+
+def scheduler_status(processes) -> ClusterStatus:
+    """The scheduler's ClusterStatus, asked on its own socket (no gateway needed)."""
+    address = processes.argv["scheduler"][processes.argv["scheduler"].index("--address") + 1]
+    with zmq.Context.instance().socket(zmq.DEALER) as client:
+        client.connect(address)
+        client.send_multipart(encode(StatusRequest(requester="test-probe")))
+        assert client.poll(HANG_S * 1000)
+        status = decode(client.recv_multipart())
+    assert isinstance(status, ClusterStatus)
+    return status
+
+
+def mixed_worker(status: ClusterStatus):
+    return next(w for w in status.workers if w.worker_id == "mixed-0")
+
+
+def idle(status: ClusterStatus) -> bool:
+    """mixed-0 runs nothing and holds no page."""
+    worker = mixed_worker(status)
+    return worker.running == 0 and worker.kv is not None and worker.kv.used_pages == 0
+
+
+@pytest.mark.parametrize("processes", [("--mixed", "1", "--heartbeat-timeout", NEVER_S)], indirect=True)
+def test_a_killed_gateways_stream_is_aborted_and_its_pages_freed(processes):
+    """Nothing leaks when a gateway dies mid-stream and stays dead: its pings stop, and after
+    GATEWAY_TIMEOUT_S the tokenizer aborts its requests: the worker stops generating (the
+    request is not counted as finished) and its pages are free. Started again, it serves."""
+    client = openai.OpenAI(base_url=processes.url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
+    received = [0]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        streaming = pool.submit(
+            stream_counting,
+            client,
+            received,
+            0,
+            model=DEFAULT_MODEL_NAME,
+            prompt="Go on:",
+            max_tokens=4000,  # minutes of tokens: it must be stopped, not run out
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert wait_until(lambda: received[0] > 0)
+        # the scheduler has the worker's heartbeat saying it runs the request
+        assert sample_until(lambda: scheduler_status(processes), lambda s: not idle(s), interval=0.2)
+        processes.kill("gateway")
+        killed_at = time.monotonic()
+        _, error, _ = streaming.result(timeout=HANG_S)
+    assert error is not None  # the client's connection dropped
+
+    status = sample_until(lambda: scheduler_status(processes), idle, timeout=GATEWAY_TIMEOUT_S + LATE_S, interval=0.5)
+    assert status is not None, "the dead gateway's request kept running"
+    assert time.monotonic() - killed_at > GATEWAY_TIMEOUT_S - 1  # the tokenizer waited for the missing pings
+    assert mixed_worker(status).requests_finished == 0  # aborted
+    processes.restart("gateway")
+    assert complete(client).usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize("processes", [("--mixed", "1", "--heartbeat-timeout", NEVER_S)], indirect=True)
+def test_a_gateway_restarted_at_once_aborts_what_its_old_process_left(processes):
+    """Restarted at the same address, it pings on, so the tokenizer's timeout never comes: the
+    new process aborts the old one's request as its tokens arrive for a request it does not know."""
+    client = openai.OpenAI(base_url=processes.url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
+    received = [0]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        streaming = pool.submit(
+            stream_counting,
+            client,
+            received,
+            0,
+            model=DEFAULT_MODEL_NAME,
+            prompt="Go on:",
+            max_tokens=4000,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert wait_until(lambda: received[0] > 0)
+        assert sample_until(lambda: scheduler_status(processes), lambda s: not idle(s), interval=0.2)
+        ready_at = processes.restart("gateway")
+        streaming.result(timeout=HANG_S)
+    status = sample_until(lambda: scheduler_status(processes), idle, timeout=LATE_S, interval=0.2)
+    assert status is not None, "the old process's request kept running"
+    assert time.monotonic() - ready_at < GATEWAY_TIMEOUT_S  # not the tokenizer's timeout
+    assert mixed_worker(status).requests_finished == 0  # aborted
