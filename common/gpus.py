@@ -16,7 +16,21 @@ one device, so too few is an error at start that names the numbers, never a sile
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection, Sequence
+
+NVIDIA_GPUS_DIR = "/proc/driver/nvidia/gpus"  # one folder per GPU (its PCI address) while the driver runs
+
+
+def nvidia_gpu_count(gpus_dir: str = NVIDIA_GPUS_DIR) -> int:
+    """The NVIDIA GPUs of this machine as its driver lists them (0 without the driver), counted
+    without torch: `pagemesh up` runs no model, and importing torch to ask cuda.device_count()
+    cost it ~180 MB of memory for its whole life. CUDA_VISIBLE_DEVICES narrows them
+    (`visible_gpu_ids`)."""
+    try:
+        return sum(1 for entry in os.scandir(gpus_dir) if entry.is_dir())
+    except OSError:
+        return 0
 
 
 def visible_gpu_ids(cuda_visible_devices: str | None, device_count: int) -> list[str]:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pagemesh.common.cli_args import add
 from pagemesh.common.cpu_threads import usable_cores
-from pagemesh.common.gpus import visible_gpu_ids, worker_gpu_groups
+from pagemesh.common.gpus import nvidia_gpu_count, visible_gpu_ids, worker_gpu_groups
 from pagemesh.common.logging import COLOR_ENV, FORMAT_ENV, log_colors, log_format
 from pagemesh.common.lora import lora_modules
 from pagemesh.common.messages import Ready
@@ -306,9 +306,7 @@ def visible_gpus(device: str) -> list[str]:
     """The GPUs this process may use when the workers run on CUDA, else none."""
     if device == "cpu":
         return []
-    import torch
-
-    return visible_gpu_ids(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
+    return visible_gpu_ids(os.environ.get("CUDA_VISIBLE_DEVICES"), nvidia_gpu_count())
 
 
 def on_gpus(

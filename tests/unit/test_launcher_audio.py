@@ -85,9 +85,7 @@ def test_audio_beside_llm_workers_serves_both_and_takes_an_llm_workers_threads(t
 
 
 def test_an_audio_worker_gets_a_gpu_of_its_own_in_turn(monkeypatch, tmp_path, whisper):
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(launcher, "nvidia_gpu_count", lambda: 2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     args = launcher.parse(["--mixed", "1", "--diffusion", "0", "--audio", "2", "--audio-model", str(whisper)])
     procs = launcher.on_gpus(args, launcher.plan(args, str(tmp_path)))

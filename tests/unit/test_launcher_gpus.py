@@ -13,23 +13,46 @@ GB = 2**30
 
 
 def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(launcher, "nvidia_gpu_count", lambda: 2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert launcher.visible_gpus("auto") == ["0", "1"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5")
     assert launcher.visible_gpus("cuda") == ["3", "5"]
     assert launcher.visible_gpus("cpu") == []
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(launcher, "nvidia_gpu_count", lambda: 0)
     assert launcher.visible_gpus("auto") == []
+
+
+def test_the_driver_lists_one_folder_per_gpu(tmp_path):
+    from pagemesh.common.gpus import nvidia_gpu_count
+
+    for bus in ("0000:01:00.0", "0000:41:00.0"):
+        (tmp_path / bus).mkdir()
+    (tmp_path / "stray-file").write_text("")
+    assert nvidia_gpu_count(str(tmp_path)) == 2
+    assert nvidia_gpu_count(str(tmp_path / "no-driver")) == 0
+
+
+def test_pagemesh_up_itself_never_imports_torch(tmp_path):
+    """The launcher runs no model: planning a mesh and placing it on GPUs leaves torch unloaded
+    (a child process: this one has torch loaded already)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from pagemesh.services import launcher\n"
+        f"args = launcher.parse(['--prefill', '1', '--decode', '1', '--run-dir', {str(tmp_path)!r}])\n"
+        f"launcher.on_gpus(args, launcher.plan(args, {str(tmp_path)!r}))\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
 
 
 @pytest.mark.parametrize("gpus, expect", [(1, [("0", 0.45), ("0", 0.45)]), (2, [("0", 0.9), ("1", 0.9)]), (0, None)])
 def test_each_worker_sees_its_gpu_and_parses_its_memory_share(monkeypatch, tmp_path, gpus, expect):
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(launcher, "nvidia_gpu_count", lambda: gpus)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     args = launcher.parse(["--prefill", "1", "--decode", "1", "--diffusion", "0"])
     procs = launcher.on_gpus(args, launcher.plan(args, str(tmp_path)))
@@ -58,9 +81,7 @@ def test_kv_budget_is_the_share_less_the_weights_and_never_past_free_memory():
 
 
 def test_a_diffusion_worker_gets_a_gpu_in_turn_and_leaves_the_llm_workers_memory_share(monkeypatch, tmp_path):
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(launcher, "nvidia_gpu_count", lambda: 2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     args = launcher.parse(["--prefill", "1", "--decode", "1"])  # and one diffusion worker, the default
     procs = launcher.on_gpus(args, launcher.plan(args, str(tmp_path)))
@@ -72,9 +93,7 @@ def test_a_diffusion_worker_gets_a_gpu_in_turn_and_leaves_the_llm_workers_memory
 
 
 def test_a_tensor_parallel_worker_sees_a_group_of_gpus_of_its_own(monkeypatch, tmp_path):
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(launcher, "nvidia_gpu_count", lambda: 4)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,2,3,4,5")  # the driver counts 4 of them
     args = launcher.parse(["--mixed", "2", "-tp", "2", "--diffusion", "1"])
     procs = launcher.on_gpus(args, launcher.plan(args, str(tmp_path)))
@@ -85,9 +104,7 @@ def test_a_tensor_parallel_worker_sees_a_group_of_gpus_of_its_own(monkeypatch, t
 
 
 def test_too_few_gpus_for_a_worker_stops_pagemesh_up_at_start_naming_the_numbers(monkeypatch, tmp_path, capsys):
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(launcher, "nvidia_gpu_count", lambda: 2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     spawned = []
     monkeypatch.setattr(launcher.Supervisor, "spawn", lambda self, *a: spawned.append(a))
