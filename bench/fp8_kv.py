@@ -1,7 +1,8 @@
 """An fp8 KV cache against the model dtype's: quality, pages per GiB, decode speed.
 
     python bench/fp8_kv.py quality [--dtype bfloat16] [--positions 192]
-    python bench/fp8_kv.py speed [--streams 1 8 32] [--prompt-len 128] [--steps 32]
+    python bench/fp8_kv.py speed [--streams 1 8 32] [--prompt-len 128] [--steps 32] [--dtype auto]
+                                 [--quantization auto] [--num-pages 4096]
     python bench/fp8_kv.py attention [--seqs 32] [--context 160] [--layers 1 30] [--repeats 30]
 
 `quality`: fixed prompts (varied: prose, code, lists, chat) are continued greedily by the model-
@@ -119,7 +120,14 @@ def speed(args) -> None:
     print("| kv cache dtype | " + " | ".join(f"{s} streams tok/s" for s in args.streams) + " |")
     print("| --- |" + " ---: |" * len(args.streams))
     for kv in KV_DTYPES:
-        config = EngineConfig(dtype=args.dtype, num_pages=4096, max_num_seqs=max(args.streams), kv_cache_dtype=kv)
+        config = EngineConfig(
+            dtype=args.dtype,
+            quantization=args.quantization,
+            num_pages=args.num_pages,
+            max_num_seqs=max(args.streams),
+            max_model_len=max(args.prompt_len + args.steps + 8, 512),
+            kv_cache_dtype=kv,
+        )
         engine = Engine(config) if base is None else Engine(config, model=base.runner.model, tokenizer=base.tokenizer)
         base = base or engine
         cells = []
@@ -190,7 +198,9 @@ def main() -> None:
     q.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     q.add_argument("--positions", type=int, default=192)
     s = sub.add_parser("speed")
-    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    s.add_argument("--dtype", default="bfloat16", choices=["auto", "bfloat16", "float32"])
+    s.add_argument("--quantization", default="auto", help="as the engine's (--dtype auto --quantization auto: gguf)")
+    s.add_argument("--num-pages", type=int, default=4096)
     s.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     s.add_argument("--prompt-len", type=int, default=128)
     s.add_argument("--steps", type=int, default=32)

@@ -41,6 +41,7 @@ _SIGNATURES = {
     "pm_argmax_rows": [_P, _I64, _I64, _I64, _P],
     "pm_lora_add": [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _I32, _I32],
     "pm_paged_attention_fp8": [_P, _I64, _P, _P, _P, _I64, _P, _P, *[_I32] * 5, _F, _I32, _F, _P, _I32, _I32],
+    "pm_write_kv_fp8": [_P, _I64, _P, _I64, _I64, _I32, _I32, _P, _P, _I32, _P, _I32, _I32],
 }
 _library = build.Library(build.SOURCES, _SIGNATURES, build.LIBRARY_NAME)
 FP8_DTYPES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}  # an fp8 KV pool's formats (FP8_E4M3, FP8_E5M2)
@@ -259,6 +260,29 @@ def _write_kv_fp8(k, v, kv_layer, slot_mapping, kv_scales) -> None:
         raise ValueError(f"write_kv: an fp8 KV layer needs kv_scales fp32 [2, {num_kv_heads}]")
     if v.shape != k.shape or kv_layer.shape[-2:] != k.shape[1:] or not kv_layer.is_contiguous():
         raise ValueError("write_kv: k, v and a contiguous KV layer must agree in [kv_heads, head_dim]")
+    if v.dtype != k.dtype or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
+        raise ValueError("write_kv: k and v of one dtype, and an int64 contiguous slot mapping")
+    kv_scales = kv_scales.contiguous()
+    _lib.pm_write_kv_fp8(
+        k.data_ptr(),
+        _rows(k, "k"),
+        v.data_ptr(),
+        _rows(v, "v"),
+        k.shape[0],
+        k.shape[1],
+        k.shape[2],
+        kv_layer.data_ptr(),
+        slot_mapping.data_ptr(),
+        kv_layer.shape[2],
+        kv_scales.data_ptr(),
+        FP8_DTYPES[kv_layer.dtype],
+        _code(k),
+    )
+
+
+def write_kv_fp8_reference(k, v, kv_layer, slot_mapping, kv_scales) -> None:
+    """What pm_write_kv_fp8 writes, in torch (the bytes of workers/engine/kv_quant.quantize): its
+    tests' reference."""
     page_size, limit = kv_layer.shape[2], torch.finfo(kv_layer.dtype).max
     rows = slot_mapping // page_size * (2 * page_size) + slot_mapping % page_size  # K rows of [pages*2*S, KVH, D]
     flat = kv_layer.view(torch.uint8).view(-1, *k.shape[1:])

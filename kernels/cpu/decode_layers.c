@@ -2,7 +2,8 @@
  * quantized (`--quantization`), for steps whose every sequence decodes one token.
  *
  * Nothing here computes: each op is the very kernel the Python layers call (the pagemesh_cpu
- * library's norm, rotary, KV write, paged attention, SiLU-and-mul; quant_matmul.c's pm_quant_gemm_tiles for a
+ * library's norm, rotary, KV write, paged attention (their fp8 variants for an fp8 pool, with
+ * the layer's scales, as workers/engine/fp8_attention.py calls them), SiLU-and-mul; quant_matmul.c's pm_quant_gemm_tiles for a
  * weight with tiles from `tiled_min_rows` rows, pm_quant_matmul otherwise, as layers.quantized_linear picks),
  * reached through the function pointers in `pm_decode_kernels` (filled by
  * kernels/cpu/decode_layers.py from the two loaded libraries), with the same arguments in
@@ -35,6 +36,14 @@ typedef void (*pm_attention_fn)(const void *q, int64_t q_stride, void *out, cons
                                 const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                                 const int32_t *query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
                                 int head_dim, int page_size, float scale, int window, float softcap, int dt);
+typedef void (*pm_write_kv_fp8_fn)(const void *k, int64_t k_stride, const void *v, int64_t v_stride, int64_t tokens,
+                                   int num_kv_heads, int head_dim, void *kv_layer, const int64_t *slot_mapping,
+                                   int page_size, const float *kv_scales, int fmt, int dt);
+typedef void (*pm_attention_fp8_fn)(const void *q, int64_t q_stride, void *out, const void *kv_layer,
+                                    const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                                    const int32_t *query_start_loc, int num_seqs, int num_heads, int num_kv_heads,
+                                    int head_dim, int page_size, float scale, int window, float softcap,
+                                    const float *kv_scales, int fmt, int dt);
 typedef void (*pm_silu_fn)(const void *x, void *out, int64_t rows, int64_t cols, int dt);
 typedef void (*pm_matmul_fn)(const void *x, int64_t x_stride, int x_dt, const uint8_t *codes, const uint16_t *d,
                              const uint16_t *c, int bits, const float *bias, void *out, int out_dt, int64_t m,
@@ -53,6 +62,8 @@ typedef struct {
     pm_matmul_fn matmul;
     pm_gemm_tiles_fn gemm_tiles;
     int64_t tiled_min_rows; /* workers/model/layers.py TILED_MIN_ROWS */
+    pm_write_kv_fp8_fn write_kv_fp8;
+    pm_attention_fp8_fn attention_fp8;
 } pm_decode_kernels;
 
 /* One quantized W [n, k] (kernels/quantized.py's layout) and its fp32 bias or NULL */
@@ -80,9 +91,10 @@ typedef struct {
     const void *input_norm;     /* [H] dt */
     const void *post_attn_norm; /* [H] dt */
     pm_quant_weight qkv, o, gate_up, down;
-    void *kv_layer; /* [pages, 2, page_size, kv_heads, head_dim] dt */
+    void *kv_layer; /* [pages, 2, page_size, kv_heads, head_dim] dt, or fp8 bytes */
     int32_t window; /* sliding window (0: none), as pm_paged_attention takes it */
     float softcap;  /* attention logit soft-capping (0: none) */
+    const float *kv_scales; /* an fp8 layer's [2, kv_heads] scales (K's, V's), or NULL: the model dtype */
 } pm_decode_layer;
 
 /* The model's shapes and constants */
@@ -91,6 +103,7 @@ typedef struct {
     int32_t num_heads, num_kv_heads, head_dim, page_size, dt;
     float eps, scale;
     const float *cos_sin_cache; /* [max_pos, head_dim] fp32 */
+    int32_t kv_fmt;             /* an fp8 pool's format (0 e4m3fn, 1 e5m2); unread where the layers have no scales */
 } pm_decode_model;
 
 /* Scratch activations for T rows, dt, contiguous: normed [T, H], qkv [T, (heads + 2 kv_heads) D],
@@ -117,11 +130,20 @@ void pm_decode_layers(const pm_decode_kernels *kern, const pm_decode_model *m, c
         linear(kern, &l->qkv, s->normed, m->hidden, m->dt, qkv, tokens);
         kern->rotary(qkv, qkv_row, qkv + q_size * es, qkv_row, tokens, m->num_heads, m->num_kv_heads, m->head_dim,
                      positions, m->cos_sin_cache, m->dt);
-        kern->write_kv(qkv + q_size * es, qkv_row, qkv + (q_size + kv_size) * es, qkv_row, tokens, kv_size,
-                       l->kv_layer, slot_mapping, m->page_size, m->dt);
-        kern->attention(qkv, qkv_row, s->attn, l->kv_layer, block_tables, bt_stride, seq_lens, query_start_loc,
-                        (int)tokens, m->num_heads, m->num_kv_heads, m->head_dim, m->page_size, m->scale, l->window,
-                        l->softcap, m->dt);
+        if (l->kv_scales != NULL) {
+            kern->write_kv_fp8(qkv + q_size * es, qkv_row, qkv + (q_size + kv_size) * es, qkv_row, tokens,
+                               m->num_kv_heads, m->head_dim, l->kv_layer, slot_mapping, m->page_size, l->kv_scales,
+                               m->kv_fmt, m->dt);
+            kern->attention_fp8(qkv, qkv_row, s->attn, l->kv_layer, block_tables, bt_stride, seq_lens,
+                                query_start_loc, (int)tokens, m->num_heads, m->num_kv_heads, m->head_dim, m->page_size,
+                                m->scale, l->window, l->softcap, l->kv_scales, m->kv_fmt, m->dt);
+        } else {
+            kern->write_kv(qkv + q_size * es, qkv_row, qkv + (q_size + kv_size) * es, qkv_row, tokens, kv_size,
+                           l->kv_layer, slot_mapping, m->page_size, m->dt);
+            kern->attention(qkv, qkv_row, s->attn, l->kv_layer, block_tables, bt_stride, seq_lens, query_start_loc,
+                            (int)tokens, m->num_heads, m->num_kv_heads, m->head_dim, m->page_size, m->scale,
+                            l->window, l->softcap, m->dt);
+        }
         linear(kern, &l->o, s->attn, q_size, m->dt, s->o, tokens);
         kern->norm(s->o, residual, s->normed, l->post_attn_norm, tokens, m->hidden, m->eps, m->dt);
         linear(kern, &l->gate_up, s->normed, m->hidden, m->dt, s->gate_up, tokens);

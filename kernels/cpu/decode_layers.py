@@ -35,6 +35,8 @@ class Kernels(ctypes.Structure):
     _fields_ = [
         *((name, _P) for name in ("norm", "rotary", "write_kv", "attention", "silu_and_mul", "matmul", "gemm_tiles")),
         ("tiled_min_rows", _I64),
+        ("write_kv_fp8", _P),
+        ("attention_fp8", _P),
     ]
 
 
@@ -63,6 +65,7 @@ class Layer(ctypes.Structure):
         ("kv_layer", _P),
         ("window", _I32),
         ("softcap", _F),
+        ("kv_scales", _P),  # an fp8 layer's [2, kv_heads] fp32 scales, or None
     ]
 
 
@@ -80,6 +83,7 @@ class Model(ctypes.Structure):
         ("eps", _F),
         ("scale", _F),
         ("cos_sin_cache", _P),
+        ("kv_fmt", _I32),  # an fp8 pool's format (pagemesh.kernels.cpu.FP8_DTYPES), where layers have scales
     ]
 
 
@@ -119,6 +123,8 @@ def kernel_table(tiled_min_rows: int) -> Kernels | None:
         matmul=_address(matmuls.pm_quant_matmul),
         gemm_tiles=_address(matmuls.pm_quant_gemm_tiles),
         tiled_min_rows=tiled_min_rows,
+        write_kv_fp8=_address(base.pm_write_kv_fp8),
+        attention_fp8=_address(base.pm_paged_attention_fp8),
     )
 
 

@@ -101,6 +101,45 @@ def test_fused_decode_step_equals_the_python_layers(dtype, fmt):
     assert not torch.equal(after_python, before)  # the step did write its K/V
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("fmt", ["int8", "q4_1"])
+def test_fused_decode_step_over_an_fp8_pool_equals_the_python_layers(kv_dtype, fmt):
+    """An fp8 pool: the C call writes and reads its bytes with each layer's scales, as the fp8
+    attention backend's kernels do (workers/engine/fp8_attention.py)."""
+    model = quantized_model(torch.bfloat16, fmt)
+    runner = ModelRunner(model, 16, PAGE, CPU, cuda_graphs=False, kv_dtype=kv_dtype)
+    assert isinstance(runner.decode_layers, DecodeLayers)
+    tables = prefill(runner)
+    before = runner.kv_cache.clone()
+    python = decode(runner, tables, None)
+    after_python = runner.kv_cache.clone()
+    runner.kv_cache.copy_(before)
+    fused = decode(runner, tables, runner.decode_layers)
+    assert torch.equal(fused, python)
+    assert torch.equal(runner.kv_cache.view(torch.uint8), after_python.view(torch.uint8))
+    assert not torch.equal(after_python.view(torch.uint8), before.view(torch.uint8))  # it wrote its K/V
+
+
+def test_the_fp8_kv_write_kernel_gives_torchs_bytes_for_every_bf16_value():
+    """pm_write_kv_fp8 against `(x / scale).clamp(-max, max).to(fp8)` (the torch reference the
+    pool's bytes were defined by), over every finite bf16 value and three scales."""
+    import pagemesh.kernels.cpu as kernels
+
+    heads, dim, page = 2, 64, 16
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    every = every[torch.isfinite(every.float())]
+    x = every[: every.numel() // (heads * dim) * heads * dim].view(-1, heads, dim)
+    slots = torch.arange(x.shape[0], dtype=torch.int64)
+    pages = -(-x.shape[0] // page)
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for scale in (1.0, 0.37, 123.4567):
+            scales = torch.full((2, heads), scale)
+            got, want = (torch.zeros(pages, 2, page, heads, dim, dtype=fp8) for _ in range(2))
+            kernels.write_kv(x, x.flip(0), got, slots, kv_scales=scales)
+            kernels.write_kv_fp8_reference(x, x.flip(0), want, slots, scales)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (fp8, scale)
+
+
 @pytest.mark.parametrize("tiled", [True, False])
 def test_fused_decode_step_equals_the_python_layers_over_many_rows(tiled):
     """11 rows: the tiled GEMM in two row chunks; without tiles, the plain kernel (as

@@ -39,6 +39,9 @@ class Fp8KVAttention:
         self.layer_bytes = kv_cache.stride(0) * kv_cache.element_size()
         self.builds_cpu_indices = kernels != "triton"
         self.decode_gather = kernels == "torch"
+        # writes and decodes are pagemesh.kernels.cpu's fp8 kernels, nothing around them: the
+        # model's DecodeLayers may call them in its one C call (with `kv_scales`)
+        self.cpu_decode_kernels = kernels == "cpu"
         if kernels == "cpu":
             import pagemesh.kernels.cpu as cpu_kernels
 

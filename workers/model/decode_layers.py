@@ -13,8 +13,9 @@ bit (tests/unit/test_decode_layers.py).
     if layers is not None and layers.can_run(md, x): out, residual = layers.run(x, md)
 
 It applies (unless PAGEMESH_DECODE_LAYERS=0, for A/B runs) on a CPU with the C kernels loaded,
-one tensor- and pipeline-parallel rank holding the whole model, a KV pool in the model dtype
-(not fp8), and every decoder linear quantized. A step qualifies when every sequence decodes
+one tensor- and pipeline-parallel rank holding the whole model, a KV pool in the model dtype or
+fp8 (its attention on the C kernels: the layers write and read it with its per-layer scales), and
+every decoder linear quantized. A step qualifies when every sequence decodes
 (query length 1) and the rows stay below `layers.DEQUANTIZE_MIN_ROWS` (from there a bf16 linear
 widens W, which the C call does not do).
 """
@@ -25,6 +26,7 @@ import os
 
 import torch
 
+from pagemesh.kernels.cpu import FP8_DTYPES
 from pagemesh.kernels.cpu import decode_layers as binding
 from pagemesh.kernels.quantized import QuantizedWeight, is_quantized
 from pagemesh.workers.attention.metadata import AttentionMetadata
@@ -35,7 +37,8 @@ class DecodeLayers:
     Holds the addresses of the model's weights and KV pool: build it after they are in place
     (`ModelRunner` does, once) and keep the model and the pool alive as long as it lives."""
 
-    def __init__(self, model, kv_cache: torch.Tensor, kernels: binding.Kernels):
+    def __init__(self, model, kv_cache: torch.Tensor, kernels: binding.Kernels, kv_scales: torch.Tensor | None = None):
+        """`kv_scales`: an fp8 pool's [layers, 2, kv_heads] fp32 scales (None: the model dtype's pool)."""
         cfg = model.config
         self.kernels = kernels
         self.dtype = model.dtype
@@ -52,8 +55,12 @@ class DecodeLayers:
             eps=model.layers[0].input_layernorm.eps,
             scale=model.layers[0].self_attn.scale,
             cos_sin_cache=model.rotary.cos_sin_cache.data_ptr(),
+            kv_fmt=FP8_DTYPES.get(kv_cache.dtype, 0),
         )
         self._keep: list[torch.Tensor] = [model.rotary.cos_sin_cache]  # tensors the C side points into
+        if kv_scales is not None:
+            kv_scales = kv_scales.contiguous()
+            self._keep.append(kv_scales)
         self.layers = (binding.Layer * len(model.layers))()
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -67,6 +74,7 @@ class DecodeLayers:
                 kv_layer=kv_cache[i].data_ptr(),
                 window=getattr(attn, "window", None) or 0,  # the layer's sliding window, if any
                 softcap=getattr(attn, "softcap", None) or 0.0,
+                kv_scales=None if kv_scales is None else kv_scales[i].data_ptr(),
             )
         self.num_layers = len(model.layers)
         self.any_rows = False  # True in the batch-invariant mode (for_model)
@@ -92,7 +100,9 @@ class DecodeLayers:
         if not isinstance(ops, CpuKernelOps) or not getattr(attention, "cpu_decode_kernels", False):
             return None
         dtype = model.dtype
-        if kv_cache.device.type != "cpu" or kv_cache.dtype != dtype or dtype not in (torch.bfloat16, torch.float32):
+        kv_scales = getattr(attention, "kv_scales", None)  # an fp8 pool's (Fp8KVAttention on the C kernels)
+        pool_dtype_ok = kv_cache.dtype == dtype or (kv_cache.dtype in FP8_DTYPES and kv_scales is not None)
+        if kv_cache.device.type != "cpu" or not pool_dtype_ok or dtype not in (torch.bfloat16, torch.float32):
             return None
         if model.tp.world_size != 1 or not (model.is_first and model.is_last):
             return None
@@ -115,7 +125,7 @@ class DecodeLayers:
         kernels = binding.kernel_table(TILED_MIN_ROWS)
         if kernels is None:
             return None
-        layers = cls(model, kv_cache, kernels)
+        layers = cls(model, kv_cache, kernels, kv_scales if kv_cache.dtype in FP8_DTYPES else None)
         layers.any_rows = batch_invariant  # the Python layers never widen W then: no row limit
         return layers
 
