@@ -46,6 +46,15 @@ def processes(tmp_path, request):
         procs.stop()
 
 
+GO_ON = dict(model=DEFAULT_MODEL_NAME, prompt="Go on:", temperature=0, extra_body={"ignore_eos": True})
+
+
+def start_stream(pool, client, received: list[int], max_tokens: int) -> concurrent.futures.Future:
+    """A greedy stream of `max_tokens` in `pool`, counting its chunks in received[0] (its future:
+    stream_counting's result)."""
+    return pool.submit(stream_counting, client, received, 0, max_tokens=max_tokens, **GO_ON)
+
+
 def complete(client, max_tokens=5):
     return client.completions.create(
         model=DEFAULT_MODEL_NAME, prompt="Hello", max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True}
@@ -62,17 +71,7 @@ def test_a_worker_restarted_under_its_id_fails_what_the_old_process_held(process
     received = [0]  # text chunks so far
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        running = pool.submit(
-            stream_counting,
-            client,
-            received,
-            0,
-            model=DEFAULT_MODEL_NAME,
-            prompt="Go on:",
-            max_tokens=2000,
-            temperature=0,
-            extra_body={"ignore_eos": True},
-        )
+        running = start_stream(pool, client, received, 2000)
         assert wait_until(lambda: received[0] > 0)  # it is streaming
         ready_at = processes.restart("mixed-0")
         pieces, error, ended = running.result(timeout=HANG_S)
@@ -102,17 +101,7 @@ def test_a_restarted_scheduler_loses_nothing_queued_or_placed(processes):
     received = [0, 0]
     running = lambda: per_worker(metrics(processes.url), "pagemesh_num_requests_running").get("mixed-0", 0)  # noqa: E731
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        streaming = pool.submit(
-            stream_counting,
-            client,
-            received,
-            0,
-            model=DEFAULT_MODEL_NAME,
-            prompt="Go on:",
-            max_tokens=400,
-            temperature=0,
-            extra_body={"ignore_eos": True},
-        )
+        streaming = start_stream(pool, client, received, 400)
         assert wait_until(lambda: received[0] > 0)
         # two sequences that send nothing until they end (best_of): only the worker knows it runs
         silent = pool.submit(
@@ -145,17 +134,7 @@ def test_a_restarted_tokenizer_ends_its_streams_at_once_and_their_work_stops(pro
     received = [0]
     running = lambda m: per_worker(m, "pagemesh_num_requests_running").get("mixed-0")  # noqa: E731
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        streaming = pool.submit(
-            stream_counting,
-            client,
-            received,
-            0,
-            model=DEFAULT_MODEL_NAME,
-            prompt="Go on:",
-            max_tokens=3000,
-            temperature=0,
-            extra_body={"ignore_eos": True},
-        )
+        streaming = start_stream(pool, client, received, 3000)
         assert wait_until(lambda: received[0] > 0)
         ready_at = processes.restart("tokenizer")
         pieces, error, ended = streaming.result(timeout=HANG_S)
@@ -176,17 +155,7 @@ def test_after_a_scheduler_restart_a_worker_loss_still_ends_its_streams(processe
     client = openai.OpenAI(base_url=processes.url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
     received = [0]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        streaming = pool.submit(
-            stream_counting,
-            client,
-            received,
-            0,
-            model=DEFAULT_MODEL_NAME,
-            prompt="Go on:",
-            max_tokens=3000,
-            temperature=0,
-            extra_body={"ignore_eos": True},
-        )
+        streaming = start_stream(pool, client, received, 3000)
         assert wait_until(lambda: received[0] > 0)
         processes.restart("scheduler")
         assert wait_until(lambda: "mixed-0" in per_worker(metrics(processes.url), "pagemesh_kv_cache_usage_ratio"))
@@ -228,17 +197,7 @@ def test_a_killed_gateways_stream_is_aborted_and_its_pages_freed(processes):
     client = openai.OpenAI(base_url=processes.url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
     received = [0]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        streaming = pool.submit(
-            stream_counting,
-            client,
-            received,
-            0,
-            model=DEFAULT_MODEL_NAME,
-            prompt="Go on:",
-            max_tokens=4000,  # minutes of tokens: it must be stopped, not run out
-            temperature=0,
-            extra_body={"ignore_eos": True},
-        )
+        streaming = start_stream(pool, client, received, 4000)  # minutes of tokens: it must be stopped, not run out
         assert wait_until(lambda: received[0] > 0)
         # the scheduler has the worker's heartbeat saying it runs the request
         assert sample_until(lambda: scheduler_status(processes), lambda s: not idle(s), interval=0.2)
@@ -262,17 +221,7 @@ def test_a_gateway_restarted_at_once_aborts_what_its_old_process_left(processes)
     client = openai.OpenAI(base_url=processes.url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
     received = [0]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        streaming = pool.submit(
-            stream_counting,
-            client,
-            received,
-            0,
-            model=DEFAULT_MODEL_NAME,
-            prompt="Go on:",
-            max_tokens=4000,
-            temperature=0,
-            extra_body={"ignore_eos": True},
-        )
+        streaming = start_stream(pool, client, received, 4000)
         assert wait_until(lambda: received[0] > 0)
         assert sample_until(lambda: scheduler_status(processes), lambda s: not idle(s), interval=0.2)
         ready_at = processes.restart("gateway")

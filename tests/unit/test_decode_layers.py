@@ -84,30 +84,9 @@ def decode(runner: ModelRunner, tables, fused: DecodeLayers | None, prompts=PROM
     return runner.model(ids, ctx, torch.arange(len(prompts)))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("fmt", ["int8", "q4_1"])
-def test_fused_decode_step_equals_the_python_layers(dtype, fmt):
-    model = quantized_model(dtype, fmt)
-    runner = ModelRunner(model, 16, PAGE, CPU, cuda_graphs=False)
-    assert isinstance(runner.decode_layers, DecodeLayers)
-    tables = prefill(runner)
-    before = runner.kv_cache.clone()
-    python = decode(runner, tables, None)
-    after_python = runner.kv_cache.clone()
-    runner.kv_cache.copy_(before)
-    fused = decode(runner, tables, runner.decode_layers)
-    assert torch.equal(fused, python)
-    assert torch.equal(runner.kv_cache, after_python)
-    assert not torch.equal(after_python, before)  # the step did write its K/V
-
-
-@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("fmt", ["int8", "q4_1"])
-def test_fused_decode_step_over_an_fp8_pool_equals_the_python_layers(kv_dtype, fmt):
-    """An fp8 pool: the C call writes and reads its bytes with each layer's scales, as the fp8
-    attention backend's kernels do (workers/engine/fp8_attention.py)."""
-    model = quantized_model(torch.bfloat16, fmt)
-    runner = ModelRunner(model, 16, PAGE, CPU, cuda_graphs=False, kv_dtype=kv_dtype)
+def assert_fused_equals_python(runner: ModelRunner) -> None:
+    """One decode step of PROMPTS through the Python layers, then again from the same pool
+    through the fused call: the same outputs and the same pool bytes, and the step wrote K/V."""
     assert isinstance(runner.decode_layers, DecodeLayers)
     tables = prefill(runner)
     before = runner.kv_cache.clone()
@@ -117,7 +96,23 @@ def test_fused_decode_step_over_an_fp8_pool_equals_the_python_layers(kv_dtype, f
     fused = decode(runner, tables, runner.decode_layers)
     assert torch.equal(fused, python)
     assert torch.equal(runner.kv_cache.view(torch.uint8), after_python.view(torch.uint8))
-    assert not torch.equal(after_python.view(torch.uint8), before.view(torch.uint8))  # it wrote its K/V
+    assert not torch.equal(after_python.view(torch.uint8), before.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", ["int8", "q4_1"])
+def test_fused_decode_step_equals_the_python_layers(dtype, fmt):
+    runner = ModelRunner(quantized_model(dtype, fmt), 16, PAGE, CPU, cuda_graphs=False)
+    assert_fused_equals_python(runner)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("fmt", ["int8", "q4_1"])
+def test_fused_decode_step_over_an_fp8_pool_equals_the_python_layers(kv_dtype, fmt):
+    """An fp8 pool: the C call writes and reads its bytes with each layer's scales, as the fp8
+    attention backend's kernels do (workers/engine/fp8_attention.py)."""
+    runner = ModelRunner(quantized_model(torch.bfloat16, fmt), 16, PAGE, CPU, cuda_graphs=False, kv_dtype=kv_dtype)
+    assert_fused_equals_python(runner)
 
 
 def test_the_fp8_kv_write_kernel_gives_torchs_bytes_for_every_bf16_value():
