@@ -2,6 +2,8 @@
 
     python bench/speculative.py [--max-tokens 128] [--repeats 2] [--streams 8 32] [--k 4]
     python bench/speculative.py --methods none ngram draft_quantized   # the arms (default: none ngram)
+    python bench/speculative.py --methods none ngram suffix --workloads quoting "agentic repeat" "free chat" \
+        --streams 8 32 --stream-workloads quoting "agentic repeat" "free chat"   # issue 36's goals
     python bench/speculative.py --sweep 1 2 4 8 16 32      # where speculation stops paying
     python bench/speculative.py --methods draft_quantized --forward-costs   # what a pass costs
 
@@ -10,10 +12,12 @@ run with every arm in turn (none = no `--speculative-config`; ngram; draft_quant
 model's own GGUF 4-bit weights propose, `--draft-quantization`), A-B-C-A-B-C `--repeats` times
 on one engine (the machine's speed drifts); output tok/s of each arm, its ratio to none, and
 the acceptance rate and mean accepted length (tokens per verifying pass). Then `--streams`
-concurrent requests cycling through the three workloads, the engine's default
-`max_decode_rows` deciding per step. `--sweep` runs the mixed workload at each batch size with
-speculation allowed at any size, for picking that default. Figures are wall time on this
-machine: quote `uptime`.
+concurrent requests cycling through the three workloads (or, with `--stream-workloads`, each
+workload alone), the draft-length policy deciding per step and sequence how many drafts to verify
+(`--max-decode-rows N` restores a fixed cut-off). "agentic repeat" is a request this server has
+answered before (an agent asking the same thing again): every arm runs it once untimed before each
+timed run, so the suffix method's cache holds that earlier output. `--sweep` runs the mixed
+workload at each batch size. Figures are wall time on this machine: quote `uptime`.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ WORKLOADS = {
     "quoting": f"Repeat the following paragraph exactly, word for word:\n\n{PARAGRAPH}",
     "summarizing": f"Summarize the following paragraph in a few sentences, reusing its words:\n\n{PARAGRAPH}",
     "free chat": "Write a short story about a robot who learns to paint.",
+    "agentic repeat": "Plan the steps to deploy a small web service, as a numbered list of tool calls in JSON.",
 }
+PRIMED = {"agentic repeat"}  # run once, untimed, before each timed run (in every arm)
 
 
 def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
@@ -50,14 +56,19 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[floa
     return time.perf_counter() - start, sum(len(r.token_ids[0]) for r in results)
 
 
-def compare(engine, prompts, max_tokens, repeats, configs) -> list[tuple[str, float, SpeculationStats]]:
+def compare(engine, prompts, max_tokens, repeats, configs, prime=False) -> list[tuple[str, float, SpeculationStats]]:
     """Per arm (name -> config, None = no speculation): median tok/s over `repeats` rounds in which
-    every arm runs once in turn, and its speculating runs' stats."""
+    every arm runs once in turn, and its speculating runs' stats (`prime`: the prompts run once,
+    untimed and uncounted, before each timed run)."""
     speeds: dict[str, list[float]] = {name: [] for name in configs}
     totals = {name: SpeculationStats() for name in configs}
     for _ in range(repeats):
         for name, config in configs.items():
             stats = use_speculation(engine, config)
+            if prime:
+                run(engine, prompts, max_tokens)
+                if stats is not None:
+                    stats.passes = stats.proposed = stats.accepted = 0
             seconds, tokens = run(engine, prompts, max_tokens)
             speeds[name].append(tokens / seconds)
             if stats is not None:
@@ -130,9 +141,13 @@ def main() -> None:
     parser.add_argument("--sweep", type=int, nargs="*", default=[])
     parser.add_argument("--no-single", action="store_true", help="skip the single streams")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    parser.add_argument("--methods", nargs="+", default=["none", "ngram"], choices=["none", "ngram", "draft_quantized"])
+    parser.add_argument(
+        "--methods", nargs="+", default=["none", "ngram"], choices=["none", "ngram", "suffix", "draft_quantized"]
+    )
+    parser.add_argument("--stream-workloads", nargs="+", default=["mixed"], choices=["mixed", *WORKLOADS])
+    parser.add_argument("--max-decode-rows", type=int, default=None, help="a fixed cut-off (default: none)")
     parser.add_argument("--draft-quantization", default="gguf", choices=["gguf", "int8"])
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS)[:3], choices=list(WORKLOADS))
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--forward-costs", action="store_true", help="only time the forwards a pass is made of")
     args = parser.parse_args()
@@ -140,9 +155,10 @@ def main() -> None:
         args.methods.insert(0, "none")  # the ratios are to it
     engine = Engine(EngineConfig(dtype=args.dtype, max_num_seqs=max([64, *args.streams, *args.sweep])))
     chat = {
-        name: engine.tokenizer.encode_chat([{"role": "user", "content": WORKLOADS[name]}]) for name in args.workloads
+        name: engine.tokenizer.encode_chat([{"role": "user", "content": WORKLOADS[name]}])
+        for name in {*args.workloads, *(w for w in args.stream_workloads if w != "mixed")}
     }
-    configs = arms(args.methods, args.k, args.draft_quantization)
+    configs = arms(args.methods, args.k, args.draft_quantization, args.max_decode_rows)
     for config in configs.values():  # load a draft before timing anything
         use_speculation(engine, config)
     if args.forward_costs:
@@ -154,23 +170,24 @@ def main() -> None:
         "| workload | arm | tok/s | vs none | acceptance | tokens/pass |\n| --- | --- | ---: | ---: | ---: | ---: |"
     )
     print(f"k={args.k}, max_tokens={args.max_tokens}, dtype {engine.runner.dtype}, repeats {args.repeats}")
-    mixed = list(chat.values())
+    mixed = [chat[name] for name in args.workloads if name in chat]
     if not args.sweep:
         print(header)
-        for name, prompt in chat.items() if not args.no_single else ():
-            results = compare(engine, [prompt], args.max_tokens, args.repeats, configs)
+        for name in args.workloads if not args.no_single else ():
+            results = compare(engine, [chat[name]], args.max_tokens, args.repeats, configs, name in PRIMED)
             print("\n".join(rows(f"1 stream, {name}", results)), flush=True)
         for n in args.streams:
-            prompts = [mixed[i % len(mixed)] for i in range(n)]
-            results = compare(engine, prompts, args.max_tokens, args.repeats, configs)
-            print("\n".join(rows(f"{n} streams, mixed", results)), flush=True)
+            for name in args.stream_workloads:
+                source = mixed if name == "mixed" else [chat[name]]
+                prompts = [source[i % len(source)] for i in range(n)]
+                results = compare(engine, prompts, args.max_tokens, args.repeats, configs, name in PRIMED)
+                print("\n".join(rows(f"{n} streams, {name}", results)), flush=True)
         return
-    print("sweep: speculation allowed at every batch size (max_decode_rows unlimited)")
+    print("sweep: the mixed workload at each batch size")
     print(header)
-    unlimited = arms(args.methods, args.k, args.draft_quantization, max_decode_rows=1 << 20)
     for n in args.sweep:
         prompts = [mixed[i % len(mixed)] for i in range(n)]
-        results = compare(engine, prompts, args.max_tokens, args.repeats, unlimited)
+        results = compare(engine, prompts, args.max_tokens, args.repeats, configs)
         print("\n".join(rows(f"{n} streams, mixed", results)), flush=True)
 
 

@@ -63,6 +63,20 @@ class ClusterCollector(Collector):
                 ("accepted_tokens", "Draft tokens accepted (acceptance rate = accepted / draft), per worker."),
             )
         ]
+        # vLLM's spec_decode counters (vllm/v1/spec_decode/metrics.py): drafts = verifying passes
+        vspec = [
+            CounterMetricFamily(f"vllm:spec_decode_{name}", doc, labels=v)
+            for name, doc in (
+                ("num_drafts", "Number of spec decoding drafts."),
+                ("num_draft_tokens", "Number of draft tokens."),
+                ("num_accepted_tokens", "Number of accepted tokens."),
+            )
+        ]
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=[*v, "position"],
+        )
         # vLLM's LoRA gauge (the Gateway API inference extension routes by it): its value is the time
         lora_info = GaugeMetricFamily(
             "vllm:lora_requests_info",
@@ -97,9 +111,13 @@ class ClusterCollector(Collector):
                 feature_cache.add_metric([w.worker_id], w.feature_cache.bytes)
             if w.speculation is not None:
                 s = w.speculation
-                for family, value in zip(spec, (s.verify_passes, s.draft_tokens, s.accepted_tokens)):
+                for family, vfamily, value in zip(spec, vspec, (s.verify_passes, s.draft_tokens, s.accepted_tokens)):
                     family.add_metric([w.worker_id], value)
+                    vfamily.add_metric(vl, value)
+                for position, value in enumerate(s.accepted_per_pos):
+                    per_pos.add_metric([*vl, str(position)], value)
         yield from (running, waiting, usage, p_running, p_waiting, p_usage, finished, feature_cache, *spec)
+        yield from (*vspec, per_pos)
         yield from (lora_info, *lora_loads)
         yield CounterMetricFamily(
             "pagemesh_kv_transfer_bytes",

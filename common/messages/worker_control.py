@@ -125,6 +125,7 @@ class SpeculationLoad:
     verify_passes: int
     draft_tokens: int
     accepted_tokens: int
+    accepted_per_pos: list[int] = field(default_factory=list)  # [j]: passes that kept draft j (0-based)
 
 
 @record

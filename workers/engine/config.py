@@ -240,9 +240,12 @@ def add_engine_arguments(parser) -> None:
         "--speculative-config",
         None,
         help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (plus "max_decode_rows": no speculation in '
-        'steps with more decode rows), or \'{"method": "draft_quantized", "num_speculative_tokens": 4, '
-        '"quantization": "gguf"}\': the model\'s own 4-bit (gguf) or int8 weights propose',
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\', \'{"method": "suffix"}\' (suffix decoding over the '
+        "prompt and this server's earlier outputs; vLLM's suffix_decoding_* keys), or '{\"method\": "
+        '"draft_quantized", "num_speculative_tokens": 4, "quantization": "gguf"}\': the model\'s own 4-bit '
+        "(gguf) or int8 weights propose. Each step picks each sequence's draft length from its measured "
+        'acceptance and the step\'s measured cost (workers/engine/draft_length.py); "max_decode_rows": N '
+        "brings back a fixed cut-off (no speculation in steps with more decode rows)",
     )
     add(
         parser,

@@ -154,6 +154,8 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        if self.speculator is not None:  # its estimate goes; a suffix cache keeps its output
+            self.speculator.finished(seq.seq_id, seq.output_token_ids, reason)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -191,14 +193,15 @@ class Scheduler:
         budget = self._schedule_running_prefills(plan, budget)
         if not plan.preempted:  # memory is short: admitting now would just thrash
             self._admit_waiting(plan, budget)
+        if self.speculator is not None:
+            decode_only = all(c.num_tokens == 1 + len(c.drafts) for c in plan.chunks)  # prefill rows cost less
+            self.speculator.planned(plan.num_tokens if decode_only else 0)  # timed at the next plan
         return plan
 
     def _schedule_decodes(self, plan: StepPlan, budget: int) -> int:
         scheduled: set[int] = set()
         speculating: list[ScheduledChunk] = []  # after the single-token decodes (attention's fast path)
-        speculate = self.speculator is not None and self.speculator.step_allows(
-            sum(1 for s in self.running if not s.is_prefilling)
-        )
+        drafts_of = self._plan_drafts(budget) if self.speculator is not None else {}
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -206,7 +209,7 @@ class Scheduler:
                 continue
             if self.in_flight is not None and not self._takes(seq, plan, speculating):
                 continue
-            drafts = self._drafts(seq, budget) if speculate else []
+            drafts = drafts_of.get(seq.seq_id, [])[: budget - 1]
             if drafts and self._reserve(seq, 1 + len(drafts), plan):
                 speculating.append(ScheduledChunk(seq, seq.num_computed, 1 + len(drafts), drafts))
                 scheduled.add(seq.seq_id)
@@ -226,6 +229,25 @@ class Scheduler:
             budget -= 1
         plan.chunks += [c for c in speculating if c.seq.status is SeqStatus.RUNNING]
         return budget
+
+    def _plan_drafts(self, budget: int) -> dict[int, list[int]]:
+        """Each decode's drafts this step (by seq_id): its proposal within its room, cut to the
+        length the speculator's policy picks for this batch (workers/engine/draft_length.py)."""
+        spec = self.speculator
+        spec.step_started(time.perf_counter())
+        if not spec.step_allows(sum(1 for s in self.running if not s.is_prefilling)):
+            return {}
+        decodes = [s for s in self.running if s.status is SeqStatus.RUNNING and not s.is_prefilling]
+        decodes = [s for s in decodes if not self._busy(s)]
+        spare = budget - len(decodes)
+        if spare <= 0:
+            return {}
+        rows = len(decodes)
+        worth = [s for s in decodes if spec.worth_proposing(s.seq_id, rows)]
+        proposals = {s.seq_id: d for s in worth if (d := self._drafts(s, spare + 1))}
+        ids = list(proposals)
+        ks = spec.lengths(ids, [len(proposals[i]) for i in ids], rows, spare)
+        return {i: proposals[i][:k] for i, k in zip(ids, ks) if k}
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
         """Draft tokens for a decode of `seq`, within the step's `budget` and the tokens the

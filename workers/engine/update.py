@@ -191,7 +191,7 @@ class StepUpdate:
         accepted = 0
         while accepted < len(drafts) and results[accepted][0] == drafts[accepted]:
             accepted += 1
-        self.speculation.record(len(drafts), accepted)
+        self.speculation.record(len(drafts), accepted, seq.seq_id)  # and its acceptance estimate
         # a row whose drafts keep missing (free text) waits 1, 2, 4 .. 16 steps before the next
         # proposal, so it stops paying for verification where lookup does not work
         seq.spec_misses = 0 if accepted else seq.spec_misses + 1

@@ -119,11 +119,11 @@ class LLMWorker:
                     output_token_ids=resumed,
                     images=task.images,
                     images_remote=bool(task.encoder_id) and self.image_rows is not None,
-                )
-        except ValueError as e:
                     resumed_choices=[(c.index, c.output_token_ids) for c in task.resumed_choices]
                     if isinstance(task, GenerateTask)
                     else (),
+                )
+        except ValueError as e:
             self.ctx.log.warning("request refused", request_id=task.request_id, error=str(e))
             self.scheduler_queued.pop(task.request_id, None)
             self.ctx.done(task.request_id, DoneReason.REJECTED, str(e))
@@ -238,7 +238,12 @@ class LLMWorker:
         if self.engine.scheduler.speculator is None:
             return None
         stats = self.engine.stats.speculation
-        return SpeculationLoad(verify_passes=stats.passes, draft_tokens=stats.proposed, accepted_tokens=stats.accepted)
+        return SpeculationLoad(
+            verify_passes=stats.passes,
+            draft_tokens=stats.proposed,
+            accepted_tokens=stats.accepted,
+            accepted_per_pos=list(stats.accepted_per_pos),
+        )
 
     def held(self) -> list[HeldRequest]:
         held = {rid: HeldRequest(request_id=rid, reply_to=reply_to) for rid, reply_to in self.reply_to.items()}
@@ -259,13 +264,13 @@ class LLMWorker:
 
     def close(self) -> None:
         self.out.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.incoming is not None:
             self.incoming.close()
         if self.image_rows is not None:
             self.image_rows.close()
 
-        if self.kv_events is not None:
-            self.kv_events.close()
     # ---- inside -----------------------------------------------------------------------------
     def _started(self, request_id: str, reply_to: str, num_prompt_tokens: int) -> None:
         """Tell the tokenizer a worker holds it (before any of its tokens, in the next step's
