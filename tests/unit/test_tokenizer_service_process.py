@@ -210,6 +210,7 @@ def test_pings_and_a_restarted_scheduler_over_sockets(tmp_path):
 
 
 def test_a_ping_from_a_gateway_that_left_does_not_stop_the_tokenizer():
+    from pagemesh.services.tokenizer.gateway_liveness import GatewayLiveness
     from pagemesh.services.tokenizer.main import _serve_gateways
 
     class Frontend:  # a Router whose first peer is gone by the time its Pong goes out
@@ -229,7 +230,7 @@ def test_a_ping_from_a_gateway_that_left_does_not_stop_the_tokenizer():
 
     async def main():
         frontend = Frontend()
-        serving = asyncio.create_task(_serve_gateways(frontend, None, None, None, "inst"))
+        serving = asyncio.create_task(_serve_gateways(frontend, None, None, None, "inst", GatewayLiveness()))
         assert await asyncio.wait_for(frontend.sent.get(), TIMEOUT_S) == (
             b"gw0",
             Pong(service="tokenizer", instance="inst"),
