@@ -2,41 +2,19 @@
 equal those of the same engine without speculation, earlier outputs feed later drafts, and a
 batch far above the old 8-row cut-off still speculates."""
 
-import contextlib
-
 import pytest
 
 from pagemesh.common.sampling import SamplingParams
-from pagemesh.workers.engine.speculative import SpeculativeConfig, use_speculation
+from pagemesh.tests.integration.test_engine_speculative import (
+    FREE,
+    QUOTING,
+    SUMMARIZING,
+    assert_same_outputs,
+    speculating,
+)
+from pagemesh.workers.engine.speculative import SpeculativeConfig
 
 pytestmark = pytest.mark.slow
-
-PARAGRAPH = (  # as tests/integration/test_engine_speculative.py
-    "The lighthouse keeper climbed the narrow stairs every evening at dusk. He lit the great lamp, "
-    "wound the clockwork that turned the lens, and wrote the weather in a leather book. Ships passed "
-    "the rocks safely for forty years, and nobody in the village ever learned his name."
-)
-QUOTING = f"Copy this text exactly.\nText: {PARAGRAPH}\nCopy: {PARAGRAPH[:60]}"
-SUMMARIZING = f"{PARAGRAPH}\nIn one sentence, the lighthouse keeper"
-FREE = "My favourite thing about autumn is"
-
-
-@contextlib.contextmanager
-def speculating(engine, config: SpeculativeConfig):
-    try:
-        yield use_speculation(engine, config)
-    finally:
-        use_speculation(engine, None)
-
-
-def assert_same_outputs(spec, plain, params) -> None:
-    for a, b, p in zip(spec, plain, params, strict=True):
-        assert a.token_ids == b.token_ids, p
-        assert a.finish_reasons == b.finish_reasons, p
-        if p.logprobs:
-            for got, want in zip(a.logprobs[0], b.logprobs[0]):
-                assert got.token_id == want.token_id and got.top_ids == want.top_ids
-                assert got.logprob == pytest.approx(want.logprob, abs=1e-3)
 
 
 AGENT = "Call the weather tool for Paris as JSON with the keys tool and city. Answer:"
