@@ -35,3 +35,14 @@ def ieee_subnormals():
     tests' shared process is reset."""
     torch.set_flush_denormal(False)
     yield
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Torch on one thread for a module's tests (`pytestmark = pytest.mark.usefixtures("one_thread")`):
+    models and tensors this small gain nothing from a second thread, and on a busy 2-core machine
+    two threads waiting on each other at every op ran them 5-20x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

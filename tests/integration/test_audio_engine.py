@@ -33,17 +33,7 @@ from pagemesh.workers.audio.audio_files import decode_audio
 from pagemesh.workers.audio.decoding_rules import DecoderPrompt, default_prompt
 from pagemesh.workers.audio.engine import AudioEngine
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model runs fastest on one thread, and then a loaded machine's other work slows it
-    little (two threads contending for two busy cores ran these tests 5-10x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

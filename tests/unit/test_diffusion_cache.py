@@ -17,12 +17,7 @@ LAYERS = 3  # block 0, then two deep blocks a cache may skip
 HIDDEN_ROW_BYTES = 16 * 16 * 4  # 16 tokens (8x8, patch 2) x 16 dims (2 heads x 8) x fp32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

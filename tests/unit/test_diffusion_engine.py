@@ -29,13 +29,7 @@ from pagemesh.workers.diffusion.engine import (
 SMALL, LARGE = (1, 8, 8), (1, 16, 16)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The model is tiny: one thread is fastest, and spares a busy machine's other cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture

@@ -21,13 +21,7 @@ from pagemesh.workers.diffusion.pipelines.loader import load_pipeline
 PER_DIGIT = 30  # 300 images: one misjudged image moves the figure by a third of a percent
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two threads on a shared 2-core machine made these small forwards 8-20x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

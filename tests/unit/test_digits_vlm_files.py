@@ -18,13 +18,7 @@ FOLDER = Path(__file__).resolve().parents[2] / "workers" / "llm" / "models" / "d
 IMAGE_TOKEN, IMAGE_TOKEN_ID = "<empty_output>", 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two threads on a shared 2-core machine made small forwards many times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

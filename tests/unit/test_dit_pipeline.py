@@ -31,14 +31,7 @@ def params(prompt="a handwritten 7", **fields):
     return ImageParams(prompt=prompt, **{**base, **fields})
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Models this small gain nothing from a second thread, and on a busy 2-core machine two
-    # threads ran them 10x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -48,14 +48,7 @@ SCHEDULER = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linea
 PROMPTS = ["a cat on a mat", "the dog", "A CAT sits on the red mat, looking left"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tensors this small gain nothing from threads, and on a busy machine torch's thread pool
-    # makes these tests ten times slower (each op waits on its threads).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _vae(*, attention: bool = True) -> AutoencoderKL:
