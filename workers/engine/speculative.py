@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, fields
 
 from pagemesh.common.sampling import SamplingParams
 from pagemesh.workers.engine.draft_length import Acceptance, DraftLengths
-from pagemesh.workers.engine.suffix_decoding import SuffixCache, draft_from_sequence
+from pagemesh.workers.engine.suffix_decoding import SuffixCache, draft_from_sequence, earlier_occurrences
 
 METHODS = ("ngram", "suffix", "draft_quantized")
 DRAFT_QUANTIZATIONS = ("gguf", "int8")  # as `--quantization` (workers/model/quantization.py)
@@ -121,24 +121,14 @@ def propose_ngram(tokens: Seq[int], k: int, min_n: int, max_n: int) -> list[int]
     n-gram of `tokens` (n from `max_n` down to `min_n`); [] when no suffix of those lengths
     occurs earlier. The match must end before the last token, so at least one token follows it.
 
-    The search is `bytes.rfind` over the ids packed 4 bytes each (C speed on long contexts; a
-    hit at an offset that is not a multiple of 4 straddles two ids and is skipped)."""
+    The search is `bytes.rfind` over the ids packed 4 bytes each (`earlier_occurrences`)."""
     length = len(tokens)
     if k < 1 or length < min_n + 1:
         return []
     data = array("i", tokens).tobytes()
-    limit = (length - 1) * 4  # matches lie within tokens[:-1]
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        pattern = data[(length - n) * 4 :]
-        end = limit
-        while True:
-            pos = data.rfind(pattern, 0, end)
-            if pos < 0:
-                break
-            if pos % 4 == 0:
-                start = pos // 4 + n
-                return list(tokens[start : start + k])
-            end = pos + len(pattern) - 1
+        for start in earlier_occurrences(data, length, n, 1):
+            return list(tokens[start : start + k])
     return []
 
 

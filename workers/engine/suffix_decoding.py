@@ -142,19 +142,21 @@ def draft_from_sequence(
     lo, hi = 0, min(max_depth - 1, length - 1)
     while lo < hi:  # the longest suffix that occurred before: if m tokens did, m - 1 did (binary search)
         mid = (lo + hi + 1) // 2
-        if _occurrences(data, length, mid, 1):
+        if earlier_occurrences(data, length, mid, 1):
             lo = mid
         else:
             hi = mid - 1
     if lo == 0:
         return [], 0.0, 0
-    starts = _occurrences(data, length, lo, MAX_VOTES)
+    starts = earlier_occurrences(data, length, lo, MAX_VOTES)
     return *_vote(tokens, starts, min(k, int(max_spec_factor * lo + 1e-6)), min_prob), lo
 
 
-def _occurrences(data: bytes, length: int, m: int, most: int) -> list[int]:
-    """Token index after each of the `most` latest earlier occurrences of the last `m` tokens
-    (ids packed 4 bytes each; a byte match straddling two ids is skipped), latest first."""
+def earlier_occurrences(data: bytes, length: int, m: int, most: int) -> list[int]:
+    """Token index after each of the `most` latest earlier occurrences of the last `m` of the
+    `length` tokens packed 4 bytes each in `data` (`array("i", tokens).tobytes()`: `bytes.rfind`
+    searches at C speed on long contexts; a byte match straddling two ids is skipped), latest
+    first. An occurrence ends before the last token, so at least one token follows it."""
     pattern = data[(length - m) * 4 :]
     starts: list[int] = []
     end = (length - 1) * 4  # the occurrence ends before the last token
