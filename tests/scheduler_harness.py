@@ -62,13 +62,14 @@ def register(
     held: list[HeldRequest] | None = None,
     kind: WorkerKind = WorkerKind.LLM,
     max_running: int = 8,
+    model: str = "m",
 ):
     kv = KVPoolInfo(page_size=PAGE, num_pages=100, kv_endpoint=f"ipc:///{wid}-kv") if kind == WorkerKind.LLM else None
     msg = RegisterWorker(
         worker_id=wid,
         kind=kind,
         role=role,
-        model="m",
+        model=model,
         max_running=max_running,
         kv=kv,
         instance=instance or f"{wid}-first",

@@ -1,6 +1,6 @@
 """Where a transcription runs: one audio worker, which does the whole request. Pure Python.
 
-    TranscriptionRequest ──(a model no live audio worker serves: 404)──▶ the audio queue
+    TranscriptionRequest ──(a model no audio worker serves: 404)──▶ the audio queue
         ──▶ the least loaded live audio worker of its model with room ──TranscriptionTask──▶ it
 
 As an image request on a diffusion worker: `model` None is the mesh's audio model (the first
@@ -11,7 +11,7 @@ holds up no other kind. A lost audio worker fails its requests (a transcription 
 
 from __future__ import annotations
 
-from pagemesh.common.messages import TranscriptionRequest, TranscriptionTask, WorkerKind, WorkerRole
+from pagemesh.common.messages import TranscriptionRequest, TranscriptionTask, WorkerKind
 from pagemesh.services.scheduler.placement import least_loaded_with_room
 from pagemesh.services.scheduler.registry import Registry, WorkerInfo
 
@@ -21,10 +21,11 @@ def audio_workers(registry: Registry, model: str | None, now: float) -> list[Wor
     return registry.serving(WorkerKind.AUDIO, model, now)
 
 
-def unknown_audio_model(registry: Registry, model: str | None, now: float) -> str | None:
-    """The 404's text for a model no live audio worker serves while others are served; None if
-    it is served, no model was named, or no audio worker is live (then it waits, or gets a 503)."""
-    served = {w.model for w in registry.alive(WorkerKind.AUDIO, WorkerRole.MIXED, now)}
+def unknown_audio_model(registry: Registry, model: str | None) -> str | None:
+    """The 404's text for a model no audio worker of this mesh serves (or served) while others
+    are; None if it is one of them (then it waits, or gets a 503 while none is live), no model was
+    named, or no audio worker ever registered."""
+    served = registry.known_models(WorkerKind.AUDIO)
     if model is None or not served or model in served:
         return None
     return f"The model `{model}` does not exist; audio models served: {', '.join(sorted(served))}."

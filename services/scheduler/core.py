@@ -325,7 +325,7 @@ class SchedulerCore:
         if self._known(msg.request_id):
             return
         if msg.model is not None and not self._starting(now):
-            served = {w.model for w in self.registry.alive(WorkerKind.DIFFUSION, WorkerRole.MIXED, now)}
+            served = self.registry.known_models(WorkerKind.DIFFUSION)
             if served and msg.model not in served:
                 return self._refuse(
                     identity,
@@ -340,7 +340,7 @@ class SchedulerCore:
     def _on_transcription(self, identity: bytes, msg: TranscriptionRequest, now: float, out: Outputs) -> None:
         if self._known(msg.request_id):
             return
-        if not self._starting(now) and (unknown := unknown_audio_model(self.registry, msg.model, now)):
+        if not self._starting(now) and (unknown := unknown_audio_model(self.registry, msg.model)):
             return self._refuse(identity, msg.request_id, 404, unknown, "model_not_found", out)
         self._admit(identity, Queued(identity, msg, None, WorkerKind.AUDIO, now, model=msg.model), out, now)
 

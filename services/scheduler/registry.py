@@ -152,11 +152,19 @@ class Registry:
         self.timeout = timeout
         self.step_timeout = step_timeout
         self.workers: dict[str, WorkerInfo] = {}
+        self.models: dict[WorkerKind, set[str]] = {}  # every model a worker of the kind registered with
+
+    def known_models(self, kind: WorkerKind) -> set[str]:
+        """The models this mesh's workers of `kind` serve or served: a model outside them does not
+        exist (a 404), whether or not its workers are heard from just now (a 503 is for those)."""
+        return self.models.get(kind, set())
 
     def register(self, info: WorkerInfo) -> WorkerInfo | None:
         """Add or renew a worker. The same process registering again keeps its requests and
         prefix keys; another process under a known id is a restart: returns the entry it
         replaced, whose requests died with the old process."""
+        if info.model is not None:
+            self.models.setdefault(info.kind, set()).add(info.model)
         old = self.workers.get(info.worker_id)
         if old is not None and old.instance == info.instance:
             for name in _RENEWED:

@@ -3,6 +3,7 @@ holds every decision. Tokenizers, gateways and workers all connect to the Router
 
     Router ──(identity, msg)──▶ core.handle(…, now) ──▶ [(destination, msg), …] ──▶ Router
     every heartbeat_timeout / 4 ──▶ core.tick(now) ──▶ failures of lost workers, refusals ──▶ Router
+    a pause of this process (pause.py) ──▶ core.excuse_silence, before the tick or message after it
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pagemesh.common.process import wait_until_idle
 from pagemesh.common.transport import Push, Router, UnknownPeer
 from pagemesh.services.scheduler.config import SchedulerConfig
 from pagemesh.services.scheduler.core import Outputs, SchedulerCore
+from pagemesh.services.scheduler.pause import PauseClock
 
 log = structlog.get_logger()
 
@@ -32,6 +34,7 @@ class SchedulerService:
         self.instance = new_instance()
         self.core = SchedulerCore(config, self.instance, time.monotonic())
         self.log = log.bind(service="scheduler")
+        self.pause = PauseClock(config.heartbeat_timeout / 4, time.monotonic())  # the expiry tick's
 
     async def run(self) -> None:
         if self.config.ready_address:
@@ -52,20 +55,22 @@ class SchedulerService:
     async def _receive_loop(self) -> None:
         while True:
             identity, msg = await self.router.recv()
-            await self._send(self.core.handle(identity, msg, time.monotonic()))
+            now = time.monotonic()
+            self._excuse_a_pause(now)  # a message read before the tick judges no worker by the pause
+            await self._send(self.core.handle(identity, msg, now))
 
     async def _expiry_loop(self) -> None:
-        interval = self.config.heartbeat_timeout / 4
         while True:
-            slept_from = time.monotonic()
-            await asyncio.sleep(interval)
+            self.pause.sleeping(time.monotonic())
+            await asyncio.sleep(self.pause.interval)
             now = time.monotonic()
-            overslept = now - slept_from - interval
-            if overslept > interval:  # this process did not run (SIGSTOP, starved of CPU) ...
-                # ... and the heartbeats of that time wait in its socket, unread: not the workers' silence
-                self.log.warning("scheduler was paused: workers' silence excused", seconds=round(overslept, 1))
-                self.core.excuse_silence(overslept)
+            self._excuse_a_pause(now)
             await self._send(self.core.tick(now))
+
+    def _excuse_a_pause(self, now: float) -> None:
+        if overslept := self.pause.overslept(now):
+            self.log.warning("scheduler was paused: workers' silence excused", seconds=round(overslept, 1))
+            self.core.excuse_silence(overslept)
 
     async def _send(self, outputs: Outputs) -> None:
         for destination, msg in outputs:

@@ -8,6 +8,8 @@
   workers go on to their end;
 - a restarted tokenizer: the streams that went through it end with a 503 at once, and their
   workers stop generating them;
+- a paused scheduler (SIGSTOP, as a starved one): the requests that waited in its socket are
+  served when it runs again, and no worker is judged dead by the heartbeats it could not read;
 - a killed gateway: its requests are aborted once its pings have been missing for a while (or at
   once by the gateway's new process, if it is restarted), and their pages are free.
 
@@ -17,6 +19,7 @@ The processes are started one by one, as compose starts them, so that one can be
 from __future__ import annotations
 
 import concurrent.futures
+import signal
 import time
 
 import openai
@@ -86,6 +89,24 @@ def test_a_restarted_scheduler_gets_its_workers_back(processes):
     assert complete(client).usage.completion_tokens == 5
     processes.restart("scheduler")
     assert wait_until(lambda: "mixed-0" in per_worker(metrics(processes.url), "pagemesh_kv_cache_usage_ratio"))
+    assert complete(client).usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize(
+    "processes", [("--mixed", "1", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S))], indirect=True
+)
+def test_a_paused_scheduler_serves_what_waited_for_it_and_drops_no_worker(processes):
+    client = openai.OpenAI(base_url=processes.url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
+    scheduler = processes.children["scheduler"]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        scheduler.send_signal(signal.SIGSTOP)
+        try:
+            waiting = pool.submit(complete, client)  # read by the scheduler only once it runs again
+            time.sleep(2 * HEARTBEAT_TIMEOUT_S)  # longer than the heartbeat timeout, in which
+        finally:  # the worker's heartbeats wait unread
+            scheduler.send_signal(signal.SIGCONT)
+        assert waiting.result(timeout=HANG_S).usage.completion_tokens == 5  # not a 503: no workers
+    assert "mixed-0" in per_worker(metrics(processes.url), "pagemesh_kv_cache_usage_ratio")
     assert complete(client).usage.completion_tokens == 5
 
 

@@ -45,8 +45,7 @@ def transcribe(core, rid: str, now: float, model: str | None = None, max_tokens:
 
 
 def audio_worker(core, wid: str, now: float, max_running: int = 2, model: str = "whisper"):
-    out = register(core, wid, now=now, kind=WorkerKind.AUDIO, max_running=max_running)
-    core.registry.workers[wid].model = model
+    out = register(core, wid, now=now, kind=WorkerKind.AUDIO, max_running=max_running, model=model)
     return out
 
 

@@ -48,8 +48,7 @@ def image(core, rid: str, now: float, model: str | None = None):
 
 
 def diffusion(core, wid: str, now: float, max_running: int = 2, model: str = "m"):
-    out = register(core, wid, now=now, kind=WorkerKind.DIFFUSION, max_running=max_running)
-    core.registry.workers[wid].model = model
+    out = register(core, wid, now=now, kind=WorkerKind.DIFFUSION, max_running=max_running, model=model)
     return out
 
 
@@ -72,6 +71,21 @@ def test_an_unknown_model_is_a_404_naming_the_served_ones():
     assert dest == GW and isinstance(failed, RequestFailed)
     assert (failed.status, failed.code, failed.param) == (404, "model_not_found", "model")
     assert failed.message.endswith("image models served: m.")
+
+
+def test_an_unknown_model_is_a_404_while_the_workers_are_silent_and_a_known_one_a_503():
+    """Whether a model exists does not hang on a heartbeat: a silent worker (a busy machine, or a
+    scheduler that read this request before the heartbeats waiting in its socket) leaves its
+    model known. CI once got a 503 here."""
+    core = new_core()
+    diffusion(core, "x0", AFTER_GRACE)
+    silent = AFTER_GRACE + TIMEOUT + 1  # x0 is not alive, not yet dropped by a tick
+    assert not core.registry.serving(WorkerKind.DIFFUSION, "m", silent)
+    [(_, unknown)] = image(core, "i1", silent, model="nope")
+    assert (unknown.status, unknown.code) == (404, "model_not_found")
+    assert unknown.message.endswith("image models served: m.")
+    [(_, unserved)] = image(core, "i2", silent, model="m")
+    assert (unserved.status, unserved.code) == (503, "overloaded")
 
 
 def test_images_wait_in_their_own_queue_and_never_block_text():

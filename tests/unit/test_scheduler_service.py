@@ -183,3 +183,46 @@ def test_a_just_started_scheduler_holds_requests_for_workers_yet_to_register(tmp
                 assert "no workers are available" in refused.message
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+
+
+def test_a_request_read_first_after_a_pause_of_the_scheduler_finds_its_worker_alive(tmp_path):
+    """The process stopped (starved, or SIGSTOP) for longer than the heartbeat timeout: the
+    request that waited in its socket may be read before its expiry tick runs. The pause is
+    excused first, so the worker whose heartbeats it could not read is not taken for dead (the
+    request was refused with a 503, 'no workers are available', when only the tick excused it)."""
+    import time
+
+    from pagemesh.common.messages import GenerateTask, Heartbeat, ScheduleRequest
+    from pagemesh.common.sampling import SamplingParams
+
+    timeout = 0.5
+
+    async def main():
+        async with scheduler(tmp_path, heartbeat_timeout=timeout) as service:
+            with (
+                await registered_worker(service.config.address, "w0") as worker,
+                t.Dealer(service.config.address, "tok0") as tokenizer,
+            ):
+                for _ in range(8):  # past the start-up grace window, heartbeating
+                    await worker.send(
+                        Heartbeat(worker_id="w0", running=0, waiting=0, time=0.0, requests_finished=0, kv=None)
+                    )
+                    await asyncio.sleep(timeout / 4)
+                assert service.core.registry.is_alive(service.core.registry.workers["w0"], time.monotonic())
+                await tokenizer.send(
+                    ScheduleRequest(
+                        request_id="r1",
+                        prompt_token_ids=[1, 2],
+                        sampling=SamplingParams(),
+                        reply_to="ipc:///tok0-out",
+                        arrival_time=1.0,
+                    )
+                )
+                time.sleep(3 * timeout)  # the whole process (this loop is the scheduler's) does not run
+                placed, refused = asyncio.ensure_future(worker.recv()), asyncio.ensure_future(tokenizer.recv())
+                await asyncio.wait([placed, refused], timeout=TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+                assert not refused.done(), refused.result()  # RequestFailed: no workers are available
+                refused.cancel()
+                assert isinstance(placed.result(), GenerateTask) and placed.result().request_id == "r1"
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
