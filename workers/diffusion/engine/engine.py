@@ -3,7 +3,8 @@
     add(job) ── resolve, encode_prompt, seeded noise ──▶ waiting
     step():  Batcher.plan ─▶ group ─▶ pipeline.denoise(latents [B, ...], timesteps [B], cond)
                                       (or, when a row of the group caches: feature_cache.cached_forward
-                                       over the pipeline's block_forward, each row deciding for itself)
+                                       over the pipeline's block_forward, or deep_cache.deep_cached_forward
+                                       over a U-Net's deep_cache_forward, each row deciding for itself)
                                    ─▶ per request: CFG combine, its sampler's step
                                    ─▶ finished requests decoded and returned (they leave at once)
 
@@ -24,6 +25,12 @@ import torch
 from pagemesh.workers.diffusion.engine.batcher import Batcher, Member
 from pagemesh.workers.diffusion.engine.cache_policy import CachePolicy, CachePolicyError, parse_cache_policy
 from pagemesh.workers.diffusion.engine.config import EngineConfig
+from pagemesh.workers.diffusion.engine.deep_cache import (
+    DEEP_CACHE_KINDS,
+    DEEP_CACHE_POLICIES,
+    DeepRequestCache,
+    deep_cached_forward,
+)
 from pagemesh.workers.diffusion.engine.feature_cache import CachePart, RequestCache, cached_forward
 from pagemesh.workers.diffusion.engine.jobs import EngineFull, FinishedJob, ImageJob, RunningJob
 from pagemesh.workers.diffusion.engine.samplers import RequestSampler
@@ -63,10 +70,13 @@ class DiffusionEngine:
         self._stats = DiffusionStats(cache_budget_bytes=config.cache_budget_bytes)
         self._stalled = False
         self.block_forward = getattr(pipeline, "block_forward", None)
-        self.num_blocks = self.block_forward.num_blocks if self.block_forward is not None else 0
+        # a U-Net's DeepCache split (used when the pipeline has no block forward)
+        self.deep_cache_forward = getattr(pipeline, "deep_cache_forward", None) if self.block_forward is None else None
+        split = self.block_forward if self.block_forward is not None else self.deep_cache_forward
+        self.num_blocks = split.num_blocks if split is not None else 0
         self.default_policy = parse_cache_policy(config.cache)
-        if self.default_policy.enabled and self.block_forward is None:
-            raise ValueError(f"cache {config.cache!r}: {pipeline.name} has no block forward; it serves only 'none'")
+        if (unserved := self._unserved(self.default_policy)) is not None:
+            raise ValueError(f"cache {config.cache!r}: {unserved}")
 
     # ---- membership -----------------------------------------------------------------------
     def add(self, job: ImageJob) -> None:
@@ -129,25 +139,37 @@ class DiffusionEngine:
             policy = parse_cache_policy(spec)
         except CachePolicyError as e:
             raise InvalidImageRequest(str(e), param="cache") from None
-        if policy.enabled and self.block_forward is None:
-            raise InvalidImageRequest(
-                f"cache: {self.pipeline.name} has no block-level forward; it serves only the policy 'none'",
-                param="cache",
-            )
+        if (unserved := self._unserved(policy)) is not None:
+            raise InvalidImageRequest(f"cache: {unserved}", param="cache")
         return policy
+
+    def _unserved(self, policy: CachePolicy) -> str | None:
+        """Why this pipeline cannot run `policy` (None: it can)."""
+        if not policy.enabled or self.block_forward is not None:
+            return None
+        if self.deep_cache_forward is None:
+            return f"{self.pipeline.name} has no block-level forward; it serves only 'none'"
+        if policy.kind not in DEEP_CACHE_KINDS:
+            return f"{self.pipeline.name} is a U-Net: it serves {DEEP_CACHE_POLICIES}, not {policy.kind}"
+        return None
 
     def _allocate_cache(self, running: RunningJob) -> None:
         """At a request's first step: its cache, if the budget holds it; else it runs uncached."""
         if not running.policy.enabled:
             return
-        hidden = self.block_forward.hidden_shape(running.resolved.latent_shape)
-        need = RequestCache.bytes_needed(running.policy, running.rows, hidden, self.block_forward.dtype)
+        if self.deep_cache_forward is not None:
+            cache_cls, dtype = DeepRequestCache, self.deep_cache_forward.dtype
+            shape = self.deep_cache_forward.feature_shape(running.resolved.latent_shape)
+            need = DeepRequestCache.bytes_needed(running.rows, shape, dtype)
+        else:
+            cache_cls, dtype = RequestCache, self.block_forward.dtype
+            shape = self.block_forward.hidden_shape(running.resolved.latent_shape)
+            need = RequestCache.bytes_needed(running.policy, running.rows, shape, dtype)
         if self._stats.cache_bytes + need > self.config.cache_budget_bytes:
             running.cache_over_budget = True
             self._stats.requests_over_cache_budget += 1
             return
-        dtype, device = self.block_forward.dtype, self.pipeline.device
-        running.cache = RequestCache(running.policy, running.rows, hidden, dtype, device)
+        running.cache = cache_cls(running.policy, running.rows, shape, dtype, self.pipeline.device)
         self._stats.reserve_cache(running.cache.nbytes)
         self._stats.requests_cached += 1
 
@@ -205,7 +227,10 @@ class DiffusionEngine:
                 step, steps = running.sampler.index, len(running.sampler.timesteps)
                 parts.append(CachePart(cache=running.cache, offset=offset, rows=running.rows, step=step, steps=steps))
                 offset += running.rows
-            out, computed = cached_forward(self.block_forward, latents, timesteps, cond, parts)
+            if self.deep_cache_forward is not None:
+                out, computed = deep_cached_forward(self.deep_cache_forward, latents, timesteps, cond, parts)
+            else:
+                out, computed = cached_forward(self.block_forward, latents, timesteps, cond, parts)
         else:
             out = self.pipeline.denoise(latents, timesteps, cond)
             computed = [running.rows * self.num_blocks for running in group]

@@ -23,6 +23,15 @@ it (`block_forward` absent or None) serves only the cache policy `none`.
     latents, timesteps, cond ──embed──▶ hidden [B, T, D], rows (each row's conditioning)
     hidden[rows r] ──blocks(start, stop, rows.select(r))──▶ hidden[r] after blocks start..stop-1
     hidden ──final──▶ the model output `denoise` would give (same ops: the same numbers)
+
+A U-Net pipeline may offer `deep_cache_forward` (a `DeepCacheForward`) instead: its forward in
+DeepCache's three parts, so a row may reuse the deep branch's output from its last computed
+step while the shallow path (the first down block and the last up block) runs every step. It
+serves the policies `none` and `interval:N`.
+
+    latents, timesteps, cond ──shallow_down──▶ shallow (every row: embeddings, skips, down block 0's output)
+    shallow, rows r ──deep──▶ feature[r] [b, *feature_shape]: what the last up block takes
+    shallow, feature [B, ...] ──shallow_up──▶ the model output `denoise` would give (same numbers)
 """
 
 from __future__ import annotations
@@ -84,6 +93,34 @@ class BlockForward(Protocol):
 
     def final(self, hidden: torch.Tensor, rows: BlockRows) -> torch.Tensor:
         """Hidden [B, T, D] after every block -> the model output, as `denoise` returns it."""
+
+
+class DeepCacheForward(Protocol):
+    """A U-Net split for DeepCache (see the module doc). Rows are independent throughout.
+
+    A block, for blocks_computed / blocks_skipped, is one down, mid or up block: a row that
+    computes runs `num_blocks`, one that reuses its deep feature `shallow_blocks`."""
+
+    num_blocks: int
+    shallow_blocks: int
+    dtype: torch.dtype  # the deep feature's dtype
+
+    def feature_shape(self, latent_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """One row's deep feature (what its cache keeps) for latents of `latent_shape`."""
+
+    def shallow_down(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: Any) -> Any:
+        """Latents [B, ...] (scaled by each row's scheduler) -> the shallow state of every row:
+        its embeddings, conv_in's and the first down block's outputs (what `deep` and
+        `shallow_up` read)."""
+
+    def deep(self, shallow: Any, index: torch.Tensor | None = None) -> torch.Tensor:
+        """The deep branch (the down blocks after the first, the mid block, the up blocks before
+        the last) on rows `index` of `shallow` (a long tensor; None: every row) -> their deep
+        feature [b, *feature_shape]."""
+
+    def shallow_up(self, shallow: Any, feature: torch.Tensor) -> torch.Tensor:
+        """The last up block on every row's deep `feature` [B, ...] (fresh or cached) and its
+        fresh shallow skips, then the output head -> the model output, as `denoise` returns it."""
 
 
 class ImagePipeline(Protocol):
