@@ -12,9 +12,17 @@ A request asks for a policy as "<policy>[:<value>]" (ImageParams.cache; the work
                   first block's residual moved by less than T (relative L1) since the last step
                   that ran them
     teacache:T    TeaCache: the relative L1 change of the first block's timestep-modulated input
-                  from the previous step is accumulated; while the sum is below T every block is
-                  skipped (the whole stack's cached residual is reused); past it, all run and the
-                  sum restarts
+                  from the previous step, rescaled by the model's polynomial into an estimate of
+                  the model output's relative change (`rescaled`), is accumulated; while the sum
+                  is below T every block is skipped (the whole stack's cached residual is reused);
+                  past it, all run and the sum restarts
+
+TeaCache's rescaling (Liu et al. 2024): the modulated input's change is not the output's; a
+polynomial p fitted per model on uncached runs (training/fit_teacache.py: the output's relative
+L1 change against the input's, step to step) maps one to the other, so that T reads as "the
+output may drift this much", comparable across models and with the published thresholds. A model
+without fitted coefficients accumulates the raw change. p is clamped at 0: the sum never falls,
+so T = 0 still computes every step.
 
 Every policy computes the first WARMUP_STEPS and the last COOLDOWN_STEPS steps in full: the
 early steps lay out the image, and the last ones its detail. A threshold of 0 or interval 1
@@ -28,7 +36,7 @@ its own `RowState`, so rows of one step batch may decide differently:
                           ▼
         interval: (s - WARMUP_STEPS + 1) % N == 0      ─▶ compute, else reuse
         fbcache:  no cache yet or change >= T          ─▶ compute, else reuse
-        teacache: accumulated += change; >= T          ─▶ compute (sum back to 0), else reuse
+        teacache: accumulated += p(change); >= T       ─▶ compute (sum back to 0), else reuse
 """
 
 from __future__ import annotations
@@ -141,11 +149,33 @@ def in_full_window(step: int, steps: int) -> bool:
     return step < WARMUP_STEPS or step >= steps - COOLDOWN_STEPS
 
 
-def decide(policy: CachePolicy, row: RowState, step: int, steps: int, change: float | None = None) -> bool:
+def rescaled(change: float, coefficients: tuple[float, ...] | None) -> float:
+    """TeaCache's estimate of the output's relative change from the modulated input's: the
+    polynomial `coefficients` (highest degree first, as numpy.polyfit gives them) at `change`,
+    clamped at 0 (a NaN stays NaN, so it computes); `change` itself without coefficients."""
+    if coefficients is None:
+        return change
+    value = 0.0
+    for c in coefficients:  # Horner, as numpy.polyval
+        value = value * change + c
+    return 0.0 if value < 0 else value
+
+
+def decide(
+    policy: CachePolicy,
+    row: RowState,
+    step: int,
+    steps: int,
+    change: float | None = None,
+    coefficients: tuple[float, ...] | None = None,
+) -> bool:
     """True: this row runs the cached blocks at `step` (0-based, of `steps`); False: it reuses
     them. `change`: the policy's signal for this row at this step (fbcache: the first-block
     residual's relative L1 change since the last computed step; teacache: the modulated input's
-    since the previous step); None when there is no previous value. Updates `row`."""
+    since the previous step); None when there is no previous value. `coefficients`: teacache's
+    rescaling polynomial for the model (`rescaled`), None for the raw change. Updates `row`."""
+    if change is not None and policy.kind is CacheKind.TEACACHE:
+        change = rescaled(change, coefficients)
     compute = _decide(policy, row, step, steps, change)
     if compute:
         row.computed += 1

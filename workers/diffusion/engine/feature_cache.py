@@ -4,7 +4,8 @@ for itself whether it runs the deep blocks this step (the policies are cache_pol
 One forward over a batch whose rows come from requests with different policies, at different
 steps (L blocks; `rows` of a request are contiguous in the batch):
 
-    latents ──embed──▶ h0 ──┬─ teacache rows: modulated input vs the last step's ─▶ skip all?
+    latents ──embed──▶ h0 ──┬─ teacache rows: modulated input vs the last step's
+                            │  (rescaled by the model's polynomial, if fitted)    ─▶ skip all?
                             ▼
          block 0 on every row that does not skip it (gathered when some do)  ─▶ h1
                             │ fbcache rows: (h1 - h0) vs the residual at their last computed step
@@ -95,11 +96,19 @@ def _kind_of(part: CachePart) -> CacheKind:
     return part.cache.policy.kind if part.cache is not None else CacheKind.NONE
 
 
-def _decide_rows(part: CachePart, changes: list[float], first: int) -> list[bool]:
-    """Each row's decision (True: compute); `changes[first + j]` is row j's signal."""
+def _decide_rows(part: CachePart, changes: list[float], first: int, coefficients=None) -> list[bool]:
+    """Each row's decision (True: compute); `changes[first + j]` is row j's signal;
+    `coefficients`: the model's teacache rescaling (cache_policy.rescaled), None for the raw change."""
     cache = part.cache
     return [
-        decide(cache.policy, state, part.step, part.steps, changes[first + j] if changes and state.cached else None)
+        decide(
+            cache.policy,
+            state,
+            part.step,
+            part.steps,
+            changes[first + j] if changes and state.cached else None,
+            coefficients,
+        )
         for j, state in enumerate(cache.states)
     ]
 
@@ -135,9 +144,10 @@ def cached_forward(bf: BlockForward, latents, timesteps, cond, parts: list[Cache
     tea = [i for i, p in enumerate(parts) if _kind_of(p) is CacheKind.TEACACHE]
     if tea:
         current, changes = _signals(bf, [parts[i] for i in tea], h0, None, rows)
+        coefficients = getattr(bf, "teacache_coefficients", None)  # the model's rescaling, if fitted
         first = 0
         for i in tea:
-            computes[i] = _decide_rows(parts[i], changes, first)
+            computes[i] = _decide_rows(parts[i], changes, first, coefficients)
             parts[i].cache.signal.copy_(current[first : first + parts[i].rows])
             first += parts[i].rows
     skip_all = {parts[i].offset + j for i in tea for j, c in enumerate(computes[i]) if not c}

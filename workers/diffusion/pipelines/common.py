@@ -7,7 +7,8 @@ VAE decode.
       scheduler/ vae/ unet|transformer/ text_encoder/ tokenizer/
       pagemesh.json           optional serving defaults, every key optional:
         {"sizes": ["512x512", "512x384"], "default_steps": 30, "max_steps": 100,
-         "samplers": ["ddim", "dpmsolver++"], "default_sampler": "dpmsolver++", "guidance_scale": 7.5}
+         "samplers": ["ddim", "dpmsolver++"], "default_sampler": "dpmsolver++", "guidance_scale": 7.5,
+         "teacache_coefficients": [...], "teacache_fit": {...}}    (training/fit_teacache.py)
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ def read_serving_defaults(path: str, defaults: ServingDefaults, *, size_multiple
         raw = json.load(f)
     where = f"{file}:"
     known = {"sizes", "samplers", "default_sampler", "default_steps", "max_steps", "guidance_scale"}
+    known |= {"teacache_coefficients", "teacache_fit"}  # read_teacache_coefficients's
     if not isinstance(raw, dict) or set(raw) - known:
         raise ModelFolderError(f"{where} an object with keys among {sorted(known)}")
     changes: dict[str, Any] = {}
@@ -155,6 +157,25 @@ def read_serving_defaults(path: str, defaults: ServingDefaults, *, size_multiple
     if not 1 <= serving.default_steps <= serving.max_steps:
         raise ModelFolderError(f"{where} 1 <= default_steps <= max_steps")
     return serving
+
+
+def parse_teacache_coefficients(raw: Any, where: str) -> tuple[float, ...] | None:
+    """pagemesh.json's "teacache_coefficients" (None when absent): TeaCache's rescaling
+    polynomial, highest degree first (training/fit_teacache.py)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not raw or not all(type(c) in (int, float) and math.isfinite(c) for c in raw):
+        raise ModelFolderError(f"{where} teacache_coefficients: a non-empty list of numbers")
+    return tuple(float(c) for c in raw)
+
+
+def read_teacache_coefficients(path: str) -> tuple[float, ...] | None:
+    file = os.path.join(path, SERVING_FILE)
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        raw = json.load(f)
+    return parse_teacache_coefficients(raw.get("teacache_coefficients") if isinstance(raw, dict) else None, f"{file}:")
 
 
 def _parse_size(text: Any, multiple: int, where: str) -> tuple[int, int]:

@@ -4,8 +4,9 @@
     folder/transformer/            DiTTransformer2DModel (config.json + safetensors)
     folder/scheduler/              the scheduler config every sampler is built from
     folder/vae/                    AutoencoderKL, or absent / null in model_index: pixel space
-    folder/pagemesh.json           optional serving defaults (sizes, steps, sampler, guidance) and
+    folder/pagemesh.json           optional serving defaults (sizes, steps, sampler, guidance),
                                    "max_guidance_scale" (a student with guidance distilled in: 1.0)
+                                   and "teacache_coefficients" (training/fit_teacache.py)
 
 The prompt names a class: the labels of id2label (comma-separated synonyms) are matched as whole
 words, case-insensitively, longest first, so "a handwritten 7", "the digit seven" and "7" are all
@@ -30,6 +31,7 @@ from pagemesh.workers.diffusion.pipelines.base import InvalidImageRequest, Resol
 from pagemesh.workers.diffusion.pipelines.common import (
     SAMPLERS,
     ServingDefaults,
+    parse_teacache_coefficients,
     patch_embedding_in_float32_on_cpu,
     resolve_request,
 )
@@ -70,9 +72,15 @@ class DiTBlocks:
     """DiTTransformer2DModel.forward in the parts of `BlockForward` (pipelines/base.py), calling
     the model's own modules in its order, so embed -> blocks(0, L) -> final gives the numbers the
     whole forward gives. `out_channels`: keep that many output channels (a learned sigma's
-    variance dropped), None for all."""
+    variance dropped), None for all. `teacache_coefficients`: TeaCache's rescaling polynomial
+    for this model (highest degree first; training/fit_teacache.py), None to use the raw change."""
 
-    def __init__(self, transformer: Any, out_channels: int | None = None):
+    def __init__(
+        self,
+        transformer: Any,
+        out_channels: int | None = None,
+        teacache_coefficients: tuple[float, ...] | None = None,
+    ):
         self.transformer = transformer
         self.num_blocks = len(transformer.transformer_blocks)
         self.dtype = transformer.dtype
@@ -80,6 +88,7 @@ class DiTBlocks:
         self.patch_size = transformer.config.patch_size
         self.inner_dim = transformer.inner_dim
         self.out_channels = out_channels
+        self.teacache_coefficients = teacache_coefficients
 
     def hidden_shape(self, latent_shape: tuple[int, ...]) -> tuple[int, int]:
         _, height, width = latent_shape
@@ -133,7 +142,11 @@ class DiTPipelineModel:
         self.in_channels = config.in_channels
         self.learned_sigma = transformer.out_channels == 2 * config.in_channels
         self.null_class = config.num_embeds_ada_norm
-        self.block_forward = DiTBlocks(self.transformer, self.in_channels if self.learned_sigma else None)
+        self.block_forward = DiTBlocks(
+            self.transformer,
+            self.in_channels if self.learned_sigma else None,
+            parse_teacache_coefficients(serving.get("teacache_coefficients"), f"{name}: pagemesh.json:"),
+        )
         self.labels = ClassLabels(id2label)
         scale = 2 ** (len(vae.config.block_out_channels) - 1) if vae is not None else 1
         self.latent_shape = (config.in_channels, config.sample_size, config.sample_size)
