@@ -5,7 +5,8 @@
                                       (or, when a row of the group caches: feature_cache.cached_forward
                                        over the pipeline's block_forward, or deep_cache.deep_cached_forward
                                        over a U-Net's deep_cache_forward, each row deciding for itself)
-                                   ─▶ per request: CFG combine, its sampler's step
+                                   ─▶ per request: CFG combine, its sampler's step (requests whose
+                                      samplers are in one state: one call, cohorts.py)
                                    ─▶ finished requests decoded and returned (they leave at once)
 
 A request's rows in a forward are its n images' cond rows then, with guidance, their uncond rows;
@@ -24,6 +25,7 @@ import torch
 
 from pagemesh.workers.diffusion.engine.batcher import Batcher, Member
 from pagemesh.workers.diffusion.engine.cache_policy import CachePolicy, CachePolicyError, parse_cache_policy
+from pagemesh.workers.diffusion.engine.cohorts import step_all
 from pagemesh.workers.diffusion.engine.config import EngineConfig
 from pagemesh.workers.diffusion.engine.deep_cache import (
     DEEP_CACHE_KINDS,
@@ -207,15 +209,17 @@ class DiffusionEngine:
             torch.cat(timesteps).to(self.pipeline.device),
             self.pipeline.stack(rows),
         )
-        offset = 0
+        offset, members = 0, []
         for running in group:
             part = out[offset : offset + running.rows]
             offset += running.rows
             if running.guided:
                 n, scale = running.n, running.resolved.guidance_scale
                 part = guide(part[:n], part[n:], scale, running.latents.shape[1])
-            running.latents = running.sampler.step(part, running.latents)
+            members.append((running.sampler, part, running.latents))
             running.batched_with = max(running.batched_with, len(group) - 1)
+        for running, latents in zip(group, step_all(members)):  # samplers in one state: one call
+            running.latents = latents
         self._stats.record_forward(len(rows), len(group), time.perf_counter() - began)
 
     def _model_output(self, group: list[RunningJob], latents, timesteps, cond) -> torch.Tensor:
