@@ -1,10 +1,11 @@
 """Serial, request-level and step-level batching of the diffusion worker, through the mesh.
 
-For each repetition, each mode in turn (the order reversed every other repetition, so that a
-machine that drifts over the run favours no mode): start `pagemesh up --mixed 1 --diffusion 1
---diffusion-batching MODE`, then at 1, 4 and 16 closed-loop clients (each sends its next request
-when its last one is answered: `--max-concurrency C` at an infinite rate) send the same image
-requests with a fixed step count, so every mode does the same work; stop the mesh. Prints a table
+One `pagemesh up --prefill 0 --decode 0 --diffusion 1 --diffusion-batching MODE` per mode, all
+up at once. At 1, 4 and 16 closed-loop clients (each sends its next request when its last one is
+answered: `--max-concurrency C` at an infinite rate), each repetition sends the same image
+requests to each mode's mesh in turn, the order reversed every other repetition (A-B-C C-B-A), so
+that a machine that drifts over the run favours no mode and a point's modes run minutes apart at
+most; every mode does the same work (a fixed step count). Prints a table
 of images/s and latency p50/p99 (means over the repetitions) and the step/request and step/serial
 ratios, each taken within one repetition and then averaged; writes DIR/diffusion_batching.md,
 .json (every point) and .png.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -101,7 +103,8 @@ def markdown(records: list[dict], setup: dict) -> str:
         f"{setup['date']}, commit {setup['commit']}, {setup['machine']}; load average {setup['load_before']} "
         f"before, {setup['load_after']} after.",
         f"`pagemesh up {' '.join(setup['mesh_flags'])} --diffusion-batching MODE`; closed-loop clients, "
-        f"{setup['requests']}; steps {setup['steps'] or 'the model default'}, n={setup['n']}; "
+        f"{setup['requests']}; steps {setup['steps'] or 'the model default'}, "
+        f"sampler {setup.get('sampler') or 'the model default'}, n={setup['n']}; "
         f"{setup['repeats']} repetitions, mode order {' / '.join(' '.join(o) for o in setup['orders'])}.",
         "",
         "| batching | clients | images/s | per repetition | p50 ms | p99 ms | batched with (mean) | failed |",
@@ -166,44 +169,49 @@ def plot(records: list[dict], path: Path, title: str) -> None:
     plt.close(figure)
 
 
-def measure_mode(args: argparse.Namespace, mode: str, repeat: int, steps: tuple[int, ...]) -> list[dict]:
-    """One mesh in `mode`; one record per client count."""
+def measure_point(args: argparse.Namespace, url: str, mode: str, repeat: int, clients: int, steps) -> dict:
+    """One point (`clients` closed-loop clients) on the mesh of `mode` at `url`."""
+    target = ImageTarget(
+        url=url + IMAGES_ENDPOINT,
+        n=args.n,
+        num_inference_steps=steps,
+        sampler=args.sampler,
+        seed=args.seed,
+        warmup=1,
+        progress=False,
+    )
+    load = LoadPoint(max_concurrency=clients, num_prompts=requests_for(clients, args.rounds, args.least))
+    results, duration = asyncio.run(run_image_point(target, load, image_prompts(seed=args.seed)))
+    summary = summarize_images(results, duration, [50.0, 99.0])
+    batched = [r.batched_with for r in results if r.batched_with is not None]
+    record = point_record(mode, repeat, clients, summary, batched)
+    print(
+        f"  [repeat {repeat}] {mode:>7}, {clients:>3} clients: {record['images_per_s']:.2f} images/s, "
+        f"p50 {record['p50_ms']:.0f} ms, p99 {record['p99_ms']:.0f} ms, {record['completed']} ok / "
+        f"{record['failed']} failed {summary['failed_by_status'] or ''}",
+        flush=True,
+    )
+    return record
+
+
+def meshes(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, str]:
+    """One mesh per mode, all up at once (an idle one costs next to nothing): mode -> its URL."""
     from pagemesh.bench.local_mesh import running_mesh
 
-    flags = [*mesh_flags(args), "--diffusion-batching", mode]
-    records = []
-    started = time.monotonic()
-    with running_mesh(*flags) as url:
-        print(f"[repeat {repeat}] {mode}: mesh up after {time.monotonic() - started:.0f}s", flush=True)
-        target = ImageTarget(
-            url=url + IMAGES_ENDPOINT,
-            n=args.n,
-            num_inference_steps=steps,
-            sampler=args.sampler,
-            seed=args.seed,
-            warmup=1,
-            progress=False,
-        )
-        for clients in args.clients:
-            load = LoadPoint(max_concurrency=clients, num_prompts=requests_for(clients, args.rounds, args.least))
-            results, duration = asyncio.run(run_image_point(target, load, image_prompts(seed=args.seed)))
-            summary = summarize_images(results, duration, [50.0, 99.0])
-            batched = [r.batched_with for r in results if r.batched_with is not None]
-            record = point_record(mode, repeat, clients, summary, batched)
-            records.append(record)
-            print(
-                f"  {clients:>3} clients: {record['images_per_s']:.2f} images/s, p50 {record['p50_ms']:.0f} ms, "
-                f"p99 {record['p99_ms']:.0f} ms, {record['completed']} ok / {record['failed']} failed "
-                f"{summary['failed_by_status'] or ''}",
-                flush=True,
-            )
-    return records
+    urls = {}
+    for mode in args.modes:
+        started = time.monotonic()
+        urls[mode] = stack.enter_context(running_mesh(*mesh_flags(args), "--diffusion-batching", mode))
+        print(f"{mode}: mesh up after {time.monotonic() - started:.0f}s", flush=True)
+    return urls
 
 
 def mesh_flags(args: argparse.Namespace) -> list[str]:
-    return [
-        "--mixed",
-        "1",
+    return [  # no LLM worker: the meshes of the other modes, up beside it, would only idle
+        "--prefill",
+        "0",
+        "--decode",
+        "0",
         "--diffusion",
         "1",
         "--diffusion-max-running",
@@ -262,15 +270,21 @@ def main(argv: list[str] | None = None) -> None:
         "mesh_flags": mesh_flags(args),
         "requests": f"{args.rounds} per client (at least {args.least}) after 1 warm-up",
         "steps": ",".join(map(str, steps)),
+        "sampler": args.sampler,
         "n": args.n,
         "repeats": args.repeats,
         "orders": [mode_order(args.modes, r) for r in range(args.repeats)],
     }
     records: list[dict] = []
-    for repeat in range(args.repeats):
-        for mode in mode_order(args.modes, repeat):
-            records += measure_mode(args, mode, repeat, steps)
-            (out / "diffusion_batching.json").write_text(json.dumps({"setup": setup, "points": records}, indent=2))
+    with contextlib.ExitStack() as stack:
+        urls = meshes(args, stack)
+        for clients in args.clients:  # each point A-B-C then C-B-A: its modes side by side in time
+            for repeat in range(args.repeats):
+                for mode in mode_order(args.modes, repeat):
+                    records.append(measure_point(args, urls[mode], mode, repeat, clients, steps))
+                    (out / "diffusion_batching.json").write_text(
+                        json.dumps({"setup": setup, "points": records}, indent=2)
+                    )
     setup["load_after"] = _load()
     report = markdown(records, setup)
     (out / "diffusion_batching.json").write_text(json.dumps({"setup": setup, "points": records}, indent=2) + "\n")

@@ -44,7 +44,7 @@ def add_image_arguments(add) -> None:
     add("--size", None, help="WIDTHxHEIGHT (default: the server's)")
     add("--response-format", "b64_json", choices=RESPONSE_FORMATS, help="none: leave the field out")
     add("--num-inference-steps", None, help="steps, or a comma list cycled per request (an extra)")
-    add("--sampler", None, help="an extra, e.g. ddim")
+    add("--sampler", None, help="an extra, e.g. ddim; a comma list is cycled by request index")
     add("--guidance-scale", None, type=float, help="an extra")
     add("--negative-prompt", None, help="an extra")
     add("--image-seed", None, type=int, help="the k-th request sent (warm-ups first) gets seed IMAGE_SEED+k")
@@ -96,7 +96,7 @@ class ImageTarget:
     size: str | None = None
     response_format: str | None = "b64_json"
     num_inference_steps: tuple[int, ...] = ()  # cycled by request index
-    sampler: str | None = None
+    sampler: str | None = None  # a comma list is cycled by request index
     guidance_scale: float | None = None
     negative_prompt: str | None = None
     seed: int | None = None  # request k gets seed + k
@@ -115,16 +115,18 @@ def image_request_body(target: ImageTarget, prompt: str, index: int) -> dict:
         "model": target.model,
         "size": target.size,
         "response_format": target.response_format,
-        "sampler": target.sampler,
+        "sampler": _cycled(target.sampler.split(","), index) if target.sampler else None,
         "guidance_scale": target.guidance_scale,
         "negative_prompt": target.negative_prompt,
         "seed": None if target.seed is None else target.seed + index,
-        "num_inference_steps": (
-            target.num_inference_steps[index % len(target.num_inference_steps)] if target.num_inference_steps else None
-        ),
+        "num_inference_steps": _cycled(target.num_inference_steps, index) if target.num_inference_steps else None,
     }
     body |= {k: v for k, v in optional.items() if v is not None}
     return body | target.extra_body
+
+
+def _cycled(values, index: int):
+    return values[index % len(values)]
 
 
 @dataclass

@@ -99,6 +99,8 @@ def test_body_has_only_openai_fields_unless_extras_are_asked_for():
         "eta": 0.5,
     }
     assert [image_request_body(target, "p", k)["num_inference_steps"] for k in range(4)] == [10, 50, 10, 50]
+    mixed = ImageTarget(url="u", sampler="ddim,euler,dpmsolver++")
+    assert [image_request_body(mixed, "p", k)["sampler"] for k in range(4)] == ["ddim", "euler", "dpmsolver++", "ddim"]
 
 
 def _answer(status, body):
