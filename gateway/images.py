@@ -19,7 +19,7 @@ from typing import Any
 from pagemesh.common.messages import MAX_IMAGES, ImageParams, ImageResult
 from pagemesh.gateway.errors import invalid
 
-SAMPLERS = ("ddpm", "ddim", "dpmsolver++", "unipc", "euler")
+SAMPLERS = ("ddpm", "ddim", "dpmsolver++", "unipc", "euler", "lcm")  # a model offers some (its 400 names them)
 MAX_PROMPT_CHARS = 4000  # as OpenAI's DALL·E 3
 MAX_STEPS = 10_000  # a coarse bound; each model has its own (its 400 names it)
 MAX_GUIDANCE = 100.0

@@ -164,3 +164,20 @@ def test_a_killed_diffusion_worker_fails_its_request_and_the_other_serves_on(tmp
         assert client.images.generate(prompt="2", size="8x8", extra_body={"num_inference_steps": 4}).data
     finally:
         procs.stop()
+
+
+def test_the_consistency_model_draws_the_digit_in_one_step_through_the_mesh():
+    """The embedded consistency student (digits-dit-lcm) served by `pagemesh up --diffusion-model`:
+    its one sampler, "lcm", is what a request gets, and one step draws the digit asked for."""
+    flags = ("--prefill", "0", "--decode", "0", "--diffusion", "1", "--diffusion-model", "digits-dit-lcm")
+    with running_mesh(*flags) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
+        result = client.images.generate(
+            model="digits-dit-lcm", prompt="a handwritten 7", n=4, size="8x8", extra_body={"seed": 5}
+        )
+        usage = result.model_dump()["usage"]
+        assert (usage["sampler"], usage["num_inference_steps"]) == ("lcm", 1)
+        assert classify([from_png_b64(d.b64_json) for d in result.data]).count(7) >= 3
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.images.generate(model="digits-dit-lcm", prompt="a 7", size="8x8", extra_body={"sampler": "ddim"})
+        assert refused.value.body["param"] == "sampler" and "lcm" in refused.value.body["message"]

@@ -3,6 +3,14 @@ scheduler config, with its own timesteps, step index, solver history and random 
 
 A request's rows ride in batches with any other request's; nothing here is shared, so its
 trajectory is the same whoever it rides with.
+
+`SAMPLERS` are the solvers of a diffusion model's ODE/SDE, which any diffusion model may offer.
+`CONSISTENCY_SAMPLERS` only make sense for a consistency model (Song et al. 2023), whose output
+is f(x_t, t) ≈ x0 on the trajectory of x_t: "lcm" is latent consistency models' multistep
+sampling (Luo et al. 2023, diffusers' `LCMScheduler`): at each step x0 = c_skip(t) x_t +
+c_out(t) x0_pred(x_t, t), then x0 is noised afresh to the next timestep of its grid, with noise
+from the request's own generators; the last step returns x0. A model offers it by listing it in
+its pagemesh.json (models/digits-dit-lcm, training/consistency_digits.py).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from diffusers import (
     DDPMScheduler,
     DPMSolverMultistepScheduler,
     EulerDiscreteScheduler,
+    LCMScheduler,
     UniPCMultistepScheduler,
 )
 
@@ -31,8 +40,12 @@ _SCHEDULERS: dict[str, tuple[type, dict[str, Any]]] = {
     ),
     "unipc": (UniPCMultistepScheduler, {}),
     "euler": (EulerDiscreteScheduler, {}),
+    # A consistency model's sampler: the folder's scheduler config (an LCMScheduler's) gives its
+    # parametrization (prediction_type, timestep_scaling) and its grid (original_inference_steps).
+    "lcm": (LCMScheduler, {}),
 }
-SAMPLERS: tuple[str, ...] = tuple(_SCHEDULERS)
+CONSISTENCY_SAMPLERS: tuple[str, ...] = ("lcm",)
+SAMPLERS: tuple[str, ...] = tuple(name for name in _SCHEDULERS if name not in CONSISTENCY_SAMPLERS)
 _LEARNED_VARIANCE = ("learned", "learned_range")
 
 
@@ -48,7 +61,7 @@ class RequestSampler:
     """One request's sampler over its n images' latents [n, C, ...].
 
     `generators` holds one CPU generator per image (image i seeded from the request's seed + i),
-    used for the initial noise and for the noise a stochastic sampler (DDPM) adds at each step."""
+    used for the initial noise and for the noise a stochastic sampler (DDPM, LCM) adds at each step."""
 
     def __init__(self, name: str, scheduler_config: dict[str, Any], steps: int, generators: list[torch.Generator]):
         self.name = name

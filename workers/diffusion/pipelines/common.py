@@ -27,7 +27,9 @@ from pagemesh.common.messages import ImageModelInfo, ImageParams
 from pagemesh.common.messages.images import MAX_SIDE
 from pagemesh.workers.diffusion.pipelines.base import InvalidImageRequest, Resolved
 
-SAMPLERS = ("ddpm", "ddim", "dpmsolver++", "unipc", "euler")
+SAMPLERS = ("ddpm", "ddim", "dpmsolver++", "unipc", "euler")  # any diffusion model's (the default list)
+# A consistency model's sampler (engine/samplers.py), offered only by a folder whose pagemesh.json lists it.
+KNOWN_SAMPLERS = (*SAMPLERS, "lcm")
 # The sampler a folder's own scheduler is (its default); a scheduler not here defaults to ddim.
 SAMPLER_OF_SCHEDULER = {
     "DDPMScheduler": "ddpm",
@@ -136,8 +138,8 @@ def read_serving_defaults(path: str, defaults: ServingDefaults, *, size_multiple
             raise ModelFolderError(f"{where} sizes: at least one")
     if "samplers" in raw:
         changes["samplers"] = tuple(raw["samplers"])
-        if not changes["samplers"] or set(changes["samplers"]) - set(SAMPLERS):
-            raise ModelFolderError(f"{where} samplers: a non-empty list among {list(SAMPLERS)}")
+        if not changes["samplers"] or set(changes["samplers"]) - set(KNOWN_SAMPLERS):
+            raise ModelFolderError(f"{where} samplers: a non-empty list among {list(KNOWN_SAMPLERS)}")
         if "default_sampler" not in raw and defaults.default_sampler not in changes["samplers"]:
             changes["default_sampler"] = changes["samplers"][0]
     for key, kind in (("default_sampler", str), ("default_steps", int), ("max_steps", int)):

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from pagemesh.common.messages import ImageModelInfo, ImageParams
 from pagemesh.workers.diffusion.pipelines.base import InvalidImageRequest, Resolved
 from pagemesh.workers.diffusion.pipelines.common import (
+    KNOWN_SAMPLERS,
     SAMPLERS,
     ServingDefaults,
     parse_teacache_coefficients,
@@ -153,7 +154,7 @@ class DiTPipelineModel:
         self.native_size = (config.sample_size * scale, config.sample_size * scale)
         native = f"{self.native_size[0]}x{self.native_size[1]}"
         self.sizes: list[str] = list(serving.get("sizes", [native]))
-        self.samplers: list[str] = [s for s in serving.get("samplers", SAMPLERS) if s in SAMPLERS]
+        self.samplers: list[str] = [s for s in serving.get("samplers", SAMPLERS) if s in KNOWN_SAMPLERS]
         self.default_steps = int(serving.get("default_steps", FALLBACK_SERVING["default_steps"]))
         self.default_sampler = str(serving.get("default_sampler", FALLBACK_SERVING["default_sampler"]))
         self.default_guidance = float(serving.get("default_guidance_scale", FALLBACK_SERVING["default_guidance_scale"]))

@@ -23,7 +23,16 @@ DIGITS_NAME = "digits-dit"
 STUDENT_NAME = "digits-dit-student"
 DIGITS_PATH = MODELS_DIR / DIGITS_NAME
 STUDENT_PATH = MODELS_DIR / STUDENT_NAME
-EMBEDDED_MODELS: dict[str, Path] = {DIGITS_NAME: DIGITS_PATH, STUDENT_NAME: STUDENT_PATH}
+UNET_NAME = "digits-unet"  # a class-conditional UNet2DModel (training/train_digits_unet.py)
+UNET_PATH = MODELS_DIR / UNET_NAME
+LCM_NAME = "digits-dit-lcm"  # its consistency model (training/consistency_digits.py): "lcm" in 1-8 steps
+LCM_PATH = MODELS_DIR / LCM_NAME
+EMBEDDED_MODELS: dict[str, Path] = {
+    DIGITS_NAME: DIGITS_PATH,
+    STUDENT_NAME: STUDENT_PATH,
+    UNET_NAME: UNET_PATH,
+    LCM_NAME: LCM_PATH,
+}
 
 
 def load_embedded(device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> DiTPipelineModel:

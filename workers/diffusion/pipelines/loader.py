@@ -1,11 +1,13 @@
 """The one way a diffusion worker gets its model: `load_pipeline(path)`.
 
     None                      the embedded digits model (pipelines/embedded.py)
-    "digits-dit", "digits-dit-student"
+    "digits-dit", "digits-dit-student", "digits-unet"
                               an embedded model by name: its folder in this package, served
                               under that name (a folder of the same name: give "./digits-dit")
     folder/model_index.json   diffusers' layout, by its `_class_name`:
       DiTPipeline                                   pipelines/dit.py   (class-conditional DiT)
+      ClassUNetPipeline (pagemesh's own)            pipelines/class_unet.py (class-conditional
+                                                    pixel-space UNet2DModel, e.g. digits-unet)
       PixArtAlphaPipeline, PixArtSigmaPipeline      pipelines/pixart.py (text-to-image DiT, T5)
       StableDiffusionPipeline                       pipelines/unet.py  (UNet, CLIP)
 
@@ -23,6 +25,7 @@ from pagemesh.workers.diffusion.pipelines.embedded import EMBEDDED_MODELS
 
 LAYOUTS = {
     "DiTPipeline": "class-conditional DiT (DiTTransformer2DModel + AutoencoderKL)",
+    "ClassUNetPipeline": "class-conditional pixel-space U-Net (UNet2DModel with num_class_embeds)",
     "PixArtAlphaPipeline": "PixArt-alpha (PixArtTransformer2DModel + T5 + AutoencoderKL)",
     "PixArtSigmaPipeline": "PixArt-sigma (PixArtTransformer2DModel + T5 + AutoencoderKL)",
     "StableDiffusionPipeline": "Stable Diffusion 1.x/2.x (UNet2DConditionModel + CLIP + AutoencoderKL)",
@@ -53,6 +56,8 @@ def load_pipeline(
         raise ModelFolderError(f"{path}: diffusers layout {layout!r} is not supported; supported: {supported}")
     if layout == "DiTPipeline":
         from pagemesh.workers.diffusion.pipelines.dit import DiTPipelineModel as model_cls
+    elif layout == "ClassUNetPipeline":
+        from pagemesh.workers.diffusion.pipelines.class_unet import ClassUNetPipelineModel as model_cls
     elif layout == "StableDiffusionPipeline":
         from pagemesh.workers.diffusion.pipelines.unet import UNetPipelineModel as model_cls
     else:
