@@ -39,6 +39,10 @@ EXPERIMENTS = {
         "pagemesh.bench.experiments.diffusion_cache_deep",
         "diffusion-cache's sweeps on a 12-block variant of the digits DiT (where block 0 is a twelfth)",
     ),
+    "diffusion-unet-cache": (
+        "pagemesh.bench.experiments.diffusion_unet_cache",
+        "DeepCache vs fewer steps on the digits U-Net: block fraction and wall time against fidelity",
+    ),
     "diffusion-batching": (
         "pagemesh.bench.experiments.diffusion_batching",
         "step-level vs request-level vs serial diffusion batching under Poisson load, caching on and off",

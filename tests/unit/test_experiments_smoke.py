@@ -58,3 +58,15 @@ def test_parallel_quick_measures_one_rank_refuses_two_and_models_the_gpus(tmp_pa
     assert "| tp2 | tensor-parallel size 2 does not divide the model's 9 query heads" in md  # SmolLM2's heads
     assert "| tp1 | 1 |" in md and "| Llama-3-8B | 8 |" in md and "**Key figure:** " + last in md
     assert (tmp_path / "parallel_tp.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_diffusion_unet_cache_quick_runs_deepcache_on_the_digits_unet(tmp_path, capsys):
+    main(["diffusion-unet-cache", "--quick", "--out", str(tmp_path), "--threads", "1"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("diffusion-unet-cache: block speed-up at PSNR 35 dB") and "fbcache" not in last
+    md = (tmp_path / "diffusion-unet-cache.md").read_text()
+    assert "-block U-Net (down/mid/up blocks)" in md and "**Key figure:** " + last in md
+    assert "## Each cache beside fewer steps at equal block compute" in md and "| dpmsolver++ | interval:2 |" in md
+    assert "## Step-level batching under load" not in md and "TeaCache" not in md
+    assert (tmp_path / "diffusion-unet-cache_fidelity.png").stat().st_size > 0
