@@ -36,6 +36,7 @@ from pagemesh.workers.diffusion.pipelines.common import (
     patch_embedding_in_float32_on_cpu,
     resolve_request,
 )
+from pagemesh.workers.diffusion.pipelines.dit_lean import lean_block, lean_unsupported, timestep_sinusoid
 
 # A folder without pagemesh.json serves its native size with DiTPipeline's defaults.
 FALLBACK_SERVING = {"default_steps": 50, "default_sampler": "ddim", "default_guidance_scale": 4.0}
@@ -90,6 +91,8 @@ class DiTBlocks:
         self.inner_dim = transformer.inner_dim
         self.out_channels = out_channels
         self.teacache_coefficients = teacache_coefficients
+        # diffusers' blocks as straight-line calls (dit_lean.py), the same numbers, when they are the kind written there
+        self.lean = lean_unsupported(transformer) is None
 
     def hidden_shape(self, latent_shape: tuple[int, ...]) -> tuple[int, int]:
         _, height, width = latent_shape
@@ -104,8 +107,14 @@ class DiTBlocks:
         return norm1(hidden, rows.timesteps, rows.labels, hidden_dtype=hidden.dtype)[0]
 
     def blocks(self, hidden: torch.Tensor, rows: DiTRows, start: int, stop: int) -> torch.Tensor:
-        for block in self.transformer.transformer_blocks[start:stop]:
-            hidden = block(hidden, timestep=rows.timesteps, class_labels=rows.labels)
+        blocks = self.transformer.transformer_blocks
+        if self.lean and start < stop:
+            sinusoid = timestep_sinusoid(self.transformer, rows.timesteps)
+            for index in range(start, stop):
+                hidden = lean_block(blocks[index], hidden, sinusoid, rows.labels)
+            return hidden
+        for index in range(start, stop):
+            hidden = blocks[index](hidden, timestep=rows.timesteps, class_labels=rows.labels)
         return hidden
 
     def final(self, hidden: torch.Tensor, rows: DiTRows) -> torch.Tensor:
@@ -257,6 +266,10 @@ class DiTPipelineModel:
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """Noise predictions [B, C, h, w] for latents already scaled by each row's scheduler
         (`scale_model_input`); timesteps [B], one per row, int or float as the scheduler gives."""
+        if self.block_forward.lean:  # the transformer's forward in its parts: the same ops, fewer calls
+            forward = self.block_forward
+            hidden, rows = forward.embed(latents, timesteps, cond)
+            return forward.final(forward.blocks(hidden, rows, 0, forward.num_blocks), rows)  # (eps only)
         out = self.transformer(
             latents.to(self.device, self.dtype), timestep=timesteps.to(self.device), class_labels=cond
         ).sample
