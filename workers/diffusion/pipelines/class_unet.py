@@ -9,7 +9,7 @@ as an ImagePipeline (the embedded digits-unet: python -m pagemesh.workers.diffus
                                    same keys as a DiT folder's (pipelines/dit.py)
 
 "ClassUNetPipeline" is pagemesh's name, not a diffusers pipeline: diffusers' DDPMPipeline runs a
-UNet2DModel without class labels. Prompts are read as the DiT's are (dit.ClassLabels): the prompt
+UNet2DModel without class labels. Prompts are read as the DiT's are (pipelines/class_conditioned.py): the prompt
 names one class, its id is the conditioning row; the null class (id num_class_embeds - 1) is the
 unconditional row, unless the negative prompt names a class, which then takes its place.
 
@@ -28,22 +28,16 @@ from typing import Any
 
 import torch
 
-from pagemesh.common.messages import ImageModelInfo, ImageParams
-from pagemesh.workers.diffusion.pipelines.base import InvalidImageRequest, Resolved
+from pagemesh.workers.diffusion.pipelines.class_conditioned import ClassConditionedPipeline
 from pagemesh.workers.diffusion.pipelines.common import (
-    KNOWN_SAMPLERS,
-    SAMPLERS,
     ModelFolderError,
-    ServingDefaults,
-    resolve_request,
 )
-from pagemesh.workers.diffusion.pipelines.dit import FALLBACK_SERVING, ClassLabels
 from pagemesh.workers.diffusion.pipelines.unet import unet_deep_cache
 
 LAYOUT = "ClassUNetPipeline"
 
 
-class ClassUNetPipelineModel:
+class ClassUNetPipelineModel(ClassConditionedPipeline):
     """The ImagePipeline of a class-conditional pixel-space UNet2DModel."""
 
     block_forward = None  # no transformer-block split: DeepCache's instead (deep_cache_forward)
@@ -68,35 +62,10 @@ class ClassUNetPipelineModel:
         self.device = unet.device
         self.dtype = unet.dtype
         self.scheduler_config = scheduler_config
-        self.null_class = config.num_class_embeds - 1
-        self.labels = ClassLabels(id2label)
         side = config.sample_size if isinstance(config.sample_size, int) else config.sample_size[0]
         self.latent_shape = (config.in_channels, side, side)
         self.native_size = (side, side)
-        self.sizes: list[str] = list(serving.get("sizes", [f"{side}x{side}"]))
-        self.samplers: list[str] = [s for s in serving.get("samplers", SAMPLERS) if s in KNOWN_SAMPLERS]
-        self.default_steps = int(serving.get("default_steps", FALLBACK_SERVING["default_steps"]))
-        self.default_sampler = str(serving.get("default_sampler", FALLBACK_SERVING["default_sampler"]))
-        self.default_guidance = float(serving.get("default_guidance_scale", FALLBACK_SERVING["default_guidance_scale"]))
-        self.max_steps = int(serving.get("max_steps", scheduler_config.get("num_train_timesteps", 1000)))
-        self.serving = ServingDefaults(
-            sizes=tuple(_size(size) for size in self.sizes),
-            samplers=tuple(self.samplers),
-            default_sampler=self.default_sampler,
-            default_steps=self.default_steps,
-            max_steps=self.max_steps,
-            guidance_scale=self.default_guidance,
-        )
-        example = next(iter(id2label.values())).split(",")[0].strip()
-        self.conditioning = str(serving.get("conditioning", f"the prompt must name one class label, e.g. '{example}'"))
-        self.info = ImageModelInfo(
-            sizes=self.sizes,
-            samplers=self.samplers,
-            default_sampler=self.default_sampler,
-            default_steps=self.default_steps,
-            max_steps=self.max_steps,
-            conditioning=self.conditioning,
-        )
+        self.serve_classes(serving, scheduler_config, id2label, null_class=config.num_class_embeds - 1)
 
     @classmethod
     def from_folder(
@@ -116,39 +85,7 @@ class ClassUNetPipelineModel:
             name=name or path.name, unet=unet, scheduler_config=scheduler_config, id2label=id2label, serving=serving
         )
 
-    # -- what a request may ask ------------------------------------------------------------
-
-    def class_of(self, prompt: str) -> int:
-        """The one class the prompt names; InvalidImageRequest when it names none or several."""
-        found = self.labels.classes_in(prompt)
-        if len(found) != 1:
-            why = "names no class" if not found else f"names {len(found)} different classes"
-            raise InvalidImageRequest(f"the prompt {why}: {self.conditioning}", param="prompt")
-        return found.pop()
-
-    def negative_class(self, negative_prompt: str | None) -> int:
-        """The uncond row's class: the null class unless the negative prompt names one."""
-        found = self.labels.classes_in(negative_prompt or "")
-        if len(found) > 1:
-            raise InvalidImageRequest(
-                f"the negative prompt names {len(found)} different classes; it may name at most one",
-                param="negative_prompt",
-            )
-        return found.pop() if found else self.null_class
-
-    def resolve(self, params: ImageParams) -> Resolved:
-        resolved = resolve_request(params, self.serving, lambda width, height: self.latent_shape)
-        self.class_of(params.prompt)
-        self.negative_class(params.negative_prompt)
-        return resolved
-
     # -- the model -------------------------------------------------------------------------
-
-    def encode_prompt(self, prompt: str, negative_prompt: str | None) -> tuple[int, int]:
-        return self.class_of(prompt), self.negative_class(negative_prompt)
-
-    def stack(self, rows: list[int]) -> torch.Tensor:
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     @torch.no_grad()
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
@@ -162,9 +99,3 @@ class ClassUNetPipelineModel:
         """Pixel space: [-1, 1] -> uint8 [n, H, W, C] at the native size."""
         pixels = ((latents.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
         return pixels.permute(0, 2, 3, 1).cpu()
-
-
-def _size(text: str) -> tuple[int, int]:
-    """'WxH' (a size pagemesh.json lists) -> (W, H)."""
-    width, height = text.split("x")
-    return int(width), int(height)

@@ -8,55 +8,27 @@
                                    "max_guidance_scale" (a student with guidance distilled in: 1.0)
                                    and "teacache_coefficients" (training/fit_teacache.py)
 
-The prompt names a class: the labels of id2label (comma-separated synonyms) are matched as whole
-words, case-insensitively, longest first, so "a handwritten 7", "the digit seven" and "7" are all
-class 7. The conditioning row of an image is its class id; the null class (id
-`num_embeds_ada_norm`, the LabelEmbedding's extra row) is the unconditional row, unless the
-negative prompt names a class, which then takes its place.
+The prompt names a class (pipelines/class_conditioned.py, shared with the class-conditional U-Net):
+the conditioning row of an image is its class id; the null class (id `num_embeds_ada_norm`, the
+LabelEmbedding's extra row) is the unconditional row, unless the negative prompt names a class.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from pagemesh.common.messages import ImageModelInfo, ImageParams
-from pagemesh.workers.diffusion.pipelines.base import InvalidImageRequest, Resolved
+from pagemesh.workers.diffusion.pipelines.class_conditioned import ClassConditionedPipeline
 from pagemesh.workers.diffusion.pipelines.common import (
-    KNOWN_SAMPLERS,
-    SAMPLERS,
-    ServingDefaults,
     parse_teacache_coefficients,
     patch_embedding_in_float32_on_cpu,
-    resolve_request,
 )
 from pagemesh.workers.diffusion.pipelines.dit_lean import lean_block, lean_unsupported, timestep_sinusoid
-
-# A folder without pagemesh.json serves its native size with DiTPipeline's defaults.
-FALLBACK_SERVING = {"default_steps": 50, "default_sampler": "ddim", "default_guidance_scale": 4.0}
-
-
-class ClassLabels:
-    """id2label's synonyms -> class ids, and the one class a prompt names."""
-
-    def __init__(self, id2label: dict[str, str]):
-        self.by_label: dict[str, int] = {}  # a label listed under two ids: the last wins, as in DiTPipeline
-        for key, value in id2label.items():
-            for label in value.split(","):
-                if label.strip():
-                    self.by_label[label.strip().lower()] = int(key)
-        # Longest first: "tiger shark" claims its words before "tiger" can.
-        labels = sorted(self.by_label, key=len, reverse=True)
-        self.pattern = re.compile(r"(?<!\w)(" + "|".join(re.escape(label) for label in labels) + r")(?!\w)", re.I)
-
-    def classes_in(self, text: str) -> set[int]:
-        return {self.by_label[m.group(1).lower()] for m in self.pattern.finditer(text)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +101,7 @@ class DiTBlocks:
         return out if self.out_channels is None else out[:, : self.out_channels]
 
 
-class DiTPipelineModel:
+class DiTPipelineModel(ClassConditionedPipeline):
     """The ImagePipeline of a class-conditional DiT (pixel space or with an AutoencoderKL)."""
 
     def __init__(
@@ -151,47 +123,15 @@ class DiTPipelineModel:
         config = transformer.config
         self.in_channels = config.in_channels
         self.learned_sigma = transformer.out_channels == 2 * config.in_channels
-        self.null_class = config.num_embeds_ada_norm
         self.block_forward = DiTBlocks(
             self.transformer,
             self.in_channels if self.learned_sigma else None,
             parse_teacache_coefficients(serving.get("teacache_coefficients"), f"{name}: pagemesh.json:"),
         )
-        self.labels = ClassLabels(id2label)
         scale = 2 ** (len(vae.config.block_out_channels) - 1) if vae is not None else 1
         self.latent_shape = (config.in_channels, config.sample_size, config.sample_size)
         self.native_size = (config.sample_size * scale, config.sample_size * scale)
-        native = f"{self.native_size[0]}x{self.native_size[1]}"
-        self.sizes: list[str] = list(serving.get("sizes", [native]))
-        self.samplers: list[str] = [s for s in serving.get("samplers", SAMPLERS) if s in KNOWN_SAMPLERS]
-        self.default_steps = int(serving.get("default_steps", FALLBACK_SERVING["default_steps"]))
-        self.default_sampler = str(serving.get("default_sampler", FALLBACK_SERVING["default_sampler"]))
-        self.default_guidance = float(serving.get("default_guidance_scale", FALLBACK_SERVING["default_guidance_scale"]))
-        self.max_steps = int(serving.get("max_steps", scheduler_config.get("num_train_timesteps", 1000)))
-        # what resolve_request (pipelines/common.py) checks a request against, as the text pipelines'
-        self.serving = ServingDefaults(
-            sizes=tuple(_size(size) for size in self.sizes),
-            samplers=tuple(self.samplers),
-            default_sampler=self.default_sampler,
-            default_steps=self.default_steps,
-            max_steps=self.max_steps,
-            guidance_scale=self.default_guidance,
-        )
-        # A model with guidance distilled in answers one row per image: a guidance scale above 1
-        # would add uncond rows it was never trained to be combined with, so it is refused (a
-        # silent no-op would hand back the same image for 1 and for 7, which nobody asking expects).
-        cap = serving.get("max_guidance_scale")
-        self.max_guidance: float | None = None if cap is None else float(cap)
-        example = next(iter(id2label.values())).split(",")[0].strip()
-        self.conditioning = str(serving.get("conditioning", f"the prompt must name one class label, e.g. '{example}'"))
-        self.info = ImageModelInfo(
-            sizes=self.sizes,
-            samplers=self.samplers,
-            default_sampler=self.default_sampler,
-            default_steps=self.default_steps,
-            max_steps=self.max_steps,
-            conditioning=self.conditioning,
-        )
+        self.serve_classes(serving, scheduler_config, id2label, null_class=config.num_embeds_ada_norm)
 
     @classmethod
     def from_folder(
@@ -219,48 +159,7 @@ class DiTPipelineModel:
             serving=serving,
         )
 
-    # -- what a request may ask ------------------------------------------------------------
-
-    def class_of(self, prompt: str) -> int:
-        """The one class the prompt names; InvalidImageRequest when it names none or several."""
-        found = self.labels.classes_in(prompt)
-        if len(found) != 1:
-            why = "names no class" if not found else f"names {len(found)} different classes"
-            raise InvalidImageRequest(f"the prompt {why}: {self.conditioning}", param="prompt")
-        return found.pop()
-
-    def negative_class(self, negative_prompt: str | None) -> int:
-        """The uncond row's class: the null class unless the negative prompt names one."""
-        found = self.labels.classes_in(negative_prompt or "")
-        if len(found) > 1:
-            raise InvalidImageRequest(
-                f"the negative prompt names {len(found)} different classes; it may name at most one",
-                param="negative_prompt",
-            )
-        return found.pop() if found else self.null_class
-
-    def resolve(self, params: ImageParams) -> Resolved:
-        """The size, steps, sampler and guidance as every pipeline checks them (one latent shape:
-        the model's), then the guidance cap and the classes the prompts name."""
-        resolved = resolve_request(params, self.serving, lambda width, height: self.latent_shape)
-        guidance = resolved.guidance_scale
-        if self.max_guidance is not None and guidance > self.max_guidance:
-            raise InvalidImageRequest(
-                f"guidance_scale must be <= {self.max_guidance:g} for {self.name}: its classifier-free guidance "
-                f"is distilled in; got {guidance:g}",
-                param="guidance_scale",
-            )
-        self.class_of(params.prompt)
-        self.negative_class(params.negative_prompt)
-        return resolved
-
     # -- the model -------------------------------------------------------------------------
-
-    def encode_prompt(self, prompt: str, negative_prompt: str | None) -> tuple[int, int]:
-        return self.class_of(prompt), self.negative_class(negative_prompt)
-
-    def stack(self, rows: list[int]) -> torch.Tensor:
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     @torch.no_grad()
     def denoise(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
@@ -283,9 +182,3 @@ class DiTPipelineModel:
             samples = self.vae.decode(samples / self.vae.config.scaling_factor).sample
         pixels = ((samples.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
         return pixels.permute(0, 2, 3, 1).cpu()
-
-
-def _size(text: str) -> tuple[int, int]:
-    """'WxH' (a size pagemesh.json lists) -> (W, H)."""
-    width, height = text.split("x")
-    return int(width), int(height)
