@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -105,25 +106,29 @@ def _disable_builtin_label_dropout(model: DiTTransformer2DModel) -> None:
             module.dropout_prob = 0.0
 
 
-def train(config: TrainConfig, *, log_every: int = 250) -> DiTTransformer2DModel:
-    """The EMA weights of a DiT trained on the digits' training split."""
+def lr_at(config, step: int) -> float:
+    """Linear warmup, then cosine to 10%."""
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_denoiser(config, build: Callable[[], torch.nn.Module], *, log_every: int = 250) -> torch.nn.Module:
+    """The EMA weights of the class-conditional denoiser `build()` makes (a DiT here, a U-Net in
+    train_digits_unet.py), trained on the digits' training split: DDPM's noise prediction, labels
+    dropped to the null class for classifier-free guidance. `config`: the fields of TrainConfig's
+    first block (steps, batch_size, lr, warmup, label_dropout, ema_decay, seed)."""
     torch.manual_seed(config.seed)
     gen = torch.Generator().manual_seed(config.seed)
     data = train_split()
-    model = build_transformer(config)
+    model = build()
     _disable_builtin_label_dropout(model)
-    ema = build_transformer(config).requires_grad_(False)
+    ema = build().requires_grad_(False)
     ema.load_state_dict(model.state_dict())
     scheduler = DDPMScheduler(**SCHEDULER_CONFIG)
     alphas_cumprod = scheduler.alphas_cumprod
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
-
-    def lr_at(step: int) -> float:  # linear warmup, then cosine to 10%
-        if step < config.warmup:
-            return config.lr * (step + 1) / config.warmup
-        progress = (step - config.warmup) / max(1, config.steps - config.warmup)
-        return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
     model.train()
     n = len(data.labels)
     running = 0.0
@@ -137,10 +142,10 @@ def train(config: TrainConfig, *, log_every: int = 250) -> DiTTransformer2DModel
         noise = torch.randn(x0.shape, generator=gen)
         a = alphas_cumprod[t].view(-1, 1, 1, 1)
         xt = a.sqrt() * x0 + (1 - a).sqrt() * noise
-        pred = model(xt, timestep=t, class_labels=labels).sample
+        pred = model(xt, t, class_labels=labels).sample
         loss = torch.nn.functional.mse_loss(pred, noise)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step)
+            group["lr"] = lr_at(config, step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -154,6 +159,11 @@ def train(config: TrainConfig, *, log_every: int = 250) -> DiTTransformer2DModel
             print(f"step {step + 1}/{config.steps} loss {running / log_every:.4f} {elapsed:.0f} s", flush=True)
             running = 0.0
     return ema.eval()
+
+
+def train(config: TrainConfig, *, log_every: int = 250) -> DiTTransformer2DModel:
+    """The EMA weights of a DiT trained on the digits' training split."""
+    return train_denoiser(config, lambda: build_transformer(config), log_every=log_every)
 
 
 def save_folder(transformer: DiTTransformer2DModel, out: Path, *, trained: dict | None = None) -> None:

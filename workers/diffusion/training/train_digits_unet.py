@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,8 +38,8 @@ from pathlib import Path
 import torch
 from diffusers import DDPMScheduler, UNet2DModel
 
-from pagemesh.workers.diffusion.training.digits_data import NUM_CLASSES, SIDE, train_split
-from pagemesh.workers.diffusion.training.train_digits import ID2LABEL, NULL_CLASS, SCHEDULER_CONFIG, SERVING
+from pagemesh.workers.diffusion.training.digits_data import NUM_CLASSES, SIDE
+from pagemesh.workers.diffusion.training.train_digits import ID2LABEL, SCHEDULER_CONFIG, SERVING, train_denoiser
 
 LAYOUT = "ClassUNetPipeline"
 
@@ -78,53 +77,9 @@ def build_unet(config: TrainConfig) -> UNet2DModel:
     )
 
 
-def lr_at(config: TrainConfig, step: int) -> float:
-    """Linear warmup, then cosine to 10% (train_digits.py's schedule)."""
-    if step < config.warmup:
-        return config.lr * (step + 1) / config.warmup
-    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
-    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def train(config: TrainConfig, *, log_every: int = 250) -> UNet2DModel:
-    """The EMA weights of a UNet2DModel trained on the digits' training split."""
-    torch.manual_seed(config.seed)
-    gen = torch.Generator().manual_seed(config.seed)
-    data = train_split()
-    model = build_unet(config)
-    ema = build_unet(config).requires_grad_(False)
-    ema.load_state_dict(model.state_dict())
-    alphas_cumprod = DDPMScheduler(**SCHEDULER_CONFIG).alphas_cumprod
-    opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
-    model.train()
-    n = len(data.labels)
-    running = 0.0
-    start = time.perf_counter()
-    for step in range(config.steps):
-        idx = torch.randint(0, n, (config.batch_size,), generator=gen)
-        x0, labels = data.images[idx], data.labels[idx]
-        drop = torch.rand(config.batch_size, generator=gen) < config.label_dropout
-        labels = torch.where(drop, NULL_CLASS, labels)
-        t = torch.randint(0, SCHEDULER_CONFIG["num_train_timesteps"], (config.batch_size,), generator=gen)
-        noise = torch.randn(x0.shape, generator=gen)
-        a = alphas_cumprod[t].view(-1, 1, 1, 1)
-        xt = a.sqrt() * x0 + (1 - a).sqrt() * noise
-        loss = torch.nn.functional.mse_loss(model(xt, t, class_labels=labels).sample, noise)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(config, step)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        with torch.no_grad():
-            for p_ema, p in zip(ema.parameters(), model.parameters(), strict=True):
-                p_ema.lerp_(p, 1 - config.ema_decay)
-        running += loss.item()
-        if log_every and (step + 1) % log_every == 0:
-            elapsed = time.perf_counter() - start
-            print(f"step {step + 1}/{config.steps} loss {running / log_every:.4f} {elapsed:.0f} s", flush=True)
-            running = 0.0
-    return ema.eval()
+    """The EMA weights of a UNet2DModel trained on the digits' training split (train_digits.py's loop)."""
+    return train_denoiser(config, lambda: build_unet(config), log_every=log_every)
 
 
 def save_folder(unet: UNet2DModel, out: Path, *, serving: dict, trained: dict | None = None) -> None:
