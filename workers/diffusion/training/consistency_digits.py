@@ -51,8 +51,7 @@ import torch
 from diffusers import DiTTransformer2DModel, LCMScheduler
 
 from pagemesh.workers.diffusion.training.digits_data import NUM_CLASSES, train_split
-from pagemesh.workers.diffusion.training.distill_digits import GuidedEpsTeacher, Schedule
-from pagemesh.workers.diffusion.training.train_digits import ID2LABEL
+from pagemesh.workers.diffusion.training.distill_digits import GuidedEpsTeacher, Schedule, save_folder
 
 TEACHER_PATH = Path(__file__).resolve().parent.parent / "models" / "digits-dit"
 SERVE_STEPS = (1, 2, 4)
@@ -249,28 +248,6 @@ def serving_defaults(default_steps: int) -> dict:
     }
 
 
-def save_folder(student: DiTTransformer2DModel, scheduler_config: dict, out: Path, serving: dict) -> None:
-    import diffusers
-
-    out.mkdir(parents=True, exist_ok=True)
-    student.save_pretrained(out / "transformer", safe_serialization=True)
-    config_file = out / "transformer" / "config.json"  # without the teacher's local path
-    config = json.loads(config_file.read_text())
-    config.pop("_name_or_path", None)
-    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    LCMScheduler(**scheduler_config).save_pretrained(out / "scheduler")
-    index = {
-        "_class_name": "DiTPipeline",
-        "_diffusers_version": diffusers.__version__,
-        "id2label": ID2LABEL,
-        "scheduler": ["diffusers", "LCMScheduler"],
-        "transformer": ["diffusers", "DiTTransformer2DModel"],
-        "vae": [None, None],
-    }
-    (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (out / "pagemesh.json").write_text(json.dumps(serving, indent=2) + "\n")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -313,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
         "accuracy": accuracies,
         "accuracy_judged_on": "200 images (20 of each digit, seeds 10000+), bench/diffusion/classifier.py",
     }
-    save_folder(student, scheduler_config, args.out, serving)
+    save_folder(student, LCMScheduler(**scheduler_config), args.out, serving)
     print(f"accuracy by steps {accuracies}; {seconds:.0f} s on {args.threads} thread(s) -> {args.out}")
 
 

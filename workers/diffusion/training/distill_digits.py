@@ -282,7 +282,9 @@ def serving_defaults(config: DistillConfig) -> dict:
     }
 
 
-def save_folder(student: DiTTransformer2DModel, scheduler_config: dict, out: Path, serving: dict) -> None:
+def save_folder(student: DiTTransformer2DModel, scheduler, out: Path, serving: dict) -> None:
+    """Writes a student in DiTPipeline's layout (pixel space), with `scheduler` (a diffusers
+    scheduler instance: DDIM here, LCM for the consistency student) as its scheduler."""
     import diffusers
 
     out.mkdir(parents=True, exist_ok=True)
@@ -291,12 +293,12 @@ def save_folder(student: DiTTransformer2DModel, scheduler_config: dict, out: Pat
     config = json.loads(config_file.read_text())
     config.pop("_name_or_path", None)
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    ddim_scheduler(scheduler_config).save_pretrained(out / "scheduler")
+    scheduler.save_pretrained(out / "scheduler")
     index = {
         "_class_name": "DiTPipeline",
         "_diffusers_version": diffusers.__version__,
         "id2label": ID2LABEL,
-        "scheduler": ["diffusers", "DDIMScheduler"],
+        "scheduler": ["diffusers", type(scheduler).__name__],
         "transformer": ["diffusers", "DiTTransformer2DModel"],
         "vae": [None, None],
     }
@@ -341,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
         "threads": args.threads,
         "torch": torch.__version__,
     }
-    save_folder(student, scheduler_config, args.out, serving)
+    save_folder(student, ddim_scheduler(scheduler_config), args.out, serving)
     print(f"{len(records)} rounds, {seconds:.0f} s on {args.threads} thread(s) -> {args.out}")
 
 
