@@ -92,9 +92,10 @@ def test_a_restarted_scheduler_gets_its_workers_back(processes):
     assert complete(client).usage.completion_tokens == 5
 
 
-@pytest.mark.parametrize(
-    "processes", [("--mixed", "1", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S))], indirect=True
-)
+PAUSED_TIMEOUT_S = 3.0  # short, so that the pause outlasts it; not so short that a busy machine's stall does
+
+
+@pytest.mark.parametrize("processes", [("--mixed", "1", "--heartbeat-timeout", str(PAUSED_TIMEOUT_S))], indirect=True)
 def test_a_paused_scheduler_serves_what_waited_for_it_and_drops_no_worker(processes):
     client = openai.OpenAI(base_url=processes.url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
     scheduler = processes.children["scheduler"]
@@ -102,7 +103,7 @@ def test_a_paused_scheduler_serves_what_waited_for_it_and_drops_no_worker(proces
         scheduler.send_signal(signal.SIGSTOP)
         try:
             waiting = pool.submit(complete, client)  # read by the scheduler only once it runs again
-            time.sleep(2 * HEARTBEAT_TIMEOUT_S)  # longer than the heartbeat timeout, in which
+            time.sleep(2 * PAUSED_TIMEOUT_S)  # longer than the heartbeat timeout, in which
         finally:  # the worker's heartbeats wait unread
             scheduler.send_signal(signal.SIGCONT)
         assert waiting.result(timeout=HANG_S).usage.completion_tokens == 5  # not a 503: no workers
