@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagemesh.common.messages import ImageParams
+from pagemesh.tests.diffusion_runs import image_job, run_alone, run_until_idle
 from pagemesh.tests.diffusion_tiny import NUM_CLASSES, TinyDiTPipeline
-from pagemesh.workers.diffusion.engine import DiffusionEngine, EngineConfig, FinishedJob, ImageJob, InvalidImageRequest
+from pagemesh.workers.diffusion.engine import DiffusionEngine, EngineConfig, FinishedJob, InvalidImageRequest
 from pagemesh.workers.diffusion.pipelines.dit import DiTBlocks
 
 LAYERS = 3  # block 0, then two deep blocks a cache may skip
@@ -25,38 +25,16 @@ def pipe() -> TinyDiTPipeline:
     return TinyDiTPipeline(num_layers=LAYERS)
 
 
-def job(request_id: str, cache: str | None, *, prompt="a 3", n=1, steps=10, sampler="ddim", guidance=2.0, seed=0):
-    params = ImageParams(
-        prompt=prompt,
-        negative_prompt=None,
-        n=n,
-        width=8,
-        height=8,
-        num_inference_steps=steps,
-        guidance_scale=guidance,
-        sampler=sampler,
-        seed=seed,
-        cache=cache,
-    )
-    return ImageJob(request_id=request_id, params=params, arrival=0.0)
+def job(request_id: str, cache: str | None, **kw):
+    return image_job(request_id, cache, **{**dict(prompt="a 3", size=(8, 8)), **kw})
 
 
-def run(pipe: TinyDiTPipeline, engine: DiffusionEngine) -> dict[str, tuple[FinishedJob, torch.Tensor]]:
-    """Step until idle: request id -> (its result, the float latents it decoded)."""
-    pipe.decoded.clear()
-    done: list[FinishedJob] = []
-    for _ in range(200):
-        if not engine.has_work():
-            break
-        done += engine.step()
-    assert not engine.has_work(), "the engine made no progress"
-    return {d.request_id: (d, latents) for d, latents in zip(done, pipe.decoded, strict=True)}
+def run(pipe, engine: DiffusionEngine, done: list[FinishedJob] | None = None):
+    return run_until_idle(pipe, engine, done)
 
 
 def alone(pipe, cache, **kw) -> tuple[FinishedJob, torch.Tensor]:
-    engine = DiffusionEngine(pipe)
-    engine.add(job("r", cache, **kw))
-    return run(pipe, engine)["r"]
+    return run_alone(pipe, job("r", cache, **kw))
 
 
 def test_the_block_path_is_the_whole_forward(pipe):

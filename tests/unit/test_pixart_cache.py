@@ -13,9 +13,9 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-from pagemesh.common.messages import ImageParams  # noqa: E402
 from pagemesh.tests.diffusion_folders import tiny_pixart_alpha_folder, tiny_pixart_sigma_folder  # noqa: E402
-from pagemesh.workers.diffusion.engine import DiffusionEngine, FinishedJob, ImageJob  # noqa: E402
+from pagemesh.tests.diffusion_runs import image_job, run_alone, run_until_idle
+from pagemesh.workers.diffusion.engine import DiffusionEngine, FinishedJob  # noqa: E402
 from pagemesh.workers.diffusion.pipelines.loader import load_pipeline  # noqa: E402
 from pagemesh.workers.diffusion.pipelines.pixart import PixArtBlocks  # noqa: E402
 
@@ -40,41 +40,16 @@ def pipe(request, tmp_path_factory):
     return pipe
 
 
-def job(request_id: str, cache: str | None, *, prompt="a cat on a mat", n=1, steps=STEPS, sampler="ddim", seed=0):
-    params = ImageParams(
-        prompt=prompt,
-        negative_prompt=None,
-        n=n,
-        width=None,  # the native size: every request's latents have one shape and may share a batch
-        height=None,
-        num_inference_steps=steps,
-        guidance_scale=2.0,
-        sampler=sampler,
-        seed=seed,
-        cache=cache,
-    )
-    return ImageJob(request_id=request_id, params=params, arrival=0.0)
+def job(request_id: str, cache: str | None, **kw):
+    return image_job(request_id, cache, **{**dict(prompt="a cat on a mat", size=None, steps=STEPS), **kw})
 
 
-def run(
-    pipe, engine: DiffusionEngine, done: list[FinishedJob] | None = None
-) -> dict[str, tuple[FinishedJob, torch.Tensor]]:
-    """Step until idle: request id -> (its result, the float latents it decoded); `done`: what
-    finished in steps run before (their latents are in pipe.decoded)."""
-    done = list(done or [])
-    for _ in range(200):
-        if not engine.has_work():
-            break
-        done += engine.step()
-    assert not engine.has_work(), "the engine made no progress"
-    return {d.request_id: (d, latents) for d, latents in zip(done, pipe.decoded, strict=True)}
+def run(pipe, engine: DiffusionEngine, done: list[FinishedJob] | None = None):
+    return run_until_idle(pipe, engine, done)
 
 
 def alone(pipe, cache, **kw) -> tuple[FinishedJob, torch.Tensor]:
-    pipe.decoded.clear()
-    engine = DiffusionEngine(pipe)
-    engine.add(job("r", cache, **kw))
-    return run(pipe, engine)["r"]
+    return run_alone(pipe, job("r", cache, **kw))
 
 
 def _inputs(pipe, rows: int = 4):

@@ -11,9 +11,9 @@ import pytest
 import torch
 from diffusers import UNet2DModel
 
-from pagemesh.common.messages import ImageParams
 from pagemesh.tests.diffusion_folders import tiny_sd_folder
-from pagemesh.workers.diffusion.engine import DiffusionEngine, EngineConfig, FinishedJob, ImageJob, InvalidImageRequest
+from pagemesh.tests.diffusion_runs import image_job, run_alone, run_until_idle
+from pagemesh.workers.diffusion.engine import DiffusionEngine, EngineConfig, FinishedJob, InvalidImageRequest
 from pagemesh.workers.diffusion.pipelines.loader import load_pipeline
 from pagemesh.workers.diffusion.pipelines.unet import UNetDeepCache, unet_deep_cache
 
@@ -64,38 +64,16 @@ def pipe(sd) -> Recording:
     return Recording(sd)
 
 
-def job(request_id: str, cache: str | None, *, n=1, steps=10, sampler="ddim", guidance=2.0, seed=0, prompt="a cat"):
-    params = ImageParams(
-        prompt=prompt,
-        negative_prompt=None,
-        n=n,
-        width=16,
-        height=16,
-        num_inference_steps=steps,
-        guidance_scale=guidance,
-        sampler=sampler,
-        seed=seed,
-        cache=cache,
-    )
-    return ImageJob(request_id=request_id, params=params, arrival=0.0)
+def job(request_id: str, cache: str | None, **kw):
+    return image_job(request_id, cache, **{**dict(prompt="a cat", size=(16, 16)), **kw})
 
 
-def run(pipe: Recording, engine: DiffusionEngine) -> dict[str, tuple[FinishedJob, torch.Tensor]]:
-    """Step until idle: request id -> (its result, the float latents it decoded)."""
-    pipe.decoded.clear()
-    done: list[FinishedJob] = []
-    for _ in range(200):
-        if not engine.has_work():
-            break
-        done += engine.step()
-    assert not engine.has_work(), "the engine made no progress"
-    return {d.request_id: (d, latents) for d, latents in zip(done, pipe.decoded, strict=True)}
+def run(pipe, engine: DiffusionEngine, done: list[FinishedJob] | None = None):
+    return run_until_idle(pipe, engine, done)
 
 
-def alone(pipe: Recording, cache, **kw) -> tuple[FinishedJob, torch.Tensor]:
-    engine = DiffusionEngine(pipe)
-    engine.add(job("r", cache, **kw))
-    return run(pipe, engine)["r"]
+def alone(pipe, cache, **kw) -> tuple[FinishedJob, torch.Tensor]:
+    return run_alone(pipe, job("r", cache, **kw))
 
 
 # ---- the split forward ---------------------------------------------------------------------
