@@ -153,10 +153,15 @@ fi
 step "image build"
 T=$(date +%s)
 BUILD_LOG=$(mktemp /tmp/pagemesh-build.XXXXXX.log)
+OLD_IMAGE=$(docker image inspect -f '{{.Id}}' pagemesh:latest 2>/dev/null || true)
 if ! compose build >"$BUILD_LOG" 2>&1; then
     tail -n 60 "$BUILD_LOG"
     log "image build failed (log: $BUILD_LOG)"
     exit 1
+fi
+# the image this build replaced is untagged now: 3.6 GB a run on a machine that runs this often
+if [ -n "$OLD_IMAGE" ] && [ "$OLD_IMAGE" != "$(docker image inspect -f '{{.Id}}' pagemesh:latest)" ]; then
+    docker image rm "$OLD_IMAGE" >/dev/null 2>&1 && log "removed the pagemesh:latest this build replaced" || true
 fi
 # the steps of the first build (the other services' are the same, from its cache)
 awk '/^Successfully tagged/ && ++n == 1 { print; exit } { print }' "$BUILD_LOG" \
