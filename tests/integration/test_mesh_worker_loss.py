@@ -28,7 +28,7 @@ import pytest
 
 from pagemesh.bench.local_mesh import HANG_S, LATE_S, SeparateProcesses, metrics, per_worker, sample_until, wait_until
 from pagemesh.common.model_files import DEFAULT_MODEL_NAME
-from pagemesh.workers.shell.faults import FAIL_ENV, KV_SEND_DELAY_ENV
+from pagemesh.workers.shell.faults import DELAY_ENV, FAIL_ENV, KV_SEND_DELAY_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +38,11 @@ MAX_MIGRATIONS = 1
 # through /metrics scrapes, which take a while on a loaded machine.
 GREEDY = dict(prompt="Count on and on:", max_tokens=64, temperature=0)
 SEEDED = dict(prompt="Tell me a story:", max_tokens=64, temperature=0.9, top_p=0.95, seed=1234)
+# The tests that must kill a stream's holder before the stream ends start their workers with each
+# step slowed by this much (64 steps take 13 s or more): on an idle machine 64 tokens once came out
+# of the second worker before the test had read the holder and killed it, and the stream ended
+# without the error event the test waits for. Well under the heartbeat timeout.
+SLOW_STEP = {DELAY_ENV: "0.2"}
 
 
 @pytest.fixture(scope="module")
@@ -256,6 +261,8 @@ def test_an_engine_that_fails_in_a_step_moves_its_stream_to_the_other_worker(mes
 
 def test_a_request_that_keeps_losing_its_workers_ends_at_max_migrations(mesh):
     client = client_of(mesh)
+    for name in pool_of(mesh):
+        mesh.restart(name, env=SLOW_STEP)
     assert both_workers_live(mesh)
     pieces: list[str] = []
     assert pool_idle(mesh)
@@ -275,7 +282,7 @@ def test_a_request_that_keeps_losing_its_workers_ends_at_max_migrations(mesh):
 def test_with_no_worker_left_in_the_pool_the_stream_ends_with_the_error_event(mesh):
     client = client_of(mesh)
     survivor, dead = pool_of(mesh)
-    mesh.restart(survivor)  # the pool's only live worker (the previous test killed both)
+    mesh.restart(survivor, env=SLOW_STEP)  # the pool's only live worker (the previous test killed both)
     assert wait_until(lambda: registered(mesh) == llm_workers(mesh) - {dead})
     pieces: list[str] = []
     assert pool_idle(mesh)
