@@ -31,6 +31,15 @@ page's key chains on its hash), which a window shorter than a page would otherwi
 A freed page that is published keeps its content and its key (evictable, as after a finish), so a
 later prompt's prefix hit on it is exact; once evicted, its key is gone and the chain of keys after
 it is unreachable (a hit is always a run of pages from the first).
+
+Offload tier (`offload`, --kv-offload-gb / --kv-offload-dir): a published page taken for reuse is
+first handed to the tier (its content copied out, under its key), and `match_prefix` goes on past
+the pool's last hit with the tier's pages, each copied into a page taken here and published again:
+
+    pool   k0 k1 .. ──miss k2──▶ tier.load(k2 → new page) ──▶ k3 ... until the tier misses too
+    evict  k5's page ──▶ tier.offload(k5, its page) ──▶ the page is reused
+
+The tier copies at once, before the page's new holder can write it (workers/engine/kv_offload.py).
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pagemesh.common.page_hash import chain_hash
 
@@ -46,6 +55,19 @@ if TYPE_CHECKING:
     from pagemesh.workers.engine.kv_events import KVEventCollector
 
 NULL_PAGE = 0
+
+
+class OffloadTier(Protocol):
+    """Where evicted prefix pages go and come back from (workers/engine/kv_offload.py)."""
+
+    def offload(self, key: int, page_id: int, token_ids: tuple[int, ...]) -> None:
+        """Copy page `page_id`'s content out under `key` now: the page is reused right after."""
+
+    def load(self, key: int, page_id: int, token_ids: tuple[int, ...]) -> bool:
+        """Copy `key`'s page (if held, and holding `token_ids`) into page `page_id`; False: not held."""
+
+    def clear(self) -> None:
+        """Forget every page held."""
 
 
 class OutOfPages(RuntimeError):
@@ -69,12 +91,14 @@ class BlockManager:
     enable_prefix_caching: bool = True
     window: int | None = None  # keys a query sees (its position's included); None: all of them
     events: KVEventCollector | None = None  # KV cache events (--kv-events-config): keys stored, evicted, cleared
+    offload: OffloadTier | None = None  # where evicted prefix pages go (--kv-offload-gb, --kv-offload-dir)
     pages: list[Page] = field(init=False)
     free: deque[int] = field(init=False)
     evictable: OrderedDict[int, None] = field(init=False)
     hash_to_page: dict[int, int] = field(init=False)
     prefix_hits: int = field(default=0, init=False)
     prefix_queries: int = field(default=0, init=False)
+    offload_hits: int = field(default=0, init=False)  # of prefix_hits: pages loaded back from the tier
     # keys published / evicted since the last `take_cache_changes` (net: each key in one at most)
     cache_added: set[int] = field(default_factory=set, init=False)
     cache_removed: set[int] = field(default_factory=set, init=False)
@@ -113,6 +137,8 @@ class BlockManager:
             page_id, _ = self.evictable.popitem(last=False)
             page = self.pages[page_id]
             if self.hash_to_page.get(page.hash) == page_id:
+                if self.offload is not None:
+                    self.offload.offload(page.hash, page_id, page.token_ids)
                 del self.hash_to_page[page.hash]
                 self._record_evicted(page.hash)
                 if self.events is not None:
@@ -223,14 +249,36 @@ class BlockManager:
             chunk = tuple(token_ids[i * self.page_size : (i + 1) * self.page_size])
             key = chain_hash(parent, chunk)
             page_id = self.hash_to_page.get(key)
-            if page_id is None or self.pages[page_id].token_ids != chunk:
+            if page_id is None and self.offload is not None:
+                page_id = self._load_offloaded(key, chunk, parent if i else None, root)  # referenced
+                if page_id is None:
+                    break
+            elif page_id is None or self.pages[page_id].token_ids != chunk:
                 break
+            else:  # at once: loading a later page from the tier may take an evictable page
+                self._acquire(page_id)
             hits.append(page_id)
             parent = key
-        for page_id in hits:
-            self._acquire(page_id)
         self.prefix_hits += len(hits)
         return hits
+
+    def _load_offloaded(self, key: int, chunk: tuple[int, ...], parent: int | None, root: int | None) -> int | None:
+        """A page taken from the pool, filled with the tier's copy of `key` and published; None
+        when the tier does not hold it or no page is left (nothing changes then)."""
+        if not self.free and not self.evictable:
+            return None
+        page_id = self._take_page()
+        if not self.offload.load(key, page_id, chunk):
+            self._release(page_id)  # unhashed: back to the free list
+            return None
+        page = self.pages[page_id]
+        page.hash, page.token_ids = key, chunk
+        self.hash_to_page[key] = page_id
+        self._record_published(key)
+        if self.events is not None:
+            self.events.stored(key, parent, chunk, root)
+        self.offload_hits += 1
+        return page_id
 
     def cache_full_pages(
         self,
@@ -275,6 +323,8 @@ class BlockManager:
             self.free.append(page_id)
         self.evictable.clear()
         self.hash_to_page.clear()
+        if self.offload is not None:
+            self.offload.clear()
         if self.events is not None:
             self.events.cleared()
         return True

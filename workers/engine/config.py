@@ -67,6 +67,10 @@ class EngineConfig:
     # in any batch, with speculation, after a recompute (docs/perf/batch_invariance.md; CPU only)
     batch_invariant: bool = False
     kv_events_config: KVEventsConfig | None = None  # KV cache events, as vLLM's (workers/engine/kv_events.py)
+    # evicted prefix pages kept for later hits (workers/engine/kv_offload.py): host memory, then a disk folder
+    kv_offload_gb: float = 0.0
+    kv_offload_dir: str | None = None
+    kv_offload_disk_gb: float = 16.0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -99,6 +103,22 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: must be one of {list(KV_CACHE_DTYPES)}")
         check_lora_config(self)
+        self._check_kv_offload()
+
+    @property
+    def kv_offload(self) -> bool:
+        return self.kv_offload_gb > 0 or self.kv_offload_dir is not None
+
+    def _check_kv_offload(self) -> None:
+        if self.kv_offload_gb < 0 or self.kv_offload_disk_gb <= 0:
+            raise ValueError("kv_offload_gb: must be >= 0, and kv_offload_disk_gb > 0")
+        if not self.kv_offload:
+            return
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_offload_gb / kv_offload_dir: keep evicted prefix pages, so need prefix caching on")
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            # a page is split over the ranks' pools; the tier copies rank 0's only
+            raise ValueError("kv_offload_gb / kv_offload_dir: single-rank workers only (no -tp or -pp above 1)")
 
     def resolve_device(self) -> torch.device:
         import torch
@@ -283,6 +303,23 @@ def add_engine_arguments(parser) -> None:
         '"endpoint": "tcp://*:5557", "topic": "kv-events"}\' (also replay_endpoint, buffer_steps, hwm); one '
         "socket per worker process: `pagemesh up` gives every LLM worker the same one (docs/deployment.md)",
     )
+    add(
+        parser,
+        "--kv-offload-gb",
+        0.0,
+        type=float,
+        help="host memory (GiB) for prefix pages evicted from the KV pool: a later prompt with the prefix loads "
+        "them back instead of computing them again (as vLLM's --kv-offloading-size; default 0: none)",
+    )
+    add(
+        parser,
+        "--kv-offload-dir",
+        None,
+        help="a local folder where evicted prefix pages go when the host tier is full (or at once, without "
+        "--kv-offload-gb); a restarted worker of the same model serves hits from it, each file checked by its "
+        "checksum (docs/deployment.md)",
+    )
+    add(parser, "--kv-offload-disk-gb", 16.0, type=float, help="disk (GiB) --kv-offload-dir may fill")
 
 
 ENGINE_FLAGS = (
@@ -322,6 +359,9 @@ ENGINE_FLAGS = (
     "max_cpu_loras",
     "batch_invariant",
     "kv_events_config",
+    "kv_offload_gb",
+    "kv_offload_dir",
+    "kv_offload_disk_gb",
 )
 
 
@@ -362,6 +402,9 @@ def engine_config_from_args(args) -> EngineConfig:
         max_cpu_loras=args.max_cpu_loras,
         batch_invariant=args.batch_invariant,
         kv_events_config=KVEventsConfig.from_json(args.kv_events_config),
+        kv_offload_gb=args.kv_offload_gb,
+        kv_offload_dir=args.kv_offload_dir,
+        kv_offload_disk_gb=args.kv_offload_disk_gb,
     )
 
 

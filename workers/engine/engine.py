@@ -44,6 +44,7 @@ from pagemesh.workers.engine.forks import Forks, SeqGenerators
 from pagemesh.workers.engine.grammar_masks import GrammarMasks, PendingMasks
 from pagemesh.workers.engine.in_flight import surviving_rows
 from pagemesh.workers.engine.kv_handoff import HandoffPages, KVLayout, PageExport
+from pagemesh.workers.engine.kv_offload import offload_for_engine
 from pagemesh.workers.engine.kv_pool_size import kv_dtype, page_bytes, pages_from_budget
 from pagemesh.workers.engine.kv_quant import calibration_token_ids
 from pagemesh.workers.engine.lora_adapters import EngineAdapters, lora_runner_args
@@ -146,6 +147,10 @@ class Engine:
             kv_calibration_ids=calibration_token_ids(self.tokenizer, self.model_config.vocab_size),
             lora=lora_runner_args(config),
         )
+        if config.kv_offload:  # evicted prefix pages to host memory, then disk (kv_offload.py)
+            self.blocks.offload = offload_for_engine(
+                config, self.runner.kv_cache, self.model_path, self.runner.kv_scales
+            )
         self.drafter = (
             attach_drafter(self, config.speculative_config) if speculator and speculator.uses_draft_model else None
         )

@@ -1,0 +1,271 @@
+"""The KV offload tier: prefix pages evicted from the pool kept in host memory, then on local disk,
+and loaded back when a later prompt shares the prefix (vLLM's --kv-offloading-size idea, with
+LMCache's disk tier).
+
+    pool page evicted ──offload──▶ host tier (LRU, --kv-offload-gb) ──spill──▶ disk tier (--kv-offload-dir)
+    match_prefix miss ──load──▶ host tier, else disk tier (checksum checked) ──▶ a pool page, published
+
+The block manager calls `offload` as it takes a published page for reuse and `load` where its
+pool misses (workers/engine/block_manager.py `OffloadTier`). Both copy at once: the page's content
+is read before its new holder writes it, and a loaded page holds its content before any step can
+read it. A loaded page leaves the host tier (the pool holds it; evicted again, it comes back);
+a disk file stays until the disk budget pushes it out.
+
+On disk, one file a page, named by its key, in a folder named by the engine's fingerprint (the
+model file, the dtypes, the quantization, the page's shape, an fp8 pool's scales): a restarted
+worker of the same model finds its pages again, and a different model never reads them. A file
+is its header (msgpack: key, token ids, dtype, shape, blake2b of the data) and the page's bytes;
+it is written to a temporary name and renamed, so a reader never sees half a file, and workers
+sharing the folder share its pages. A file whose checksum, key, token ids, dtype or shape does not
+match is removed and counts as a miss: the prefix is computed again.
+
+On a GPU both copies are synchronous (a pinned staging buffer and a copy stream would overlap
+them with the step); tensor- and pipeline-parallel workers, whose pages are split over ranks,
+are refused (EngineConfig).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+import torch
+
+log = logging.getLogger(__name__)
+
+HEADER_LENGTH = struct.Struct("<I")  # bytes of the msgpack header that follows
+SUFFIX = ".kvpage"
+
+
+@dataclass
+class OffloadStats:
+    offloaded: int = 0  # pages copied out of the pool
+    host_hits: int = 0
+    disk_hits: int = 0
+    spilled: int = 0  # host pages written to disk
+    dropped: int = 0  # pages no tier kept (host full, no disk tier)
+    rejected: int = 0  # disk files that failed their checks (removed)
+
+
+def page_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def checksum(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+class DiskTier:
+    """Page files in `folder` (one engine fingerprint's), at most `budget_bytes` of them written
+    or found by this process, the least recently used removed first."""
+
+    def __init__(self, folder: Path, budget_bytes: int, dtype: torch.dtype, shape: Sequence[int]):
+        self.folder, self.budget_bytes, self.dtype, self.shape = folder, budget_bytes, dtype, tuple(shape)
+        self.dtype_name = str(dtype).removeprefix("torch.")
+        folder.mkdir(parents=True, exist_ok=True)
+        self.files: OrderedDict[int, int] = OrderedDict()  # key -> file bytes, least recently used first
+        found = []
+        for entry in os.scandir(folder):
+            if entry.name.endswith(SUFFIX):
+                try:
+                    stat = entry.stat()
+                    found.append((stat.st_mtime_ns, int(entry.name.removesuffix(SUFFIX), 16), stat.st_size))
+                except (OSError, ValueError):
+                    continue
+        for _, key, size in sorted(found):
+            self.files[key] = size
+        self.bytes = sum(self.files.values())
+        self._trim()
+
+    def path(self, key: int) -> Path:
+        return self.folder / f"{key:016x}{SUFFIX}"
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.files or self.path(key).exists()
+
+    def write(self, key: int, token_ids: tuple[int, ...], data: torch.Tensor) -> None:
+        if key in self.files:  # already there (the same prefix's page)
+            self.files.move_to_end(key)
+            return
+        raw = page_bytes(data)
+        header = msgpack.packb(
+            {
+                "key": key,
+                "token_ids": list(token_ids),
+                "dtype": self.dtype_name,
+                "shape": list(self.shape),
+                "checksum": checksum(raw),
+            }
+        )
+        path = self.path(key)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            with open(temporary, "wb") as f:
+                f.write(HEADER_LENGTH.pack(len(header)) + header + raw)
+            os.replace(temporary, path)
+        except OSError as e:
+            log.warning("kv offload: cannot write %s: %s", path, e)
+            temporary.unlink(missing_ok=True)
+            return
+        size = HEADER_LENGTH.size + len(header) + len(raw)
+        self.files[key] = size
+        self.bytes += size
+        self._trim()
+
+    def read(self, key: int, token_ids: tuple[int, ...]) -> torch.Tensor | None:
+        """The page under `key` if its file is there and passes every check; a file that fails
+        one is removed (None)."""
+        path = self.path(key)
+        try:
+            blob = path.read_bytes()
+        except OSError:
+            self._forget(key)
+            return None
+        problem = self._problem(blob, key, token_ids)
+        if problem is not None:
+            log.warning("kv offload: %s: %s; removed, the prefix is computed again", path, problem)
+            path.unlink(missing_ok=True)
+            self._forget(key)
+            return None
+        (length,) = HEADER_LENGTH.unpack_from(blob)
+        raw = bytearray(blob[HEADER_LENGTH.size + length :])
+        if key not in self.files:  # another process's file: now one of ours too
+            self.files[key] = len(blob)
+            self.bytes += len(blob)
+        self.files.move_to_end(key)
+        return torch.frombuffer(raw, dtype=torch.uint8).view(self.dtype).view(self.shape)
+
+    def _problem(self, blob: bytes, key: int, token_ids: tuple[int, ...]) -> str | None:
+        try:
+            (length,) = HEADER_LENGTH.unpack_from(blob)
+            header = msgpack.unpackb(blob[HEADER_LENGTH.size : HEADER_LENGTH.size + length])
+            raw = blob[HEADER_LENGTH.size + length :]
+        except (struct.error, ValueError, msgpack.UnpackException) as e:
+            return f"unreadable header ({e})"
+        if not isinstance(header, dict):
+            return "unreadable header"
+        if header.get("key") != key:
+            return "another key"
+        if tuple(header.get("token_ids", ())) != token_ids:
+            return "other token ids"
+        if header.get("dtype") != self.dtype_name or tuple(header.get("shape", ())) != self.shape:
+            return "another page layout"
+        if header.get("checksum") != checksum(raw):
+            return "checksum mismatch"
+        return None
+
+    def _forget(self, key: int) -> None:
+        size = self.files.pop(key, None)
+        if size is not None:
+            self.bytes -= size
+
+    def _trim(self) -> None:
+        while self.files and self.bytes > self.budget_bytes:
+            key, size = self.files.popitem(last=False)
+            self.bytes -= size
+            self.path(key).unlink(missing_ok=True)
+
+    def clear(self) -> None:
+        for key in list(self.files):
+            self.path(key).unlink(missing_ok=True)
+        self.files.clear()
+        self.bytes = 0
+
+
+class KVOffload:
+    """The tiers behind one pool (`kv_cache` [layers, pages, 2, page size, KV heads, head dim]):
+    `host_bytes` of pages in host memory, and a `disk` tier, or none."""
+
+    def __init__(self, kv_cache: torch.Tensor, host_bytes: int, disk: DiskTier | None = None):
+        self.kv_cache, self.host_bytes, self.disk = kv_cache, host_bytes, disk
+        self.page_nbytes = kv_cache[:, 0].numel() * kv_cache.element_size()
+        self.host: OrderedDict[int, tuple[tuple[int, ...], torch.Tensor]] = OrderedDict()  # LRU first
+        self.stats = OffloadStats()
+
+    @property
+    def host_pages(self) -> int:
+        return len(self.host)
+
+    def offload(self, key: int, page_id: int, token_ids: tuple[int, ...]) -> None:
+        self.stats.offloaded += 1
+        data = self.kv_cache[:, page_id].to("cpu", copy=True)
+        if self.page_nbytes > self.host_bytes:  # no host tier: straight to disk
+            self._spill(key, token_ids, data)
+            return
+        self.host[key] = (token_ids, data)
+        self.host.move_to_end(key)
+        while len(self.host) * self.page_nbytes > self.host_bytes:
+            old_key, (old_ids, old_data) = self.host.popitem(last=False)
+            self._spill(old_key, old_ids, old_data)
+
+    def _spill(self, key: int, token_ids: tuple[int, ...], data: torch.Tensor) -> None:
+        if self.disk is None:
+            self.stats.dropped += 1
+            return
+        self.disk.write(key, token_ids, data)
+        self.stats.spilled += 1
+
+    def load(self, key: int, page_id: int, token_ids: tuple[int, ...]) -> bool:
+        held = self.host.get(key)
+        if held is not None and held[0] == token_ids:
+            del self.host[key]  # the pool holds it now
+            data = held[1]
+            self.stats.host_hits += 1
+        elif self.disk is not None and key in self.disk:
+            data = self.disk.read(key, token_ids)
+            if data is None:
+                self.stats.rejected += 1
+                return False
+            self.stats.disk_hits += 1
+        else:
+            return False
+        page = self.kv_cache[:, page_id]
+        if page.dtype.itemsize == 1:  # fp8: torch has no fp8 copy_ on a CPU; the same bytes
+            page.view(torch.uint8).copy_(data.view(torch.uint8))
+        else:
+            page.copy_(data)
+        return True
+
+    def clear(self) -> None:
+        self.host.clear()
+        if self.disk is not None:
+            self.disk.clear()
+
+
+def engine_fingerprint(model_path: Path, parts: Sequence[object]) -> str:
+    """Names the disk tier's folder: the model file or folder (its files' names, sizes and
+    modification times) and `parts` (dtypes, quantization, the page's shape, fp8 scales)."""
+    digest = hashlib.blake2b(digest_size=8)
+    files = [model_path] if model_path.is_file() else sorted(p for p in model_path.rglob("*") if p.is_file())
+    for path in files:
+        stat = path.stat()
+        digest.update(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+    for part in parts:
+        digest.update(repr(part).encode() + b"\n")
+    return digest.hexdigest()
+
+
+def offload_for_engine(config, kv_cache: torch.Tensor, model_path: Path | None, kv_scales: torch.Tensor | None):
+    """The tiers `config` (an EngineConfig) asks for, behind `kv_cache`."""
+    disk = None
+    if config.kv_offload_dir is not None:
+        if model_path is None:
+            raise ValueError("kv_offload_dir: needs a model loaded from a path (it names the folder's pages)")
+        parts = (
+            str(kv_cache.dtype),
+            tuple(kv_cache[:, 0].shape),
+            config.quantization,
+            config.batch_invariant,
+            None if kv_scales is None else kv_scales.float().cpu().tolist(),
+        )
+        folder = Path(config.kv_offload_dir) / engine_fingerprint(Path(model_path), parts)
+        disk = DiskTier(folder, int(config.kv_offload_disk_gb * 2**30), kv_cache.dtype, kv_cache[:, 0].shape)
+        log.info("kv offload: disk tier %s (%d pages found)", folder, len(disk.files))
+    return KVOffload(kv_cache, int(config.kv_offload_gb * 2**30), disk)
