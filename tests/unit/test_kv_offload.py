@@ -117,6 +117,28 @@ def test_the_disk_budget_removes_the_least_recently_used_files(tmp_path):
     )
 
 
+def test_a_key_is_forgotten_only_when_no_tier_holds_it(tmp_path):
+    cache = pool()
+    page = cache[:, 0].numel() * cache.element_size()
+    forgotten: list[int] = []
+    dropping = KVOffload(cache, host_bytes=page)
+    dropping.on_forget = forgotten.append
+    assert dropping.offload(1, 1, (1,) * PAGE) and dropping.offload(2, 2, (2,) * PAGE)
+    assert forgotten == [1]  # pushed out of host memory with no disk behind it
+    forgotten.clear()
+    probe = disk_of(tmp_path / "probe", cache)
+    probe.write(1, (1,) * PAGE, cache[:, 1])
+    tiered = KVOffload(cache, host_bytes=page, disk=disk_of(tmp_path / "tier", cache, budget=probe.bytes))
+    tiered.on_forget = forgotten.append
+    tiered.offload(1, 1, (1,) * PAGE)
+    tiered.offload(2, 2, (2,) * PAGE)  # 1 spills to disk
+    tiered.load(1, 5, (1,) * PAGE)  # 1 back in the pool (its file stays)
+    tiered.offload(1, 5, (1,) * PAGE)  # evicted again: host, and 2 spills, pushing 1's file out
+    assert forgotten == [] and set(tiered.held_keys()) == {1, 2}
+    tiered.clear()
+    assert sorted(forgotten) == [1, 2] and tiered.held_keys() == []
+
+
 def test_the_fingerprint_changes_with_the_model_file_and_the_layout(tmp_path):
     model = tmp_path / "model.gguf"
     model.write_bytes(b"weights")
@@ -131,12 +153,14 @@ def test_the_fingerprint_changes_with_the_model_file_and_the_layout(tmp_path):
 class DictTier:
     """A tier that keeps (key -> token ids) and records the calls, for the block manager's part."""
 
-    def __init__(self):
-        self.held: dict[int, tuple[int, ...]] = {}
+    def __init__(self, held: dict[int, tuple[int, ...]] | None = None):
+        self.held: dict[int, tuple[int, ...]] = dict(held or {})
         self.loaded: list[tuple[int, int]] = []
+        self.on_forget = None
 
     def offload(self, key, page_id, token_ids):
         self.held[key] = token_ids
+        return True
 
     def load(self, key, page_id, token_ids):
         if self.held.get(key) != token_ids:
@@ -145,8 +169,16 @@ class DictTier:
         self.loaded.append((key, page_id))
         return True
 
+    def held_keys(self):
+        return list(self.held)
+
+    def drop(self, key):
+        del self.held[key]
+        self.on_forget(key)
+
     def clear(self):
-        self.held.clear()
+        for key in list(self.held):
+            self.drop(key)
 
 
 def run_prompt(bm: BlockManager, prompt: list[int]) -> list[int]:
@@ -162,7 +194,8 @@ def run_prompt(bm: BlockManager, prompt: list[int]) -> list[int]:
 
 def test_a_prefix_evicted_from_the_pool_is_a_hit_again_through_the_tier():
     tier = DictTier()
-    bm = BlockManager(num_pages=5, page_size=PAGE, offload=tier)  # 4 usable pages
+    bm = BlockManager(num_pages=5, page_size=PAGE)  # 4 usable pages
+    bm.attach_offload(tier)
     a = list(range(100, 113))  # 3 full pages and one token
     assert run_prompt(bm, a) == []
     assert run_prompt(bm, list(range(200, 213))) == []  # takes 4 pages: a's 3 evicted, into the tier
@@ -175,7 +208,8 @@ def test_a_prefix_evicted_from_the_pool_is_a_hit_again_through_the_tier():
 
 def test_loading_stops_where_the_tier_misses_or_no_page_is_left():
     tier = DictTier()
-    bm = BlockManager(num_pages=5, page_size=PAGE, offload=tier)
+    bm = BlockManager(num_pages=5, page_size=PAGE)
+    bm.attach_offload(tier)
     a = list(range(100, 113))
     run_prompt(bm, a)
     run_prompt(bm, list(range(200, 213)))
@@ -194,10 +228,29 @@ def test_loading_stops_where_the_tier_misses_or_no_page_is_left():
 
 def test_a_reset_clears_the_tier_too():
     tier = DictTier()
-    bm = BlockManager(num_pages=5, page_size=PAGE, offload=tier)
+    bm = BlockManager(num_pages=5, page_size=PAGE)
+    bm.attach_offload(tier)
     run_prompt(bm, list(range(100, 113)))
     run_prompt(bm, list(range(200, 213)))
     assert tier.held and bm.reset_prefix_cache() and not tier.held
+
+
+def test_keys_a_tier_keeps_are_reported_held_until_it_forgets_them():
+    tier = DictTier(held={77: (1,) * PAGE})  # a disk tier's file from an earlier life
+    bm = BlockManager(num_pages=5, page_size=PAGE)
+    bm.attach_offload(tier)
+    a_keys = prefix_page_hashes(list(range(100, 113)), PAGE)
+    run_prompt(bm, list(range(100, 113)))
+    added, removed = bm.take_cache_changes(100)
+    assert set(added) == {77, *a_keys} and removed == []
+    run_prompt(bm, list(range(200, 213)))  # a's pages go to the tier: still held
+    added, removed = bm.take_cache_changes(100)
+    assert removed == [] and len(added) == 3
+    tier.drop(a_keys[1])
+    assert bm.take_cache_changes(100) == ([], [a_keys[1]])
+    bm.report_all_again()
+    added, _ = bm.take_cache_changes(100)
+    assert {77, a_keys[0], a_keys[2]} <= set(added) and a_keys[1] not in added
 
 
 def test_the_engine_config_refuses_what_the_tier_cannot_serve():

@@ -40,12 +40,15 @@ the pool's last hit with the tier's pages, each copied into a page taken here an
     evict  k5's page ──▶ tier.offload(k5, its page) ──▶ the page is reused
 
 The tier copies at once, before the page's new holder can write it (workers/engine/kv_offload.py).
+A key the tier keeps is still reported as held (`take_cache_changes`): the worker can serve it
+without computing it, so the scheduler may place the prefix's requests here; it is reported
+evicted once no tier holds it either (`OffloadTier.on_forget`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -60,11 +63,17 @@ NULL_PAGE = 0
 class OffloadTier(Protocol):
     """Where evicted prefix pages go and come back from (workers/engine/kv_offload.py)."""
 
-    def offload(self, key: int, page_id: int, token_ids: tuple[int, ...]) -> None:
-        """Copy page `page_id`'s content out under `key` now: the page is reused right after."""
+    on_forget: Callable[[int], None] | None  # called with each key the tier stops holding
+
+    def offload(self, key: int, page_id: int, token_ids: tuple[int, ...]) -> bool:
+        """Copy page `page_id`'s content out under `key` now: the page is reused right after.
+        False: the tier did not keep it."""
 
     def load(self, key: int, page_id: int, token_ids: tuple[int, ...]) -> bool:
         """Copy `key`'s page (if held, and holding `token_ids`) into page `page_id`; False: not held."""
+
+    def held_keys(self) -> Iterable[int]:
+        """Every key the tier holds."""
 
     def clear(self) -> None:
         """Forget every page held."""
@@ -137,10 +146,10 @@ class BlockManager:
             page_id, _ = self.evictable.popitem(last=False)
             page = self.pages[page_id]
             if self.hash_to_page.get(page.hash) == page_id:
-                if self.offload is not None:
-                    self.offload.offload(page.hash, page_id, page.token_ids)
+                kept = self.offload is not None and self.offload.offload(page.hash, page_id, page.token_ids)
                 del self.hash_to_page[page.hash]
-                self._record_evicted(page.hash)
+                if not kept:  # a key a tier keeps is still this worker's to load: reported as held
+                    self._record_evicted(page.hash)
                 if self.events is not None:
                     self.events.removed(page.hash)
             page.hash = None
@@ -235,6 +244,18 @@ class BlockManager:
         return page_id, new_id
 
     # ---- prefix cache ---------------------------------------------------------------------
+    def attach_offload(self, tier: OffloadTier) -> None:
+        """Evicted prefix pages go to `tier` from now on; the keys it holds already (a disk tier's
+        files) are reported as held, and so are evicted keys it keeps, until it forgets them."""
+        self.offload = tier
+        tier.on_forget = self._tier_forgot
+        for key in tier.held_keys():
+            self._record_published(key)
+
+    def _tier_forgot(self, key: int) -> None:
+        if key not in self.hash_to_page:  # in neither the pool nor the tier any more
+            self._record_evicted(key)
+
     def match_prefix(self, token_ids: Sequence[int], root: int | None = None) -> list[int]:
         """Cached pages holding the longest prefix of `token_ids` made of full pages, leaving at
         least one token uncached (its logits are needed). Takes a reference on each hit. `root`:
@@ -345,7 +366,8 @@ class BlockManager:
     def take_cache_changes(self, limit: int) -> tuple[list[int], list[int]]:
         """(published, evicted) keys since the last call, at most `limit` of each (call again
         for the rest). Applying every batch in order to the set of keys seen so far yields the
-        keys this manager holds now. Both sets are bounded by the pool size."""
+        keys this manager holds now (in its pool or its offload tier). Both sets are bounded by
+        the pool size and the tier's."""
         added = [self.cache_added.pop() for _ in range(min(limit, len(self.cache_added)))]
         removed = [self.cache_removed.pop() for _ in range(min(limit, len(self.cache_removed)))]
         return added, removed
@@ -355,6 +377,8 @@ class BlockManager:
         changes report every key held now as published. Evictions not yet reported stay (they are
         never keys held now), so a reader that kept part of its view is corrected too."""
         self.cache_added = set(self.hash_to_page)
+        if self.offload is not None:
+            self.cache_added.update(self.offload.held_keys())
 
     # ---- checks ---------------------------------------------------------------------------
     def check_invariants(self, live_tables: Iterable[Sequence[int]] | None = None) -> None:

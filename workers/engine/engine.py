@@ -148,8 +148,8 @@ class Engine:
             lora=lora_runner_args(config),
         )
         if config.kv_offload:  # evicted prefix pages to host memory, then disk (kv_offload.py)
-            self.blocks.offload = offload_for_engine(
-                config, self.runner.kv_cache, self.model_path, self.runner.kv_scales
+            self.blocks.attach_offload(
+                offload_for_engine(config, self.runner.kv_cache, self.model_path, self.runner.kv_scales)
             )
         self.drafter = (
             attach_drafter(self, config.speculative_config) if speculator and speculator.uses_draft_model else None

@@ -31,7 +31,7 @@ import logging
 import os
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +68,7 @@ class DiskTier:
 
     def __init__(self, folder: Path, budget_bytes: int, dtype: torch.dtype, shape: Sequence[int]):
         self.folder, self.budget_bytes, self.dtype, self.shape = folder, budget_bytes, dtype, tuple(shape)
+        self.on_forget: Callable[[int], None] | None = None  # each key whose file it removes or loses
         self.dtype_name = str(dtype).removeprefix("torch.")
         folder.mkdir(parents=True, exist_ok=True)
         self.files: OrderedDict[int, int] = OrderedDict()  # key -> file bytes, least recently used first
@@ -90,10 +91,11 @@ class DiskTier:
     def __contains__(self, key: int) -> bool:
         return key in self.files or self.path(key).exists()
 
-    def write(self, key: int, token_ids: tuple[int, ...], data: torch.Tensor) -> None:
+    def write(self, key: int, token_ids: tuple[int, ...], data: torch.Tensor) -> bool:
+        """False: it could not be written."""
         if key in self.files:  # already there (the same prefix's page)
             self.files.move_to_end(key)
-            return
+            return True
         raw = page_bytes(data)
         header = msgpack.packb(
             {
@@ -113,11 +115,12 @@ class DiskTier:
         except OSError as e:
             log.warning("kv offload: cannot write %s: %s", path, e)
             temporary.unlink(missing_ok=True)
-            return
+            return False
         size = HEADER_LENGTH.size + len(header) + len(raw)
         self.files[key] = size
         self.bytes += size
         self._trim()
+        return True
 
     def read(self, key: int, token_ids: tuple[int, ...]) -> torch.Tensor | None:
         """The page under `key` if its file is there and passes every check; a file that fails
@@ -165,18 +168,19 @@ class DiskTier:
         size = self.files.pop(key, None)
         if size is not None:
             self.bytes -= size
+        if self.on_forget is not None:
+            self.on_forget(key)
 
     def _trim(self) -> None:
         while self.files and self.bytes > self.budget_bytes:
-            key, size = self.files.popitem(last=False)
-            self.bytes -= size
+            key = next(iter(self.files))
             self.path(key).unlink(missing_ok=True)
+            self._forget(key)
 
     def clear(self) -> None:
         for key in list(self.files):
             self.path(key).unlink(missing_ok=True)
-        self.files.clear()
-        self.bytes = 0
+            self._forget(key)
 
 
 class KVOffload:
@@ -188,29 +192,41 @@ class KVOffload:
         self.page_nbytes = kv_cache[:, 0].numel() * kv_cache.element_size()
         self.host: OrderedDict[int, tuple[tuple[int, ...], torch.Tensor]] = OrderedDict()  # LRU first
         self.stats = OffloadStats()
+        self.on_forget: Callable[[int], None] | None = None  # each key no tier holds any more
+        if disk is not None:
+            disk.on_forget = self._forgot
+
+    def _forgot(self, key: int) -> None:
+        if self.on_forget is not None and key not in self.host and (self.disk is None or key not in self.disk.files):
+            self.on_forget(key)
+
+    def held_keys(self) -> list[int]:
+        return [*self.host, *(() if self.disk is None else self.disk.files)]
 
     @property
     def host_pages(self) -> int:
         return len(self.host)
 
-    def offload(self, key: int, page_id: int, token_ids: tuple[int, ...]) -> None:
+    def offload(self, key: int, page_id: int, token_ids: tuple[int, ...]) -> bool:
         self.stats.offloaded += 1
         data = self.kv_cache[:, page_id].to("cpu", copy=True)
         if self.page_nbytes > self.host_bytes:  # no host tier: straight to disk
-            self._spill(key, token_ids, data)
-            return
+            return self._spill(key, token_ids, data)
         self.host[key] = (token_ids, data)
         self.host.move_to_end(key)
         while len(self.host) * self.page_nbytes > self.host_bytes:
             old_key, (old_ids, old_data) = self.host.popitem(last=False)
-            self._spill(old_key, old_ids, old_data)
+            if not self._spill(old_key, old_ids, old_data):
+                self._forgot(old_key)
+        return True
 
-    def _spill(self, key: int, token_ids: tuple[int, ...], data: torch.Tensor) -> None:
-        if self.disk is None:
+    def _spill(self, key: int, token_ids: tuple[int, ...], data: torch.Tensor) -> bool:
+        """To the disk tier; False: no disk tier, or the write failed (the page is dropped)."""
+        if self.disk is None or not self.disk.write(key, token_ids, data):
             self.stats.dropped += 1
-            return
-        self.disk.write(key, token_ids, data)
+            return False
         self.stats.spilled += 1
+        return True
 
     def load(self, key: int, page_id: int, token_ids: tuple[int, ...]) -> bool:
         held = self.host.get(key)
@@ -234,9 +250,12 @@ class KVOffload:
         return True
 
     def clear(self) -> None:
+        keys = list(self.host)
         self.host.clear()
         if self.disk is not None:
             self.disk.clear()
+        for key in keys:
+            self._forgot(key)
 
 
 def engine_fingerprint(model_path: Path, parts: Sequence[object]) -> str:
