@@ -109,6 +109,22 @@ def test_a_restarted_engine_serves_hits_from_the_disk_tier_and_recomputes_a_dama
         third.close()
 
 
+def test_an_engine_closed_on_purpose_leaves_its_pool_s_prefixes_on_disk(tmp_path, reference):
+    config = EngineConfig(**POOL, kv_offload_gb=0.01, kv_offload_dir=str(tmp_path))
+    first = Engine(config)
+    try:
+        run(first, "a", A)  # its pages stay in the pool: nothing is evicted
+        assert first.blocks.offload.stats.offloaded == 0
+    finally:
+        first.close()  # as a worker's clean exit does
+    restarted = Engine(config)
+    try:
+        assert run(restarted, "a", A) == (reference, 4 * PAGE)
+        assert restarted.blocks.offload.stats.disk_hits == 4
+    finally:
+        restarted.close()
+
+
 def test_a_different_dtype_never_reads_the_other_engines_pages(tmp_path, reference):
     first = Engine(EngineConfig(**POOL, kv_offload_dir=str(tmp_path)))
     try:

@@ -75,6 +75,10 @@ class OffloadTier(Protocol):
     def held_keys(self) -> Iterable[int]:
         """Every key the tier holds."""
 
+    def persist(self, pages: Iterable[tuple[int, int, tuple[int, ...]]]) -> None:
+        """Write what can outlive the process (pages in host memory, and these pool pages: key,
+        page id, token ids) to the tier's disk, if it has one."""
+
     def clear(self) -> None:
         """Forget every page held."""
 
@@ -251,6 +255,12 @@ class BlockManager:
         tier.on_forget = self._tier_forgot
         for key in tier.held_keys():
             self._record_published(key)
+
+    def published_pages(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(key, page id, token ids) of every page in the prefix cache, least recently used first
+        (evictable pages, then those in use)."""
+        order = [*self.evictable, *(p for p in self.hash_to_page.values() if self.pages[p].ref_count)]
+        return [(self.pages[p].hash, p, self.pages[p].token_ids) for p in order if self.pages[p].hash is not None]
 
     def _tier_forgot(self, key: int) -> None:
         if key not in self.hash_to_page:  # in neither the pool nor the tier any more

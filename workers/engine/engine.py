@@ -190,7 +190,10 @@ class Engine:
         self.stalled = False
 
     def close(self) -> None:
-        """Stop the other ranks (nothing to do for a single-rank engine)."""
+        """Stop the other ranks; with a disk offload tier, write the prefix pages held in the pool
+        and in host memory to it first (a worker stopped on purpose keeps its whole prefix cache)."""
+        if self.blocks.offload is not None:
+            self.blocks.offload.persist(self.blocks.published_pages())
         if self.followers is not None:
             self.followers.close()
 

@@ -9,7 +9,8 @@ The block manager calls `offload` as it takes a published page for reuse and `lo
 pool misses (workers/engine/block_manager.py `OffloadTier`). Both copy at once: the page's content
 is read before its new holder writes it, and a loaded page holds its content before any step can
 read it. A loaded page leaves the host tier (the pool holds it; evicted again, it comes back);
-a disk file stays until the disk budget pushes it out.
+a disk file stays until the disk budget pushes it out. `persist` (Engine.close: a worker that
+stops on purpose) writes the host tier's pages and the pool's prefix pages to disk as well.
 
 On disk, one file a page, named by its key, in a folder named by the engine's fingerprint (the
 model file, the dtypes, the quantization, the page's shape, an fp8 pool's scales): a restarted
@@ -248,6 +249,17 @@ class KVOffload:
         else:
             page.copy_(data)
         return True
+
+    def persist(self, pages) -> None:
+        """Host pages, then `pages` (key, pool page id, token ids; the most recently used last) to
+        the disk tier, so that a restart finds them; nothing without a disk tier."""
+        if self.disk is None:
+            return
+        for key, (token_ids, data) in list(self.host.items()):
+            self.disk.write(key, token_ids, data)
+        for key, page_id, token_ids in pages:
+            self.disk.write(key, token_ids, self.kv_cache[:, page_id].to("cpu"))
+        log.info("kv offload: %d pages on disk for the next start (%s)", len(self.disk.files), self.disk.folder)
 
     def clear(self) -> None:
         keys = list(self.host)
