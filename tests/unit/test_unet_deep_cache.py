@@ -173,10 +173,11 @@ def test_per_row_decisions_in_a_mixed_batch_give_each_request_its_image_alone(pi
     results = run(pipe, engine)
     for rid, (done, latents) in results.items():
         alone_done, alone_latents = expected[rid]
-        # exact: the deep branch on a gathered subset of rows gives those rows' numbers here (CPU,
-        # fp32, these sizes); a backend whose kernels depend on the batch size would need a tolerance
-        assert torch.equal(latents, alone_latents), rid
-        assert torch.equal(done.images, alone_done.images), rid
+        # the deep branch on a gathered subset of rows gives those rows' numbers: bit for bit where
+        # oneDNN's convolutions do not depend on the batch size (AVX-512 CPUs, fp32, these sizes),
+        # to fp32 rounding where they do (AVX2: another algorithm per batch size)
+        torch.testing.assert_close(latents, alone_latents, rtol=1e-5, atol=1e-4, msg=rid)
+        torch.testing.assert_close(done.images, alone_done.images, rtol=1e-5, atol=1e-4, msg=rid)
         assert (done.blocks_computed, done.blocks_skipped) == (alone_done.blocks_computed, alone_done.blocks_skipped)
         assert done.batched_with == 3
     assert all(results[rid][0].blocks_skipped > 0 for rid in ("every2", "every3"))
