@@ -26,6 +26,15 @@
     defined(__F16C__)
 #include <immintrin.h>
 #define PM_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* AVX2 without VNNI (most x86 CPUs before AVX-512): a block's dot product is _mm256_maddubs_epi16
+ * (u8 x s8, adjacent pairs summed to int16) then _mm256_madd_epi16 by ones (pairs of those to
+ * int32), the int32 sums of 4 products that one dpbusd lane gives. maddubs saturates its int16
+ * sums, so it only ever sees codes 0..15 (2 * 15 * 127 = 3810; 8 groups of those summed, 30480,
+ * still fit int16): 8-bit codes are split into nibbles, q = 16 hi + lo, each nibble's sums
+ * widened apart and hi's multiplied by 16 in the int16 -> int32 madd. Exact, as VNNI's. */
+#include <immintrin.h>
+#define PM_AVX2 1
 #endif
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
@@ -52,7 +61,8 @@ static inline bf16 f32_to_bf16(float f) {
  * values), zero past K, so that a group reaching past K adds nothing. With VNNI, a 4-bit
  * weight's group of 4 blocks is 64 bytes whose low nibbles are codes 0..15 of each block and
  * high nibbles codes 16..31; the activations of a group are laid out to match: the 4 blocks'
- * values 0..15, then their values 16..31. 8-bit weights keep the natural order. */
+ * values 0..15, then their values 16..31. 8-bit weights keep the natural order, and so does
+ * every weight with AVX2 (a 4-bit block's 16 bytes widen to its 32 codes in order). */
 static inline int64_t act_index(int64_t b, int j, int bits) {
 #if defined(PM_VNNI)
     if (bits == 4) return (b / GROUP) * GROUP * BLOCK + (j < 16 ? 0 : 64) + (b % GROUP) * 16 + (j & 15);
@@ -62,7 +72,50 @@ static inline int64_t act_index(int64_t b, int j, int bits) {
     return b * BLOCK + j;
 }
 
+#if defined(PM_AVX2)
+/* quantize_row below in the natural order, 32 values at a time: the same fp32 operations (max of
+ * |v|, v * inv rounded to nearest even as lrintf), so the same int8 values and scales */
+static void quantize_row_avx2(const void *x, int dt, int64_t k, int8_t *qx, float *dx, float *dxt) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    /* packs_epi32 then packs_epi16 interleave the 128-bit lanes: this puts the 32 values in order */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < k / BLOCK; b++) {
+        __m256 v[4];
+        for (int h = 0; h < 4; h++) {
+            const int64_t i = b * BLOCK + 8 * h;
+            v[h] = dt == DT_BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                                       _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const bf16 *)x + i))), 16))
+                                 : _mm256_loadu_ps((const float *)x + i);
+        }
+        const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                       _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m256 vinv = _mm256_set1_ps(inv);
+        __m256i q[4];
+        for (int h = 0; h < 4; h++) q[h] = _mm256_cvtps_epi32(_mm256_mul_ps(v[h], vinv)); /* nearest even */
+        /* |q| <= 127: the saturating packs keep every value */
+        const __m256i q16 = _mm256_packs_epi32(q[0], q[1]);
+        const __m256i q16b = _mm256_packs_epi32(q[2], q[3]);
+        _mm256_storeu_si256((__m256i *)(qx + b * BLOCK), _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b), order));
+        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        dx[b] = d;
+        dxt[b] = d * (float)_mm_cvtsi128_si32(s4);
+    }
+}
+#endif
+
 static void quantize_row(const void *x, int dt, int64_t k, int bits, int8_t *qx, float *dx, float *dxt) {
+#if defined(PM_AVX2)
+    (void)bits;
+    quantize_row_avx2(x, dt, k, qx, dx, dxt);
+#else
     float v[BLOCK];
     for (int64_t b = 0; b < k / BLOCK; b++) {
         float amax = 0.0f;
@@ -81,6 +134,7 @@ static void quantize_row(const void *x, int dt, int64_t k, int bits, int8_t *qx,
         dx[b] = d;
         dxt[b] = d * (float)sum;
     }
+#endif
 }
 
 static inline float f16_to_f32(uint16_t h) {
@@ -152,6 +206,48 @@ static inline __attribute__((always_inline)) void row_dots(const uint8_t *codes,
         __m128 t = _mm_add_ps(cacc[r], _mm_movehl_ps(cacc[r], cacc[r]));
         t = _mm_add_ss(t, _mm_movehdup_ps(t));
         sums[r] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(t);
+    }
+}
+#elif defined(PM_AVX2)
+/* row_dots block by block, the activations in the natural order: a block's 32 codes are one
+ * vector (4-bit: the 16 bytes' low nibbles, then their high ones), its 32 products 8 int32 sums
+ * (see the header for the nibble split of 8-bit codes), scaled by d dx as the scalar path does;
+ * inlined with constant rows and bits, as above */
+static inline __attribute__((always_inline)) void row_dots(const uint8_t *codes, const uint16_t *d, const uint16_t *c, int bits, int64_t kb,
+                            const int8_t *qx, const float *dx, const float *dxt, int64_t kpad, int64_t kbpad, int rows,
+                            float *sums) {
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
+    __m256 acc[ROWS];
+    float cacc[ROWS];
+    for (int r = 0; r < ROWS; r++) {
+        acc[r] = _mm256_setzero_ps();
+        cacc[r] = 0.0f;
+    }
+    for (int64_t b = 0; b < kb; b++) {
+        const float dw = _cvtsh_ss(d[b]), cw = _cvtsh_ss(c[b]);
+        __m256i lo, hi;
+        if (bits == 4) {
+            const __m128i packed = _mm_loadu_si128((const __m128i *)(codes + b * 16));
+            lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low);
+            hi = lo;
+        } else {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(codes + b * BLOCK));
+            lo = _mm256_and_si256(w, low);
+            hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+        }
+        for (int r = 0; r < rows; r++) {
+            const __m256i xr = _mm256_loadu_si256((const __m256i *)(qx + r * kpad + b * BLOCK));
+            __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xr), ones);
+            if (bits == 8) dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xr), sixteen));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * dx[r * kbpad + b]), acc[r]);
+            cacc[r] += cw * dxt[r * kbpad + b];
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        __m128 t = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+        t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+        t = _mm_add_ss(t, _mm_movehdup_ps(t));
+        sums[r] = _mm_cvtss_f32(t) + cacc[r];
     }
 }
 #else
@@ -293,7 +389,13 @@ void pm_quant_dequantize_bf16(const uint8_t *codes, const uint16_t *d, const uin
  * (8 VNNI instructions for 16 x 32 products), and the scale work (the fp16 d and c widened, the
  * sum scaled) is a vector over the 16 outputs. Activations are the same int8 blocks as above,
  * so the results equal pm_quant_matmul's up to the order of the fp32 sums. */
+#if defined(PM_AVX2)
+/* AVX2: 4 rows a chunk (16 registers; 8-bit codes hold two int16 sums a row: 8 rows spilled and
+ * ran 1.2x slower, 4-bit ran the same at 4, 6 or 8) */
+enum { TILE_N = 16, TILE_ROWS = 4, TILE_PREFETCH = 2 };
+#else
 enum { TILE_N = 16, TILE_ROWS = 8, TILE_PREFETCH = 2 };
+#endif
 typedef int32_t __attribute__((may_alias, aligned(1))) x4_t;
 
 #if defined(PM_VNNI)
@@ -338,6 +440,69 @@ static inline __attribute__((always_inline)) void tile_sums(const uint8_t *tile,
         }
     }
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(out + r * TILE_N, acc[r]);
+}
+#elif defined(PM_AVX2)
+/* tile_sums with 256-bit vectors: a 64-byte vector of the tile is two halves, rows 0-7 and 8-15
+ * of the tile, done one after the other (each half's accumulators and the rows' dot products fit
+ * the 16 registers, TILE_ROWS rows). Per half and block, each row's int16 pair sums (maddubs of
+ * codes 0..15, see the header) add up over the block's 8 groups in one register, widened to
+ * int32 once; the scale work is VNNI's, lane for lane. */
+static inline __attribute__((always_inline)) void tile_sums(const uint8_t *tile, const uint16_t *scales, int bits,
+                                                            int64_t kb, const int8_t *qx, const float *dx,
+                                                            const float *dxt, int64_t k, int rows, float *out,
+                                                            const uint8_t *ahead, const uint16_t *ahead_scales) {
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
+    const int64_t block_bytes = bits == 8 ? TILE_N * BLOCK : TILE_N * BLOCK / 2;
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[TILE_ROWS];
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < kb; b++) {
+            const uint8_t *q = tile + b * block_bytes + 32 * h;
+            if (ahead && h == 0) { /* block b of a tile to come, paced with this one's work */
+                for (int64_t i = 0; i < block_bytes; i += 64) __builtin_prefetch(ahead + b * block_bytes + i, 0, 0);
+                __builtin_prefetch(ahead_scales + b * 2 * TILE_N, 0, 0);
+            }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + b * 2 * TILE_N + 8 * h)));
+            const __m256 c = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + b * 2 * TILE_N + TILE_N + 8 * h)));
+            __m256i dot[TILE_ROWS];
+            if (bits == 4) {
+                __m256i pairs[TILE_ROWS]; /* int16: at most 16 products of a code 0..15 by |x| <= 127 */
+                for (int r = 0; r < rows; r++) pairs[r] = _mm256_setzero_si256();
+                for (int g = 0; g < 4; g++) { /* codes 4g..4g+3 (low nibbles) and 16+4g.. (high) */
+                    const __m256i packed = _mm256_loadu_si256((const __m256i *)(q + 64 * g));
+                    const __m256i lo = _mm256_and_si256(packed, low);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+                    for (int r = 0; r < rows; r++) {
+                        const x4_t *xr = (const x4_t *)(qx + r * k + b * BLOCK);
+                        pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xr[g])));
+                        pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xr[g + 4])));
+                    }
+                }
+                for (int r = 0; r < rows; r++) dot[r] = _mm256_madd_epi16(pairs[r], ones);
+            } else {
+                __m256i plo[TILE_ROWS], phi[TILE_ROWS]; /* the low and high nibbles' int16 sums */
+                for (int r = 0; r < rows; r++) plo[r] = phi[r] = _mm256_setzero_si256();
+                for (int g = 0; g < 8; g++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(q + 64 * g));
+                    const __m256i lo = _mm256_and_si256(w, low);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+                    for (int r = 0; r < rows; r++) {
+                        const __m256i xg = _mm256_set1_epi32(((const x4_t *)(qx + r * k + b * BLOCK))[g]);
+                        plo[r] = _mm256_add_epi16(plo[r], _mm256_maddubs_epi16(lo, xg));
+                        phi[r] = _mm256_add_epi16(phi[r], _mm256_maddubs_epi16(hi, xg));
+                    }
+                }
+                for (int r = 0; r < rows; r++)
+                    dot[r] = _mm256_add_epi32(_mm256_madd_epi16(plo[r], ones), _mm256_madd_epi16(phi[r], sixteen));
+            }
+            for (int r = 0; r < rows; r++) {
+                const __m256 s = _mm256_mul_ps(d, _mm256_set1_ps(dx[r * kb + b]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), s, acc[r]);
+                acc[r] = _mm256_fmadd_ps(c, _mm256_set1_ps(dxt[r * kb + b]), acc[r]);
+            }
+        }
+        for (int r = 0; r < rows; r++) _mm256_storeu_ps(out + r * TILE_N + 8 * h, acc[r]);
+    }
 }
 #else
 static inline void tile_sums(const uint8_t *tile, const uint16_t *scales, int bits, int64_t kb, const int8_t *qx,
@@ -388,6 +553,8 @@ static void quantize_row_natural(const void *x, int dt, int64_t k, int8_t *qx, f
         dx[b] = d;
         dxt[b] = d * (float)_mm512_reduce_add_epi32(sum);
     }
+#elif defined(PM_AVX2)
+    quantize_row_avx2(x, dt, k, qx, dx, dxt);
 #else
     quantize_row(x, dt, k, 8, qx, dx, dxt);
 #endif

@@ -10,6 +10,8 @@ from gguf.quants import quantize as gguf_quantize
 
 from pagemesh.kernels.cpu import quant
 from pagemesh.kernels.quantized import (
+    BLOCK,
+    QuantizedWeight,
     concat_rows,
     dequantize,
     from_gguf_blocks,
@@ -212,3 +214,31 @@ def test_linear_takes_the_tiled_gemm_below_the_row_threshold():
     x = torch.randn(DEQUANTIZE_MIN_ROWS, 128, generator=gen).bfloat16()
     want = torch.nn.functional.linear(x, dequantize(qw).bfloat16(), bias.bfloat16())
     assert torch.equal(quantized_linear(x, qw, bias, None), want)
+
+
+@pytest.mark.skipif(not quant.available(), reason=f"quantized C kernel did not build: {quant.load_error()}")
+@pytest.mark.parametrize("fmt", ["int8", "q4_0"])
+def test_kernels_sum_extreme_codes_exactly(fmt):
+    """Codes at the ends of their range against activations of +-127 and +-126: the dot products
+    saturate nowhere (AVX2's maddubs would at 2 * 255 * 127 if fed 8-bit codes whole). With d = 1,
+    c = -128 (8-bit) or 0 (4-bit) and dx = 1 (every block's max |x| is 127) each output is an
+    integer below 2^24, so the fp32 sums equal the integer reference whatever their order."""
+    n, k, bits = 37, 96, 8 if fmt == "int8" else 4
+    gen = torch.Generator().manual_seed(11)
+    top = 255 if bits == 8 else 15
+    codes = torch.tensor([0, 1, top - 1, top], dtype=torch.uint8)[torch.randint(0, 4, (n, k), generator=gen)]
+    codes[0], codes[1] = top, 0  # whole rows at the ends
+    x = torch.tensor([-127.0, -126.0, 126.0, 127.0])[torch.randint(0, 4, (9, k), generator=gen)]
+    x[0], x[1] = 127.0, -127.0
+    x[:, ::BLOCK] = 127.0  # max |x| of every block: dx = 1, the activations kept as they are
+    halves = codes.reshape(n, -1, 2, 16)  # 4-bit: code j in byte j's low nibble, code j + 16 in its high one
+    packed = codes if bits == 8 else halves[:, :, 0] | (halves[:, :, 1] << 4)
+    ones = torch.ones(n, k // BLOCK, dtype=torch.float16)
+    qw = QuantizedWeight(fmt, packed.reshape(n, -1).contiguous(), ones, ones * (-128.0 if bits == 8 else 0.0))
+    assert torch.equal(unpack_codes(qw), codes)
+    want = (x.long() @ codes.long().T - (128 * x.long().sum(1, keepdim=True) if bits == 8 else 0)).float()
+    assert want.abs().max() < 2**24
+    tiled = with_tiles(qw)
+    for m in (1, 3, 4, 5, 8, 9):  # a chunk's tail, whole chunks and more
+        assert torch.equal(quant.quant_linear(x[:m], qw), want[:m]), m
+        assert torch.equal(quant.quant_gemm(x[:m], tiled), want[:m]), m
