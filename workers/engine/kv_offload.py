@@ -15,7 +15,7 @@ stops on purpose) writes the host tier's pages and the pool's prefix pages to di
 On disk, one file a page, named by its key, in a folder named by the engine's fingerprint (the
 model file, the dtypes, the quantization, the page's shape, an fp8 pool's scales): a restarted
 worker of the same model finds its pages again, and a different model never reads them. A file
-is its header (msgpack: key, token ids, dtype, shape, blake2b of the data) and the page's bytes;
+is its header (msgpack: key, token ids, dtype, shape, CRC-32 of the data) and the page's bytes;
 it is written to a temporary name and renamed, so a reader never sees half a file, and workers
 sharing the folder share its pages. A file whose checksum, key, token ids, dtype or shape does not
 match is removed and counts as a miss: the prefix is computed again.
@@ -31,6 +31,7 @@ import hashlib
 import logging
 import os
 import struct
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -59,8 +60,10 @@ def page_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def checksum(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+def checksum(data: bytes) -> int:
+    """CRC-32 of a page's bytes: it catches a damaged or cut file (what it is for: not a digest
+    against someone who may write the folder), 5x faster than blake2b here (0.2 ms a page)."""
+    return zlib.crc32(data)
 
 
 class DiskTier:
@@ -210,7 +213,7 @@ class KVOffload:
 
     def offload(self, key: int, page_id: int, token_ids: tuple[int, ...]) -> bool:
         self.stats.offloaded += 1
-        data = self.kv_cache[:, page_id].to("cpu", copy=True)
+        data = copy_page_out(self.kv_cache, page_id)
         if self.page_nbytes > self.host_bytes:  # no host tier: straight to disk
             return self._spill(key, token_ids, data)
         self.host[key] = (token_ids, data)
@@ -243,11 +246,7 @@ class KVOffload:
             self.stats.disk_hits += 1
         else:
             return False
-        page = self.kv_cache[:, page_id]
-        if page.dtype.itemsize == 1:  # fp8: torch has no fp8 copy_ on a CPU; the same bytes
-            page.view(torch.uint8).copy_(data.view(torch.uint8))
-        else:
-            page.copy_(data)
+        copy_page_in(self.kv_cache, page_id, data)
         return True
 
     def persist(self, pages) -> None:
@@ -258,7 +257,7 @@ class KVOffload:
         for key, (token_ids, data) in list(self.host.items()):
             self.disk.write(key, token_ids, data)
         for key, page_id, token_ids in pages:
-            self.disk.write(key, token_ids, self.kv_cache[:, page_id].to("cpu"))
+            self.disk.write(key, token_ids, copy_page_out(self.kv_cache, page_id))
         log.info("kv offload: %d pages on disk for the next start (%s)", len(self.disk.files), self.disk.folder)
 
     def clear(self) -> None:
@@ -268,6 +267,27 @@ class KVOffload:
             self.disk.clear()
         for key in keys:
             self._forgot(key)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 else t  # fp8: torch has no fp8 copy_ on a CPU
+
+
+def copy_page_out(kv_cache: torch.Tensor, page_id: int) -> torch.Tensor:
+    """Page `page_id` of every layer as one CPU tensor [layers, 2, S, H, D]. A layer at a time: each
+    is one contiguous run, copied on this thread, where one strided copy of the whole page is cut
+    into parallel parts that wait on each other (5-50x slower on a busy 2-core machine)."""
+    data = torch.empty(kv_cache[:, page_id].shape, dtype=kv_cache.dtype)
+    for layer in range(kv_cache.shape[0]):
+        as_bytes(data[layer]).copy_(as_bytes(kv_cache[layer, page_id]))
+    return data
+
+
+def copy_page_in(kv_cache: torch.Tensor, page_id: int, data: torch.Tensor) -> None:
+    """`copy_page_out`'s tensor back into page `page_id`."""
+    data = data.to(kv_cache.device)
+    for layer in range(kv_cache.shape[0]):
+        as_bytes(kv_cache[layer, page_id]).copy_(as_bytes(data[layer]))
 
 
 def engine_fingerprint(model_path: Path, parts: Sequence[object]) -> str:
