@@ -43,6 +43,16 @@ def evict_a(engine: Engine) -> None:
         assert run(engine, f"other-{i}", other)[1] == 0
 
 
+def assert_a_comes_from_disk(config: EngineConfig, reference: list[int]) -> None:
+    """A new engine on `config`'s folder gets A's 4 full pages from disk and A's tokens."""
+    restarted = Engine(config)
+    try:
+        assert run(restarted, "a", A) == (reference, 4 * PAGE)
+        assert restarted.blocks.offload.stats.disk_hits == 4
+    finally:
+        restarted.close()
+
+
 @pytest.fixture(scope="module")
 def reference():
     """A's tokens computed from scratch (no prefix cache)."""
@@ -87,12 +97,7 @@ def test_a_restarted_engine_serves_hits_from_the_disk_tier_and_recomputes_a_dama
     (folder,) = tmp_path.iterdir()  # the engine's fingerprint names it
     assert len(list(folder.glob("*.kvpage"))) >= 4
 
-    restarted = Engine(config)
-    try:
-        assert run(restarted, "a", A) == (reference, 4 * PAGE)
-        assert restarted.blocks.offload.stats.disk_hits == 4
-    finally:
-        restarted.close()
+    assert_a_comes_from_disk(config, reference)
 
     third = Engine(config)
     try:
@@ -117,12 +122,7 @@ def test_an_engine_closed_on_purpose_leaves_its_pool_s_prefixes_on_disk(tmp_path
         assert first.blocks.offload.stats.offloaded == 0
     finally:
         first.close()  # as a worker's clean exit does
-    restarted = Engine(config)
-    try:
-        assert run(restarted, "a", A) == (reference, 4 * PAGE)
-        assert restarted.blocks.offload.stats.disk_hits == 4
-    finally:
-        restarted.close()
+    assert_a_comes_from_disk(config, reference)
 
 
 def test_a_different_dtype_never_reads_the_other_engines_pages(tmp_path, reference):
