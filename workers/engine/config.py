@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from pagemesh.common.quantization import QUANTIZATION_CHOICES
 from pagemesh.workers.engine.kv_events import KVEventsConfig
+from pagemesh.workers.engine.kv_offload_config import add_kv_offload_arguments, check_kv_offload_config
 from pagemesh.workers.engine.lora_config import add_lora_arguments, check_lora_config, lora_modules
 from pagemesh.workers.engine.speculative import SpeculativeConfig
 
@@ -103,22 +104,11 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: must be one of {list(KV_CACHE_DTYPES)}")
         check_lora_config(self)
-        self._check_kv_offload()
+        check_kv_offload_config(self)
 
     @property
     def kv_offload(self) -> bool:
         return self.kv_offload_gb > 0 or self.kv_offload_dir is not None
-
-    def _check_kv_offload(self) -> None:
-        if self.kv_offload_gb < 0 or self.kv_offload_disk_gb <= 0:
-            raise ValueError("kv_offload_gb: must be >= 0, and kv_offload_disk_gb > 0")
-        if not self.kv_offload:
-            return
-        if not self.enable_prefix_caching:
-            raise ValueError("kv_offload_gb / kv_offload_dir: keep evicted prefix pages, so need prefix caching on")
-        if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            # a page is split over the ranks' pools; the tier copies rank 0's only
-            raise ValueError("kv_offload_gb / kv_offload_dir: single-rank workers only (no -tp or -pp above 1)")
 
     def resolve_device(self) -> torch.device:
         import torch
@@ -303,23 +293,7 @@ def add_engine_arguments(parser) -> None:
         '"endpoint": "tcp://*:5557", "topic": "kv-events"}\' (also replay_endpoint, buffer_steps, hwm); one '
         "socket per worker process: `pagemesh up` gives every LLM worker the same one (docs/deployment.md)",
     )
-    add(
-        parser,
-        "--kv-offload-gb",
-        0.0,
-        type=float,
-        help="host memory (GiB) for prefix pages evicted from the KV pool: a later prompt with the prefix loads "
-        "them back instead of computing them again (as vLLM's --kv-offloading-size; default 0: none)",
-    )
-    add(
-        parser,
-        "--kv-offload-dir",
-        None,
-        help="a local folder where evicted prefix pages go when the host tier is full (or at once, without "
-        "--kv-offload-gb); a restarted worker of the same model serves hits from it, each file checked by its "
-        "checksum (docs/deployment.md)",
-    )
-    add(parser, "--kv-offload-disk-gb", 16.0, type=float, help="disk (GiB) --kv-offload-dir may fill")
+    add_kv_offload_arguments(parser)
 
 
 ENGINE_FLAGS = (
