@@ -131,31 +131,32 @@ class DiskTier:
         one is removed (None)."""
         path = self.path(key)
         try:
-            blob = path.read_bytes()
+            with open(path, "rb") as f:
+                blob = bytearray(os.fstat(f.fileno()).st_size)  # read once, sliced without copies
+                f.readinto(blob)
         except OSError:
             self._forget(key)
             return None
-        problem = self._problem(blob, key, token_ids)
-        if problem is not None:
-            log.warning("kv offload: %s: %s; removed, the prefix is computed again", path, problem)
+        data = self._checked_data(memoryview(blob), key, token_ids)
+        if isinstance(data, str):
+            log.warning("kv offload: %s: %s; removed, the prefix is computed again", path, data)
             path.unlink(missing_ok=True)
             self._forget(key)
             return None
-        (length,) = HEADER_LENGTH.unpack_from(blob)
-        raw = bytearray(blob[HEADER_LENGTH.size + length :])
         if key not in self.files:  # another process's file: now one of ours too
             self.files[key] = len(blob)
             self.bytes += len(blob)
         self.files.move_to_end(key)
-        return torch.frombuffer(raw, dtype=torch.uint8).view(self.dtype).view(self.shape)
+        return torch.frombuffer(data, dtype=torch.uint8).view(self.dtype).view(self.shape)
 
-    def _problem(self, blob: bytes, key: int, token_ids: tuple[int, ...]) -> str | None:
+    def _checked_data(self, blob: memoryview, key: int, token_ids: tuple[int, ...]) -> memoryview | str:
+        """The page's bytes in `blob`, or what is wrong with the file."""
         try:
             (length,) = HEADER_LENGTH.unpack_from(blob)
             header = msgpack.unpackb(blob[HEADER_LENGTH.size : HEADER_LENGTH.size + length])
-            raw = blob[HEADER_LENGTH.size + length :]
         except (struct.error, ValueError, msgpack.UnpackException) as e:
             return f"unreadable header ({e})"
+        data = blob[HEADER_LENGTH.size + length :]
         if not isinstance(header, dict):
             return "unreadable header"
         if header.get("key") != key:
@@ -164,9 +165,9 @@ class DiskTier:
             return "other token ids"
         if header.get("dtype") != self.dtype_name or tuple(header.get("shape", ())) != self.shape:
             return "another page layout"
-        if header.get("checksum") != checksum(raw):
+        if header.get("checksum") != checksum(data):
             return "checksum mismatch"
-        return None
+        return data
 
     def _forget(self, key: int) -> None:
         size = self.files.pop(key, None)
