@@ -424,6 +424,7 @@ class Gateway:
 
     async def metrics_text(self, request: web.Request) -> web.Response:
         self.metrics.update_cluster(await self.mesh.status(STATUS_TIMEOUT_S))
+        self.metrics.tokenizer_moves(self.mesh.tokenizer_moves)
         return web.Response(body=self.metrics.render().encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 

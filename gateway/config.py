@@ -62,12 +62,22 @@ class GatewayConfig:
     def served_model(self) -> str:
         return self.model_names[0]
 
+    @property
+    def tokenizer_addresses(self) -> list[str]:
+        """One address per tokenizer replica (--tokenizer-address is comma-separated)."""
+        return [address.strip() for address in self.tokenizer_address.split(",") if address.strip()]
+
 
 def parse_args(argv: list[str]) -> GatewayConfig:
     parser = argparse.ArgumentParser(prog="pagemesh gateway", description="OpenAI-compatible HTTP gateway")
     cli_args.add(parser, "--host", "127.0.0.1", help="HTTP listen host")
     cli_args.add(parser, "--port", 8000, type=int, help="HTTP listen port (0: any free port)")
-    cli_args.add(parser, "--tokenizer-address", help="tokenizer Router address")
+    cli_args.add(
+        parser,
+        "--tokenizer-address",
+        help="tokenizer Router address; several replicas: their addresses, comma-separated (a stream whose "
+        "tokenizer is lost goes on through another)",
+    )
     cli_args.add(parser, "--scheduler-address", help="scheduler Router address (aborts, status)")
     cli_args.add(parser, "--reply-address", help="Pull bind address for replies from tokenizers")
     cli_args.add(parser, "--model", None, help="GGUF file or HF folder (default: the embedded model)")

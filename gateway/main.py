@@ -35,7 +35,7 @@ def main(argv: list[str]) -> None:
 async def run(config: GatewayConfig, drain: GatewayDrain | None = None) -> None:
     """Serve until cancelled."""
     tokenizer = Tokenizer.from_path(config.model)  # logprob token texts
-    mesh = MeshClient(config.tokenizer_address, config.scheduler_address, config.reply_address, config.name)
+    mesh = MeshClient(config.tokenizer_addresses, config.scheduler_address, config.reply_address, config.name)
     if drain is not None:
         drain.mesh = mesh
     runner = GatewayRunner(

@@ -1,32 +1,37 @@
 """The gateway's side of the mesh: its three sockets and the routing of replies to requests.
 
-    submit()        GenerateRequest / EmbedRequest ──Dealer──▶ tokenizer
-    call()          TokenizeRequest / DetokenizeRequest ──Dealer──▶ tokenizer; awaits its one answer
+    submit()        GenerateRequest / EmbedRequest ──Dealer──▶ a tokenizer replica (the live one
+                    with the fewest requests: gateway/tokenizer_routes.py)
+    call()          TokenizeRequest / DetokenizeRequest ──Dealer──▶ a tokenizer; awaits its one answer
     submit_direct() ImageRequest / TranscriptionRequest ──Dealer──▶ scheduler (refusals come back on the same Dealer)
     abort()         AbortRequest    ──Dealer──▶ scheduler, and ──Dealer──▶ tokenizer (drops its state)
     status()        StatusRequest   ──Dealer──▶ scheduler ──ClusterStatus──▶ back on the same Dealer
     lora_op()       LoRAAdapterRequest ──Dealer──▶ scheduler ──LoRAAdapterReply──▶ back on the same Dealer
     replies         TextDeltaBatch / EmbeddingBatch / ImageResult / TranscriptionResult / TokenizeResult /
                     DetokenizeResult / RequestFailed ──▶ Pull (reply_to) ──▶ the request's queue
-    Ping every second ──Dealer──▶ tokenizer ──Pong(instance)──▶ back on the same Dealer
+    Ping every second ──Dealer──▶ each tokenizer ──Pong(instance)──▶ back on the same Dealer
 
 A background task per receiving socket does the routing; a request's queue holds
 `(arrival time, list[TextDelta] | Embedding | ImageResult | ... | RequestFailed)` items, one per
-incoming message (an EmbeddingBatch is split by request). When the
-tokenizer's instance changes, it was restarted and lost every request in flight: they end with a
-503 at once (and are aborted at the scheduler) instead of at the request timeout. No request goes
-out before the first Pong, so the first instance seen is the one the requests went to.
+incoming message (an EmbeddingBatch is split by request). When a
+tokenizer's instance changes, it was restarted and lost every request in flight through it; when it
+stops answering while another answers, it is lost too. Either way its requests move to a live
+replica (the restarted one too) under new ids, each stream with what its client has had, and go on
+where they were (gateway/tokenizer_routes.py, services/tokenizer/resume.py). No request goes out
+before a replica's first Pong, so the first instance seen is the one its requests went to.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import structlog
 
-from pagemesh.common.liveness import PeerInstance, ping_forever
+from pagemesh.common.liveness import ping_forever
 from pagemesh.common.messages import (
     AbortRequest,
     ClusterStatus,
@@ -34,8 +39,6 @@ from pagemesh.common.messages import (
     DetokenizeResult,
     Embedding,
     EmbeddingBatch,
-    EmbedRequest,
-    GenerateRequest,
     ImageRequest,
     ImageResult,
     LoRAAdapterReply,
@@ -52,6 +55,13 @@ from pagemesh.common.messages import (
 )
 from pagemesh.common.transport import Dealer, Pull
 from pagemesh.gateway.errors import ApiError, from_request_failed
+from pagemesh.gateway.tokenizer_routes import (
+    MAX_TOKENIZER_MOVES,
+    Route,
+    TokenizerLink,
+    TokenizerRequest,
+    pick,
+)
 
 DirectRequest = ImageRequest | TranscriptionRequest  # no tokenizer on their path: straight to the scheduler
 
@@ -67,37 +77,43 @@ MAX_UNKNOWN_REMEMBERED = 4096
 
 
 class MeshClient:
-    """Sockets and per-request reply queues of one gateway. Call `start()` inside the event loop."""
+    """Sockets and per-request reply queues of one gateway. Call `start()` inside the event loop.
+    `tokenizer_addresses`: one address per tokenizer replica."""
 
-    def __init__(self, tokenizer_address: str, scheduler_address: str, reply_address: str, identity: str):
+    def __init__(
+        self, tokenizer_addresses: Sequence[str] | str, scheduler_address: str, reply_address: str, identity: str
+    ):
         self.identity = identity
-        self._tokenizer = Dealer(tokenizer_address, identity)
+        addresses = [tokenizer_addresses] if isinstance(tokenizer_addresses, str) else list(tokenizer_addresses)
+        self._links = [TokenizerLink(address, Dealer(address, identity)) for address in addresses]
         self._scheduler = Dealer(scheduler_address, identity)
         self._replies = Pull(reply_address)
         self.reply_to = self._replies.address
         self._queues: dict[str, asyncio.Queue[Reply]] = {}
+        self._routes: dict[str, Route] = {}  # by own id: requests that went to a tokenizer
+        self._current: dict[str, str] = {}  # the id each route goes by now -> its own id
+        self._parked: set[str] = set()  # own ids of moved requests waiting for a live replica
         self._status_waiter: asyncio.Future[ClusterStatus] | None = None
         self._lora_waiters: dict[str, asyncio.Future[LoRAAdapterReply]] = {}  # op id -> its answer
         self._tasks: set[asyncio.Task] = set()
-        # set by the tokenizer's first Pong: requests go out only once its instance is known, so
-        # a restart is always seen as a change of instance
-        self._tokenizer_known = asyncio.Event()
+        # set while a tokenizer is live (it answered a ping): requests go out only to a replica
+        # whose instance is known, so its restart is always seen as a change of instance
+        self._tokenizer_up = asyncio.Event()
         self._unknown_aborted: OrderedDict[str, float] = OrderedDict()  # request id -> when
+        self.tokenizer_moves = 0  # requests moved to another replica (or a restarted one)
 
     def start(self) -> None:
-        for loop in (
-            self._route_replies(),
-            self._route_status(),
-            self._watch_tokenizer(),
-            ping_forever(self._tokenizer, self.identity, self.reply_to),  # the tokenizer watches it
-        ):
+        for link in self._links:
+            self._spawn(self._watch_tokenizer(link))
+            self._spawn(ping_forever(link.socket, self.identity, self.reply_to))  # the tokenizer watches it
+        for loop in (self._route_replies(), self._route_status(), self._watch_silence()):
             self._spawn(loop)
 
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for sock in (self._tokenizer, self._scheduler, self._replies):
+        for sock in (*(link.socket for link in self._links), self._scheduler, self._replies):
             sock.close()
 
     def _spawn(self, coro) -> None:
@@ -117,16 +133,22 @@ class MeshClient:
 
     def discard(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        route = self._routes.pop(request_id, None)
+        if route is not None:
+            self._current.pop(route.current_id, None)
+            self._parked.discard(request_id)
+            if route.link is not None:
+                route.link.requests.discard(request_id)
 
     @property
     def tokenizer_known(self) -> bool:
-        """The tokenizer has answered a ping."""
-        return self._tokenizer_known.is_set()
+        """A tokenizer replica answers pings."""
+        return self._tokenizer_up.is_set()
 
-    async def submit(self, request: GenerateRequest | EmbedRequest | TokenizeRequest | DetokenizeRequest) -> None:
-        if not self._tokenizer_known.is_set():
+    async def submit(self, request: TokenizerRequest) -> None:
+        if not self._tokenizer_up.is_set():
             try:
-                await asyncio.wait_for(self._tokenizer_known.wait(), TOKENIZER_WAIT_S)
+                await asyncio.wait_for(self._tokenizer_up.wait(), TOKENIZER_WAIT_S)
             except TimeoutError:
                 raise ApiError(
                     503,
@@ -136,7 +158,16 @@ class MeshClient:
                     "service_unavailable",
                     headers={"Retry-After": "5"},
                 ) from None
-        await self._tokenizer.send(request)
+        link = pick(self._links)
+        if link is None:  # lost between the wait and now: a moved request's way, parked until one is back
+            route = self._routes[request.request_id] = Route(request, None)
+            self._current[route.current_id] = request.request_id
+            self._move(route, None)
+            return
+        route = self._routes[request.request_id] = Route(request, link)
+        self._current[request.request_id] = request.request_id
+        link.requests.add(request.request_id)
+        await link.socket.send(request)
 
     async def call(
         self, request: TokenizeRequest | DetokenizeRequest, timeout: float
@@ -191,12 +222,16 @@ class MeshClient:
     def abort(self, request_id: str, reason: str) -> None:
         """Stop the request everywhere and forget it. Does not wait, so a handler being cancelled
         (client gone) can call it from `finally`."""
+        route = self._routes.get(request_id)
+        current, link = (request_id, None) if route is None else (route.current_id, route.link)
         self.discard(request_id)
-        self._spawn(self._send_abort(AbortRequest(request_id=request_id, reason=reason)))
+        self._spawn(self._send_abort(AbortRequest(request_id=current, reason=reason), link))
 
-    async def _send_abort(self, abort: AbortRequest) -> None:
+    async def _send_abort(self, abort: AbortRequest, link: TokenizerLink | None) -> None:
+        """To the scheduler, and to the request's tokenizer (every one when that is not known)."""
         await self._scheduler.send(abort)
-        await self._tokenizer.send(abort)
+        for tokenizer in [link] if link is not None else self._links:
+            await tokenizer.socket.send(abort)
 
     async def _route_replies(self) -> None:
         while True:
@@ -207,15 +242,35 @@ class MeshClient:
                 for delta in msg.deltas:
                     by_request.setdefault(delta.request_id, []).append(delta)
                 for request_id, deltas in by_request.items():
-                    if not self._deliver(request_id, (now, deltas)) and not any(d.finish_reason for d in deltas):
+                    own = self._own_id(request_id)
+                    route = self._routes.get(own) if own is not None else None
+                    if own is not None and own != request_id:
+                        deltas = [dataclasses.replace(d, request_id=own) for d in deltas]
+                    if own is not None and self._deliver(own, (now, deltas)):
+                        if route is not None:
+                            route.record(deltas)
+                    elif not any(d.finish_reason for d in deltas):
                         self._abort_unknown(request_id, now)
             elif isinstance(msg, EmbeddingBatch):
                 for embedding in msg.embeddings:
-                    self._deliver(embedding.request_id, (now, embedding))
+                    self._deliver_as_own(embedding, now)
             elif isinstance(msg, RequestFailed | ImageResult | TranscriptionResult | TokenizeResult | DetokenizeResult):
-                self._deliver(msg.request_id, (now, msg))
+                self._deliver_as_own(msg, now)
             else:
                 log.warning("unexpected message on the reply stream", type=type(msg).__name__)
+
+    def _own_id(self, request_id: str) -> str | None:
+        """The request a reply under `request_id` is for: a route's own id when that is the id it
+        goes by now; None when it went under that id before it moved (a stale reply); else the
+        id itself (a request with no tokenizer on its path, or none known here)."""
+        if request_id in self._current:
+            return self._current[request_id]
+        return None if request_id in self._routes else request_id
+
+    def _deliver_as_own(self, msg, now: float) -> None:
+        own = self._own_id(msg.request_id)
+        if own is not None:
+            self._deliver(own, (now, msg if own == msg.request_id else dataclasses.replace(msg, request_id=own)))
 
     def _deliver(self, request_id: str, reply: Reply) -> bool:
         """Queue a reply for its request; False when this process does not know it (its client
@@ -227,7 +282,8 @@ class MeshClient:
 
     def _abort_unknown(self, request_id: str, now: float) -> None:
         """Tokens keep coming for a request nobody here reads (an earlier process of this gateway
-        sent it, and it was killed): stop it everywhere, at most once a second per request."""
+        sent it and was killed, or it moved to another tokenizer under a new id): stop it
+        everywhere, at most once a second per request."""
         last = self._unknown_aborted.get(request_id)
         if last is not None and now - last < UNKNOWN_ABORT_INTERVAL_S:
             return
@@ -235,25 +291,73 @@ class MeshClient:
         self._unknown_aborted.move_to_end(request_id)
         if len(self._unknown_aborted) > MAX_UNKNOWN_REMEMBERED:
             self._unknown_aborted.popitem(last=False)
-        self._spawn(self._send_abort(AbortRequest(request_id=request_id, reason="no client at this gateway")))
+        self._spawn(self._send_abort(AbortRequest(request_id=request_id, reason="no client at this gateway"), None))
 
-    async def _watch_tokenizer(self) -> None:
-        peer = PeerInstance()
+    # ---- tokenizer replicas: liveness, and moving the requests of a lost one
+
+    async def _watch_tokenizer(self, link: TokenizerLink) -> None:
         while True:
-            msg = await self._tokenizer.recv()
+            msg = await link.socket.recv()
             if not isinstance(msg, Pong):
-                log.warning("unexpected message from the tokenizer", type=type(msg).__name__)
+                log.warning("unexpected message from the tokenizer", type=type(msg).__name__, address=link.address)
                 continue
-            if peer.restarted(msg.instance):
-                self._tokenizer_restarted()
-            self._tokenizer_known.set()
+            was_live = link.live
+            if link.answered(msg.instance, time.monotonic()):
+                self._lost(link, "restarted")
+            elif not was_live:
+                log.info("tokenizer answers", address=link.address)
+            self._tokenizer_up.set()
+            for own in list(self._parked):
+                self._move(self._routes[own], None)
 
-    def _tokenizer_restarted(self) -> None:
-        """Every request in flight went through the tokenizer process that is gone."""
-        log.warning("tokenizer restarted", failed_requests=len(self._queues))
-        self.fail_in_flight(
-            "Request failed: the tokenizer restarted; retry later.", "service_restarted", "tokenizer restarted"
+    async def _watch_silence(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for link in self._links:
+                if link.silent(now) and any(other.live and not other.silent(now) for other in self._links):
+                    link.live = False
+                    self._lost(link, "silent")
+            if not any(link.live for link in self._links):
+                self._tokenizer_up.clear()
+
+    def _lost(self, link: TokenizerLink, why: str) -> None:
+        """Every request through `link` is gone there: each moves to a live replica."""
+        log.warning("tokenizer lost: moving its requests", address=link.address, why=why, requests=len(link.requests))
+        for own in list(link.requests):
+            self._move(self._routes[own], link)
+
+    def _move(self, route: Route, lost: TokenizerLink | None) -> None:
+        """Send a request again through a live replica (not `lost` if another is live), under a
+        new id; the old id is aborted. None live: it waits (parked) for one to answer."""
+        if route.link is not None:
+            route.link.requests.discard(route.own_id)
+            old = AbortRequest(request_id=route.current_id, reason="its tokenizer was lost")
+            self._spawn(self._send_abort(old, route.link))
+            route.link = None
+        if route.moves >= MAX_TOKENIZER_MOVES:
+            self._fail(route.own_id, "Request failed: its tokenizer was lost too often; retry later.")
+            return
+        target = pick(self._links, avoid=lost)
+        if target is None:
+            self._parked.add(route.own_id)
+            return
+        self._parked.discard(route.own_id)
+        self._current.pop(route.current_id, None)
+        request = route.moved()
+        self._current[route.current_id] = route.own_id
+        route.link = target
+        target.requests.add(route.own_id)
+        self.tokenizer_moves += 1
+        log.info("request moved to a tokenizer", request_id=route.own_id, to=target.address, moves=route.moves)
+        self._spawn(target.socket.send(request))
+
+    def _fail(self, own: str, message: str) -> None:
+        failed = RequestFailed(
+            request_id=own, status=503, error_type="server_error", message=message, param=None, code="service_restarted"
         )
+        self._deliver(own, (time.monotonic(), failed))
+        self.abort(own, "tokenizer lost")
 
     @property
     def in_flight(self) -> int:
@@ -269,7 +373,9 @@ class MeshClient:
                 request_id=request_id, status=503, error_type="server_error", message=message, param=None, code=code
             )
             self._deliver(request_id, (now, failed))
-            self._spawn(self._send_abort(AbortRequest(request_id=request_id, reason=abort_reason)))
+            route = self._routes.get(request_id)
+            current, link = (request_id, None) if route is None else (route.current_id, route.link)
+            self._spawn(self._send_abort(AbortRequest(request_id=current, reason=abort_reason), link))
 
     # ---- status
 

@@ -139,6 +139,12 @@ class GatewayMetrics:
             registry=r,
         )
         self.audio_seconds = Counter("pagemesh_transcribed_audio_seconds", "Seconds of audio transcribed.", registry=r)
+        self._tokenizer_moves = Counter(
+            "pagemesh_tokenizer_moves",
+            "Requests sent again through another tokenizer replica (or a restarted one) after theirs was lost.",
+            registry=r,
+        )
+        self._moves_counted = 0
         self.cluster = ClusterCollector(model_name)
         r.register(self.cluster)
 
@@ -150,6 +156,12 @@ class GatewayMetrics:
         if name.startswith("vllm:"):
             labels.setdefault("model_name", self.model_name)
         return self.registry.get_sample_value(name, labels)
+
+    def tokenizer_moves(self, total: int) -> None:
+        """The mesh client's count of moved requests (gateway/mesh.py), brought up to `total`."""
+        if total > self._moves_counted:
+            self._tokenizer_moves.inc(total - self._moves_counted)
+            self._moves_counted = total
 
     def success(self, finished_reason: str) -> None:
         self._success.labels(self.model_name, finished_reason).inc()

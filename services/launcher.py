@@ -69,6 +69,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add(parser, "--diffusion", 1, type=int, help="diffusion workers (images; 0 for none)")
     add(
         parser,
+        "--tokenizers",
+        1,
+        type=int,
+        help="tokenizer replicas; the gateway spreads requests over them, and a stream whose replica dies "
+        "goes on through another (or through the same one once it is restarted)",
+    )
+    add(
+        parser,
         "--encoder",
         0,
         type=int,
@@ -135,6 +143,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.error("no workers: give --prefill/--decode, --mixed, --diffusion, --diffusion-student or --audio")
     if args.diffusion < 0 or args.diffusion_student < 0 or args.encoder < 0 or args.audio < 0:
         parser.error("--diffusion, --diffusion-student, --encoder, --audio: must be >= 0")
+    if args.tokenizers < 1:
+        parser.error("--tokenizers: must be >= 1")
     check_audio_arguments(parser, args)
     try:
         kv_cache_gb_from_args(args)  # both KV budgets through the environment: refused here, not by every worker
@@ -161,7 +171,8 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
     """(name, pagemesh argv) for every process, in start order."""
     ready = ipc_address(run_dir, "ready")
     sched = ipc_address(run_dir, "scheduler")
-    tok, tok_out = ipc_address(run_dir, "tokenizer"), ipc_address(run_dir, "tokenizer-out")
+    # the first replica is "tokenizer" (as when there is one), the others "tokenizer-1", ...
+    tokenizers = ["tokenizer", *(f"tokenizer-{i}" for i in range(1, args.tokenizers))]
     model = ["--model", args.model] if args.model else []
     served = served_model_names(args.served_model_name)  # the workers get them among the engine's flags
     # the scheduler has --drain-timeout among its policy flags: the others get it here
@@ -186,26 +197,29 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
             "scheduler",
             ["scheduler", "--address", sched, *policy_args_to_argv(args), "--serves", serves, *loras, *common],
         ),
-        (
-            "tokenizer",
-            [
-                "tokenizer",
-                "--address",
-                tok,
-                "--output-address",
-                tok_out,
-                "--scheduler-address",
-                sched,
-                "--name",
-                "tokenizer-0",
-                *model,
-                *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
-                *(["--chat-template", args.chat_template] if args.chat_template else []),
-                *common,
-                *drain,
-            ],
-        ),
     ]
+    for i, name in enumerate(tokenizers):
+        procs.append(
+            (
+                name,
+                [
+                    "tokenizer",
+                    "--address",
+                    ipc_address(run_dir, name),
+                    "--output-address",
+                    ipc_address(run_dir, f"{name}-out"),
+                    "--scheduler-address",
+                    sched,
+                    "--name",
+                    f"tokenizer-{i}",
+                    *model,
+                    *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else []),
+                    *(["--chat-template", args.chat_template] if args.chat_template else []),
+                    *common,
+                    *drain,
+                ],
+            )
+        )
     llm_workers = 0  # each LLM worker's ordinal: its KV events socket (if any) is its own
     for role, count in (("prefill", args.prefill), ("decode", args.decode), ("mixed", args.mixed)):
         for i in range(count):
@@ -280,7 +294,7 @@ def plan(args: argparse.Namespace, run_dir: str) -> list[tuple[str, list[str]]]:
                 "--port",
                 str(args.port),
                 "--tokenizer-address",
-                tok,
+                ",".join(ipc_address(run_dir, name) for name in tokenizers),
                 "--scheduler-address",
                 sched,
                 "--reply-address",

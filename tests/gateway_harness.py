@@ -45,11 +45,12 @@ class GatewayTestServer(TestServer):
 
 
 class FakeMesh:
-    """A tokenizer Router and a scheduler Router that tests drive by hand, plus the gateway's
-    app on a test server."""
+    """A tokenizer Router (one per replica in `tokenizers`: `tokenizer` is the first) and a
+    scheduler Router that tests drive by hand, plus the gateway's app on a test server."""
 
-    def __init__(self, tokenizer: t.Router, scheduler: t.Router, client: TestClient, drain: GatewayDrain):
-        self.tokenizer, self.scheduler, self.client = tokenizer, scheduler, client
+    def __init__(self, tokenizers: list[t.Router], scheduler: t.Router, client: TestClient, drain: GatewayDrain):
+        self.tokenizers, self.scheduler, self.client = tokenizers, scheduler, client
+        self.tokenizer = tokenizers[0]
         self.drain = drain  # what the gateway process's SIGTERM would run: `await fake.drain.drain()`
         self.tokenizer_instance = "first"  # what the fake tokenizer answers pings with
         self._pushes: dict[str, t.Push] = {}
@@ -118,8 +119,10 @@ async def running_gateway(tmp_path: Path, **overrides):
         log_level="INFO",
     )
     config = GatewayConfig(**{**values, **overrides})
-    with t.Router(config.tokenizer_address) as tokenizer, t.Router(config.scheduler_address) as scheduler:
-        mesh = MeshClient(config.tokenizer_address, config.scheduler_address, config.reply_address, config.name)
+    with contextlib.ExitStack() as sockets:
+        tokenizers = [sockets.enter_context(t.Router(address)) for address in config.tokenizer_addresses]
+        scheduler = sockets.enter_context(t.Router(config.scheduler_address))
+        mesh = MeshClient(config.tokenizer_addresses, config.scheduler_address, config.reply_address, config.name)
         mesh.start()
         drain = GatewayDrain(config.drain_timeout)
         drain.mesh = mesh
@@ -128,7 +131,7 @@ async def running_gateway(tmp_path: Path, **overrides):
         fake = None
         try:
             async with TestClient(server) as client:
-                fake = FakeMesh(tokenizer, scheduler, client, drain)
+                fake = FakeMesh(tokenizers, scheduler, client, drain)
                 yield fake
         finally:
             if fake is not None:

@@ -63,6 +63,22 @@ def check_images(images: list[ImageInput], num_prompt_tokens: int, where: str) -
         end = image.offset + image.length
 
 
+@record
+class ResumedText:
+    """One choice of a request a gateway moves to another tokenizer (its tokenizer was lost
+    mid-stream): the token ids its client has received of it, the length of the text made of
+    them that the client has received (`text_chars`, characters), and whether it ended."""
+
+    index: int
+    output_token_ids: list[int]
+    text_chars: int
+    finished: bool
+
+    def _check(self) -> None:
+        if self.index < 0 or self.text_chars < 0:
+            raise ProtocolError("ResumedText: index and text_chars must be >= 0")
+
+
 @message
 class GenerateRequest:
     """Gateway -> tokenizer. Exactly one of prompt_text / prompt_token_ids / messages is set.
@@ -87,6 +103,9 @@ class GenerateRequest:
     skip_special_tokens: bool = True
     images: list[bytes] = field(default_factory=list)  # image parts' files, in order: each message's
     # content has IMAGE_MARK where its image was (gateway/media.py)
+    # moved from a lost tokenizer: what each choice's client has had (none: a new request); the
+    # tokenizer continues each choice's text from there (services/tokenizer/resume.py)
+    resume: list[ResumedText] = field(default_factory=list)
 
     def _check(self) -> None:
         if self.images and self.messages is None:
@@ -100,6 +119,9 @@ class GenerateRequest:
         check_json_text(self.chat_template_kwargs, dict, "GenerateRequest.chat_template_kwargs")
         for i, m in enumerate(self.messages or ()):
             check_json_text(m.get("tool_calls"), list, f"GenerateRequest.messages[{i}].tool_calls")
+        indices = [c.index for c in self.resume]
+        if indices != sorted(set(indices)) or any(i >= self.sampling.n for i in indices):
+            raise ProtocolError("GenerateRequest.resume: distinct choice indices below n, in order")
 
 
 @message

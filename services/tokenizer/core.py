@@ -18,6 +18,10 @@ and the detokenizer and stop-string state here simply carry on, so the client se
 stream. Late tokens from a lost worker (one that was only silent) are dropped, until that worker
 id starts the request again (a process restarted under the id, chosen for the resumed request).
 
+A stream can also move here from another tokenizer replica that was lost (gateway/mesh.py): its
+GenerateRequest carries, per choice, the ids and the text its client has had; admit() rebuilds the
+choices' state from them and schedules the request as a migration (services/tokenizer/resume.py).
+
 State per request: one IncrementalDetokenizer per choice. A choice is finished when a stop string
 matched or its worker reported a finish_reason; the request's state goes when every choice is
 finished. If stop strings finished choices the worker is still generating, the request is aborted
@@ -61,6 +65,7 @@ from pagemesh.common.messages import (
 from pagemesh.common.sampling import SamplingParams
 from pagemesh.common.tokenizer import IncrementalDetokenizer, Tokenizer
 from pagemesh.services.tokenizer.images import ImagePrompts
+from pagemesh.services.tokenizer.resume import continued_text, restore_choice, resume_state
 
 ORPHAN_ABORT_INTERVAL_S = 1.0  # between aborts of one unknown request whose tokens keep coming
 MAX_ORPHANS_REMEMBERED = 4096
@@ -73,6 +78,8 @@ class _Choice:
     output_ids: list[int] = field(default_factory=list)  # every token id streamed (a migration resends them)
     finished: bool = False  # no more text goes out for this choice
     worker_finished: bool = False  # the worker said it stopped generating it
+    pending: str = ""  # a choice moved here (services/tokenizer/resume.py): text its client is still owed
+    skip: int = 0  # ... or characters of its next text the client already has
 
 
 @dataclass
@@ -165,6 +172,11 @@ class TokenizerCore:
             arrival_time=request.arrival_time,
             images=images,
         )
+        first = schedule
+        if request.resume:  # moved here from a lost tokenizer replica: continue where its client is
+            for had in request.resume:
+                restore_choice(choices[had.index], had)
+            schedule = dataclasses.replace(schedule, resume=resume_state(choices))
         # special tokens kept in the text: the end token is not written
         stop_ids = None if request.skip_special_tokens else self.tokenizer.eos_token_ids | set(sampling.stop_token_ids)
         self._requests[request.request_id] = _Request(
@@ -173,7 +185,7 @@ class TokenizerCore:
             choices,
             prompt_ids=prompt_ids if sampling.prompt_logprobs is not None else None,
             schedule=schedule,
-            first=schedule,
+            first=first,
             stop_ids=stop_ids,
         )
         return schedule
@@ -345,6 +357,7 @@ class TokenizerCore:
             elif delta.finish_reason is not None:
                 text += choice.detokenizer.flush()
                 finish_reason = delta.finish_reason
+            text = continued_text(choice, text)
             choice.finished = finish_reason is not None
             by_gateway.setdefault(request.reply_to, []).append(
                 TextDelta(

@@ -1,6 +1,6 @@
 """The gateway's request lifecycle over real sockets, with a fake tokenizer and scheduler on the
-other side (tests/gateway_harness.py): failures, aborts on disconnect and timeout, a restarted
-tokenizer, and readiness and metrics from the scheduler."""
+other side (tests/gateway_harness.py): failures, aborts on disconnect and timeout, readiness and
+metrics from the scheduler (a lost tokenizer: tests/unit/test_gateway_tokenizer_replicas.py)."""
 
 from __future__ import annotations
 
@@ -131,48 +131,6 @@ def test_client_disconnect_aborts_at_scheduler_and_tokenizer(tmp_path):
         assert await fake.from_tokenizer() == (b"gw0", abort)
 
     run(tmp_path, test)
-
-
-def test_a_restarted_tokenizer_ends_the_requests_in_flight_with_503_and_aborts_them(tmp_path):
-    async def test(fake: FakeMesh):
-        streaming = asyncio.create_task(fake.client.post("/v1/completions", json={"prompt": "Hi", "stream": True}))
-        waiting = asyncio.create_task(fake.client.post("/v1/completions", json={"prompt": "Ho"}))
-        first, second = await fake.next_request(), await fake.next_request()
-        if first.prompt_text != "Hi":
-            first, second = second, first
-        await fake.reply(
-            first,
-            TextDeltaBatch(
-                deltas=[
-                    TextDelta(
-                        request_id=first.request_id,
-                        index=0,
-                        text="A",
-                        token_ids=[5],
-                        logprobs=None,
-                        finish_reason=None,
-                        prompt_tokens=4,
-                        completion_tokens=1,
-                    )
-                ]
-            ),
-        )
-        fake.tokenizer_instance = "second"  # the next pong comes from a new process
-        pending = asyncio.create_task(fake.from_tokenizer())  # answers pings until the aborts come
-        waited = await waiting
-        assert waited.status == 503
-        assert (await waited.json())["error"]["code"] == "service_restarted"
-        events = sse_payloads(await (await streaming).text())
-        assert events[0]["choices"][0]["text"] == "A"
-        assert events[1]["error"]["code"] == "service_restarted" and events[2] == "[DONE]"
-        aborts = {await pending, await fake.from_tokenizer()}
-        assert aborts == {
-            (b"gw0", AbortRequest(request_id=r.request_id, reason="tokenizer restarted")) for r in (first, second)
-        }
-        at_scheduler = {await fake.scheduler.recv(), await fake.scheduler.recv()}
-        assert at_scheduler == aborts
-
-    run(tmp_path, test, request_timeout=8.0)
 
 
 def test_no_request_goes_out_before_the_tokenizer_answered_a_ping(tmp_path, monkeypatch):
