@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from pagemesh.common import protocol as p
 from pagemesh.common.protocol import (
     AbortRequest,
     ClusterStatus,
@@ -20,6 +19,8 @@ from pagemesh.common.protocol import (
     Heartbeat,
     HeldRequest,
     ImageModelInfo,
+    KVEventBatch,
+    KVEventsResync,
     KVPagesAck,
     KVPagesHeader,
     KVPoolInfo,
@@ -35,7 +36,6 @@ from pagemesh.common.protocol import (
     Pong,
     Pooling,
     PrefillTask,
-    PrefixCacheUpdate,
     Ready,
     Registered,
     RegisterWorker,
@@ -370,8 +370,9 @@ SAMPLES = [
     LoRAAdapterDone(worker_id="d0", op_id="sync-0", status=404, message="lora: no adapter folder at '/x'"),
     WorkerStopped(worker_id="p0", instance="9f2c", error="RuntimeError: the forward pass failed"),
     WorkerStopped(worker_id="d0", instance="77aa"),
-    PrefixCacheUpdate(worker_id="p0", added=(0, 1 << 40, p.MAX_PAGE_HASH), removed=(7,)),
-    PrefixCacheUpdate(worker_id="d0", added=(), removed=()),
+    KVEventBatch(worker_id="p0", seq=0, payload=b"\x93\xcb\x41\xda\x30\x54\x98\x10\x00\x00\x90\x00"),
+    KVEventBatch(worker_id="d0", seq=(1 << 63) - 1, payload=b""),  # the scheduler decodes the payload itself
+    KVEventsResync(worker_id="d0"),
     RequestDone(worker_id="p0", request_id="r1", reason="finished"),
     RequestDone(worker_id="p0", request_id="r1", reason="rejected", detail="prompt: too long"),
     TokenDeltaBatch(worker_id="d0", deltas=[], started=[RequestStarted(request_id="r1", num_prompt_tokens=5)]),

@@ -23,11 +23,11 @@ from pagemesh.common.messages import (
     DoneReason,
     GenerateTask,
     Heartbeat,
+    KVEventsResync,
     KVPoolInfo,
     KVPoolLoad,
     Message,
     PrefillTask,
-    PrefixCacheUpdate,
     RegisterWorker,
     RequestDone,
     WorkerKind,
@@ -35,12 +35,12 @@ from pagemesh.common.messages import (
 )
 from pagemesh.common.sampling import SamplingParams
 from pagemesh.workers.engine.block_manager import BlockManager
+from pagemesh.workers.engine.kv_event_feed import KVEventFeed
 from pagemesh.workers.engine.scheduler import Scheduler, StepPlan, StepSchedulerConfig
 from pagemesh.workers.engine.sequence import Sequence
 from pagemesh.workers.engine.step_trace import step_shape
 
 PLACEHOLDER_TOKEN = 0  # sampled ids are not modelled; what matters is how many and when
-MAX_CACHE_KEYS = 4096
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,7 @@ class SimWorker:
         self.spec, self.loop, self.step_time = spec, loop, step_time
         self.send, self.emit, self.handoff = send, emit, handoff
         self.blocks = BlockManager(spec.num_pages, spec.page_size, spec.prefix_caching)
+        self.kv_events = KVEventFeed(spec.worker_id, self.blocks)  # as the real worker's, sent with each heartbeat
         self.scheduler = Scheduler(spec.step, self.blocks)
         self.seqs: dict[str, Sequence] = {}
         self.targets: dict[str, int] = {}  # request id -> output tokens it ends at
@@ -117,9 +118,8 @@ class SimWorker:
         )
 
     def heartbeat(self) -> None:
-        added, removed = self.blocks.take_cache_changes(MAX_CACHE_KEYS)
-        if added or removed:
-            self.send(PrefixCacheUpdate(worker_id=self.spec.worker_id, added=tuple(added), removed=tuple(removed)))
+        for msg in self.kv_events.take()[1]:
+            self.send(msg)
         self.send(
             Heartbeat(
                 worker_id=self.spec.worker_id,
@@ -155,6 +155,8 @@ class SimWorker:
             self._maybe_import(msg.request_id)
         elif isinstance(msg, AbortRequest):
             self._abort(msg.request_id)
+        elif isinstance(msg, KVEventsResync):
+            self.kv_events.resync()
 
     # ---- requests -------------------------------------------------------------------------
     def _start(self, request_id: str, prompt: list[int], max_tokens: int) -> None:

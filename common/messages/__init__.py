@@ -74,16 +74,16 @@ from pagemesh.common.messages.requests import (
 )
 from pagemesh.common.messages.tokenize import DetokenizeRequest, DetokenizeResult, TokenizeRequest, TokenizeResult
 from pagemesh.common.messages.worker_control import (
-    MAX_PAGE_HASH,
-    MAX_PAGE_HASHES,
+    MAX_KV_EVENT_BYTES,
     DecodeTask,
     GenerateTask,
     Heartbeat,
     HeldRequest,
+    KVEventBatch,
+    KVEventsResync,
     KVPoolInfo,
     KVPoolLoad,
     PrefillTask,
-    PrefixCacheUpdate,
     Registered,
     RegisterWorker,
     RequestDone,
@@ -99,8 +99,7 @@ Message = typing.Union[MESSAGE_CLASSES]  # noqa: UP007 - built from the registry
 
 __all__ = [
     "MAX_ID",
-    "MAX_PAGE_HASH",
-    "MAX_PAGE_HASHES",
+    "MAX_KV_EVENT_BYTES",
     "KV_DTYPES",
     "MESSAGE_CLASSES",
     "MESSAGE_TYPES",
@@ -145,7 +144,8 @@ __all__ = [
     "KVPoolInfo",
     "KVPoolLoad",
     "PrefillTask",
-    "PrefixCacheUpdate",
+    "KVEventBatch",
+    "KVEventsResync",
     "Registered",
     "RegisterWorker",
     "RequestDone",

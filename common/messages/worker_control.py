@@ -1,7 +1,8 @@
 """The worker channel: scheduler ⇄ workers (one ROUTER at the scheduler, a DEALER per worker).
 
     worker    ──RegisterWorker──▶ scheduler ──Registered / UnknownWorker──▶ worker
-    worker    ──Heartbeat / PrefixCacheUpdate / RequestDone──▶ scheduler
+    worker    ──Heartbeat / KVEventBatch / RequestDone──▶ scheduler
+    scheduler ──KVEventsResync──▶ LLM worker   (a KVEventBatch went missing: send a snapshot)
     worker    ──WorkerStopped──▶ scheduler   (its engine failed, or it drained: drop it now)
     scheduler ──GenerateTask / PrefillTask / DecodeTask / AbortRequest──▶ worker
 
@@ -21,8 +22,7 @@ from pagemesh.common.messages.lora import LoRALoad
 from pagemesh.common.messages.requests import ImageInput, ResumedChoice, check_images, check_resumed_choices
 from pagemesh.common.sampling import SamplingParams
 
-MAX_PAGE_HASH = (1 << 62) - 1  # prefix-cache page keys (common.page_hash.chain_hash)
-MAX_PAGE_HASHES = 4096  # keys per PrefixCacheUpdate list; a worker sends several when it has more
+MAX_KV_EVENT_BYTES = 16 << 20  # a KVEventBatch's payload; a step's events over it go as a snapshot instead
 
 
 def _check_skip(name: str, skip_pages: int) -> None:
@@ -207,22 +207,31 @@ class Heartbeat:
 
 
 @message
-class PrefixCacheUpdate:
-    """Worker -> scheduler: prefix-cache page keys published (`added`) and evicted (`removed`)
-    since the previous update. Applied in order, the updates give the keys the worker holds;
-    the scheduler places requests by them and skips sending pages a decode worker holds."""
+class KVEventBatch:
+    """LLM worker -> scheduler: one engine step's prefix-cache events, `payload` an EventBatch in
+    vLLM's format (pagemesh.common.kv_events), the same bytes the worker publishes with
+    --kv-events-config. `seq` counts the worker's batches to this scheduler; 0 opens a snapshot
+    (AllBlocksCleared, then every key held), which the worker sends after each registration and
+    when asked (KVEventsResync). The scheduler places requests by the keys and skips sending
+    pages a decode worker holds (services/scheduler/kv_event_index.py)."""
 
     worker_id: str
-    added: tuple[int, ...]
-    removed: tuple[int, ...]
+    seq: int
+    payload: bytes
 
     def _check(self) -> None:
-        for name in ("added", "removed"):
-            keys = getattr(self, name)
-            if len(keys) > MAX_PAGE_HASHES:
-                raise ProtocolError(f"PrefixCacheUpdate.{name}: more than {MAX_PAGE_HASHES} keys")
-            if keys and not (0 <= min(keys) and max(keys) <= MAX_PAGE_HASH):
-                raise ProtocolError(f"PrefixCacheUpdate.{name}: keys must be in [0, {MAX_PAGE_HASH}]")
+        if self.seq < 0:
+            raise ProtocolError("KVEventBatch.seq: must be >= 0")
+        if len(self.payload) > MAX_KV_EVENT_BYTES:
+            raise ProtocolError(f"KVEventBatch.payload: more than {MAX_KV_EVENT_BYTES} bytes")
+
+
+@message
+class KVEventsResync:
+    """Scheduler -> LLM worker: a KVEventBatch was missing or unreadable (its seq skipped one):
+    send a snapshot (seq 0); the scheduler ignores the batches before it."""
+
+    worker_id: str
 
 
 @message

@@ -6,7 +6,8 @@ handoff's bookkeeping, and failure handling.
                     (pooling: an embedding) ──▶ place ──▶ GenerateTask(pooling) → one prefill or mixed worker
     ImageRequest    ──▶ admit (its kind's queue) ──▶ place ──▶ ImageTask → diffusion worker
     TranscriptionRequest ──▶ admit (its kind's queue) ──▶ place ──▶ TranscriptionTask → audio worker
-    PrefixCacheUpdate ──▶ which prefix pages each worker holds (placement, pages D need not get)
+    KVEventBatch ──▶ which prefix pages each worker holds, from its KV cache events (placement,
+             pages D need not get; a gap asks for a snapshot: services/scheduler/kv_event_index.py)
     RequestDone / worker death / AbortRequest ──▶ forget, tell the other holders, fail if needed
     worker death ──▶ MigrateRequest to the request's tokenizer, which sends it again with the
              tokens it has generated (ScheduleRequest.resume): placed as a GenerateTask on a
@@ -43,13 +44,13 @@ from pagemesh.common.messages import (
     Heartbeat,
     ImageRequest,
     ImageTask,
+    KVEventBatch,
     LoRAAdapterDone,
     LoRAAdapterRequest,
     Message,
     MigrateRequest,
     Ping,
     Pong,
-    PrefixCacheUpdate,
     Registered,
     RegisterWorker,
     RequestDone,
@@ -66,6 +67,7 @@ from pagemesh.common.multimodal import hash_token_ids
 from pagemesh.services.scheduler.audio import place_transcription, unknown_audio_model
 from pagemesh.services.scheduler.config import SchedulerConfig
 from pagemesh.services.scheduler.failures import Outputs, Placed, PlacedRequests
+from pagemesh.services.scheduler.kv_event_index import KVEventIndex
 from pagemesh.services.scheduler.loras import MeshAdapters
 from pagemesh.services.scheduler.migration import longest_resumed, migrations_of, resumed_choices, resumed_output
 from pagemesh.services.scheduler.placement import (
@@ -113,11 +115,12 @@ class SchedulerCore:
         self.migrations = 0  # resumed requests received (metrics)
         self.adapters = MeshAdapters(config.lora_modules)  # the LoRA adapters the mesh serves
         self.log = log.bind(service="scheduler")
+        self.kv_events = KVEventIndex(self.registry, self.log)  # the workers' prefix keys
         self._handlers: dict[type, Callable[[bytes, Message, float, Outputs], None]] = {
             RegisterWorker: self._on_register,
             Heartbeat: self._on_heartbeat,
             WorkerStopped: self._on_worker_stopped,
-            PrefixCacheUpdate: self._on_prefix_update,
+            KVEventBatch: self.kv_events.receive,
             ScheduleRequest: self._on_schedule,
             ImageRequest: self._on_image,
             TranscriptionRequest: self._on_transcription,
@@ -287,9 +290,6 @@ class SchedulerCore:
         why = f"the engine of worker {msg.worker_id} failed" if msg.error else f"worker {msg.worker_id} stopped"
         self.requests.lost(gone, why, now, out)
         out += self.adapters.worker_gone(msg.worker_id)
-
-    def _on_prefix_update(self, identity: bytes, msg: PrefixCacheUpdate, now: float, out: Outputs) -> None:
-        self.registry.prefix_update(msg.worker_id, msg.added, msg.removed)
 
     # ---- admission and placement ----------------------------------------------------------
     def _known(self, request_id: str) -> bool:

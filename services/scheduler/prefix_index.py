@@ -3,8 +3,10 @@
     prompt ids ──prefix_page_hashes──▶ [k0, k1, k2, k3]        k2 stands for pages 0..2 (chained)
     worker.page_hashes  {k0, k1, k3, ...}  ──leading run──▶ 2 cached pages (k3 without k2 is no hit)
 
-Workers report the keys they publish and evict (`PrefixCacheUpdate`); the keys come from the
-block manager's own function, so a worker's keys and the scheduler's agree for equal prefixes.
+Workers report the keys they publish and evict as KV cache events (`KVEventBatch`, applied by
+services/scheduler/kv_event_index.py: a key held in the pool or the offload tier counts); the
+keys come from the block manager's own function, so a worker's keys and the scheduler's agree
+for equal prefixes.
 Pure Python: no torch, no sockets.
 """
 

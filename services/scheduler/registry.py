@@ -7,7 +7,6 @@ live workers of one pool.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagemesh.common.messages import (
@@ -22,6 +21,7 @@ from pagemesh.common.messages import (
     WorkerRole,
     WorkerStatus,
 )
+from pagemesh.services.scheduler.kv_event_index import HeldPages
 
 # what a registration renews on a worker the registry knows (same process); its load figures stay
 _RENEWED = (
@@ -64,7 +64,7 @@ class WorkerInfo:
     kv_bytes_received: int = 0
     produced: int = 0  # Heartbeat.produced
     requests: set[str] = field(default_factory=set)  # placed here and not yet done
-    page_hashes: set[int] = field(default_factory=set)  # prefix-cache keys it reported holding
+    page_hashes: HeldPages = field(default_factory=HeldPages)  # prefix-cache keys its KV events say it holds
     images: ImageModelInfo | None = None  # a diffusion worker's sizes, samplers, step limits
     ranks: int = 1  # RegisterWorker.ranks
     pipeline_stages: int = 1  # RegisterWorker.pipeline_stages
@@ -160,15 +160,17 @@ class Registry:
         return self.models.get(kind, set())
 
     def register(self, info: WorkerInfo) -> WorkerInfo | None:
-        """Add or renew a worker. The same process registering again keeps its requests and
-        prefix keys; another process under a known id is a restart: returns the entry it
-        replaced, whose requests died with the old process."""
+        """Add or renew a worker. The same process registering again keeps its requests; its
+        prefix keys start over (it sends a snapshot of them next: kv_event_index.py). Another
+        process under a known id is a restart: returns the entry it replaced, whose requests died
+        with the old process."""
         if info.model is not None:
             self.models.setdefault(info.kind, set()).add(info.model)
         old = self.workers.get(info.worker_id)
         if old is not None and old.instance == info.instance:
             for name in _RENEWED:
                 setattr(old, name, getattr(info, name))
+            old.page_hashes.start_over()
             return None
         self.workers[info.worker_id] = info
         return old
@@ -204,15 +206,6 @@ class Registry:
         """Count `seconds` of every worker's silence as heard (the scheduler itself was paused)."""
         for info in self.workers.values():
             info.last_seen += seconds
-
-    def prefix_update(self, worker_id: str, added: Iterable[int], removed: Iterable[int]) -> bool:
-        """Apply a worker's PrefixCacheUpdate (a key is never in both lists of one update)."""
-        info = self.workers.get(worker_id)
-        if info is None:
-            return False
-        info.page_hashes.difference_update(removed)
-        info.page_hashes.update(added)
-        return True
 
     def alive(self, kind: WorkerKind, role: WorkerRole, now: float) -> list[WorkerInfo]:
         """The live workers of the pool (kind, role)."""

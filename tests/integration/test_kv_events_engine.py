@@ -16,6 +16,7 @@ from pagemesh.common.page_hash import prefix_page_hashes
 from pagemesh.common.sampling import SamplingParams
 from pagemesh.workers.engine.config import EngineConfig
 from pagemesh.workers.engine.engine import Engine
+from pagemesh.workers.engine.kv_event_feed import KVEventFeed
 from pagemesh.workers.engine.kv_events import KVEventsConfig
 from pagemesh.workers.llm.kv_events_publisher import KVEventsPublisher
 
@@ -102,6 +103,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class StepPublisher:
+    """What the LLM worker does between steps: the step's events encoded once (the feed), published."""
+
+    def __init__(self, engine: Engine, config: KVEventsConfig):
+        self.feed = KVEventFeed("w0", engine.blocks)
+        self.publisher = KVEventsPublisher.for_config(config)
+
+    @property
+    def next_seq(self) -> int:
+        return self.publisher.next_seq
+
+    def flush(self) -> int | None:
+        payload, _ = self.feed.take()  # the scheduler's messages are for the worker's DEALER
+        return None if payload is None else self.publisher.send(payload)
+
+    def close(self) -> None:
+        self.publisher.close()
+
+
 @pytest.fixture(scope="module")
 def publishing_engine():
     port, replay_port = free_port(), free_port()
@@ -116,7 +136,7 @@ def publishing_engine():
     engine = Engine(
         EngineConfig(dtype="float32", page_size=PAGE, num_pages=8, max_model_len=96, kv_events_config=config)
     )
-    publisher = KVEventsPublisher.for_engine(engine)  # as the LLM worker makes it
+    publisher = StepPublisher(engine, config)
     try:
         yield engine, publisher, port, replay_port
     finally:
@@ -124,7 +144,7 @@ def publishing_engine():
         engine.close()
 
 
-def run(engine: Engine, publisher: KVEventsPublisher, rid: str, prompt: list[int]):
+def run(engine: Engine, publisher: StepPublisher, rid: str, prompt: list[int]):
     """One request to its end, the publisher flushed after every step (as the worker's loop
     does between steps); the last batch's sequence number and the request's cached tokens."""
     engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

@@ -1,25 +1,27 @@
 """KV cache events in vLLM's format: the payload byte for byte as vLLM's msgspec encoder writes
-it, its layout read back with plain msgpack, the collector's batches, the block manager's hooks,
-and --kv-events-config."""
+it, its layout read back with plain msgpack and with pagemesh's decoder (which refuses anything
+else), the collector's batches, the block manager's hooks, and --kv-events-config."""
 
 import argparse
 import json
+import random
 
 import msgpack
 import pytest
 
-from pagemesh.common.page_hash import chain_hash, prefix_page_hashes
-from pagemesh.workers.engine.block_manager import BlockManager
-from pagemesh.workers.engine.config import add_engine_arguments, engine_args_to_argv, engine_config_from_args
-from pagemesh.workers.engine.kv_events import (
+from pagemesh.common.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
-    KVEventCollector,
-    KVEventsConfig,
+    MalformedEvents,
+    decode_batch,
     encode_batch,
 )
+from pagemesh.common.page_hash import chain_hash, prefix_page_hashes
+from pagemesh.workers.engine.block_manager import BlockManager
+from pagemesh.workers.engine.config import add_engine_arguments, engine_args_to_argv, engine_config_from_args
+from pagemesh.workers.engine.kv_events import KVEventCollector, KVEventsConfig
 from pagemesh.workers.llm.main import parse as parse_worker
 
 TOP = 2**62 - 1  # the largest page key (62 bits): msgpack's uint64 form
@@ -104,6 +106,86 @@ def test_plain_msgpack_reads_vllms_older_array_layout():
     ]
 
 
+def test_the_decoder_reads_vllms_bytes_in_both_layouts():
+    assert decode_batch(VLLM_MAP_BYTES) == BATCH
+    assert decode_batch(VLLM_ARRAY_BYTES) == BATCH
+
+
+def test_the_decoder_round_trips_what_the_encoder_writes():
+    batch = EventBatch(
+        12.5,
+        [
+            BlockStored([1, 2], None, [5, 6, -7, 8], 2, None, "GPU", None),
+            BlockStored([3, TOP], None, [], 2, None, "CPU"),  # a tier's keys: no parent, no token ids
+            BlockRemoved([3], "CPU"),
+            AllBlocksCleared(),
+            BlockStored([2**64 - 1], 2, [1, 1], 2, ROOT, None),
+        ],
+        None,
+    )
+    for legacy in (False, True):
+        assert decode_batch(encode_batch(batch, legacy_array_events=legacy)) == batch
+    assert decode_batch(encode_batch(EventBatch(1.0, []))) == EventBatch(1.0, [])
+
+
+def test_the_decoder_takes_fields_vllm_added_later_and_drops_them():
+    later = msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [4], "medium": "GPU", "group_idx": 0}], 0])
+    assert decode_batch(later) == EventBatch(1.0, [BlockRemoved([4], "GPU")], 0)
+
+
+def _removed(**fields) -> bytes:
+    return msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", **fields}], 0])
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",  # nothing
+        b"\xc1",  # not msgpack
+        VLLM_MAP_BYTES + b"\x00",  # trailing bytes
+        msgpack.packb({"ts": 1.0}),  # not an array
+        msgpack.packb([1.0]),  # too short
+        msgpack.packb(["now", [], 0]),  # ts not a number
+        msgpack.packb([float("nan"), [], 0]),
+        msgpack.packb([1.0, {}, 0]),  # events not a list
+        msgpack.packb([1.0, [], "zero"]),  # rank not an int
+        msgpack.packb([1.0, [{"type": "BlockMoved"}], 0]),  # unknown event
+        msgpack.packb([1.0, [{"type": [1]}], 0]),
+        msgpack.packb([1.0, [{"block_hashes": [1]}], 0]),  # no tag
+        msgpack.packb([1.0, [["BlockMoved"]], 0]),
+        msgpack.packb([1.0, [7], 0]),  # an event neither map nor array
+        msgpack.packb([1.0, [{"type": "BlockRemoved", "medium": "GPU"}], 0]),  # a field missing
+        msgpack.packb([1.0, [["BlockRemoved", [1]]], 0]),  # an array one field short
+        _removed(block_hashes=[-1]),  # hashes out of range or of the wrong type
+        _removed(block_hashes=[1.0]),
+        _removed(block_hashes=[True]),
+        _removed(block_hashes=[b"\x01" * 32]),
+        _removed(block_hashes=7),
+        _removed(medium=3),
+        msgpack.packb([1.0, [["BlockStored", [1], None, [1.5], 2, None, "GPU"]], 0]),  # token ids
+        msgpack.packb([1.0, [["BlockStored", [1], "parent", [1], 2, None, "GPU"]], 0]),
+        msgpack.packb([1.0, [["BlockStored", [1], None, [1], "2", None, "GPU"]], 0]),
+    ],
+)
+def test_the_decoder_refuses_what_is_not_an_event_batch(payload):
+    with pytest.raises(MalformedEvents):
+        decode_batch(payload)
+
+
+def test_damaged_payloads_decode_or_are_refused_and_nothing_else():
+    """What the scheduler relies on to never crash on a payload: MalformedEvents or a batch."""
+    rng = random.Random(7)
+    for _ in range(3000):
+        payload = bytearray(rng.choice([VLLM_MAP_BYTES, VLLM_ARRAY_BYTES]))
+        for _ in range(rng.randint(1, 4)):
+            payload[rng.randrange(len(payload))] = rng.randrange(256)
+        try:
+            batch = decode_batch(bytes(payload[: rng.randint(1, len(payload))]))
+        except MalformedEvents:
+            continue
+        assert isinstance(batch, EventBatch)
+
+
 def test_the_collector_merges_a_chain_and_hands_each_event_over_once():
     events = KVEventCollector(page_size=2)
     assert events.take_batch() is None
@@ -111,18 +193,25 @@ def test_the_collector_merges_a_chain_and_hands_each_event_over_once():
     events.stored(12, 11, (3, 4), None)  # chains on the last: the same event
     events.stored(21, 5, (9, 9), None)  # another parent: a new event
     events.stored(22, 21, (8, 8), ROOT)  # another adapter: a new event
-    events.removed(11)
-    events.removed(12)
-    events.cleared()
+    events.offloaded(21)  # the tier's keys: one key-only event
+    events.offloaded(22)
+    events.removed(21)
+    events.removed(22)
+    events.removed(11, "CPU")  # another medium: a new event
     batch = events.take_batch(data_parallel_rank=0)
     assert batch.events == [
         BlockStored([11, 12], None, [1, 2, 3, 4], 2, None, "GPU"),
         BlockStored([21], 5, [9, 9], 2, None, "GPU"),
         BlockStored([22], 21, [8, 8], 2, ROOT, "GPU"),
-        BlockRemoved([11, 12], "GPU"),
-        AllBlocksCleared(),
+        BlockStored([21, 22], None, [], 2, None, "CPU"),
+        BlockRemoved([21, 22], "GPU"),
+        BlockRemoved([11], "CPU"),
     ]
     assert events.take_batch() is None
+    events.stored(11, None, (1, 2), None)
+    events.cleared()  # what came before it changes nothing a reader ends up with
+    events.stored(12, 11, (3, 4), None)
+    assert events.take_batch().events == [AllBlocksCleared(), BlockStored([12], 11, [3, 4], 2, None, "GPU")]
 
 
 def apply(view: set[int], batch: EventBatch) -> None:
@@ -165,7 +254,6 @@ def test_the_block_manager_reports_stores_evictions_and_a_reset():
     assert batch.events == [AllBlocksCleared()]
     apply(view, batch)
     assert view == set(bm.hash_to_page) == set()
-    assert bm.take_cache_changes(10) == ([], [])  # the scheduler's report nets the key out too
     bm.check_invariants([])
 
 
@@ -190,7 +278,7 @@ def test_events_off_change_nothing_else():
         bm.cache_full_pages(table, list(range(9)), 0, 9)
         bm.free_table(table)
         bm.grow(table, 16)
-    assert on.hash_to_page == off.hash_to_page and on.take_cache_changes(10) == off.take_cache_changes(10)
+    assert on.hash_to_page == off.hash_to_page and on.cached_keys() == off.cached_keys()
     assert off.events is None
 
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagemesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from pagemesh.common.page_hash import prefix_page_hashes
+from pagemesh.services.scheduler.kv_event_index import HeldPages
 from pagemesh.workers.engine.block_manager import BlockManager, OutOfPages
 from pagemesh.workers.engine.config import EngineConfig
+from pagemesh.workers.engine.kv_events import KVEventCollector
 from pagemesh.workers.engine.kv_offload import DiskTier, KVOffload, engine_fingerprint
 
 PAGE = 4
@@ -125,6 +128,7 @@ def test_a_key_is_forgotten_only_when_no_tier_holds_it(tmp_path):
     dropping.on_forget = forgotten.append
     assert dropping.offload(1, 1, (1,) * PAGE) and dropping.offload(2, 2, (2,) * PAGE)
     assert forgotten == [1]  # pushed out of host memory with no disk behind it
+    assert dropping.load(2, 3, (2,) * PAGE) and forgotten == [1, 2]  # back in the pool: in no tier
     forgotten.clear()
     probe = disk_of(tmp_path / "probe", cache)
     probe.write(1, (1,) * PAGE, cache[:, 1])
@@ -165,8 +169,9 @@ class DictTier:
     def load(self, key, page_id, token_ids):
         if self.held.get(key) != token_ids:
             return False
-        del self.held[key]
+        del self.held[key]  # the pool holds it now (as the host tier does)
         self.loaded.append((key, page_id))
+        self.on_forget(key)
         return True
 
     def held_keys(self):
@@ -235,22 +240,45 @@ def test_a_reset_clears_the_tier_too():
     assert tier.held and bm.reset_prefix_cache() and not tier.held
 
 
-def test_keys_a_tier_keeps_are_reported_held_until_it_forgets_them():
+def test_the_tiers_keys_are_cpu_events_and_held_until_no_medium_holds_them():
+    """What the scheduler's view (HeldPages) makes of the events: a key is held while the pool
+    ("GPU") or the tier ("CPU") holds it."""
     tier = DictTier(held={77: (1,) * PAGE})  # a disk tier's file from an earlier life
     bm = BlockManager(num_pages=5, page_size=PAGE)
     bm.attach_offload(tier)
-    a_keys = prefix_page_hashes(list(range(100, 113)), PAGE)
-    run_prompt(bm, list(range(100, 113)))
-    added, removed = bm.take_cache_changes(100)
-    assert set(added) == {77, *a_keys} and removed == []
-    run_prompt(bm, list(range(200, 213)))  # a's pages go to the tier: still held
-    added, removed = bm.take_cache_changes(100)
-    assert removed == [] and len(added) == 3
+    bm.events = KVEventCollector(PAGE)
+    assert bm.cached_keys() == ([], [77])  # what a snapshot lists
+    view = HeldPages()
+    view.apply([BlockStored([77], None, [], PAGE, None, "CPU")])
+    a, b = list(range(100, 113)), list(range(200, 213))
+    a_keys, b_keys = prefix_page_hashes(a, PAGE), prefix_page_hashes(b, PAGE)
+
+    def held_now() -> set[int]:
+        batch = bm.events.take_batch()
+        view.apply(batch.events if batch else [])
+        assert set(view) == set(bm.hash_to_page) | set(tier.held)
+        return set(view)
+
+    run_prompt(bm, a)
+    assert held_now() == {77, *a_keys}
+    run_prompt(bm, b)  # 4 usable pages: a's go to the tier, its tail first
+    assert bm.events.pending[:6] == [
+        BlockStored([a_keys[2]], None, [], PAGE, None, "CPU"),
+        BlockRemoved([a_keys[2]], "GPU"),
+        BlockStored([a_keys[1]], None, [], PAGE, None, "CPU"),
+        BlockRemoved([a_keys[1]], "GPU"),
+        BlockStored([a_keys[0]], None, [], PAGE, None, "CPU"),
+        BlockRemoved([a_keys[0]], "GPU"),
+    ]
+    assert held_now() == {77, *a_keys, *b_keys}  # a's keys still held: in the tier
     tier.drop(a_keys[1])
-    assert bm.take_cache_changes(100) == ([], [a_keys[1]])
-    bm.report_all_again()
-    added, _ = bm.take_cache_changes(100)
-    assert {77, a_keys[0], a_keys[2]} <= set(added) and a_keys[1] not in added
+    assert held_now() == {77, a_keys[0], a_keys[2], *b_keys}
+    assert run_prompt(bm, a) == [bm.hash_to_page[a_keys[0]]]  # back from the tier as far as it goes
+    assert a_keys[0] not in tier.held and a_keys[0] in held_now()  # left the tier for the pool: still held
+    tier.drop(77)
+    assert 77 not in held_now()
+    assert bm.reset_prefix_cache() and bm.events.pending == [AllBlocksCleared()]  # one event, not one a key
+    assert held_now() == set()
 
 
 def test_the_engine_config_refuses_what_the_tier_cannot_serve():

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from pagemesh.common.kv_events import BlockRemoved, BlockStored
 from pagemesh.common.messages import Heartbeat, KVPoolLoad, WorkerKind
 from pagemesh.common.page_hash import HASH_BITS, chain_hash, prefix_page_hashes
 from pagemesh.common.sampling import SamplingParams
@@ -18,6 +19,7 @@ from pagemesh.services.scheduler.placement import Placement, PlacementPolicy, Pl
 from pagemesh.services.scheduler.prefix_index import PromptPages
 from pagemesh.services.scheduler.registry import Registry, WorkerInfo
 from pagemesh.workers.engine.block_manager import BlockManager
+from pagemesh.workers.engine.kv_events import KVEventCollector
 
 PAGE = 4
 PROMPT = list(range(100, 117))  # 17 tokens: 4 full pages, all reusable (one token stays to compute)
@@ -39,7 +41,7 @@ def worker(worker_id: str, role: str = "prefill", load: int = 0, held: int = 0, 
         **kw,
     )
     info.running = load
-    info.page_hashes = set(prefix_page_hashes(prompt, PAGE)[:held])
+    info.page_hashes.apply([BlockStored(prefix_page_hashes(prompt, PAGE)[:held], None, [], PAGE, None, "GPU")])
     return info
 
 
@@ -73,13 +75,13 @@ def test_keys_are_62_bit_chained_and_the_same_in_another_process():
 
 def test_scheduler_keys_agree_with_what_the_block_manager_publishes_and_matches():
     bm = BlockManager(num_pages=20, page_size=PAGE)
+    bm.events = KVEventCollector(PAGE)
     table = cache_prompt(bm, PROMPT)
-    added, removed = bm.take_cache_changes(100)
-    assert set(added) == set(prefix_page_hashes(PROMPT, PAGE)) and removed == []
+    info = worker("w", prompt=PROMPT, held=0)
+    info.page_hashes.apply(bm.events.take_batch().events)
+    assert set(info.page_hashes) == set(prefix_page_hashes(PROMPT, PAGE))
     bm.free_table(table)
     longer = PROMPT[:12] + [5, 6, 7, 8, 9]  # shares 3 pages
-    info = worker("w", prompt=PROMPT, held=0)
-    info.page_hashes = set(added)
     assert PromptPages(longer).cached_pages(info) == 3 == len(bm.match_prefix(longer))
 
 
@@ -88,82 +90,38 @@ def test_scheduler_keys_agree_with_what_the_block_manager_publishes_and_matches(
 
 def test_block_manager_reports_publishes_and_evictions_in_lru_order():
     bm = BlockManager(num_pages=4, page_size=PAGE)  # 3 usable pages
+    bm.events = KVEventCollector(PAGE)
     a = cache_prompt(bm, PROMPT[:9])  # pages [1, 2, 3]; 1 and 2 full
     k0, k1 = prefix_page_hashes(PROMPT[:9], PAGE)
     assert a == [1, 2, 3]
-    added, removed = bm.take_cache_changes(10)
-    assert sorted(added) == sorted([k0, k1]) and removed == []
+    assert bm.events.take_batch().events == [BlockStored([k0, k1], None, PROMPT[:8], PAGE, None, "GPU")]
     bm.free_table(a)  # 3 free; 2 then 1 evictable (tail first)
-    assert bm.take_cache_changes(10) == ([], [])  # freeing keeps the pages cached
+    assert bm.events.take_batch() is None  # freeing keeps the pages cached
     b = cache_prompt(bm, [1] * 12)  # takes the free page 3, then evicts page 2 (k1), then 1 (k0)
     assert b == [3, 2, 1]
-    added, removed = bm.take_cache_changes(10)
-    assert sorted(removed) == sorted([k0, k1]) and sorted(added) == sorted(prefix_page_hashes([1] * 13, PAGE))
+    ones = prefix_page_hashes([1] * 13, PAGE)
+    assert bm.events.take_batch().events == [
+        BlockRemoved([k1, k0], "GPU"),
+        BlockStored(ones, None, [1] * 12, PAGE, None, "GPU"),
+    ]
     bm.check_invariants([b])
 
 
-def test_changes_are_net_since_the_last_report_and_come_in_bounded_batches():
-    bm = BlockManager(num_pages=4, page_size=PAGE)  # 3 usable pages
-    keys = prefix_page_hashes(PROMPT[:9], PAGE)
-    ones = [chain_hash(None, [1] * 4)]
-    ones += [chain_hash(ones[0], [1] * 4)]
-    ones += [chain_hash(ones[1], [1] * 4)]
-    bm.free_table(cache_prompt(bm, PROMPT[:9]))
-    bm.free_table(cache_prompt(bm, [1] * 12))  # evicts `keys` before any report
-    added, removed = bm.take_cache_changes(10)
-    assert sorted(added) == sorted(ones) and removed == []  # published-then-evicted keys never show
-    b = cache_prompt(bm, PROMPT[:9])  # evicts the three, publishes `keys` again
-    batches = [bm.take_cache_changes(1) for _ in range(4)]
-    assert [(len(a), len(r)) for a, r in batches] == [(1, 1), (1, 1), (0, 1), (0, 0)]
-    assert {k for a, _ in batches for k in a} == set(keys) and {k for _, r in batches for k in r} == set(ones)
-    bm.free_table(b)
-    bm.free_table(cache_prompt(bm, [2] * 12))  # evicts the reported `keys`...
-    bm.free_table(cache_prompt(bm, PROMPT[:9]))  # ... which come back before the next report
-    assert bm.take_cache_changes(10) == ([], [])
-    bm.check_invariants([])
-
-
-def test_after_report_all_again_the_changes_rebuild_the_whole_view_from_nothing():
-    """What a worker does for a restarted scheduler, whose view of its cache is empty."""
-    bm = BlockManager(num_pages=8, page_size=PAGE)
-    bm.free_table(cache_prompt(bm, PROMPT[:9]))
-    bm.take_cache_changes(10)  # the old scheduler's view
-    cache_prompt(bm, [1] * 12)  # a change not reported yet
-    bm.report_all_again()
-
-    def apply(view: set[int]) -> set[int]:
-        while True:
-            added, removed = bm.take_cache_changes(2)
-            if not added and not removed:
-                return view
-            view = (view - set(removed)) | set(added)
-
-    view = apply(set())
-    assert view == set(bm.hash_to_page) and len(view) == 5  # 2 pages of PROMPT, 3 of the ones
-    # Heartbeats queued while the scheduler was down get several UnknownWorker answers: a second
-    # round, after evictions, must also correct a view that is no longer empty.
-    bm.free_table(cache_prompt(bm, [2] * 16))  # 4 pages: evicts the PROMPT keys the view holds
-    bm.report_all_again()
-    assert apply(view) == set(bm.hash_to_page)
-
-
-def test_registry_applies_updates_in_order():
+def test_registry_keys_start_over_when_a_worker_registers_again():
     reg = Registry(timeout=3.0)
     reg.register(worker("d0", "decode"))
-    assert reg.prefix_update("d0", [1, 2, 3], [])
-    assert reg.prefix_update("d0", [4], [2])
-    assert reg.workers["d0"].page_hashes == {1, 3, 4}
-    assert not reg.prefix_update("ghost", [1], [])
+    reg.workers["d0"].page_hashes.apply([BlockStored([1, 2, 3], None, [], PAGE, None, "GPU")])
+    reg.workers["d0"].page_hashes.last_seq = 4
     reg.workers["d0"].requests.add("r1")
     load = KVPoolLoad(free_pages=60, used_pages=40, total_pages=100, bytes_sent=0, bytes_received=7)
     reg.heartbeat(Heartbeat(worker_id="d0", running=3, waiting=1, time=5.0, requests_finished=9, kv=load), now=5.0)
     assert reg.register(worker("d0", "decode")) is None  # the same process registering again
     d0 = reg.workers["d0"]
-    assert d0.page_hashes == {1, 3, 4} and d0.requests == {"r1"}
-    assert (d0.running, d0.free_pages, d0.requests_finished) == (3, 60, 9)  # its load figures stay
+    assert d0.requests == {"r1"} and (d0.running, d0.free_pages, d0.requests_finished) == (3, 60, 9)  # kept
+    assert not d0.page_hashes and d0.page_hashes.last_seq is None  # its snapshot comes next
     replaced = reg.register(worker("d0", "decode", instance="new"))  # a restarted worker
     assert replaced is not None and replaced.requests == {"r1"}  # those requests died with it
-    assert reg.workers["d0"].page_hashes == set() and reg.workers["d0"].requests == set()
+    assert not reg.workers["d0"].page_hashes and reg.workers["d0"].requests == set()
 
 
 # --------------------------------------------------------------------------- placement
@@ -174,7 +132,7 @@ def test_score_and_cached_fraction():
     assert prompt.cached_fraction(worker("a", held=3)) == 0.75
     assert score(worker("a", load=2, held=3), prompt, PlacementPolicy("prefix", 1.0, 1.0)) == 0.75 - 2 / 8
     holes = worker("b", held=4)
-    holes.page_hashes.discard(prefix_page_hashes(PROMPT, PAGE)[0])
+    holes.page_hashes.apply([BlockRemoved(prefix_page_hashes(PROMPT, PAGE)[:1], "GPU")])
     assert prompt.cached_pages(holes) == 0  # a later page without the first is no hit
 
 
@@ -350,9 +308,8 @@ def test_second_handoff_sends_only_missing_pages_and_decodes_the_same(tiny_model
 
     h1 = hand_off(p_engine, d_engine, "r1", first, params, skip_pages=0)
     got1 = [h1.first_token_ids[0]] + run_out(d_engine, "r1")
-    added, _ = d_engine.blocks.take_cache_changes(1000)
     d_info = worker("d0", "decode", prompt=second)
-    d_info.page_hashes = set(added)
+    d_info.page_hashes.apply([BlockStored(d_engine.blocks.cached_keys()[0], None, [], PAGE, None, "GPU")])
     skip = PromptPages(second).cached_pages(d_info)
     assert skip == 10  # the 40 shared tokens: 10 pages of 4
 

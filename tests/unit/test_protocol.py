@@ -15,10 +15,10 @@ from pagemesh.common.protocol import (
     DecodeTask,
     GenerateTask,
     Heartbeat,
+    KVEventBatch,
     KVPagesAck,
     KVPoolInfo,
     KVPoolLoad,
-    PrefixCacheUpdate,
     ProtocolError,
     Ready,
     Registered,
@@ -239,12 +239,9 @@ MALFORMED = {
     "negative busy_s": with_fields(
         Heartbeat(worker_id="w", running=0, waiting=0, time=1.0, requests_finished=0, kv=None), busy_s=-1.0
     ),
-    "page hash negative": with_fields(PrefixCacheUpdate(worker_id="w", added=(), removed=()), added=[-1]),
-    "page hash over 62 bits": with_fields(PrefixCacheUpdate(worker_id="w", added=(), removed=()), removed=[1 << 62]),
-    "page hash not int": with_fields(PrefixCacheUpdate(worker_id="w", added=(), removed=()), added=[1.0]),
-    "page hash bool": with_fields(PrefixCacheUpdate(worker_id="w", added=(), removed=()), added=[True]),
-    "too many page hashes": with_fields(
-        PrefixCacheUpdate(worker_id="w", added=(), removed=()), added=list(range(p.MAX_PAGE_HASHES + 1))
+    "kv events seq negative": with_fields(KVEventBatch(worker_id="w", seq=0, payload=b""), seq=-1),
+    "kv events payload too large": with_fields(
+        KVEventBatch(worker_id="w", seq=0, payload=b""), payload=bytes(p.MAX_KV_EVENT_BYTES + 1)
     ),
     "kv pages != page ids": with_fields(HEADER, num_pages=2) + [b""] * 2,
     "kv unknown dtype": with_fields(HEADER, dtype="complex64") + [b""] * 2,

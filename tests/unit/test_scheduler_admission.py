@@ -4,11 +4,12 @@ driven with no sockets and no clock (tests/scheduler_harness.py)."""
 
 from __future__ import annotations
 
+from pagemesh.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode_batch
 from pagemesh.common.messages import (
     AbortRequest,
     DecodeTask,
+    KVEventBatch,
     PrefillTask,
-    PrefixCacheUpdate,
     Registered,
     UnknownWorker,
     WorkerKind,
@@ -133,8 +134,10 @@ def test_a_request_known_already_is_ignored_when_sent_again():
 def test_disaggregated_placement_sends_both_tasks_and_skips_the_pages_the_decode_worker_holds():
     core = disaggregated()
     keys = prefix_page_hashes(PROMPT, PAGE)
-    assert core.handle(b"d0", PrefixCacheUpdate(worker_id="d0", added=tuple(keys[:3]), removed=()), T0) == []
-    assert core.handle(b"d0", PrefixCacheUpdate(worker_id="d0", added=(), removed=(keys[2],)), T0) == []
+    snapshot = [AllBlocksCleared(), BlockStored(keys[:3], None, [], PAGE, None, "GPU")]
+    for seq, events in enumerate([snapshot, [BlockRemoved([keys[2]], "GPU")]]):
+        batch = KVEventBatch(worker_id="d0", seq=seq, payload=encode_batch(EventBatch(1.0, events)))
+        assert core.handle(b"d0", batch, T0) == []
     assert schedule(core, "r1", now=T0 + 1) == [
         (
             "d0",

@@ -14,7 +14,8 @@ Prefix cache: a full page is keyed by a hash chained over the parent page's hash
 token ids, so equal keys mean equal whole prefixes; a hit also compares the token ids. The key
 is stable across processes (blake2b, not Python's `hash`), so the mesh scheduler computes the
 same keys from a prompt (`pagemesh.common.page_hash.prefix_page_hashes`) and knows which worker holds which prefix: the
-manager records the keys it publishes and evicts until `take_cache_changes` collects them.
+manager reports each key it publishes, evicts or clears to `events` (workers/engine/kv_events.py),
+and `cached_keys` lists every key held (a snapshot for a scheduler that starts over).
 Copy-on-write: `fork` shares every page of a block table; the first write into a shared page
 makes the writer move to a private copy (`ensure_writable` returns the copy to perform).
 
@@ -40,9 +41,9 @@ the pool's last hit with the tier's pages, each copied into a page taken here an
     evict  k5's page ──▶ tier.offload(k5, its page) ──▶ the page is reused
 
 The tier copies at once, before the page's new holder can write it (workers/engine/kv_offload.py).
-A key the tier keeps is still reported as held (`take_cache_changes`): the worker can serve it
-without computing it, so the scheduler may place the prefix's requests here; it is reported
-evicted once no tier holds it either (`OffloadTier.on_forget`).
+A key the tier keeps is reported stored in the tier ("CPU" events) as it leaves the pool ("GPU"):
+the worker can serve it without computing it, so the scheduler may place the prefix's requests
+here; it is reported removed from the tier once no tier holds it (`OffloadTier.on_forget`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from pagemesh.common.kv_events import MEDIUM_CPU
 from pagemesh.common.page_hash import chain_hash
 
 if TYPE_CHECKING:
@@ -103,7 +105,7 @@ class BlockManager:
     page_size: int
     enable_prefix_caching: bool = True
     window: int | None = None  # keys a query sees (its position's included); None: all of them
-    events: KVEventCollector | None = None  # KV cache events (--kv-events-config): keys stored, evicted, cleared
+    events: KVEventCollector | None = None  # KV cache events (the scheduler's and --kv-events-config's)
     offload: OffloadTier | None = None  # where evicted prefix pages go (--kv-offload-gb, --kv-offload-dir)
     pages: list[Page] = field(init=False)
     free: deque[int] = field(init=False)
@@ -112,9 +114,6 @@ class BlockManager:
     prefix_hits: int = field(default=0, init=False)
     prefix_queries: int = field(default=0, init=False)
     offload_hits: int = field(default=0, init=False)  # of prefix_hits: pages loaded back from the tier
-    # keys published / evicted since the last `take_cache_changes` (net: each key in one at most)
-    cache_added: set[int] = field(default_factory=set, init=False)
-    cache_removed: set[int] = field(default_factory=set, init=False)
 
     def __post_init__(self) -> None:
         if self.num_pages < 2:
@@ -152,9 +151,9 @@ class BlockManager:
             if self.hash_to_page.get(page.hash) == page_id:
                 kept = self.offload is not None and self.offload.offload(page.hash, page_id, page.token_ids)
                 del self.hash_to_page[page.hash]
-                if not kept:  # a key a tier keeps is still this worker's to load: reported as held
-                    self._record_evicted(page.hash)
-                if self.events is not None:
+                if self.events is not None:  # a key a tier keeps is still this worker's to load
+                    if kept:
+                        self.events.offloaded(page.hash)
                     self.events.removed(page.hash)
             page.hash = None
             page.token_ids = None
@@ -249,12 +248,10 @@ class BlockManager:
 
     # ---- prefix cache ---------------------------------------------------------------------
     def attach_offload(self, tier: OffloadTier) -> None:
-        """Evicted prefix pages go to `tier` from now on; the keys it holds already (a disk tier's
-        files) are reported as held, and so are evicted keys it keeps, until it forgets them."""
+        """Evicted prefix pages go to `tier` from now on, and are reported stored there ("CPU")
+        until it forgets them. The keys it holds already (a disk tier's files) are in `cached_keys`."""
         self.offload = tier
         tier.on_forget = self._tier_forgot
-        for key in tier.held_keys():
-            self._record_published(key)
 
     def published_pages(self) -> list[tuple[int, int, tuple[int, ...]]]:
         """(key, page id, token ids) of every page in the prefix cache, least recently used first
@@ -262,9 +259,13 @@ class BlockManager:
         order = [*self.evictable, *(p for p in self.hash_to_page.values() if self.pages[p].ref_count)]
         return [(self.pages[p].hash, p, self.pages[p].token_ids) for p in order if self.pages[p].hash is not None]
 
+    def cached_keys(self) -> tuple[list[int], list[int]]:
+        """Every key held: (in the pool, in the offload tier); a key may be in both."""
+        return list(self.hash_to_page), [] if self.offload is None else list(self.offload.held_keys())
+
     def _tier_forgot(self, key: int) -> None:
-        if key not in self.hash_to_page:  # in neither the pool nor the tier any more
-            self._record_evicted(key)
+        if self.events is not None:
+            self.events.removed(key, MEDIUM_CPU)
 
     def match_prefix(self, token_ids: Sequence[int], root: int | None = None) -> list[int]:
         """Cached pages holding the longest prefix of `token_ids` made of full pages, leaving at
@@ -305,7 +306,6 @@ class BlockManager:
         page = self.pages[page_id]
         page.hash, page.token_ids = key, chunk
         self.hash_to_page[key] = page_id
-        self._record_published(key)
         if self.events is not None:
             self.events.stored(key, parent, chunk, root)
         self.offload_hits += 1
@@ -334,7 +334,6 @@ class BlockManager:
             page = self.pages[block_table[i]]
             if key not in self.hash_to_page:
                 self.hash_to_page[key] = page.page_id
-                self._record_published(key)
                 if self.events is not None:  # a first page's parent is the root: none for the events
                     self.events.stored(key, parent if i else None, chunk, root)
             if page.hash is None:
@@ -347,8 +346,6 @@ class BlockManager:
         in use (a running sequence chains its next keys on its pages'); False then, else True."""
         if self.num_used_pages:
             return False
-        for key in self.hash_to_page:
-            self._record_evicted(key)
         for page_id in self.evictable:
             self.pages[page_id].hash = self.pages[page_id].token_ids = None
             self.free.append(page_id)
@@ -356,39 +353,9 @@ class BlockManager:
         self.hash_to_page.clear()
         if self.offload is not None:
             self.offload.clear()
-        if self.events is not None:
+        if self.events is not None:  # after the tier's own removals, which it makes moot
             self.events.cleared()
         return True
-
-    # ---- reporting what the cache holds ---------------------------------------------------
-    def _record_published(self, key: int) -> None:
-        if key in self.cache_removed:  # evicted and back before a report: the reader saw no change
-            self.cache_removed.discard(key)
-        else:
-            self.cache_added.add(key)
-
-    def _record_evicted(self, key: int) -> None:
-        if key in self.cache_added:  # never reported: nothing to take back
-            self.cache_added.discard(key)
-        else:
-            self.cache_removed.add(key)
-
-    def take_cache_changes(self, limit: int) -> tuple[list[int], list[int]]:
-        """(published, evicted) keys since the last call, at most `limit` of each (call again
-        for the rest). Applying every batch in order to the set of keys seen so far yields the
-        keys this manager holds now (in its pool or its offload tier). Both sets are bounded by
-        the pool size and the tier's."""
-        added = [self.cache_added.pop() for _ in range(min(limit, len(self.cache_added)))]
-        removed = [self.cache_removed.pop() for _ in range(min(limit, len(self.cache_removed)))]
-        return added, removed
-
-    def report_all_again(self) -> None:
-        """The reader's view may have lost keys (a restarted scheduler starts from none): the next
-        changes report every key held now as published. Evictions not yet reported stay (they are
-        never keys held now), so a reader that kept part of its view is corrected too."""
-        self.cache_added = set(self.hash_to_page)
-        if self.offload is not None:
-            self.cache_added.update(self.offload.held_keys())
 
     # ---- checks ---------------------------------------------------------------------------
     def check_invariants(self, live_tables: Iterable[Sequence[int]] | None = None) -> None:

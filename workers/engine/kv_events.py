@@ -1,37 +1,18 @@
-"""KV cache events in vLLM's wire format: what the prefix cache stored, evicted or cleared.
+"""KV cache events collected in the worker: what the prefix cache stored, evicted or cleared, in
+vLLM's format (pagemesh.common.kv_events: the events, their encoding and decoding).
 
-Pure logic (msgpack, no torch, no zmq). The block manager reports to a `KVEventCollector`
-(`BlockManager.events`); once per engine step the worker's publisher takes the collected events
-as one batch (`take_batch`), encodes it (`encode_batch`) and sends it on its PUB socket
-(workers/llm/kv_events_publisher.py). Routers that follow vLLM's events (Dynamo's, llm-d's,
-SGLang's gateway) read them as they read vLLM's.
+    block manager ──stored / removed / offloaded / cleared──▶ KVEventCollector
+        ──once per step──▶ KVEventFeed (workers/engine/kv_event_feed.py): encoded once, sent to the
+        scheduler (KVEventBatch) and, with --kv-events-config, published on a PUB socket
+        (workers/llm/kv_events_publisher.py)
 
-The payload, as vLLM's msgspec structs encode it (vllm/distributed/kv_events.py):
-
-    EventBatch        [ts, events, data_parallel_rank]             an array (array_like)
-    BlockStored       {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
-                       "block_size", "lora_id", "medium", "lora_name"}
-    BlockRemoved      {"type": "BlockRemoved", "block_hashes", "medium"}
-    AllBlocksCleared  {"type": "AllBlocksCleared"}
-
-Each event is a map tagged by "type", its fields in declaration order; vLLM's later optional
-fields (extra_keys, group_idx, kv_cache_spec_kind, ...) are left at their defaults, which
-msgspec's omit_defaults leaves out. vLLM sent events as arrays with the tag first until it
-changed to maps (vLLM PR 42892, mid 2026); `legacy_array_events` sends that older layout for
-routers that read only it:
-
-    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
-    ["BlockRemoved", block_hashes, medium]
-    ["AllBlocksCleared"]
-
-A block hash here is pagemesh's prefix-cache page key (`pagemesh.common.page_hash.chain_hash`):
-blake2b over the parent page's key and the page's token ids, cut to 62 bits, so already a stable
-non-negative int that fits 64 bits, the same in every process; it is sent as it is. A page's
-parent is the previous page of its prefix; a prefix's first page has parent None. A LoRA
-adapter's pages chain from the adapter's root key (`page_hash.root_hash` of its content digest):
-that root is sent as `lora_id` (not a small user-given id as vLLM's; `lora_name` is None).
-token_ids are the ids the key was computed over: an image's placeholder positions carry negative
-ids drawn from the image's digest (`pagemesh.common.multimodal.hash_token_ids`).
+Media: "GPU" is the engine's own pool (vLLM's name for it on every platform). The offload tier
+(workers/engine/kv_offload.py) reports as "CPU", vLLM's OffloadingConnector's name for its host
+tier: a key is stored there when the tier keeps an evicted page, and removed once neither host
+memory nor the disk holds it. The disk is part of "CPU", not a medium of its own: vLLM has no
+disk medium (a router would not know the name), and moving a page from host memory to disk
+inside the tier changes nothing a router acts on (the worker loads it back either way), so it
+is not an event.
 """
 
 from __future__ import annotations
@@ -40,86 +21,35 @@ import json
 import time
 from dataclasses import dataclass, fields
 
-import msgpack
+from pagemesh.common.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVCacheEvent,
+)
 
-# vLLM says "GPU" for an engine's own KV pool on every platform (its CPU backend too): "CPU" names
-# a host-memory tier pages are offloaded to, which routers rank below it. Our pool, on a CPU or a
-# GPU, is the engine's own.
-MEDIUM_GPU = "GPU"
 PUBLISHERS = ("null", "zmq")
-
-
-@dataclass
-class BlockStored:
-    """Consecutive pages of one prefix that got keys: `block_hashes[i]` holds
-    `token_ids[i * block_size : (i + 1) * block_size]`; the first chains on `parent_block_hash`."""
-
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None = None
-
-
-@dataclass
-class BlockRemoved:
-    """Pages whose keys left the prefix cache (evicted for reuse)."""
-
-    block_hashes: list[int]
-    medium: str | None
-
-
-@dataclass
-class AllBlocksCleared:
-    """Every key left the prefix cache at once (a reset)."""
-
-
-KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
-LEGACY_FIELDS = {  # the array layout's fields, in order, after the tag
-    BlockStored: ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"),
-    BlockRemoved: ("block_hashes", "medium"),
-    AllBlocksCleared: (),
-}
-
-
-@dataclass
-class EventBatch:
-    ts: float
-    events: list[KVCacheEvent]
-    data_parallel_rank: int | None = 0
-
-
-def event_as_map(event: KVCacheEvent) -> dict:
-    """vLLM's tagged map: "type" first, then every field in declaration order."""
-    return {"type": type(event).__name__, **{f.name: getattr(event, f.name) for f in fields(event)}}
-
-
-def event_as_array(event: KVCacheEvent) -> list:
-    """vLLM's older tagged array: the tag, then the legacy fields in order."""
-    return [type(event).__name__, *(getattr(event, name) for name in LEGACY_FIELDS[type(event)])]
-
-
-def encode_batch(batch: EventBatch, *, legacy_array_events: bool = False) -> bytes:
-    """The msgpack payload, byte for byte what vLLM's `msgspec.msgpack.Encoder` writes."""
-    as_wire = event_as_array if legacy_array_events else event_as_map
-    return msgpack.packb([batch.ts, [as_wire(e) for e in batch.events], batch.data_parallel_rank], use_bin_type=True)
 
 
 class KVEventCollector:
     """Where `BlockManager.events` reports; `take_batch` hands the events since the last call
     over in order. Consecutive stores of one chain merge into one BlockStored (as vLLM sends a
-    request's new pages), consecutive removals into one BlockRemoved."""
+    request's new pages), consecutive tier stores into one key-only "CPU" BlockStored, and
+    consecutive removals of one medium into one BlockRemoved."""
 
-    def __init__(self, page_size: int, medium: str = MEDIUM_GPU):
-        self.page_size, self.medium = page_size, medium
+    def __init__(self, page_size: int):
+        self.page_size = page_size
         self.pending: list[KVCacheEvent] = []
 
     def stored(self, key: int, parent: int | None, token_ids, lora_id: int | None) -> None:
+        """A pool page got `key` ("GPU")."""
         last = self.pending[-1] if self.pending else None
         if (
             isinstance(last, BlockStored)
+            and last.medium == MEDIUM_GPU
             and parent is not None
             and last.block_hashes[-1] == parent
             and last.lora_id == lora_id
@@ -127,17 +57,27 @@ class KVEventCollector:
             last.block_hashes.append(key)
             last.token_ids.extend(token_ids)
             return
-        self.pending.append(BlockStored([key], parent, list(token_ids), self.page_size, lora_id, self.medium))
+        self.pending.append(BlockStored([key], parent, list(token_ids), self.page_size, lora_id, MEDIUM_GPU))
 
-    def removed(self, key: int) -> None:
+    def offloaded(self, key: int) -> None:
+        """The offload tier keeps `key`'s page ("CPU"; keys only, as vLLM's offloading events)."""
         last = self.pending[-1] if self.pending else None
-        if isinstance(last, BlockRemoved):
+        if isinstance(last, BlockStored) and last.medium == MEDIUM_CPU:
             last.block_hashes.append(key)
         else:
-            self.pending.append(BlockRemoved([key], self.medium))
+            self.pending.append(BlockStored([key], None, [], self.page_size, None, MEDIUM_CPU))
+
+    def removed(self, key: int, medium: str = MEDIUM_GPU) -> None:
+        last = self.pending[-1] if self.pending else None
+        if isinstance(last, BlockRemoved) and last.medium == medium:
+            last.block_hashes.append(key)
+        else:
+            self.pending.append(BlockRemoved([key], medium))
 
     def cleared(self) -> None:
-        self.pending.append(AllBlocksCleared())
+        """Every medium was emptied: the events before it change nothing a reader ends up with,
+        and are dropped (a reset of a large tier is one event, not one per key)."""
+        self.pending = [AllBlocksCleared()]
 
     def take_batch(self, data_parallel_rank: int | None = 0) -> EventBatch | None:
         """The events since the last call as one batch (None when there are none)."""
@@ -152,7 +92,7 @@ class KVEventsConfig:
     """--kv-events-config, with vLLM's keys and defaults (vllm/config/kv_events.py). `publisher`
     defaults to "zmq" when events are enabled, else "null". `max_queue_size` is accepted and
     unused: batches are sent from the step loop, with no queue in between. `legacy_array_events`
-    is pagemesh's own key: the older array layout (see the module's docstring)."""
+    is pagemesh's own key: the older array layout (pagemesh.common.kv_events)."""
 
     enable_kv_cache_events: bool = False
     publisher: str | None = None

@@ -237,6 +237,7 @@ class KVOffload:
         held = self.host.get(key)
         if held is not None and held[0] == token_ids:
             del self.host[key]  # the pool holds it now
+            self._forgot(key)  # unless a disk file holds it too
             data = held[1]
             self.stats.host_hits += 1
         elif self.disk is not None and key in self.disk:

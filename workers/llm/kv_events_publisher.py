@@ -1,7 +1,7 @@
 """The LLM worker's KV cache events publisher (--kv-events-config), as vLLM's ZmqEventPublisher.
 
-    block manager ─▶ KVEventCollector ─▶ flush() once per engine step ─▶ PUB socket
-                                         (workers/engine/kv_events.py)   [topic, seq, payload]
+    KVEventFeed.take() once per engine step ─▶ send(payload) ─▶ PUB socket [topic, seq, payload]
+    (workers/engine/kv_event_feed.py: the payload the scheduler gets too)
 
 Each message is three frames: the topic (UTF-8), the batch's sequence number (8 bytes, big
 endian, from 0), the msgpack EventBatch. With a `replay_endpoint`, a ROUTER socket answers a
@@ -17,17 +17,17 @@ import threading
 from collections import deque
 
 from pagemesh.common.transport import FramePublisher, FrameReplier
-from pagemesh.workers.engine.kv_events import MEDIUM_GPU, KVEventCollector, KVEventsConfig, encode_batch
+from pagemesh.workers.engine.kv_events import KVEventsConfig
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 REPLAY_POLL_MS = 100  # how often the replay thread looks whether it should stop
 
 
 class KVEventsPublisher:
-    """Sends the collector's batches; `flush` from the thread that steps the engine."""
+    """Publishes encoded event batches; `send` from the thread that steps the engine."""
 
-    def __init__(self, config: KVEventsConfig, collector: KVEventCollector, data_parallel_rank: int = 0):
-        self.config, self.collector, self.data_parallel_rank = config, collector, data_parallel_rank
+    def __init__(self, config: KVEventsConfig):
+        self.config = config
         self.topic = config.topic.encode()
         self.next_seq = 0
         self.held: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)  # for replays
@@ -51,23 +51,12 @@ class KVEventsPublisher:
             self._replay_thread.start()
 
     @classmethod
-    def for_engine(cls, engine) -> KVEventsPublisher | None:
-        """A publisher of `engine`'s block manager's events, per its config (None: events off)."""
-        config = engine.config.kv_events_config
-        if config is None or not config.publishes:
-            return None
-        collector = KVEventCollector(engine.blocks.page_size, MEDIUM_GPU)
-        publisher = cls(config, collector)
-        engine.blocks.events = collector
-        return publisher
+    def for_config(cls, config: KVEventsConfig | None) -> KVEventsPublisher | None:
+        """A publisher per --kv-events-config (None: events are not published)."""
+        return cls(config) if config is not None and config.publishes else None
 
-    def flush(self) -> int | None:
-        """Send what the block manager reported since the last flush as one batch; its sequence
-        number, or None when there was nothing."""
-        batch = self.collector.take_batch(self.data_parallel_rank)
-        if batch is None:
-            return None
-        payload = encode_batch(batch, legacy_array_events=self.config.legacy_array_events)
+    def send(self, payload: bytes) -> int:
+        """Publish one step's EventBatch (`payload`, encoded); its sequence number."""
         seq = self.next_seq
         self.next_seq += 1
         self.socket.send([self.topic, seq.to_bytes(8, "big"), payload])

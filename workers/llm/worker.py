@@ -10,7 +10,9 @@
 
 Every step it sends one TokenDeltaBatch per destination (a tokenizer's token address), carrying
 the requests that started on it since the last step (`started`), and tells the scheduler of
-requests that left (RequestDone) and of prefix-cache keys that came and went.
+requests that left (RequestDone) and of prefix-cache keys that came and went (KVEventBatch, the
+step's KV cache events in vLLM's format: workers/engine/kv_event_feed.py), which it also
+publishes with --kv-events-config.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import asyncio
 import time
 
 from pagemesh.common.messages import (
-    MAX_PAGE_HASHES,
     DecodeTask,
     DoneReason,
     Embedding,
@@ -27,11 +28,11 @@ from pagemesh.common.messages import (
     FinishReason,
     GenerateTask,
     HeldRequest,
+    KVEventsResync,
     KVPoolInfo,
     KVPoolLoad,
     LoRAAdapterTask,
     PrefillTask,
-    PrefixCacheUpdate,
     RequestStarted,
     SpeculationLoad,
     TokenDelta,
@@ -41,6 +42,7 @@ from pagemesh.common.messages import (
 )
 from pagemesh.common.model_files import served_model_name
 from pagemesh.workers.engine.engine import Engine, RequestOutput
+from pagemesh.workers.engine.kv_event_feed import KVEventFeed
 from pagemesh.workers.llm.config import LLMWorkerConfig
 from pagemesh.workers.llm.handoff import HandoffIn, HandoffOut
 from pagemesh.workers.llm.image_rows import ImageRowsIn
@@ -53,7 +55,7 @@ from pagemesh.workers.shell.step_threads import StepThreads
 class LLMWorker:
     """A `WorkerBackend` around one engine."""
 
-    task_types = (GenerateTask, PrefillTask, DecodeTask, LoRAAdapterTask)
+    task_types = (GenerateTask, PrefillTask, DecodeTask, LoRAAdapterTask, KVEventsResync)
 
     def __init__(self, config: LLMWorkerConfig, engine: Engine, ctx: WorkerContext, threads: StepThreads | None = None):
         self.config, self.engine, self.ctx = config, engine, ctx
@@ -74,7 +76,10 @@ class LLMWorker:
         self.produced = 0  # tokens sampled here, ever (heartbeats carry it: the status page's tokens/s)
         self.starting: dict[str, list[RequestStarted]] = {}  # reply_to -> started since the last batch
         self.scheduler_queued: dict[str, float] = {}  # request -> seconds it waited in the scheduler
-        self.kv_events = KVEventsPublisher.for_engine(engine)  # --kv-events-config (None: off)
+        events_config = engine.config.kv_events_config
+        legacy = events_config is not None and events_config.legacy_array_events
+        self.kv_events = KVEventFeed(ctx.worker_id, engine.blocks, legacy)  # always: the scheduler's prefix index
+        self.kv_events_publisher = KVEventsPublisher.for_config(events_config)  # --kv-events-config (None: off)
 
     # ---- WorkerBackend ----------------------------------------------------------------------
     def registration(self) -> Registration:
@@ -94,7 +99,9 @@ class LLMWorker:
             embeds_endpoint=self.config.embeds_address if self.image_rows is not None else "",
         )
 
-    def add(self, task: GenerateTask | PrefillTask | DecodeTask | LoRAAdapterTask) -> None:
+    def add(self, task: GenerateTask | PrefillTask | DecodeTask | LoRAAdapterTask | KVEventsResync) -> None:
+        if isinstance(task, KVEventsResync):  # the scheduler missed a batch: a snapshot next
+            return self.kv_events.resync()
         if isinstance(task, LoRAAdapterTask):  # between steps: no step sees half an adapter
             return self.ctx.to_scheduler(run_adapter_task(self.engine, self.ctx.worker_id, task))
         if isinstance(task, DecodeTask):
@@ -203,18 +210,14 @@ class LLMWorker:
                     self._finished(out.request_id)
 
     async def between_steps(self) -> None:
-        """Tell the scheduler which prefix-cache keys came and went since the last report (in
-        bounded messages, sent in order on the one scheduler socket), and publish the KV cache
-        events of the last step (and of what ran in the inbox) as one batch."""
-        if self.kv_events is not None:
-            self.kv_events.flush()
-        while True:
-            added, removed = self.engine.blocks.take_cache_changes(MAX_PAGE_HASHES)
-            if not added and not removed:
-                return
-            self.ctx.to_scheduler(
-                PrefixCacheUpdate(worker_id=self.ctx.worker_id, added=tuple(added), removed=tuple(removed))
-            )
+        """The KV cache events of the last step (and of what ran in the inbox) as one batch,
+        encoded once: to the scheduler (in order on the one scheduler socket; a snapshot when
+        due) and, with --kv-events-config, to the PUB socket."""
+        payload, messages = self.kv_events.take()
+        if payload is not None and self.kv_events_publisher is not None:
+            self.kv_events_publisher.send(payload)
+        for msg in messages:
+            self.ctx.to_scheduler(msg)
 
     def load(self) -> Load:
         blocks, sched = self.engine.blocks, self.engine.scheduler
@@ -252,7 +255,7 @@ class LLMWorker:
         return list(held.values())
 
     def registered_again(self) -> None:
-        self.engine.blocks.report_all_again()
+        self.kv_events.resync()
 
     def background(self) -> list:
         loops = [self._deadline_loop()]
@@ -264,8 +267,8 @@ class LLMWorker:
 
     def close(self) -> None:
         self.out.close()
-        if self.kv_events is not None:
-            self.kv_events.close()
+        if self.kv_events_publisher is not None:
+            self.kv_events_publisher.close()
         if self.incoming is not None:
             self.incoming.close()
         if self.image_rows is not None:
