@@ -1,8 +1,8 @@
-"""Chaos soak: a supervised mesh under about twice its capacity while processes are killed and
+"""Chaos soak: a supervised mesh under 1.5 times its capacity while processes are killed and
 stopped at random; afterwards every request must have ended exactly once, and correctly.
 
-    clients (threads) ──greedy requests, streamed or not, some abandoned──▶ gateway
-    fault driver ──SIGKILL, or SIGSTOP ... SIGCONT──▶ a random worker, the tokenizer, the scheduler
+    clients (threads) ──greedy requests, streamed or not, some abandoned; some images──▶ gateway
+    fault driver ──SIGKILL, or SIGSTOP ... SIGCONT──▶ a random worker, a tokenizer, the scheduler
     supervisor (`pagemesh up`'s, services/supervisor.py) ──▶ starts each killed process again
 
 The mesh is `pagemesh up`'s own (`launcher.Mesh`: start, then watch = restart what exits), run in
@@ -15,7 +15,12 @@ first taken with no fault; under chaos each request ends in one of
     hung       no end a minute past the gateway's --request-timeout (`wrong` and `hung` are lost)
 
 and at the end every LLM worker must hold no KV page. The process exits 1 if anything was lost
-or a page leaked. Run:  python -m pagemesh.bench.chaos --duration 180
+or a page leaked. The mesh by default is the issue's: `--prefill 1 --decode 2 --diffusion 1
+--tokenizers 2`, the default model as served by default with `--batch-invariant` (so a moved
+greedy stream must equal its fault-free text), one fault every 30-60 s, and as many clients as
+1.5 x the requests the decode workers run at once (`--max-num-seqs` each); before the faults, the
+same clients run `--measure` seconds without any, which gives the mesh's capacity in requests/s.
+Run:  python -m pagemesh.bench.chaos --duration 600 --json chaos.json
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ PROMPTS = [
 OUTCOMES = ("completed", "wrong", "4xx", "5xx", "aborted", "hung")
 LOST = ("wrong", "hung")
 RETRY_AFTER_S = 1.0  # a client's pause after an error response
+IMAGE_PROMPT = "a handwritten 3"
 GATEWAY_TIMEOUT_ENV = "PAGEMESH_REQUEST_TIMEOUT"  # the gateway's --request-timeout
 
 
@@ -56,6 +62,7 @@ class Job:
     prompt: str
     stream: bool
     abandon_after: int | None  # text chunks read before the client closes its stream
+    image: bool = False  # an image request (the prompt is its text); the outcome alone counts
 
 
 def request_text(client: openai.OpenAI, job: Job, max_tokens: int) -> tuple[str, str | None]:
@@ -70,6 +77,9 @@ def request_text(client: openai.OpenAI, job: Job, max_tokens: int) -> tuple[str,
     )
     finished = False
     try:
+        if job.image:
+            drawn = client.images.generate(prompt=job.prompt, size="8x8", extra_body={"seed": 3})
+            return ("completed" if drawn.data and drawn.data[0].b64_json else "wrong"), None
         if not job.stream:
             done = client.completions.create(**request)
             return "completed", done.choices[0].text
@@ -133,7 +143,7 @@ class FaultDriver:
         self.done = threading.Event()
 
     def run(self) -> None:
-        while not self.done.wait(self.random.uniform(0.5, 1.5) * self.interval_s):
+        while not self.done.wait(self.random.uniform(2 / 3, 4 / 3) * self.interval_s):
             ready = [n for n in self.targets if n in self.mesh.supervisor.ready]
             if not ready:
                 continue
@@ -170,7 +180,7 @@ class SupervisedMesh:
         from pagemesh.services.log_relay import LogRelay
 
         self.port = free_port()
-        args = launcher.parse([*flags, "--diffusion", "0", "--port", str(self.port), "--ready-timeout", "900"])
+        args = launcher.parse([*flags, "--port", str(self.port), "--ready-timeout", "900"])
         self.mesh = launcher.Mesh(args)
         self.log = open(log_path, "wb")  # noqa: SIM115 (closed in stop())
         self.mesh.logs = self.mesh.supervisor.relay = LogRelay(self.log)
@@ -222,15 +232,21 @@ def migrations_in(log_path: str) -> int:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m pagemesh.bench.chaos", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration", type=float, default=180.0, help="seconds of load under faults")
-    parser.add_argument("--mixed", type=int, default=1)
-    parser.add_argument("--pd-pairs", type=int, default=1, help="prefill + decode worker pairs")
-    parser.add_argument("--max-num-seqs", type=int, default=4, help="per worker: capacity is this x workers")
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--load", type=float, default=2.0, help="concurrent clients per unit of capacity")
-    parser.add_argument("--fault-interval", type=float, default=6.0, help="mean seconds between faults")
-    parser.add_argument("--max-stop", type=float, default=6.0, help="longest SIGSTOP, seconds")
-    parser.add_argument("--heartbeat-timeout", type=float, default=3.0)
+    parser.add_argument("--duration", type=float, default=600.0, help="seconds of load under faults")
+    parser.add_argument("--measure", type=float, default=60.0, help="seconds of the same load without faults first")
+    parser.add_argument("--mixed", type=int, default=0)
+    parser.add_argument("--prefill", type=int, default=1)
+    parser.add_argument("--decode", type=int, default=2)
+    parser.add_argument("--diffusion", type=int, default=1)
+    parser.add_argument("--tokenizers", type=int, default=2)
+    parser.add_argument("--image-share", type=float, default=0.1, help="share of requests that ask for an image")
+    parser.add_argument("--max-num-seqs", type=int, default=4, help="per worker: capacity is this x decoding workers")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--load", type=float, default=1.5, help="concurrent clients per unit of capacity")
+    parser.add_argument("--fault-interval", type=float, default=45.0, help="mean seconds between faults (+-1/3)")
+    parser.add_argument("--max-stop", type=float, default=10.0, help="longest SIGSTOP, seconds")
+    parser.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    parser.add_argument("--targets", nargs="+", default=None, help="the processes faults may hit (default: all)")
     parser.add_argument("--request-timeout", type=float, default=120.0, help="the gateway's: it ends a request then")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", default="/tmp/pagemesh-chaos.log", help="the mesh's logs")
@@ -240,10 +256,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
-    flags = ["--mixed", str(args.mixed), "--prefill", str(args.pd_pairs), "--decode", str(args.pd_pairs)]
-    # float32: a migrated request recomputes its tokens' KV in one prefill, and in bfloat16 that
-    # other order of sums can flip a near-tie of the greedy choice (tests/integration/test_mesh_worker_loss.py)
-    flags += ["--dtype", "float32", "--max-num-seqs", str(args.max_num_seqs), "--threads-per-worker", "1"]
+    flags = ["--mixed", str(args.mixed), "--prefill", str(args.prefill), "--decode", str(args.decode)]
+    flags += ["--diffusion", str(args.diffusion), "--tokenizers", str(args.tokenizers)]
+    # batch-invariant: a migrated request recomputes its tokens' KV in one prefill, and only this
+    # mode makes that the same bits as the decode steps (tests/integration/test_mesh_worker_loss.py)
+    flags += ["--batch-invariant", "--max-num-seqs", str(args.max_num_seqs), "--threads-per-worker", "1"]
     # small KV pools: the default takes GBs per worker, and an OOM kill is not a fault we chose
     flags += ["--num-pages", "256", "--max-model-len", "256", "--heartbeat-timeout", str(args.heartbeat_timeout)]
     # the gateway ends any request at its own timeout: one the client still waits for after that hung
@@ -253,17 +270,21 @@ def main(argv: list[str] | None = None) -> int:
     mesh.start()
     print(f"chaos: mesh up in {time.monotonic() - started:.0f}s: {sorted(mesh.mesh.children)}", file=sys.stderr)
     llm_workers = {n for n in mesh.mesh.children if n.startswith(("mixed-", "prefill-", "decode-"))}
-    targets = sorted(llm_workers | {"tokenizer", "scheduler"})
+    others = {n for n in mesh.mesh.children if n.startswith(("tokenizer", "diffusion"))} | {"scheduler"}
+    targets = sorted(llm_workers | others) if args.targets is None else args.targets
     driver = FaultDriver(mesh.mesh, targets, args.fault_interval, args.max_stop, args.seed)
     try:
-        tally, settled = soak(args, mesh, driver, llm_workers)
+        capacity, tally, settled = soak(args, mesh, driver, llm_workers)
         gave_up = mesh.gave_up()
     finally:
         driver.done.set()
         driver.resume_all()
         restarts = mesh.mesh.supervisor.restarts
         mesh.stop()
+    asked = sum(tally.outcomes.values()) - tally.outcomes["aborted"]  # abandoned by their clients on purpose
     counts = {
+        "capacity_requests_per_s": capacity,
+        "success_rate": round(tally.outcomes["completed"] / asked, 4) if asked else None,
         "requests": sum(tally.outcomes.values()),
         **{k: tally.outcomes[k] for k in OUTCOMES},
         "lost": sum(tally.outcomes[k] for k in LOST),
@@ -273,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         "migrations": migrations_in(args.log),
         "kv_pages_free_after": settled is not None,
         "errors": dict(tally.errors.most_common()),
-        "clients": round(args.load * args.max_num_seqs * (args.mixed + args.pd_pairs)),
+        "clients": clients_for(args),
         "duration_s": args.duration,
     }
     print(json.dumps(counts, indent=1))
@@ -289,42 +310,60 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if counts["lost"] == 0 and settled is not None and not gave_up else 1
 
 
+def clients_for(args: argparse.Namespace) -> int:
+    """`--load` x the requests the decoding workers run at once."""
+    return max(1, round(args.load * args.max_num_seqs * (args.mixed + args.decode)))
+
+
 def soak(args: argparse.Namespace, mesh: SupervisedMesh, driver: FaultDriver, llm_workers: set[str]):
-    """Fault-free texts first; then clients at `--load` x capacity and the faults for
+    """Fault-free texts first, then the clients for `--measure` s without faults (the mesh's
+    capacity: requests completed per second); then the same clients and the faults for
     `--duration`; then every request in flight to its end (the faults stopped), and the KV pools
-    settled. Returns (the tally, the last KV sample or None)."""
+    settled. Returns (the capacity, the tally, the last KV sample or None)."""
     # the client waits past the gateway's timeout: a request the mesh did not end by then hung
     timeout = args.request_timeout + LATE_S
     client = openai.OpenAI(base_url=mesh.url + "/v1", api_key="none", max_retries=0, timeout=timeout)
     expected = {}
     for prompt in PROMPTS:  # no fault yet
         expected[prompt] = request_text(client, Job(prompt, False, None), args.max_tokens)[1]
-    clients = max(1, round(args.load * args.max_num_seqs * (args.mixed + args.pd_pairs)))
-    tally, rng, rng_lock = Tally(), random.Random(args.seed), threading.Lock()
-    load_ends = time.monotonic() + args.duration
+    expected[IMAGE_PROMPT] = None
+    clients = clients_for(args)
+    rng, rng_lock = random.Random(args.seed), threading.Lock()
 
-    def client_loop() -> None:
+    def client_loop(tally: Tally, load_ends: float) -> None:
         while time.monotonic() < load_ends and mesh.gave_up() is None:
             with rng_lock:
                 prompt, stream, abandon = rng.choice(PROMPTS), rng.random() < 0.7, rng.random() < 0.2
                 job = Job(prompt, stream, rng.randint(1, args.max_tokens // 2) if stream and abandon else None)
+                if rng.random() < args.image_share:
+                    job = Job(IMAGE_PROMPT, False, None, image=True)
             outcome, text = request_text(client, job, args.max_tokens)
             tally.add(job, outcome, text, expected[job.prompt])
             if outcome in ("4xx", "5xx"):
                 time.sleep(RETRY_AFTER_S)  # as a client told Retry-After would, not at once again
 
-    faults = threading.Thread(target=driver.run, daemon=True)
-    threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(clients)]
-    faults.start()
+    def load(seconds: float) -> tuple[Tally, list[threading.Thread]]:
+        tally, ends = Tally(), time.monotonic() + seconds
+        threads = [threading.Thread(target=client_loop, args=(tally, ends), daemon=True) for _ in range(clients)]
+        for t in threads:
+            t.start()
+        return tally, threads
+
+    measured, threads = load(args.measure)
     for t in threads:
-        t.start()
+        t.join()
+    capacity = round(measured.outcomes["completed"] / args.measure, 3) if args.measure else None
+    print(f"chaos: no faults, {clients} clients: {dict(measured.outcomes)} in {args.measure:.0f}s", file=sys.stderr)
+    faults = threading.Thread(target=driver.run, daemon=True)
+    faults.start()
+    tally, threads = load(args.duration)
     driver.done.wait(args.duration)
     driver.done.set()  # no new fault: what is in flight ends on a mesh that comes back whole
     faults.join()
     driver.resume_all()
     for t in threads:
         t.join()  # each request ends by the client's timeout at the latest
-    return tally, kv_settled(mesh.url, llm_workers)
+    return capacity, tally, kv_settled(mesh.url, llm_workers)
 
 
 if __name__ == "__main__":

@@ -36,9 +36,15 @@ DEFAULT = SamplingParams()
 TOK, TOK_OUT = b"tok0", "ipc:///tok0-out"  # a tokenizer's identity at the scheduler, and its token address
 
 
-def new_core(max_queue: int = 256, max_migrations: int = 3) -> SchedulerCore:
+def new_core(max_queue: int = 256, max_migrations: int = 3, worker_return_wait: float = 0.0) -> SchedulerCore:
+    """A core whose requests are refused at once when no worker can take them, unless a test
+    gives `worker_return_wait` (the flag's default waits 30 s for a lost worker's return)."""
     config = SchedulerConfig(
-        "ipc:///unused", heartbeat_timeout=TIMEOUT, max_queue=max_queue, max_migrations=max_migrations
+        "ipc:///unused",
+        heartbeat_timeout=TIMEOUT,
+        max_queue=max_queue,
+        max_migrations=max_migrations,
+        worker_return_wait=worker_return_wait,
     )
     return SchedulerCore(config, "inst-1", T0)
 

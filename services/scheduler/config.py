@@ -22,6 +22,9 @@ class SchedulerConfig:
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
     placement: PlacementPolicy = PlacementPolicy()
     max_migrations: int = 3  # times one request moves to another worker after losing its own
+    # after a worker is lost, requests no live worker can serve wait this long for one to come
+    # back (a supervisor's or compose's restart) before they are refused; 0: refused at once
+    worker_return_wait: float = 30.0
     # the kinds the mesh serves: it is ready when each can take a request. Empty: the kinds of the
     # workers registered so far (an LLM mesh's, or a diffusion-only mesh's)
     serves: tuple[WorkerKind, ...] = ()
@@ -38,6 +41,7 @@ POLICY_FLAGS = (
     "prefix_weight",
     "load_weight",
     "max_migrations",
+    "worker_return_wait",
 )
 
 
@@ -62,6 +66,14 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
         3,
         type=int,
         help="times a request moves to another worker when its worker dies (0: it fails instead)",
+    )
+    add(
+        parser,
+        "--worker-return-wait",
+        30.0,
+        type=float,
+        help="seconds after a worker is lost during which requests that no live worker can serve wait in the "
+        "queue for one to come back (restarted), instead of a 503 at once (0: at once)",
     )
 
 
@@ -115,6 +127,8 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error(str(e))
     if args.max_migrations < 0:
         parser.error("--max-migrations: must be >= 0")
+    if not args.worker_return_wait >= 0:
+        parser.error("--worker-return-wait: must be >= 0")
     return SchedulerConfig(
         address=args.address,
         ready_address=args.ready_address,
@@ -124,6 +138,7 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         drain_timeout=args.drain_timeout,
         placement=policy,
         max_migrations=args.max_migrations,
+        worker_return_wait=args.worker_return_wait,
         serves=serves,
         lora_modules=loras,
     )

@@ -111,7 +111,9 @@ class SchedulerCore:
         self.placer = Placer(config.placement)
         # per kind: request id -> entry, oldest first
         self.queues: dict[WorkerKind, OrderedDict[str, Queued]] = {kind: OrderedDict() for kind in WorkerKind}
-        self.requests = PlacedRequests(self.registry, config.max_migrations)  # the requests on workers
+        # the requests on workers
+        self.requests = PlacedRequests(self.registry, config.max_migrations, config.worker_return_wait > 0)
+        self.last_loss: float | None = None  # when a worker was last lost (requests may wait for its return)
         self.migrations = 0  # resumed requests received (metrics)
         self.adapters = MeshAdapters(config.lora_modules)  # the LoRA adapters the mesh serves
         self.log = log.bind(service="scheduler")
@@ -177,12 +179,13 @@ class SchedulerCore:
         start-up grace window is over, refuse what waits for a kind of worker no one serves."""
         out: Outputs = []
         for dead in self.registry.expire(now):
+            self.last_loss = now
             hung = self.registry.stuck(dead, now)
             self.log.warning("worker lost", worker=dead.worker_id, requests=len(dead.requests), hung=hung)
             why = "is stuck in one step" if hung else "stopped responding"
             self.requests.lost(dead, f"worker {dead.worker_id} {why}", now, out)
             out += self.adapters.worker_gone(dead.worker_id)
-        if not self._starting(now):
+        if not self._may_wait(now):
             for queue in self.queues.values():
                 for entry in [e for e in queue.values() if not self._can_serve_entry(e, now)]:
                     del queue[entry.request.request_id]  # no worker came
@@ -286,6 +289,7 @@ class SchedulerCore:
         if gone is None:
             return  # an old process's late word, or a worker already dropped
         self.log.warning("worker stopped", worker=msg.worker_id, requests=len(gone.requests), error=msg.error)
+        self.last_loss = now
         # the error's text stays in the logs: clients learn that the engine failed, not its internals
         why = f"the engine of worker {msg.worker_id} failed" if msg.error else f"worker {msg.worker_id} stopped"
         self.requests.lost(gone, why, now, out)
@@ -347,7 +351,7 @@ class SchedulerCore:
     def _admit(self, identity: bytes, entry: Queued, out: Outputs, now: float) -> None:
         """Queue a request on its kind's queue, or refuse it (no worker of its kind, queue full)."""
         request_id = entry.request.request_id
-        if not self._can_serve_entry(entry, now) and not self._starting(now):
+        if not self._can_serve_entry(entry, now) and not self._may_wait(now):
             why = self._pairing_problem(now) if entry.kind == WorkerKind.LLM else None
             return self._reject(identity, request_id, why or "no workers are available", out)
         queue = self.queues[entry.kind]
@@ -460,6 +464,15 @@ class SchedulerCore:
         """Within a heartbeat timeout of this process's start, workers may not have registered
         yet (a restarted scheduler): requests wait for them rather than being refused."""
         return now - self.started_at <= self.config.heartbeat_timeout
+
+    def _may_wait(self, now: float) -> bool:
+        """Requests no live worker can serve wait in the queue rather than being refused: while
+        workers may still register (`_starting`), and within --worker-return-wait of a worker's
+        loss (a supervisor or compose restarts it: the request waits for it, not a 503)."""
+        if self._starting(now):
+            return True
+        wait = self.config.worker_return_wait
+        return wait > 0 and self.last_loss is not None and now - self.last_loss <= wait
 
     # ---- endings (services/scheduler/failures.py) ----------------------------------------
     def _on_done(self, identity: bytes, msg: RequestDone, now: float, out: Outputs) -> None:

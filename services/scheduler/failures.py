@@ -62,9 +62,12 @@ class PlacedRequests:
     (`unreported`). Placement adds to `placed` and to the holders' `requests` in the registry;
     everything here takes requests off both."""
 
-    def __init__(self, registry: Registry, max_migrations: int):
+    def __init__(self, registry: Registry, max_migrations: int, wait_for_return: bool = False):
+        """`wait_for_return`: a lost worker's requests move even when no worker is left to take
+        them: they wait in the queue for one to come back (--worker-return-wait)."""
         self.registry = registry
         self.max_migrations = max_migrations
+        self.wait_for_return = wait_for_return
         self.placed: dict[str, Placed] = {}
         self.tokenizers: dict[str, bytes] = {}
         self.unreported: dict[str, list[RequestFailed | MigrateRequest]] = {}
@@ -154,7 +157,7 @@ class PlacedRequests:
         takers = [
             w for role in (WorkerRole.DECODE, WorkerRole.MIXED) for w in self.registry.alive(WorkerKind.LLM, role, now)
         ]
-        nowhere = "" if takers else ", and no workers are available to move it to"
+        nowhere = "" if takers or self.wait_for_return else ", and no workers are available to move it to"
         for rid in list(gone.requests):
             placed = self.placed.get(rid)
             if placed is None:

@@ -54,6 +54,7 @@ def is_rank(pid: int) -> bool:
 def mesh(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tp-mesh")
     flags = ("--mixed", "1", "-tp", "3", "--dtype", "float32", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S))
+    flags += ("--worker-return-wait", "0")  # the killed worker's stream fails at once (nobody restarts it)
     with SeparateProcesses(str(run_dir), *flags) as procs:
         yield procs
 

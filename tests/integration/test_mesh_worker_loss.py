@@ -58,6 +58,10 @@ def mesh(tmp_path_factory):
         str(HEARTBEAT_TIMEOUT_S),
         "--max-migrations",
         str(MAX_MIGRATIONS),
+        # no wait for a lost worker's return: a request with no worker left fails at once (what
+        # one test here checks); the wait is tests/unit/test_scheduler_migration.py's
+        "--worker-return-wait",
+        "0",
     )
     try:
         procs.start()  # every process started and ready; nobody watches them after

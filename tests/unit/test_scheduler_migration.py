@@ -162,6 +162,30 @@ def test_with_no_worker_left_the_resumed_request_is_refused():
     assert out == [(TOK, refused("r1", "no workers are available"))]
 
 
+def test_with_a_return_wait_a_lost_pools_requests_wait_for_a_worker_to_come_back():
+    """--worker-return-wait: the last worker's request moves anyway, a new one queues, and both
+    are placed when a worker registers again; after the wait with none back, what waits is refused."""
+    core = new_core(worker_return_wait=20.0)
+    register(core, "m0")
+    keep_alive(core, AFTER_GRACE, "m0")
+    assert [dest for dest, _ in schedule(core, "r1", now=AFTER_GRACE)] == ["m0"]
+    gone = AFTER_GRACE + TIMEOUT + 0.1
+    why = "worker m0 stopped responding"
+    assert core.tick(gone)[0] == (TOK, MigrateRequest(request_id="r1", reason=why, lost_worker_ids=["m0"]))
+    assert resume(core, "r1", [5, 6], now=gone) == []  # queued: no worker, none refused
+    assert schedule(core, "r2", now=gone + 1) == []
+    assert core.tick(gone + 19) == []
+    back = register(core, "m0", now=gone + 19.5, instance="m0-second")
+    placed = {task.request_id for _, task in back if isinstance(task, GenerateTask | PrefillTask)}
+    assert placed == {"r1", "r2"} and core.placed["r1"].holders == {"m0"}
+    # lost again, and this time nobody comes back within the wait
+    later = gone + 19.5 + TIMEOUT + 0.1
+    core.tick(later)
+    assert schedule(core, "r3", now=later + 1) == []
+    out = core.tick(later + 20.5)
+    assert (TOK, refused("r3", "no workers are available")) in out
+
+
 def test_a_worker_restarted_under_its_id_gets_the_request_back_to_recompute():
     core = new_core()
     register(core, "m0")
