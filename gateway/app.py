@@ -246,9 +246,15 @@ class Gateway:
             except RequestEnded as e:
                 self.status_page.finished(call.trace, time.monotonic(), e.error.code or e.error.type)
                 raise e.error from None
-            except (asyncio.CancelledError, ConnectionResetError):
+            except asyncio.CancelledError:
                 abort_reason = "client disconnected"
                 raise
+            except ConnectionResetError:  # the client closed its connection while its stream was written
+                abort_reason = "client disconnected"
+                log.info("client left mid-stream")
+                # never sent: aiohttp drops a response to a closed connection quietly (raising
+                # would log an error with a traceback for a client that simply left)
+                return web.Response(status=499)
             except ApiError as e:
                 abort_reason = e.code or e.message
                 raise
