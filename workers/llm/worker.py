@@ -283,9 +283,14 @@ class LLMWorker:
         self.starting.setdefault(reply_to, []).append(started)
 
     def _imported(self, task: DecodeTask) -> None:
-        self.reply_to[task.request_id] = task.reply_to
         if task.request_id not in self.engine.requests:  # every choice ended on its first token
+            self.reply_to[task.request_id] = task.reply_to
             self._finished(task.request_id)
+            return
+        # the decode half holds it now: its tokenizer counts this worker's tokens from here on,
+        # also when this worker was one of the request's lost holders before it moved (a
+        # migrated request prefilled again and handed to the same decode worker)
+        self._started(task.request_id, task.reply_to, len(task.prompt_token_ids))
 
     def _finished(self, request_id: str) -> None:
         self._left(request_id, DoneReason.FINISHED)
