@@ -65,7 +65,8 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-migrations",
         3,
         type=int,
-        help="times a request moves to another worker when its worker dies (0: it fails instead)",
+        help="times a request moves to another worker when its worker dies (an image or a transcription starts "
+        "over there; 0: it fails instead)",
     )
     add(
         parser,

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import structlog
 
@@ -79,22 +78,12 @@ from pagemesh.services.scheduler.placement import (
 )
 from pagemesh.services.scheduler.placement import too_large_for_every_pool as too_large
 from pagemesh.services.scheduler.prefix_index import PromptPages
+from pagemesh.services.scheduler.queues import Queued, may_wait, put_first
 from pagemesh.services.scheduler.registry import Registry, WorkerInfo
 from pagemesh.services.scheduler.tasks import llm_tasks, with_encoder
 
 log = structlog.get_logger()
-
-
-@dataclass
-class Queued:
-    """A request admitted and waiting for a worker of its kind."""
-
-    origin: bytes  # the identity of the peer that sent it (a tokenizer; the gateway for images and audio)
-    request: ScheduleRequest | ImageRequest | TranscriptionRequest
-    prompt: PromptPages | None  # LLM requests: the prompt's pages, for prefix-aware placement
-    kind: WorkerKind
-    enqueued_at: float
-    model: str | None = None  # image and audio requests: the model asked for (None: the kind's default)
+LLM_ROLES = (WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.MIXED)
 
 
 class SchedulerCore:
@@ -185,6 +174,7 @@ class SchedulerCore:
             why = "is stuck in one step" if hung else "stopped responding"
             self.requests.lost(dead, f"worker {dead.worker_id} {why}", now, out)
             out += self.adapters.worker_gone(dead.worker_id)
+            self._place_again(now, out)
         if not self._may_wait(now):
             for queue in self.queues.values():
                 for entry in [e for e in queue.values() if not self._can_serve_entry(e, now)]:
@@ -263,6 +253,7 @@ class SchedulerCore:
         if replaced is not None:  # a new process under the id: the old one's requests are gone
             self.log.warning("worker restarted", worker=msg.worker_id, requests=len(replaced.requests))
             self.requests.lost(replaced, f"worker {msg.worker_id} restarted", now, out)
+            self._place_again(now, out, drain=False)  # placed with the rest below
         for held in msg.held or ():  # placed by an earlier scheduler process: keep them in the books
             migrations = 0 if msg.kind == WorkerKind.LLM else None  # the count before the restart is lost
             placed = self.placed.setdefault(
@@ -294,6 +285,7 @@ class SchedulerCore:
         why = f"the engine of worker {msg.worker_id} failed" if msg.error else f"worker {msg.worker_id} stopped"
         self.requests.lost(gone, why, now, out)
         out += self.adapters.worker_gone(msg.worker_id)
+        self._place_again(now, out)
 
     # ---- admission and placement ----------------------------------------------------------
     def _known(self, request_id: str) -> bool:
@@ -313,10 +305,7 @@ class SchedulerCore:
         # what the worker will (re)compute; an adapter's pages have keys of their own (page_hash.root_hash)
         # an image's placeholders are keyed by its content (common/multimodal.py's hash_token_ids)
         prompt = PromptPages(hash_token_ids(msg.prompt_token_ids, msg.images) + resumed_output(msg), lora=lora)
-        roles = (
-            self.registry.alive(WorkerKind.LLM, r, now)
-            for r in (WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.MIXED)
-        )
+        roles = (self.registry.alive(WorkerKind.LLM, r, now) for r in LLM_ROLES)
         if msg.pooling is not None:  # an embedding: its prompt alone, on a worker that prefills
             roles = ([], [], self._embedding_workers(now))
         length = len(msg.prompt_token_ids) + longest_resumed(msg)  # the longest choice it recomputes
@@ -437,21 +426,25 @@ class SchedulerCore:
 
     def _hand_over(self, entry: Queued, worker: WorkerInfo, task: Message, out: Outputs) -> None:
         """A request its one worker runs whole (an image, a transcription): sent, and booked there
-        (it cannot migrate: a lost worker fails it)."""
+        with its queue entry (it does not migrate: when its worker is lost, it starts over)."""
         req = entry.request
         del self.queues[entry.kind][req.request_id]
         out.append((worker.worker_id, task))
         worker.requests.add(req.request_id)
-        self.placed[req.request_id] = Placed(req.request_id, req.reply_to, {worker.worker_id}, None, None)
+        self.placed[req.request_id] = Placed(req.request_id, req.reply_to, {worker.worker_id}, None, None, entry)
+
+    def _place_again(self, now: float, out: Outputs, drain: bool = True) -> None:
+        """Images and transcriptions whose worker was lost: back at the head of their queue (they
+        are the oldest there), placed now if a worker can take them, else waiting like any other."""
+        for entry in self.requests.take_restarted():
+            entry = put_first(self.queues[entry.kind], entry)
+            self.log.info("request placed again", request_id=entry.request.request_id, restarts=entry.restarts)
+        if drain:
+            self._drain(now, out)
 
     def _llm_can_serve(self, now: float) -> bool:
-        def alive(role: WorkerRole) -> bool:
-            return bool(self.registry.alive(WorkerKind.LLM, role, now))
-
-        prefill, decode = (
-            self.registry.alive(WorkerKind.LLM, role, now) for role in (WorkerRole.PREFILL, WorkerRole.DECODE)
-        )
-        return alive(WorkerRole.MIXED) or bool(shapes_in_both(prefill, decode))
+        prefill, decode, mixed = (self.registry.alive(WorkerKind.LLM, r, now) for r in LLM_ROLES)
+        return bool(mixed) or bool(shapes_in_both(prefill, decode))
 
     def _pairing_problem(self, now: float) -> str | None:
         """Why the live prefill and decode workers cannot pair (different parallel shapes: tp x pp)."""
@@ -466,13 +459,9 @@ class SchedulerCore:
         return now - self.started_at <= self.config.heartbeat_timeout
 
     def _may_wait(self, now: float) -> bool:
-        """Requests no live worker can serve wait in the queue rather than being refused: while
-        workers may still register (`_starting`), and within --worker-return-wait of a worker's
-        loss (a supervisor or compose restarts it: the request waits for it, not a 503)."""
-        if self._starting(now):
-            return True
-        wait = self.config.worker_return_wait
-        return wait > 0 and self.last_loss is not None and now - self.last_loss <= wait
+        cfg, silent = self.config, any(not self.registry.is_alive(w, now) for w in self.registry.workers.values())
+        last_loss = now if silent else self.last_loss  # a silent worker is being lost: its loss is now
+        return may_wait(now, self.started_at, cfg.heartbeat_timeout, last_loss, cfg.worker_return_wait)
 
     # ---- endings (services/scheduler/failures.py) ----------------------------------------
     def _on_done(self, identity: bytes, msg: RequestDone, now: float, out: Outputs) -> None:

@@ -5,6 +5,8 @@ and how each ends other than by running to its end on its workers.
     RequestDone(FINISHED) from the prefill worker ───────▶ abort at the decode worker (no handoff)
     AbortRequest ────────────────────────────────────────▶ abort at every holder
     worker lost (heartbeats stopped, WorkerStopped, restarted under its id) ─▶ for each request:
+        an image or a transcription (`Placed.retry`) ──▶ starts over: its queue entry is handed
+            back (`take_restarted`), up to --max-migrations times, else fail
         cannot move (migration.py), or no decode/mixed worker left ──▶ fail
         else ──▶ MigrateRequest to its tokenizer, abort at every holder
     fail = RequestFailed (503 worker_failure) to its tokenizer, abort at every holder
@@ -18,6 +20,7 @@ to the caller's Outputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pagemesh.common.messages import (
     AbortRequest,
@@ -54,6 +57,9 @@ class Placed:
     holders: set[str]
     prefill: str | None
     migrations: int | None = 0
+    # a request its one worker runs whole (an image, a transcription): its queue entry (the core's
+    # Queued, with `restarts`), to place again from the start when that worker is lost
+    retry: Any = None
 
 
 class PlacedRequests:
@@ -68,6 +74,7 @@ class PlacedRequests:
         self.registry = registry
         self.max_migrations = max_migrations
         self.wait_for_return = wait_for_return
+        self._restarted: list[Any] = []  # queue entries of lost workers' images and transcriptions
         self.placed: dict[str, Placed] = {}
         self.tokenizers: dict[str, bytes] = {}
         self.unreported: dict[str, list[RequestFailed | MigrateRequest]] = {}
@@ -162,6 +169,10 @@ class PlacedRequests:
             placed = self.placed.get(rid)
             if placed is None:
                 continue
+            if placed.retry is not None and placed.retry.restarts < self.max_migrations:
+                self._restarted.append(placed.retry)  # nothing of it is kept: it starts over elsewhere
+                self.abort_holders(placed, why, out)
+                continue
             refusal = cannot_migrate(placed.migrations, self.max_migrations)
             if refusal is None and nowhere and placed.migrations is not None:
                 refusal = nowhere
@@ -171,6 +182,12 @@ class PlacedRequests:
             lost = sorted(placed.holders | {gone.worker_id})
             self.tell_tokenizer(placed.reply_to, MigrateRequest(request_id=rid, reason=why, lost_worker_ids=lost), out)
             self.abort_holders(placed, why, out)
+
+    def take_restarted(self) -> list[Any]:
+        """The queue entries of the images and transcriptions whose worker was lost since the
+        last call, to place again (the caller's queues)."""
+        restarted, self._restarted = self._restarted, []
+        return restarted
 
     def release(self, worker_id: str, request_id: str) -> None:
         info = self.registry.workers.get(worker_id)

@@ -5,7 +5,8 @@
     tokenizer ──ScheduleRequest(resume: generated ids, migrations + 1)──▶ scheduler
     scheduler ──GenerateTask(output_token_ids)──▶ a decode or mixed worker: recomputes, goes on
 
-A request moves when it is an LLM request (an image is not resumable) and has moved fewer than
+(An image or a transcription is not resumed: it starts over elsewhere, failures.py's `retry`.)
+A request moves when it is an LLM request and has moved fewer than
 `--max-migrations` times (a request that keeps killing its workers ends). Whether its state can
 move is the tokenizer's call, which knows what was streamed: one choice moves with the ids its
 client received; several choices (n > 1) each move with theirs (the finished ones stay done);

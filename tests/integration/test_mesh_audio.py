@@ -160,7 +160,7 @@ def test_two_transcriptions_at_once_are_both_right(client, oracle):
     assert texts[0] != texts[1]
 
 
-def test_a_killed_audio_worker_fails_its_request_and_the_other_serves_on(tmp_path, whisper_folder, oracle, monkeypatch):
+def test_a_killed_audio_workers_request_starts_over_on_the_other(tmp_path, whisper_folder, oracle, monkeypatch):
     monkeypatch.setenv("PAGEMESH_TEST_STEP_DELAY_S", "0.1")  # ~60 steps: a request runs for seconds
     for name, value in CPU_FP32.items():
         monkeypatch.setenv(name, value)
@@ -180,10 +180,8 @@ def test_a_killed_audio_worker_fails_its_request_and_the_other_serves_on(tmp_pat
             victim = max(running().items(), key=lambda kv: kv[1])[0]
             procs.kill(victim)
             killed_at = time.monotonic()
-            with pytest.raises(openai.APIStatusError) as e:
-                pending.result(timeout=HANG_S)
-        assert e.value.status_code == 503 and f"worker {victim} stopped responding" in e.value.body["message"]
+            heard = pending.result(timeout=HANG_S)  # on the other worker, from the start: no error
+        assert heard.text == oracle(tone)[0]
         assert time.monotonic() - killed_at < HEARTBEAT_TIMEOUT_S + LATE_S
-        assert transcribe(client, tone).text == oracle(tone)[0]
     finally:
         procs.stop()

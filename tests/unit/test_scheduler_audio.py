@@ -126,7 +126,7 @@ def test_a_full_queue_is_a_503_and_no_audio_worker_refuses_after_the_grace_windo
     assert transcribe(core, "t2", AFTER_GRACE) == [(GW, refused("t2", "no workers are available"))]
 
 
-def test_a_lost_audio_worker_fails_its_requests_to_the_gateway_and_an_abort_reaches_the_worker():
+def test_a_lost_audio_workers_transcription_starts_over_on_another_and_an_abort_reaches_the_worker():
     core = new_core()
     audio_worker(core, "a0", T0)
     audio_worker(core, "a1", T0 + TIMEOUT)
@@ -135,14 +135,26 @@ def test_a_lost_audio_worker_fails_its_requests_to_the_gateway_and_an_abort_reac
     heartbeat(core, "a1", T0 + TIMEOUT + 0.5, free_pages=None)
     out = core.tick(T0 + TIMEOUT + 0.5)  # a0 went silent
     why = "worker a0 stopped responding"
-    assert out == [(GW, failed("t1", why)), ("a0", AbortRequest(request_id="t1", reason=why))]
+    assert out == [("a0", AbortRequest(request_id="t1", reason=why)), ("a1", task("t1", queued_s=TIMEOUT + 0.5))]
+    assert core.placed["t1"].holders == {"a1"}
     out = core.handle(GW, AbortRequest(request_id="t2", reason="client disconnected"), T0 + TIMEOUT + 0.6)
     assert out == [("a1", AbortRequest(request_id="t2", reason="client disconnected"))]
-    assert core.registry.workers["a1"].requests == set() and core.placed == {}
+    assert core.registry.workers["a1"].requests == {"t1"} and set(core.placed) == {"t1"}
+
+
+def test_with_max_migrations_0_a_lost_audio_workers_transcription_fails():
+    core = new_core(max_migrations=0)
+    audio_worker(core, "a0", T0)
+    audio_worker(core, "a1", T0 + TIMEOUT)
+    transcribe(core, "t1", T0)
+    heartbeat(core, "a1", T0 + TIMEOUT + 0.5, free_pages=None)
+    why = "worker a0 stopped responding"
+    out = core.tick(T0 + TIMEOUT + 0.5)
+    assert out == [(GW, failed("t1", why)), ("a0", AbortRequest(request_id="t1", reason=why))]
 
 
 def test_a_stopped_audio_worker_fails_its_request_at_once_and_an_abort_of_a_queued_one_drops_it():
-    core = new_core()
+    core = new_core(max_migrations=0)  # no start over elsewhere
     audio_worker(core, "a0", T0, max_running=1)
     transcribe(core, "t1", T0)
     transcribe(core, "t2", T0)  # queued behind t1

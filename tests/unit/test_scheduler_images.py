@@ -115,8 +115,29 @@ def test_a_full_image_queue_is_a_503_and_no_diffusion_worker_refuses_after_the_g
     assert image(core, "i2", AFTER_GRACE) == [(GW, refused("i2", "no workers are available"))]
 
 
+def test_a_dead_diffusion_workers_image_starts_over_on_another_up_to_max_migrations_times():
+    core = new_core(max_migrations=2)
+    diffusion(core, "x0", T0)
+    diffusion(core, "x1", T0)
+    image(core, "i1", T0)  # on x0
+    lost = T0 + TIMEOUT + 0.5
+    heartbeat(core, "x1", lost, free_pages=None)
+    out = core.tick(lost)  # x0 went silent: on x1, from the start
+    assert [(dest, type(msg)) for dest, msg in out] == [("x0", AbortRequest), ("x1", ImageTask)]
+    assert out[1][1].request_id == "i1" and out[1][1].params == PARAMS and core.placed["i1"].holders == {"x1"}
+    register(core, "x0", now=lost, kind=WorkerKind.DIFFUSION, instance="x0-second")  # restarted
+    again = lost + TIMEOUT + 0.5
+    heartbeat(core, "x0", again, free_pages=None)
+    out = core.tick(again)  # x1 went silent too: back on x0
+    assert [(dest, type(msg)) for dest, msg in out] == [("x1", AbortRequest), ("x0", ImageTask)]
+    register(core, "x1", now=again, kind=WorkerKind.DIFFUSION, instance="x1-second")
+    heartbeat(core, "x1", again + TIMEOUT + 0.5, free_pages=None)
+    out = core.tick(again + TIMEOUT + 0.5)  # x0 again: a third loss, after 2 restarts (--max-migrations)
+    assert [(dest, type(msg)) for dest, msg in out] == [(GW, RequestFailed), ("x0", AbortRequest)]
+
+
 def test_a_dead_diffusion_worker_fails_its_requests_to_the_gateway_and_an_abort_reaches_the_worker():
-    core = new_core()
+    core = new_core(max_migrations=0)  # no start over elsewhere
     diffusion(core, "x0", T0)
     diffusion(core, "x1", T0 + TIMEOUT)
     image(core, "i1", T0)  # on x0 (both empty: the lower id)

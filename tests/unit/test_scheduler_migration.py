@@ -186,6 +186,15 @@ def test_with_a_return_wait_a_lost_pools_requests_wait_for_a_worker_to_come_back
     assert (TOK, refused("r3", "no workers are available")) in out
 
 
+def test_with_a_return_wait_a_request_waits_for_a_worker_gone_silent_before_its_loss_is_noted():
+    core = new_core(worker_return_wait=20.0)
+    register(core, "m0")
+    silent = T0 + TIMEOUT + 1  # past the heartbeat timeout, before the tick that drops it
+    assert schedule(core, "r1", now=silent) == [] and core.queued == 1  # waits, not refused
+    assert core.tick(silent + 0.5) == []  # its loss noted: the wait counts from here
+    assert core.tick(silent + 21) == [(TOK, refused("r1", "no workers are available"))]
+
+
 def test_a_worker_restarted_under_its_id_gets_the_request_back_to_recompute():
     core = new_core()
     register(core, "m0")
