@@ -19,6 +19,7 @@ from pagemesh.common.messages import KVEventBatch, KVEventsResync
 from pagemesh.common.page_hash import prefix_page_hashes
 from pagemesh.services.scheduler.prefix_index import PromptPages
 from pagemesh.tests.scheduler_harness import PAGE, T0, new_core, register
+from pagemesh.tests.unit.test_kv_offload import DictTier
 from pagemesh.workers.engine import kv_event_feed
 from pagemesh.workers.engine.block_manager import BlockManager
 from pagemesh.workers.engine.kv_event_feed import KVEventFeed
@@ -27,30 +28,14 @@ A = list(range(100, 100 + 3 * PAGE + 1))  # 3 full pages and one token
 B = list(range(500, 500 + 3 * PAGE + 1))
 
 
-class KeysTier:
-    """An offload tier holding keys only (the block manager's part of a tier)."""
+class KeysTier(DictTier):
+    """An offload tier holding keys only (the block manager's part of a tier): nothing loads back."""
 
     def __init__(self, keys=()):
-        self.held = {key: None for key in keys}
-        self.on_forget = None
-
-    def offload(self, key, page_id, token_ids):
-        self.held[key] = token_ids
-        return True
+        super().__init__({key: () for key in keys})
 
     def load(self, key, page_id, token_ids):
         return False
-
-    def held_keys(self):
-        return list(self.held)
-
-    def drop(self, key):
-        del self.held[key]
-        self.on_forget(key)
-
-    def clear(self):
-        for key in list(self.held):
-            self.drop(key)
 
 
 def cache(bm: BlockManager, tokens: list[int]) -> None:
