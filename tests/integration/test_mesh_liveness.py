@@ -54,8 +54,11 @@ REQUEST = dict(model=DEFAULT_MODEL_NAME, prompt="Count on:", temperature=0, extr
 def test_an_engine_failure_fails_its_requests_at_once_and_the_worker_is_started_again():
     output: list[str] = []
     # the third step raises; the heartbeat timeout is far longer than the test: a prompt error
-    # can only come from the worker saying its engine failed
-    with running_mesh("--mixed", "1", "--heartbeat-timeout", str(HANG_S), env={FAIL_ENV: "3"}, output=output) as url:
+    # can only come from the worker saying its engine failed. No wait for the worker's return
+    # (--worker-return-wait 0): its requests fail at once (with the wait they move to the restarted
+    # worker, which fails again at its third step, here)
+    flags = ("--mixed", "1", "--heartbeat-timeout", str(HANG_S), "--worker-return-wait", "0")
+    with running_mesh(*flags, env={FAIL_ENV: "3"}, output=output) as url:
         client = client_of(url)
         received = [0]
         pieces, error, _ = stream_counting(client, received, 0, max_tokens=20, **REQUEST)
@@ -113,9 +116,9 @@ def test_sigterm_drains_pagemesh_up_in_order_and_exits_0():
 @pytest.fixture(scope="module")
 def slow_steps(tmp_path_factory):
     os.environ[DELAY_ENV] = str(STEP_DELAY_S)  # the children read it at start
-    procs = SeparateProcesses(
-        str(tmp_path_factory.mktemp("slow")), "--mixed", "1", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)
-    )
+    # no wait for a lost worker's return: the stopped worker's stream fails at once (nobody restarts it)
+    flags = ("--mixed", "1", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--worker-return-wait", "0")
+    procs = SeparateProcesses(str(tmp_path_factory.mktemp("slow")), *flags)
     try:
         procs.start()
     finally:
