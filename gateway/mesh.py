@@ -92,12 +92,12 @@ class MeshClient:
         self._queues: dict[str, asyncio.Queue[Reply]] = {}
         self._routes: dict[str, Route] = {}  # by own id: requests that went to a tokenizer
         self._current: dict[str, str] = {}  # the id each route goes by now -> its own id
-        self._parked: set[str] = set()  # own ids of moved requests waiting for a live replica
         self._status_waiter: asyncio.Future[ClusterStatus] | None = None
         self._lora_waiters: dict[str, asyncio.Future[LoRAAdapterReply]] = {}  # op id -> its answer
         self._tasks: set[asyncio.Task] = set()
-        # set while a tokenizer is live (it answered a ping): requests go out only to a replica
-        # whose instance is known, so its restart is always seen as a change of instance
+        # set by the first Pong: requests go out only to a replica whose instance is known, so its
+        # restart is always seen as a change of instance. From then on one replica at least stays
+        # live: a silent one is dropped only while another answers (_watch_silence)
         self._tokenizer_up = asyncio.Event()
         self._unknown_aborted: OrderedDict[str, float] = OrderedDict()  # request id -> when
         self.tokenizer_moves = 0  # requests moved to another replica (or a restarted one)
@@ -136,7 +136,6 @@ class MeshClient:
         route = self._routes.pop(request_id, None)
         if route is not None:
             self._current.pop(route.current_id, None)
-            self._parked.discard(request_id)
             if route.link is not None:
                 route.link.requests.discard(request_id)
 
@@ -158,13 +157,8 @@ class MeshClient:
                     "service_unavailable",
                     headers={"Retry-After": "5"},
                 ) from None
-        link = pick(self._links)
-        if link is None:  # lost between the wait and now: a moved request's way, parked until one is back
-            route = self._routes[request.request_id] = Route(request, None)
-            self._current[route.current_id] = request.request_id
-            self._move(route, None)
-            return
-        route = self._routes[request.request_id] = Route(request, link)
+        link = pick(self._links)  # one is live: see _tokenizer_up
+        self._routes[request.request_id] = Route(request, link)
         self._current[request.request_id] = request.request_id
         link.requests.add(request.request_id)
         await link.socket.send(request)
@@ -222,10 +216,14 @@ class MeshClient:
     def abort(self, request_id: str, reason: str) -> None:
         """Stop the request everywhere and forget it. Does not wait, so a handler being cancelled
         (client gone) can call it from `finally`."""
-        route = self._routes.get(request_id)
-        current, link = (request_id, None) if route is None else (route.current_id, route.link)
+        current, link = self._now_at(request_id)
         self.discard(request_id)
         self._spawn(self._send_abort(AbortRequest(request_id=current, reason=reason), link))
+
+    def _now_at(self, request_id: str) -> tuple[str, TokenizerLink | None]:
+        """The id a request goes by now, and its tokenizer (None: not known, or none)."""
+        route = self._routes.get(request_id)
+        return (request_id, None) if route is None else (route.current_id, route.link)
 
     async def _send_abort(self, abort: AbortRequest, link: TokenizerLink | None) -> None:
         """To the scheduler, and to the request's tokenizer (every one when that is not known)."""
@@ -307,8 +305,6 @@ class MeshClient:
             elif not was_live:
                 log.info("tokenizer answers", address=link.address)
             self._tokenizer_up.set()
-            for own in list(self._parked):
-                self._move(self._routes[own], None)
 
     async def _watch_silence(self) -> None:
         while True:
@@ -318,8 +314,6 @@ class MeshClient:
                 if link.silent(now) and any(other.live and not other.silent(now) for other in self._links):
                     link.live = False
                     self._lost(link, "silent")
-            if not any(link.live for link in self._links):
-                self._tokenizer_up.clear()
 
     def _lost(self, link: TokenizerLink, why: str) -> None:
         """Every request through `link` is gone there: each moves to a live replica."""
@@ -327,22 +321,16 @@ class MeshClient:
         for own in list(link.requests):
             self._move(self._routes[own], link)
 
-    def _move(self, route: Route, lost: TokenizerLink | None) -> None:
-        """Send a request again through a live replica (not `lost` if another is live), under a
-        new id; the old id is aborted. None live: it waits (parked) for one to answer."""
-        if route.link is not None:
-            route.link.requests.discard(route.own_id)
-            old = AbortRequest(request_id=route.current_id, reason="its tokenizer was lost")
-            self._spawn(self._send_abort(old, route.link))
-            route.link = None
+    def _move(self, route: Route, lost: TokenizerLink) -> None:
+        """Send a request again through a live replica (not `lost` if another is live; `lost`
+        itself when it is the restarted one alone), under a new id; the old id is aborted."""
+        route.link.requests.discard(route.own_id)
+        self._spawn(self._send_abort(AbortRequest(request_id=route.current_id, reason="its tokenizer was lost"), lost))
+        route.link = None
         if route.moves >= MAX_TOKENIZER_MOVES:
             self._fail(route.own_id, "Request failed: its tokenizer was lost too often; retry later.")
             return
-        target = pick(self._links, avoid=lost)
-        if target is None:
-            self._parked.add(route.own_id)
-            return
-        self._parked.discard(route.own_id)
+        target = pick(self._links, avoid=lost)  # never None: one replica at least is live (see _tokenizer_up)
         self._current.pop(route.current_id, None)
         request = route.moved()
         self._current[route.current_id] = route.own_id
@@ -373,8 +361,7 @@ class MeshClient:
                 request_id=request_id, status=503, error_type="server_error", message=message, param=None, code=code
             )
             self._deliver(request_id, (now, failed))
-            route = self._routes.get(request_id)
-            current, link = (request_id, None) if route is None else (route.current_id, route.link)
+            current, link = self._now_at(request_id)
             self._spawn(self._send_abort(AbortRequest(request_id=current, reason=abort_reason), link))
 
     # ---- status

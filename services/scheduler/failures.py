@@ -20,7 +20,6 @@ to the caller's Outputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from pagemesh.common.messages import (
     AbortRequest,
@@ -33,6 +32,7 @@ from pagemesh.common.messages import (
     WorkerRole,
 )
 from pagemesh.services.scheduler.migration import cannot_migrate
+from pagemesh.services.scheduler.queues import Queued
 from pagemesh.services.scheduler.registry import Registry, WorkerInfo
 
 Destination = bytes | str  # a peer's Router identity, or a worker id
@@ -57,9 +57,9 @@ class Placed:
     holders: set[str]
     prefill: str | None
     migrations: int | None = 0
-    # a request its one worker runs whole (an image, a transcription): its queue entry (the core's
-    # Queued, with `restarts`), to place again from the start when that worker is lost
-    retry: Any = None
+    # a request its one worker runs whole (an image, a transcription): its queue entry (with its
+    # `restarts`), to place again from the start when that worker is lost
+    retry: Queued | None = None
 
 
 class PlacedRequests:
@@ -74,7 +74,7 @@ class PlacedRequests:
         self.registry = registry
         self.max_migrations = max_migrations
         self.wait_for_return = wait_for_return
-        self._restarted: list[Any] = []  # queue entries of lost workers' images and transcriptions
+        self._restarted: list[Queued] = []  # queue entries of lost workers' images and transcriptions
         self.placed: dict[str, Placed] = {}
         self.tokenizers: dict[str, bytes] = {}
         self.unreported: dict[str, list[RequestFailed | MigrateRequest]] = {}
@@ -183,7 +183,7 @@ class PlacedRequests:
             self.tell_tokenizer(placed.reply_to, MigrateRequest(request_id=rid, reason=why, lost_worker_ids=lost), out)
             self.abort_holders(placed, why, out)
 
-    def take_restarted(self) -> list[Any]:
+    def take_restarted(self) -> list[Queued]:
         """The queue entries of the images and transcriptions whose worker was lost since the
         last call, to place again (the caller's queues)."""
         restarted, self._restarted = self._restarted, []

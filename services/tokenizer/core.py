@@ -53,8 +53,6 @@ from pagemesh.common.messages import (
     ImageInput,
     MigrateRequest,
     RequestFailed,
-    ResumedChoice,
-    ResumeState,
     ScheduleRequest,
     TextDelta,
     TextDeltaBatch,
@@ -176,7 +174,8 @@ class TokenizerCore:
         if request.resume:  # moved here from a lost tokenizer replica: continue where its client is
             for had in request.resume:
                 restore_choice(choices[had.index], had)
-            schedule = dataclasses.replace(schedule, resume=resume_state(choices))
+            if any(c.output_ids for c in choices):  # else it starts as a new request
+                schedule = dataclasses.replace(schedule, resume=resume_state(choices, migrations=1))
         # special tokens kept in the text: the end token is not written
         stop_ids = None if request.skip_special_tokens else self.tokenizer.eos_token_ids | set(sampling.stop_token_ids)
         self._requests[request.request_id] = _Request(
@@ -415,19 +414,7 @@ class TokenizerCore:
             return request.reply_to, _worker_failure(msg.request_id, msg.reason)
         request.migrations += 1
         request.lost_workers.update(msg.lost_worker_ids)
-        choices = request.choices
-        if len(choices) == 1:
-            resume = ResumeState(output_token_ids=list(choices[0].output_ids), migrations=request.migrations)
-        elif any(c.output_ids for c in choices):
-            unfinished = [
-                ResumedChoice(index=i, output_token_ids=list(c.output_ids))
-                for i, c in enumerate(choices)
-                if not c.finished
-            ]
-            resume = ResumeState(output_token_ids=[], migrations=request.migrations, choices=unfinished)
-        else:
-            resume = ResumeState(output_token_ids=[], migrations=request.migrations)
-        resend = dataclasses.replace(request.first, resume=resume)
+        resend = dataclasses.replace(request.first, resume=resume_state(request.choices, request.migrations))
         request.started, request.schedule = False, resend  # a scheduler restart sends it again, as a new one
         return resend
 

@@ -57,13 +57,16 @@ def continued_text(choice: ResumableChoice, text: str) -> str:
     return text
 
 
-def resume_state(choices: list[ResumableChoice]) -> ResumeState | None:
-    """What the scheduler needs to continue the restored choices; None when no choice has had a
-    token (the request starts as a new one)."""
-    if not any(c.output_ids for c in choices):
-        return None
+def resume_state(choices: list[ResumableChoice], migrations: int) -> ResumeState:
+    """What the scheduler needs to continue a request's choices on another worker (a migration,
+    or a move from another tokenizer): one choice moves with its ids; several (n > 1) move each
+    unfinished choice with its own ids (the finished ones stay done) once one has streamed, and
+    start over before (as best_of and beams, which stream nothing until they end)."""
     if len(choices) == 1:
-        return ResumeState(output_token_ids=list(choices[0].output_ids), migrations=1)
-    unfinished = [ResumedChoice(index=i, output_token_ids=list(c.output_ids)) for i, c in enumerate(choices)]
-    unfinished = [r for r, c in zip(unfinished, choices, strict=True) if not c.finished]
-    return ResumeState(output_token_ids=[], migrations=1, choices=unfinished)
+        return ResumeState(output_token_ids=list(choices[0].output_ids), migrations=migrations)
+    if not any(c.output_ids for c in choices):
+        return ResumeState(output_token_ids=[], migrations=migrations)
+    unfinished = [
+        ResumedChoice(index=i, output_token_ids=list(c.output_ids)) for i, c in enumerate(choices) if not c.finished
+    ]
+    return ResumeState(output_token_ids=[], migrations=migrations, choices=unfinished)
