@@ -55,7 +55,7 @@ from pagemesh.common.sampling import SamplingParams
 # 11: bytes fields, ImageInput, GenerateRequest.images, ScheduleRequest/GenerateTask/PrefillTask/DecodeTask.images,
 # TranscriptionRequest/Task/Result; 12: ResumedChoice, ResumeState.choices, GenerateTask.resumed_choices;
 # 13: SpeculationLoad.accepted_per_pos; 14: KVEventBatch and KVEventsResync in place of PrefixCacheUpdate
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 
 MAX_STR_LEN = 4 << 20  # characters; a prompt of ~1M tokens of text fits
 MAX_TOKEN_IDS = 1 << 20  # length of any list[int] (token ids, page indices, shapes)

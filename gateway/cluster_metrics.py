@@ -132,3 +132,17 @@ class ClusterCollector(Collector):
             "Requests moved to another worker after losing theirs (worker death), ever.",
             value=status.migrations,
         )
+        for name, doc, value in (
+            ("batches", "KV-cache event batches the scheduler's prefix index applied, ever.", status.kv_event_batches),
+            (
+                "malformed",
+                "KV-cache event batches the scheduler could not read (that worker's keys dropped, a snapshot asked).",
+                status.kv_events_malformed,
+            ),
+            (
+                "resyncs",
+                "Snapshots of a worker's KV-cache keys the scheduler asked for (a gap or unreadable).",
+                status.kv_events_resyncs,
+            ),
+        ):
+            yield CounterMetricFamily(f"pagemesh_scheduler_kv_event_{name}", doc, value=value)

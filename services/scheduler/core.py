@@ -235,6 +235,7 @@ class SchedulerCore:
             queued=self.queued,
             migrations=self.migrations,
             lora_adapters=self.adapters.listed(),
+            **self.kv_events.counts(),
         )
 
     # ---- workers --------------------------------------------------------------------------

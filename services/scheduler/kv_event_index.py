@@ -91,8 +91,17 @@ class KVEventIndex:
     def __init__(self, registry, log):
         self.registry, self.log = registry, log
         self.log_limit = LogLimiter(MALFORMED_LOG_BURST, MALFORMED_LOG_INTERVAL_S)
+        self.applied = 0  # batches applied, ever
         self.malformed = 0  # unreadable batches, ever
         self.resyncs = 0  # snapshots asked for, ever
+
+    def counts(self) -> dict[str, int]:
+        """ClusterStatus's counters of the index (exported by the gateway's /metrics)."""
+        return {
+            "kv_event_batches": self.applied,
+            "kv_events_malformed": self.malformed,
+            "kv_events_resyncs": self.resyncs,
+        }
 
     def receive(self, identity: bytes, msg: KVEventBatch, now: float, out: list) -> None:
         info = self.registry.workers.get(msg.worker_id)
@@ -114,6 +123,7 @@ class KVEventIndex:
             pages.start_over()
         pages.apply(events)
         pages.last_seq = msg.seq
+        self.applied += 1
 
     def _resync(self, worker_id: str, pages: HeldPages, out: list) -> None:
         pages.start_over()

@@ -49,6 +49,9 @@ def test_a_shared_prefix_is_not_sent_again_and_outputs_equal_the_engine_without_
         text1, sent1, cached1 = complete(PROMPTS[0])  # 210 tokens: all 14 pages travel
         text2, sent2, cached2 = complete(PROMPTS[1])  # the decode worker holds the 12 shared full pages
         text3, sent3, cached3 = complete(PROMPTS[0])  # all 13 reusable pages held: only the last travels
+        events = metrics(url)  # the scheduler's prefix index read every worker's KV events, none unreadable
+        assert events["pagemesh_scheduler_kv_event_batches_total"] >= 3
+        assert events["pagemesh_scheduler_kv_event_malformed_total"] == 0
     page_bytes = sent1 / 14
     assert page_bytes == int(page_bytes) > 0
     assert (sent2, sent3) == (2 * page_bytes, 1 * page_bytes)

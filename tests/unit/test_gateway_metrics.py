@@ -129,6 +129,9 @@ STATUS = ClusterStatus(
     ],
     queued=5,
     migrations=2,
+    kv_event_batches=40,
+    kv_events_malformed=1,
+    kv_events_resyncs=3,
 )
 
 
@@ -150,6 +153,9 @@ def test_cluster_status_under_vllm_and_pagemesh_names():
         "pagemesh_kv_transfer_bytes_total 5120.0",
         "pagemesh_scheduler_queued_requests 5.0",
         "pagemesh_request_migrations_total 2.0",
+        "pagemesh_scheduler_kv_event_batches_total 40.0",
+        "pagemesh_scheduler_kv_event_malformed_total 1.0",
+        "pagemesh_scheduler_kv_event_resyncs_total 3.0",
         "# TYPE vllm:time_to_first_token_seconds histogram",
         "# TYPE vllm:request_success_total counter",
     ]:

@@ -144,6 +144,8 @@ def test_an_unreadable_payload_is_dropped_and_resyncs_without_harm():
         ("w0", KVEventsResync(worker_id="w0"))
     ]
     assert mesh.core.kv_events.malformed == 2
+    status = mesh.core.status(T0)  # what the gateway's /metrics exports
+    assert (status.kv_event_batches, status.kv_events_malformed, status.kv_events_resyncs) == (2, 2, 2)
     mesh.feed.resync()
     assert mesh.step() == [] and mesh.view == mesh.truth() == set(prefix_page_hashes(A, PAGE))
 
