@@ -172,6 +172,19 @@ def test_a_batch_from_a_worker_the_scheduler_does_not_know_is_ignored():
     assert mesh.deliver([stranger]) == [] and "ghost" not in mesh.core.registry.workers
 
 
+def test_the_tiers_keys_found_at_start_open_the_first_published_batch_once():
+    mesh = Mesh(tier=KeysTier(keys=[71, 72]))  # a disk tier's files from an earlier life
+    cache(mesh.bm, A)
+    payload, _ = mesh.feed.take()  # the first step: what a router on the PUB socket sees
+    found, *stored = decode_batch(payload).events
+    assert (found.block_hashes, found.medium, found.token_ids) == ([71, 72], "CPU", [])
+    assert [e.medium for e in stored] == ["GPU"] * len(stored) and stored
+    assert mesh.feed.take() == (None, [])  # announced once
+    quiet = Mesh(tier=KeysTier(keys=[71]))
+    assert decode_batch(quiet.feed.take()[0]).events[0].block_hashes == [71]  # with no event of its own too
+    assert Mesh().feed.take()[0] is None  # no tier: nothing to announce
+
+
 def test_a_key_in_the_tier_or_the_pool_is_held_until_no_medium_holds_it():
     tier = KeysTier(keys=[77])  # a disk tier's file from an earlier life
     mesh = Mesh(num_pages=5, tier=tier)  # 4 usable pages

@@ -12,7 +12,9 @@ due after every registration (the first one: a disk tier's keys found at start; 
 restarted scheduler knows nothing), when the scheduler asks (KVEventsResync: it saw a gap in
 the numbers, or a payload it could not read) and in place of a step's payload over
 MAX_KV_EVENT_BYTES. A snapshot goes to the scheduler only: a router on the PUB socket follows
-the steps' batches (and its replay socket), as vLLM's do.
+the steps' batches (and its replay socket), as vLLM's do. The one exception: the keys an offload
+tier held before the first step (a disk tier found at start) open the first published batch, as
+key-only "CPU" BlockStored events, so that a router knows them without a snapshot.
 
 Pure logic: no torch, no sockets (the LLM worker and the simulator's worker send what `take`
 returns).
@@ -46,6 +48,7 @@ class KVEventFeed:
         self.collector = blocks.events = KVEventCollector(blocks.page_size)
         self.next_seq = 0
         self.snapshot_due = True  # the first registration's
+        self.announce_tier = True  # the first published batch opens with the tier's keys found at start
 
     def resync(self) -> None:
         """The scheduler's view is lost (it registered this worker again, or asked): the next
@@ -56,6 +59,9 @@ class KVEventFeed:
         """The step's events encoded once (for the PUB socket; None: none happened), and the
         messages for the scheduler, in order (none when nothing changed)."""
         batch = self.collector.take_batch()
+        if self.announce_tier:
+            self.announce_tier = False
+            batch = self._with_tier_keys(batch)
         payload = None if batch is None else encode_batch(batch, legacy_array_events=self.legacy_array_events)
         if payload is not None and len(payload) > MAX_KV_EVENT_BYTES:
             self.snapshot_due = True  # a step of millions of tokens loaded at once: keys only
@@ -68,6 +74,19 @@ class KVEventFeed:
         msg = KVEventBatch(worker_id=self.worker_id, seq=self.next_seq, payload=payload)
         self.next_seq += 1
         return msg
+
+    def _with_tier_keys(self, batch: EventBatch | None) -> EventBatch | None:
+        _, tier = self.blocks.cached_keys()
+        if not tier:
+            return batch
+        size = self.blocks.page_size
+        found = [
+            BlockStored(tier[i : i + SNAPSHOT_KEYS], None, [], size, None, MEDIUM_CPU)
+            for i in range(0, len(tier), SNAPSHOT_KEYS)
+        ]
+        if batch is None:
+            return EventBatch(time.time(), found)
+        return EventBatch(batch.ts, [*found, *batch.events], batch.data_parallel_rank)
 
     def _snapshot(self) -> list[KVEventBatch]:
         self.next_seq = 0
