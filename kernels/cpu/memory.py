@@ -51,6 +51,19 @@ def keep_freed_memory_for_reuse() -> bool:
     return ok
 
 
+def release_freed_memory() -> bool:
+    """Give the memory freed so far back to the system (glibc's malloc_trim): once, after a worker
+    loaded its model, whose file reading and repacking leave ~50-100 MB of freed temporaries that
+    the thresholds above would otherwise keep for the process's life. False where this is not glibc."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
+
+
 def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled CPU tensor whose memory comes from its own anonymous mmap: the kernel hands
     out zero pages on first touch, so the tensor costs nothing until it is written and then only

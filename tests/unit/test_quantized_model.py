@@ -206,3 +206,23 @@ def test_a_row_parallel_shard_off_the_blocks_is_refused_naming_the_layer():
     assert torch.equal(
         half.layers[0].mlp.down_proj.packed.codes, blocks["model.layers.0.mlp.down_proj.weight"].codes[:, 96:]
     )
+
+
+def test_a_tied_gguf_embedding_is_looked_up_in_the_heads_blocks_with_the_dense_tables_values(
+    dense_model_and_logits,
+):
+    dense, _ = dense_model_and_logits
+    model = load_model(default_model_path(), torch.bfloat16, CPU, quantization="gguf")
+    embed = model.embed_tokens
+    assert embed is model.lm_head and embed.weight.numel() == 0  # one copy of the table: the head's blocks
+    assert embed.weight.dtype == torch.bfloat16  # what the KV pool's sizing reads
+    vocab = dense.embed_tokens.weight.shape[0]
+    ids = torch.tensor([[0, 1, vocab - 1], [17, 17, 4242]])
+    assert torch.equal(embed(ids), torch.nn.functional.embedding(ids, dense.embed_tokens.weight))
+    assert torch.equal(embed(torch.arange(vocab)), dense.embed_tokens.weight)  # every row, bit for bit
+    for bad in (torch.tensor([vocab]), torch.tensor([-1])):  # no wrap-around, as F.embedding
+        with pytest.raises(IndexError):
+            embed(bad)
+    refused = load_model(default_model_path(), torch.bfloat16, CPU)  # dense (no blocks): nothing to look up in
+    assert refused.embed_tokens.look_up_in_blocks() is False
+    assert refused.embed_tokens.weight.shape == dense.embed_tokens.weight.shape

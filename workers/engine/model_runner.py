@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pagemesh.kernels.cpu.memory import keep_freed_memory_for_reuse, zeroed_tensor
+from pagemesh.kernels.cpu.memory import keep_freed_memory_for_reuse, release_freed_memory, zeroed_tensor
 from pagemesh.workers.attention.metadata import AttentionMetadata
 from pagemesh.workers.engine.backend import Backend, select_backend
 from pagemesh.workers.engine.cuda_graphs import DecodeGraphs
@@ -112,6 +112,8 @@ class ModelRunner:
         self.adapters = ServedAdapters(model, *lora) if lora is not None else None
         self.image_encoder = model.image_encoder  # a multimodal model's first stage: its vision side
         self.image_embeds: dict[str, torch.Tensor] = {}  # digest -> [placeholders, hidden]: the encoder cache
+        if device.type == "cpu":
+            release_freed_memory()  # what loading and repacking the model freed (kernels/cpu/memory.py)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and device.type == "cuda" and model.tp.world_size == 1 and pipe is None:
             self.graphs = DecodeGraphs(

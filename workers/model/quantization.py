@@ -77,6 +77,8 @@ def install_gguf_weights(model, blocks: dict[str, QuantizedWeight]) -> int:
     if head is not None and model.lm_head is not None:
         _install(model.lm_head, head.to(model.lm_head.weight.device), release=False)
         done += 1
+        if model.lm_head is model.embed_tokens and model.embed_tokens.look_up_in_blocks():  # tied: one copy
+            log.info("quantization gguf: the embedding is looked up in the LM head's blocks")
     return done
 
 
