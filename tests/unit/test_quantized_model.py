@@ -208,21 +208,19 @@ def test_a_row_parallel_shard_off_the_blocks_is_refused_naming_the_layer():
     )
 
 
-def test_a_tied_gguf_embedding_is_looked_up_in_the_heads_blocks_with_the_dense_tables_values(
-    dense_model_and_logits,
-):
-    dense, _ = dense_model_and_logits
-    model = load_model(default_model_path(), torch.bfloat16, CPU, quantization="gguf")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # fp32: what a CPU without AMX serves
+def test_a_tied_gguf_embedding_is_looked_up_in_the_heads_blocks_with_the_dense_tables_values(dtype):
+    dense = load_model(default_model_path(), dtype, CPU).embed_tokens.weight  # the GGUF widened at load
+    model = load_model(default_model_path(), dtype, CPU, quantization="gguf")
     embed = model.embed_tokens
     assert embed is model.lm_head and embed.weight.numel() == 0  # one copy of the table: the head's blocks
-    assert embed.weight.dtype == torch.bfloat16  # what the KV pool's sizing reads
-    vocab = dense.embed_tokens.weight.shape[0]
+    assert embed.weight.dtype == dtype  # what the KV pool's sizing reads
+    vocab = dense.shape[0]
     ids = torch.tensor([[0, 1, vocab - 1], [17, 17, 4242]])
-    assert torch.equal(embed(ids), torch.nn.functional.embedding(ids, dense.embed_tokens.weight))
-    assert torch.equal(embed(torch.arange(vocab)), dense.embed_tokens.weight)  # every row, bit for bit
+    assert torch.equal(embed(ids), torch.nn.functional.embedding(ids, dense))
+    assert torch.equal(embed(torch.arange(vocab)), dense)  # every row, bit for bit
     for bad in (torch.tensor([vocab]), torch.tensor([-1])):  # no wrap-around, as F.embedding
         with pytest.raises(IndexError):
             embed(bad)
-    refused = load_model(default_model_path(), torch.bfloat16, CPU)  # dense (no blocks): nothing to look up in
-    assert refused.embed_tokens.look_up_in_blocks() is False
-    assert refused.embed_tokens.weight.shape == dense.embed_tokens.weight.shape
+    kept = load_model(default_model_path(), dtype, CPU)  # dense (no blocks): nothing to look up in
+    assert kept.embed_tokens.look_up_in_blocks() is False and kept.embed_tokens.weight.shape == dense.shape

@@ -292,41 +292,39 @@ class VocabEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight.numel() == 0 and self.packed is not None:  # looked up in the quantized blocks
-            return embedding_from_blocks(self.packed, ids)
+            return embedding_from_blocks(self.packed, ids, self.weight.dtype)
         return F.embedding(ids, self.weight)
 
     def look_up_in_blocks(self) -> bool:
-        """Drop the dense table where the LM head's quantized blocks (a tied GGUF head, CPU, bf16)
-        widen to exactly its values: each lookup then widens only its rows, with the kernel that
-        widens the head (`embedding_from_blocks`). Checked over the whole table, so the numbers
-        cannot change; False (the dense table kept) where any value differs."""
+        """Drop the dense table where the LM head's quantized blocks (a tied GGUF head on a CPU)
+        widen to exactly its values: each lookup then widens only its rows
+        (`embedding_from_blocks`). Checked over the whole table at load, so no number changes;
+        False (the dense table kept) where any value differs."""
         qw, dense = self.packed, self.weight
-        if not getattr(qw, "is_quantized_weight", False) or dense.device.type != "cpu" or dense.dtype != torch.bfloat16:
+        if not getattr(qw, "is_quantized_weight", False) or dense.device.type != "cpu":
             return False
-        if tuple(dense.shape) != qw.shape:
+        if tuple(dense.shape) != qw.shape or not dense.dtype.is_floating_point:
             return False
-        import pagemesh.kernels.cpu.quant
-
         step = max(1, DEQUANTIZE_TILE // qw.shape[1])
         for start in range(0, qw.shape[0], step):
-            stop = min(qw.shape[0], start + step)
-            if not torch.equal(pagemesh.kernels.cpu.quant.dequantize_bf16(qw, start, stop), dense[start:stop]):
+            ids = torch.arange(start, min(qw.shape[0], start + step))
+            if not torch.equal(embedding_from_blocks(qw, ids, dense.dtype), dense[start : start + step]):
                 return False
-        self.weight.data = dense.data.new_empty(0)
+        self.weight.data = dense.data.new_empty(0)  # its dtype stays: the KV pool's sizing reads it
         return True
 
 
-def embedding_from_blocks(qw, ids: torch.Tensor) -> torch.Tensor:
-    """The rows `ids` of a quantized table, widened to bf16 by the C kernel (the values
-    `VocabEmbedding.look_up_in_blocks` checked against the dense table)."""
-    import pagemesh.kernels.cpu.quant
-    from pagemesh.kernels.quantized import QuantizedWeight
+def embedding_from_blocks(qw, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rows `ids` of a quantized table, widened in fp32 (`kernels.quantized.dequantize`, the
+    kernels' reference) and rounded to `dtype`: the values `VocabEmbedding.look_up_in_blocks`
+    checked against the dense table."""
+    from pagemesh.kernels.quantized import QuantizedWeight, dequantize
 
     flat = ids.reshape(-1)
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= qw.shape[0]):  # as F.embedding: no wrap-around
         raise IndexError(f"embedding: ids outside 0..{qw.shape[0] - 1}")
     rows = QuantizedWeight(qw.format, qw.codes[flat], qw.scale[flat], qw.offset[flat])
-    return pagemesh.kernels.cpu.quant.dequantize_bf16(rows).view(*ids.shape, qw.shape[1])
+    return dequantize(rows).to(dtype).view(*ids.shape, qw.shape[1])
 
 
 class RMSNorm(nn.Module):
