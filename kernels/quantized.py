@@ -60,10 +60,21 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset))
+        tiles = () if self.tiles is None else (self.tiles.codes, self.tiles.scales)
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset, *tiles))
+
+    @property
+    def has_row_codes(self) -> bool:
+        """False once `without_row_codes` kept the tiles' copy only (`codes` is then [N, 0])."""
+        return self.codes.shape[1] > 0
+
+    def _whole(self, what: str) -> None:
+        if not self.has_row_codes:
+            raise ValueError(f"quantized weight: {what} needs the row-major codes (kept in tiles only)")
 
     def rows(self, start: int, size: int) -> QuantizedWeight:
         """Rows start:start+size (a column-parallel shard)."""
+        self._whole("a row shard")
         return QuantizedWeight(
             self.format, *(t[start : start + size].contiguous() for t in (self.codes, self.scale, self.offset))
         )
@@ -72,6 +83,7 @@ class QuantizedWeight:
         """Columns start:start+size, both multiples of 32 (a row-parallel shard)."""
         if start % BLOCK or size % BLOCK:
             raise ValueError(f"quantized weight: columns {start}:{start + size} do not fall on blocks of {BLOCK}")
+        self._whole("a column shard")
         per_code = 8 // self.bits
         codes = self.codes[:, start // per_code : (start + size) // per_code]
         blocks = slice(start // BLOCK, (start + size) // BLOCK)
@@ -80,6 +92,7 @@ class QuantizedWeight:
         )
 
     def to(self, device: torch.device) -> QuantizedWeight:
+        self._whole("a device copy")
         return QuantizedWeight(self.format, self.codes.to(device), self.scale.to(device), self.offset.to(device))
 
 
@@ -106,6 +119,7 @@ def with_tiles(qw: QuantizedWeight) -> QuantizedWeight:
     """`qw` with its `tiles` made (a second copy of the codes, N * K * bits / 8 bytes, and of the
     scales): from a CPU weight only; the tiled GEMM takes decode batches
     (`pagemesh.workers.model.layers.quantized_linear`)."""
+    qw._whole("tiling")
     n, k = qw.shape
     tiles_n, kb = (n + TILE_N - 1) // TILE_N, k // BLOCK
     pad = tiles_n * TILE_N - n
@@ -114,6 +128,34 @@ def with_tiles(qw: QuantizedWeight) -> QuantizedWeight:
     scales = torch.nn.functional.pad(scales, (0, 0, 0, 0, 0, pad)).reshape(tiles_n, TILE_N, 2, kb)
     tiles = OutputTiles(codes.permute(0, 2, 3, 1, 4).contiguous(), scales.permute(0, 3, 2, 1).contiguous())
     return QuantizedWeight(qw.format, qw.codes, qw.scale, qw.offset, tiles)
+
+
+def without_row_codes(qw: QuantizedWeight) -> QuantizedWeight:
+    """`qw` (with its tiles) holding its codes once, in the tiles: `codes` becomes an [N, 0]
+    placeholder and `row_codes` rebuilds any rows from the tiles. What reads row-major codes (the
+    prefill path's widening, an embedding lookup) takes them from there; the tiled GEMM never
+    needed them. Saves N * K * bits / 8 bytes (~85 MB for the embedded model's weights)."""
+    if qw.tiles is None:
+        raise ValueError("without_row_codes: the weight has no tiles (with_tiles)")
+    return QuantizedWeight(qw.format, qw.codes.new_empty(qw.codes.shape[0], 0), qw.scale, qw.offset, qw.tiles)
+
+
+def row_codes(qw: QuantizedWeight, rows: torch.Tensor | slice) -> torch.Tensor:
+    """`qw.codes[rows]` (uint8 [R, K * bits / 8], contiguous), read from the tiles where the
+    row-major copy was dropped (`without_row_codes`): row r is lane r % 16 of tile r // 16."""
+    if qw.has_row_codes:
+        return qw.codes[rows].contiguous()
+    if isinstance(rows, slice):  # a run of rows: its whole tiles turned back, a plain copy
+        start, stop, step = rows.indices(qw.shape[0])
+        if step == 1:
+            first, last = start // TILE_N, max(start, (stop + TILE_N - 1) // TILE_N * TILE_N) // TILE_N
+            # [T, K / 32, G, 16, 4] -> [T, 16, K / 32, G, 4], moving each row's 4 bytes as one int32
+            words = qw.tiles.codes[first:last].view(torch.int32).squeeze(-1)
+            whole = words.permute(0, 3, 1, 2).contiguous().view(torch.uint8).reshape((last - first) * TILE_N, -1)
+            return whole[start - first * TILE_N : stop - first * TILE_N].contiguous()
+    ids = torch.arange(qw.shape[0])[rows] if isinstance(rows, slice) else rows.reshape(-1)
+    picked = qw.tiles.codes[ids // TILE_N, :, :, ids % TILE_N, :]  # [R, K / 32, G, 4]
+    return picked.reshape(ids.shape[0], -1)
 
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -165,10 +207,11 @@ def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
 
 def unpack_codes(qw: QuantizedWeight) -> torch.Tensor:
     """The codes one per element: uint8 [N, K]."""
+    codes = row_codes(qw, slice(None))
     if qw.bits == 8:
-        return qw.codes
-    n = qw.codes.shape[0]
-    packed = qw.codes.reshape(n, -1, BLOCK // 2)
+        return codes
+    n = codes.shape[0]
+    packed = codes.reshape(n, -1, BLOCK // 2)
     return torch.cat((packed & 15, packed >> 4), dim=-1).reshape(n, -1)
 
 

@@ -17,7 +17,7 @@ import ctypes
 import torch
 
 from pagemesh.kernels.cpu import build
-from pagemesh.kernels.quantized import QuantizedWeight
+from pagemesh.kernels.quantized import QuantizedWeight, row_codes
 
 SOURCE = build.KERNEL_DIR / "quant_matmul.c"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -64,6 +64,8 @@ def quant_linear(
     x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     n, k = qw.shape
+    if not qw.has_row_codes:
+        raise ValueError("quant_linear: the weight keeps its codes in tiles only (quant_gemm reads them)")
     for t in (qw.codes, qw.scale, qw.offset):
         if not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError("quant_linear: the weight's tensors must be contiguous CPU tensors")
@@ -95,6 +97,10 @@ def dequantize_bf16(qw: QuantizedWeight, start: int = 0, stop: int | None = None
     stop = n if stop is None else stop
     if not 0 <= start <= stop <= n:
         raise ValueError(f"dequantize_bf16: rows {start}:{stop} of {n}")
+    if not qw.has_row_codes:  # kept in tiles only: these rows' codes rebuilt from them
+        part = slice(start, stop)
+        qw = QuantizedWeight(qw.format, row_codes(qw, part), qw.scale[part], qw.offset[part])
+        start, stop = 0, stop - start
     for t in (qw.codes, qw.scale, qw.offset):
         if not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError("dequantize_bf16: the weight's tensors must be contiguous CPU tensors")

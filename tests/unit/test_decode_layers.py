@@ -140,14 +140,16 @@ def test_fused_decode_step_equals_the_python_layers_over_many_rows(tiled):
     """11 rows: the tiled GEMM in two row chunks; without tiles, the plain kernel (as
     layers.quantized_linear picks for a weight that has none). fp32: bf16 outputs can round two
     kernels' different sums to the same values."""
-    from pagemesh.kernels.quantized import QuantizedWeight
+    from pagemesh.kernels.quantized import QuantizedWeight, row_codes
     from pagemesh.workers.model.quantization import _linears
 
     model = quantized_model(torch.float32, "q4_1")
     for _, m in _linears(model):
         assert m.packed.tiles is not None
         if not tiled:
-            m.packed = QuantizedWeight(m.packed.format, m.packed.codes, m.packed.scale, m.packed.offset)
+            m.packed = QuantizedWeight(
+                m.packed.format, row_codes(m.packed, slice(None)), m.packed.scale, m.packed.offset
+            )
     runner = ModelRunner(model, 48, PAGE, CPU, cuda_graphs=False)
     tables = prefill(runner, MANY_PROMPTS)
     before = runner.kv_cache.clone()

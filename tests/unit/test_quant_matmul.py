@@ -17,8 +17,10 @@ from pagemesh.kernels.quantized import (
     from_gguf_blocks,
     quantize_activations,
     quantize_int8,
+    row_codes,
     unpack_codes,
     with_tiles,
+    without_row_codes,
 )
 
 
@@ -148,6 +150,26 @@ def test_tiles_hold_every_code_and_scale_of_their_rows():
     assert torch.equal(unpack_codes(qw), unpack_codes(with_tiles(qw)))
     # shards and fused rows are new weights: their tiles are made again where they are installed
     assert qw.rows(0, 16).tiles is None and concat_rows([qw, qw]).tiles is None
+
+
+@pytest.mark.skipif(not quant.available(), reason=f"quantized C kernel did not build: {quant.load_error()}")
+@pytest.mark.parametrize("fmt", ["int8", "q4_0", "q4_1", "q8_0"])
+def test_a_weight_kept_in_tiles_only_gives_back_every_row_and_the_same_products(fmt):
+    whole = with_tiles(_weight(fmt, 37, 96, 11))  # 3 tiles, the last with 11 padding rows
+    tiled = without_row_codes(whole)
+    assert not tiled.has_row_codes and tiled.shape == whole.shape and tiled.codes.numel() == 0
+    ids = torch.tensor([36, 0, 17, 17, 15, 16])
+    assert torch.equal(row_codes(tiled, ids), whole.codes[ids])
+    assert torch.equal(row_codes(tiled, slice(5, 33)), whole.codes[5:33])
+    assert torch.equal(dequantize(tiled), dequantize(whole))
+    assert torch.equal(quant.dequantize_bf16(tiled, 3, 30), quant.dequantize_bf16(whole, 3, 30))
+    x = torch.randn(9, 96)
+    assert torch.equal(quant.quant_gemm(x, tiled), quant.quant_gemm(x, whole))
+    for build in (lambda: tiled.rows(0, 16), lambda: tiled.columns(0, 32), lambda: with_tiles(tiled)):
+        with pytest.raises(ValueError, match="tiles only"):  # what needs the row-major codes says so
+            build()
+    with pytest.raises(ValueError, match="tiles only"):
+        quant.quant_linear(x, tiled)
 
 
 @pytest.mark.skipif(not quant.available(), reason=f"quantized C kernel did not build: {quant.load_error()}")

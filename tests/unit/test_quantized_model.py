@@ -13,6 +13,7 @@ from pagemesh.common.model_files import default_model_path
 from pagemesh.common.quantization import resolve_quantization
 from pagemesh.common.sampling import SamplingParams
 from pagemesh.kernels.cpu import quant
+from pagemesh.kernels.quantized import row_codes
 from pagemesh.tests.default_model import tokenizer
 from pagemesh.workers.engine.backend import select_backend
 from pagemesh.workers.engine.config import (
@@ -34,6 +35,7 @@ POSITIONS = 96  # per text, four texts
 # int8 at 93.5%, gguf at 94.3%: the floors leave room for a different CPU's rounding, not for a broken kernel (~0%)
 FLOOR = {"int8": 0.88, "gguf": 0.88}
 CPU = torch.device("cpu")
+ALL = slice(None)  # every row (a weight keeps its codes in its tiles only: kernels.quantized.row_codes)
 
 
 def _logits(model, integer_kernel: bool = True) -> torch.Tensor:
@@ -157,9 +159,9 @@ def test_a_pipeline_stage_takes_its_own_layers_gguf_blocks():
     stage = LlamaForCausalLM(cfg, ParallelContext(1, 2), range(1, 2))
     assert install_gguf_weights(stage, blocks) == 4  # layer 1: qkv, o_proj, down_proj (no gate/up given); LM head
     o_proj = stage.layers[0].self_attn.o_proj.packed
-    assert torch.equal(o_proj.codes, blocks["model.layers.1.self_attn.o_proj.weight"].codes[:, 64:])
+    assert torch.equal(row_codes(o_proj, ALL), blocks["model.layers.1.self_attn.o_proj.weight"].codes[:, 64:])
     qkv = stage.layers[0].self_attn.qkv_proj.packed
-    assert torch.equal(qkv.codes[:64], blocks["model.layers.1.self_attn.q_proj.weight"].codes[64:])
+    assert torch.equal(row_codes(qkv, slice(0, 64)), blocks["model.layers.1.self_attn.q_proj.weight"].codes[64:])
     assert stage.lm_head.packed is not None
 
 
@@ -204,7 +206,7 @@ def test_a_row_parallel_shard_off_the_blocks_is_refused_naming_the_layer():
     half = _shard(cfg, 1, 2)
     assert install_gguf_weights(half, blocks) == 1  # whole blocks: the second rank's are columns 96:192
     assert torch.equal(
-        half.layers[0].mlp.down_proj.packed.codes, blocks["model.layers.0.mlp.down_proj.weight"].codes[:, 96:]
+        row_codes(half.layers[0].mlp.down_proj.packed, ALL), blocks["model.layers.0.mlp.down_proj.weight"].codes[:, 96:]
     )
 
 

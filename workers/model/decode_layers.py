@@ -122,7 +122,10 @@ class DecodeLayers:
             return None
         from pagemesh.workers.model.layers import TILED_MIN_ROWS
 
-        kernels = binding.kernel_table(TILED_MIN_ROWS)
+        # a weight kept in its tiles only (quantization.without_row_codes) has no row-major codes
+        # for the plain kernel to read: the tiled GEMM takes every row count then
+        tiles_only = any(p.tiles is not None and not p.has_row_codes for p in linears)
+        kernels = binding.kernel_table(0 if tiles_only else TILED_MIN_ROWS)
         if kernels is None:
             return None
         layers = cls(model, kv_cache, kernels, kv_scales if kv_cache.dtype in FP8_DTYPES else None)

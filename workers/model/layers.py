@@ -256,7 +256,7 @@ def quantized_linear(
     if x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] >= DEQUANTIZE_MIN_ROWS:
         y = _dequantized_linear(x, qw, None if bias is None else bias.to(x.dtype))
         return y if out_dtype is None else y.to(out_dtype)
-    if qw.tiles is not None and x.shape[0] >= TILED_MIN_ROWS:
+    if qw.tiles is not None and (x.shape[0] >= TILED_MIN_ROWS or not qw.has_row_codes):
         return pagemesh.kernels.cpu.quant.quant_gemm(x, qw, bias, out_dtype)
     return pagemesh.kernels.cpu.quant.quant_linear(x, qw, bias, out_dtype)
 
@@ -318,12 +318,12 @@ def embedding_from_blocks(qw, ids: torch.Tensor, dtype: torch.dtype) -> torch.Te
     """The rows `ids` of a quantized table, widened in fp32 (`kernels.quantized.dequantize`, the
     kernels' reference) and rounded to `dtype`: the values `VocabEmbedding.look_up_in_blocks`
     checked against the dense table."""
-    from pagemesh.kernels.quantized import QuantizedWeight, dequantize
+    from pagemesh.kernels.quantized import QuantizedWeight, dequantize, row_codes
 
     flat = ids.reshape(-1)
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= qw.shape[0]):  # as F.embedding: no wrap-around
         raise IndexError(f"embedding: ids outside 0..{qw.shape[0] - 1}")
-    rows = QuantizedWeight(qw.format, qw.codes[flat], qw.scale[flat], qw.offset[flat])
+    rows = QuantizedWeight(qw.format, row_codes(qw, flat), qw.scale[flat], qw.offset[flat])
     return dequantize(rows).to(dtype).view(*ids.shape, qw.shape[1])
 
 

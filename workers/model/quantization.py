@@ -29,7 +29,7 @@ import logging
 import torch
 
 from pagemesh.kernels.gguf_conversions import fusable
-from pagemesh.kernels.quantized import BLOCK, QuantizedWeight, concat_rows, quantize_int8, with_tiles
+from pagemesh.kernels.quantized import BLOCK, QuantizedWeight, concat_rows, quantize_int8, with_tiles, without_row_codes
 from pagemesh.workers.model.layers import ColumnParallelLinear, RowParallelLinear, VocabEmbedding
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,8 @@ def _check_row_shard(quantization: str, name: str, m: RowParallelLinear) -> None
 
 def _install(m, qw: QuantizedWeight, release: bool) -> None:
     # a CPU weight also gets its copy tiled for the decode-batch GEMM (kernels.quantized.with_tiles)
-    m.packed = with_tiles(qw) if qw.codes.device.type == "cpu" else qw
+    # and holds its codes there only (the row-major copy rebuilt from the tiles where read)
+    m.packed = without_row_codes(with_tiles(qw)) if qw.codes.device.type == "cpu" else qw
     if release:
         m.weight.data = m.weight.data.new_empty(0)
 
