@@ -226,3 +226,6 @@ def test_a_tied_gguf_embedding_is_looked_up_in_the_heads_blocks_with_the_dense_t
             embed(bad)
     kept = load_model(default_model_path(), dtype, CPU)  # dense (no blocks): nothing to look up in
     assert kept.embed_tokens.look_up_in_blocks() is False and kept.embed_tokens.weight.shape == dense.shape
+    kept.embed_tokens.packed = model.lm_head.packed  # blocks whose values differ from the table somewhere
+    kept.embed_tokens.weight.data[0, 0] += 1.0
+    assert kept.embed_tokens.look_up_in_blocks() is False and kept.embed_tokens.weight.shape == dense.shape
