@@ -147,15 +147,18 @@ def row_codes(qw: QuantizedWeight, rows: torch.Tensor | slice) -> torch.Tensor:
         return qw.codes[rows].contiguous()
     if isinstance(rows, slice):  # a run of rows: its whole tiles turned back, a plain copy
         start, stop, step = rows.indices(qw.shape[0])
+        row_bytes = qw.shape[1] * qw.bits // 8
+        if step == 1 and stop <= start:
+            return qw.codes.new_empty(0, row_bytes)
         if step == 1:
-            first, last = start // TILE_N, max(start, (stop + TILE_N - 1) // TILE_N * TILE_N) // TILE_N
+            first, last = start // TILE_N, (stop + TILE_N - 1) // TILE_N
             # [T, K / 32, G, 16, 4] -> [T, 16, K / 32, G, 4], moving each row's 4 bytes as one int32
             words = qw.tiles.codes[first:last].view(torch.int32).squeeze(-1)
-            whole = words.permute(0, 3, 1, 2).contiguous().view(torch.uint8).reshape((last - first) * TILE_N, -1)
+            whole = words.permute(0, 3, 1, 2).contiguous().view(torch.uint8).reshape((last - first) * TILE_N, row_bytes)
             return whole[start - first * TILE_N : stop - first * TILE_N].contiguous()
     ids = torch.arange(qw.shape[0])[rows] if isinstance(rows, slice) else rows.reshape(-1)
     picked = qw.tiles.codes[ids // TILE_N, :, :, ids % TILE_N, :]  # [R, K / 32, G, 4]
-    return picked.reshape(ids.shape[0], -1)
+    return picked.reshape(ids.shape[0], qw.shape[1] * qw.bits // 8)
 
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:

@@ -161,6 +161,9 @@ def test_a_weight_kept_in_tiles_only_gives_back_every_row_and_the_same_products(
     ids = torch.tensor([36, 0, 17, 17, 15, 16])
     assert torch.equal(row_codes(tiled, ids), whole.codes[ids])
     assert torch.equal(row_codes(tiled, slice(5, 33)), whole.codes[5:33])
+    for empty in (slice(0, 0), slice(37, 37), torch.tensor([], dtype=torch.long)):  # no row: an empty [0, K bytes]
+        assert torch.equal(row_codes(tiled, empty), whole.codes[empty])
+    assert torch.equal(row_codes(tiled, slice(0, 37, 5)), whole.codes[0:37:5])
     assert torch.equal(dequantize(tiled), dequantize(whole))
     assert torch.equal(quant.dequantize_bf16(tiled, 3, 30), quant.dequantize_bf16(whole, 3, 30))
     x = torch.randn(9, 96)
