@@ -137,12 +137,12 @@ class ClusterCollector(Collector):
             (
                 "malformed",
                 "KV-cache event batches the scheduler could not read (that worker's keys dropped, a snapshot asked).",
-                status.kv_events_malformed,
+                status.kv_event_malformed,
             ),
             (
                 "resyncs",
                 "Snapshots of a worker's KV-cache keys the scheduler asked for (a gap or unreadable).",
-                status.kv_events_resyncs,
+                status.kv_event_resyncs,
             ),
         ):
             yield CounterMetricFamily(f"pagemesh_scheduler_kv_event_{name}", doc, value=value)

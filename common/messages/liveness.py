@@ -80,5 +80,5 @@ class ClusterStatus:
     migrations: int = 0  # requests re-placed after their worker was lost, since the scheduler started
     lora_adapters: list[LoRAAdapter] = field(default_factory=list)  # the adapters the mesh serves
     kv_event_batches: int = 0  # KVEventBatch messages the scheduler's prefix index applied, ever
-    kv_events_malformed: int = 0  # ... it could not read (each dropped that worker's keys and asked again)
-    kv_events_resyncs: int = 0  # snapshots it asked a worker for (a gap in the sequence, or unreadable)
+    kv_event_malformed: int = 0  # ... it could not read (each dropped that worker's keys and asked again)
+    kv_event_resyncs: int = 0  # snapshots it asked a worker for (a gap in the sequence, or unreadable)

@@ -99,8 +99,8 @@ class KVEventIndex:
         """ClusterStatus's counters of the index (exported by the gateway's /metrics)."""
         return {
             "kv_event_batches": self.applied,
-            "kv_events_malformed": self.malformed,
-            "kv_events_resyncs": self.resyncs,
+            "kv_event_malformed": self.malformed,
+            "kv_event_resyncs": self.resyncs,
         }
 
     def receive(self, identity: bytes, msg: KVEventBatch, now: float, out: list) -> None:

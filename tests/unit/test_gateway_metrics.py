@@ -130,8 +130,8 @@ STATUS = ClusterStatus(
     queued=5,
     migrations=2,
     kv_event_batches=40,
-    kv_events_malformed=1,
-    kv_events_resyncs=3,
+    kv_event_malformed=1,
+    kv_event_resyncs=3,
 )
 
 

@@ -145,7 +145,7 @@ def test_an_unreadable_payload_is_dropped_and_resyncs_without_harm():
     ]
     assert mesh.core.kv_events.malformed == 2
     status = mesh.core.status(T0)  # what the gateway's /metrics exports
-    assert (status.kv_event_batches, status.kv_events_malformed, status.kv_events_resyncs) == (2, 2, 2)
+    assert (status.kv_event_batches, status.kv_event_malformed, status.kv_event_resyncs) == (2, 2, 2)
     mesh.feed.resync()
     assert mesh.step() == [] and mesh.view == mesh.truth() == set(prefix_page_hashes(A, PAGE))
 

@@ -79,11 +79,7 @@ class KVEventFeed:
         _, tier = self.blocks.cached_keys()
         if not tier:
             return batch
-        size = self.blocks.page_size
-        found = [
-            BlockStored(tier[i : i + SNAPSHOT_KEYS], None, [], size, None, MEDIUM_CPU)
-            for i in range(0, len(tier), SNAPSHOT_KEYS)
-        ]
+        found = self._key_only(tier, MEDIUM_CPU)
         if batch is None:
             return EventBatch(time.time(), found)
         return EventBatch(batch.ts, [*found, *batch.events], batch.data_parallel_rank)
@@ -92,11 +88,17 @@ class KVEventFeed:
         self.next_seq = 0
         pool, tier = self.blocks.cached_keys()
         chunks: list[list[KVCacheEvent]] = [[AllBlocksCleared()]]
-        for medium, keys in ((MEDIUM_GPU, pool), (MEDIUM_CPU, tier)):
-            for i in range(0, len(keys), SNAPSHOT_KEYS):
-                stored = BlockStored(keys[i : i + SNAPSHOT_KEYS], None, [], self.blocks.page_size, None, medium)
-                if len(chunks) == 1 and len(chunks[0]) == 1:  # the first keys go with the AllBlocksCleared
-                    chunks[0].append(stored)
-                else:
-                    chunks.append([stored])
+        for stored in [*self._key_only(pool, MEDIUM_GPU), *self._key_only(tier, MEDIUM_CPU)]:
+            if len(chunks) == 1 and len(chunks[0]) == 1:  # the first keys go with the AllBlocksCleared
+                chunks[0].append(stored)
+            else:
+                chunks.append([stored])
         return [self._message(encode_batch(EventBatch(time.time(), events))) for events in chunks]
+
+    def _key_only(self, keys: list[int], medium: str) -> list[BlockStored]:
+        """Key-only BlockStored events of `keys` in `medium`, SNAPSHOT_KEYS keys each."""
+        size = self.blocks.page_size
+        return [
+            BlockStored(keys[i : i + SNAPSHOT_KEYS], None, [], size, None, medium)
+            for i in range(0, len(keys), SNAPSHOT_KEYS)
+        ]
