@@ -174,6 +174,14 @@ def main() -> None:
     log("all checks passed")
 
 
+# a prompt per fault, so the second stream's text differs from the first's: suffix speculation over
+# this server's earlier outputs would otherwise race through it before a heartbeat reports it
+PROMPTS = {
+    "docker kill": "Count from one upwards in words, without stopping.",
+    "crash": "Name the days of the week over and over, without stopping.",
+}
+
+
 def stream_outlives_its_decode_container(client, llm: str, base: str, decode: dict, args, how: str) -> None:
     """A long stream; the decode container that holds it goes, `how`:
     - "docker kill": Docker counts it as a manual stop and its restart policy leaves it stopped,
@@ -194,7 +202,7 @@ def stream_outlives_its_decode_container(client, llm: str, base: str, decode: di
         try:
             s = client.chat.completions.create(
                 model=llm,
-                messages=[{"role": "user", "content": "Count from one upwards in words, without stopping."}],
+                messages=[{"role": "user", "content": PROMPTS[how]}],
                 max_tokens=args.stream_tokens,
                 stream=True,
                 stream_options={"include_usage": True},
@@ -221,10 +229,17 @@ def stream_outlives_its_decode_container(client, llm: str, base: str, decode: di
         every=0.05,
     )
     assert th.is_alive(), f"the stream ended before its worker went: {result}"
+
+    def holders() -> list[str]:
+        """The decode workers the scheduler's /status shows running the stream (from heartbeats:
+        a fast stream can have its first chunks out before one reports it)."""
+        return [w for w, s in decode_workers(base).items() if s["running"] > 0 and s["produced"] > produced0[w]]
+
+    held = wait_for("a decode worker reporting the stream", lambda: holders() or not th.is_alive(), 30.0, every=0.05)
+    assert th.is_alive(), f"the stream ended before its worker went: {result}"
+    assert held is not True and len(held) == 1, f"which decode worker holds the stream? {decode_workers(base)}"
     workers = decode_workers(base)
-    holders = [w for w, s in workers.items() if s["running"] > 0 and s["produced"] > produced0[w]]
-    assert len(holders) == 1, f"which decode worker holds the stream? {workers}"
-    [victim] = holders
+    [victim] = held
     [survivor] = [w for w in workers if w != victim]
     container = decode[victim]
     restarts0 = int(inspect(container, "{{.RestartCount}}"))

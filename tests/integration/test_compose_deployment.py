@@ -37,4 +37,6 @@ def test_compose_builds_scales_survives_a_killed_decode_worker_and_comes_down():
     )
     log = done.stdout + done.stderr
     print(log[-20000:])  # the step timings (pytest shows it with -s or on a failure)
-    assert done.returncode == 0, log[-8000:]
+    # the check's own lines first (what failed, in which step), then the services' last logs
+    steps = "\n".join(line for line in log.splitlines() if line.startswith("[compose_check"))
+    assert done.returncode == 0, steps[-6000:] + "\n--- the end of the log ---\n" + log[-4000:]
