@@ -54,8 +54,9 @@ from pagemesh.common.sampling import SamplingParams
 # .chat_template_kwargs/.skip_special_tokens, SamplingParams.structured; 10: SamplingParams.lora;
 # 11: bytes fields, ImageInput, GenerateRequest.images, ScheduleRequest/GenerateTask/PrefillTask/DecodeTask.images,
 # TranscriptionRequest/Task/Result; 12: ResumedChoice, ResumeState.choices, GenerateTask.resumed_choices;
-# 13: SpeculationLoad.accepted_per_pos; 14: KVEventBatch and KVEventsResync in place of PrefixCacheUpdate
-PROTOCOL_VERSION = 15
+# 13: SpeculationLoad.accepted_per_pos; 14: KVEventBatch and KVEventsResync in place of PrefixCacheUpdate;
+# 15: ClusterStatus.kv_event_*; 16: PrefillTask/DecodeTask.output_token_ids (an exact resume)
+PROTOCOL_VERSION = 16
 
 MAX_STR_LEN = 4 << 20  # characters; a prompt of ~1M tokens of text fits
 MAX_TOKEN_IDS = 1 << 20  # length of any list[int] (token ids, page indices, shapes)

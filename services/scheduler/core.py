@@ -68,7 +68,7 @@ from pagemesh.services.scheduler.config import SchedulerConfig
 from pagemesh.services.scheduler.failures import Outputs, Placed, PlacedRequests
 from pagemesh.services.scheduler.kv_event_index import KVEventIndex
 from pagemesh.services.scheduler.loras import MeshAdapters
-from pagemesh.services.scheduler.migration import longest_resumed, migrations_of, resumed_choices, resumed_output
+from pagemesh.services.scheduler.migration import longest_resumed, migrations_of, resume_pairs, resumed_output
 from pagemesh.services.scheduler.placement import (
     Placer,
     embedding_workers,
@@ -385,10 +385,10 @@ class SchedulerCore:
             placement = self.placer.place(
                 alive(WorkerRole.PREFILL), alive(WorkerRole.DECODE), alive(WorkerRole.MIXED), entry.prompt
             )
-        else:  # migrated: with tokens, recomputed where it goes (no handoff); without, prefilled again
-            # if a prefill and a decode worker can take it; a lone decode worker will do as a mixed one
-            recomputes = resumed or resumed_choices(req)
-            pairs = ([], []) if recomputes else (alive(WorkerRole.PREFILL), alive(WorkerRole.DECODE))
+        else:  # migrated: an exact resume from the prefill worker that kept its pages, or recomputed
+            # where it goes (migration.py); a lone decode worker will do as a mixed one
+            keeper = self.requests.kept.get(req.request_id)
+            pairs = resume_pairs(req, keeper, alive(WorkerRole.PREFILL), alive(WorkerRole.DECODE))
             placement = self.placer.place(*pairs, self._resume_workers(now), entry.prompt)
         if placement is None:
             return False

@@ -8,7 +8,9 @@ and how each ends other than by running to its end on its workers.
         an image or a transcription (`Placed.retry`) ──▶ starts over: its queue entry is handed
             back (`take_restarted`), up to --max-migrations times, else fail
         cannot move (migration.py), or no decode/mixed worker left ──▶ fail
-        else ──▶ MigrateRequest to its tokenizer, abort at every holder
+        else ──▶ MigrateRequest to its tokenizer, abort at every holder (the prefill worker
+            that keeps its prompt's pages keeps them: migration.py)
+    a request ends (done, failed, aborted) ──▶ its kept prompt pages freed (AbortRequest to the keeper)
     fail = RequestFailed (503 worker_failure) to its tokenizer, abort at every holder
     refuse = RequestFailed (400, the field the worker named) for a request its worker refused
 
@@ -76,6 +78,9 @@ class PlacedRequests:
         self.wait_for_return = wait_for_return
         self._restarted: list[Queued] = []  # queue entries of lost workers' images and transcriptions
         self.placed: dict[str, Placed] = {}
+        # request -> the prefill worker that keeps its prompt's pages since their handoff (an
+        # exact resume, migration.py); told to free them (AbortRequest) when the request ends
+        self.kept: dict[str, str] = {}
         self.tokenizers: dict[str, bytes] = {}
         self.unreported: dict[str, list[RequestFailed | MigrateRequest]] = {}
 
@@ -87,29 +92,43 @@ class PlacedRequests:
         if placed is None:
             return
         placed.holders.discard(msg.worker_id)
+        if msg.reason is DoneReason.HANDED_OFF and msg.worker_id == placed.prefill:
+            self.kept[msg.request_id] = msg.worker_id
         if msg.reason is DoneReason.REJECTED:
             self.refuse(placed, msg.detail or "refused by its worker", out)
         elif msg.reason.failed:
             self.fail(placed, FAILURES[msg.reason], out)
         elif msg.reason is DoneReason.FINISHED and msg.worker_id == placed.prefill:
             self.abort_holders(placed, "finished at the first token", out)  # no handoff needed
-        if not placed.holders:
-            self.placed.pop(msg.request_id, None)
+        if not placed.holders and self.placed.pop(msg.request_id, None) is not None:
+            self.free_kept(msg.request_id, "the request ended", out)
 
     def abort(self, msg: AbortRequest, out: Outputs) -> None:
         """Abort a request at every worker holding it (a queued one is the caller's to drop)."""
         placed = self.placed.get(msg.request_id)
         if placed is not None:
             self.abort_holders(placed, msg.reason, out)
-        elif msg.worker_id in self.registry.workers:  # placed by an earlier scheduler process
-            out.append((msg.worker_id, AbortRequest(request_id=msg.request_id, reason=msg.reason)))
+        else:  # queued (a migrated one waiting for a worker keeps pages), or unknown here
+            self.free_kept(msg.request_id, msg.reason, out)
+            if msg.worker_id in self.registry.workers:  # placed by an earlier scheduler process
+                out.append((msg.worker_id, AbortRequest(request_id=msg.request_id, reason=msg.reason)))
 
-    def abort_holders(self, placed: Placed, reason: str, out: Outputs) -> None:
+    def abort_holders(self, placed: Placed, reason: str, out: Outputs, moves: bool = False) -> None:
+        """Abort the request at each of its holders and forget it; unless it `moves` (migrates),
+        its kept prompt pages are freed too."""
         rid = placed.request_id
         for wid in list(placed.holders):
             out.append((wid, AbortRequest(request_id=rid, reason=reason)))
             self.release(wid, rid)
         self.placed.pop(rid, None)
+        if not moves:
+            self.free_kept(rid, reason, out)
+
+    def free_kept(self, request_id: str, reason: str, out: Outputs) -> None:
+        """The prefill worker that keeps the request's prompt pages frees them (an AbortRequest)."""
+        keeper = self.kept.pop(request_id, None)
+        if keeper is not None and keeper in self.registry.workers:
+            out.append((keeper, AbortRequest(request_id=request_id, reason=reason)))
 
     def fail(self, placed: Placed, why: str, out: Outputs) -> None:
         """Tell the request's tokenizer it failed (or keep that until it pings), abort it everywhere."""
@@ -181,7 +200,9 @@ class PlacedRequests:
                 continue
             lost = sorted(placed.holders | {gone.worker_id})
             self.tell_tokenizer(placed.reply_to, MigrateRequest(request_id=rid, reason=why, lost_worker_ids=lost), out)
-            self.abort_holders(placed, why, out)
+            self.abort_holders(placed, why, out, moves=True)
+        if gone.role == WorkerRole.PREFILL:  # what it kept is gone with it
+            self.kept = {rid: keeper for rid, keeper in self.kept.items() if keeper != gone.worker_id}
 
     def take_restarted(self) -> list[Queued]:
         """The queue entries of the images and transcriptions whose worker was lost since the

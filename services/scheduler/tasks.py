@@ -38,14 +38,16 @@ def llm_tasks(
             images=req.images,
         )
         return [(worker.worker_id, task)]
+    skip = 0 if resumed else placement.skip_pages  # an exact resume sends every kept page (migration.py)
     decode = DecodeTask(
         request_id=req.request_id,
         prompt_token_ids=req.prompt_token_ids,
         sampling=req.sampling,
         reply_to=req.reply_to,
         prefill_worker_id=prefill.worker_id,
-        skip_pages=placement.skip_pages,
+        skip_pages=skip,
         images=req.images,
+        output_token_ids=resumed,  # an exact resume (migration.py): decoded again as given
     )
     prefill_task = PrefillTask(
         request_id=req.request_id,
@@ -55,8 +57,9 @@ def llm_tasks(
         decode_worker_id=worker.worker_id,
         decode_kv_endpoint=worker.kv_endpoint,
         queued_s=queued,
-        skip_pages=placement.skip_pages,
+        skip_pages=skip,
         images=req.images,
+        output_token_ids=resumed,  # an exact resume: the kept pages sent again
     )
     return [(worker.worker_id, decode), (prefill.worker_id, prefill_task)]
 

@@ -20,6 +20,8 @@ ENGINE_API = {
     "take_prefilled",
     "export_prefilled",
     "release_prefilled",
+    "keep_prefilled",
+    "resend_prefilled",
     "kv_layout",
     "pin_prefix_pages",
     "import_pages",

@@ -40,7 +40,10 @@ def test_a_handed_off_request_ends_when_the_decode_worker_finishes():
     placed_on_p0_d0(core)
     assert done(core, "p0", "r1", DoneReason.HANDED_OFF) == []
     assert core.placed["r1"].holders == {"d0"} and core.registry.workers["p0"].requests == set()
-    assert done(core, "d0", "r1", DoneReason.FINISHED) == []
+    # p0 kept the pages it sent (for an exact resume) until now: it frees them
+    assert done(core, "d0", "r1", DoneReason.FINISHED) == [
+        ("p0", AbortRequest(request_id="r1", reason="the request ended"))
+    ]
     assert core.placed == {} and core.registry.workers["d0"].requests == set()
     assert done(core, "d0", "r1", DoneReason.FINISHED) == []  # late or repeated: nothing to do
 

@@ -1,13 +1,17 @@
 """Request migration in the scheduler's core (no sockets, an injected clock): a lost worker's
 requests go back to their tokenizer to move, the resumed request is placed on one decode or mixed
-worker that recomputes its tokens, and what cannot move (too many moves, no worker left) fails
-with the OpenAI error."""
+worker that recomputes its tokens (or, handed off from a prefill worker still alive, to a decode
+worker paired with that prefill worker, which kept its pages: an exact resume), and what cannot
+move (too many moves, no worker left) fails with the OpenAI error."""
 
 from __future__ import annotations
+
+from unittest.mock import ANY
 
 from pagemesh.common.messages import (
     AbortRequest,
     DecodeTask,
+    DoneReason,
     GenerateTask,
     MigrateRequest,
     PrefillTask,
@@ -24,6 +28,7 @@ from pagemesh.tests.scheduler_harness import (
     TIMEOUT,
     TOK,
     TOK_OUT,
+    done,
     failed,
     heartbeat,
     new_core,
@@ -202,3 +207,56 @@ def test_a_worker_restarted_under_its_id_gets_the_request_back_to_recompute():
     out = register(core, "m0", now=T0 + 1, instance="m0-second")
     assert out[1] == (TOK, MigrateRequest(request_id="r1", reason="worker m0 restarted", lost_worker_ids=["m0"]))
     assert resume(core, "r1", [9], now=T0 + 1) == [("m0", resumed_task("r1", [9]))]
+
+
+def handed_off_on_p0(core, rid: str = "r1") -> tuple[str, str]:
+    """Place `rid` disaggregated (p0 and a decode worker) and finish its handoff: p0 keeps its
+    pages. Returns (its decode worker, the other decode worker)."""
+    out = schedule(core, rid)
+    assert [(dest, type(msg)) for dest, msg in out][1] == ("p0", PrefillTask)
+    holder = out[0][0]
+    assert done(core, "p0", rid, DoneReason.HANDED_OFF) == []
+    assert core.requests.kept == {rid: "p0"}
+    return holder, ({"d0", "d1"} - {holder}).pop()
+
+
+def test_a_handed_off_request_resumes_from_the_prefill_worker_that_kept_its_pages():
+    core = new_core()
+    for wid, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
+        register(core, wid, role)
+    victim, other = handed_off_on_p0(core)
+    keep_alive(core, T0 + 4, "p0", other)
+    out = core.tick(SILENT)
+    assert isinstance(out[0][1], MigrateRequest) and out[1:] == [(victim, AbortRequest(request_id="r1", reason=ANY))]
+    assert core.requests.kept == {"r1": "p0"}  # not freed: the request moves
+    out = resume(core, "r1", [5, 6, 7], now=SILENT)
+    (d_dest, decode), (p_dest, prefill) = out
+    assert (d_dest, p_dest) == (other, "p0")
+    assert isinstance(decode, DecodeTask) and isinstance(prefill, PrefillTask)
+    assert decode.output_token_ids == prefill.output_token_ids == [5, 6, 7]
+    assert decode.skip_pages == prefill.skip_pages == 0  # every kept page travels
+    assert (decode.prefill_worker_id, prefill.decode_worker_id) == ("p0", other)
+    # handed off again, then finished: p0 frees what it kept
+    assert done(core, "p0", "r1", DoneReason.HANDED_OFF, now=SILENT) == []
+    out = done(core, other, "r1", DoneReason.FINISHED, now=SILENT)
+    assert out == [("p0", AbortRequest(request_id="r1", reason="the request ended"))]
+    assert core.requests.kept == {} and core.placed == {}
+
+
+def test_kept_pages_are_freed_when_the_request_is_aborted_and_forgotten_when_their_keeper_is_lost():
+    core = new_core()
+    for wid, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
+        register(core, wid, role)
+    holder, _ = handed_off_on_p0(core, "r1")
+    out = core.handle(TOK, AbortRequest(request_id="r1", reason="client gone"), T0)
+    assert set(out) == {(w, AbortRequest(request_id="r1", reason="client gone")) for w in (holder, "p0")}
+    assert core.requests.kept == {}
+    # r2's keeper is lost (p0 silent): its decode worker lost next, r2 is recomputed on the other
+    victim, other = handed_off_on_p0(core, "r2")
+    keep_alive(core, T0 + 4, "d0", "d1")
+    assert core.tick(SILENT) == []  # p0 held no request any more: nothing moves, what it kept is gone
+    assert core.requests.kept == {}
+    keep_alive(core, SILENT + 4, other)
+    assert isinstance(core.tick(SILENT + TIMEOUT + 0.1)[0][1], MigrateRequest)
+    later = SILENT + TIMEOUT + 0.1
+    assert resume(core, "r2", [5], now=later) == [(other, resumed_task("r2", [5]))]

@@ -42,7 +42,7 @@ from pagemesh.workers.engine.engine_images import EngineImages
 from pagemesh.workers.engine.engine_setup import FirstRank, load_first_rank, model_tokenizer
 from pagemesh.workers.engine.forks import Forks, SeqGenerators
 from pagemesh.workers.engine.grammar_masks import GrammarMasks, PendingMasks
-from pagemesh.workers.engine.in_flight import surviving_rows
+from pagemesh.workers.engine.in_flight import pipelined_step
 from pagemesh.workers.engine.kv_handoff import HandoffPages, KVLayout, PageExport
 from pagemesh.workers.engine.kv_offload import offload_for_engine
 from pagemesh.workers.engine.kv_pool_size import kv_dtype, page_bytes, pages_from_budget
@@ -73,8 +73,10 @@ class Engine:
     Its contract with the worker process: `add_request` / `import_prefilled` / `abort` change
     what runs, `step` runs one iteration and returns each touched request's `RequestOutput`,
     `stalled` says the last step found work it could not place (pages held elsewhere), and a
-    prefill-only request's pages wait in `take_prefilled` until `release_prefilled`. The KV
-    handoff uses only its handoff API: `export_prefilled`, `release_prefilled` (prefill side);
+    prefill-only request's pages wait in `take_prefilled` until `keep_prefilled` (handed off:
+    kept for a migrated request's `resend_prefilled`) or `release_prefilled`. The KV handoff uses
+    only its handoff API: `export_prefilled`, `keep_prefilled`, `resend_prefilled`,
+    `release_prefilled` (prefill side);
     `kv_layout`, `pin_prefix_pages`, `import_pages`, `free_pages` (decode side).
 
     With `tensor_parallel_size` N > 1 this engine is rank 0: it loads its shard, starts the other
@@ -323,7 +325,7 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self.scheduler.in_flight is not None:
-            return self._pipelined_step()
+            return pipelined_step(self)
         self.images.stop_waiting(self.scheduler.waiting)
         plan = self.scheduler.schedule()
         self.stalled = plan.empty  # work is queued but nothing fits (pages held elsewhere)
@@ -334,39 +336,9 @@ class Engine:
             self.drafter.propose(plan)
         masks = self.grammar_masks.launch(plan)  # structured outputs: filled while the model runs
         ran = self.runner.launch(self.images.model_input(plan))
-        return self._apply(plan, plan, ran.result(), started, ran.pooled, masks)
+        return self.apply_step(plan, plan, ran.result(), started, ran.pooled, masks)
 
-    def _pipelined_step(self) -> list[RequestOutput]:
-        """With pipeline stages: launch the next micro-batch while there is room in the pipe
-        and something to plan (returning nothing yet), else wait for the oldest step in flight
-        and apply its output."""
-        steps = self.scheduler.in_flight
-        self.stalled = False
-        if not steps.full:
-            plan = self.scheduler.schedule()
-            if not plan.empty:
-                started = time.perf_counter()
-                steps.launch(plan, self.runner.launch(self.images.model_input(plan)), started)
-                if not steps.full:
-                    return []
-            elif plan.swap_out or plan.swap_discard:  # preempted with nothing to run: the moves still happen
-                self.runner.launch(self.images.model_input(plan))
-            self.stalled = plan.empty and not steps  # nothing runs and nothing fits
-        if not steps:
-            return []
-        step = steps.oldest()
-        waiting = time.perf_counter()
-        logits = step.handle.result()
-        steps.wait_seconds += time.perf_counter() - waiting
-        self.scheduler.step_returned(step.plan)
-        plan = step.plan
-        survivors = surviving_rows(plan)  # an abort while in flight: its rows are dropped
-        if survivors is not None:
-            plan, rows = survivors
-            logits = logits[rows]
-        return self._apply(step.plan, plan, logits, step.started)
-
-    def _apply(
+    def apply_step(
         self,
         ran: StepPlan,
         plan: StepPlan,
@@ -410,8 +382,16 @@ class Engine:
         return self.handoff_pages.export_pages(result, skip_pages)
 
     def release_prefilled(self, request_id: str) -> None:
-        """The transfer is over (acknowledged, failed or timed out): free the held pages."""
+        """The transfer failed or timed out, or the request ended: free its pages, held or kept."""
         self.handoff.release(request_id)
+
+    def keep_prefilled(self, request_id: str) -> None:
+        """The transfer was acknowledged: keep the pages for `resend_prefilled` (prefilled.py)."""
+        self.handoff.keep(request_id)
+
+    def resend_prefilled(self, request_id: str, prompt_token_ids: Seq[int]) -> bool:
+        """A migrated request: hold its kept pages again for `export_prefilled`; False if none are kept."""
+        return self.handoff.resend(request_id, prompt_token_ids)
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -438,6 +418,7 @@ class Engine:
         rank_sent_scales: list[list[float]],
         prefix_pages: Seq[int] = (),
         images: Seq[ImageInput] = (),
+        replay: Seq[int] = (),
     ) -> None:
         """Decode side: `import_prefilled` with the received pages: `rank_pages[r]` holds rank
         r's layers ([n, 2, S, its KV heads, D] each) of the prompt's pages after `prefix_pages`,
@@ -448,7 +429,9 @@ class Engine:
         def write(table: list[int]) -> None:
             self.handoff_pages.write_pages(table, rank_pages, rank_sent_scales)
 
-        self.import_prefilled(request_id, prompt_token_ids, params, first_token_ids, write, prefix_pages, images)
+        self.import_prefilled(
+            request_id, prompt_token_ids, params, first_token_ids, write, prefix_pages, images, replay
+        )
 
     def import_prefilled(
         self,
@@ -459,9 +442,12 @@ class Engine:
         write_pages: Callable[[list[int]], None],
         prefix_pages: Seq[int] = (),
         images: Seq[ImageInput] = (),
+        replay: Seq[int] = (),
     ) -> None:
         """Decode side: continue a request prefilled elsewhere (`images`: its prompt's, which key
-        its pages and run again in a recompute). `prefix_pages` are leading
+        its pages and run again in a recompute; `replay`: a migrated request's tokens after its
+        first, streamed already, which its one choice decodes again as given, reporting none:
+        `Sequence.replay`). `prefix_pages` are leading
         prompt pages this pool already holds (references taken with `pin_prefix_pages`; the engine
         owns them from here on, also when this raises). Allocates the rest of the prompt's pages,
         calls `write_pages(new_pages)` to fill them, publishes the prompt's full pages to the
@@ -480,6 +466,7 @@ class Engine:
             prefix_root=root,
             images=images,
             mrope=mrope,
+            replay=replay,
         )
         if req is not None:
             self.requests[request_id] = req

@@ -19,11 +19,13 @@ Preemption never picks a busy sequence as its victim (`Scheduler`).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pagemesh.workers.engine.engine import Engine
     from pagemesh.workers.engine.scheduler import StepPlan
     from pagemesh.workers.engine.sequence import Sequence
 
@@ -123,3 +125,34 @@ def surviving_rows(plan: StepPlan) -> tuple[StepPlan, list[int]] | None:
         num_prompt += n_prompt
     rows = sampled + [num_sampled + r for r in prompt]
     return replace(plan, chunks=kept, num_decodes=num_decodes), rows
+
+
+def pipelined_step(engine: Engine) -> list:
+    """`Engine.step` with pipeline stages: launch the next micro-batch while there is room in
+    the pipe and something to plan (returning nothing yet), else wait for the oldest step in
+    flight and apply its output (its `RequestOutput`s)."""
+    steps = engine.scheduler.in_flight
+    engine.stalled = False
+    if not steps.full:
+        plan = engine.scheduler.schedule()
+        if not plan.empty:
+            started = time.perf_counter()
+            steps.launch(plan, engine.runner.launch(engine.images.model_input(plan)), started)
+            if not steps.full:
+                return []
+        elif plan.swap_out or plan.swap_discard:  # preempted with nothing to run: the moves still happen
+            engine.runner.launch(engine.images.model_input(plan))
+        engine.stalled = plan.empty and not steps  # nothing runs and nothing fits
+    if not steps:
+        return []
+    step = steps.oldest()
+    waiting = time.perf_counter()
+    logits = step.handle.result()
+    steps.wait_seconds += time.perf_counter() - waiting
+    engine.scheduler.step_returned(step.plan)
+    plan = step.plan
+    survivors = surviving_rows(plan)  # an abort while in flight: its rows are dropped
+    if survivors is not None:
+        plan, rows = survivors
+        logits = logits[rows]
+    return engine.apply_step(step.plan, plan, logits, step.started)

@@ -4,7 +4,9 @@ handoff_in.py, through the Engine's handoff API: kv_handoff.py).
 
     prefill side:  admit(prefill_only) → first token(s) sampled → `hold`: the prompt's pages
                    are kept (one reference) and the choices leave scheduling → `take` → transfer →
-                   `release`
+                   acknowledged: `keep` (the pages stay until the scheduler says the request
+                   ended, or the oldest go past `max_kept_pages`), else `release`
+                   a migrated request: `resend` holds its kept pages again → `take` → transfer
     decode side:   `import_request`: take pages, have the caller write them, start every choice
                    from its first token
 """
@@ -12,6 +14,7 @@ handoff_in.py, through the Engine's handoff API: kv_handoff.py).
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Callable, Container
 from collections.abc import Sequence as Seq
 
@@ -26,6 +29,9 @@ from pagemesh.workers.engine.scheduler import Scheduler
 from pagemesh.workers.engine.sequence import EngineRequest, Sequence
 from pagemesh.workers.engine.stopping import StopRules
 from pagemesh.workers.engine.validation import RequestValidator
+
+# at most this share of a prefill worker's pool is kept for the resume of handed-off requests
+KEPT_POOL_FRACTION = 0.25
 
 
 class PrefillHandoff:
@@ -48,6 +54,11 @@ class PrefillHandoff:
         self.generators = generators
         self.stops = stops
         self.held: dict[str, PrefillResult] = {}  # prefill-only requests awaiting transfer
+        # handed off and acknowledged, kept for an exact resume should the decode worker die (the
+        # scheduler aborts them here when the request ends), oldest first; at most `max_kept_pages`
+        self.kept: OrderedDict[str, PrefillResult] = OrderedDict()
+        self.kept_pages = 0
+        self.max_kept_pages = int(blocks.num_usable_pages * KEPT_POOL_FRACTION)
 
     # ---- prefill side ---------------------------------------------------------------------
     def hold(self, req: EngineRequest) -> None:
@@ -71,10 +82,39 @@ class PrefillHandoff:
         return self.held.get(request_id)
 
     def release(self, request_id: str) -> None:
-        """The transfer is over (acknowledged, failed or timed out): free the held pages."""
-        held = self.held.pop(request_id, None)
+        """The transfer is over (failed or timed out) or the request ended: free its pages,
+        held or kept."""
+        held = self.held.pop(request_id, None) or self._unkeep(request_id)
         if held is not None:
             self.blocks.free_table(held.block_table)
+
+    def keep(self, request_id: str) -> None:
+        """The transfer was acknowledged: the pages stay, as the decode worker first read them,
+        for `resend`; the oldest kept are freed past `max_kept_pages` (none kept if that is 0)."""
+        held = self.held.pop(request_id, None)
+        if held is None:
+            return
+        self.kept[request_id] = held
+        self.kept_pages += len(held.block_table)
+        while self.kept and self.kept_pages > self.max_kept_pages:
+            self.blocks.free_table(self._unkeep(next(iter(self.kept))).block_table)
+
+    def resend(self, request_id: str, prompt_token_ids: Seq[int]) -> bool:
+        """A migrated request: hold its kept pages again for a transfer (`take`), as after its
+        prefill; False (and nothing kept any more) unless they are of the same prompt."""
+        kept = self._unkeep(request_id)
+        if kept is not None and list(kept.prompt_token_ids) == list(prompt_token_ids):
+            self.held[request_id] = kept
+            return True
+        if kept is not None:
+            self.blocks.free_table(kept.block_table)
+        return False
+
+    def _unkeep(self, request_id: str) -> PrefillResult | None:
+        kept = self.kept.pop(request_id, None)
+        if kept is not None:
+            self.kept_pages -= len(kept.block_table)
+        return kept
 
     # ---- decode side ----------------------------------------------------------------------
     def import_request(
@@ -89,12 +129,15 @@ class PrefillHandoff:
         prefix_root: int | None = None,
         images: Seq[ImageInput] = (),
         mrope: MRopePositions | None = None,
+        replay: Seq[int] = (),
     ) -> EngineRequest | None:
         """See `Engine.import_prefilled`. Returns the new request, or None when every choice's
         first token already ended it (`running`: the ids of the engine's live requests;
         `prefix_root`: its LoRA adapter's prefix-cache root, as `Sequence.prefix_root`)."""
         table = list(prefix_pages)
         try:
+            if replay and len(first_token_ids) != 1:
+                raise ValueError("kv: tokens to replay for a request of several choices")
             if params.lora is not None and not self.scheduler.loras.has_room(params.lora):
                 raise ValueError(f"lora: every one of the {self.scheduler.loras.max_loras} adapter slots is in use")
             self.grammar_masks.start(params)  # the grammar compiles (the gateway checked it; cached here)
@@ -124,6 +167,7 @@ class PrefillHandoff:
                 prefix_root=prefix_root,
                 images=list(images),
                 mrope=mrope,
+                replay=list(replay),
             )
             gen = self.generators.new(params, index)
             if gen is not None:  # the prefill worker drew the first token from this stream

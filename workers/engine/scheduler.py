@@ -255,7 +255,7 @@ class Scheduler:
         opted out, beam search, or a sequence that has not sampled its first token yet (its
         n > 1 siblings fork from it; a prefill-only request stops after it)."""
         p = seq.sampling
-        if seq.num_output_tokens == 0 or seq.pending_forks or not self.speculator.request_allows(p):
+        if seq.num_output_tokens == 0 or seq.pending_forks or seq.replay or not self.speculator.request_allows(p):
             return []
         if seq.spec_cooldown > 0:  # its last drafts were all rejected (free text): back off a while
             seq.spec_cooldown -= 1

@@ -73,6 +73,10 @@ class Sequence:
     mrope: MRopePositions | None = None  # an M-RoPE model's image prompt (Qwen2-VL): its positions
     images_pending: set[str] = field(default_factory=set)  # digests whose rows an encoder worker sends: it waits
     images_wait_until: float = 0.0  # monotonic time after which it stops waiting and encodes them here
+    # a migrated request's tokens still to decode again (an exact resume): each decode step
+    # takes the next as its sampled token and reports nothing, so the K/V of each is computed by
+    # a decode step as when it was first made (`StepUpdate`; no drafts meanwhile)
+    replay: list[int] = field(default_factory=list)
     _prompt_hash_ids: list[int] | None = None
 
     @property
@@ -134,6 +138,12 @@ class Sequence:
         self.new_token_ids.append(token_id)
         if logprobs is not None:
             self.new_logprobs.append(logprobs)
+
+    def replay_token(self) -> int:
+        """The next token to decode again, appended as given: streamed already, not reported."""
+        token = self.replay.pop(0)
+        self.token_ids.append(token)
+        return token
 
     def take_new_tokens(self) -> tuple[list[int], list[TokenLogprob]]:
         ids, lps = self.new_token_ids, self.new_logprobs

@@ -102,9 +102,12 @@ class StepUpdate:
             for seq, k, gen in owners
         ]
         for (seq, _, _), target, (token, lp) in zip(owners, targets, results):
-            if lp is not None:
-                target.cumulative_logprob += lp.logprob
-            target.append_token(token, lp if seq.sampling.logprobs is not None else None)
+            if target.replay:  # a migrated request's token, made before: its draw is spent, the token given
+                token = target.replay_token()
+            else:
+                if lp is not None:
+                    target.cumulative_logprob += lp.logprob
+                target.append_token(token, lp if seq.sampling.logprobs is not None else None)
             if target.grammar is not None:
                 target.grammar.consume_token(token)
             self.stops.check(target)

@@ -119,15 +119,20 @@ class HandoffIn:
             del pinned[skip:]
             rank_pages = [p.decode_tensor_frames(*entry.parts[key]) for key in keys]
             prefix, pinned = pinned, []
+            # a migrated request (`output_token_ids`): its own first token, not the sender's (a
+            # prefill worker that kept no pages prefilled again and sampled anew), then the rest
+            # decoded again one step each as given: the decode steps that first made them
+            resumed = list(task.output_token_ids)
             self.engine.import_pages(
                 request_id,
                 list(task.prompt_token_ids),
                 task.sampling,
-                list(header.first_token_ids),
+                resumed[:1] or list(header.first_token_ids),
                 rank_pages,
                 [headers[k].kv_scales for k in keys],
                 prefix,
                 task.images,
+                replay=resumed[1:],
             )
         except Exception as e:  # a bad transfer must not take the worker down
             error = f"{type(e).__name__}: {e}"

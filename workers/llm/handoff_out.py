@@ -1,7 +1,10 @@
 """The prefill side of the KV handoff: the one owner of a sent request's pages (workers/llm/handoff.py
 draws both sides). The engine holds the prompt's pages from its first token on; this module asks
 it for copies of the pages the decode worker lacks, sends them, and has the engine release them
-when the decode worker acknowledges or the deadline passes.
+when the decode worker acknowledges or the deadline passes. Acknowledged pages are kept (up to a
+quarter of the pool, the oldest freed first) until the scheduler aborts the request here at its
+end: if the decode worker dies, a migrated request's PrefillTask (`output_token_ids`) sends the
+same pages to the next one (`resend`), so that its prompt's K/V is the bits the first one read.
 
     prefill pool kv[L, P, 2, S, H, D] --Engine.export_prefilled(skip)--> [L, n, 2, S, H, D] per rank
        --pack_export--> KVPagesHeader + one tensor frame per layer, per rank ==> decode worker
@@ -41,8 +44,8 @@ class _Outgoing:
 
 
 class HandoffOut:
-    """Sends each prefilled request's pages to its decode worker and has the engine release them
-    when the decode worker acknowledges (or the deadline passes)."""
+    """Sends each prefilled request's pages to its decode worker; has the engine keep them when
+    the decode worker acknowledges, release them when it refuses or the deadline passes."""
 
     def __init__(self, ctx: WorkerContext, engine: Engine, timeout: float, on_done: Callable[[str, DoneReason], None]):
         self.ctx, self.engine, self.timeout = ctx, engine, timeout
@@ -55,6 +58,15 @@ class HandoffOut:
 
     def expect(self, request_id: str, endpoint: str, skip_pages: int) -> None:
         self.targets[request_id] = (endpoint, skip_pages)
+
+    def resend(self, request_id: str, prompt_token_ids: list[int], endpoint: str, skip_pages: int) -> bool:
+        """A migrated request (PrefillTask.output_token_ids): send the pages kept of its first
+        prefill, the bits its lost decode worker read, to the new one; False if none are kept."""
+        if not self.engine.resend_prefilled(request_id, prompt_token_ids):
+            return False
+        self.expect(request_id, endpoint, skip_pages)
+        asyncio.ensure_future(self.send(request_id))
+        return True
 
     def has_pages(self, request_id: str) -> bool:
         """The engine holds this finished request's pages for the transfer."""
@@ -85,7 +97,10 @@ class HandoffOut:
     def _acknowledged(self, ack: KVPagesAck) -> None:
         if self.outgoing.pop(ack.request_id, None) is None:
             return
-        self.engine.release_prefilled(ack.request_id)
+        if ack.ok:  # kept for an exact resume until the scheduler says the request ended
+            self.engine.keep_prefilled(ack.request_id)
+        else:
+            self.engine.release_prefilled(ack.request_id)
         self.on_done(ack.request_id, DoneReason.HANDED_OFF if ack.ok else DoneReason.KV_REJECTED)
         if not ack.ok:
             self.ctx.log.warning("decode worker refused pages", request_id=ack.request_id, error=ack.error)

@@ -4,7 +4,8 @@
     mixed or GenerateTask(pooling): an embedding ─▶ engine, prefill only ─▶ its vector in an
     prefill  EmbeddingBatch (one per step per destination); its pages are freed at once
     prefill  PrefillTask  ─▶ engine, prefill only ─▶ first token(s) at once, then HandoffOut
-                             sends the prompt's pages to the decode worker
+                             sends the prompt's pages to the decode worker, and keeps them
+                             until the request ends (a migrated request's resend)
     decode   DecodeTask   ─▶ HandoffIn pins the cached prefix, awaits the pages, imports them
                              into the engine ─▶ decodes, TokenDeltaBatch per step
 
@@ -18,6 +19,7 @@ publishes with --kv-events-config.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from pagemesh.common.messages import (
@@ -109,8 +111,16 @@ class LLMWorker:
                 self.ctx.log.warning("decode task for a worker without a KV address", request_id=task.request_id)
                 return self.ctx.done(task.request_id, DoneReason.REJECTED, "this worker takes no KV pages")
             return self.incoming.task(task)
+        resumed_prefill = isinstance(task, PrefillTask) and bool(task.output_token_ids)
+        if resumed_prefill and self.out.resend(
+            task.request_id, task.prompt_token_ids, task.decode_kv_endpoint, task.skip_pages
+        ):
+            return  # its kept pages go to the new decode worker; no token is reported from here
         self.scheduler_queued[task.request_id] = task.queued_s
         prefill_only = isinstance(task, PrefillTask)
+        sampling = task.sampling
+        if resumed_prefill:  # none kept: prefilled again for its pages, its first token not reported
+            sampling = dataclasses.replace(sampling, ignore_eos=True, stop_token_ids=())
         try:
             resumed = task.output_token_ids if isinstance(task, GenerateTask) else ()  # migrated here
             if isinstance(task, GenerateTask) and task.pooling is not None:
@@ -121,7 +131,7 @@ class LLMWorker:
                 self.engine.admit(  # checked at the gateway and the tokenizer
                     task.request_id,
                     task.prompt_token_ids,
-                    task.sampling,
+                    sampling,
                     prefill_only=prefill_only,
                     output_token_ids=resumed,
                     images=task.images,
@@ -138,7 +148,8 @@ class LLMWorker:
             return
         if prefill_only:
             self.out.expect(task.request_id, task.decode_kv_endpoint, task.skip_pages)
-        self._started(task.request_id, task.reply_to, len(task.prompt_token_ids))
+        if not resumed_prefill:  # (a resumed one's tokenizer hears of it from its new decode worker)
+            self._started(task.request_id, task.reply_to, len(task.prompt_token_ids))
 
     def abort(self, request_id: str) -> None:
         reply_to = self.reply_to.get(request_id)

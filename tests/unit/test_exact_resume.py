@@ -1,0 +1,148 @@
+"""An exact resume through the engine's handoff API (services/scheduler/migration.py): the
+prefill engine keeps a handed-off request's pages after the acknowledgement, sends the same bits
+again for a migrated request, and a second decode engine decodes the tokens streamed before the
+loss again, one step each as given (`replay`), reporting none of them. What it then generates,
+and the logprob of each token, is what the lost decode engine would have given: greedy, and
+seeded sampling whose draws go on where they were. Kept pages are freed when the request ends,
+and the oldest go first past the engine's cap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagemesh.common.sampling import SamplingParams
+
+PAGE = 4
+TOKENS = 24  # generated in all
+LOST_AT = 9  # tokens streamed (first one included) when the decode engine is lost
+GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=2)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=77, max_tokens=TOKENS, ignore_eos=True, logprobs=2)
+PROMPT = [(13 * i) % 250 + 1 for i in range(14)]  # 3 full pages and a partial one
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from pagemesh.common.model_config import ModelConfig
+    from pagemesh.workers.model.loader import build_random_model
+
+    cfg = ModelConfig(
+        architecture="llama",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    return build_random_model(cfg, torch.float32, torch.device("cpu"), seed=9)
+
+
+def make_engine(model, num_pages=64):
+    from pagemesh.workers.engine.config import EngineConfig
+    from pagemesh.workers.engine.engine import Engine
+
+    config = EngineConfig(
+        dtype="float32", device="cpu", page_size=PAGE, num_pages=num_pages, max_model_len=256, cuda_graphs=False
+    )
+    return Engine(config, model=model)
+
+
+def prefill(p_engine, rid, prompt, params):
+    p_engine.add_request(rid, prompt, params, prefill_only=True)
+    while p_engine.take_prefilled(rid) is None:
+        p_engine.step()
+    return p_engine.export_prefilled(rid)
+
+
+def import_export(d_engine, rid, prompt, params, export, first, replay=()):
+    [rank] = export.ranks
+    d_engine.import_pages(rid, prompt, params, first, [list(rank.pages.unbind(0))], [[]], (), replay=replay)
+
+
+def decode(d_engine, until: int | None = None) -> tuple[list[int], list[float]]:
+    """Step until the engine is done (or `until` tokens came): the tokens and logprobs reported."""
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    while d_engine.has_unfinished() and (until is None or len(tokens) < until):
+        for out in d_engine.step():
+            for so in out.outputs:
+                tokens += so.new_token_ids
+                logprobs += [lp.logprob for lp in so.logprobs]
+    return tokens, logprobs
+
+
+def all_free(engine) -> None:
+    engine.blocks.check_invariants(live_tables=[])
+    assert engine.blocks.num_free_pages == engine.blocks.num_usable_pages
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_resumed_request_goes_on_with_the_lost_engines_tokens_and_logprobs(tiny_model, params):
+    # the run without a fault
+    p_engine = make_engine(tiny_model)
+    export = prefill(p_engine, "ref", PROMPT, params)
+    p_engine.release_prefilled("ref")
+    reference = make_engine(tiny_model)
+    import_export(reference, "ref", PROMPT, params, export, export.first_token_ids)
+    ref_tokens, ref_logprobs = decode(reference)
+    ref_tokens = export.first_token_ids + ref_tokens
+    assert len(ref_tokens) == TOKENS
+
+    # the same request, its decode engine lost after LOST_AT tokens
+    p_engine = make_engine(tiny_model)
+    first = prefill(p_engine, "r", PROMPT, params)
+    lost = make_engine(tiny_model)
+    import_export(lost, "r", PROMPT, params, first, first.first_token_ids)
+    streamed = first.first_token_ids + decode(lost, until=LOST_AT - 1)[0]
+    assert streamed == ref_tokens[:LOST_AT]
+    p_engine.keep_prefilled("r")  # acknowledged: kept
+    kept = p_engine.blocks.num_usable_pages - p_engine.blocks.num_free_pages
+    assert kept == -(-len(PROMPT) // PAGE)
+
+    # the resume: the same pages again, the streamed tokens decoded again as given
+    assert p_engine.resend_prefilled("r", PROMPT)
+    again = p_engine.export_prefilled("r")
+    assert torch.equal(again.ranks[0].pages, first.ranks[0].pages)
+    new = make_engine(tiny_model)
+    import_export(new, "r", PROMPT, params, again, streamed[:1], replay=streamed[1:])
+    tokens, logprobs = decode(new)
+    assert streamed + tokens == ref_tokens  # nothing repeated or lost, the same tokens
+    assert logprobs == ref_logprobs[LOST_AT - 1 :]  # and the same numbers, bit for bit
+    p_engine.keep_prefilled("r")
+    p_engine.release_prefilled("r")  # the request ended: the scheduler's abort frees the kept pages
+    all_free(p_engine)
+    all_free(new)
+
+
+def test_kept_pages_are_capped_oldest_first_and_a_resend_checks_the_prompt(tiny_model):
+    p_engine = make_engine(tiny_model, num_pages=32)
+    pages = -(-len(PROMPT) // PAGE)
+    p_engine.handoff.max_kept_pages = 2 * pages  # room for two requests' pages
+    for rid in ("a", "b", "c"):
+        prefill(p_engine, rid, PROMPT, GREEDY)
+        p_engine.keep_prefilled(rid)
+    assert list(p_engine.handoff.kept) == ["b", "c"]  # "a", the oldest, was freed
+    assert p_engine.blocks.num_usable_pages - p_engine.blocks.num_free_pages <= 2 * pages
+    assert not p_engine.resend_prefilled("a", PROMPT)  # none kept
+    assert not p_engine.resend_prefilled("b", PROMPT[:-1])  # another prompt: freed, not sent
+    assert p_engine.resend_prefilled("c", PROMPT)
+    p_engine.release_prefilled("c")
+    all_free(p_engine)
+
+
+def test_replay_is_refused_for_several_choices(tiny_model):
+    p_engine = make_engine(tiny_model)
+    params = SamplingParams(temperature=0, max_tokens=8, n=2, ignore_eos=True)
+    export = prefill(p_engine, "n2", PROMPT, params)
+    d_engine = make_engine(tiny_model)
+    with pytest.raises(ValueError, match="several choices"):
+        import_export(d_engine, "n2", PROMPT, params, export, export.first_token_ids, replay=[5])
+    all_free(d_engine)
+    p_engine.release_prefilled("n2")
+    all_free(p_engine)
