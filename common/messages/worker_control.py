@@ -62,9 +62,9 @@ class GenerateTask:
 @message
 class PrefillTask:
     """Scheduler -> prefill worker: run the prompt, send the first token to `reply_to` and the
-    KV pages to the decode worker at `decode_kv_endpoint`. A migrated request brings
-    `output_token_ids` (an exact resume, docs/architecture.md): the worker sends the pages it kept
-    of this request's first prefill (or, if it kept none, prefills again) and reports no token."""
+    KV pages to the decode worker at `decode_kv_endpoint`. A migrated request comes `resumed`
+    (an exact resume, docs/architecture.md): the worker sends the pages it kept of this
+    request's first prefill (or, if it kept none, prefills again) and reports no token."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -76,7 +76,7 @@ class PrefillTask:
     skip_pages: int = 0  # leading prompt pages the decode worker already holds: not sent
     images: list[ImageInput] = field(default_factory=list)  # a multimodal prompt's images
     encoder_id: str = ""  # the encoder worker pushing the images' rows here ("": encode them here)
-    output_token_ids: list[int] = field(default_factory=list)  # a migrated request's tokens: resend, report none
+    resumed: bool = False  # a migrated request: its kept pages sent again, no token reported
 
     def _check(self) -> None:
         _check_skip("PrefillTask", self.skip_pages)
@@ -88,8 +88,9 @@ class DecodeTask:
     """Scheduler -> decode worker: allocate pages, await KV from `prefill_worker_id`, decode.
     The first `skip_pages` prompt pages will not come: the worker takes them from its own
     prefix cache (and refuses the transfer if it no longer holds them). A migrated request brings
-    `output_token_ids`, streamed already: the worker decodes them again one step each, as they
-    were first decoded, taking each as given (nothing reported), then generates on after them."""
+    `output_token_ids` (or, of several choices, each unfinished choice's: `resumed_choices`),
+    streamed already: the worker decodes them again one step each, as they were first decoded,
+    taking each as given (nothing reported), then generates on after them."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -99,10 +100,15 @@ class DecodeTask:
     skip_pages: int = 0
     images: list[ImageInput] = field(default_factory=list)  # its prompt's images: keys its pages, runs a recompute
     output_token_ids: list[int] = field(default_factory=list)  # a migrated request's tokens: replayed, not reported
+    resumed_choices: list[ResumedChoice] = field(default_factory=list)  # a migrated request of n > 1
 
     def _check(self) -> None:
         _check_skip("DecodeTask", self.skip_pages)
         check_images(self.images, len(self.prompt_token_ids), "DecodeTask")
+        if self.output_token_ids and self.resumed_choices:
+            raise ProtocolError("DecodeTask: output_token_ids (one choice) or resumed_choices (several), not both")
+        if any(not c.output_token_ids for c in self.resumed_choices):
+            raise ProtocolError("DecodeTask.resumed_choices: each choice brings its tokens")
 
 
 @record

@@ -12,14 +12,15 @@ move is the tokenizer's call, which knows what was streamed: one choice moves wi
 client received; several choices (n > 1) each move with theirs (the finished ones stay done);
 best_of and beams (nothing streamed until the end) start over. Pure logic.
 
-An exact resume (one choice, handed off from a prefill worker that is still alive): the prefill
+An exact resume (handed off from a prefill worker that is still alive): the prefill
 worker kept the prompt's pages it sent (workers/llm/handoff_out.py), so the request goes to a
 decode worker paired with that prefill worker, which sends the same pages again, every one
 (`skip_pages` 0: the new decode worker's cached copies may be other bits); the decode worker
-decodes the generated tokens again one step each, as given (Sequence.replay). The K/V it then
-holds is the bits the lost worker held, so a greedy or seeded stream goes on as it would have
-(decode steps are batch-invariant by default: docs/perf/batch_invariance.md). Otherwise (several
-choices, no keeper alive) it is recomputed whole where it goes, as before.
+decodes the generated tokens again one step each, as given (Sequence.replay; each unfinished
+choice its own). The K/V it then holds is the bits the lost worker held, so a greedy or seeded
+stream goes on as it would have (decode steps are batch-invariant by default:
+docs/perf/batch_invariance.md). Otherwise (no keeper alive, a mixed pool) it is recomputed whole
+where it goes.
 """
 
 from __future__ import annotations
@@ -67,12 +68,14 @@ def resume_pairs(
     request: ScheduleRequest, keeper: str | None, prefill: list[WorkerInfo], decode: list[WorkerInfo]
 ) -> tuple[list[WorkerInfo], list[WorkerInfo]]:
     """The prefill and decode workers a migrated request may be placed on as a pair (both empty:
-    on one decode or mixed worker, which recomputes it). With generated tokens: only the alive
-    prefill worker that keeps its prompt's pages (`keeper`, by id), for an exact resume; without
-    (it moved before its first token): any pair, prefilled again."""
-    if resumed_choices(request):
-        return [], []
-    if resumed_output(request):
+    on one decode or mixed worker, which recomputes it). With generated tokens (its one choice's,
+    or each unfinished choice's): only the alive prefill worker that keeps its prompt's pages
+    (`keeper`, by id), for an exact resume; without (it moved before its first token): any pair,
+    prefilled again."""
+    choices = resumed_choices(request)
+    if choices and not all(c.output_token_ids for c in choices):
+        return [], []  # a choice with nothing to replay: recomputed whole
+    if resumed_output(request) or choices:
         kept = [w for w in prefill if w.worker_id == keeper]
         return (kept, decode) if kept else ([], [])
     return prefill, decode

@@ -38,7 +38,7 @@ def llm_tasks(
             images=req.images,
         )
         return [(worker.worker_id, task)]
-    skip = 0 if resumed else placement.skip_pages  # an exact resume sends every kept page (migration.py)
+    skip = 0 if req.resume is not None else placement.skip_pages  # a resume sends every kept page (migration.py)
     decode = DecodeTask(
         request_id=req.request_id,
         prompt_token_ids=req.prompt_token_ids,
@@ -48,6 +48,7 @@ def llm_tasks(
         skip_pages=skip,
         images=req.images,
         output_token_ids=resumed,  # an exact resume (migration.py): decoded again as given
+        resumed_choices=req.resume.choices if req.resume is not None else [],
     )
     prefill_task = PrefillTask(
         request_id=req.request_id,
@@ -59,7 +60,7 @@ def llm_tasks(
         queued_s=queued,
         skip_pages=skip,
         images=req.images,
-        output_token_ids=resumed,  # an exact resume: the kept pages sent again
+        resumed=req.resume is not None,  # an exact resume: the kept pages sent again
     )
     return [(worker.worker_id, decode), (prefill.worker_id, prefill_task)]
 

@@ -8,15 +8,16 @@ one whose pool has no worker left. A prefill worker killed while its KV pages ar
 the decode worker (held there by a test-only delay): the request moves and ends with the fault-free
 text, and the decode worker keeps no page of the lost handoff.
 
-One mesh for the module's tests, of a prefill and two decode workers (the migrated request is
-recomputed on the other decode worker, no handoff; a mixed worker takes a migrated request the
-same way, see tests/unit/test_scheduler_migration.py), its processes started one by one as
-compose starts them (`pagemesh up` would stop the whole mesh when a child
-exits), so that a killed worker can be started again. The workers serve the default model as
-by default (its GGUF's 4-bit blocks, bf16) with `--batch-invariant`: a migrated request recomputes
-its tokens' KV in one prefill where the first run decoded them one by one, and only the
-batch-invariant mode makes those the same bits (docs/perf/batch_invariance.md); without it a
-near-tie of the greedy choice can flip after the seam.
+One mesh for the module's tests, of a prefill and two decode workers under the defaults (the
+default model as served by default, no `--batch-invariant`), its processes started one by one as
+compose starts them (`pagemesh up` would stop the whole mesh when a child exits), so that a
+killed worker can be started again. The texts are exact because the resume is (issue 35,
+services/scheduler/migration.py): the prefill worker kept the pages it handed off and sends the
+same bits to the other decode worker, which decodes the streamed tokens again one step each, as
+they were first decoded; while a stream runs its prompt's pages stay on the prefill worker, and
+once it ends they are freed. (A mixed worker recomputes a migrated request whole: see
+tests/unit/test_scheduler_migration.py and, exact with `--batch-invariant`,
+test_mesh_tensor_parallel_migration.py.)
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ def mesh(tmp_path_factory):
         "1",
         "--decode",
         "2",
-        "--batch-invariant",
         "--heartbeat-timeout",
         str(HEARTBEAT_TIMEOUT_S),
         "--max-migrations",
@@ -68,6 +68,10 @@ def mesh(tmp_path_factory):
         yield procs
     finally:
         procs.stop()
+
+
+def prefill_usage(mesh) -> float | None:
+    return per_worker(metrics(mesh.url), "pagemesh_kv_cache_usage_ratio").get("prefill-0")
 
 
 def client_of(mesh) -> openai.OpenAI:
@@ -144,6 +148,7 @@ def test_a_killed_workers_stream_goes_on_on_the_other_with_the_fault_free_text(m
     client = client_of(mesh)
     assert both_workers_live(mesh)
     expected = fault_free(client, **request)
+    assert wait_until(lambda: prefill_usage(mesh) == 0)  # what prefill-0 kept for it is freed at its end
     before = sample_until(lambda: migrations(mesh), lambda n: n is not None)
     pieces: list[str] = []
     assert pool_idle(mesh)
@@ -152,11 +157,16 @@ def test_a_killed_workers_stream_goes_on_on_the_other_with_the_fault_free_text(m
         victim = holder_once_streaming(mesh, pieces, at_least=3)
         mesh.kill(victim)
         try:
+            # its prompt's pages stay on prefill-0 while the stream waits to move (the heartbeat
+            # timeout: seconds), which a heartbeat of prefill-0 shows...
+            kept = wait_until(lambda: (prefill_usage(mesh) or 0) > 0)
             error = ended.result(timeout=HANG_S)
             assert error is None  # one unbroken stream
             assert "".join(pieces) == expected  # nothing lost, nothing repeated, the same tokens
             moved = sample_until(lambda: migrations(mesh), lambda n: n is not None and n >= before + 1, timeout=LATE_S)
             assert moved is not None
+            assert kept
+            assert wait_until(lambda: prefill_usage(mesh) == 0)  # ...until the stream ended
         finally:
             mesh.restart(victim)  # the pool is whole again for the next test, whatever this one found
 

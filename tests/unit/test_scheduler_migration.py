@@ -15,6 +15,7 @@ from pagemesh.common.messages import (
     GenerateTask,
     MigrateRequest,
     PrefillTask,
+    ResumedChoice,
     ResumeState,
     ScheduleRequest,
     WorkerKind,
@@ -233,7 +234,7 @@ def test_a_handed_off_request_resumes_from_the_prefill_worker_that_kept_its_page
     (d_dest, decode), (p_dest, prefill) = out
     assert (d_dest, p_dest) == (other, "p0")
     assert isinstance(decode, DecodeTask) and isinstance(prefill, PrefillTask)
-    assert decode.output_token_ids == prefill.output_token_ids == [5, 6, 7]
+    assert decode.output_token_ids == [5, 6, 7] and prefill.resumed
     assert decode.skip_pages == prefill.skip_pages == 0  # every kept page travels
     assert (decode.prefill_worker_id, prefill.decode_worker_id) == ("p0", other)
     # handed off again, then finished: p0 frees what it kept
@@ -241,6 +242,31 @@ def test_a_handed_off_request_resumes_from_the_prefill_worker_that_kept_its_page
     out = done(core, other, "r1", DoneReason.FINISHED, now=SILENT)
     assert out == [("p0", AbortRequest(request_id="r1", reason="the request ended"))]
     assert core.requests.kept == {} and core.placed == {}
+
+
+def test_each_unfinished_choice_of_a_handed_off_request_resumes_from_the_keeper():
+    core = new_core()
+    for wid, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
+        register(core, wid, role)
+    sampling = SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=16)
+    out = schedule(core, "r1", sampling=sampling)
+    victim = out[0][0]
+    assert done(core, "p0", "r1", DoneReason.HANDED_OFF) == []
+    keep_alive(core, T0 + 4, "p0", ({"d0", "d1"} - {victim}).pop())
+    assert isinstance(core.tick(SILENT)[0][1], MigrateRequest)
+    msg = ScheduleRequest(
+        request_id="r1",
+        prompt_token_ids=PROMPT,
+        sampling=sampling,
+        reply_to=TOK_OUT,
+        arrival_time=0.0,
+        resume=ResumeState(
+            output_token_ids=[], migrations=1, choices=[ResumedChoice(index=1, output_token_ids=[4, 2])]
+        ),
+    )
+    (_, decode), (p_dest, prefill) = core.handle(TOK, msg, SILENT)
+    assert p_dest == "p0" and prefill.resumed and decode.skip_pages == 0
+    assert decode.resumed_choices == [ResumedChoice(index=1, output_token_ids=[4])] and decode.output_token_ids == []
 
 
 def test_kept_pages_are_freed_when_the_request_is_aborted_and_forgotten_when_their_keeper_is_lost():

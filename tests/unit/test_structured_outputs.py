@@ -495,7 +495,7 @@ def test_a_random_model_under_a_grammar_answers_in_it_whether_masks_come_with_th
     while engine.has_unfinished():
         if pipelined:
             plan = engine.scheduler.schedule()
-            outputs = engine._apply(plan, plan, engine.runner.execute(build_model_input(plan)), 0.0)
+            outputs = engine.apply_step(plan, plan, engine.runner.execute(build_model_input(plan)), 0.0)
         else:
             outputs = engine.step()
         for out in outputs:

@@ -418,7 +418,7 @@ class Engine:
         rank_sent_scales: list[list[float]],
         prefix_pages: Seq[int] = (),
         images: Seq[ImageInput] = (),
-        replay: Seq[int] = (),
+        resumed: Seq[tuple[int, Seq[int]]] = (),
     ) -> None:
         """Decode side: `import_prefilled` with the received pages: `rank_pages[r]` holds rank
         r's layers ([n, 2, S, its KV heads, D] each) of the prompt's pages after `prefix_pages`,
@@ -430,7 +430,7 @@ class Engine:
             self.handoff_pages.write_pages(table, rank_pages, rank_sent_scales)
 
         self.import_prefilled(
-            request_id, prompt_token_ids, params, first_token_ids, write, prefix_pages, images, replay
+            request_id, prompt_token_ids, params, first_token_ids, write, prefix_pages, images, resumed
         )
 
     def import_prefilled(
@@ -442,12 +442,12 @@ class Engine:
         write_pages: Callable[[list[int]], None],
         prefix_pages: Seq[int] = (),
         images: Seq[ImageInput] = (),
-        replay: Seq[int] = (),
+        resumed: Seq[tuple[int, Seq[int]]] = (),
     ) -> None:
         """Decode side: continue a request prefilled elsewhere (`images`: its prompt's, which key
-        its pages and run again in a recompute; `replay`: a migrated request's tokens after its
-        first, streamed already, which its one choice decodes again as given, reporting none:
-        `Sequence.replay`). `prefix_pages` are leading
+        its pages and run again in a recompute; `resumed`: a migrated request's (choice index,
+        tokens streamed already) in place of `first_token_ids`: each choice starts from its first
+        token and decodes the rest again as given, reporting none, `Sequence.replay`). `prefix_pages` are leading
         prompt pages this pool already holds (references taken with `pin_prefix_pages`; the engine
         owns them from here on, also when this raises). Allocates the rest of the prompt's pages,
         calls `write_pages(new_pages)` to fill them, publishes the prompt's full pages to the
@@ -466,7 +466,7 @@ class Engine:
             prefix_root=root,
             images=images,
             mrope=mrope,
-            replay=replay,
+            resumed=resumed,
         )
         if req is not None:
             self.requests[request_id] = req

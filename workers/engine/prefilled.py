@@ -129,15 +129,15 @@ class PrefillHandoff:
         prefix_root: int | None = None,
         images: Seq[ImageInput] = (),
         mrope: MRopePositions | None = None,
-        replay: Seq[int] = (),
+        resumed: Seq[tuple[int, Seq[int]]] = (),
     ) -> EngineRequest | None:
         """See `Engine.import_prefilled`. Returns the new request, or None when every choice's
         first token already ended it (`running`: the ids of the engine's live requests;
         `prefix_root`: its LoRA adapter's prefix-cache root, as `Sequence.prefix_root`)."""
         table = list(prefix_pages)
         try:
-            if replay and len(first_token_ids) != 1:
-                raise ValueError("kv: tokens to replay for a request of several choices")
+            if any(not tokens for _, tokens in resumed):
+                raise ValueError("kv: a resumed choice without tokens")
             if params.lora is not None and not self.scheduler.loras.has_room(params.lora):
                 raise ValueError(f"lora: every one of the {self.scheduler.loras.max_loras} adapter slots is in use")
             self.grammar_masks.start(params)  # the grammar compiles (the gateway checked it; cached here)
@@ -152,7 +152,9 @@ class PrefillHandoff:
         cached = self.blocks.cache_full_pages(table, hash_token_ids(prompt, images), 0, len(prompt), prefix_root)
         params = dataclasses.replace(params, prompt_logprobs=None)  # the prefill worker sent them
         req = EngineRequest(request_id, params, [], len(prompt))
-        for index, token in enumerate(first_token_ids):
+        # each choice from its first token (a resumed one's own, its other tokens replayed)
+        starts = [(i, [t]) for i, t in enumerate(first_token_ids)] if not resumed else resumed
+        for index, (token, *replay) in starts:
             seq = Sequence(
                 request_id,
                 index,
@@ -167,7 +169,7 @@ class PrefillHandoff:
                 prefix_root=prefix_root,
                 images=list(images),
                 mrope=mrope,
-                replay=list(replay),
+                replay=replay,
             )
             gen = self.generators.new(params, index)
             if gen is not None:  # the prefill worker drew the first token from this stream

@@ -119,20 +119,22 @@ class HandoffIn:
             del pinned[skip:]
             rank_pages = [p.decode_tensor_frames(*entry.parts[key]) for key in keys]
             prefix, pinned = pinned, []
-            # a migrated request (`output_token_ids`): its own first token, not the sender's (a
-            # prefill worker that kept no pages prefilled again and sampled anew), then the rest
-            # decoded again one step each as given: the decode steps that first made them
-            resumed = list(task.output_token_ids)
+            # a migrated request: each choice's own tokens, not the sender's first ones (a prefill
+            # worker that kept no pages prefilled again and sampled anew), the first taken as the
+            # first, the rest decoded again one step each as given: the decode steps that made them
+            resumed = [(c.index, c.output_token_ids) for c in task.resumed_choices]
+            if task.output_token_ids:
+                resumed = [(0, task.output_token_ids)]
             self.engine.import_pages(
                 request_id,
                 list(task.prompt_token_ids),
                 task.sampling,
-                resumed[:1] or list(header.first_token_ids),
+                list(header.first_token_ids),
                 rank_pages,
                 [headers[k].kv_scales for k in keys],
                 prefix,
                 task.images,
-                replay=resumed[1:],
+                resumed=resumed,
             )
         except Exception as e:  # a bad transfer must not take the worker down
             error = f"{type(e).__name__}: {e}"

@@ -111,7 +111,7 @@ class LLMWorker:
                 self.ctx.log.warning("decode task for a worker without a KV address", request_id=task.request_id)
                 return self.ctx.done(task.request_id, DoneReason.REJECTED, "this worker takes no KV pages")
             return self.incoming.task(task)
-        resumed_prefill = isinstance(task, PrefillTask) and bool(task.output_token_ids)
+        resumed_prefill = isinstance(task, PrefillTask) and task.resumed
         if resumed_prefill and self.out.resend(
             task.request_id, task.prompt_token_ids, task.decode_kv_endpoint, task.skip_pages
         ):
