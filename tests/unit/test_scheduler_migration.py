@@ -266,7 +266,7 @@ def test_each_unfinished_choice_of_a_handed_off_request_resumes_from_the_keeper(
     )
     (_, decode), (p_dest, prefill) = core.handle(TOK, msg, SILENT)
     assert p_dest == "p0" and prefill.resumed and decode.skip_pages == 0
-    assert decode.resumed_choices == [ResumedChoice(index=1, output_token_ids=[4])] and decode.output_token_ids == []
+    assert decode.resumed_choices == [ResumedChoice(index=1, output_token_ids=[4, 2])] and decode.output_token_ids == []
 
 
 def test_kept_pages_are_freed_when_the_request_is_aborted_and_forgotten_when_their_keeper_is_lost():
