@@ -2,15 +2,15 @@
 stream goes on on the pool's other tensor-parallel worker with the text of a run without the
 fault: no token lost or repeated, no error event (issue 35: "also when a TP rank dies").
 
-Two mixed workers of two ranks each (`--mixed 2 -tp 2`) on test_model_families.py's tiny Llama
-checkpoint (its yarn-rope variant: 4 query and 2 KV heads, two a rank and one KV head each; its
-token i is the word `w{i}`), fp32 with `--batch-invariant`: the ranks' all-reduce adds their
-partial sums in rank order for every row, so the migrated request's recompute (one prefill of
-prompt + generated tokens) gives the bits its step-by-step decoding gave
-(docs/perf/batch_invariance.md). Each step is slowed (the test-only step delay of
-workers/shell/faults.py) so that the kill lands mid-stream.
-The processes are started one by one (`SeparateProcesses`) because `pagemesh up` stops the whole
-mesh when one of them exits.
+A prefill and two decode workers of two ranks each (`--prefill 1 --decode 2 -tp 2`), under the
+defaults otherwise (no `--batch-invariant`), on test_model_families.py's tiny Llama checkpoint
+(its yarn-rope variant: 4 query and 2 KV heads, two a rank and one KV head each; its token i is
+the word `w{i}`) in fp32. The resume is exact (services/scheduler/migration.py): the prefill
+worker's ranks kept the pages they handed off and send them again, rank by rank, and the other
+decode worker decodes the streamed tokens again one step each, as the lost one did (one row a
+step both times). Each step is slowed (the test-only step delay of workers/shell/faults.py) so
+that the kill lands mid-stream. The processes are started one by one (`SeparateProcesses`)
+because `pagemesh up` stops the whole mesh when one of them exits.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ MAX_TOKENS = 64
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, family_checkpoints):  # noqa: F811 (the fixture)
     folder, _ = family_checkpoints("llama-yarn")
-    flags = ("--model", str(folder), "--dtype", "float32", "--mixed", "2", "-tp", "2", "--batch-invariant")
+    flags = ("--model", str(folder), "--dtype", "float32", "--prefill", "1", "--decode", "2", "-tp", "2")
     flags += ("--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--max-migrations", "1")
     saved = os.environ.get(DELAY_ENV)
     os.environ[DELAY_ENV] = STEP_DELAY_S  # the workers (and their ranks) inherit it
