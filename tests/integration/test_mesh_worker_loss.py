@@ -15,8 +15,9 @@ killed worker can be started again. The texts are exact because the resume is (i
 services/scheduler/migration.py): the prefill worker kept the pages it handed off and sends the
 same bits to the other decode worker, which decodes the streamed tokens again one step each, as
 they were first decoded; while a stream runs its prompt's pages stay on the prefill worker, and
-once it ends they are freed. (A mixed worker recomputes a migrated request whole: see tests/unit/test_scheduler_migration.py;
-exact there only with `--batch-invariant`, as test_mesh_tokenizer_replicas.py runs.)
+once it ends they are freed. (A mixed worker recomputes a migrated request whole: see
+tests/unit/test_scheduler_migration.py; exact there only with `--batch-invariant`, as
+test_mesh_tokenizer_replicas.py runs.)
 """
 
 from __future__ import annotations

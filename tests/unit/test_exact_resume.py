@@ -172,3 +172,13 @@ def test_each_choice_of_a_resumed_request_goes_on_as_it_would_have(tiny_model):
     with pytest.raises(ValueError, match="without tokens"):
         import_export(new, "n3", PROMPT, params, export, resumed=[(0, [])])
     all_free(new)
+
+
+def test_every_kept_request_is_freed_at_once_for_a_scheduler_that_forgot_them(tiny_model):
+    p_engine = make_engine(tiny_model)
+    for rid in ("a", "b"):
+        prefill(p_engine, rid, PROMPT, GREEDY)
+        p_engine.keep_prefilled(rid)
+    assert p_engine.release_kept() == 2
+    all_free(p_engine)
+    assert not p_engine.resend_prefilled("a", PROMPT)

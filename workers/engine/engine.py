@@ -389,6 +389,10 @@ class Engine:
         """The transfer was acknowledged: keep the pages for `resend_prefilled` (prefilled.py)."""
         self.handoff.keep(request_id)
 
+    def release_kept(self) -> int:
+        """Free every kept request's pages (their scheduler forgot them); returns how many."""
+        return self.handoff.release_kept()
+
     def resend_prefilled(self, request_id: str, prompt_token_ids: Seq[int]) -> bool:
         """A migrated request: hold its kept pages again for `export_prefilled`; False if none are kept."""
         return self.handoff.resend(request_id, prompt_token_ids)

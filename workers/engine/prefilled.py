@@ -110,6 +110,14 @@ class PrefillHandoff:
             self.blocks.free_table(kept.block_table)
         return False
 
+    def release_kept(self) -> int:
+        """Free every kept request's pages (a scheduler that does not know them: it restarted, or
+        counted this worker lost); returns how many requests."""
+        n = len(self.kept)
+        while self.kept:
+            self.blocks.free_table(self._unkeep(next(iter(self.kept))).block_table)
+        return n
+
     def _unkeep(self, request_id: str) -> PrefillResult | None:
         kept = self.kept.pop(request_id, None)
         if kept is not None:

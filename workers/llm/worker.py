@@ -267,6 +267,10 @@ class LLMWorker:
 
     def registered_again(self) -> None:
         self.kv_events.resync()
+        # a scheduler that did not know this worker (restarted, or counted it lost) does not know
+        # which requests' pages it kept either: none would be freed at their end, so free them now
+        if released := self.engine.release_kept():
+            self.ctx.log.info("kept pages freed: the scheduler registered this worker again", requests=released)
 
     def background(self) -> list:
         loops = [self._deadline_loop()]
