@@ -249,6 +249,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--targets", nargs="+", default=None, help="the processes faults may hit (default: all)")
     parser.add_argument("--request-timeout", type=float, default=120.0, help="the gateway's: it ends a request then")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve with --batch-invariant (--no-batch-invariant: the defaults)",
+    )
     parser.add_argument("--log", default="/tmp/pagemesh-chaos.log", help="the mesh's logs")
     parser.add_argument("--json", default=None, help="write the counts here too")
     return parser.parse_args(argv)
@@ -258,9 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     flags = ["--mixed", str(args.mixed), "--prefill", str(args.prefill), "--decode", str(args.decode)]
     flags += ["--diffusion", str(args.diffusion), "--tokenizers", str(args.tokenizers)]
-    # batch-invariant: a migrated request recomputes its tokens' KV in one prefill, and only this
-    # mode makes that the same bits as the decode steps (tests/integration/test_mesh_worker_loss.py)
-    flags += ["--batch-invariant", "--max-num-seqs", str(args.max_num_seqs), "--threads-per-worker", "1"]
+    # batch-invariant: a request that moves to another tokenizer replica, or to a mixed worker, is
+    # recomputed in one prefill, and only this mode makes that the same bits as the decode steps;
+    # --no-batch-invariant: the defaults (a decode worker's loss resumes exactly without it)
+    flags += ["--batch-invariant"] if args.batch_invariant else []
+    flags += ["--max-num-seqs", str(args.max_num_seqs), "--threads-per-worker", "1"]
     # small KV pools: the default takes GBs per worker, and an OOM kill is not a fault we chose
     flags += ["--num-pages", "256", "--max-model-len", "256", "--heartbeat-timeout", str(args.heartbeat_timeout)]
     # the gateway ends any request at its own timeout: one the client still waits for after that hung
