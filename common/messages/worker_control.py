@@ -89,8 +89,8 @@ class DecodeTask:
     The first `skip_pages` prompt pages will not come: the worker takes them from its own
     prefix cache (and refuses the transfer if it no longer holds them). A migrated request brings
     `output_token_ids` (or, of several choices, each unfinished choice's: `resumed_choices`),
-    streamed already: the worker decodes them again one step each, as they were first decoded,
-    taking each as given (nothing reported), then generates on after them."""
+    streamed already: the worker decodes them again one decode step each, taking each as given
+    (nothing reported), then generates on after them."""
 
     request_id: str
     prompt_token_ids: list[int]

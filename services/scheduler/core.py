@@ -10,9 +10,9 @@ handoff's bookkeeping, and failure handling.
              pages D need not get; a gap asks for a snapshot: services/scheduler/kv_event_index.py)
     RequestDone / worker death / AbortRequest ──▶ forget, tell the other holders, fail if needed
     worker death ──▶ MigrateRequest to the request's tokenizer, which sends it again with the
-             tokens it has generated (ScheduleRequest.resume): placed as a GenerateTask on a
-             decode or mixed worker, which recomputes them (services/scheduler/migration.py)
-             (the placed requests' books and their endings: services/scheduler/failures.py)
+             tokens streamed (ScheduleRequest.resume): to the prefill worker that kept its pages
+             and a decode worker, which replays them, or recomputed on one decode or mixed worker
+             (services/scheduler/migration.py; the books and endings: failures.py)
     Ping ──▶ Pong(instance): tokenizers learn that this process restarted (common/liveness.py);
              a tokenizer's Ping gives its token address, where its requests' failures go
     RegisterWorker.held ──▶ a restarted scheduler takes back the requests workers hold
@@ -181,12 +181,12 @@ class SchedulerCore:
                     del queue[entry.request.request_id]  # no worker came
                     why = self._pairing_problem(now) if entry.kind == WorkerKind.LLM else None
                     self._reject(entry.origin, entry.request.request_id, why or "no workers are available", out)
+        self.requests.sweep_kept(now, self._known, out)
         return out
 
     def excuse_silence(self, seconds: float) -> None:
-        """This process did not run for `seconds` (stopped, or starved): no worker is judged by
-        them (their heartbeats of that time are still unread); a dead one is found a heartbeat
-        timeout later than it would have been."""
+        """This process did not run for `seconds` (stopped, starved): no worker is judged by them
+        (their heartbeats are unread); a dead one is found that much later."""
         self.registry.excuse_silence(seconds)
 
     def _can_serve_entry(self, entry: Queued, now: float) -> bool:
@@ -303,8 +303,8 @@ class SchedulerCore:
         if msg.resume is not None:
             self.migrations += 1
             self.log.info("request migrating", request_id=msg.request_id, migrations=msg.resume.migrations)
-        # what the worker will (re)compute; an adapter's pages have keys of their own (page_hash.root_hash)
-        # an image's placeholders are keyed by its content (common/multimodal.py's hash_token_ids)
+        # what the worker will (re)compute; an adapter's pages have keys of their own (page_hash.root_hash),
+        # an image's placeholders by its content (common/multimodal.py's hash_token_ids)
         prompt = PromptPages(hash_token_ids(msg.prompt_token_ids, msg.images) + resumed_output(msg), lora=lora)
         roles = (self.registry.alive(WorkerKind.LLM, r, now) for r in LLM_ROLES)
         if msg.pooling is not None:  # an embedding: its prompt alone, on a worker that prefills
@@ -356,6 +356,7 @@ class SchedulerCore:
 
     def _refuse(self, identity: bytes, request_id: str, status: int, text: str, code: str | None, out: Outputs) -> None:
         self.log.info("request rejected", request_id=request_id, reason=text)
+        self.requests.free_kept(request_id, text, out)  # a moved request's, if kept
         error_type = "server_error" if status >= 500 else "invalid_request_error"
         param = "model" if code == "model_not_found" else "prompt" if text.startswith("prompt:") else None
         failed = RequestFailed(
@@ -435,8 +436,7 @@ class SchedulerCore:
         self.placed[req.request_id] = Placed(req.request_id, req.reply_to, {worker.worker_id}, None, None, entry)
 
     def _place_again(self, now: float, out: Outputs, drain: bool = True) -> None:
-        """Images and transcriptions whose worker was lost: back at the head of their queue (they
-        are the oldest there), placed now if a worker can take them, else waiting like any other."""
+        """Images and transcriptions whose worker was lost: back at the head of their queue, placed if they can be."""
         for entry in self.requests.take_restarted():
             entry = put_first(self.queues[entry.kind], entry)
             self.log.info("request placed again", request_id=entry.request.request_id, restarts=entry.restarts)

@@ -10,7 +10,8 @@ and how each ends other than by running to its end on its workers.
         cannot move (migration.py), or no decode/mixed worker left ──▶ fail
         else ──▶ MigrateRequest to its tokenizer, abort at every holder (the prefill worker
             that keeps its prompt's pages keeps them: migration.py)
-    a request ends (done, failed, aborted) ──▶ its kept prompt pages freed (AbortRequest to the keeper)
+    a request ends (done, failed, aborted, refused) ──▶ its kept prompt pages freed (AbortRequest
+        to the keeper); so are those of a moved request its tokenizer did not send again (sweep_kept)
     fail = RequestFailed (503 worker_failure) to its tokenizer, abort at every holder
     refuse = RequestFailed (400, the field the worker named) for a request its worker refused
 
@@ -21,6 +22,7 @@ to the caller's Outputs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagemesh.common.messages import (
@@ -41,6 +43,7 @@ Destination = bytes | str  # a peer's Router identity, or a worker id
 Outputs = list[tuple[Destination, Message]]
 
 MAX_UNREPORTED = 10_000  # failures kept per tokenizer that has not pinged yet
+KEPT_ORPHAN_S = 30.0  # a moved request's kept pages wait this long for its tokenizer to send it again
 # RequestDone reasons that end a request with an error for the client (REJECTED says its own why)
 FAILURES = {
     DoneReason.KV_REJECTED: "the decode worker refused the KV pages",
@@ -81,6 +84,7 @@ class PlacedRequests:
         # request -> the prefill worker that keeps its prompt's pages since their handoff (an
         # exact resume, migration.py); told to free them (AbortRequest) when the request ends
         self.kept: dict[str, str] = {}
+        self.orphaned: dict[str, float] = {}  # kept, neither placed nor queued since (sweep_kept)
         self.tokenizers: dict[str, bytes] = {}
         self.unreported: dict[str, list[RequestFailed | MigrateRequest]] = {}
 
@@ -93,6 +97,8 @@ class PlacedRequests:
             return
         placed.holders.discard(msg.worker_id)
         if msg.reason is DoneReason.HANDED_OFF and msg.worker_id == placed.prefill:
+            if self.kept.get(msg.request_id, msg.worker_id) != msg.worker_id:  # another keeper before
+                self.free_kept(msg.request_id, "kept by another worker now", out)
             self.kept[msg.request_id] = msg.worker_id
         if msg.reason is DoneReason.REJECTED:
             self.refuse(placed, msg.detail or "refused by its worker", out)
@@ -127,8 +133,18 @@ class PlacedRequests:
     def free_kept(self, request_id: str, reason: str, out: Outputs) -> None:
         """The prefill worker that keeps the request's prompt pages frees them (an AbortRequest)."""
         keeper = self.kept.pop(request_id, None)
+        self.orphaned.pop(request_id, None)
         if keeper is not None and keeper in self.registry.workers:
             out.append((keeper, AbortRequest(request_id=request_id, reason=reason)))
+
+    def sweep_kept(self, now: float, known: Callable[[str], bool], out: Outputs) -> None:
+        """Free the kept pages of requests neither placed nor queued (`known`) for KEPT_ORPHAN_S:
+        moved, and not sent again by their tokenizer (it ended meanwhile, or the tokenizer died)."""
+        for rid in list(self.kept):
+            if known(rid):
+                self.orphaned.pop(rid, None)
+            elif now - self.orphaned.setdefault(rid, now) > KEPT_ORPHAN_S:
+                self.free_kept(rid, "the request did not come back", out)
 
     def fail(self, placed: Placed, why: str, out: Outputs) -> None:
         """Tell the request's tokenizer it failed (or keep that until it pings), abort it everywhere."""

@@ -3,7 +3,9 @@
     worker lost ──▶ scheduler: cannot_migrate(placed)? ──yes──▶ RequestFailed (503 worker_failure)
                                                       └─no───▶ MigrateRequest ──▶ tokenizer
     tokenizer ──ScheduleRequest(resume: generated ids, migrations + 1)──▶ scheduler
-    scheduler ──GenerateTask(output_token_ids)──▶ a decode or mixed worker: recomputes, goes on
+    scheduler ──PrefillTask(resumed)──▶ the prefill worker that kept its pages: sends them again
+              DecodeTask(output_token_ids)──▶ a decode worker: replays them, goes on
+      (or, no keeper alive) GenerateTask(output_token_ids)──▶ a decode or mixed worker: recomputes
 
 (An image or a transcription is not resumed: it starts over elsewhere, failures.py's `retry`.)
 A request moves when it is an LLM request and has moved fewer than
@@ -17,10 +19,12 @@ worker kept the prompt's pages it sent (workers/llm/handoff_out.py), so the requ
 decode worker paired with that prefill worker, which sends the same pages again, every one
 (`skip_pages` 0: the new decode worker's cached copies may be other bits); the decode worker
 decodes the generated tokens again one step each, as given (Sequence.replay; each unfinished
-choice its own). The K/V it then holds is the bits the lost worker held, so a greedy or seeded
-stream goes on as it would have (decode steps are batch-invariant by default:
-docs/perf/batch_invariance.md). Otherwise (no keeper alive, a mixed pool) it is recomputed whole
-where it goes.
+choice its own). Where the lost worker made them by plain decode steps (no speculation, no
+preemption) and the keeper still had the pages, the K/V the new worker holds is the bits the lost
+one held, so a greedy or seeded stream goes on as it would have (decode steps are
+batch-invariant by default for the quantized default model: docs/perf/batch_invariance.md says
+where they are not). Otherwise (no keeper alive, a mixed pool) it is recomputed whole where it
+goes.
 """
 
 from __future__ import annotations

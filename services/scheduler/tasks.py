@@ -38,7 +38,10 @@ def llm_tasks(
             images=req.images,
         )
         return [(worker.worker_id, task)]
-    skip = 0 if req.resume is not None else placement.skip_pages  # a resume sends every kept page (migration.py)
+    # an exact resume (tokens streamed before the loss) gets every kept page again (migration.py);
+    # a request that moved before its first token is prefilled again as a new one
+    exact = bool(resumed or (req.resume is not None and req.resume.choices))
+    skip = 0 if exact else placement.skip_pages
     decode = DecodeTask(
         request_id=req.request_id,
         prompt_token_ids=req.prompt_token_ids,
@@ -60,7 +63,7 @@ def llm_tasks(
         queued_s=queued,
         skip_pages=skip,
         images=req.images,
-        resumed=req.resume is not None,  # an exact resume: the kept pages sent again
+        resumed=exact,  # the kept pages sent again, no token reported
     )
     return [(worker.worker_id, decode), (prefill.worker_id, prefill_task)]
 

@@ -21,6 +21,7 @@ from pagemesh.common.messages import (
     WorkerKind,
 )
 from pagemesh.common.sampling import SamplingParams
+from pagemesh.services.scheduler.failures import KEPT_ORPHAN_S
 from pagemesh.tests.scheduler_harness import (
     AFTER_GRACE,
     DEFAULT,
@@ -286,3 +287,32 @@ def test_kept_pages_are_freed_when_the_request_is_aborted_and_forgotten_when_the
     assert isinstance(core.tick(SILENT + TIMEOUT + 0.1)[0][1], MigrateRequest)
     later = SILENT + TIMEOUT + 0.1
     assert resume(core, "r2", [5], now=later) == [(other, resumed_task("r2", [5]))]
+
+
+def test_a_moved_request_that_does_not_come_back_or_is_refused_has_its_kept_pages_freed():
+    core = new_core(worker_return_wait=60.0)  # a lost pool's requests move and wait
+    for wid, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
+        register(core, wid, role)
+    _, other = handed_off_on_p0(core, "r1")
+    keep_alive(core, T0 + 4, "p0", other)
+    assert isinstance(core.tick(SILENT)[0][1], MigrateRequest)  # its tokenizer never sends it again
+    now = SILENT
+    while now <= SILENT + KEPT_ORPHAN_S:
+        now += TIMEOUT / 2
+        keep_alive(core, now, "p0", other)
+        freed = ("p0", AbortRequest(request_id="r1", reason="the request did not come back"))
+        out = core.tick(now)
+        assert (freed in out) == (now - SILENT > KEPT_ORPHAN_S)
+    assert core.requests.kept == {}
+    # a request that moved before its first token is prefilled again as a new one (nothing kept asked for)
+    out = resume(core, "r2", [], now=now)
+    assert [type(m) for _, m in out] == [DecodeTask, PrefillTask] and not out[1][1].resumed
+    assert out[0][1].output_token_ids == [] and out[0][1].resumed_choices == []
+    # r3's decode worker is lost, and r3 comes back refused (its adapter is gone): what p0 kept
+    # of it is freed at once
+    holder, _ = handed_off_on_p0(core, "r3")
+    keep_alive(core, now + 1, "p0")
+    assert isinstance(core.tick(now + TIMEOUT + 0.5)[0][1], MigrateRequest)
+    out = resume(core, "r3", [5], now=now + TIMEOUT + 0.5, sampling=SamplingParams(temperature=0, lora="gone"))
+    assert ("p0", AbortRequest(request_id="r3", reason="The model `gone` does not exist.")) in out
+    assert "r3" not in core.requests.kept

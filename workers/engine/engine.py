@@ -375,7 +375,7 @@ class Engine:
     def export_prefilled(self, request_id: str, skip_pages: int = 0) -> PageExport:
         """Prefill side: CPU copies of a held request's prompt pages from `skip_pages` on (the
         last page always), every rank's (rank 0 gathers its followers' shards). The pages stay
-        held until `release_prefilled`. KeyError unless `take_prefilled` holds the request."""
+        held until `keep_prefilled` or `release_prefilled`. KeyError unless `take_prefilled` holds the request."""
         result = self.handoff.take(request_id)
         if result is None:
             raise KeyError(f"engine: no pages held for {request_id!r}")

@@ -3,8 +3,8 @@ draws both sides). The engine holds the prompt's pages from its first token on; 
 it for copies of the pages the decode worker lacks, sends them, and has the engine release them
 when the decode worker acknowledges or the deadline passes. Acknowledged pages are kept (up to a
 quarter of the pool, the oldest freed first) until the scheduler aborts the request here at its
-end: if the decode worker dies, a migrated request's PrefillTask (`output_token_ids`) sends the
-same pages to the next one (`resend`), so that its prompt's K/V is the bits the first one read.
+end: if the decode worker dies, a migrated request's PrefillTask (`resumed`) sends the same
+pages to the next one (`resend`), so that its prompt's K/V is the bits the first one read.
 
     prefill pool kv[L, P, 2, S, H, D] --Engine.export_prefilled(skip)--> [L, n, 2, S, H, D] per rank
        --pack_export--> KVPagesHeader + one tensor frame per layer, per rank ==> decode worker
@@ -51,6 +51,7 @@ class HandoffOut:
         self.ctx, self.engine, self.timeout = ctx, engine, timeout
         self.on_done = on_done  # the request left this worker: handed off, refused or timed out
         self.targets: dict[str, tuple[str, int]] = {}  # request -> (decode KV endpoint, pages not to send)
+        self.resends: list[str] = []  # migrated requests whose kept pages go out between steps
         self.outgoing: dict[str, _Outgoing] = {}
         self.dealers: dict[str, Dealer] = {}
         self.bytes_sent = 0
@@ -60,13 +61,22 @@ class HandoffOut:
         self.targets[request_id] = (endpoint, skip_pages)
 
     def resend(self, request_id: str, prompt_token_ids: list[int], endpoint: str, skip_pages: int) -> bool:
-        """A migrated request (PrefillTask.output_token_ids): send the pages kept of its first
-        prefill, the bits its lost decode worker read, to the new one; False if none are kept."""
+        """A migrated request (PrefillTask.resumed): its pages kept of its first prefill, the bits
+        its lost decode worker read, go to the new one (`send_resends`, between steps); False if
+        none are kept."""
         if not self.engine.resend_prefilled(request_id, prompt_token_ids):
             return False
         self.expect(request_id, endpoint, skip_pages)
-        asyncio.ensure_future(self.send(request_id))
+        self.resends.append(request_id)
         return True
+
+    async def send_resends(self) -> None:
+        """Send the pages `resend` held again (between steps: an export reads the pool, and a
+        parallel worker's gathers its ranks), those of requests not aborted meanwhile."""
+        resends, self.resends = self.resends, []
+        for request_id in resends:
+            if request_id in self.targets:
+                await self.send(request_id)
 
     def has_pages(self, request_id: str) -> bool:
         """The engine holds this finished request's pages for the transfer."""
