@@ -55,7 +55,8 @@ from pagemesh.common.sampling import SamplingParams
 # 11: bytes fields, ImageInput, GenerateRequest.images, ScheduleRequest/GenerateTask/PrefillTask/DecodeTask.images,
 # TranscriptionRequest/Task/Result; 12: ResumedChoice, ResumeState.choices, GenerateTask.resumed_choices;
 # 13: SpeculationLoad.accepted_per_pos; 14: KVEventBatch and KVEventsResync in place of PrefixCacheUpdate;
-# 15: ClusterStatus.kv_event_*; 16: PrefillTask.resumed, DecodeTask.output_token_ids/.resumed_choices (an exact resume)
+# 15: ClusterStatus.kv_event_*; 16: PrefillTask.resumed/.kept_id, DecodeTask.output_token_ids/.resumed_choices,
+# AbortRequest.moved_to (an exact resume)
 PROTOCOL_VERSION = 16
 
 MAX_STR_LEN = 4 << 20  # characters; a prompt of ~1M tokens of text fits

@@ -325,14 +325,17 @@ class MeshClient:
         """Send a request again through a live replica (not `lost` if another is live; `lost`
         itself when it is the restarted one alone), under a new id; the old id is aborted."""
         route.link.requests.discard(route.own_id)
-        self._spawn(self._send_abort(AbortRequest(request_id=route.current_id, reason="its tokenizer was lost"), lost))
-        route.link = None
+        old_id, route.link = route.current_id, None
         if route.moves >= MAX_TOKENIZER_MOVES:
+            self._spawn(self._send_abort(AbortRequest(request_id=old_id, reason="its tokenizer was lost"), lost))
             self._fail(route.own_id, "Request failed: its tokenizer was lost too often; retry later.")
             return
         target = pick(self._links, avoid=lost)  # never None: one replica at least is live (see _tokenizer_up)
-        self._current.pop(route.current_id, None)
+        self._current.pop(old_id, None)
         request = route.moved()
+        # the old id is aborted, naming the new one: what a prefill worker kept of it stays for that
+        abort = AbortRequest(request_id=old_id, reason="its tokenizer was lost", moved_to=route.current_id)
+        self._spawn(self._send_abort(abort, lost))
         self._current[route.current_id] = route.own_id
         route.link = target
         target.requests.add(route.own_id)

@@ -190,6 +190,9 @@ class AbortRequest:
     request_id: str
     reason: str  # free text for logs
     worker_id: str | None = None
+    # the id it goes on under (a stream whose tokenizer replica was lost, sent again through
+    # another): the pages a prefill worker kept of it are kept for that id (an exact resume)
+    moved_to: str = ""
 
 
 @record

@@ -77,6 +77,7 @@ class PrefillTask:
     images: list[ImageInput] = field(default_factory=list)  # a multimodal prompt's images
     encoder_id: str = ""  # the encoder worker pushing the images' rows here ("": encode them here)
     resumed: bool = False  # a migrated request: its kept pages sent again, no token reported
+    kept_id: str = ""  # the id the worker kept them under, when not request_id (AbortRequest.moved_to)
 
     def _check(self) -> None:
         _check_skip("PrefillTask", self.skip_pages)

@@ -395,7 +395,7 @@ class SchedulerCore:
             return False
         del self.queues[WorkerKind.LLM][req.request_id]
         queued = now - entry.enqueued_at
-        tasks = llm_tasks(req, placement, queued, resumed)
+        tasks = llm_tasks(req, placement, queued, resumed, self.requests.kept_ids.get(req.request_id, ""))
         holders = {worker_id for worker_id, _ in tasks}  # not an encoder worker: its loss strands nothing
         handed_off = placement.prefill.worker_id if len(tasks) == 2 else None  # the prefill worker
         if req.images:

@@ -85,6 +85,7 @@ class PlacedRequests:
         # exact resume, migration.py); told to free them (AbortRequest) when the request ends
         self.kept: dict[str, str] = {}
         self.orphaned: dict[str, float] = {}  # kept, neither placed nor queued since (sweep_kept)
+        self.kept_ids: dict[str, str] = {}  # request -> the id its keeper knows, where another (moved_to)
         self.tokenizers: dict[str, bytes] = {}
         self.unreported: dict[str, list[RequestFailed | MigrateRequest]] = {}
 
@@ -100,6 +101,7 @@ class PlacedRequests:
             if self.kept.get(msg.request_id, msg.worker_id) != msg.worker_id:  # another keeper before
                 self.free_kept(msg.request_id, "kept by another worker now", out)
             self.kept[msg.request_id] = msg.worker_id
+            self.kept_ids.pop(msg.request_id, None)  # its keeper knows it by this id now
         if msg.reason is DoneReason.REJECTED:
             self.refuse(placed, msg.detail or "refused by its worker", out)
         elif msg.reason.failed:
@@ -113,11 +115,16 @@ class PlacedRequests:
         """Abort a request at every worker holding it (a queued one is the caller's to drop)."""
         placed = self.placed.get(msg.request_id)
         if placed is not None:
-            self.abort_holders(placed, msg.reason, out)
+            self.abort_holders(placed, msg.reason, out, moves=bool(msg.moved_to))
         else:  # queued (a migrated one waiting for a worker keeps pages), or unknown here
-            self.free_kept(msg.request_id, msg.reason, out)
+            if not msg.moved_to:
+                self.free_kept(msg.request_id, msg.reason, out)
             if msg.worker_id in self.registry.workers:  # placed by an earlier scheduler process
                 out.append((msg.worker_id, AbortRequest(request_id=msg.request_id, reason=msg.reason)))
+        if msg.moved_to and msg.request_id in self.kept:  # it goes on under the new id: so do its kept pages
+            self.kept[msg.moved_to] = self.kept.pop(msg.request_id)
+            self.kept_ids[msg.moved_to] = self.kept_ids.pop(msg.request_id, msg.request_id)
+            self.orphaned.pop(msg.request_id, None)
 
     def abort_holders(self, placed: Placed, reason: str, out: Outputs, moves: bool = False) -> None:
         """Abort the request at each of its holders and forget it; unless it `moves` (migrates),
@@ -134,8 +141,9 @@ class PlacedRequests:
         """The prefill worker that keeps the request's prompt pages frees them (an AbortRequest)."""
         keeper = self.kept.pop(request_id, None)
         self.orphaned.pop(request_id, None)
+        kept_id = self.kept_ids.pop(request_id, request_id)
         if keeper is not None and keeper in self.registry.workers:
-            out.append((keeper, AbortRequest(request_id=request_id, reason=reason)))
+            out.append((keeper, AbortRequest(request_id=kept_id, reason=reason)))
 
     def sweep_kept(self, now: float, known: Callable[[str], bool], out: Outputs) -> None:
         """Free the kept pages of requests neither placed nor queued (`known`) for KEPT_ORPHAN_S:
@@ -219,6 +227,7 @@ class PlacedRequests:
             self.abort_holders(placed, why, out, moves=True)
         if gone.role == WorkerRole.PREFILL:  # what it kept is gone with it
             self.kept = {rid: keeper for rid, keeper in self.kept.items() if keeper != gone.worker_id}
+            self.kept_ids = {rid: kept_id for rid, kept_id in self.kept_ids.items() if rid in self.kept}
 
     def take_restarted(self) -> list[Queued]:
         """The queue entries of the images and transcriptions whose worker was lost since the

@@ -20,10 +20,11 @@ from pagemesh.services.scheduler.registry import WorkerInfo
 
 
 def llm_tasks(
-    req: ScheduleRequest, placement: Placement, queued: float, resumed: list[int]
+    req: ScheduleRequest, placement: Placement, queued: float, resumed: list[int], kept_id: str = ""
 ) -> list[tuple[str, GenerateTask | DecodeTask | PrefillTask]]:
     """(worker id, task) pairs, in send order; two of them exactly when the KV is handed off.
-    `queued`: seconds it waited in the scheduler; `resumed`: the tokens a migrated request made."""
+    `queued`: seconds it waited in the scheduler; `resumed`: the tokens a migrated request made;
+    `kept_id`: the id its keeper kept its pages under, where not its own (AbortRequest.moved_to)."""
     worker, prefill = placement.worker, placement.prefill
     if prefill is None or not req.sampling.streams:
         task = GenerateTask(
@@ -64,6 +65,7 @@ def llm_tasks(
         skip_pages=skip,
         images=req.images,
         resumed=exact,  # the kept pages sent again, no token reported
+        kept_id=kept_id if exact else "",
     )
     return [(worker.worker_id, decode), (prefill.worker_id, prefill_task)]
 

@@ -4,10 +4,12 @@ with the text a run without the fault gives, no token lost or repeated: the gate
 replica's streams again through the other one with what their clients have had, and the worker
 recomputes those tokens and goes on. Then the killed replica, restarted, serves again.
 
-As in tests/integration/test_mesh_worker_loss.py, the worker runs the default model as by default
-with `--batch-invariant`: a moved request's tokens are recomputed in one prefill, and only that mode
-makes them the same bits as the decode steps that made them first (docs/perf/batch_invariance.md).
-Each step is slowed a little (a test-only delay) so the kill lands mid-stream on an idle machine.
+As in tests/integration/test_mesh_worker_loss.py, a prefill and a decode worker run the default
+model under the defaults (no `--batch-invariant`): the gateway aborts the lost replica's request
+naming the id it goes on under (AbortRequest.moved_to), so the pages the prefill worker kept of it
+are sent again for that id and the decode worker replays the streamed tokens as decode steps: the
+same bits (services/scheduler/migration.py). Each step is slowed a little (a test-only delay) so
+the kill lands mid-stream on an idle machine.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def mesh(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(DELAY_ENV, "0.08")  # the workers' steps (96 take 8 s or more)
         procs = SeparateProcesses(
-            str(tmp_path_factory.mktemp("mesh")), "--mixed", "1", "--tokenizers", "2", "--batch-invariant"
+            str(tmp_path_factory.mktemp("mesh")), "--prefill", "1", "--decode", "1", "--tokenizers", "2"
         )
         try:
             procs.start()

@@ -182,3 +182,15 @@ def test_every_kept_request_is_freed_at_once_for_a_scheduler_that_forgot_them(ti
     assert p_engine.release_kept() == 2
     all_free(p_engine)
     assert not p_engine.resend_prefilled("a", PROMPT)
+
+
+def test_pages_kept_under_one_id_are_sent_again_under_the_id_the_request_moved_to(tiny_model):
+    p_engine = make_engine(tiny_model)
+    first = prefill(p_engine, "old", PROMPT, GREEDY)
+    p_engine.keep_prefilled("old")
+    assert p_engine.resend_prefilled("new", PROMPT, kept_id="old")
+    again = p_engine.export_prefilled("new")
+    assert again.request_id == "new" and torch.equal(again.ranks[0].pages, first.ranks[0].pages)
+    assert not p_engine.resend_prefilled("old", PROMPT)  # nothing is kept under the old id any more
+    p_engine.release_prefilled("new")
+    all_free(p_engine)

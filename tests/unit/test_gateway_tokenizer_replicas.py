@@ -60,8 +60,9 @@ def test_a_restarted_tokenizer_gets_its_requests_again_and_their_streams_go_on(t
         fake.tokenizer_instance = "second"  # the next pong comes from a new process
         came = [(await fake.from_tokenizer())[1] for _ in range(4)]
         aborts = {m for m in came if isinstance(m, AbortRequest)}
-        assert aborts == {
-            AbortRequest(request_id=r.request_id, reason="its tokenizer was lost") for r in (first, second)
+        assert aborts == {  # each names the id it goes on under: a prefill worker's kept pages follow it
+            AbortRequest(request_id=r.request_id, reason="its tokenizer was lost", moved_to=r.request_id + "~1")
+            for r in (first, second)
         }
         moved = {m.prompt_text: m for m in came if isinstance(m, GenerateRequest)}
         assert moved["Hi"].request_id == first.request_id + "~1" and moved["Ho"].request_id == second.request_id + "~1"

@@ -316,3 +316,23 @@ def test_a_moved_request_that_does_not_come_back_or_is_refused_has_its_kept_page
     out = resume(core, "r3", [5], now=now + TIMEOUT + 0.5, sampling=SamplingParams(temperature=0, lora="gone"))
     assert ("p0", AbortRequest(request_id="r3", reason="The model `gone` does not exist.")) in out
     assert "r3" not in core.requests.kept
+
+
+def test_a_stream_sent_again_under_a_new_id_resumes_from_the_pages_kept_under_its_old_one():
+    """Its tokenizer replica was lost: the gateway aborts the old id naming the new one
+    (AbortRequest.moved_to) and sends it again through another replica under the new id."""
+    core = new_core()
+    for wid, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
+        register(core, wid, role)
+    holder, _ = handed_off_on_p0(core, "r1")
+    out = core.handle(TOK, AbortRequest(request_id="r1", reason="its tokenizer was lost", moved_to="r1~1"), T0)
+    assert out == [(holder, AbortRequest(request_id="r1", reason="its tokenizer was lost"))]  # not p0's pages
+    assert core.requests.kept == {"r1~1": "p0"} and core.requests.kept_ids == {"r1~1": "r1"}
+    (d_dest, decode), (p_dest, prefill) = resume(core, "r1~1", [5, 6])
+    assert p_dest == "p0" and (prefill.resumed, prefill.kept_id) == (True, "r1")
+    assert decode.output_token_ids == [5, 6] and decode.prefill_worker_id == "p0"
+    assert done(core, "p0", "r1~1", DoneReason.HANDED_OFF) == []
+    assert core.requests.kept_ids == {}  # p0 keeps them under the new id now
+    assert done(core, d_dest, "r1~1", DoneReason.FINISHED) == [
+        ("p0", AbortRequest(request_id="r1~1", reason="the request ended"))
+    ]

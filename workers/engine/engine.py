@@ -393,9 +393,10 @@ class Engine:
         """Free every kept request's pages (their scheduler forgot them); returns how many."""
         return self.handoff.release_kept()
 
-    def resend_prefilled(self, request_id: str, prompt_token_ids: Seq[int]) -> bool:
-        """A migrated request: hold its kept pages again for `export_prefilled`; False if none are kept."""
-        return self.handoff.resend(request_id, prompt_token_ids)
+    def resend_prefilled(self, request_id: str, prompt_token_ids: Seq[int], kept_id: str = "") -> bool:
+        """A migrated request: hold its kept pages (kept as `kept_id`, if not `request_id`) again
+        for `export_prefilled`; False if none are kept."""
+        return self.handoff.resend(request_id, prompt_token_ids, kept_id)
 
     @property
     def kv_layout(self) -> KVLayout:

@@ -99,12 +99,13 @@ class PrefillHandoff:
         while self.kept and self.kept_pages > self.max_kept_pages:
             self.blocks.free_table(self._unkeep(next(iter(self.kept))).block_table)
 
-    def resend(self, request_id: str, prompt_token_ids: Seq[int]) -> bool:
-        """A migrated request: hold its kept pages again for a transfer (`take`), as after its
-        prefill; False (and nothing kept any more) unless they are of the same prompt."""
-        kept = self._unkeep(request_id)
+    def resend(self, request_id: str, prompt_token_ids: Seq[int], kept_id: str = "") -> bool:
+        """A migrated request: hold its kept pages (kept under `kept_id`, if it moved to this id)
+        again for a transfer (`take`), as after its prefill; False (and nothing kept any more)
+        unless they are of the same prompt."""
+        kept = self._unkeep(kept_id or request_id)
         if kept is not None and list(kept.prompt_token_ids) == list(prompt_token_ids):
-            self.held[request_id] = kept
+            self.held[request_id] = dataclasses.replace(kept, request_id=request_id)
             return True
         if kept is not None:
             self.blocks.free_table(kept.block_table)

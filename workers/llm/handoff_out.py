@@ -60,11 +60,13 @@ class HandoffOut:
     def expect(self, request_id: str, endpoint: str, skip_pages: int) -> None:
         self.targets[request_id] = (endpoint, skip_pages)
 
-    def resend(self, request_id: str, prompt_token_ids: list[int], endpoint: str, skip_pages: int) -> bool:
+    def resend(
+        self, request_id: str, prompt_token_ids: list[int], endpoint: str, skip_pages: int, kept_id: str = ""
+    ) -> bool:
         """A migrated request (PrefillTask.resumed): its pages kept of its first prefill, the bits
         its lost decode worker read, go to the new one (`send_resends`, between steps); False if
-        none are kept."""
-        if not self.engine.resend_prefilled(request_id, prompt_token_ids):
+        none are kept (`kept_id`: the id they were kept under, where not `request_id`)."""
+        if not self.engine.resend_prefilled(request_id, prompt_token_ids, kept_id):
             return False
         self.expect(request_id, endpoint, skip_pages)
         self.resends.append(request_id)

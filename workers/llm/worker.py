@@ -113,7 +113,7 @@ class LLMWorker:
             return self.incoming.task(task)
         resumed_prefill = isinstance(task, PrefillTask) and task.resumed
         if resumed_prefill and self.out.resend(
-            task.request_id, task.prompt_token_ids, task.decode_kv_endpoint, task.skip_pages
+            task.request_id, task.prompt_token_ids, task.decode_kv_endpoint, task.skip_pages, task.kept_id
         ):
             return  # its kept pages go to the new decode worker; no token is reported from here
         self.scheduler_queued[task.request_id] = task.queued_s
