@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagemesh.common.sampling import SamplingParams
+from pagemesh.tests.llm_tiny import tiny_llama
 
 PAGE = 4
 TOKENS = 24  # generated in all
@@ -23,24 +24,7 @@ PROMPT = [(13 * i) % 250 + 1 for i in range(14)]  # 3 full pages and a partial o
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from pagemesh.common.model_config import ModelConfig
-    from pagemesh.workers.model.loader import build_random_model
-
-    cfg = ModelConfig(
-        architecture="llama",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    return build_random_model(cfg, torch.float32, torch.device("cpu"), seed=9)
+    return tiny_llama(seed=9)
 
 
 def make_engine(model, num_pages=64, batch_invariant=False):

@@ -12,6 +12,7 @@ from pagemesh.common import protocol
 from pagemesh.common.messages import KVPagesHeader
 from pagemesh.common.messages.base import ProtocolError
 from pagemesh.common.sampling import SamplingParams
+from pagemesh.tests.llm_tiny import tiny_llama
 from pagemesh.workers.engine.kv_handoff import write_rank_pages
 from pagemesh.workers.engine.kv_quant import convert_pages, dequantize, quantize
 from pagemesh.workers.llm.handoff_in import check_header
@@ -24,24 +25,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from pagemesh.common.model_config import ModelConfig
-    from pagemesh.workers.model.loader import build_random_model
-
-    cfg = ModelConfig(
-        architecture="llama",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    return build_random_model(cfg, torch.float32, torch.device("cpu"), seed=3)
+    return tiny_llama(seed=3)
 
 
 def engine(model, kv_cache_dtype="auto"):

@@ -9,9 +9,9 @@ import ast
 from pathlib import Path
 
 import pytest
-import torch
 
 from pagemesh.common.sampling import SamplingParams
+from pagemesh.tests.llm_tiny import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 HANDOFF_MODULES = sorted((ROOT / "workers/llm").glob("handoff*.py"))
@@ -74,24 +74,7 @@ def test_the_handoff_modules_use_only_the_engines_handoff_api():
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from pagemesh.common.model_config import ModelConfig
-    from pagemesh.workers.model.loader import build_random_model
-
-    cfg = ModelConfig(
-        architecture="llama",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    return build_random_model(cfg, torch.float32, torch.device("cpu"), seed=5)
+    return tiny_llama(seed=5)
 
 
 def make_engine(model, prefix_caching=True):

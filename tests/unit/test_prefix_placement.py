@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from pagemesh.common.kv_events import BlockRemoved, BlockStored
 from pagemesh.common.messages import Heartbeat, KVPoolLoad, WorkerKind
@@ -18,6 +17,7 @@ from pagemesh.services.scheduler.main import parse as parse_scheduler_flags
 from pagemesh.services.scheduler.placement import Placement, PlacementPolicy, Placer, score
 from pagemesh.services.scheduler.prefix_index import PromptPages
 from pagemesh.services.scheduler.registry import Registry, WorkerInfo
+from pagemesh.tests.llm_tiny import tiny_llama
 from pagemesh.workers.engine.block_manager import BlockManager
 from pagemesh.workers.engine.kv_events import KVEventCollector
 
@@ -212,24 +212,7 @@ def test_placement_flags():
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    from pagemesh.common.model_config import ModelConfig
-    from pagemesh.workers.model.loader import build_random_model
-
-    cfg = ModelConfig(
-        architecture="llama",
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    return build_random_model(cfg, torch.float32, torch.device("cpu"), seed=3)
+    return tiny_llama(seed=3)
 
 
 def make_engine(model, prefix_caching=True):
