@@ -69,14 +69,19 @@ def too_large_for_every_pool(
     """Why a prompt of `prompt_len` tokens could never be placed: no mixed worker's whole KV pool
     holds its pages and one more token's, nor a decode worker's with a prefill worker's holding the
     prompt (`decode_alone`, a migrated request, or no live prefill worker: a decode worker's pool
-    is enough). None if some placement could take it once free, or no worker is known yet. Such a
-    request would otherwise wait at the head of the queue for ever."""
+    is enough). None if some placement could take it once free, or no worker is known yet, or none
+    that decodes (a lone decode worker lost and coming back: no pool to judge by; the queue's own
+    rules refuse or hold it). Such a request would otherwise wait at the head of the queue for ever."""
 
     def fits(workers: list[WorkerInfo], extra: int) -> bool:
         return any(pages_for(prompt_len, extra, w.page_size) <= w.total_pages for w in workers)
 
     everyone = prefill + decode + mixed
-    if not everyone or fits(mixed, 1) or (fits(decode, 1) and (decode_alone or not prefill or fits(prefill, 0))):
+    if (
+        not (decode or mixed)
+        or fits(mixed, 1)
+        or (fits(decode, 1) and (decode_alone or not prefill or fits(prefill, 0)))
+    ):
         return None
     largest = max(everyone, key=lambda w: w.total_pages * w.page_size)
     return (

@@ -119,6 +119,7 @@ def test_which_pools_a_prompt_must_fit():
 
     big, small = pool(100), pool(10)
     assert too_large_for_every_pool([], [], [], 10_000) is None  # no worker known yet: no verdict
+    assert too_large_for_every_pool(big, [], [], 10) is None  # none that decodes (a lone one restarting)
     assert too_large_for_every_pool([], [], big, 399) is None  # 400 tokens: a mixed pool exactly
     assert too_large_for_every_pool([], [], big, 400) is not None
     assert too_large_for_every_pool(small, big, [], 200) is not None  # the prefill pool cannot hold it
