@@ -78,14 +78,34 @@ def read_gguf(path: str | Path) -> GGUFFile:
     return _read(str(Path(path).resolve()))
 
 
+_MAPPED: list[mmap.mmap] = []  # every file `_read` mapped, for drop_resident_pages
+
+
 @functools.lru_cache(maxsize=4)
 def _read(path: str) -> GGUFFile:
     with open(path, "rb") as f:
         raw = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
-        return _parse(raw, path)
+        parsed = _parse(raw, path)
     except (struct.error, IndexError, UnicodeDecodeError) as e:
         raise ValueError(f"{Path(path).name}: not a readable GGUF file ({e})") from e
+    _MAPPED.append(raw)
+    return parsed
+
+
+def drop_resident_pages() -> bool:
+    """Take the pages of every GGUF file read so far out of this process's memory (madvise
+    MADV_DONTNEED on the read-only mapping): they stay in the kernel's page cache, and a tensor
+    read again faults its pages back in. A worker calls it once its model is loaded, when the
+    weights live in its own tensors: loading touched the whole file (93 MB for the default model),
+    and those pages would otherwise count in the worker's memory (PSS) for its life. False where
+    the platform has no madvise."""
+    if not hasattr(mmap, "MADV_DONTNEED"):
+        return False
+    for raw in _MAPPED:
+        if not raw.closed:
+            raw.madvise(mmap.MADV_DONTNEED)
+    return True
 
 
 def _parse(raw: mmap.mmap, path: str) -> GGUFFile:

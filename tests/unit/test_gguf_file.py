@@ -79,3 +79,32 @@ def test_a_file_that_is_not_gguf_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         read_gguf(cut)
     _read.cache_clear()
+
+
+def _mapped_pss_kb(path) -> int:
+    """This process's PSS of the mappings of `path` (/proc/self/smaps)."""
+    total, current = 0, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if parts and "-" in parts[0] and not parts[0].endswith(":"):
+                current = parts[5] if len(parts) > 5 else ""
+            elif parts and parts[0] == "Pss:" and current == str(path):
+                total += int(parts[1])
+    return total
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_DONTNEED"), reason="no madvise here")
+def test_dropped_pages_leave_the_process_and_read_back_the_same(tmp_path):
+    from pagemesh.common.gguf_file import drop_resident_pages
+
+    path = tmp_path / "copy.gguf"  # a file of its own: no other test's mapping shares its pages
+    path.write_bytes(default_model_path().read_bytes())
+    tensors = read_gguf(path).tensors
+    sums = [int(t.data.sum(dtype=np.uint64 if t.data.dtype == np.uint8 else np.float64)) for t in tensors]
+    touched = _mapped_pss_kb(path.resolve())
+    assert touched > 50_000  # the whole file was read: ~93 MB
+    assert drop_resident_pages()
+    assert _mapped_pss_kb(path.resolve()) < touched // 20
+    assert [int(t.data.sum(dtype=np.uint64 if t.data.dtype == np.uint8 else np.float64)) for t in tensors] == sums
+    _read.cache_clear()

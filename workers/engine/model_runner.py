@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from pagemesh.common.gguf_file import drop_resident_pages
 from pagemesh.kernels.cpu.memory import keep_freed_memory_for_reuse, release_freed_memory, zeroed_tensor
 from pagemesh.workers.attention.metadata import AttentionMetadata
 from pagemesh.workers.engine.backend import Backend, select_backend
@@ -112,6 +113,7 @@ class ModelRunner:
         self.adapters = ServedAdapters(model, *lora) if lora is not None else None
         self.image_encoder = model.image_encoder  # a multimodal model's first stage: its vision side
         self.image_embeds: dict[str, torch.Tensor] = {}  # digest -> [placeholders, hidden]: the encoder cache
+        drop_resident_pages()  # the GGUF file's pages loading touched: the weights are in tensors now
         if device.type == "cpu":
             release_freed_memory()  # what loading and repacking the model freed (kernels/cpu/memory.py)
         self.graphs: DecodeGraphs | None = None
