@@ -15,6 +15,11 @@ tail [skip, total) of the prompt's pages. An fp8 pool's pages travel as fp8 with
 scales in the header. A tensor- or pipeline-parallel worker sends one header per rank (`tp_rank`,
 `tp_size`, and its stage's `layer_start`/`layer_end`), each with that rank's KV heads of its
 stage's layers (the engine's rank 0 gathers them: workers/engine/kv_relay.py).
+
+At most MAX_BYTES_IN_FLIGHT of copies wait for acknowledgements at a time: a burst of prompts
+(32 of 128 tokens are 188 MB of fp32 pages here) would otherwise hold a copy of every one until
+its decode worker, busy with its own steps, took it. The others wait in `waiting`, their pages
+still in the pool only, and go out between steps as acknowledgements come back.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ from pagemesh.workers.engine.kv_handoff import DTYPE_NAMES, PageExport, RankPage
 from pagemesh.workers.shell.backend import WorkerContext
 from pagemesh.workers.shell.faults import kv_send_delay_s
 
+# copies of pages sent and not yet acknowledged, at most (one transfer always goes, whatever its size)
+MAX_BYTES_IN_FLIGHT = 64 << 20
+
 
 @dataclass
 class _Outgoing:
@@ -41,6 +49,7 @@ class _Outgoing:
 
     frames: list  # kept alive until acknowledged: zero-copy frames point into them (every rank's)
     deadline: float
+    nbytes: int = 0
 
 
 class HandoffOut:
@@ -53,6 +62,8 @@ class HandoffOut:
         self.targets: dict[str, tuple[str, int]] = {}  # request -> (decode KV endpoint, pages not to send)
         self.resends: list[str] = []  # migrated requests whose kept pages go out between steps
         self.outgoing: dict[str, _Outgoing] = {}
+        self.waiting: dict[str, float] = {}  # request -> deadline: to send once fewer bytes are in flight
+        self.max_bytes_in_flight = MAX_BYTES_IN_FLIGHT
         self.dealers: dict[str, Dealer] = {}
         self.bytes_sent = 0
         self.send_delay_s = kv_send_delay_s()  # test-only; 0 unless a test sets it
@@ -74,17 +85,37 @@ class HandoffOut:
 
     async def send_resends(self) -> None:
         """Send the pages `resend` held again (between steps: an export reads the pool, and a
-        parallel worker's gathers its ranks), those of requests not aborted meanwhile."""
+        parallel worker's gathers its ranks), those of requests not aborted meanwhile; then those
+        that waited for room in flight, while there is room."""
         resends, self.resends = self.resends, []
         for request_id in resends:
             if request_id in self.targets:
                 await self.send(request_id)
+        while self.waiting and not self._full():
+            request_id = next(iter(self.waiting))
+            del self.waiting[request_id]
+            if request_id in self.targets:
+                await self._send_now(request_id)
+
+    @property
+    def bytes_in_flight(self) -> int:
+        return sum(o.nbytes for o in self.outgoing.values())
+
+    def _full(self) -> bool:
+        return bool(self.outgoing) and self.bytes_in_flight >= self.max_bytes_in_flight
 
     def has_pages(self, request_id: str) -> bool:
         """The engine holds this finished request's pages for the transfer."""
         return self.engine.take_prefilled(request_id) is not None
 
     async def send(self, request_id: str) -> None:
+        """Send now, or (too many bytes in flight) between the next steps that have room."""
+        if self._full() or self.waiting:  # in order: none overtakes one that waits
+            self.waiting[request_id] = time.monotonic() + self.timeout
+            return
+        await self._send_now(request_id)
+
+    async def _send_now(self, request_id: str) -> None:
         endpoint, skip = self.targets.pop(request_id)
         # one message per rank (a parallel worker's ranks each hold their KV heads of their layers)
         parts = pack_export(self.engine.export_prefilled(request_id, skip))
@@ -93,12 +124,13 @@ class HandoffOut:
         if dealer is None:
             dealer = self.dealers[endpoint] = Dealer(endpoint, self.ctx.worker_id, options=KV)
             asyncio.ensure_future(self._ack_loop(dealer))
-        self.outgoing[request_id] = _Outgoing(messages, time.monotonic() + self.timeout)
+        nbytes = sum(t.numel() * t.element_size() for _, layers in parts for t in layers)
+        self.outgoing[request_id] = _Outgoing(messages, time.monotonic() + self.timeout, nbytes)
         if self.send_delay_s > 0:
             await asyncio.sleep(self.send_delay_s)  # packed, held, not sent: "mid-transfer" (tests)
         for frames in messages:
             await dealer.send_frames(frames)
-        self.bytes_sent += sum(t.numel() * t.element_size() for _, layers in parts for t in layers)
+        self.bytes_sent += nbytes
 
     async def _ack_loop(self, dealer: Dealer) -> None:
         while True:
@@ -121,10 +153,15 @@ class HandoffOut:
         """The request ended here some other way (aborted, finished at its first token)."""
         self.targets.pop(request_id, None)
         self.outgoing.pop(request_id, None)
+        self.waiting.pop(request_id, None)
 
     def expire(self, now: float) -> None:
-        for rid in [r for r, o in self.outgoing.items() if o.deadline < now]:
-            del self.outgoing[rid]
+        late = [r for r, o in self.outgoing.items() if o.deadline < now]
+        late += [r for r, deadline in self.waiting.items() if deadline < now]
+        for rid in late:
+            self.outgoing.pop(rid, None)
+            self.waiting.pop(rid, None)
+            self.targets.pop(rid, None)
             self.engine.release_prefilled(rid)
             self.ctx.log.warning("kv transfer timed out", request_id=rid)
             self.on_done(rid, DoneReason.KV_TIMEOUT)
