@@ -71,8 +71,8 @@ class GemmaAttention(nn.Module):
 class GemmaMLP(LlamaMLP):
     """Llama's MLP with GeGLU (tanh-approximated GELU) for SiLU."""
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
+    def activation(self, gate_up: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return gelu_tanh_and_mul(gate_up)
 
 
 class GemmaDecoderLayer(nn.Module):

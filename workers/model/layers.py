@@ -120,6 +120,16 @@ class PackedWeight:
 AMX_MAX_ROWS = 64  # up to here (decode steps) the AMX kernel streams each weight once; above, oneDNN
 
 
+def rows_independent(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `linear` gives each row of `x` through `module` (a Column/RowParallelLinear) the same
+    bits whatever rows come with it: on a CPU, its row-invariant kernels, and the quantized C
+    kernels on fp32 rows (integer dot products per row, scaled in K's order; the bf16 rows of a
+    prefill take oneDNN's GEMM, whose blocking may follow the row count)."""
+    if x.device.type != "cpu":
+        return False
+    return module.batch_invariant or (is_quantized(module.packed) and x.dtype == torch.float32)
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
