@@ -8,7 +8,8 @@ one-worker mesh gets, the usable cores, with OpenMP's default spin-waits: the ol
 `fixed-1` (the same with one thread: `--threads-per-worker 1`), `passive` (the default now:
 passive waits, the usable cores), `adaptive` (passive waits and the thread count the step loop
 adapts, workers/shell/thread_policy.py), `adaptive-spin` (the same over OpenMP's spin-waits:
-`OMP_WAIT_POLICY=ACTIVE`) and `spin-N` (fixed count, `GOMP_SPINCOUNT=N`). Each
+`OMP_WAIT_POLICY=ACTIVE`), `spin-N` (fixed count, `GOMP_SPINCOUNT=N`) and `passive-N` (passive
+waits, N threads: more than the cores is oversubscribed). Each
 process sets itself up as `pagemesh worker` does (`prepare_worker_threads` before torch loads,
 then `step_threads_for`) and serves `streams` greedy requests of 128-token prompts. Then, for
 each round and each load (quiet; two equal-priority CPU hogs, `python -c "while 1: pass"`; two
@@ -48,7 +49,9 @@ def policy_setup(name: str) -> tuple[int | None, dict[str, str]]:
         return None, {"PAGEMESH_THREAD_POLICY": "adaptive", "OMP_WAIT_POLICY": "ACTIVE"}
     if name.startswith("spin-"):
         return None, fixed | {"GOMP_SPINCOUNT": str(int(name[5:]))}
-    raise SystemExit(f"unknown policy {name!r}: fixed, fixed-1, passive, adaptive, adaptive-spin or spin-N")
+    if name.startswith("passive-"):  # passive waits, N threads (more than the cores: oversubscribed)
+        return int(name[8:]), {"PAGEMESH_THREAD_POLICY": "passive"}
+    raise SystemExit(f"unknown policy {name!r}: fixed, fixed-1, passive, passive-N, adaptive, adaptive-spin or spin-N")
 
 
 PROMPT_LEN = 128
