@@ -6,6 +6,7 @@ then frees them and ends the request with KV_TIMEOUT: it never waits forever."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 from pagemesh.common.messages import DecodeTask, DoneReason, KVPagesHeader
@@ -90,3 +91,40 @@ def test_half_a_transfer_is_never_imported_and_the_deadline_frees_the_pinned_pag
     assert ctx.ended == [("r", DoneReason.KV_TIMEOUT)]
     assert blocks.num_free_pages == free_before
     blocks.check_invariants()
+
+
+def test_a_task_waits_longer_for_its_pages_than_a_transfer_for_its_parts(tmp_path):
+    """The pages come after the prompt's prefill, which a burst can make longer than a transfer:
+    a task alone waits TASK_WAIT_TIMEOUTS transfer timeouts; once a part came, the rest have one."""
+    from pagemesh.workers.llm.handoff_in import TASK_WAIT_TIMEOUTS
+
+    blocks = BlockManager(16, PAGE)
+    pages = HandoffPages(blocks, KVLayout(LAYERS, tp_size=1, pp_size=2, pool_shape=(2, 16, 2, PAGE, 1, 2)))
+    engine = SimpleNamespace(
+        kv_layout=pages.kv_layout, pin_prefix_pages=pages.pin_prefix_pages, free_pages=pages.free_pages
+    )
+    ctx = Context()
+
+    async def run() -> None:
+        handoff = HandoffIn(ctx, engine, ipc_address(str(tmp_path), "kv"), 30.0, lambda task: None)
+        try:
+            task = DecodeTask(
+                request_id="r",
+                prompt_token_ids=PROMPT,
+                sampling=SamplingParams(temperature=0, max_tokens=4),
+                reply_to="tok-0",
+                prefill_worker_id="prefill-0",
+            )
+            start = time.monotonic()
+            handoff.task(task)
+            handoff.expire(start + 30.0 * TASK_WAIT_TIMEOUTS - 1)
+            assert ctx.ended == []  # a prefill still running: no timeout yet
+            handoff.pages(stage_header(range(0, 2)), [], b"prefill-0")
+            assert handoff.incoming["r"].deadline <= time.monotonic() + 30.0
+            handoff.expire(time.monotonic() + 31.0)
+        finally:
+            handoff.close()
+
+    assert TASK_WAIT_TIMEOUTS > 1
+    asyncio.run(run())
+    assert ctx.ended == [("r", DoneReason.KV_TIMEOUT)]

@@ -28,6 +28,13 @@ from pagemesh.workers.engine.engine import Engine
 from pagemesh.workers.engine.kv_handoff import DTYPES_BY_NAME, rank_layers
 from pagemesh.workers.shell.backend import WorkerContext
 
+# A task waits this many transfer timeouts for its pages: they come after its prompt's prefill, and
+# under a burst the prefill worker's queue of prompts (and of transfers: handoff_out's bound on
+# copies in flight) can take longer than a transfer. The scheduler aborts the task here sooner when
+# the prefill worker is lost or the client leaves; this deadline only keeps a lost message from
+# holding the pinned pages forever.
+TASK_WAIT_TIMEOUTS = 4
+
 
 @dataclass
 class _Incoming:
@@ -71,7 +78,8 @@ class HandoffIn:
         until the pages arrive."""
         entry = self.incoming.setdefault(task.request_id, _Incoming())
         entry.task = task
-        entry.deadline = max(entry.deadline, time.monotonic() + self.timeout)
+        waits = self.timeout * (1 if entry.parts else TASK_WAIT_TIMEOUTS)  # the pages' prefill may still run
+        entry.deadline = max(entry.deadline, time.monotonic() + waits)
         skip = task.skip_pages
         if skip and not entry.pinned:
             # an image's placeholders are keyed by its content, as the prefill worker's pages are
@@ -90,7 +98,7 @@ class HandoffIn:
         entry = self.incoming.setdefault(header.request_id, _Incoming())
         entry.parts[(header.tp_rank, header.layer_start)] = (header, frames)
         entry.sender = sender
-        entry.deadline = max(entry.deadline, time.monotonic() + self.timeout)
+        entry.deadline = time.monotonic() + self.timeout  # the transfer has begun: its other parts come soon
         self._maybe_import(header.request_id)
 
     def _maybe_import(self, request_id: str) -> None:
