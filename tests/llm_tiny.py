@@ -26,3 +26,21 @@ def tiny_llama(seed: int):
         tie_word_embeddings=False,
     )
     return build_random_model(cfg, torch.float32, torch.device("cpu"), seed=seed)
+
+
+def tiny_engine(model, *, page_size: int = 4, num_pages: int = 64, max_model_len: int = 256, **options):
+    """An fp32 CPU engine over `model` (no prefix caching unless `options` ask for it)."""
+    from pagemesh.workers.engine.config import EngineConfig
+    from pagemesh.workers.engine.engine import Engine
+
+    config = EngineConfig(
+        dtype="float32",
+        device="cpu",
+        page_size=page_size,
+        num_pages=num_pages,
+        max_model_len=max_model_len,
+        enable_prefix_caching=options.pop("enable_prefix_caching", False),
+        cuda_graphs=False,
+        **options,
+    )
+    return Engine(config, model=model)

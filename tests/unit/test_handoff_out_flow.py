@@ -13,7 +13,7 @@ import structlog
 from pagemesh.common.messages import DoneReason, KVPagesAck, KVPagesHeader
 from pagemesh.common.sampling import SamplingParams
 from pagemesh.common.transport import KV, Router
-from pagemesh.tests.llm_tiny import tiny_llama
+from pagemesh.tests.llm_tiny import tiny_engine, tiny_llama
 from pagemesh.workers.llm.handoff_out import HandoffOut
 
 PROMPTS = {f"r{i}": [(7 * i + 3 * j) % 250 + 1 for j in range(10)] for i in range(4)}
@@ -43,21 +43,7 @@ def tiny_model():
 
 
 def prefilled_engine(model):
-    from pagemesh.workers.engine.config import EngineConfig
-    from pagemesh.workers.engine.engine import Engine
-
-    engine = Engine(
-        EngineConfig(
-            dtype="float32",
-            device="cpu",
-            page_size=4,
-            num_pages=64,
-            max_model_len=128,
-            enable_prefix_caching=False,
-            cuda_graphs=False,
-        ),
-        model=model,
-    )
+    engine = tiny_engine(model, max_model_len=128)
     for rid, prompt in PROMPTS.items():
         engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=4), prefill_only=True)
     while any(engine.take_prefilled(rid) is None for rid in PROMPTS):

@@ -50,6 +50,26 @@ def stage_header(layers: range) -> KVPagesHeader:
     )
 
 
+def engine_over(blocks: BlockManager) -> SimpleNamespace:
+    """The engine's handoff API over these pages, but no import_pages: an import attempt would fail
+    the request as KV_REJECTED, not time it out."""
+    pages = HandoffPages(blocks, KVLayout(LAYERS, tp_size=1, pp_size=2, pool_shape=(2, 16, 2, PAGE, 1, 2)))
+    return SimpleNamespace(
+        kv_layout=pages.kv_layout, pin_prefix_pages=pages.pin_prefix_pages, free_pages=pages.free_pages
+    )
+
+
+def decode_task(skip_pages: int = 0) -> DecodeTask:
+    return DecodeTask(
+        request_id="r",
+        prompt_token_ids=PROMPT,
+        sampling=SamplingParams(temperature=0, max_tokens=4),
+        reply_to="tok-0",
+        prefill_worker_id="prefill-0",
+        skip_pages=skip_pages,
+    )
+
+
 def test_half_a_transfer_is_never_imported_and_the_deadline_frees_the_pinned_pages(tmp_path):
     blocks = BlockManager(16, PAGE)
     table: list[int] = []
@@ -57,26 +77,12 @@ def test_half_a_transfer_is_never_imported_and_the_deadline_frees_the_pinned_pag
     blocks.cache_full_pages(table, PROMPT, 0, len(PROMPT))
     blocks.free_table(table)  # cached, unreferenced: what an earlier request left
     free_before = blocks.num_free_pages
-    # the engine's handoff API over these pages, but no import_pages: an import attempt would fail
-    # the request as KV_REJECTED, not time it out
-    pages = HandoffPages(blocks, KVLayout(LAYERS, tp_size=1, pp_size=2, pool_shape=(2, 16, 2, PAGE, 1, 2)))
-    engine = SimpleNamespace(
-        kv_layout=pages.kv_layout, pin_prefix_pages=pages.pin_prefix_pages, free_pages=pages.free_pages
-    )
-    ctx = Context()
+    engine, ctx = engine_over(blocks), Context()
 
     async def run() -> None:
         handoff = HandoffIn(ctx, engine, ipc_address(str(tmp_path), "kv"), 30.0, lambda task: None)
         try:
-            task = DecodeTask(
-                request_id="r",
-                prompt_token_ids=PROMPT,
-                sampling=SamplingParams(temperature=0, max_tokens=4),
-                reply_to="tok-0",
-                prefill_worker_id="prefill-0",
-                skip_pages=2,
-            )
-            handoff.task(task)
+            handoff.task(decode_task(skip_pages=2))
             handoff.pages(stage_header(range(0, 2)), [], b"prefill-0")  # stage 1's part never comes
             assert blocks.num_free_pages == free_before - 2  # the two prefix pages are pinned
             assert ctx.ended == [] and [h.request_id for h in handoff.held()] == ["r"]
@@ -98,25 +104,13 @@ def test_a_task_waits_longer_for_its_pages_than_a_transfer_for_its_parts(tmp_pat
     a task alone waits TASK_WAIT_TIMEOUTS transfer timeouts; once a part came, the rest have one."""
     from pagemesh.workers.llm.handoff_in import TASK_WAIT_TIMEOUTS
 
-    blocks = BlockManager(16, PAGE)
-    pages = HandoffPages(blocks, KVLayout(LAYERS, tp_size=1, pp_size=2, pool_shape=(2, 16, 2, PAGE, 1, 2)))
-    engine = SimpleNamespace(
-        kv_layout=pages.kv_layout, pin_prefix_pages=pages.pin_prefix_pages, free_pages=pages.free_pages
-    )
-    ctx = Context()
+    engine, ctx = engine_over(BlockManager(16, PAGE)), Context()
 
     async def run() -> None:
         handoff = HandoffIn(ctx, engine, ipc_address(str(tmp_path), "kv"), 30.0, lambda task: None)
         try:
-            task = DecodeTask(
-                request_id="r",
-                prompt_token_ids=PROMPT,
-                sampling=SamplingParams(temperature=0, max_tokens=4),
-                reply_to="tok-0",
-                prefill_worker_id="prefill-0",
-            )
             start = time.monotonic()
-            handoff.task(task)
+            handoff.task(decode_task())
             handoff.expire(start + 30.0 * TASK_WAIT_TIMEOUTS - 1)
             assert ctx.ended == []  # a prefill still running: no timeout yet
             handoff.pages(stage_header(range(0, 2)), [], b"prefill-0")

@@ -8,27 +8,18 @@ from __future__ import annotations
 import pytest
 
 from pagemesh.common.sampling import SamplingParams
-from pagemesh.tests.llm_tiny import tiny_llama
+from pagemesh.tests.llm_tiny import tiny_engine, tiny_llama
 from pagemesh.workers.model import llama
 
 PROMPTS = [[(11 * i + 7 * j) % 250 + 1 for j in range(40 + 9 * i)] for i in range(3)]  # 147 tokens a step
 
 
 def run(model, **options):
-    from pagemesh.workers.engine.config import EngineConfig
-    from pagemesh.workers.engine.engine import Engine
-
-    config = EngineConfig(
-        dtype="float32",
-        device="cpu",
-        page_size=8,
-        num_pages=64,
-        max_model_len=256,
-        enable_prefix_caching=False,
-        **options,
-    )
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=2)
-    return [(r.token_ids, r.logprobs, r.prompt_logprobs) for r in Engine(config, model=model).generate(PROMPTS, params)]
+    return [
+        (r.token_ids, r.logprobs, r.prompt_logprobs)
+        for r in tiny_engine(model, page_size=8, **options).generate(PROMPTS, params)
+    ]
 
 
 @pytest.fixture
