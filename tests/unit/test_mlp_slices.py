@@ -55,3 +55,17 @@ def test_a_dense_fp32_model_is_not_sliced(model, monkeypatch):
     monkeypatch.setattr(llama, "MLP_SLICE_ROWS", 32)
     run(model)
     assert max(calls) == sum(map(len, PROMPTS))
+
+
+@pytest.mark.parametrize("adapted", ["gate_up_proj", "down_proj"])
+def test_an_mlp_with_a_lora_adapter_is_not_sliced(model, monkeypatch, adapted):
+    """(an adapter's rows map to their requests over the whole step)"""
+    from pagemesh.workers.model.quantization import quantize_int8_model
+
+    assert quantize_int8_model(model) > 0
+    mlp = model.model.layers[0].mlp if hasattr(model, "model") else model.layers[0].mlp
+    seen = []
+    getattr(mlp, adapted).lora = type("Adapter", (), {"add_to": lambda self, y, x: seen.append(len(x)) or y})()
+    monkeypatch.setattr(llama, "MLP_SLICE_ROWS", 32)
+    run(model)
+    assert max(seen) == sum(map(len, PROMPTS))

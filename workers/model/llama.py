@@ -75,6 +75,7 @@ class LlamaMLP(nn.Module):
         if (
             x.shape[0] <= MLP_SLICE_ROWS
             or self.gate_up_proj.lora is not None
+            or self.down_proj.lora is not None
             or not rows_independent(self.gate_up_proj, x)
             or not rows_independent(self.down_proj, x)
         ):
