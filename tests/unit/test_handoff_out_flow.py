@@ -83,7 +83,7 @@ def test_sends_wait_for_room_in_flight_and_go_in_order_as_acks_come(tiny_model, 
             assert await arrived(router, 2) == ["r0", "r1"]  # the second goes: one copy was under the bound
             await nothing_more(router)
             assert list(out.waiting) == ["r2", "r3"] and len(out.outgoing) == 2
-            await out.send_resends()  # between steps: still no room
+            await out.send_between_steps()  # between steps: still no room
             await nothing_more(router)
 
             await router.send(b"prefill-test", KVPagesAck(request_id="r0", ok=True, error=None))
@@ -94,7 +94,7 @@ def test_sends_wait_for_room_in_flight_and_go_in_order_as_acks_come(tiny_model, 
             for command in ctx.inbox:
                 command()
             assert done == [("r0", DoneReason.HANDED_OFF)]
-            await out.send_resends()
+            await out.send_between_steps()
             assert await arrived(router, 1) == ["r2"]
             await nothing_more(router)
 

@@ -75,7 +75,7 @@ class HandoffOut:
         self, request_id: str, prompt_token_ids: list[int], endpoint: str, skip_pages: int, kept_id: str = ""
     ) -> bool:
         """A migrated request (PrefillTask.resumed): its pages kept of its first prefill, the bits
-        its lost decode worker read, go to the new one (`send_resends`, between steps); False if
+        its lost decode worker read, go to the new one (`send_between_steps`); False if
         none are kept (`kept_id`: the id they were kept under, where not `request_id`)."""
         if not self.engine.resend_prefilled(request_id, prompt_token_ids, kept_id):
             return False
@@ -83,7 +83,7 @@ class HandoffOut:
         self.resends.append(request_id)
         return True
 
-    async def send_resends(self) -> None:
+    async def send_between_steps(self) -> None:
         """Send the pages `resend` held again (between steps: an export reads the pool, and a
         parallel worker's gathers its ranks), those of requests not aborted meanwhile; then those
         that waited for room in flight, while there is room."""

@@ -223,9 +223,10 @@ class LLMWorker:
     async def between_steps(self) -> None:
         """The KV cache events of the last step (and of what ran in the inbox) as one batch,
         encoded once: to the scheduler (in order on the one scheduler socket; a snapshot when
-        due) and, with --kv-events-config, to the PUB socket. Kept pages a migrated request asked
-        for go out first (HandoffOut.resend)."""
-        await self.out.send_resends()
+        due) and, with --kv-events-config, to the PUB socket. First the transfers due between steps:
+        the kept pages a migrated request asked for (HandoffOut.resend), then those that waited for
+        room in flight."""
+        await self.out.send_between_steps()
         payload, messages = self.kv_events.take()
         if payload is not None and self.kv_events_publisher is not None:
             self.kv_events_publisher.send(payload)
