@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagemesh.common.sampling import SamplingParams
-from pagemesh.tests.llm_tiny import tiny_llama
+from pagemesh.tests.llm_tiny import tiny_engine, tiny_llama
 
 PAGE = 4
 TOKENS = 24  # generated in all
@@ -28,19 +28,9 @@ def tiny_model():
 
 
 def make_engine(model, num_pages=64, batch_invariant=False):
-    from pagemesh.workers.engine.config import EngineConfig
-    from pagemesh.workers.engine.engine import Engine
-
-    config = EngineConfig(
-        dtype="float32",
-        device="cpu",
-        page_size=PAGE,
-        num_pages=num_pages,
-        max_model_len=256,
-        cuda_graphs=False,
-        batch_invariant=batch_invariant,
+    return tiny_engine(
+        model, page_size=PAGE, num_pages=num_pages, enable_prefix_caching=True, batch_invariant=batch_invariant
     )
-    return Engine(config, model=model)
 
 
 def prefill(p_engine, rid, prompt, params):

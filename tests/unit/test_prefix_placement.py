@@ -17,7 +17,7 @@ from pagemesh.services.scheduler.main import parse as parse_scheduler_flags
 from pagemesh.services.scheduler.placement import Placement, PlacementPolicy, Placer, score
 from pagemesh.services.scheduler.prefix_index import PromptPages
 from pagemesh.services.scheduler.registry import Registry, WorkerInfo
-from pagemesh.tests.llm_tiny import tiny_llama
+from pagemesh.tests.llm_tiny import tiny_engine, tiny_llama
 from pagemesh.workers.engine.block_manager import BlockManager
 from pagemesh.workers.engine.kv_events import KVEventCollector
 
@@ -216,19 +216,7 @@ def tiny_model():
 
 
 def make_engine(model, prefix_caching=True):
-    from pagemesh.workers.engine.config import EngineConfig
-    from pagemesh.workers.engine.engine import Engine
-
-    config = EngineConfig(
-        dtype="float32",
-        device="cpu",
-        page_size=PAGE,
-        num_pages=64,
-        max_model_len=256,
-        enable_prefix_caching=prefix_caching,
-        cuda_graphs=False,
-    )
-    return Engine(config, model=model)
+    return tiny_engine(model, page_size=PAGE, enable_prefix_caching=prefix_caching)
 
 
 def prefill(engine, rid, prompt, params):
