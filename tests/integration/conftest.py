@@ -1,6 +1,7 @@
 """Fixtures that load the real default model once per test session."""
 
 import json
+import threading
 import time
 
 import openai
@@ -91,12 +92,18 @@ def hf_argmax_after_each(hf_model, prompt_ids, tokens) -> list[int]:
     return logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(tokens)].argmax(-1).tolist()
 
 
-def stream_counting(client, received: list[int], k: int, **request) -> tuple[int, Exception | None, float]:
-    """Stream a completion to its end, counting its text chunks in `received[k]` as they come
-    (another thread can wait for them); returns (chunks, the error that ended it or None, when)."""
+def stream_counting(
+    client, received: list[int], k: int, stop: threading.Event | None = None, **request
+) -> tuple[int, Exception | None, float]:
+    """Stream a completion to its end (or until `stop` is set: the client closes it), counting its
+    text chunks in `received[k]` as they come (another thread can wait for them); returns
+    (chunks, the error that ended it or None, when)."""
     try:
-        for chunk in client.completions.create(stream=True, **request):
-            received[k] += bool(chunk.choices and chunk.choices[0].text)
+        with client.completions.create(stream=True, **request) as chunks:
+            for chunk in chunks:
+                received[k] += bool(chunk.choices and chunk.choices[0].text)
+                if stop is not None and stop.is_set():
+                    break
     except Exception as e:  # the error event of a failed stream
         return received[k], e, time.monotonic()
     return received[k], None, time.monotonic()

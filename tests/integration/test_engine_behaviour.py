@@ -17,9 +17,7 @@ def live_tables(engine):
 
 
 def test_kv_utilization_of_a_mixed_length_run_is_at_least_95_percent():
-    engine = Engine(
-        EngineConfig(dtype="bfloat16", max_num_batched_tokens=256, num_pages=2048, enable_prefix_caching=False)
-    )
+    engine = Engine(EngineConfig(dtype="auto", max_num_batched_tokens=256, num_pages=2048, enable_prefix_caching=False))
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 40000) for _ in range(rng.randint(100, 400))] for _ in range(12)]
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=rng.randint(8, 40)) for _ in prompts]

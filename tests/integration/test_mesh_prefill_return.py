@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
+import threading
 import time
 
 import openai
@@ -36,9 +37,13 @@ def test_a_request_moved_back_to_the_same_prefill_and_decode_workers_streams_to_
         client = openai.OpenAI(base_url=mesh.url + "/v1", api_key="none", max_retries=0, timeout=HANG_S)
         go_on = dict(model=DEFAULT_MODEL_NAME, temperature=0, extra_body={"ignore_eos": True})
         received = [0, 0, 0]
+        enough = threading.Event()  # the busy stream's client leaves once the other two have ended
 
         def stream(k: int, prompt: str, max_tokens: int):
-            return pool.submit(stream_counting, client, received, k, prompt=prompt, max_tokens=max_tokens, **go_on)
+            stop = enough if k == 0 else None
+            return pool.submit(
+                stream_counting, client, received, k, stop=stop, prompt=prompt, max_tokens=max_tokens, **go_on
+            )
 
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             busy = stream(0, "Count on:", 3000)  # one of the decode worker's two places, for a while
@@ -54,6 +59,7 @@ def test_a_request_moved_back_to_the_same_prefill_and_decode_workers_streams_to_
             for k, run in ((1, moved), (2, later)):
                 pieces, error, _ = run.result(timeout=HANG_S)
                 assert error is None and received[k] == pieces > 0, (k, repr(error))
+            enough.set()  # (its place is no longer needed: its 3000 tokens took a minute here)
             assert busy.result(timeout=HANG_S)[1] is None
         answer = client.completions.create(prompt="Go on:", max_tokens=24, **go_on)
         assert answer.usage.completion_tokens == 24

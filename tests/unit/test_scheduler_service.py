@@ -28,9 +28,13 @@ TIMEOUT_S = HANG_S  # bounds a hang only; a loaded machine may take long to load
 
 
 @contextlib.asynccontextmanager
-async def scheduler(tmp_path, heartbeat_timeout: float = 5.0):
+async def scheduler(tmp_path, heartbeat_timeout: float = 5.0, worker_return_wait: float = 30.0):
     service = SchedulerService(
-        SchedulerConfig(t.ipc_address(str(tmp_path), "sched"), heartbeat_timeout=heartbeat_timeout)
+        SchedulerConfig(
+            t.ipc_address(str(tmp_path), "sched"),
+            heartbeat_timeout=heartbeat_timeout,
+            worker_return_wait=worker_return_wait,
+        )
     )
     task = asyncio.create_task(service.run())
     try:
@@ -152,7 +156,8 @@ def test_a_just_started_scheduler_holds_requests_for_workers_yet_to_register(tmp
     from pagemesh.common.sampling import SamplingParams
 
     async def main():
-        async with scheduler(tmp_path, heartbeat_timeout=0.5) as service:
+        # after the loss, refused once the return wait (2 s here, 30 s by default) is over
+        async with scheduler(tmp_path, heartbeat_timeout=0.5, worker_return_wait=2.0) as service:
             with t.Dealer(service.config.address, "tok0") as tokenizer:
                 await tokenizer.send(
                     ScheduleRequest(
