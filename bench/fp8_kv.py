@@ -4,6 +4,7 @@
     python bench/fp8_kv.py speed [--streams 1 8 32] [--prompt-len 128] [--steps 32] [--dtype auto]
                                  [--quantization auto] [--num-pages 4096]
     python bench/fp8_kv.py attention [--seqs 32] [--context 160] [--layers 1 30] [--repeats 30]
+                                     [--query-dtype bfloat16]
 
 `quality`: fixed prompts (varied: prose, code, lists, chat) are continued greedily by the model-
 dtype engine; then each engine (auto, fp8_e4m3, fp8_e5m2, on the same loaded model) is
@@ -20,6 +21,8 @@ requests of `prompt-len` random tokens are prefilled, then `steps` decode steps 
 heads, pages of 16 in shuffled order), one decode query per sequence, bf16 queries: the bf16 pool
 against fp8_e4m3, alternated (A-B-A-B). With 1 layer the pool stays in cache (the kernels'
 arithmetic); with 30 distinct layers it streams from memory, as a decode step's does.
+`--query-dtype float32`: fp32 queries, the fp32 pool against fp8_e4m3 (what a CPU without
+AVX512-BF16 serves: fp32 activations and, by default, an fp32 pool).
 """
 
 from __future__ import annotations
@@ -166,14 +169,16 @@ def attention(args) -> None:
     tables = (torch.randperm(seqs * pages_per, generator=gen) + 1).reshape(seqs, pages_per).int()
     seq_lens = torch.full((seqs,), args.context, dtype=torch.int32)
     starts = torch.arange(seqs + 1, dtype=torch.int32)
-    q = torch.randn(seqs, heads, dim, generator=gen).bfloat16()
+    dtype = getattr(torch, args.query_dtype)
+    pool_name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    q = torch.randn(seqs, heads, dim, generator=gen).to(dtype)
     for layers in args.layers:
-        pools: dict[str, list] = {"bf16": [], "fp8_e4m3": []}
+        pools: dict[str, list] = {pool_name: [], "fp8_e4m3": []}
         for _ in range(layers):
-            kv = torch.randn(seqs * pages_per + 1, 2, page, kv_heads, dim, generator=gen).bfloat16()
+            kv = torch.randn(seqs * pages_per + 1, 2, page, kv_heads, dim, generator=gen).to(dtype)
             scales = (kv.float().abs().amax(dim=(0, 2, 4)) / 112).contiguous()  # amax -> fp8 max / 4
             fp8 = (kv.float() / scales[None, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-            pools["bf16"].append((kv, None))
+            pools[pool_name].append((kv, None))
             pools["fp8_e4m3"].append((fp8.contiguous(), scales))
         times: dict[str, list[float]] = {name: [] for name in pools}
         for _ in range(args.repeats):
@@ -209,6 +214,7 @@ def main() -> None:
     a.add_argument("--context", type=int, default=160)
     a.add_argument("--layers", type=int, nargs="+", default=[1, 30])
     a.add_argument("--repeats", type=int, default=30)
+    a.add_argument("--query-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="queries, pool")
     args = parser.parse_args()
     {"quality": quality, "speed": speed, "attention": attention}[args.what](args)
 
