@@ -323,3 +323,36 @@ def test_a_request_id_already_held_is_refused(pipe):
     engine.add(job("a"))
     with pytest.raises(ValueError, match="already in the engine"):
         engine.add(job("a"))
+
+
+def test_guidance_in_one_call_per_scale_gives_each_request_its_own_numbers():
+    """_guided_parts: the requests of a step sharing a guidance scale are guided in one call; each
+    request's part equals `guide` over its own rows, bit for bit (n 1 and 2, two scales, one
+    request unguided, an extra variance channel kept from the cond rows)."""
+    from types import SimpleNamespace
+
+    from pagemesh.workers.diffusion.engine.engine import DiffusionEngine, guide
+
+    def request(n: int, scale: float):
+        guided = scale > 1.0
+        return SimpleNamespace(
+            n=n,
+            guided=guided,
+            rows=2 * n if guided else n,
+            resolved=SimpleNamespace(guidance_scale=scale),
+            latents=torch.zeros(n, 1, 4, 4),
+        )
+
+    group = [request(1, 2.0), request(2, 7.5), request(1, 1.0), request(2, 2.0), request(1, 7.5)]
+    out = torch.randn(sum(r.rows for r in group), 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    parts = DiffusionEngine._guided_parts(group, out)
+    offset = 0
+    for running, part in zip(group, parts):
+        rows = out[offset : offset + running.rows]
+        offset += running.rows
+        if running.guided:
+            expected = guide(rows[: running.n], rows[running.n :], running.resolved.guidance_scale, 1)
+        else:
+            expected = rows
+        assert torch.equal(part, expected)
+        assert part.shape == (running.n, 2, 4, 4)

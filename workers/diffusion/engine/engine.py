@@ -209,18 +209,46 @@ class DiffusionEngine:
             torch.cat(timesteps).to(self.pipeline.device),
             self.pipeline.stack(rows),
         )
-        offset, members = 0, []
+        members = [
+            (running.sampler, part, running.latents) for running, part in zip(group, self._guided_parts(group, out))
+        ]
         for running in group:
-            part = out[offset : offset + running.rows]
-            offset += running.rows
-            if running.guided:
-                n, scale = running.n, running.resolved.guidance_scale
-                part = guide(part[:n], part[n:], scale, running.latents.shape[1])
-            members.append((running.sampler, part, running.latents))
             running.batched_with = max(running.batched_with, len(group) - 1)
         for running, latents in zip(group, step_all(members)):  # samplers in one state: one call
             running.latents = latents
         self._stats.record_forward(len(rows), len(group), time.perf_counter() - began)
+
+    @staticmethod
+    def _guided_parts(group: list[RunningJob], out: torch.Tensor) -> list[torch.Tensor]:
+        """Each request's model output for its n images: its rows of `out`, with guidance applied
+        (`guide`), one call for all the requests of a guidance scale (each element is computed as
+        in a call of its own, so a request's numbers do not depend on the others)."""
+        parts: list[torch.Tensor | None] = []
+        by_scale: dict[float, list[int]] = {}  # guidance scale -> the requests' places in `group`
+        offset = 0
+        for i, running in enumerate(group):
+            parts.append(None if running.guided else out[offset : offset + running.rows])
+            if running.guided:
+                by_scale.setdefault(running.resolved.guidance_scale, []).append(i)
+            offset += running.rows
+        if not by_scale:
+            return parts
+        starts = list(itertools.accumulate((r.rows for r in group), initial=0))
+        channels = group[0].latents.shape[1]
+        for scale, members in by_scale.items():
+            if len(members) == 1:
+                i, running = members[0], group[members[0]]
+                part = out[starts[i] : starts[i] + running.rows]
+                parts[i] = guide(part[: running.n], part[running.n :], scale, channels)
+                continue
+            cond = [starts[i] + j for i in members for j in range(group[i].n)]
+            uncond = [starts[i] + group[i].n + j for i in members for j in range(group[i].n)]
+            index = torch.tensor(cond + uncond, device=out.device)
+            both = out.index_select(0, index)
+            guided = guide(both[: len(cond)], both[len(cond) :], scale, channels)
+            for i, piece in zip(members, guided.split([group[i].n for i in members])):
+                parts[i] = piece
+        return parts
 
     def _model_output(self, group: list[RunningJob], latents, timesteps, cond) -> torch.Tensor:
         """The forward's output (float32), through the feature caches when a row of the group has

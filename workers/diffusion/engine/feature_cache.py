@@ -151,6 +151,11 @@ def cached_forward(bf: BlockForward, latents, timesteps, cond, parts: list[Cache
             parts[i].cache.signal.copy_(current[first : first + parts[i].rows])
             first += parts[i].rows
     skip_all = {parts[i].offset + j for i in tea for j, c in enumerate(computes[i]) if not c}
+    if all(_kind_of(p) in (CacheKind.TEACACHE, CacheKind.NONE) for p in parts):
+        # no row decides after block 0: the whole stack in one call (one gather and scatter); a
+        # teacache skip's h1 is its h0
+        hidden = _run_blocks(bf, h0, rows, 0, num_blocks, skip_all)
+        return _finish(bf, parts, computes, hidden, h0, h0, rows, skip_all)
     h1 = _run_blocks(bf, h0, rows, 0, 1, skip_all)
 
     # First-Block-Cache (on block 0's residual, against the last computed step's) and interval.
@@ -167,14 +172,19 @@ def cached_forward(bf: BlockForward, latents, timesteps, cond, parts: list[Cache
             computes[i] = _decide_rows(part, [], 0)
     skip_rest = {parts[i].offset + j for i, c in computes.items() for j, runs in enumerate(c) if not runs}
     hidden = _run_blocks(bf, h1, rows, 1, num_blocks, skip_rest)
+    return _finish(bf, parts, computes, hidden, h0, h1, rows, skip_all)
 
+
+def _finish(bf: BlockForward, parts, computes, hidden, h0, h1, rows, skip_all: set[int]) -> tuple[torch.Tensor, list]:
+    """The caches updated, the skipping rows' hidden states filled in, the final layer run, and
+    the blocks each part computed."""
     _store_residuals(parts, computes, hidden, h0, h1)
     _reuse_residuals(parts, computes, hidden, h1)
     computed = []
     for i, part in enumerate(parts):
         runs = computes.get(i, [True] * part.rows)
         ran_first_only = sum(1 for j, c in enumerate(runs) if not c and part.offset + j not in skip_all)
-        computed.append(sum(runs) * num_blocks + ran_first_only)
+        computed.append(sum(runs) * bf.num_blocks + ran_first_only)
     return bf.final(hidden, rows), computed
 
 

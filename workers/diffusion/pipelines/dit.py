@@ -28,18 +28,29 @@ from pagemesh.workers.diffusion.pipelines.common import (
     parse_teacache_coefficients,
     patch_embedding_in_float32_on_cpu,
 )
-from pagemesh.workers.diffusion.pipelines.dit_lean import lean_block, lean_unsupported, timestep_sinusoid
+from pagemesh.workers.diffusion.pipelines.dit_lean import (
+    lean_block,
+    lean_conditioning,
+    lean_modulated,
+    lean_unsupported,
+    timestep_sinusoid,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class DiTRows:
-    """Each row's conditioning through the blocks: its timestep and its class label."""
+    """Each row's conditioning through the blocks: its timestep and its class label; on the lean
+    path also its timestep sinusoid and block 0's conditioning (made once a forward: block 0, the
+    final layer and TeaCache's signal read it)."""
 
     timesteps: torch.Tensor  # [B]
     labels: torch.Tensor  # [B] long
+    sinusoid: torch.Tensor | None = None  # [B, 256]
+    conditioning: torch.Tensor | None = None  # [B, D]
 
     def select(self, index: torch.Tensor) -> DiTRows:
-        return DiTRows(self.timesteps.index_select(0, index), self.labels.index_select(0, index))
+        pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
+        return DiTRows(pick(self.timesteps), pick(self.labels), pick(self.sinusoid), pick(self.conditioning))
 
 
 class DiTBlocks:
@@ -72,18 +83,28 @@ class DiTBlocks:
 
     def embed(self, latents: torch.Tensor, timesteps: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, DiTRows]:
         hidden = self.transformer.pos_embed(latents.to(self.device, self.dtype))
-        return hidden, DiTRows(timesteps.to(self.device), cond)
+        timesteps = timesteps.to(self.device)
+        if not self.lean:
+            return hidden, DiTRows(timesteps, cond)
+        sinusoid = timestep_sinusoid(self.transformer, timesteps)
+        conditioning = lean_conditioning(self.transformer.transformer_blocks[0], sinusoid, cond, hidden.dtype)
+        return hidden, DiTRows(timesteps, cond, sinusoid, conditioning)
 
     def modulated_input(self, hidden: torch.Tensor, rows: DiTRows) -> torch.Tensor:
-        norm1 = self.transformer.transformer_blocks[0].norm1
-        return norm1(hidden, rows.timesteps, rows.labels, hidden_dtype=hidden.dtype)[0]
+        block = self.transformer.transformer_blocks[0]
+        if rows.conditioning is not None:
+            return lean_modulated(block, hidden, rows.conditioning)[0]
+        return block.norm1(hidden, rows.timesteps, rows.labels, hidden_dtype=hidden.dtype)[0]
 
     def blocks(self, hidden: torch.Tensor, rows: DiTRows, start: int, stop: int) -> torch.Tensor:
         blocks = self.transformer.transformer_blocks
         if self.lean and start < stop:
-            sinusoid = timestep_sinusoid(self.transformer, rows.timesteps)
+            sinusoid = (
+                rows.sinusoid if rows.sinusoid is not None else timestep_sinusoid(self.transformer, rows.timesteps)
+            )
             for index in range(start, stop):
-                hidden = lean_block(blocks[index], hidden, sinusoid, rows.labels)
+                given = rows.conditioning if index == 0 else None  # block 0's, made in embed
+                hidden = lean_block(blocks[index], hidden, sinusoid, rows.labels, given)
             return hidden
         for index in range(start, stop):
             hidden = blocks[index](hidden, timestep=rows.timesteps, class_labels=rows.labels)
@@ -91,10 +112,14 @@ class DiTBlocks:
 
     def final(self, hidden: torch.Tensor, rows: DiTRows) -> torch.Tensor:
         model = self.transformer
-        conditioning = model.transformer_blocks[0].norm1.emb(rows.timesteps, rows.labels, hidden_dtype=hidden.dtype)
-        shift, scale = model.proj_out_1(F.silu(conditioning)).chunk(2, dim=1)
-        hidden = model.norm_out(hidden) * (1 + scale[:, None]) + shift[:, None]
-        hidden = model.proj_out_2(hidden)
+        conditioning = rows.conditioning
+        if conditioning is None:
+            conditioning = model.transformer_blocks[0].norm1.emb(rows.timesteps, rows.labels, hidden_dtype=hidden.dtype)
+        shift, scale = F.linear(F.silu(conditioning), model.proj_out_1.weight, model.proj_out_1.bias).chunk(2, dim=1)
+        norm = model.norm_out
+        hidden = F.layer_norm(hidden, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+        hidden = hidden * (1 + scale[:, None]) + shift[:, None]
+        hidden = F.linear(hidden, model.proj_out_2.weight, model.proj_out_2.bias)
         side, p, c = int(hidden.shape[1] ** 0.5), self.patch_size, model.out_channels
         hidden = hidden.reshape(shape=(-1, side, side, p, p, c))
         out = torch.einsum("nhwpqc->nchpwq", hidden).reshape(shape=(-1, c, side * p, side * p))

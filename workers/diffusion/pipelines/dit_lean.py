@@ -72,20 +72,43 @@ def timestep_sinusoid(transformer, timesteps: torch.Tensor) -> torch.Tensor:
     return transformer.transformer_blocks[0].norm1.emb.time_proj(timesteps)
 
 
-def lean_block(block, hidden: torch.Tensor, sinusoid: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """One block (see the module doc) on hidden [B, T, D]; `sinusoid` [B, 256] and `labels` [B]
-    are the rows' timestep projection and class ids."""
-    norm1, attn, ff = block.norm1, block.attn1, block.ff
-    embed = norm1.emb
+def lean_conditioning(block, sinusoid: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A block's conditioning [B, D]: its timestep MLP on the rows' sinusoid plus their class
+    embedding (diffusers' CombinedTimestepLabelEmbeddings in eval mode). Block 0's is also the
+    final layer's, and TeaCache's signal is made from it."""
+    embed = block.norm1.emb
     mlp = embed.timestep_embedder
-    t = F.linear(sinusoid.to(dtype=hidden.dtype), mlp.linear_1.weight, mlp.linear_1.bias)
+    t = F.linear(sinusoid.to(dtype=dtype), mlp.linear_1.weight, mlp.linear_1.bias)
     t = F.linear(F.silu(t), mlp.linear_2.weight, mlp.linear_2.bias)
-    conditioning = t + F.embedding(labels, embed.class_embedder.embedding_table.weight)
+    return t + F.embedding(labels, embed.class_embedder.embedding_table.weight)
+
+
+def lean_modulated(block, hidden: torch.Tensor, conditioning: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """The block's adaLN-Zero: (its attention input, LayerNorm(hidden) * (1 + scale) + shift, and
+    the six modulation chunks)."""
+    norm1 = block.norm1
     modulation = F.linear(F.silu(conditioning), norm1.linear.weight, norm1.linear.bias)
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = modulation.chunk(6, dim=1)
+    chunks = modulation.chunk(6, dim=1)
+    shift_msa, scale_msa = chunks[0], chunks[1]
     ln = norm1.norm
     x = F.layer_norm(hidden, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
-    x = x * (1 + scale_msa[:, None]) + shift_msa[:, None]
+    return x * (1 + scale_msa[:, None]) + shift_msa[:, None], chunks
+
+
+def lean_block(
+    block,
+    hidden: torch.Tensor,
+    sinusoid: torch.Tensor,
+    labels: torch.Tensor,
+    conditioning: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One block (see the module doc) on hidden [B, T, D]; `sinusoid` [B, 256] and `labels` [B]
+    are the rows' timestep projection and class ids; `conditioning`: this block's
+    (`lean_conditioning`), when the caller has it already."""
+    attn, ff = block.attn1, block.ff
+    if conditioning is None:
+        conditioning = lean_conditioning(block, sinusoid, labels, hidden.dtype)
+    x, (_, _, gate_msa, shift_mlp, scale_mlp, gate_mlp) = lean_modulated(block, hidden, conditioning)
 
     batch = x.shape[0]
     q = F.linear(x, attn.to_q.weight, attn.to_q.bias)
