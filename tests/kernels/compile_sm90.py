@@ -161,13 +161,18 @@ def resources(kernel) -> str:
     return f"REG:{usage.group(1)} STACK:{usage.group(2)} SMEM:{kernel.metadata.shared} MMA:{mma}"
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    """`compile_sm90.py [SHARD SHARDS]`: compile every SHARDS-th variant from the SHARD-th (0 1:
+    all), so that a test can run shards side by side, one a core."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("compile_sm90: unset TRITON_INTERPRET (it compiles, not interprets)")
         return 2
+    shard, shards = (int(argv[0]), int(argv[1])) if argv else (0, 1)
     driver.set_active(_Sm90Driver())
     failures = 0
-    for name, jit_fn, args, kwargs in record_launches():
+    for i, (name, jit_fn, args, kwargs) in enumerate(record_launches()):
+        if i % shards != shard:
+            continue
         consts = {k: v for k, v in kwargs.items() if k.isupper() or k.startswith("num_")}
         label = f"{name} {args[3].dtype if name == '_paged_attention_kernel' else ''} " + " ".join(
             f"{k}={v}" for k, v in consts.items()
@@ -182,4 +187,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

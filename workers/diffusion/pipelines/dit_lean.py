@@ -7,7 +7,9 @@ row (module calls, argument plumbing, the timestep embedding rebuilt in every bl
 fixed cost, so a cached step cost far more than its share of blocks (issue 33's wall-clock gap).
 
     timesteps ──sinusoid (once per forward, shared: every block's Timesteps has the same config)
-    per block:  sinusoid ─▶ timestep MLP (+ class embedding) ─▶ SiLU ─▶ adaLN linear ─▶ 6 chunks
+    per block:  sinusoid ─▶ timestep MLP (+ class embedding) = its conditioning (`lean_conditioning`;
+                block 0's is made once a forward and read by block 0, the final layer and TeaCache)
+                conditioning ─▶ SiLU ─▶ adaLN linear ─▶ 6 chunks (`lean_modulated`)
                 hidden ─▶ LayerNorm · (1 + scale) + shift ─▶ q k v ─▶ SDPA ─▶ out ─▶ · gate + hidden
                        ─▶ LayerNorm · (1 + scale) + shift ─▶ GELU(tanh) MLP ─▶ · gate + hidden
 
