@@ -135,6 +135,36 @@ def test_the_fp8_kv_write_kernel_gives_torchs_bytes_for_every_bf16_value():
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (fp8, scale)
 
 
+def test_the_fp8_kv_write_kernel_gives_torchs_bytes_for_fp32_values_at_every_rounding_edge():
+    """fp32 rows (what an AVX2 CPU serves) through pm_write_kv_fp8's bit-level rounding: every fp8
+    value and every midpoint between neighbours (the ties of round-to-nearest-even), each with the
+    fp32 values up to 3 ulp either side, fp32 subnormals, signed zeros and random fp32 bit
+    patterns, over a scale of 1 (the values themselves) and two others."""
+    import pagemesh.kernels.cpu as kernels
+
+    heads, dim, page = 2, 64, 16
+    gen = torch.Generator().manual_seed(5)
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).float()
+        values = codes[torch.isfinite(codes)].unique()  # sorted, -max .. max
+        edges = torch.cat([values, (values[1:] + values[:-1]) / 2])  # midpoints: exact in fp32
+        bits = edges.view(torch.int32)
+        near = torch.cat([(bits + i).view(torch.float32) for i in range(-3, 4)])
+        tiny = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-40, -3e-39, 1.17e-38])
+        random = torch.randint(-(2**31), 2**31 - 1, (20000,), generator=gen, dtype=torch.int32).view(torch.float32)
+        x = torch.cat([near, tiny, random])
+        x = x[torch.isfinite(x)]
+        x = torch.cat([x, x[: -x.numel() % (heads * dim)]]).view(-1, heads, dim)
+        slots = torch.arange(x.shape[0], dtype=torch.int64)
+        pages = -(-x.shape[0] // page)
+        for scale in (1.0, 0.37, 123.4567):
+            scales = torch.full((2, heads), scale)
+            got, want = (torch.zeros(pages, 2, page, heads, dim, dtype=fp8) for _ in range(2))
+            kernels.write_kv(x, x.flip(0), got, slots, kv_scales=scales)
+            kernels.write_kv_fp8_reference(x, x.flip(0), want, slots, scales)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (fp8, scale)
+
+
 @pytest.mark.parametrize("tiled", [True, False])
 def test_fused_decode_step_equals_the_python_layers_over_many_rows(tiled):
     """11 rows: the tiled GEMM in two row chunks; without tiles, the plain kernel (as
