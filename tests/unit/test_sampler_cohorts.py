@@ -92,3 +92,20 @@ def test_members_keep_no_shared_mutable_state():
     y = latents[0]
     y = group[0].step(fake_model(group[0].model_input(y), 3, 0), y)
     assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("name", sorted(COHORT_SAMPLERS | {"ddpm"}))
+def test_requests_samplers_share_only_what_no_step_writes(name):
+    """Each request's scheduler is a copy of one template: they share the noise schedule's tensors
+    and the frozen config, never a container a step changes; a request that runs to its end
+    leaves one copied before it with the numbers it has alone."""
+    a, b = samplers(name, [1, 1])
+    for attr, value in vars(a.scheduler).items():
+        if type(value) in (list, dict):  # (the config is a FrozenDict, shared)
+            assert value is not getattr(b.scheduler, attr), attr
+    waiting = samplers(name, [1])[0]  # copied before the other request's steps
+    other = run(name, [1], together=False)[0]  # the same request (seeds), run first to its end
+    x = waiting.initial_latents(SHAPE, torch.device("cpu"))
+    while not waiting.done:
+        x = waiting.step(fake_model(waiting.model_input(x), waiting.index, 0), x)
+    assert torch.equal(x, other)
