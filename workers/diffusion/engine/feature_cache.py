@@ -148,8 +148,9 @@ def cached_forward(bf: BlockForward, latents, timesteps, cond, parts: list[Cache
         first = 0
         for i in tea:
             computes[i] = _decide_rows(parts[i], changes, first, coefficients)
-            parts[i].cache.signal.copy_(current[first : first + parts[i].rows])
             first += parts[i].rows
+        signals = [parts[i].cache.signal for i in tea]
+        torch._foreach_copy_(signals, list(current.split([s.shape[0] for s in signals])))
     skip_all = {parts[i].offset + j for i in tea for j, c in enumerate(computes[i]) if not c}
     if all(_kind_of(p) in (CacheKind.TEACACHE, CacheKind.NONE) for p in parts):
         # no row decides after block 0: the whole stack in one call (one gather and scatter); a
@@ -189,17 +190,26 @@ def _finish(bf: BlockForward, parts, computes, hidden, h0, h1, rows, skip_all: s
 
 
 def _store_residuals(parts: list[CachePart], computes: dict[int, list[bool]], hidden, h0, h1) -> None:
-    """Computing rows keep what the cached blocks added this step (teacache: the whole stack)."""
+    """Computing rows keep what the cached blocks added this step (teacache: the whole stack).
+    Requests whose rows all computed take their rows of one batch-wide difference, in one copy."""
+    added: dict[bool, torch.Tensor] = {}  # whole stack (teacache)? -> hidden minus its base, every row
+    targets, sources = [], []
     for i, runs in computes.items():
         part, cache = parts[i], parts[i].cache
-        base = h0 if cache.policy.kind is CacheKind.TEACACHE else h1
+        whole_stack = cache.policy.kind is CacheKind.TEACACHE
+        base = h0 if whole_stack else h1
         span = slice(part.offset, part.offset + part.rows)
         if all(runs):
-            torch.sub(hidden[span], base[span], out=cache.residual)
+            if whole_stack not in added:
+                added[whole_stack] = hidden - base
+            targets.append(cache.residual)
+            sources.append(added[whole_stack][span])
         elif any(runs):
             local = _index([j for j, c in enumerate(runs) if c], hidden.device)
             mine = local + part.offset
             cache.residual.index_copy_(0, local, hidden.index_select(0, mine) - base.index_select(0, mine))
+    if targets:
+        torch._foreach_copy_(targets, sources)
 
 
 def _reuse_residuals(parts: list[CachePart], computes: dict[int, list[bool]], hidden, h1) -> None:
