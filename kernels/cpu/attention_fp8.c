@@ -21,6 +21,28 @@ static inline float half_bits_to_f32(uint16_t h) {
     return (h & 0x8000u) ? -v : v;
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h> /* common.h includes it only under AVX-512 */
+#define PM_FP8_AVX2 1
+/* 8 fp8 bytes -> their fp16 readings (see above) as fp32: e5m2 moved up 8 bits; e4m3 moved up 7,
+ * b + (b >> 7 << 7) first carrying the sign from bit 7 to bit 8 (bit 15 after the shift; shifts
+ * only, so that no constant holds a register in the V loop) */
+static inline __m256 fp8x8_to_f32(const uint8_t *src, int fmt) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)src));
+    return _mm256_cvtph_ps(fmt == FP8_E5M2 ? _mm_slli_epi16(b, 8)
+                                           : _mm_slli_epi16(_mm_add_epi16(b, _mm_slli_epi16(_mm_srli_epi16(b, 7), 7)), 7));
+}
+
+/* fp8x8_to_f32 of 16 bytes into dst[0..15], the bit moves on all 16 at once */
+static inline void fp8x16_to_f32(float *dst, const uint8_t *src, int fmt) {
+    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src));
+    b = fmt == FP8_E5M2 ? _mm256_slli_epi16(b, 8)
+                        : _mm256_slli_epi16(_mm256_add_epi16(b, _mm256_slli_epi16(_mm256_srli_epi16(b, 7), 7)), 7);
+    _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm256_castsi256_si128(b)));
+    _mm256_storeu_ps(dst + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(b, 1)));
+}
+#endif
+
 /* dst[i] = the fp16 reading of src[i] (times 2^-8 for e4m3, see above) */
 static inline void load_fp8_row(float *dst, const uint8_t *src, int64_t n, int fmt) {
     int64_t i = 0;
@@ -33,6 +55,9 @@ static inline void load_fp8_row(float *dst, const uint8_t *src, int64_t n, int f
                                               _mm256_slli_epi16(_mm256_and_si256(h, low7), 7));
         _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(h));
     }
+#elif defined(PM_FP8_AVX2)
+    for (; i + 16 <= n; i += 16) fp8x16_to_f32(dst + i, src + i, fmt);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, fp8x8_to_f32(src + i, fmt));
 #endif
     for (; i < n; i++) dst[i] = half_bits_to_f32(fp8_half_bits(src[i], fmt));
 }
@@ -94,6 +119,111 @@ static inline __attribute__((always_inline)) void attend_item_fp8(
         store_row((char *)out + (t * num_heads + (int64_t)kvh * G) * HD * es, acc, (int64_t)G * HD, dt);
     }
 }
+
+#if defined(PM_FP8_AVX2)
+/* r[i] = the sum of v[i]'s 8 lanes (a transpose-and-add tree: 8 sums in 9 ops) */
+static inline __m256 sum8(const __m256 v[8]) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    /* a: v0..v3's low-half sums, then their high-half sums; b: v4..v7's */
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* attend_item_fp8 for a CPU with AVX2, FMA and F16C but no AVX-512 (HD % 8 == 0; HD and G
+ * compile-time constants). Scores: 8 keys a pass, their K rows (all KV heads) decoded once into
+ * kbuf and shared by every head, each head's 8 dots kept in 8 vectors and reduced together (sum8)
+ * instead of one horizontal reduction per (key, head). Weighted V sum: one KV head at a time, its
+ * group's sums in registers over the whole context, CW vectors (8 CW columns) of each query head
+ * at a time so that they fit AVX2's 16 registers; each V byte is decoded once. */
+static inline __attribute__((always_inline)) void attend_item_fp8_avx2(
+    const void *q, int64_t q_stride, void *out, const uint8_t *kv_layer, const int32_t *pages, int64_t t, int n,
+    int num_kv_heads, const int HD, const int G, int page_size, float scale, int window, float softcap,
+    const float *kv_scales, int fmt, int dt, float *scores) {
+    int first_page, skip;
+    window_keys(n, window, page_size, &first_page, &skip, &n);
+    pages += first_page;
+    const int64_t es = elem_size(dt);
+    const int num_heads = num_kv_heads * G;
+    const int64_t kv_row = (int64_t)num_kv_heads * HD;
+    const float unit = fmt == FP8_E4M3 ? 256.0f : 1.0f;
+    float qf[num_heads * HD], kbuf[8 * kv_row];
+    load_row(qf, (const char *)q + t * q_stride * es, (int64_t)num_heads * HD, dt);
+    for (int h = 0; h < num_heads; h++) {
+        const float s = scale * kv_scales[h / G] * unit;
+        for (int d = 0; d < HD; d++) qf[h * HD + d] *= s;
+    }
+    for (int j0 = 0, pi = 0; j0 < n; j0 += page_size, pi++) {
+        const int len = n - j0 < page_size ? n - j0 : page_size;
+        const uint8_t *k = kv_layer + ((int64_t)pages[pi] * 2) * page_size * kv_row;
+        if (j0 + page_size < n) prefetch_block((const char *)kv_layer + ((int64_t)pages[pi + 1] * 2) * page_size * kv_row, page_size * kv_row);
+        prefetch_block((const char *)k + page_size * kv_row, len * kv_row); /* this page's V, for the second pass */
+        for (int o0 = 0; o0 < len; o0 += 8) {
+            const int m = len - o0 < 8 ? len - o0 : 8;
+            for (int o = 0; o < m; o++)
+                for (int64_t i = 0; i < kv_row; i += 16) /* kv_row: a multiple of HD (64 or 128) */
+                    fp8x16_to_f32(kbuf + o * kv_row + i, k + (o0 + o) * kv_row + i, fmt);
+            for (int h = 0; h < num_heads; h++) {
+                const float *kh = kbuf + (h / G) * HD, *qh = qf + h * HD;
+                __m256 acc[8];
+#pragma GCC unroll 8
+                for (int o = 0; o < 8; o++) acc[o] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+                for (int d = 0; d < HD; d += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qh + d);
+#pragma GCC unroll 8
+                    for (int o = 0; o < 8; o++) /* keys past the page's last (o >= m) reread its row; dropped below */
+                        acc[o] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kh + (o < m ? o : m - 1) * kv_row + d), acc[o]);
+                }
+                float *dst = scores + h * n + j0 + o0;
+                if (m == 8) {
+                    _mm256_storeu_ps(dst, sum8(acc));
+                } else {
+                    float tmp[8];
+                    _mm256_storeu_ps(tmp, sum8(acc));
+                    for (int o = 0; o < m; o++) dst[o] = tmp[o];
+                }
+            }
+        }
+    }
+    softmax_rows(scores, num_heads, n, skip, softcap);
+    /* CW vectors of columns a pass (the last pass fewer): G x CW sums, G weights and the V vector
+     * being decoded in 16 registers (a sum spilled to the stack made each key wait on a store) */
+    const int CW = (13 - G) / G < 1 ? 1 : ((13 - G) / G > 8 ? 8 : (13 - G) / G);
+    for (int kvh = 0; kvh < num_kv_heads; kvh++) {
+        const float *p = scores + (int64_t)kvh * G * n;
+        float *dst = qf + (int64_t)kvh * G * HD; /* qf is free now: the group's sums, then stored */
+        const __m256 vs = _mm256_set1_ps(kv_scales[num_kv_heads + kvh] * unit);
+#pragma GCC unroll 16
+        for (int c0 = 0; c0 < HD / 8; c0 += CW) {
+            const int cw = HD / 8 - c0 < CW ? HD / 8 - c0 : CW;
+            __m256 acc[12];
+#pragma GCC unroll 12
+            for (int i = 0; i < G * cw; i++) acc[i] = _mm256_setzero_ps();
+            for (int j0 = 0, pi = 0; j0 < n; j0 += page_size, pi++) {
+                const int len = n - j0 < page_size ? n - j0 : page_size;
+                const uint8_t *v = kv_layer + ((int64_t)pages[pi] * 2 + 1) * page_size * kv_row + kvh * HD + c0 * 8;
+                for (int o = 0; o < len; o++) {
+                    __m256 w[8];
+#pragma GCC unroll 8
+                    for (int g = 0; g < G; g++) w[g] = _mm256_broadcast_ss(p + g * n + j0 + o);
+#pragma GCC unroll 8
+                    for (int c = 0; c < cw; c++) {
+                        const __m256 vv = fp8x8_to_f32(v + o * kv_row + c * 8, fmt);
+#pragma GCC unroll 8
+                        for (int g = 0; g < G; g++) acc[g * cw + c] = _mm256_fmadd_ps(w[g], vv, acc[g * cw + c]);
+                    }
+                }
+            }
+#pragma GCC unroll 8
+            for (int g = 0; g < G; g++)
+#pragma GCC unroll 8
+                for (int c = 0; c < cw; c++)
+                    _mm256_storeu_ps(dst + g * HD + (c0 + c) * 8, _mm256_mul_ps(acc[g * cw + c], vs));
+        }
+        store_row((char *)out + (t * num_heads + (int64_t)kvh * G) * HD * es, dst, (int64_t)G * HD, dt);
+    }
+}
+#endif
 
 #if defined(PM_BF16_LOOPS)
 /* The bf16-query path (the served one). Why the generic path above is ~2.3x slower than the bf16
@@ -170,6 +300,33 @@ void pm_paged_attention_fp8(const void *q, int64_t q_stride, void *out, const vo
                 continue;
             }
 #undef FP8_ITEM
+#endif
+#if defined(PM_FP8_AVX2)
+#define FP8_AVX2_ITEM(HD_, G_)                                                                                        \
+    attend_item_fp8_avx2(q, q_stride, out, (const uint8_t *)kv_layer, pages, t, n, num_kv_heads, HD_, G_, page_size, \
+                         scale, window, softcap, kv_scales, fmt, dt, scores)
+#define FP8_AVX2_G(HD_)                                 \
+    switch (group) {                                    \
+        case 1: FP8_AVX2_ITEM(HD_, 1); break;           \
+        case 2: FP8_AVX2_ITEM(HD_, 2); break;           \
+        case 3: FP8_AVX2_ITEM(HD_, 3); break;           \
+        case 4: FP8_AVX2_ITEM(HD_, 4); break;           \
+        case 5: FP8_AVX2_ITEM(HD_, 5); break;           \
+        case 6: FP8_AVX2_ITEM(HD_, 6); break;           \
+        case 7: FP8_AVX2_ITEM(HD_, 7); break;           \
+        default: FP8_AVX2_ITEM(HD_, 8); break;          \
+    }
+            /* AVX2 (no AVX-512): head_dim 64 or 128, 1-8 query heads per KV head, compiled copies */
+            if (head_dim == 64 && group <= 8) {
+                FP8_AVX2_G(64)
+                continue;
+            }
+            if (head_dim == 128 && group <= 8) {
+                FP8_AVX2_G(128)
+                continue;
+            }
+#undef FP8_AVX2_G
+#undef FP8_AVX2_ITEM
 #endif
             /* head_dim 64 and 128 get compiled copies with a constant HD (unrolled, vectorized dots) */
             if (head_dim == 64)
