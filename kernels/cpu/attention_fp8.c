@@ -62,6 +62,25 @@ static inline void load_fp8_row(float *dst, const uint8_t *src, int64_t n, int f
     for (; i < n; i++) dst[i] = half_bits_to_f32(fp8_half_bits(src[i], fmt));
 }
 
+/* The query row's heads (num_heads x HD values of `q`, in dt) as fp32, each head times
+ * `scale` and its KV head's K scale (the K scale folded into the query) */
+static inline void load_scaled_query(float *qf, const void *q, int num_heads, int HD, int G, float scale,
+                                     const float *kv_scales, int dt) {
+    load_row(qf, q, (int64_t)num_heads * HD, dt);
+    for (int h = 0; h < num_heads; h++) {
+        const float s = scale * kv_scales[h / G];
+        for (int d = 0; d < HD; d++) qf[h * HD + d] *= s;
+    }
+}
+
+/* Page pi of the keys (from key j0, `len` of them): prefetch the next page's K and this page's V,
+ * for the second pass (fp8 bytes: a row is kv_row bytes) */
+static inline void prefetch_page(const uint8_t *kv_layer, const int32_t *pages, int pi, int j0, int n, int len,
+                                 int page_size, int64_t kv_row) {
+    if (j0 + page_size < n) prefetch_block((const char *)kv_layer + ((int64_t)pages[pi + 1] * 2) * page_size * kv_row, page_size * kv_row);
+    prefetch_block((const char *)kv_layer + ((int64_t)pages[pi] * 2 + 1) * page_size * kv_row, len * kv_row);
+}
+
 /* One work item of pm_paged_attention_fp8: query row t (all heads) over the first n tokens of
  * the sequence's pages, as attend_item's generic path (attention.c), each K/V row decoded once into fp32.
  * The K scale of each head is folded into its query, the V scale into its output; window and
@@ -78,16 +97,11 @@ static inline __attribute__((always_inline)) void attend_item_fp8(
     const int64_t kv_row = (int64_t)num_kv_heads * HD;
     const float unit = fmt == FP8_E4M3 ? 256.0f : 1.0f;
     float qf[num_heads * HD], row[kv_row];
-    load_row(qf, (const char *)q + t * q_stride * es, (int64_t)num_heads * HD, dt);
-    for (int h = 0; h < num_heads; h++) {
-        const float s = scale * kv_scales[h / G] * unit;
-        for (int d = 0; d < HD; d++) qf[h * HD + d] *= s;
-    }
+    load_scaled_query(qf, (const char *)q + t * q_stride * es, num_heads, HD, G, scale * unit, kv_scales, dt);
     for (int j0 = 0, pi = 0; j0 < n; j0 += page_size, pi++) {
         const int len = n - j0 < page_size ? n - j0 : page_size;
         const uint8_t *k = kv_layer + ((int64_t)pages[pi] * 2) * page_size * kv_row;
-        if (j0 + page_size < n) prefetch_block((const char *)kv_layer + ((int64_t)pages[pi + 1] * 2) * page_size * kv_row, page_size * kv_row);
-        prefetch_block((const char *)k + page_size * kv_row, len * kv_row); /* this page's V, for the second pass */
+        prefetch_page(kv_layer, pages, pi, j0, n, len, page_size, kv_row);
         for (int o = 0; o < len; o++) {
             load_fp8_row(row, k + o * kv_row, kv_row, fmt);
             for (int h = 0; h < num_heads; h++) {
@@ -147,16 +161,11 @@ static inline __attribute__((always_inline)) void attend_item_fp8_avx2(
     const int64_t kv_row = (int64_t)num_kv_heads * HD;
     const float unit = fmt == FP8_E4M3 ? 256.0f : 1.0f;
     float qf[num_heads * HD], kbuf[8 * kv_row];
-    load_row(qf, (const char *)q + t * q_stride * es, (int64_t)num_heads * HD, dt);
-    for (int h = 0; h < num_heads; h++) {
-        const float s = scale * kv_scales[h / G] * unit;
-        for (int d = 0; d < HD; d++) qf[h * HD + d] *= s;
-    }
+    load_scaled_query(qf, (const char *)q + t * q_stride * es, num_heads, HD, G, scale * unit, kv_scales, dt);
     for (int j0 = 0, pi = 0; j0 < n; j0 += page_size, pi++) {
         const int len = n - j0 < page_size ? n - j0 : page_size;
         const uint8_t *k = kv_layer + ((int64_t)pages[pi] * 2) * page_size * kv_row;
-        if (j0 + page_size < n) prefetch_block((const char *)kv_layer + ((int64_t)pages[pi + 1] * 2) * page_size * kv_row, page_size * kv_row);
-        prefetch_block((const char *)k + page_size * kv_row, len * kv_row); /* this page's V, for the second pass */
+        prefetch_page(kv_layer, pages, pi, j0, n, len, page_size, kv_row);
         for (int o0 = 0; o0 < len; o0 += 8) {
             const int m = len - o0 < 8 ? len - o0 : 8;
             for (int o = 0; o < m; o++)
