@@ -143,25 +143,13 @@ static inline __m256 sum8(const __m256 v[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-/* attend_item_fp8 for a CPU with AVX2, FMA and F16C but no AVX-512 (HD % 8 == 0; HD and G
- * compile-time constants). Scores: 8 keys a pass, their K rows (all KV heads) decoded once into
- * kbuf and shared by every head, each head's 8 dots kept in 8 vectors and reduced together (sum8)
- * instead of one horizontal reduction per (key, head). Weighted V sum: one KV head at a time, its
- * group's sums in registers over the whole context, CW vectors (8 CW columns) of each query head
- * at a time so that they fit AVX2's 16 registers; each V byte is decoded once. */
-static inline __attribute__((always_inline)) void attend_item_fp8_avx2(
-    const void *q, int64_t q_stride, void *out, const uint8_t *kv_layer, const int32_t *pages, int64_t t, int n,
-    int num_kv_heads, const int HD, const int G, int page_size, float scale, int window, float softcap,
-    const float *kv_scales, int fmt, int dt, float *scores) {
-    int first_page, skip;
-    window_keys(n, window, page_size, &first_page, &skip, &n);
-    pages += first_page;
-    const int64_t es = elem_size(dt);
-    const int num_heads = num_kv_heads * G;
-    const int64_t kv_row = (int64_t)num_kv_heads * HD;
-    const float unit = fmt == FP8_E4M3 ? 256.0f : 1.0f;
-    float qf[num_heads * HD], kbuf[8 * kv_row];
-    load_scaled_query(qf, (const char *)q + t * q_stride * es, num_heads, HD, G, scale * unit, kv_scales, dt);
+/* attend_item_fp8_avx2's scores: every query head (qf, scaled) against the first n keys; 8 keys'
+ * K rows decoded at a time into kbuf and shared by all heads, each head's 8 dots reduced together.
+ * Not inlined into the items: it does not depend on the group size, so the compiler makes one
+ * copy a head_dim (constant at both calls) instead of one per (head_dim, group) item */
+static __attribute__((noinline)) void fp8_scores_avx2(float *scores, const float *qf, const uint8_t *kv_layer,
+                                                      const int32_t *pages, int n, int num_heads, int page_size,
+                                                      int64_t kv_row, const int HD, int G, float *kbuf, int fmt) {
     for (int j0 = 0, pi = 0; j0 < n; j0 += page_size, pi++) {
         const int len = n - j0 < page_size ? n - j0 : page_size;
         const uint8_t *k = kv_layer + ((int64_t)pages[pi] * 2) * page_size * kv_row;
@@ -194,41 +182,75 @@ static inline __attribute__((always_inline)) void attend_item_fp8_avx2(
             }
         }
     }
+}
+
+/* One pass of attend_item_fp8_avx2's weighted V sum: columns c0 * 8 .. (c0 + CWC) * 8 - 1 of one KV
+ * head (v_head: its V values at key 0 of page 0's row) for its G query heads, into dst (G rows of
+ * HD), times the V scale vs; p: the heads' softmax weights, n per head */
+static inline __attribute__((always_inline)) void fp8_weighted_v_pass(float *dst, const float *p, const uint8_t *v_head,
+                                                                     const int32_t *pages, int n, int page_size,
+                                                                     int64_t kv_row, const int HD, const int G, int c0,
+                                                                     const int CWC, __m256 vs, int fmt) {
+    __m256 acc[12];
+#pragma GCC unroll 12
+    for (int i = 0; i < G * CWC; i++) acc[i] = _mm256_setzero_ps();
+    for (int j0 = 0, pi = 0; j0 < n; j0 += page_size, pi++) {
+        const int len = n - j0 < page_size ? n - j0 : page_size;
+        const uint8_t *v = v_head + ((int64_t)pages[pi] * 2 + 1) * page_size * kv_row + c0 * 8;
+        for (int o = 0; o < len; o++) {
+            __m256 w[8];
+#pragma GCC unroll 8
+            for (int g = 0; g < G; g++) w[g] = _mm256_broadcast_ss(p + g * n + j0 + o);
+#pragma GCC unroll 8
+            for (int c = 0; c < CWC; c++) {
+                const __m256 vv = fp8x8_to_f32(v + o * kv_row + c * 8, fmt);
+#pragma GCC unroll 8
+                for (int g = 0; g < G; g++) acc[g * CWC + c] = _mm256_fmadd_ps(w[g], vv, acc[g * CWC + c]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 8
+        for (int c = 0; c < CWC; c++) _mm256_storeu_ps(dst + g * HD + (c0 + c) * 8, _mm256_mul_ps(acc[g * CWC + c], vs));
+}
+
+/* attend_item_fp8 for a CPU with AVX2, FMA and F16C but no AVX-512 (HD % 8 == 0; HD and G
+ * compile-time constants). Scores: 8 keys a pass, their K rows (all KV heads) decoded once into
+ * kbuf and shared by every head, each head's 8 dots kept in 8 vectors and reduced together (sum8)
+ * instead of one horizontal reduction per (key, head). Weighted V sum: one KV head at a time, its
+ * group's sums in registers over the whole context, CW vectors (8 CW columns) of each query head
+ * at a time so that they fit AVX2's 16 registers; each V byte is decoded once. */
+static inline __attribute__((always_inline)) void attend_item_fp8_avx2(
+    const void *q, int64_t q_stride, void *out, const uint8_t *kv_layer, const int32_t *pages, int64_t t, int n,
+    int num_kv_heads, const int HD, const int G, int page_size, float scale, int window, float softcap,
+    const float *kv_scales, int fmt, int dt, float *scores) {
+    int first_page, skip;
+    window_keys(n, window, page_size, &first_page, &skip, &n);
+    pages += first_page;
+    const int64_t es = elem_size(dt);
+    const int num_heads = num_kv_heads * G;
+    const int64_t kv_row = (int64_t)num_kv_heads * HD;
+    const float unit = fmt == FP8_E4M3 ? 256.0f : 1.0f;
+    float qf[num_heads * HD], kbuf[8 * kv_row];
+    load_scaled_query(qf, (const char *)q + t * q_stride * es, num_heads, HD, G, scale * unit, kv_scales, dt);
+    fp8_scores_avx2(scores, qf, kv_layer, pages, n, num_heads, page_size, kv_row, HD, G, kbuf, fmt);
     softmax_rows(scores, num_heads, n, skip, softcap);
     /* CW vectors of columns a pass (the last pass fewer): G x CW sums, G weights and the V vector
-     * being decoded in 16 registers (a sum spilled to the stack made each key wait on a store) */
+     * being decoded in 16 registers (a sum spilled to the stack made each key wait on a store).
+     * CW and the last pass's width are compile-time constants (HD and G are), so each pass's
+     * loops unroll with its sums in registers while the passes stay a loop (unrolling the passes
+     * too made this file take 44 s to compile) */
     const int CW = (13 - G) / G < 1 ? 1 : ((13 - G) / G > 8 ? 8 : (13 - G) / G);
+    const int full = (HD / 8) / CW, rest = (HD / 8) % CW;
     for (int kvh = 0; kvh < num_kv_heads; kvh++) {
         const float *p = scores + (int64_t)kvh * G * n;
         float *dst = qf + (int64_t)kvh * G * HD; /* qf is free now: the group's sums, then stored */
         const __m256 vs = _mm256_set1_ps(kv_scales[num_kv_heads + kvh] * unit);
-#pragma GCC unroll 16
-        for (int c0 = 0; c0 < HD / 8; c0 += CW) {
-            const int cw = HD / 8 - c0 < CW ? HD / 8 - c0 : CW;
-            __m256 acc[12];
-#pragma GCC unroll 12
-            for (int i = 0; i < G * cw; i++) acc[i] = _mm256_setzero_ps();
-            for (int j0 = 0, pi = 0; j0 < n; j0 += page_size, pi++) {
-                const int len = n - j0 < page_size ? n - j0 : page_size;
-                const uint8_t *v = kv_layer + ((int64_t)pages[pi] * 2 + 1) * page_size * kv_row + kvh * HD + c0 * 8;
-                for (int o = 0; o < len; o++) {
-                    __m256 w[8];
-#pragma GCC unroll 8
-                    for (int g = 0; g < G; g++) w[g] = _mm256_broadcast_ss(p + g * n + j0 + o);
-#pragma GCC unroll 8
-                    for (int c = 0; c < cw; c++) {
-                        const __m256 vv = fp8x8_to_f32(v + o * kv_row + c * 8, fmt);
-#pragma GCC unroll 8
-                        for (int g = 0; g < G; g++) acc[g * cw + c] = _mm256_fmadd_ps(w[g], vv, acc[g * cw + c]);
-                    }
-                }
-            }
-#pragma GCC unroll 8
-            for (int g = 0; g < G; g++)
-#pragma GCC unroll 8
-                for (int c = 0; c < cw; c++)
-                    _mm256_storeu_ps(dst + g * HD + (c0 + c) * 8, _mm256_mul_ps(acc[g * cw + c], vs));
-        }
+        const uint8_t *v_head = kv_layer + kvh * HD;
+        for (int pass = 0; pass < full; pass++)
+            fp8_weighted_v_pass(dst, p, v_head, pages, n, page_size, kv_row, HD, G, pass * CW, CW, vs, fmt);
+        if (rest) fp8_weighted_v_pass(dst, p, v_head, pages, n, page_size, kv_row, HD, G, full * CW, rest, vs, fmt);
         store_row((char *)out + (t * num_heads + (int64_t)kvh * G) * HD * es, dst, (int64_t)G * HD, dt);
     }
 }

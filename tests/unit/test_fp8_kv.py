@@ -137,7 +137,11 @@ def c_kernels():
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 32), (9, 3, 64), (8, 2, 128), (6, 3, 24)])
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim",
+    # (the AVX2 item's V passes: group 1, 3, 8 at 64 and 2, 4, 5 at 128 cover whole and partial last passes)
+    [(4, 4, 32), (9, 3, 64), (8, 2, 128), (6, 3, 24), (2, 2, 64), (16, 2, 64), (4, 2, 128), (10, 2, 128)],
+)
 def test_c_kernel_reads_fp8_pages_exactly_and_within_the_rounding_bound(fmt, heads, kv_heads, head_dim):
     ck, dtype = c_kernels(), FP8[fmt]
     batch = make_paged_batch(
