@@ -223,17 +223,15 @@ class DiffusionEngine:
         """Each request's model output for its n images: its rows of `out`, with guidance applied
         (`guide`), one call for all the requests of a guidance scale (each element is computed as
         in a call of its own, so a request's numbers do not depend on the others)."""
+        starts = list(itertools.accumulate((r.rows for r in group), initial=0))  # each request's first row
         parts: list[torch.Tensor | None] = []
         by_scale: dict[float, list[int]] = {}  # guidance scale -> the requests' places in `group`
-        offset = 0
         for i, running in enumerate(group):
-            parts.append(None if running.guided else out[offset : offset + running.rows])
+            parts.append(None if running.guided else out[starts[i] : starts[i + 1]])
             if running.guided:
                 by_scale.setdefault(running.resolved.guidance_scale, []).append(i)
-            offset += running.rows
         if not by_scale:
             return parts
-        starts = list(itertools.accumulate((r.rows for r in group), initial=0))
         channels = group[0].latents.shape[1]
         for scale, members in by_scale.items():
             if len(members) == 1:
